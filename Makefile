@@ -1,0 +1,49 @@
+# The README's two commands are `make train` and `make test`; both create and fill .venv themselves.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlhfuse-installed
+# Deterministic, offline, CPU-friendly defaults for everything run from here.
+export OMP_NUM_THREADS ?= 1
+export TRITON_INTERPRET ?= 1
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup train test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned, so that no multi-GB CUDA build is pulled in by a dependency.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q triton==3.7.1
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job: a real RLHF (PPO) run on the embedded tiny default, on CPU. Extra Hydra overrides: make train ARGS="..."
+train: $(STAMP)
+	$(VENV)/bin/rlhfuse-train $(ARGS)
+
+## The test suite: lint, type check, then pytest.
+test: $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests kernels recipes benchmarks
+	$(VENV)/bin/ruff format --check src tests kernels recipes benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+## Benchmarks: speed/memory targets, printed as ratios measured side by side in one run.
+bench: $(STAMP)
+	$(PY) -m benchmarks.run $(BENCH)
+
+clean:
+	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache

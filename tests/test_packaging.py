@@ -1,0 +1,47 @@
+"""conf/ and kernels/ are found from a source checkout and from a non-editable wheel install."""
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from rlhfuse import _optional, _resources
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_resources_found_in_checkout():
+    assert (_resources.conf_dir()).is_dir()
+    assert (_resources.kernels_dir()).is_dir()
+
+
+def test_missing_extra_names_the_extra():
+    with pytest.raises(_optional.MissingDependencyError, match=r"rlhfuse\[gpu\]"):
+        _optional.require("flash_attn_not_installed_here")
+
+
+@pytest.mark.slow
+def test_wheel_ships_conf_and_kernels(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("rlhfuse-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    # --no-deps: the check needs only the package's own files, not torch.
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    script = (
+        "import rlhfuse._resources as r, pathlib;"
+        "c = r.conf_dir(); k = r.kernels_dir();"
+        "assert 'site-packages' in str(c) and 'site-packages' in str(k), (c, k);"
+        "assert any(c.rglob('*.yaml')), c; assert any(k.glob('*.py')), k;"
+        "print(c, k)"
+    )
+    out = subprocess.run([str(py), "-c", script], check=True, capture_output=True, text=True, cwd=tmp_path)
+    assert "site-packages" in out.stdout
