@@ -1,0 +1,201 @@
+"""Hugging Face checkpoint directories <-> `Transformer`, through safetensors only (never pickle).
+
+Read: config.json + model.safetensors, or shards listed in model.safetensors.index.json, written by
+LlamaForCausalLM / Qwen2ForCausalLM (head "lm" or "value") or X-ForSequenceClassification with num_labels=1
+(head "value"). Written: config.json + model.safetensors that `transformers` loads with the matching class.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_HF_CLASSES = {
+    "LlamaForCausalLM": ("llama", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "LlamaForSequenceClassification": ("llama", "value"),
+    "Qwen2ForSequenceClassification": ("qwen2", "value"),
+}
+_HF_HEAD_KEYS = {"lm": "lm_head.weight", "value": "score.weight"}
+# buffers some old checkpoints saved; they are recomputed from the config
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded; the message names the file, the tensor and the fix."""
+
+
+def _hf_key(name: str) -> str:
+    """Our parameter name -> the HF checkpoint key."""
+    if name == "lm_head.weight":
+        return name
+    if name == "value_head.weight":
+        return _HF_HEAD_KEYS["value"]
+    return f"model.{name}"
+
+
+def _read_config(path: Path) -> tuple[dict, str]:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory: pass a Hugging Face checkpoint directory")
+    if not config_file.is_file():
+        raise CheckpointError(
+            f"{config_file} is missing: a checkpoint directory needs config.json next to its *.safetensors "
+            "(save it with transformers' save_pretrained or rlhfuse.models.save_pretrained)"
+        )
+    hf = json.loads(config_file.read_text())
+    classes = hf.get("architectures") or []
+    known = [c for c in classes if c in SUPPORTED_HF_CLASSES]
+    if not known:
+        raise CheckpointError(
+            f"{config_file}: architectures={classes} (model_type={hf.get('model_type')!r}) is not supported; "
+            f"rlhfuse.models loads {sorted(SUPPORTED_HF_CLASSES)}"
+        )
+    return hf, known[0]
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> the safetensors file holding it."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+        missing_files = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing_files:
+            raise CheckpointError(
+                f"{index_file} lists shard(s) {missing_files} that are not in {path}: copy the whole checkpoint"
+            )
+        return {key: path / file for key, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in path.iterdir())
+        raise CheckpointError(
+            f"no *.safetensors files in {path} (found {found}); rlhfuse reads safetensors only, never pickled "
+            ".bin files: re-save with save_pretrained(..., safe_serialization=True)"
+        )
+    mapping: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                mapping[key] = file
+    return mapping
+
+
+def from_pretrained(
+    path: str | os.PathLike, head: str = "lm", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """Load a Hugging Face checkpoint directory as a `Transformer` with the given head, in `dtype`."""
+    if head not in SUPPORTED_HEADS:
+        raise ValueError(f"head={head!r} is unknown: use one of {SUPPORTED_HEADS}")
+    path = Path(path)
+    hf, hf_class = _read_config(path)
+    _, file_head = SUPPORTED_HF_CLASSES[hf_class]
+    if head == "lm" and file_head == "value":
+        raise CheckpointError(
+            f"{path / 'config.json'}: {hf_class} has a score layer, not an LM head; load it with head='value'"
+        )
+    if file_head == "value" and hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
+        raise CheckpointError(
+            f"{path / 'config.json'}: {hf_class} has num_labels={hf.get('num_labels', len(hf['id2label']))}; "
+            "a value head needs num_labels=1 (one scalar per token)"
+        )
+    try:
+        config = ModelConfig.from_hf_dict(hf)
+    except ValueError as err:
+        raise CheckpointError(f"{path / 'config.json'}: {err}") from err
+
+    with torch.device("meta"):
+        model = Transformer(config, head=head)
+    files = _tensor_files(path)
+    expected = {_hf_key(name): name for name, _ in model.named_parameters()}
+    fresh_value_head = head == "value" and file_head == "lm"
+    if fresh_value_head:
+        del expected[_HF_HEAD_KEYS["value"]]
+    ignorable = {"lm_head.weight"} if head == "value" or config.tie_word_embeddings else set()
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(
+        k for k in set(files) - set(expected) if k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
+    )
+    if missing or unexpected:
+        where = sorted({files[k].name for k in unexpected}) or sorted({p.name for p in files.values()})
+        raise CheckpointError(
+            f"checkpoint {path} ({', '.join(where)}) does not match {hf_class} from its config.json: "
+            f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; "
+            "check that config.json belongs to these weights (num_hidden_layers, attention_bias, "
+            "tie_word_embeddings) and that the checkpoint is complete"
+        )
+
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    state: dict[str, Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for key in expected:
+        by_file.setdefault(files[key], []).append(key)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for key in keys:
+                tensor = f.get_tensor(key)
+                name = expected[key]
+                if tensor.shape != shapes[name]:
+                    raise CheckpointError(
+                        f"{file}: tensor {key!r} has shape {tuple(tensor.shape)} but config.json implies "
+                        f"{tuple(shapes[name])}; the config and the weights disagree (wrong config.json?)"
+                    )
+                state[name] = tensor.to(dtype)
+    model = model.to_empty(device="cpu").to(dtype)
+    if fresh_value_head:
+        torch.nn.init.normal_(model.value_head.weight, std=config.initializer_range)
+        state["value_head.weight"] = model.value_head.weight.detach().clone()
+        log.warning(
+            "%s is a %s checkpoint without a value head: value_head initialised fresh (normal, std %s)",
+            path,
+            hf_class,
+            config.initializer_range,
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if head == "lm" and config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    unset = [n for n, p in model.named_parameters() if n not in state and not model._is_tied(n)]
+    assert not unset, f"parameters left uninitialised: {unset}"
+    return model
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors for `transformers`; atomically (temp dir, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hf = model.config.to_hf_dict(model.head)
+    hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    tensors: dict[str, Tensor] = {}
+    for name, param in model.named_parameters():
+        if model._is_tied(name):
+            continue
+        tensors[_hf_key(name)] = param.detach().contiguous().cpu()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if path.exists():
+            # rename cannot replace a non-empty directory: move the old one aside first, delete it last
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,256 @@
+"""`ModelConfig`: the shape of one decoder-only transformer (LLaMA / Qwen2 families), and its HF mapping.
+
+Hugging Face `config.json` files are read by `ModelConfig.from_hf_dict` and written by `to_hf_dict`; the
+field names follow HF where they mean the same thing, so a reader of either can find the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlhfuse.models.attention import ATTENTION_BACKENDS
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_HEADS = ("lm", "value")
+# rope types whose frequency table we compute; anything else (yarn, dynamic NTK, longrope, ...) is refused
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2"}
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a `Transformer`. Sizes are counts (of tokens, channels, heads, layers)."""
+
+    architecture: str = "llama"
+    """Model family: "llama" or "qwen2" (Qwen2 = LLaMA with q/k/v biases)."""
+    vocab_size: int = 32000
+    """Number of token ids (rows of the embedding table)."""
+    hidden_size: int = 4096
+    """Model width D (channels of the residual stream)."""
+    intermediate_size: int = 11008
+    """Width of the SwiGLU MLP's hidden layer."""
+    num_layers: int = 32
+    """Number of decoder blocks (HF: num_hidden_layers)."""
+    num_heads: int = 32
+    """Number of query heads (HF: num_attention_heads)."""
+    num_kv_heads: int = 32
+    """Number of key/value heads; < num_heads is grouped-query attention, must divide num_heads."""
+    head_dim: int | None = None
+    """Channels per head; None means hidden_size // num_heads."""
+    rope_theta: float = 10000.0
+    """Base of the rotary-embedding frequencies."""
+    rope_scaling: dict[str, Any] | None = None
+    """HF rope scaling dict; None or rope_type "default" is plain RoPE, "linear" and "llama3" are supported."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon added to the mean square inside RMSNorm."""
+    max_position_embeddings: int = 2048
+    """Longest sequence (tokens) the model was trained for; written to config.json, not enforced."""
+    tie_word_embeddings: bool = False
+    """Share the LM head's weight with the input embedding table."""
+    attention_bias: bool = False
+    """Biases on the q/k/v projections (always True for qwen2, whose checkpoints carry them)."""
+    attention_backend: str = "sdpa"
+    """Attention kernel: "sdpa" (torch, any device), "flash" (flash-attn), "te" (Transformer Engine)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation of fresh weights."""
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra_hf: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Keys of the source config.json we do not interpret, written back unchanged by to_hf_dict."""
+
+    def __post_init__(self) -> None:
+        if self.architecture == "qwen2":
+            self.attention_bias = True
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    def validate(self) -> ModelConfig:
+        """Raise one ValueError listing every problem, each with the field, the value seen and the fix."""
+        problems: list[str] = []
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            problems.append(
+                f"architecture={self.architecture!r} is not supported: use one of {SUPPORTED_ARCHITECTURES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if self.num_heads > 0 and self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            problems.append(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                "(grouped-query attention shares each kv head among num_heads // num_kv_heads query heads)"
+            )
+        if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads:
+            problems.append(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}: "
+                "set head_dim explicitly"
+            )
+        if self.resolved_head_dim <= 0 or self.resolved_head_dim % 2:
+            problems.append(
+                f"head_dim={self.resolved_head_dim} must be a positive even number (rotary pairs)"
+            )
+        if self.rope_theta <= 0:
+            problems.append(f"rope_theta={self.rope_theta} must be > 0")
+        if self.rms_norm_eps <= 0:
+            problems.append(f"rms_norm_eps={self.rms_norm_eps} must be > 0")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            problems.append(
+                f"rope_scaling type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}); "
+                "use a checkpoint without rope_scaling or with one of these types"
+            )
+        elif self.rope_type == "linear" and not (self.rope_scaling or {}).get("factor"):
+            problems.append(f"rope_scaling={self.rope_scaling} of type 'linear' needs a 'factor'")
+        elif self.rope_type == "llama3":
+            missing = {
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            } - set(self.rope_scaling or {})
+            if missing:
+                problems.append(f"rope_scaling of type 'llama3' lacks {sorted(missing)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            problems.append(
+                f"attention_backend={self.attention_backend!r} is unknown: use one of {sorted(ATTENTION_BACKENDS)}"
+            )
+        if problems:
+            raise ValueError("invalid ModelConfig:\n  - " + "\n  - ".join(problems))
+        return self
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A small model for tests: vocab 128, width 64, 2 layers, 4 query heads sharing 2 kv heads."""
+        base = cls(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            max_position_embeddings=256,
+        )
+        return replace(base, **overrides).validate()
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config model_type={model_type!r} is not supported: rlhfuse.models loads {SUPPORTED_ARCHITECTURES}"
+            )
+        problems = []
+        if d.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={d['hidden_act']!r} (only 'silu' / SwiGLU is implemented)")
+        if d.get("mlp_bias", False):
+            problems.append("mlp_bias=true (MLP biases are not implemented)")
+        if d.get("pretraining_tp", 1) != 1:
+            problems.append(f"pretraining_tp={d['pretraining_tp']} (only 1 is implemented)")
+        if d.get("use_sliding_window", False):
+            problems.append("use_sliding_window=true (sliding-window attention is not implemented)")
+        if problems:
+            raise ValueError("unsupported config.json settings: " + "; ".join(problems))
+
+        rope_parameters = d.get("rope_parameters") or {}
+        rope_theta = rope_parameters.get("rope_theta", d.get("rope_theta", 10000.0))
+        rope_scaling = d.get("rope_scaling")
+        if rope_parameters and rope_parameters.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        known = {
+            "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+            "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+            "attention_bias", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
+            "architectures", "num_labels", "id2label", "label2id", "transformers_version",
+        }  # fmt: skip
+        num_heads = d["num_attention_heads"]
+        eos: Any = d.get("eos_token_id")
+        # several HF checkpoints list many eos ids; the first is the one generation stops on by default
+        eos_token_id: int | None = eos[0] if isinstance(eos, list) and eos else eos
+        return cls(
+            architecture=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim"),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", False),
+            initializer_range=d.get("initializer_range", 0.02),
+            pad_token_id=d.get("pad_token_id"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_token_id,
+            extra_hf={k: v for k, v in d.items() if k not in known},
+        ).validate()
+
+    def to_hf_dict(self, head: str) -> dict[str, Any]:
+        """A config.json dict that `transformers` loads as XForCausalLM (head="lm") or
+        XForSequenceClassification with num_labels=1 (head="value")."""
+        if head not in SUPPORTED_HEADS:
+            raise ValueError(f"head={head!r} is unknown: use one of {SUPPORTED_HEADS}")
+        prefix = _HF_CLASS_PREFIX[self.architecture]
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope_parameters = {
+                **self.rope_scaling,
+                "rope_type": self.rope_type,
+                "rope_theta": self.rope_theta,
+            }
+        d: dict[str, Any] = {
+            **self.extra_hf,
+            "architectures": [
+                f"{prefix}ForCausalLM" if head == "lm" else f"{prefix}ForSequenceClassification"
+            ],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.resolved_head_dim,
+            "hidden_act": "silu",
+            # both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta / rope_scaling
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope_parameters,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "pad_token_id": self.pad_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = self.attention_bias
+            d["mlp_bias"] = False
+        if head == "value":
+            d["num_labels"] = 1
+            d["id2label"] = {"0": "LABEL_0"}
+            d["label2id"] = {"LABEL_0": 0}
+        return d

@@ -1,0 +1,101 @@
+"""`split_stages`: cut a `Transformer` into pipeline stages over contiguous layer ranges.
+
+Legend: B batch rows, T tokens, D model width.
+
+Stages hold the original modules (no copies), so a step through the stages trains the original model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from rlhfuse.models.transformer import Transformer, build_context
+
+
+class Stage(nn.Module):
+    """Layers [start, stop) of a model; stage 0 embeds token ids, the last stage applies final norm and head."""
+
+    def __init__(self, model: Transformer, layer_range: tuple[int, int], index: int, num_stages: int) -> None:
+        super().__init__()
+        self.config = model.config
+        self.index = index
+        self.num_stages = num_stages
+        self.layer_range = layer_range
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.embed_tokens = model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(model.layers[layer_range[0] : layer_range[1]])
+        self.norm = model.norm if self.is_last else None
+        # the model itself is not registered (that would make every stage own every parameter); only its head
+        self._head_of: list[Transformer] = [model] if self.is_last else []
+        if self.is_last:
+            self.head = model.lm_head if model.head == "lm" else model.value_head
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        attention_mask_BT: Tensor | None = None,
+        position_ids_BT: Tensor | None = None,
+    ) -> Tensor:
+        """x: input_ids_BT on stage 0, else the previous stage's hidden_BTD. Returns hidden_BTD, or on the
+        last stage logits_BTV / values_BT like `Transformer.forward`."""
+        x_BTD = self.embed_tokens(x) if self.embed_tokens is not None else x
+        b, t = x_BTD.shape[:2]
+        ctx = build_context(self.config, b, t, x_BTD.device, x_BTD.dtype, attention_mask_BT, position_ids_BT)
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, ctx)
+        if self.norm is None:
+            return x_BTD
+        return self._head_of[0].apply_head(self.norm(x_BTD))
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index}/{self.num_stages}, layers [{self.layer_range[0]}, {self.layer_range[1]})"
+
+
+def balanced_ranges(layer_costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, non-empty ranges minimising the largest stage cost (dynamic programme, O(stages·layers²))."""
+    n = len(layer_costs)
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: smallest max-stage-cost splitting the first i layers into k stages; cut[k][i]: last cut
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                # ties go to the later cut, which keeps earlier stages (that also hold the embedding) lighter
+                if cost <= best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    ranges: list[tuple[int, int]] = []
+    stop = n
+    for k in range(num_stages, 0, -1):
+        start = cut[k][stop]
+        ranges.append((start, stop))
+        stop = start
+    return ranges[::-1]
+
+
+def split_stages(
+    model: Transformer, num_stages: int, *, layer_costs: Sequence[float] | None = None
+) -> list[Stage]:
+    """`num_stages` modules whose chained forward equals `model.forward` (no cache), sharing its parameters."""
+    num_layers = model.config.num_layers
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(
+            f"num_stages={num_stages} must be between 1 and the model's num_layers={num_layers} "
+            "(every stage holds at least one layer)"
+        )
+    costs = [1.0] * num_layers if layer_costs is None else list(layer_costs)
+    if len(costs) != num_layers or any(c < 0 for c in costs):
+        raise ValueError(
+            f"layer_costs needs {num_layers} non-negative numbers, one per layer (got {len(costs)}: {costs[:8]})"
+        )
+    ranges = balanced_ranges(costs, num_stages)
+    return [Stage(model, r, i, num_stages) for i, r in enumerate(ranges)]

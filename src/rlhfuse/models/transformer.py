@@ -1,0 +1,307 @@
+"""One decoder-only transformer for the LLaMA and Qwen2 families, with an LM head or a scalar value head.
+
+Legend: B batch rows, T new tokens per row, S key positions attended over, D model width (hidden_size),
+H query heads, K kv heads, E head channels (head_dim), V vocabulary, F MLP width (intermediate_size).
+
+Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpoint keys map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlhfuse.models.attention import get_attention
+from rlhfuse.models.cache import KVCache
+from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        # normalise in fp32 (bf16 mean squares lose too much), scale in the input dtype, as LLaMA does
+        normed_BTD = F.rms_norm(x_BTD.float(), (x_BTD.shape[-1],), eps=self.eps)
+        return self.weight * normed_BTD.to(x_BTD.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> Tensor:
+    """Rotary frequencies [E/2] in fp32, with the "linear" or "llama3" rescaling when configured."""
+    dim = config.resolved_head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling or {}
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif config.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+@dataclass
+class AttentionContext:
+    """What every layer of one forward call shares: rotary tables, the attention mask and cache addressing."""
+
+    cos_BTE: Tensor
+    sin_BTE: Tensor
+    allowed_B1TS: Tensor | None
+    """True where query t may attend to key s; None = causal over the T new tokens, no padding (fast path)."""
+    cache: KVCache | None = None
+    slots_B: Tensor | None = None
+    write_pos_BT: Tensor | None = None
+    """Cache positions the new tokens are stored at (slot length + t)."""
+    num_keys: int = 0
+    """Positions of each slot read back from the cache (max over rows of length + T)."""
+
+
+def build_context(
+    config: ModelConfig,
+    batch: int,
+    num_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_mask_BT: Tensor | None,
+    position_ids_BT: Tensor | None,
+    cache: KVCache | None = None,
+    cache_slots_B: Tensor | None = None,
+) -> AttentionContext:
+    """Positions, rotary tables and mask for one call. With a cache, also record the new tokens' validity."""
+    valid_BT = None if attention_mask_BT is None else attention_mask_BT.to(device=device, dtype=torch.bool)
+    t_T = torch.arange(num_tokens, device=device)
+    if cache is None:
+        has_padding = valid_BT is not None and not bool(valid_BT.all())
+        if position_ids_BT is None:
+            if has_padding:
+                assert valid_BT is not None
+                position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids_BT = t_T.expand(batch, num_tokens)
+        allowed_B1TS = None
+        if has_padding:
+            assert valid_BT is not None
+            causal_TT = t_T[:, None] >= t_T[None, :]
+            # the diagonal keeps pad query rows from having no key at all (NaN softmax); real rows include it anyway
+            allowed_BTT = (causal_TT & valid_BT[:, None, :]) | torch.eye(
+                num_tokens, dtype=torch.bool, device=device
+            )
+            allowed_B1TS = allowed_BTT[:, None]
+        ctx = AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_B1TS)
+        return ctx
+
+    slots_B = (
+        torch.arange(batch, device=device)
+        if cache_slots_B is None
+        else torch.as_tensor(cache_slots_B, dtype=torch.int64, device=device)
+    )
+    if slots_B.shape != (batch,):
+        raise ValueError(
+            f"cache_slots_B must have one slot per row: shape {tuple(slots_B.shape)}, batch {batch}"
+        )
+    if slots_B.unique().numel() != batch:
+        raise ValueError(f"cache_slots_B has repeated slots {slots_B.tolist()}: each row needs its own slot")
+    if int(slots_B.min()) < 0 or int(slots_B.max()) >= cache.num_slots:
+        raise IndexError(
+            f"cache_slots_B {slots_B.tolist()} out of range: the cache has {cache.num_slots} slots"
+        )
+    cache.check_room(slots_B, num_tokens)
+    if valid_BT is None:
+        valid_BT = torch.ones(batch, num_tokens, dtype=torch.bool, device=device)
+    lengths_B = cache.lengths_S[slots_B]
+    if position_ids_BT is None:
+        earlier_valid_B = cache.valid_ST[slots_B].sum(-1)
+        position_ids_BT = (earlier_valid_B[:, None] + valid_BT.long().cumsum(-1) - 1).clamp(min=0)
+    write_pos_BT = lengths_B[:, None] + t_T[None, :]
+    cache.valid_ST[slots_B[:, None], write_pos_BT] = valid_BT
+    num_keys = int((lengths_B + num_tokens).max())
+    s_S = torch.arange(num_keys, device=device)
+    key_valid_BS = cache.valid_ST[slots_B, :num_keys]
+    not_future_BTS = s_S[None, None, :] <= write_pos_BT[:, :, None]
+    is_self_BTS = s_S[None, None, :] == write_pos_BT[:, :, None]
+    allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
+    cos_BTE, sin_BTE = _rope_tables(config, position_ids_BT, dtype)
+    return AttentionContext(cos_BTE, sin_BTE, allowed_BTS[:, None], cache, slots_B, write_pos_BT, num_keys)
+
+
+def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    inv_freq = rope_inv_freq(config, position_ids_BT.device)
+    # fp32 angles: bf16 positions above 256 would round
+    freqs_BTe = position_ids_BT.float()[:, :, None] * inv_freq[None, None, :]
+    angles_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
+    return angles_BTE.cos().to(dtype), angles_BTE.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.resolved_head_dim
+        d, e, bias = config.hidden_size, self.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * e, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * e, d, bias=False)
+        self.attend = get_attention(config.attention_backend)
+
+    def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
+        b, t, _ = x_BTD.shape
+        q_BTHE = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
+        k_BTKE = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
+        v_BTKE = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
+        cos_BT1E, sin_BT1E = ctx.cos_BTE[:, :, None], ctx.sin_BTE[:, :, None]
+        q_BTHE = q_BTHE * cos_BT1E + rotate_half(q_BTHE) * sin_BT1E
+        k_BTKE = k_BTKE * cos_BT1E + rotate_half(k_BTKE) * sin_BT1E
+        q_BHTE = q_BTHE.transpose(1, 2)
+        if ctx.cache is None:
+            k_BKSE, v_BKSE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
+        else:
+            assert ctx.slots_B is not None and ctx.write_pos_BT is not None
+            layer_k_SKTE = ctx.cache.k_LSHTD[self.layer_idx]
+            layer_v_SKTE = ctx.cache.v_LSHTD[self.layer_idx]
+            # advanced indices (slots, positions) around a slice put B, T first: the [B, T, K, E] layout we hold
+            layer_k_SKTE[ctx.slots_B[:, None], :, ctx.write_pos_BT] = k_BTKE.to(layer_k_SKTE.dtype)
+            layer_v_SKTE[ctx.slots_B[:, None], :, ctx.write_pos_BT] = v_BTKE.to(layer_v_SKTE.dtype)
+            k_BKSE = layer_k_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
+            v_BKSE = layer_v_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
+        out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+        return self.o_proj(out_BHTE.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), ctx)
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer. head="lm" returns logits_BTV (Actor, Ref); head="value" returns values_BT
+    (Critic, Reward): one scalar per token from a bias-free linear layer over the final hidden state."""
+
+    def __init__(self, config: ModelConfig, head: str = "lm") -> None:
+        super().__init__()
+        config.validate()
+        if head not in SUPPORTED_HEADS:
+            raise ValueError(f"head={head!r} is unknown: use one of {SUPPORTED_HEADS}")
+        self.config = config
+        self.head = head
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if head == "lm":
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
+        self.apply(self._init_weights)
+        if head == "lm" and config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def _is_tied(self, name: str) -> bool:
+        """True for the LM head's weight when it is the embedding table's (stored once in checkpoints)."""
+        return (
+            name == "lm_head.weight" and self.head == "lm" and self.lm_head.weight is self.embed_tokens.weight
+        )
+
+    def apply_head(self, hidden_BTD: Tensor) -> Tensor:
+        if self.head == "lm":
+            return self.lm_head(hidden_BTD)
+        return self.value_head(hidden_BTD).squeeze(-1)
+
+    def hidden_states(
+        self,
+        input_ids_BT: Tensor,
+        *,
+        attention_mask_BT: Tensor | None = None,
+        position_ids_BT: Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_slots_B: Tensor | None = None,
+    ) -> Tensor:
+        """Final-norm output hidden_BTD, before the head (for chunked log-probs over a large vocabulary)."""
+        x_BTD = self.embed_tokens(input_ids_BT)
+        b, t = input_ids_BT.shape
+        ctx = build_context(
+            self.config,
+            b,
+            t,
+            x_BTD.device,
+            x_BTD.dtype,
+            attention_mask_BT,
+            position_ids_BT,
+            cache,
+            cache_slots_B,
+        )
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, ctx)
+        if cache is not None:
+            assert ctx.slots_B is not None
+            cache.lengths_S[ctx.slots_B] += t
+        return self.norm(x_BTD)
+
+    def forward(
+        self,
+        input_ids_BT: Tensor,
+        *,
+        attention_mask_BT: Tensor | None = None,
+        position_ids_BT: Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_slots_B: Tensor | None = None,
+    ) -> Tensor:
+        """logits_BTV (head="lm") or values_BT (head="value").
+
+        attention_mask_BT: 1 = token, 0 = padding (left or right). With `cache`, row b's tokens are appended to
+        slot cache_slots_B[b] (default b) and attend to that slot's earlier valid positions.
+        """
+        hidden_BTD = self.hidden_states(
+            input_ids_BT,
+            attention_mask_BT=attention_mask_BT,
+            position_ids_BT=position_ids_BT,
+            cache=cache,
+            cache_slots_B=cache_slots_B,
+        )
+        return self.apply_head(hidden_BTD)
