@@ -70,7 +70,7 @@ def balanced_ranges(layer_costs: Sequence[float], num_stages: int) -> list[tuple
         for i in range(k, n - (num_stages - k) + 1):
             for j in range(k - 1, i):
                 cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                # ties go to the later cut, which keeps earlier stages (that also hold the embedding) lighter
+                # ties go to the later cut: the last stage, which also runs the LM head over the vocabulary, stays lighter
                 if cost <= best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     ranges: list[tuple[int, int]] = []
