@@ -86,15 +86,18 @@ def compute_gae_matrix(
     *,
     chunk_size: int = 512,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorised masked GAE (eq. 1–3 of this module's docstring): A = δ·Cᵀ chunk by chunk; the PyTorch path.
+    """Vectorised masked GAE (eq. 1–3 of this module's docstring): A = δ·Cᵀ per chunk; the PyTorch path.
 
-    1. Compact each row: a stable sort on "is masked" moves the valid tokens to the front in their original order,
-       so in compacted coordinates the next valid token is simply the next column (j < N_b are valid).
-    2. δ_j = r_j + γ·V_{j+1}·[j + 1 < N_b] − V_j, and δ_j = 0 for j ≥ N_b.
-    3. Over chunks [s, e) from the last to the first, A[s:e] = δ[s:e]·Cᵀ + (γλ)^(e − t)·A_e, where C is the C×C
-       discount matrix and A_e the advantage carried from the chunk after (0 past the end). Memory is bounded by
-       chunk_size² rather than T²; accumulation is fp32 (fp64 for fp64 inputs).
-    4. Scatter back to the original positions (masked positions receive the zeros of step 2), R = A + V there.
+    1. Compact each row: valid token t moves to column (number of valid tokens before t), masked tokens to the
+       columns after the row's N_b valid ones, so in compacted coordinates the next valid token is simply the next
+       column. Masked rewards and values are zeroed first, so the tail j ≥ N_b holds zeros and
+       δ_j = r_j + γ·V_{j+1} − V_j is automatically 0 there and has no bootstrap term at j = N_b − 1.
+    2. Split the (zero-padded) time axis into K chunks of C = chunk_size columns. Within chunk k,
+       a_k = δ_k·Cᵀ with C[t, u] = (γλ)^(u − t) for u ≥ t: one batched matrix product for all chunks.
+    3. Join chunks: the advantage at the start of chunk k is S_k = a_k[0] + (γλ)^C·S_{k+1}, i.e. S = a[:, :, 0]·Eᵀ
+       with E[k, j] = (γλ)^(C·(j − k)) for j ≥ k; then A_k[t] = a_k[t] + (γλ)^(C − t)·S_{k+1}.
+       Memory is O(B·T + C² + K²) instead of O(T²); accumulation in fp32 (fp64 for fp64 inputs).
+    4. Gather back to the original positions; R = A + V on valid tokens, 0 elsewhere.
     """
     _check_gae_inputs(rewards_BT, values_BT, mask_BT, gamma, lam)
     if chunk_size < 1:
@@ -103,44 +106,44 @@ def compute_gae_matrix(
     compute_dtype = torch.promote_types(values_BT.dtype, torch.float32)
     B, T = values_BT.shape
     device = values_BT.device
-
-    # 1. Compaction: argsort of the "masked" flag, stable, puts valid tokens first in time order.
-    order_BT = torch.argsort((~valid_BT).to(torch.int8), dim=1, stable=True)
-    num_valid_B = valid_BT.sum(dim=1)
-    rewards_BN = rewards_BT.to(compute_dtype).gather(1, order_BT)
-    values_BN = values_BT.to(compute_dtype).gather(1, order_BT)
-    positions_N = torch.arange(T, device=device)
-    valid_BN = positions_N[None, :] < num_valid_B[:, None]
-    has_next_BN = (positions_N[None, :] + 1) < num_valid_B[:, None]
-
-    # 2. TD residuals in compacted coordinates; rewards at masked positions are dropped here.
     zero = torch.zeros((), dtype=compute_dtype, device=device)
-    next_values_BN = torch.cat([values_BN[:, 1:], values_BN.new_zeros(B, 1)], dim=1)
-    next_values_BN = torch.where(has_next_BN, next_values_BN, zero)
-    deltas_BN = torch.where(valid_BN, rewards_BN + gamma * next_values_BN - values_BN, zero)
+    # torch.where, not a product with the mask: padding may hold inf/NaN.
+    rewards_BT = torch.where(valid_BT, rewards_BT.to(compute_dtype), zero)
+    values_BT_f = torch.where(valid_BT, values_BT.to(compute_dtype), zero)
 
-    # 3. Discounted reverse sums, one matrix product per chunk of the time axis.
+    # 1. Compaction by a permutation built from prefix counts (O(B·T), no sort).
+    valid_count_BT = torch.cumsum(valid_BT, dim=1)
+    masked_count_BT = torch.arange(1, T + 1, device=device) - valid_count_BT
+    num_valid_B1 = valid_count_BT[:, -1:] if T > 0 else valid_count_BT
+    destination_BT = torch.where(valid_BT, valid_count_BT - 1, num_valid_B1 + masked_count_BT - 1)
+    num_chunks = -(-T // chunk_size)
+    padded = num_chunks * chunk_size
+    rewards_BN = rewards_BT.new_zeros(B, padded).scatter_(1, destination_BT, rewards_BT)
+    values_BN = values_BT_f.new_zeros(B, padded + 1).scatter_(1, destination_BT, values_BT_f)
+    deltas_BN = rewards_BN + gamma * values_BN[:, 1:] - values_BN[:, :-1]
+
+    # 2. Within-chunk discounted reverse sums, all chunks in one batched product.
     decay = gamma * lam
-    advantages_BN = torch.zeros_like(deltas_BN)
-    carry_B = values_BN.new_zeros(B)
-    full_discount_CC = _discount_matrix_CC(decay, min(chunk_size, max(T, 1)), compute_dtype, device)
-    for end in range(T, 0, -chunk_size):
-        start = max(0, end - chunk_size)
-        length = end - start
-        discount_CC = full_discount_CC[:length, :length]
-        # (γλ)^(e − t) for t in [s, e): how much of the carried A_e reaches each position of this chunk.
-        carry_decay_C = torch.pow(
-            torch.tensor(decay, dtype=compute_dtype, device=device),
-            torch.arange(length, 0, -1, device=device, dtype=compute_dtype),
-        )
-        chunk_BC = deltas_BN[:, start:end] @ discount_CC.T + carry_B[:, None] * carry_decay_C[None, :]
-        advantages_BN[:, start:end] = chunk_BC
-        carry_B = chunk_BC[:, 0]
+    discount_CC = _discount_matrix_CC(decay, chunk_size, compute_dtype, device)
+    inner_BKC = deltas_BN.view(B, num_chunks, chunk_size) @ discount_CC.T
 
-    # 4. Back to the original token positions.
-    advantages_BT = torch.zeros_like(advantages_BN).scatter_(1, order_BT, advantages_BN)
-    returns_BT = torch.where(valid_BT, advantages_BT + values_BT.to(compute_dtype), zero)
-    return advantages_BT.to(values_BT.dtype), returns_BT.to(values_BT.dtype)
+    # 3. Chain the chunks: S_k, the advantage at each chunk's first column, then add the carried S_{k+1}.
+    chunk_decay = decay**chunk_size
+    chunk_discount_KK = _discount_matrix_CC(chunk_decay, num_chunks, compute_dtype, device)
+    starts_BK = inner_BKC[:, :, 0] @ chunk_discount_KK.T
+    carried_BK = torch.cat([starts_BK[:, 1:], starts_BK.new_zeros(B, 1)], dim=1)
+    # (γλ)^(C − t) for t in [0, C): how much of S_{k+1} reaches column t of chunk k.
+    carry_decay_C = torch.pow(
+        torch.tensor(decay, dtype=compute_dtype, device=device),
+        torch.arange(chunk_size, 0, -1, device=device, dtype=compute_dtype),
+    )
+    advantages_BN = (inner_BKC + carried_BK[:, :, None] * carry_decay_C).view(B, padded)
+
+    # 4. Back to the original token positions. Masked tokens read a tail column j ≥ N_b, where every δ is 0 and
+    # hence A is 0, so no further masking is needed (values_BT_f is already 0 there).
+    advantages_out_BT = advantages_BN.gather(1, destination_BT)
+    returns_out_BT = advantages_out_BT + values_BT_f
+    return advantages_out_BT.to(values_BT.dtype), returns_out_BT.to(values_BT.dtype)
 
 
 def compute_gae(
