@@ -54,17 +54,20 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> Te
     return inv_freq
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def apply_rope(x_BTHE: Tensor, cos_BT1e: Tensor, sin_BT1e: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + E/2) by the position's angles: LLaMA's half-split layout, written on the
+    halves so that it costs no negated copy; the arithmetic is the same as `x*cos + rotate_half(x)*sin`."""
+    first, second = x_BTHE.chunk(2, dim=-1)
+    return torch.cat((first * cos_BT1e - second * sin_BT1e, second * cos_BT1e + first * sin_BT1e), dim=-1)
 
 
 @dataclass
 class AttentionContext:
     """What every layer of one forward call shares: rotary tables, the attention mask and cache addressing."""
 
-    cos_BTE: Tensor
-    sin_BTE: Tensor
+    cos_BTe: Tensor
+    """cos of the rotary angles, [B, T, E/2] (e = E/2 frequencies)."""
+    sin_BTe: Tensor
     allowed_B1TS: Tensor | None
     """True where query t may attend to key s; None = causal over the T new tokens, no padding (fast path)."""
     cache: KVCache | None = None
@@ -139,16 +142,15 @@ def build_context(
     not_future_BTS = s_S[None, None, :] <= write_pos_BT[:, :, None]
     is_self_BTS = s_S[None, None, :] == write_pos_BT[:, :, None]
     allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
-    cos_BTE, sin_BTE = _rope_tables(config, position_ids_BT, dtype)
-    return AttentionContext(cos_BTE, sin_BTE, allowed_BTS[:, None], cache, slots_B, write_pos_BT, num_keys)
+    cos_BTe, sin_BTe = _rope_tables(config, position_ids_BT, dtype)
+    return AttentionContext(cos_BTe, sin_BTe, allowed_BTS[:, None], cache, slots_B, write_pos_BT, num_keys)
 
 
 def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     inv_freq = rope_inv_freq(config, position_ids_BT.device)
     # fp32 angles: bf16 positions above 256 would round
-    freqs_BTe = position_ids_BT.float()[:, :, None] * inv_freq[None, None, :]
-    angles_BTE = torch.cat((freqs_BTe, freqs_BTe), dim=-1)
-    return angles_BTE.cos().to(dtype), angles_BTE.sin().to(dtype)
+    angles_BTe = position_ids_BT.float()[:, :, None] * inv_freq[None, None, :]
+    return angles_BTe.cos().to(dtype), angles_BTe.sin().to(dtype)
 
 
 class Attention(nn.Module):
@@ -170,9 +172,9 @@ class Attention(nn.Module):
         q_BTHE = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
         k_BTKE = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
         v_BTKE = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
-        cos_BT1E, sin_BT1E = ctx.cos_BTE[:, :, None], ctx.sin_BTE[:, :, None]
-        q_BTHE = q_BTHE * cos_BT1E + rotate_half(q_BTHE) * sin_BT1E
-        k_BTKE = k_BTKE * cos_BT1E + rotate_half(k_BTKE) * sin_BT1E
+        cos_BT1e, sin_BT1e = ctx.cos_BTe[:, :, None], ctx.sin_BTe[:, :, None]
+        q_BTHE = apply_rope(q_BTHE, cos_BT1e, sin_BT1e)
+        k_BTKE = apply_rope(k_BTKE, cos_BT1e, sin_BT1e)
         q_BHTE = q_BTHE.transpose(1, 2)
         if ctx.cache is None:
             k_BKSE, v_BKSE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
