@@ -116,6 +116,8 @@ def compute_gae_matrix(
     masked_count_BT = torch.arange(1, T + 1, device=device) - valid_count_BT
     num_valid_B1 = valid_count_BT[:, -1:] if T > 0 else valid_count_BT
     destination_BT = torch.where(valid_BT, valid_count_BT - 1, num_valid_B1 + masked_count_BT - 1)
+    # A chunk longer than the sequence would only multiply padding.
+    chunk_size = min(chunk_size, max(T, 1))
     num_chunks = -(-T // chunk_size)
     padded = num_chunks * chunk_size
     rewards_BN = rewards_BT.new_zeros(B, padded).scatter_(1, destination_BT, rewards_BT)
