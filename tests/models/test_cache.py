@@ -98,7 +98,7 @@ def test_reset_empties_slots(model):
 
 def test_overflow_names_slot_length_and_max_len(model):
     cache = prefilled(model, slot=2)  # max_len 12, length 5
-    with pytest.raises(ValueError, match=r"slot 2 \(length 5\).*max_len=12"):
+    with pytest.raises(ValueError, match=r"slot 2 \(length 5\).*max_len=12"), torch.no_grad():
         model(torch.zeros(1, 8, dtype=torch.long), cache=cache, cache_slots_B=torch.tensor([2]))
     assert cache.lengths_S[2] == 5, "a refused call must leave the cache unchanged"
 
@@ -115,5 +115,16 @@ def test_import_rejects_foreign_shapes_and_long_states(model):
 
 def test_repeated_slots_are_refused(model):
     cache = KVCache.allocate(model.config, num_slots=2, max_len=4)
-    with pytest.raises(ValueError, match="repeated slots"):
+    with pytest.raises(ValueError, match="repeated slots"), torch.no_grad():
         model(torch.zeros(2, 1, dtype=torch.long), cache=cache, cache_slots_B=torch.tensor([1, 1]))
+
+
+def test_cache_works_under_inference_mode_and_refuses_autograd(model):
+    reference_TV = decode(model, prefilled(model, slot=0), 0, CONTINUATION)
+    cache = KVCache.allocate(model.config, num_slots=1, max_len=12)
+    with torch.inference_mode():
+        model(PROMPT, cache=cache)
+        got_TV = torch.stack([model(torch.tensor([[t]]), cache=cache)[0, -1] for t in CONTINUATION])
+    torch.testing.assert_close(got_TV, reference_TV, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match=r"torch\.no_grad\(\)"):
+        model(PROMPT, cache=KVCache.allocate(model.config, num_slots=1, max_len=12))

@@ -135,10 +135,16 @@ def test_value_head_from_causal_checkpoint_is_fresh_and_logged(hf_llama, caplog)
     assert critic.value_head.weight.abs().sum() > 0
 
 
-@pytest.mark.parametrize("architecture,tied", [("llama", False), ("qwen2", True)])
-def test_save_pretrained_round_trip_through_transformers(tmp_path, architecture, tied):
+@pytest.mark.parametrize(
+    "architecture,tied,bias", [("llama", False, False), ("qwen2", True, True), ("llama", True, True)]
+)
+def test_save_pretrained_round_trip_through_transformers(tmp_path, architecture, tied, bias):
     torch.manual_seed(4)
-    model = Transformer(ModelConfig.tiny(architecture=architecture, tie_word_embeddings=tied)).eval()
+    config = ModelConfig.tiny(architecture=architecture, tie_word_embeddings=tied, attention_bias=bias)
+    model = Transformer(config).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):  # fresh biases are zero; random ones make the round trip check them
+            torch.nn.init.normal_(param, std=0.1)
     save_pretrained(model, tmp_path / "ckpt")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     assert type(hf_model).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[architecture]

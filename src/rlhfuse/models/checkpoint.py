@@ -178,7 +178,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     hf = model.config.to_hf_dict(model.head)
-    hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    # transformers 5 reads "dtype", 4.x "torch_dtype"
+    hf["dtype"] = hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     tensors: dict[str, Tensor] = {}
     for name, param in model.named_parameters():
         if model._is_tied(name):

@@ -164,7 +164,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * e, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * e, d, bias=False)
+        # LLaMA's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
+        self.o_proj = nn.Linear(self.num_heads * e, d, bias=bias and config.architecture == "llama")
         self.attend = get_attention(config.attention_backend)
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
@@ -265,6 +266,11 @@ class Transformer(nn.Module):
         cache_slots_B: Tensor | None = None,
     ) -> Tensor:
         """Final-norm output hidden_BTD, before the head (for chunked log-probs over a large vocabulary)."""
+        if cache is not None and torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad:
+            # cached keys/values are written into engine-owned buffers, outside autograd
+            raise RuntimeError(
+                "forward with a KV cache is for inference: wrap it in torch.no_grad() or torch.inference_mode()"
+            )
         x_BTD = self.embed_tokens(input_ids_BT)
         b, t = input_ids_BT.shape
         ctx = build_context(
