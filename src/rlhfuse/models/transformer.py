@@ -76,6 +76,8 @@ class AttentionContext:
     """Cache positions the new tokens are stored at (slot length + t)."""
     num_keys: int = 0
     """Positions of each slot read back from the cache (max over rows of length + T)."""
+    first_slot: int | None = None
+    """Set when slots_B is first_slot, first_slot + 1, ...: the cache is then read as a view, not gathered."""
 
 
 def build_context(
@@ -143,7 +145,18 @@ def build_context(
     is_self_BTS = s_S[None, None, :] == write_pos_BT[:, :, None]
     allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
     cos_BTe, sin_BTe = _rope_tables(config, position_ids_BT, dtype)
-    return AttentionContext(cos_BTe, sin_BTe, allowed_BTS[:, None], cache, slots_B, write_pos_BT, num_keys)
+    first_slot = int(slots_B[0])
+    is_range = bool((slots_B == first_slot + torch.arange(batch, device=device)).all())
+    return AttentionContext(
+        cos_BTe,
+        sin_BTe,
+        allowed_BTS[:, None],
+        cache,
+        slots_B,
+        write_pos_BT,
+        num_keys,
+        first_slot if is_range else None,
+    )
 
 
 def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -186,8 +199,13 @@ class Attention(nn.Module):
             # advanced indices (slots, positions) around a slice put B, T first: the [B, T, K, E] layout we hold
             layer_k_SKTE[ctx.slots_B[:, None], :, ctx.write_pos_BT] = k_BTKE.to(layer_k_SKTE.dtype)
             layer_v_SKTE[ctx.slots_B[:, None], :, ctx.write_pos_BT] = v_BTKE.to(layer_v_SKTE.dtype)
-            k_BKSE = layer_k_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
-            v_BKSE = layer_v_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
+            if ctx.first_slot is not None:
+                rows = slice(ctx.first_slot, ctx.first_slot + b)
+                k_BKSE = layer_k_SKTE[rows, :, : ctx.num_keys].to(q_BHTE.dtype)
+                v_BKSE = layer_v_SKTE[rows, :, : ctx.num_keys].to(q_BHTE.dtype)
+            else:
+                k_BKSE = layer_k_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
+                v_BKSE = layer_v_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
         out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
         return self.o_proj(out_BHTE.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
