@@ -1,7 +1,7 @@
 """Forward throughput (tokens/s) of rlhfuse.models.Transformer vs `transformers`, same weights, side by side.
 
 Both run fp32, no grad, SDPA attention, on an unpadded batch (the rollout-scoring case: Ref / Reward / Critic
-forward passes) and on a left-padded one. Repeats alternate between the two models so machine noise hits both.
+forward passes), on a left-padded one, and for cached single-token decode steps (generation). Repeats alternate between the two models so machine noise hits both.
 """
 
 from __future__ import annotations
@@ -13,12 +13,46 @@ from pathlib import Path
 
 import torch
 
-from rlhfuse.models import ModelConfig, Transformer, save_pretrained
+from rlhfuse.models import KVCache, ModelConfig, Transformer, save_pretrained
 
 
 def _time_forward(fn) -> float:
     start = time.perf_counter()
     fn()
+    return time.perf_counter() - start
+
+
+def _report(name: str, tokens: int, ours_s: list[float], theirs_s: list[float]) -> None:
+    # other processes share these cores: the best round is the least disturbed one, and the median of
+    # per-round ratios pairs runs made seconds apart
+    paired = statistics.median(t / o for o, t in zip(ours_s, theirs_s))
+    print(
+        f"{name:>12}: rlhfuse {tokens / min(ours_s):8.0f} tok/s | transformers {tokens / min(theirs_s):8.0f}"
+        f" tok/s (best of {len(ours_s)}) | ratio best {min(theirs_s) / min(ours_s):.2f}x, "
+        f"paired median {paired:.2f}x (goal >= 1.0x)"
+    )
+
+
+def _ours_decode(model: Transformer, prompt_ids_BT: torch.Tensor, steps: int) -> float:
+    """Seconds for `steps` greedy single-token steps after a (untimed) prefill into an rlhfuse KVCache."""
+    batch, prompt_len = prompt_ids_BT.shape
+    cache = KVCache.allocate(model.config, batch, prompt_len + steps)
+    next_ids_B1 = model(prompt_ids_BT, cache=cache)[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next_ids_B1 = model(next_ids_B1, cache=cache)[:, -1:].argmax(-1)
+    return time.perf_counter() - start
+
+
+def _hf_decode(model, prompt_ids_BT: torch.Tensor, steps: int) -> float:
+    out = model(prompt_ids_BT, use_cache=True)
+    next_ids_B1 = out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        # transformers 5 names the KV cache `cache`; 4.x names it `past_key_values`
+        kv = {"cache": out.cache} if hasattr(out, "cache") else {"past_key_values": out.past_key_values}
+        out = model(next_ids_B1, use_cache=True, **kv)
+        next_ids_B1 = out.logits[:, -1:].argmax(-1)
     return time.perf_counter() - start
 
 
@@ -67,12 +101,13 @@ def run(quick: bool = False) -> None:
             for _ in range(rounds):
                 ours_s.append(_time_forward(ours_fn))
                 theirs_s.append(_time_forward(theirs_fn))
-            # other processes share these cores: the best round is the least disturbed one, and the median of
-            # per-round ratios pairs runs made seconds apart
-            tokens = batch * seq
-            paired = statistics.median(t / o for o, t in zip(ours_s, theirs_s))
-            print(
-                f"{name:>12}: rlhfuse {tokens / min(ours_s):8.0f} tok/s | transformers {tokens / min(theirs_s):8.0f}"
-                f" tok/s (best of {rounds}) | ratio best {min(theirs_s) / min(ours_s):.2f}x, "
-                f"paired median {paired:.2f}x (goal >= 1.0x)"
-            )
+            _report(name, batch * seq, ours_s, theirs_s)
+
+        # generation: single-token steps over a prompt of seq // 2 tokens (KV cache vs HF DynamicCache)
+        steps = 8 if quick else 32
+        prompt_ids_BT = input_ids_BT[:, : seq // 2]
+        ours_s, theirs_s = [], []
+        for _ in range(max(rounds // 2, 2)):
+            ours_s.append(_ours_decode(ours, prompt_ids_BT, steps))
+            theirs_s.append(_hf_decode(theirs, prompt_ids_BT, steps))
+        _report("decode", batch * steps, ours_s, theirs_s)
