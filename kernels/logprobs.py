@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlhfuse.algorithms.logits import chosen_logprobs_backward
+
 
 @triton.jit
 def _chosen_logprobs_kernel(
@@ -76,7 +78,7 @@ def _forward(
 
 
 class _ChosenLogprobs(torch.autograd.Function):
-    """Triton forward; backward g·(onehot(y) − softmax(x/τ))/τ recomputed in PyTorch from the saved normaliser."""
+    """Triton forward; backward g·(onehot(y) − softmax(x/τ))/τ in PyTorch, chunked, from the saved normaliser."""
 
     @staticmethod
     def forward(
@@ -96,15 +98,9 @@ class _ChosenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs_N: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits_NV, labels_N, log_normaliser_N = ctx.saved_tensors
-        grad_logits_NV = torch.empty_like(logits_NV)
-        # Rows in chunks so that the fp32 softmax temporary is bounded by backward_chunk_rows × V.
-        for start in range(0, logits_NV.shape[0], ctx.backward_chunk_rows):
-            stop = start + ctx.backward_chunk_rows
-            scaled_CV = logits_NV[start:stop].float() / ctx.temperature
-            grad_CV = -torch.exp(scaled_CV - log_normaliser_N[start:stop, None])
-            grad_CV.scatter_add_(1, labels_N[start:stop, None], torch.ones_like(grad_CV[:, :1]))
-            grad_CV *= grad_logprobs_N[start:stop, None].float() / ctx.temperature
-            grad_logits_NV[start:stop] = grad_CV.to(logits_NV.dtype)
+        grad_logits_NV = chosen_logprobs_backward(
+            logits_NV, labels_N, log_normaliser_N, grad_logprobs_N, ctx.temperature, ctx.backward_chunk_rows
+        )
         return grad_logits_NV, None, None, None, None
 
 
@@ -114,7 +110,7 @@ def chosen_logprobs(
     temperature: float = 1.0,
     *,
     block_v: int = 1024,
-    backward_chunk_rows: int = 4096,
+    backward_chunk_rows: int = 1024,
 ) -> torch.Tensor:
     """log softmax(x/τ)[y] per row, fp32, differentiable w.r.t. `logits_NV` (online log-sum-exp, this docstring)."""
     if logits_NV.dim() != 2 or labels_N.shape != logits_NV.shape[:1]:

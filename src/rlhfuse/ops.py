@@ -72,7 +72,7 @@ def chosen_logprobs(
     labels_N: torch.Tensor,
     temperature: float = 1.0,
     *,
-    chunk_size: int = 4096,
+    chunk_size: int = 1024,
     backend: str | None = None,
 ) -> torch.Tensor:
     """log softmax(x/τ)[y] per row (fp32, differentiable): `kernels/logprobs.py` or `chosen_logprobs_torch`."""

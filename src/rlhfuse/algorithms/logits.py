@@ -19,7 +19,7 @@ def _entropy_rows_C(logits_CV: torch.Tensor) -> torch.Tensor:
     return log_normaliser_C - (probs_CV * logits_f_CV).sum(dim=-1)
 
 
-def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_size: int = 4096) -> torch.Tensor:
+def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
     """Entropy H_t = −Σ_v p_t(v)·log p_t(v) = logsumexp(x_t) − Σ_v p_t(v)·x_t(v) of each token's distribution.
 
     Works on rows of the flattened (B·T, V) logits `chunk_size` at a time, in fp32, returning `entropy_BT` in fp32.
@@ -46,22 +46,25 @@ def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_size: int = 4096) -> 
 class _ChunkedChosenLogprobs(torch.autograd.Function):
     """log softmax(x/τ)[label] per row, forward and backward chunked over rows (no full log_softmax copy).
 
-    Backward: ∂/∂x_v log softmax(x/τ)[y] = (1[v = y] − softmax(x/τ)_v)/τ, recomputed chunk by chunk from the saved
-    logits and the saved log-normaliser.
+    Forward per chunk: one fused log_softmax of C×V (bounded by the chunk), then the chosen column; the
+    log-normaliser lse = x_y/τ − log p(y) is kept for the backward pass, which recomputes softmax chunk by chunk.
     """
 
     @staticmethod
     def forward(
         ctx: Any, logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float, chunk_size: int
     ) -> torch.Tensor:
-        log_normaliser_N = logits_NV.new_empty(logits_NV.shape[0], dtype=torch.float32)
-        logprobs_N = logits_NV.new_empty(logits_NV.shape[0], dtype=torch.float32)
-        for start in range(0, logits_NV.shape[0], chunk_size):
+        N = logits_NV.shape[0]
+        log_normaliser_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+        logprobs_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
+        for start in range(0, N, chunk_size):
             stop = start + chunk_size
-            scaled_CV = logits_NV[start:stop].float() / temperature
-            log_normaliser_N[start:stop] = torch.logsumexp(scaled_CV, dim=-1)
-            chosen_C = scaled_CV.gather(1, labels_N[start:stop, None]).squeeze(1)
-            logprobs_N[start:stop] = chosen_C - log_normaliser_N[start:stop]
+            scaled_CV = logits_NV[start:stop].float()
+            if temperature != 1.0:
+                scaled_CV = scaled_CV / temperature
+            labels_C1 = labels_N[start:stop, None]
+            logprobs_N[start:stop] = torch.log_softmax(scaled_CV, dim=-1).gather(1, labels_C1).squeeze(1)
+            log_normaliser_N[start:stop] = scaled_CV.gather(1, labels_C1).squeeze(1) - logprobs_N[start:stop]
         ctx.save_for_backward(logits_NV, labels_N, log_normaliser_N)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -88,21 +91,32 @@ def chosen_logprobs_backward(
     temperature: float,
     chunk_size: int,
 ) -> torch.Tensor:
-    """grad_x = g·(onehot(y) − exp(x/τ − lse))/τ per row (derivative of log softmax(x/τ)[y]), chunked over rows."""
+    """∂/∂x_v of g·log softmax(x/τ)[y] = g·(1[v = y] − exp(x_v/τ − lse))/τ per row, chunked over rows.
+
+    Shared by the PyTorch reference and the Triton kernel's autograd Function. For fp32 logits each chunk is
+    computed in place inside the gradient buffer, so the only B·T·V allocation is the gradient itself.
+    """
     grad_logits_NV = torch.empty_like(logits_NV)
+    in_place = logits_NV.dtype == torch.float32
     for start in range(0, logits_NV.shape[0], chunk_size):
         stop = start + chunk_size
-        scaled_CV = logits_NV[start:stop].float() / temperature
-        probs_CV = torch.exp(scaled_CV - log_normaliser_N[start:stop, None])
-        grad_CV = -probs_CV
-        grad_CV.scatter_add_(1, labels_N[start:stop, None], torch.ones_like(grad_CV[:, :1]))
-        grad_CV *= grad_logprobs_N[start:stop, None].float() / temperature
-        grad_logits_NV[start:stop] = grad_CV.to(logits_NV.dtype)
+        if in_place:
+            work_CV = grad_logits_NV[start:stop]
+            work_CV.copy_(logits_NV[start:stop])
+        else:
+            work_CV = logits_NV[start:stop].float()
+        if temperature != 1.0:
+            work_CV.div_(temperature)
+        work_CV.sub_(log_normaliser_N[start:stop, None]).exp_().neg_()
+        work_CV.scatter_add_(1, labels_N[start:stop, None], torch.ones_like(work_CV[:, :1]))
+        work_CV.mul_(grad_logprobs_N[start:stop, None].float() / temperature)
+        if not in_place:
+            grad_logits_NV[start:stop] = work_CV
     return grad_logits_NV
 
 
 def chosen_logprobs_torch(
-    logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 4096
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = 1024
 ) -> torch.Tensor:
     """log p(y) = x_y/τ − logsumexp(x/τ) per row, in fp32, chunked over rows; the PyTorch reference of the kernel."""
     if chunk_size < 1:
@@ -119,7 +133,7 @@ def logprobs_from_logits(
     labels_BT: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 4096,
+    chunk_size: int = 1024,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Log-probability of each chosen token, log softmax(x_t/τ)[y_t] = x_t(y_t)/τ − logsumexp_v(x_t(v)/τ).
