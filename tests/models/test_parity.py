@@ -39,7 +39,7 @@ def test_tied_checkpoint_loads_tied(hf_qwen2_tied):
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side", ["left", "right", "both"])
 def test_padded_rows_equal_unpadded_runs(hf_llama, side):
     model = from_pretrained(hf_llama[1])
     gen = torch.Generator().manual_seed(1)
@@ -49,7 +49,8 @@ def test_padded_rows_equal_unpadded_runs(hf_llama, side):
     input_ids_BT = torch.zeros(len(rows), width, dtype=torch.long)
     mask_BT = torch.zeros(len(rows), width, dtype=torch.long)
     for b, row in enumerate(rows):
-        cols = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        start = {"left": width - len(row), "right": 0, "both": (width - len(row)) // 2}[side]
+        cols = slice(start, start + len(row))
         input_ids_BT[b, cols] = row
         mask_BT[b, cols] = 1
     with torch.no_grad():

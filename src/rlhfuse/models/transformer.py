@@ -103,14 +103,13 @@ def build_context(
             else:
                 position_ids_BT = t_T.expand(batch, num_tokens)
         allowed_B1TS = None
-        if has_padding:
-            assert valid_BT is not None
+        # pad after a real token (0 -> 1 along T) means left or inner padding; right padding alone needs no mask:
+        # causally, real queries never reach the pad keys behind them (pad queries' outputs are meaningless)
+        if has_padding and valid_BT is not None and bool((~valid_BT[:, :-1] & valid_BT[:, 1:]).any()):
             causal_TT = t_T[:, None] >= t_T[None, :]
             # the diagonal keeps pad query rows from having no key at all (NaN softmax); real rows include it anyway
-            allowed_BTT = (causal_TT & valid_BT[:, None, :]) | torch.eye(
-                num_tokens, dtype=torch.bool, device=device
-            )
-            allowed_B1TS = allowed_BTT[:, None]
+            eye_TT = torch.eye(num_tokens, dtype=torch.bool, device=device)
+            allowed_B1TS = ((causal_TT & valid_BT[:, None, :]) | eye_TT)[:, None]
         ctx = AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_B1TS)
         return ctx
 
