@@ -1,0 +1,206 @@
+"""Analytical cost model of transformer work on a cluster (seconds and bytes).
+
+- Prefill, inference and training are compute-bound: FLOPs / (devices x peak x MFU), MFU falling for small GEMMs.
+- A decode step is memory-bound: it reads every weight shard and the KV cache of the batch, so its time is flat
+  in the batch size until the GEMMs become compute-bound at `bs_max` (the paper's BSmax), then grows linearly.
+- Communication: ring all-reduce 2(n-1)/n x bytes / bandwidth + latency; point-to-point bytes / bandwidth.
+- Memory: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight and gradient, fp32 master copy, Adam
+  m and v); activations follow Korthikanti et al. 2022 with sequence parallelism and flash attention
+  (34 x tokens x hidden bytes per layer, divided by tp).
+
+FLOPs of one token: 2 x (matmul weights) + 4 x layers x hidden x context (QK^T and AV), the standard count
+(Kaplan et al. 2020; Narayanan et al. 2021). Training = 3 x forward (backward is twice the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, DeviceSpec, Efficiency, ModelSpec
+
+TRAIN_STATE_BYTES_PER_PARAM = 16
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of `ModelSpec` work on a `ClusterSpec`, with achieved-rate factors from `Efficiency`."""
+
+    cluster: ClusterSpec
+    eff: Efficiency = DEFAULT_EFFICIENCY
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.cluster.device
+
+    # ---- FLOPs and bytes -------------------------------------------------------------------------------
+    @staticmethod
+    def matmul_flops_per_token(model: ModelSpec, head: str = "lm") -> float:
+        """2 x weights touched by one token's GEMMs (blocks + head; embedding lookup is free)."""
+        head_params = model.vocab * model.hidden if head == "lm" else model.hidden
+        return 2.0 * (model.layers * model.layer_params + head_params)
+
+    def forward_flops(self, model: ModelSpec, seq_lens: ArrayLike, head: str = "lm") -> float:
+        """Forward FLOPs of whole causal sequences of the given lengths (attention over s/2 on average)."""
+        s = np.asarray(seq_lens, dtype=np.float64)
+        attn = 4.0 * model.layers * model.hidden * (s * s / 2.0)
+        return float(np.sum(s * self.matmul_flops_per_token(model, head) + attn))
+
+    def weight_bytes(self, model: ModelSpec, head: str = "lm") -> float:
+        return float(model.params(head) * self.device.dtype_bytes)
+
+    def kv_bytes_per_token(self, model: ModelSpec) -> float:
+        """K and V of every layer for one token."""
+        return 2.0 * model.layers * model.n_kv_heads * model.head_dim * self.device.dtype_bytes
+
+    @staticmethod
+    def train_state_bytes(model: ModelSpec, head: str, tp: int, pp: int) -> float:
+        """Weights, gradients and Adam states on one device of a (tp, pp) shard (no distributed optimizer)."""
+        return TRAIN_STATE_BYTES_PER_PARAM * model.params(head) / (tp * pp)
+
+    def activation_bytes(self, model: ModelSpec, tokens: float, tp: int, layers: float) -> float:
+        """Activations one micro-batch of `tokens` keeps for backward on `layers` layers of one device."""
+        return (
+            ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+            * tokens
+            * model.hidden
+            * layers
+            / tp
+            * self.device.dtype_bytes
+            / 2
+        )
+
+    def usable_memory(self) -> float:
+        return self.device.memory * (1.0 - self.eff.memory_reserve)
+
+    # ---- compute ---------------------------------------------------------------------------------------
+    def compute_time(self, flops: float, devices: int, ceiling: float, tokens_per_gemm: float) -> float:
+        return flops / (devices * self.device.peak_flops * self.eff.mfu(ceiling, tokens_per_gemm))
+
+    def prefill_time(self, model: ModelSpec, seq_lens: ArrayLike, tp: int, head: str = "lm") -> float:
+        """Forward over whole sequences on one tp group (prefill, or Ref/RW/Critic inference), with TP comm."""
+        s = np.asarray(seq_lens, dtype=np.float64)
+        tokens = float(s.sum())
+        if tokens == 0:
+            return 0.0
+        t = self.compute_time(self.forward_flops(model, s, head), tp, self.eff.prefill_mfu, tokens)
+        return t + 2 * model.layers * self.allreduce_time(tokens * model.hidden * self.device.dtype_bytes, tp)
+
+    def decode_step_time(
+        self, model: ModelSpec, tp: int, batch: ArrayLike, context_tokens: ArrayLike
+    ) -> NDArray:
+        """Time of one decode step of `batch` sequences holding `context_tokens` KV entries in total.
+
+        max(memory time, compute time) + TP all-reduces + fixed overheads; vectorised over its arguments.
+        """
+        b = np.asarray(batch, dtype=np.float64)
+        ctx = np.asarray(context_tokens, dtype=np.float64)
+        dev = self.device
+        mem = (self.weight_bytes(model) + ctx * self.kv_bytes_per_token(model)) / (
+            tp * dev.hbm_bw * self.eff.decode_mbu
+        )
+        flops = b * self.matmul_flops_per_token(model) + 4.0 * model.layers * model.hidden * ctx
+        comp = flops / (tp * dev.peak_flops * self.eff.decode_mfu)
+        comm = 2 * model.layers * self.allreduce_time_array(b * model.hidden * dev.dtype_bytes, tp)
+        fixed = self.eff.decode_step_overhead + model.layers * self.eff.decode_layer_overhead
+        out: NDArray = np.where(b > 0, np.maximum(mem, comp) + comm + fixed, 0.0)
+        return out
+
+    def bs_max(self, model: ModelSpec, tp: int) -> int:
+        """Decode batch at which the GEMMs become compute-bound (the weight read no longer hides them).
+
+        Solves b x matmul_flops / (peak x decode_mfu) = weight_bytes / (hbm_bw x mbu), KV reads left out, as
+        in the paper's definition (per-step latency flat up to BSmax).
+        """
+        dev = self.device
+        b = (self.weight_bytes(model) / (dev.hbm_bw * self.eff.decode_mbu)) * (
+            dev.peak_flops * self.eff.decode_mfu
+        )
+        return max(1, int(b / self.matmul_flops_per_token(model)))
+
+    # ---- communication ---------------------------------------------------------------------------------
+    def _link(self, inter_node: bool) -> tuple[float, float]:
+        dev = self.device
+        if inter_node:
+            return dev.inter_bw * self.eff.link_eff, dev.inter_latency
+        return dev.intra_bw * self.eff.link_eff, dev.intra_latency
+
+    def allreduce_time(self, nbytes: float, n: int, inter_node: bool = False) -> float:
+        """Ring all-reduce of `nbytes` on each of `n` devices."""
+        if n <= 1:
+            return 0.0
+        bw, lat = self._link(inter_node)
+        # NCCL uses a tree / NVLS algorithm for small messages inside a node: one latency; rings across nodes
+        hops = 2 * (n - 1) if inter_node else 1
+        return 2.0 * (n - 1) / n * nbytes / bw + hops * lat
+
+    def allreduce_time_array(self, nbytes: NDArray, n: int, inter_node: bool = False) -> NDArray:
+        if n <= 1:
+            return np.zeros_like(nbytes)
+        bw, lat = self._link(inter_node)
+        out: NDArray = 2.0 * (n - 1) / n * nbytes / bw + lat
+        return out
+
+    def p2p_time(self, nbytes: float, inter_node: bool) -> float:
+        bw, lat = self._link(inter_node)
+        return nbytes / bw + lat
+
+    def host_copy_time(self, nbytes_per_device: float) -> float:
+        """CPU -> device copy (Ref/RW swap-in), every device copying its own shard in parallel."""
+        return nbytes_per_device / (self.device.host_bw * self.eff.link_eff)
+
+    def tp_is_intra_node(self, tp: int) -> bool:
+        return tp <= self.cluster.gpus_per_node
+
+    def group_inter_node(self, inner: int, size: int) -> bool:
+        """Whether a group of `size` devices strided by `inner` (Megatron order tp, dp, pp) crosses nodes."""
+        return inner * size > self.cluster.gpus_per_node
+
+    # ---- training --------------------------------------------------------------------------------------
+    def stage_times(
+        self, model: ModelSpec, head: str, tp: int, pp: int, dp: int, micro_batch: int, seq_len: float
+    ) -> tuple[float, float]:
+        """(forward, backward) of one micro-batch on one pipeline stage, communication included.
+
+        Compute: forward FLOPs / pp on tp devices at training MFU; backward = 2 x forward compute.
+        TP: 2 all-reduces of the activations per layer in forward and 2 in backward. PP: one activation
+        (gradient) send per micro-batch per stage boundary, inter-node when tp x dp fills a node.
+        """
+        tokens = micro_batch * seq_len
+        fwd_flops = self.forward_flops(model, [seq_len] * micro_batch, head) / pp
+        fwd = self.compute_time(fwd_flops, tp, self.eff.train_mfu, tokens)
+        act = tokens * model.hidden * self.device.dtype_bytes
+        tp_comm = 2 * (model.layers / pp) * self.allreduce_time(act, tp)
+        p2p = self.p2p_time(act / tp, self.group_inter_node(tp * dp, pp)) if pp > 1 else 0.0
+        return fwd + tp_comm + p2p, 2 * fwd + tp_comm + p2p
+
+    def grad_allreduce_time(self, model: ModelSpec, head: str, tp: int, pp: int, dp: int) -> float:
+        """Data-parallel all-reduce of the bf16 gradients of one (tp, pp) shard, once per mini-batch."""
+        nbytes = model.params(head) / (tp * pp) * self.device.dtype_bytes
+        return self.allreduce_time(nbytes, dp, self.group_inter_node(tp, dp))
+
+    def optimizer_step_time(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
+        """Adam step: read and write the 16 bytes/param of state once (memory-bound)."""
+        nbytes = 2 * TRAIN_STATE_BYTES_PER_PARAM * model.params(head) / (tp * pp)
+        return nbytes / (self.device.hbm_bw * self.eff.decode_mbu)
+
+    # ---- task switching --------------------------------------------------------------------------------
+    def reshard_time(self, model: ModelSpec, head: str, train_tp: int, train_pp: int, gen_tp: int) -> float:
+        """Training (tp, pp) -> generation (gen_tp, pp=1) layout: each device gathers its generation shard.
+
+        A device already holds 1/train_pp of the layers of its generation shard when the tp groups line up;
+        the rest arrives over the network (all-to-all style, as the paper does), all devices in parallel.
+        """
+        shard = self.weight_bytes(model, head) / gen_tp
+        have = 1.0 / train_pp if gen_tp == train_tp else 0.0
+        missing = shard * (1.0 - have)
+        if missing <= 0:
+            return 0.0
+        return self.p2p_time(missing, inter_node=train_pp * train_tp > self.cluster.gpus_per_node)
+
+    def swap_in_time(self, models: list[tuple[ModelSpec, str]], tp: int) -> float:
+        """Load the bf16 weights of `models` from CPU memory onto a tp group (each device its shard)."""
+        return self.host_copy_time(sum(self.weight_bytes(m, h) for m, h in models) / tp)

@@ -1,0 +1,409 @@
+"""Execution-plan search (DESIGN §4): per task, candidate (dp, pp, tp) pruned by Megatron-LM's guidelines, then
+exhaustive over what remains, keeping the plan with the least simulated iteration time.
+
+Pruning (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters using
+Megatron-LM", takeaways 1-3): tensor parallelism stays inside a node and divides the attention heads; pipeline
+parallelism divides the layers; tp x pp divides the devices (the rest is dp); a mini-batch splits evenly into
+dp x micro-batch; every device's memory holds what the task needs. The search runs stage by stage: the
+training layout fixes the training states that stay resident (hence the KV memory left for generation), then
+the generation layout, the inference layout and, for RLHFuse, the migration threshold Rt are searched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.migration import MigrationDecision
+from rlhfuse.planner.simulate import (
+    GenInfResult,
+    RLHFModels,
+    Samples,
+    TrainLayout,
+    TrainResult,
+    Unmigrated,
+    Workload,
+    activation_peak,
+    free_kv_bytes,
+    fused_bound,
+    fused_training,
+    gen_inf_serial,
+    inference_tps,
+    model_step_time,
+    rt_sweep,
+    serial_training,
+)
+from rlhfuse.planner.specs import ClusterSpec, ModelSpec
+
+MICRO_BATCHES = (1, 2, 4, 8)
+# a model every power of two divides: tp_candidates(LARGEST_GROUP, ...) lists the group sizes of a node
+LARGEST_GROUP = ModelSpec("any", layers=1, hidden=1024, heads=1024, ffn=1)
+FUSED_GREEDY_TOP_K = 4
+"""Fused layouts (best lower bounds first) whose greedy schedule is built; the rest are ranked by bound only."""
+
+
+@dataclass
+class PruneStats:
+    """How many candidates each guideline removed, and how many remain (for reports and tests)."""
+
+    removed: Counter[str] = field(default_factory=Counter)
+    kept: int = 0
+
+
+def tp_candidates(model: ModelSpec, cluster: ClusterSpec, stats: PruneStats | None = None) -> list[int]:
+    """Powers of two up to the node size that divide the node, the heads and the kv heads."""
+    out = []
+    t = 1
+    while t <= max(cluster.gpus_per_node, 1) * 2:
+        if t > cluster.gpus_per_node or cluster.gpus_per_node % t:
+            if stats is not None:
+                stats.removed["tp crosses a node"] += 1
+        elif model.heads % t or model.n_kv_heads % t:
+            if stats is not None:
+                stats.removed["tp does not divide heads"] += 1
+        else:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def train_layouts(
+    cost: CostModel,
+    model: ModelSpec,
+    head: str,
+    workload: Workload,
+    seq: float,
+    stats: PruneStats | None = None,
+) -> list[TrainLayout]:
+    """Every (tp, pp, dp, micro-batch) of one model that the guidelines allow (memory: this model alone)."""
+    stats = stats if stats is not None else PruneStats()
+    devices = cost.cluster.gpus
+    out = []
+    for tp in tp_candidates(model, cost.cluster, stats):
+        for pp in range(1, model.layers + 1):
+            if model.layers % pp:
+                stats.removed["pp does not divide layers"] += 1
+                continue
+            if devices % (tp * pp):
+                stats.removed["tp x pp does not divide devices"] += 1
+                continue
+            dp = devices // (tp * pp)
+            for b in MICRO_BATCHES:
+                if workload.mini_batch % (dp * b):
+                    stats.removed["mini-batch does not split into dp x micro-batch"] += 1
+                    continue
+                lay = TrainLayout(tp, pp, dp, b)
+                need = cost.train_state_bytes(model, head, tp, pp) + activation_peak(
+                    cost, model, lay, workload.mini_batch, seq
+                )
+                if need > cost.usable_memory():
+                    stats.removed["memory"] += 1
+                    continue
+                out.append(lay)
+    stats.kept += len(out)
+    return out
+
+
+def _states(cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout) -> float:
+    return cost.train_state_bytes(models.actor, "lm", a.tp, a.pp) + cost.train_state_bytes(
+        models.critic, "value", c.tp, c.pp
+    )
+
+
+TRAIN_FRONTIER = 4
+"""Training plans carried into the generation search: the fastest, then each faster one that leaves more
+memory free for generation (a Pareto frontier over training time and resident training states)."""
+
+
+def search_training(
+    cost: CostModel,
+    models: RLHFModels,
+    workload: Workload,
+    seq: float,
+    *,
+    fused: bool,
+    stats: PruneStats | None = None,
+) -> list[TrainResult]:
+    """Training plans on the (time, resident memory) frontier, fastest first.
+
+    Serial: each model on all devices with its own layout, one after the other (1F1B). With `fused`, also every
+    co-locatable pair as a fused pipeline: all are bounded, the best few by bound get a greedy schedule, whose
+    makespan is the time used (RLHFuse falls back to serial where fusion does not pay). Each result's `bound`
+    is the best fused lower bound among layouts with no more resident memory (for the report's bound column).
+    """
+    stats = stats if stats is not None else PruneStats()
+    mb = workload.mini_batch
+    la = train_layouts(cost, models.actor, "lm", workload, seq, stats)
+    lc = train_layouts(cost, models.critic, "value", workload, seq, stats)
+    if not la or not lc:
+        raise ValueError(
+            f"no training layout fits for {models.name} on {cost.cluster.gpus} x {cost.device.name} "
+            f"(pruned: {dict(stats.removed)}): use more devices or devices with more memory"
+        )
+    ta = {a: model_step_time(cost, models.actor, "lm", a, mb, seq) for a in la}
+    tc = {c: model_step_time(cost, models.critic, "value", c, mb, seq) for c in lc}
+    usable = cost.usable_memory()
+    act_a = {a: activation_peak(cost, models.actor, a, mb, seq) for a in la}
+    act_c = {c: activation_peak(cost, models.critic, c, mb, seq) for c in lc}
+    serial: list[tuple[float, float, TrainLayout, TrainLayout]] = []
+    fused_pairs: list[tuple[float, float, TrainLayout, TrainLayout]] = []
+    for a in la:
+        for c in lc:
+            states = _states(cost, models, a, c)
+            if states + max(act_a[a], act_c[c]) <= usable:
+                serial.append((ta[a] + tc[c], states, a, c))
+            else:
+                stats.removed["memory (both models resident)"] += 1
+            if not fused:
+                continue
+            big, small = (a, c) if a.pp >= c.pp else (c, a)
+            if big.pp % small.pp or max(a.tp, c.tp) % min(a.tp, c.tp):
+                stats.removed["fused: stages or tp do not nest"] += 1
+                continue
+            if states + act_a[a] + act_c[c] > usable:
+                stats.removed["fused: memory"] += 1
+                continue
+            fused_pairs.append((fused_bound(cost, models, a, c, workload, seq), states, a, c))
+    if not serial:
+        raise ValueError(
+            f"no training layout pair fits in memory for {models.name} (pruned: {dict(stats.removed)})"
+        )
+    results: list[TrainResult] = [
+        serial_training(cost, models, a, c, workload, seq) for _, _, a, c in _frontier(serial)
+    ]
+    if fused_pairs:
+        fused_pairs.sort(key=lambda x: x[0])
+        chosen = {(a, c) for _, _, a, c in fused_pairs[:FUSED_GREEDY_TOP_K]}
+        chosen |= {(a, c) for _, _, a, c in _frontier(fused_pairs)}
+        results += [fused_training(cost, models, a, c, workload, seq) for a, c in chosen]
+    keyed = [(r.per_minibatch, r.memory, r) for r in results]
+    frontier = [r for _, _, r in _frontier(keyed)]
+    out = []
+    for r in frontier:
+        states = _states(cost, models, r.actor, r.critic)
+        bounds = [b for b, st, _, _ in fused_pairs if st <= states] + [r.per_minibatch]
+        out.append(replace(r, bound=min(bounds)))
+    return out
+
+
+def _frontier(items: list[Any]) -> list[Any]:
+    """Items (time, memory, ...) sorted by time, keeping each that needs less memory than all faster ones
+    (at most TRAIN_FRONTIER: the fastest ones and the leanest)."""
+    out = []
+    best_mem = float("inf")
+    for item in sorted(items, key=lambda x: (x[0], x[1])):
+        if item[1] < best_mem:
+            out.append(item)
+            best_mem = item[1]
+    # the fastest few, and always the leanest (it may be the only one that leaves room to generate)
+    return out[: TRAIN_FRONTIER - 1] + out[-1:] if len(out) > TRAIN_FRONTIER else out
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Iteration time split as in the paper's Figure 8 (seconds)."""
+
+    generation: float
+    """Until the last response is generated."""
+    inference: float
+    """Inference not hidden under generation."""
+    training: float
+    others: float
+    """Task switching: weight resharding (train <-> generation / inference layouts)."""
+
+    @property
+    def gen_inf(self) -> float:
+        return self.generation + self.inference
+
+    @property
+    def total(self) -> float:
+        return self.gen_inf + self.training + self.others
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chosen execution plan and its predicted iteration."""
+
+    system: str
+    """"RLHFuse" (both fusions) or "RLHFuse-Base" (fusion off, all else equal)."""
+    models: RLHFModels
+    cluster: ClusterSpec
+    workload: Workload
+    gen_tp: int
+    inference_tp: int
+    rt_fraction: float | None
+    migration: MigrationDecision | None
+    mechanism: str | None
+    train: TrainResult
+    breakdown: Breakdown
+    sweep: tuple[tuple[float, float], ...] = ()
+    """(Rt fraction, Gen+Inf seconds) for the chosen generation layout (RLHFuse only)."""
+    train_bound: float = 0.0
+    """Training seconds per iteration at the fused lower bound (= training for serial)."""
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second."""
+        return self.workload.global_batch / self.breakdown.total
+
+    @property
+    def gen_instances(self) -> int:
+        return self.cluster.gpus // self.gen_tp
+
+    def layout_rows(self) -> list[tuple[str, str]]:
+        """(task, layout) rows of the plan table."""
+        g = self.cluster.gpus
+        rows = [("generation (Actor)", f"dp={g // self.gen_tp} pp=1 tp={self.gen_tp}")]
+        if self.rt_fraction is None:
+            tps = inference_tps(self.models, self.inference_tp)
+            rows.append(
+                ("inference (Ref, RW, Critic)", f"groups of {self.inference_tp}, tp={tps}, pp=1, all devices")
+            )
+        else:
+            m = self.migration.m if self.migration else 0
+            rows.append(
+                (
+                    "inference (Ref, RW, Critic)",
+                    f"on freed instances: tp={inference_tps(self.models, self.gen_tp)}, "
+                    f"{self.gen_instances - m} of {self.gen_instances}",
+                )
+            )
+            rows.append(
+                ("migration", f"Rt={self.rt_fraction:.0%} of batch -> m={m} instance(s), {self.mechanism}")
+            )
+        for name, lay in (("training (Actor)", self.train.actor), ("training (Critic)", self.train.critic)):
+            rows.append((name, f"dp={lay.dp} pp={lay.pp} tp={lay.tp} micro-batch={lay.micro_batch}"))
+        rows.append(
+            (
+                "training schedule",
+                self.train.mode + (f" ({self.train.ranks} ranks)" if self.train.ranks else ""),
+            )
+        )
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        b = self.breakdown
+        return {
+            "system": self.system,
+            "actor": self.models.actor.name,
+            "critic": self.models.critic.name,
+            "max_len": self.workload.max_len,
+            "generation": {"dp": self.gen_instances, "pp": 1, "tp": self.gen_tp},
+            "inference": {"group": self.inference_tp, "pp": 1, "tp": list(inference_tps(self.models, self.inference_tp))},
+            "migration": None
+            if self.rt_fraction is None
+            else {
+                "rt_fraction": self.rt_fraction,
+                "m": self.migration.m if self.migration else 0,
+                "mechanism": self.mechanism,
+            },
+            "training": {
+                "schedule": self.train.mode,
+                "actor": {"dp": self.train.actor.dp, "pp": self.train.actor.pp, "tp": self.train.actor.tp,
+                          "micro_batch": self.train.actor.micro_batch},
+                "critic": {"dp": self.train.critic.dp, "pp": self.train.critic.pp, "tp": self.train.critic.tp,
+                           "micro_batch": self.train.critic.micro_batch},
+            },
+            "breakdown_s": {
+                "generation": b.generation, "inference": b.inference, "gen_inf": b.gen_inf,
+                "training": b.training, "others": b.others, "total": b.total,
+            },
+            "training_bound_s": self.train_bound,
+            "throughput_samples_per_s": self.throughput,
+        }  # fmt: skip
+
+
+def search_plan(
+    cost: CostModel,
+    models: RLHFModels,
+    workload: Workload,
+    *,
+    fused: bool,
+    samples: Samples | None = None,
+    stats: PruneStats | None = None,
+) -> Plan:
+    """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`)."""
+    workload.validate()
+    samples = samples if samples is not None else workload.sample()
+    stats = stats if stats is not None else PruneStats()
+    seq = float(samples.seq.mean())
+    best: Plan | None = None
+    cache: dict[int, Unmigrated] = {}
+    for train in search_training(cost, models, workload, seq, fused=fused, stats=stats):
+        plan = _best_gen_inf(cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache)
+        if plan is not None and (best is None or plan.breakdown.total < best.breakdown.total):
+            best = plan
+    if best is None:
+        raise ValueError(
+            f"no generation layout fits for {models.name} with max_len={workload.max_len} "
+            f"(pruned: {dict(stats.removed)}): lower max_len or use devices with more memory"
+        )
+    return best
+
+
+def _best_gen_inf(
+    cost: CostModel,
+    models: RLHFModels,
+    workload: Workload,
+    samples: Samples,
+    train: TrainResult,
+    *,
+    fused: bool,
+    stats: PruneStats,
+    cache: dict[int, Unmigrated],
+) -> Plan | None:
+    resident = _states(cost, models, train.actor, train.critic)
+    kv_tok = cost.kv_bytes_per_token(models.actor)
+    best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
+    for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
+        per_instance = -(-len(samples) // (cost.cluster.gpus // gen_tp))
+        if free_kv_bytes(cost, models.actor, gen_tp, resident) < per_instance * kv_tok * workload.max_context:
+            stats.removed["generation: KV cache does not fit"] += 1
+            continue
+        reshard = cost.reshard_time(models.actor, "lm", train.actor.tp, train.actor.pp, gen_tp)
+        if fused:
+            sweep = rt_sweep(
+                cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident
+            )
+            _, res = min(sweep, key=lambda x: x[1].end)
+            if best is None or res.end + reshard < best[0]:
+                best = (res.end + reshard, res, gen_tp, sweep)
+            continue
+        for group in tp_candidates(LARGEST_GROUP, cost.cluster):
+            tps = inference_tps(models, group)
+            biggest = max(cost.weight_bytes(m, h) / tp for (m, h), tp in zip(models.inference(), tps))
+            if resident + biggest > cost.usable_memory():
+                stats.removed["inference: weights do not fit"] += 1
+                continue
+            res = gen_inf_serial(
+                cost,
+                models,
+                samples,
+                gen_tp,
+                group,
+                max_context=workload.max_context,
+                resident_bytes=resident,
+            )
+            if best is None or res.end + reshard < best[0]:
+                best = (res.end + reshard, res, gen_tp, [])
+    if best is None:
+        return None
+    total_gi, res, gen_tp, sweep = best
+    gen = res.generation
+    return Plan(
+        system="RLHFuse" if fused else "RLHFuse-Base",
+        models=models,
+        cluster=cost.cluster,
+        workload=workload,
+        gen_tp=gen_tp,
+        inference_tp=res.inference_tp,
+        rt_fraction=None if res.rt is None else res.rt / len(samples),
+        migration=gen.decision,
+        mechanism=gen.mechanism,
+        train=train,
+        breakdown=Breakdown(gen.end, res.inference_exposed, train.total, total_gi - res.end),
+        sweep=tuple((f, r.end) for f, r in sweep),
+        train_bound=train.total_bound,
+    )

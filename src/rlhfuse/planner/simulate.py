@@ -1,0 +1,605 @@
+"""Whole-iteration simulator: generation (long tail, migration), inference (fused or not), training
+(fused or serial pipelines), and task-switching overheads, on the analytical `CostModel`.
+
+Time origin: the start of generation. All times in seconds. Legend: N = samples in the global batch,
+n = generation instances (data-parallel Actor replicas of `gen_tp` devices each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
+from rlhfuse.planner.migration import Mechanism, MigrationDecision, choose_mechanism, decide_migration
+from rlhfuse.planner.schedule import (
+    PipeModel,
+    fused_lower_bound,
+    greedy_fused_makespan,
+    one_f_one_b,
+    reversed_blocks,
+)
+from rlhfuse.planner.specs import ModelSpec
+
+INFERENCE_BATCH = 16
+"""Sequences per inference forward (sets the GEMM size, hence MFU, of Ref/RW/Critic passes)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One PPO iteration's data: `global_batch` prompts, one response each, trained in mini-batches."""
+
+    global_batch: int = 512
+    mini_batch: int = 64
+    max_len: int = 1024
+    """Longest response (tokens); longer ones are truncated by the engine."""
+    responses: LengthDistribution = RESPONSES
+    prompts: LengthDistribution = PROMPTS
+    prompt_cap: int = PROMPT_CAP
+    seed: int = 0
+
+    def validate(self) -> Workload:
+        problems = []
+        if self.global_batch < 1 or self.mini_batch < 1 or self.global_batch % self.mini_batch:
+            problems.append(
+                f"global_batch={self.global_batch} must be a positive multiple of mini_batch={self.mini_batch}"
+            )
+        if self.max_len < 1:
+            problems.append(f"max_len={self.max_len} must be >= 1")
+        if problems:
+            raise ValueError("invalid Workload: " + "; ".join(problems))
+        return self
+
+    @property
+    def max_context(self) -> int:
+        return self.prompt_cap + self.max_len
+
+    def sample(self) -> Samples:
+        rng = np.random.default_rng(self.seed)
+        prompt = self.prompts.sample(self.global_batch, self.prompt_cap, rng)
+        response = self.responses.sample(self.global_batch, self.max_len, rng)
+        return Samples(prompt, response)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Token counts of one batch: `prompt[i]`, `response[i]` for sample i (int arrays of length N)."""
+
+    prompt: NDArray[np.int64]
+    response: NDArray[np.int64]
+
+    @property
+    def seq(self) -> NDArray[np.int64]:
+        out: NDArray[np.int64] = self.prompt + self.response
+        return out
+
+    def __len__(self) -> int:
+        return len(self.prompt)
+
+
+@dataclass(frozen=True)
+class RLHFModels:
+    """The four PPO models: Ref has the Actor's shape, the reward model (RW) the Critic's (as in the paper)."""
+
+    actor: ModelSpec
+    critic: ModelSpec
+
+    def inference(self) -> list[tuple[ModelSpec, str]]:
+        """Ref (LM head), RW and Critic (value heads): the models of the inference stage."""
+        return [(self.actor, "lm"), (self.critic, "value"), (self.critic, "value")]
+
+    @property
+    def name(self) -> str:
+        return f"{self.actor.name}/{self.critic.name}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------
+def decode_finish_times(
+    cost: CostModel, model: ModelSpec, tp: int, ctx0: NDArray, remaining: NDArray, t0: float
+) -> tuple[NDArray, NDArray]:
+    """Continuous-batching decode of one instance from time `t0`.
+
+    Sample i holds `ctx0[i]` KV entries and needs `remaining[i]` more tokens; every step decodes one token of
+    every unfinished sample. Returns (finish time per sample, end time of every step).
+    """
+    if len(remaining) == 0:
+        return np.zeros(0), np.zeros(0)
+    order = np.argsort(remaining, kind="stable")
+    r_sorted = remaining[order]
+    c_sorted = ctx0[order].astype(np.float64)
+    k = np.arange(int(r_sorted[-1]))
+    first_alive = np.searchsorted(r_sorted, k, side="right")
+    alive = len(r_sorted) - first_alive
+    suffix_ctx = np.concatenate([np.cumsum(c_sorted[::-1])[::-1], [0.0]])
+    ctx = suffix_ctx[first_alive] + alive * (k + 1)
+    steps = t0 + np.cumsum(cost.decode_step_time(model, tp, alive, ctx))
+    return steps[remaining - 1], steps
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Per-sample finish times (s) and what migration did (all None / 0 without migration)."""
+
+    finish: NDArray
+    end: float
+    instances: int
+    t_migrate: float | None = None
+    decision: MigrationDecision | None = None
+    mechanism: Mechanism | None = None
+    migration_seconds: float = 0.0
+    freed_at: float | None = None
+
+
+def free_kv_bytes(cost: CostModel, actor: ModelSpec, tp: int, resident_bytes: float) -> float:
+    """KV-cache memory of one generation instance: usable memory - resident training states - weights."""
+    per_device = cost.usable_memory() - resident_bytes - cost.weight_bytes(actor) / tp
+    return per_device * tp
+
+
+@dataclass(frozen=True)
+class Unmigrated:
+    """Generation without migration, per instance (reused by every Rt of a sweep)."""
+
+    tp: int
+    instance: NDArray
+    """Instance of each sample (sample i on instance i mod n)."""
+    finish: NDArray
+    steps: tuple[NDArray, ...]
+    """End time of every decode step, per instance."""
+    prefill_end: NDArray
+
+
+def generate_unmigrated(cost: CostModel, actor: ModelSpec, samples: Samples, tp: int) -> Unmigrated:
+    n = cost.cluster.gpus // tp
+    inst = np.arange(len(samples)) % n
+    finish = np.zeros(len(samples))
+    steps_of = []
+    prefill_end = np.zeros(n)
+    for i in range(n):
+        idx = np.flatnonzero(inst == i)
+        prefill_end[i] = cost.prefill_time(actor, samples.prompt[idx], tp)
+        f, steps = decode_finish_times(
+            cost, actor, tp, samples.prompt[idx], samples.response[idx], prefill_end[i]
+        )
+        finish[idx] = f
+        steps_of.append(steps)
+    return Unmigrated(tp, inst, finish, tuple(steps_of), prefill_end)
+
+
+def simulate_generation(
+    cost: CostModel,
+    actor: ModelSpec,
+    samples: Samples,
+    tp: int,
+    *,
+    max_context: int,
+    resident_bytes: float = 0.0,
+    rt: int | None = None,
+    unmigrated: Unmigrated | None = None,
+) -> GenerationResult:
+    """Generate `samples` on `cluster.gpus // tp` instances (sample i on instance i mod n).
+
+    With `rt`, migrate when `rt` samples remain (DESIGN §2): destinations from `decide_migration`, mechanism
+    (KV transfer or re-prefill) by cost, destinations pause for the migration, sources are freed after it.
+    `unmigrated` (from `generate_unmigrated` with the same arguments) saves recomputing the first phase.
+    """
+    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, actor, samples, tp)
+    n = cost.cluster.gpus // tp
+    size = len(samples)
+    inst, finish, steps_of, prefill_end = base.instance, base.finish, base.steps, base.prefill_end
+    if rt is None or rt >= size or size == 0:
+        return GenerationResult(finish, float(finish.max(initial=0.0)), n)
+
+    t_mig = float(np.sort(finish)[size - rt - 1])
+    unfinished = finish > t_mig
+    generated = np.zeros(size, dtype=np.int64)
+    for i in range(n):
+        idx = np.flatnonzero(inst == i)
+        done_steps = int(np.searchsorted(steps_of[i], t_mig, side="right")) if t_mig >= prefill_end[i] else 0
+        generated[idx] = np.minimum(done_steps, samples.response[idx] - 1)
+    counts = np.bincount(inst[unfinished], minlength=n)
+    kv_tok = cost.kv_bytes_per_token(actor)
+    decision = decide_migration(
+        counts.tolist(),
+        cost.bs_max(actor, tp),
+        kv_tok * max_context,
+        free_kv_bytes(cost, actor, tp, resident_bytes),
+    )
+    pending = {i: [int(j) for j in np.flatnonzero(unfinished & (inst == i))] for i in range(n)}
+    members = {d: list(pending[d]) for d in decision.destinations}
+    incoming: dict[int, list[int]] = {d: [] for d in decision.destinations}
+    for src, dst, count in decision.moves:
+        moved, pending[src] = pending[src][:count], pending[src][count:]
+        incoming[dst] += moved
+        members[dst] += moved
+    ctx_now = samples.prompt + generated
+    kv_seconds = max(
+        (
+            cost.p2p_time(float(ctx_now[m].sum()) * kv_tok / tp, inter_node=True)
+            for m in incoming.values()
+            if m
+        ),
+        default=0.0,
+    )
+    reprefill_seconds = max(
+        (cost.prefill_time(actor, ctx_now[m], tp) for m in incoming.values() if m), default=0.0
+    )
+    mechanism = choose_mechanism(kv_seconds, reprefill_seconds)
+    pause = kv_seconds if mechanism == "kv" else reprefill_seconds
+    finish = finish.copy()
+    for mem in members.values():
+        idx = np.asarray(mem, dtype=np.int64)
+        f, _ = decode_finish_times(
+            cost, actor, tp, ctx_now[idx], samples.response[idx] - generated[idx], t_mig + pause
+        )
+        finish[idx] = f
+    freed_at = t_mig + (kv_seconds if mechanism == "kv" else 0.0)
+    return GenerationResult(finish, float(finish.max()), n, t_mig, decision, mechanism, pause, freed_at)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inference
+# ---------------------------------------------------------------------------------------------------------
+def inference_tps(models: RLHFModels, group: int) -> tuple[int, ...]:
+    """tp of Ref, RW and Critic in a pool of `group`-device groups: for each, the largest tp that divides the
+    group and its heads (a group runs group / tp replicas of it)."""
+    out = []
+    for m, _ in models.inference():
+        tp = group
+        while tp > 1 and (group % tp or m.heads % tp or m.n_kv_heads % tp):
+            tp -= 1
+        out.append(tp)
+    return tuple(out)
+
+
+def inference_seconds(
+    cost: CostModel, models: list[tuple[ModelSpec, str]], seq: NDArray, tps: tuple[int, ...]
+) -> tuple[NDArray, NDArray]:
+    """(device-seconds, latency seconds) of each sample's forward passes through `models`, model k on a tp
+    group of `tps[k]` devices, batched by INFERENCE_BATCH sequences of similar length, TP all-reduces included."""
+    s = np.asarray(seq, dtype=np.float64)
+    dev = cost.device
+    work = np.zeros_like(s)
+    latency = np.zeros_like(s)
+    for (model, head), tp in zip(models, tps):
+        flops = s * cost.matmul_flops_per_token(model, head) + 2.0 * model.layers * model.hidden * s * s
+        mfu = cost.eff.mfu(cost.eff.prefill_mfu, INFERENCE_BATCH * s)
+        comm = 2 * model.layers * cost.allreduce_time_array(s * model.hidden * dev.dtype_bytes, tp)
+        seconds = flops / (tp * dev.peak_flops * mfu) + comm / INFERENCE_BATCH
+        work += seconds * tp
+        latency += seconds
+    return work, latency
+
+
+def drain_time(
+    arrivals: NDArray, work: NDArray, servers: int, ready: float, latency: NDArray | None = None
+) -> float:
+    """When a pool of `servers` identical servers, available from `ready`, finishes jobs of `work` server-seconds
+    arriving at `arrivals`: fluid bound max_j (a_j + later work / servers), and no job faster than its
+    `latency` (default: its work on one server)."""
+    if len(work) == 0:
+        return ready
+    if servers < 1:
+        raise ValueError(f"servers={servers} must be >= 1")
+    order = np.argsort(arrivals, kind="stable")
+    a = np.maximum(arrivals[order], ready)
+    w = work[order]
+    lat = w if latency is None else latency[order]
+    suffix = np.cumsum(w[::-1])[::-1]
+    return float(max(np.max(a + suffix / servers), np.max(a + lat)))
+
+
+@dataclass(frozen=True)
+class GenInfResult:
+    """Generation + inference of one iteration."""
+
+    generation: GenerationResult
+    end: float
+    """Time the last inference pass ends (the Gen+Inf stage time)."""
+    inference_tp: int
+    inference_exposed: float
+    """end - generation end: inference not hidden under generation."""
+    rt: int | None
+    swap_seconds: float = 0.0
+
+
+def inference_weight_bytes(cost: CostModel, models: RLHFModels, tps: tuple[int, ...]) -> float:
+    """Ref + RW + Critic bf16 weights on one device of the inference pool."""
+    return sum(cost.weight_bytes(m, h) / tp for (m, h), tp in zip(models.inference(), tps))
+
+
+def swap_exposed(
+    cost: CostModel,
+    models: RLHFModels,
+    tps: tuple[int, ...],
+    spare_bytes: float,
+    hidden_until: float,
+    passes: int = 1,
+) -> tuple[float, float]:
+    """(swap seconds, time the inference weights are ready) for loading Ref/RW/Critic onto a tp group.
+
+    DESIGN §4: the swap-in is overlapped with the previous task. When the weights fit in the memory generation
+    leaves spare (`spare_bytes` per device), they are prefetched from the start of generation, so they are
+    ready at max(swap, `hidden_until`); otherwise they are loaded one model at a time after `hidden_until`,
+    `passes` times (Base: 1; fused: 2, once for the bulk of the samples, once more for the tail).
+    """
+    nbytes = inference_weight_bytes(cost, models, tps)
+    swap = cost.host_copy_time(nbytes)
+    if nbytes <= spare_bytes:
+        return swap, max(swap, hidden_until)
+    return passes * swap, hidden_until + passes * swap
+
+
+def _spare_during_generation(
+    cost: CostModel, models: RLHFModels, gen_tp: int, samples: int, resident_bytes: float, max_context: int
+) -> float:
+    """Per-device memory left while generating: free KV memory minus the KV of the instance's samples."""
+    n = cost.cluster.gpus // gen_tp
+    kv = -(-samples // n) * cost.kv_bytes_per_token(models.actor) * max_context / gen_tp
+    return free_kv_bytes(cost, models.actor, gen_tp, resident_bytes) / gen_tp - kv
+
+
+def gen_inf_serial(
+    cost: CostModel,
+    models: RLHFModels,
+    samples: Samples,
+    gen_tp: int,
+    group: int,
+    *,
+    max_context: int,
+    resident_bytes: float,
+) -> GenInfResult:
+    """RLHFuse-Base: generate everything, then run Ref/RW/Critic over the batch on all devices (groups of
+    `group` devices, `inference_tps`), their weights prefetched during generation where memory allows."""
+    gen = simulate_generation(
+        cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes
+    )
+    tps = inference_tps(models, group)
+    work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
+    spare = _spare_during_generation(cost, models, gen_tp, len(samples), resident_bytes, max_context)
+    swap, ready = swap_exposed(cost, models, tps, spare, gen.end)
+    end = drain_time(np.full(len(samples), gen.end), work, cost.cluster.gpus, ready, latency)
+    return GenInfResult(gen, end, group, end - gen.end, None, swap)
+
+
+def gen_inf_fused(
+    cost: CostModel,
+    models: RLHFModels,
+    samples: Samples,
+    gen_tp: int,
+    rt: int,
+    *,
+    max_context: int,
+    resident_bytes: float,
+    unmigrated: Unmigrated | None = None,
+) -> GenInfResult:
+    """RLHFuse: migrate the tail at `rt` unfinished samples; freed instances run Ref/RW/Critic (tp groups
+    inside the instance) on the finished samples, the tail streaming in as it finishes."""
+    gen = simulate_generation(
+        cost,
+        models.actor,
+        samples,
+        gen_tp,
+        max_context=max_context,
+        resident_bytes=resident_bytes,
+        rt=rt,
+        unmigrated=unmigrated,
+    )
+    assert gen.decision is not None and gen.freed_at is not None
+    tps = inference_tps(models, gen_tp)
+    work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
+    spare = _spare_during_generation(cost, models, gen_tp, len(samples), resident_bytes, max_context)
+    freed = gen.instances - gen.decision.m
+    if freed == 0:  # nothing freed: the whole cluster runs inference after generation, like Base
+        swap, ready = swap_exposed(cost, models, tps, spare, gen.end)
+        end = drain_time(np.full(len(samples), gen.end), work, cost.cluster.gpus, ready, latency)
+    else:
+        swap, ready = swap_exposed(cost, models, tps, spare, gen.freed_at, passes=2)
+        end = drain_time(gen.finish, work, freed * gen_tp, ready, latency)
+    return GenInfResult(gen, end, gen_tp, max(0.0, end - gen.end), rt, swap)
+
+
+RT_FRACTIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))
+"""The sweep's migration thresholds, as fractions of the batch: 5%, 10%, ..., 95%."""
+
+
+def rt_sweep(
+    cost: CostModel,
+    models: RLHFModels,
+    samples: Samples,
+    gen_tp: int,
+    *,
+    max_context: int,
+    resident_bytes: float,
+    fractions: tuple[float, ...] = RT_FRACTIONS,
+    unmigrated: Unmigrated | None = None,
+) -> list[tuple[float, GenInfResult]]:
+    """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep); the first phase is shared."""
+    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
+    out = []
+    for frac in fractions:
+        rt = max(1, round(frac * len(samples)))
+        res = gen_inf_fused(
+            cost,
+            models,
+            samples,
+            gen_tp,
+            rt,
+            max_context=max_context,
+            resident_bytes=resident_bytes,
+            unmigrated=base,
+        )
+        out.append((frac, res))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainLayout:
+    """Megatron layout of one model: tp x pp x dp devices, micro-batches of `micro_batch` samples."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+
+    def microbatches(self, mini_batch: int) -> int:
+        return mini_batch // (self.dp * self.micro_batch)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Training-stage estimate per mini-batch and per iteration.
+
+    `per_minibatch` is the schedule we can produce (serial 1F1B, or the greedy fused schedule); `bound` is the
+    fused lower bound (what the paper's annealing reaches on most settings; equal to per_minibatch for serial).
+    """
+
+    mode: Literal["serial", "fused"]
+    actor: TrainLayout
+    critic: TrainLayout
+    per_minibatch: float
+    bound: float
+    memory: float
+    """Peak bytes per device: both models' training states + activations."""
+    minibatches: int
+    ranks: int = 0
+    """Fused: ranks of one fused pipeline (tp groups); 0 for serial."""
+    detail: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def total(self) -> float:
+        return self.per_minibatch * self.minibatches
+
+    @property
+    def total_bound(self) -> float:
+        return self.bound * self.minibatches
+
+
+def _stage(cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, seq: float) -> tuple[float, float]:
+    return cost.stage_times(model, head, lay.tp, lay.pp, lay.dp, lay.micro_batch, seq)
+
+
+def activation_peak(
+    cost: CostModel, model: ModelSpec, lay: TrainLayout, mini_batch: int, seq: float
+) -> float:
+    """1F1B's peak on stage 0: min(pp, M) micro-batches in flight over layers / pp layers."""
+    inflight = min(lay.pp, lay.microbatches(mini_batch))
+    return inflight * cost.activation_bytes(model, lay.micro_batch * seq, lay.tp, model.layers / lay.pp)
+
+
+def model_step_time(
+    cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, mini_batch: int, seq: float
+) -> float:
+    """One model's mini-batch with 1F1B on its own layout, + DP gradient all-reduce + optimizer step."""
+    f, b = _stage(cost, model, head, lay, seq)
+    return (
+        one_f_one_b(lay.pp, lay.microbatches(mini_batch), f, b)
+        + cost.grad_allreduce_time(model, head, lay.tp, lay.pp, lay.dp)
+        + cost.optimizer_step_time(model, head, lay.tp, lay.pp)
+    )
+
+
+def serial_training(
+    cost: CostModel,
+    models: RLHFModels,
+    actor: TrainLayout,
+    critic: TrainLayout,
+    workload: Workload,
+    seq: float,
+) -> TrainResult:
+    mb = workload.mini_batch
+    ta = model_step_time(cost, models.actor, "lm", actor, mb, seq)
+    tc = model_step_time(cost, models.critic, "value", critic, mb, seq)
+    memory = (
+        cost.train_state_bytes(models.actor, "lm", actor.tp, actor.pp)
+        + cost.train_state_bytes(models.critic, "value", critic.tp, critic.pp)
+        + max(
+            activation_peak(cost, models.actor, actor, mb, seq),
+            activation_peak(cost, models.critic, critic, mb, seq),
+        )
+    )
+    n_mb = workload.global_batch // mb
+    return TrainResult(
+        "serial", actor, critic, ta + tc, ta + tc, memory, n_mb, detail={"actor": ta, "critic": tc}
+    )
+
+
+def fused_problem(
+    cost: CostModel,
+    models: RLHFModels,
+    actor: TrainLayout,
+    critic: TrainLayout,
+    workload: Workload,
+    seq: float,
+) -> tuple[int, list[PipeModel]]:
+    """The fused pipeline problem of a co-located layout (DESIGN §3): the model with more stages runs in order
+    on ranks 0..N-1, the other's N / pp replicas run reversed over blocks of ranks. A rank is a group of
+    max(tp) devices; a model with smaller tp runs max(tp) / tp lockstep sub-replicas side by side in it."""
+    ranks = max(actor.pp, critic.pp)
+    mb = workload.mini_batch
+    out = []
+    for (model, head), lay, in_order in (
+        ((models.actor, "lm"), actor, actor.pp == ranks),
+        ((models.critic, "value"), critic, critic.pp == ranks and actor.pp < ranks),
+    ):
+        f, b = _stage(cost, model, head, lay, seq)
+        placement = (tuple(range(ranks)),) if in_order else reversed_blocks(ranks, lay.pp)
+        # lockstep sub-replicas (smaller tp) run at the same time on their own devices: one op each
+        out.append(PipeModel(lay.pp, ranks // lay.pp, lay.microbatches(mb), f, b, placement))
+    return ranks, out
+
+
+def fused_extra(cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout) -> float:
+    """Per mini-batch work outside the fused pipelines: both gradient all-reduces and optimizer steps."""
+    return (
+        cost.grad_allreduce_time(models.actor, "lm", actor.tp, actor.pp, actor.dp)
+        + cost.grad_allreduce_time(models.critic, "value", critic.tp, critic.pp, critic.dp)
+        + cost.optimizer_step_time(models.actor, "lm", actor.tp, actor.pp)
+        + cost.optimizer_step_time(models.critic, "value", critic.tp, critic.pp)
+    )
+
+
+def fused_bound(
+    cost: CostModel,
+    models: RLHFModels,
+    actor: TrainLayout,
+    critic: TrainLayout,
+    workload: Workload,
+    seq: float,
+) -> float:
+    """Lower bound of a fused mini-batch (pipeline lower bound + all-reduces + optimizer steps)."""
+    ranks, problem = fused_problem(cost, models, actor, critic, workload, seq)
+    return fused_lower_bound(ranks, problem) + fused_extra(cost, models, actor, critic)
+
+
+def fused_training(
+    cost: CostModel,
+    models: RLHFModels,
+    actor: TrainLayout,
+    critic: TrainLayout,
+    workload: Workload,
+    seq: float,
+) -> TrainResult:
+    """A co-located layout trained with the greedy fused schedule (`per_minibatch`) and its bound."""
+    ranks, problem = fused_problem(cost, models, actor, critic, workload, seq)
+    extra = fused_extra(cost, models, actor, critic)
+    bound = fused_lower_bound(ranks, problem) + extra
+    est = greedy_fused_makespan(ranks, problem) + extra
+    mb = workload.mini_batch
+    memory = (
+        cost.train_state_bytes(models.actor, "lm", actor.tp, actor.pp)
+        + cost.train_state_bytes(models.critic, "value", critic.tp, critic.pp)
+        + activation_peak(cost, models.actor, actor, mb, seq)
+        + activation_peak(cost, models.critic, critic, mb, seq)
+    )
+    n_mb = workload.global_batch // mb
+    return TrainResult("fused", actor, critic, est, bound, memory, n_mb, ranks)

@@ -1,0 +1,202 @@
+"""Hardware and model specifications the planner's cost model reads.
+
+Units: FLOP/s, bytes, bytes/s, seconds. Every preset names its source; where a figure is an assumption rather
+than a datasheet value, the docstring says so. Peaks are vendor *peaks*: achieved rates are peak times an
+`Efficiency` factor (model-FLOPs utilisation for compute, bandwidth utilisation for memory and links).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU socket used as a device)."""
+
+    name: str
+    peak_flops: float
+    """Dense peak of the compute dtype (bf16 on GPUs, fp32 on the CPU), FLOP/s, no sparsity."""
+    hbm_bw: float
+    """Device memory bandwidth, bytes/s."""
+    memory: float
+    """Device memory, bytes."""
+    intra_bw: float
+    """Per-device one-direction bandwidth to devices of the same node (NVLink), bytes/s."""
+    inter_bw: float
+    """Per-device one-direction bandwidth to other nodes (its share of the node's NICs), bytes/s."""
+    host_bw: float
+    """Host-to-device copy bandwidth (PCIe), bytes/s; used for Ref/RW swap-in from CPU memory."""
+    intra_latency: float = 10e-6
+    """Latency of one small collective inside a node, s (assumed: NCCL small-message all-reduce on NVLink)."""
+    inter_latency: float = 20e-6
+    """Latency of one small message between nodes, s (assumed: InfiniBand + NCCL protocol overhead)."""
+    dtype_bytes: int = 2
+    """Bytes per weight / activation element of the compute dtype (2 = bf16, 4 = fp32)."""
+
+
+GB = 1e9
+TB = 1e12
+
+# NVIDIA H100 SXM5 80GB datasheet: 989 TFLOP/s dense BF16 (1979 with sparsity), 3.35 TB/s HBM3, 80 GB,
+# NVLink 4 900 GB/s bidirectional (450 GB/s per direction). DGX H100 networking: 8 x ConnectX-7 400 Gb/s
+# InfiniBand NDR, one per GPU = 50 GB/s per direction. PCIe Gen5 x16: 64 GB/s per direction.
+H100 = DeviceSpec("H100-SXM-80GB", 989e12, 3.35 * TB, 80 * GB, 450 * GB, 50 * GB, 64 * GB)
+# NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s; same NICs as H100.
+H200 = DeviceSpec("H200-SXM-141GB", 989e12, 4.8 * TB, 141 * GB, 450 * GB, 50 * GB, 64 * GB)
+# NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e, 80 GB, NVLink 3 600 GB/s
+# bidirectional. DGX A100: 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU. PCIe Gen4 x16: 32 GB/s per direction.
+A100 = DeviceSpec("A100-SXM-80GB", 312e12, 2.039 * TB, 80 * GB, 300 * GB, 25 * GB, 32 * GB)
+# This machine (nominal, before calibration): Intel Xeon (Sapphire Rapids, lscpu model 207) at 2.3 GHz, 2 cores,
+# 2 AVX-512 FMA units per core: 2 cores x 2.3e9 x 2 units x 16 fp32 lanes x 2 FLOP = 294 GFLOP/s fp32.
+# Memory bandwidth of the VM is not published: 20 GB/s is an assumption that `calibrate_cpu` replaces with a
+# measured copy bandwidth. "Links" are shared memory between processes of one host.
+CPU = DeviceSpec(
+    "this-CPU (nominal)", 294e9, 20 * GB, 16 * GB, 10 * GB, 10 * GB, 20 * GB, 50e-6, 50e-6, dtype_bytes=4
+)
+
+DEVICES: dict[str, DeviceSpec] = {"h100": H100, "h200": H200, "a100": A100, "cpu": CPU}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """`nodes` x `gpus_per_node` identical devices."""
+
+    device: DeviceSpec
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def validate(self) -> ClusterSpec:
+        problems = []
+        if self.nodes < 1:
+            problems.append(f"nodes={self.nodes} must be >= 1")
+        if self.gpus_per_node < 1:
+            problems.append(f"gpus_per_node={self.gpus_per_node} must be >= 1")
+        if problems:
+            raise ValueError("invalid ClusterSpec: " + "; ".join(problems))
+        return self
+
+
+def cluster(device: str | DeviceSpec, nodes: int, gpus_per_node: int = 8) -> ClusterSpec:
+    """A cluster of a named preset (`h100`, `h200`, `a100`, `cpu`) or of a given DeviceSpec."""
+    if isinstance(device, str):
+        if device.lower() not in DEVICES:
+            raise ValueError(
+                f"device={device!r} is unknown: use one of {sorted(DEVICES)} or pass a DeviceSpec"
+            )
+        device = DEVICES[device.lower()]
+    return ClusterSpec(device, nodes, gpus_per_node).validate()
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fraction of the peaks, plus fixed software overheads. Values are assumptions, with sources.
+
+    Megatron-LM reaches 41-48% MFU training LLaMA-class 30-70B models on H100 in bf16 (Megatron-Core
+    performance tables); prefill-style forward passes run larger GEMMs with no backward and reach more.
+    Decoding is bound by HBM bandwidth: vLLM / TensorRT-LLM decoding kernels achieve roughly 60-80% of peak
+    HBM bandwidth (MBU); 0.7 is used. Collective bandwidth reaches about 70-80% of the link rate in NCCL tests.
+    """
+
+    train_mfu: float = 0.45
+    """MFU of a large training GEMM workload (forward + backward)."""
+    prefill_mfu: float = 0.55
+    """MFU of forward-only passes over whole sequences (prefill, Ref/RW/Critic inference)."""
+    decode_mfu: float = 0.5
+    """MFU ceiling of decoding GEMMs once the batch is large enough to be compute-bound (sets BSmax)."""
+    decode_mbu: float = 0.7
+    """Fraction of HBM bandwidth achieved while decoding (weights + KV cache reads)."""
+    half_tokens: float = 64.0
+    """Tokens per GEMM at which MFU reaches half its ceiling: small micro-batches run below the ceiling."""
+    link_eff: float = 0.75
+    """Fraction of NVLink / InfiniBand / PCIe bandwidth achieved by collectives and copies."""
+    decode_step_overhead: float = 0.5e-3
+    """Fixed time per decode step (sampling, scheduling, launch), s. CUDA-graph engines: 0.2-1 ms."""
+    decode_layer_overhead: float = 4e-6
+    """Fixed time per layer per decode step (kernel launches that CUDA graphs do not hide), s."""
+    memory_reserve: float = 0.1
+    """Fraction of device memory not usable (CUDA context, allocator fragmentation)."""
+
+    def mfu(self, ceiling: float, tokens: Any) -> Any:
+        """MFU of a GEMM over `tokens` rows (a number or an array): `ceiling * tokens / (tokens + half_tokens)`."""
+        return ceiling * tokens / (tokens + self.half_tokens)
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a LLaMA-style decoder (SwiGLU MLP, RoPE, untied embeddings) for cost estimates."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int = 32000
+    kv_heads: int | None = None
+    """None means multi-head attention (kv_heads = heads)."""
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder block: q, o (h x h), k, v (h x kv), gate/up/down (h x ffn); norms ignored."""
+        kv = self.n_kv_heads * self.head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn
+
+    def params(self, head: str = "lm") -> int:
+        """Total weights: embeddings + blocks + head (`lm`: vocab x hidden; `value`: hidden x 1)."""
+        head_params = self.vocab * self.hidden if head == "lm" else self.hidden
+        return self.vocab * self.hidden + self.layers * self.layer_params + head_params
+
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
+        """From an `rlhfuse.models.ModelConfig` (read by attribute, so no torch import is needed here)."""
+        return cls(
+            name=name or f"{config.num_layers}L-{config.hidden_size}",
+            layers=config.num_layers,
+            hidden=config.hidden_size,
+            heads=config.num_heads,
+            ffn=config.intermediate_size,
+            vocab=config.vocab_size,
+            kv_heads=config.num_kv_heads,
+        )
+
+
+# LLaMA-1 (Touvron et al. 2023, Table 2; RLHFuse Table 2): 13B/33B/65B.
+LLAMA_13B = ModelSpec("13B", layers=40, hidden=5120, heads=40, ffn=13824)
+LLAMA_33B = ModelSpec("33B", layers=60, hidden=6656, heads=52, ffn=17920)
+LLAMA_65B = ModelSpec("65B", layers=80, hidden=8192, heads=64, ffn=22016)
+LLAMA_7B = ModelSpec("7B", layers=32, hidden=4096, heads=32, ffn=11008)
+MODELS: dict[str, ModelSpec] = {m.name.lower(): m for m in (LLAMA_7B, LLAMA_13B, LLAMA_33B, LLAMA_65B)}
+
+
+def model(name: str) -> ModelSpec:
+    """A preset by name (`7b`, `13b`, `33b`, `65b`)."""
+    key = name.lower()
+    if key not in MODELS:
+        raise ValueError(f"model={name!r} is unknown: use one of {sorted(MODELS)}")
+    return MODELS[key]
+
+
+def with_measured(
+    device: DeviceSpec, *, peak_flops: float, hbm_bw: float, name: str | None = None
+) -> DeviceSpec:
+    """A copy of `device` with measured peak / bandwidth (what CPU calibration produces)."""
+    if not (math.isfinite(peak_flops) and peak_flops > 0 and math.isfinite(hbm_bw) and hbm_bw > 0):
+        raise ValueError(f"measured peak_flops={peak_flops} and hbm_bw={hbm_bw} must be finite and > 0")
+    return replace(device, peak_flops=peak_flops, hbm_bw=hbm_bw, name=name or device.name + " (calibrated)")
