@@ -68,3 +68,33 @@ def test_logprobs_of_bf16_logits_are_fp32_and_accurate():
 def test_logprobs_label_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="labels shape"):
         logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_sliced_logits_are_not_copied_and_still_correct(monkeypatch):
+    # The response slice of a full forward pass is not viewable as (B·T, V); it must be processed per row
+    # (views) rather than flattened by a copy, with the same values and gradients.
+    generator = torch.Generator().manual_seed(3)
+    full_logits_BTV = torch.randn(2, 9, 13, generator=generator, requires_grad=True)
+    logits_BTV = full_logits_BTV[:, 3:-1]
+    labels_BT = torch.randint(0, 13, (2, 5), generator=generator)
+    seen_storage = []
+    import rlhfuse.ops as ops
+
+    real = ops.chosen_logprobs
+
+    def spy(logits_NV, *args, **kwargs):
+        seen_storage.append(logits_NV.untyped_storage().data_ptr())
+        return real(logits_NV, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "chosen_logprobs", spy)
+    logprobs_BT = logprobs_from_logits(logits_BTV, labels_BT, chunk_size=2)
+    assert seen_storage == [full_logits_BTV.untyped_storage().data_ptr()] * 2
+    expected_BT = torch.log_softmax(logits_BTV, -1).gather(-1, labels_BT[..., None]).squeeze(-1)
+    torch.testing.assert_close(logprobs_BT, expected_BT, rtol=0, atol=1e-6)
+    (grad,) = torch.autograd.grad(logprobs_BT.sum(), full_logits_BTV)
+    (expected_grad,) = torch.autograd.grad(expected_BT.sum(), full_logits_BTV)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        entropy_from_logits(logits_BTV, chunk_size=2),
+        -(torch.softmax(logits_BTV, -1) * torch.log_softmax(logits_BTV, -1)).sum(-1),
+    )

@@ -11,6 +11,20 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+def _row_blocks_NV(logits_BTV: torch.Tensor) -> list[torch.Tensor]:
+    """Views of the logits as (rows, V) blocks covering every row in order, never copying the logits.
+
+    `reshape(-1, V)` silently copies a non-viewable tensor, e.g. the response slice `logits[:, P - 1 : -1]` of a
+    full forward pass; that copy is as large as the log_softmax this module avoids. Such inputs are split along
+    their leading dimension instead, whose (T, V) slices are views.
+    """
+    vocab = logits_BTV.shape[-1]
+    try:
+        return [logits_BTV.view(-1, vocab)]
+    except RuntimeError:
+        return [block for row in logits_BTV.unbind(0) for block in _row_blocks_NV(row)]
+
+
 def _entropy_rows_C(logits_CV: torch.Tensor) -> torch.Tensor:
     """H = logsumexp(x) − Σ_v softmax(x)_v·x_v for each row (entropy of a categorical, in nats), fp32."""
     logits_f_CV = logits_CV.float()
@@ -28,18 +42,18 @@ def entropy_from_logits(logits_BTV: torch.Tensor, *, chunk_size: int = 1024) -> 
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    *batch_shape, vocab = logits_BTV.shape
-    logits_NV = logits_BTV.reshape(-1, vocab)
-    needs_grad = torch.is_grad_enabled() and logits_NV.requires_grad
+    *batch_shape, _ = logits_BTV.shape
+    needs_grad = torch.is_grad_enabled() and logits_BTV.requires_grad
     pieces_N = []
-    for start in range(0, logits_NV.shape[0], chunk_size):
-        chunk_CV = logits_NV[start : start + chunk_size]
-        if needs_grad:
-            pieces_N.append(checkpoint(_entropy_rows_C, chunk_CV, use_reentrant=False))
-        else:
-            pieces_N.append(_entropy_rows_C(chunk_CV))
+    for logits_NV in _row_blocks_NV(logits_BTV):
+        for start in range(0, logits_NV.shape[0], chunk_size):
+            chunk_CV = logits_NV[start : start + chunk_size]
+            if needs_grad:
+                pieces_N.append(checkpoint(_entropy_rows_C, chunk_CV, use_reentrant=False))
+            else:
+                pieces_N.append(_entropy_rows_C(chunk_CV))
     if not pieces_N:
-        return logits_NV.new_zeros(batch_shape, dtype=torch.float32)
+        return logits_BTV.new_zeros(batch_shape, dtype=torch.float32)
     return torch.cat(pieces_N).reshape(batch_shape)
 
 
@@ -144,16 +158,19 @@ def logprobs_from_logits(
     """
     from rlhfuse import ops  # deferred: ops imports this module for the reference
 
-    *batch_shape, vocab = logits_BTV.shape
+    *batch_shape, _ = logits_BTV.shape
     if labels_BT.shape != tuple(batch_shape):
         raise ValueError(
             f"labels shape {tuple(labels_BT.shape)} must equal the logits' leading shape {tuple(batch_shape)}"
         )
-    logprobs_N = ops.chosen_logprobs(
-        logits_BTV.reshape(-1, vocab),
-        labels_BT.reshape(-1),
-        temperature,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
-    return logprobs_N.reshape(batch_shape)
+    labels_N = labels_BT.reshape(-1)
+    pieces_N, start = [], 0
+    for logits_NV in _row_blocks_NV(logits_BTV):
+        stop = start + logits_NV.shape[0]
+        pieces_N.append(
+            ops.chosen_logprobs(
+                logits_NV, labels_N[start:stop], temperature, chunk_size=chunk_size, backend=backend
+            )
+        )
+        start = stop
+    return torch.cat(pieces_N).reshape(batch_shape)
