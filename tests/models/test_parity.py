@@ -172,16 +172,28 @@ def test_save_value_model_loads_as_sequence_classification(tmp_path):
         torch.testing.assert_close(critic(input_ids_BT), expected_BT, atol=ATOL, rtol=0)
 
 
-def test_llama3_rope_scaling_matches_transformers():
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    ],
+    ids=["llama3", "linear"],
+)  # fmt: skip
+def test_rope_scaling_matches_transformers(tmp_path, rope_parameters):
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        num_key_value_heads=2, max_position_embeddings=256, rope_parameters=rope_parameters,
     )  # fmt: skip
     hf_model = transformers.LlamaForCausalLM(config).eval()
     model = Transformer(ModelConfig.from_hf_dict(config.to_dict())).eval()
     model.load_state_dict({k.removeprefix("model."): v for k, v in hf_model.state_dict().items()})
     input_ids_BT = torch.randint(0, 128, (1, 40))
+    save_pretrained(model, tmp_path / "scaled")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "scaled").eval()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids_BT), hf_model(input_ids_BT).logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            reloaded(input_ids_BT).logits, hf_model(input_ids_BT).logits, atol=ATOL, rtol=0
+        )
