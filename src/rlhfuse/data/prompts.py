@@ -1,0 +1,153 @@
+"""Prompt datasets (synthetic or a local JSONL/Parquet file), tokenisation with a length limit, and a
+resumable loader that yields a fixed number of prompts per iteration, epoch after epoch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhfuse.data.config import DataConfig
+from rlhfuse.data.synthetic import SyntheticTask
+from rlhfuse.data.tokenizer import Tokenizer
+
+
+class DatasetError(ValueError):
+    """A dataset file is malformed; the message names the file and the line (or row)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its position in the dataset (`id`), text and token ids (BOS first when the tokenizer has one)."""
+
+    id: int
+    text: str
+    token_ids: tuple[int, ...]
+
+
+def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[str]:
+    """Read prompt texts from a .jsonl or .parquet file; malformed rows raise DatasetError naming file:line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"prompt file {path} does not exist: set data.path to a local .jsonl or .parquet file"
+        )
+    if path.suffix == ".parquet":
+        return _read_parquet(path, prompt_key)
+    if path.suffix not in (".jsonl", ".json"):
+        raise DatasetError(f"{path}: unsupported prompt file type {path.suffix!r}: use .jsonl or .parquet")
+    texts: list[str] = []
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(
+                    f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from None
+            texts.append(_prompt_of(row, prompt_key, f"{path}:{lineno}"))
+    if not texts:
+        raise DatasetError(f"{path}: no prompts found (empty file)")
+    return texts
+
+
+def _read_parquet(path: Path, prompt_key: str) -> list[str]:
+    try:
+        import pyarrow.parquet as pq  # optional: only Parquet prompt files need it
+    except ImportError as err:
+        raise ImportError(
+            f"reading {path} needs pyarrow: `pip install pyarrow` (or convert it to .jsonl)"
+        ) from err
+    rows = pq.read_table(path).to_pylist()
+    return [_prompt_of(row, prompt_key, f"{path}: row {i}") for i, row in enumerate(rows)]
+
+
+def _prompt_of(row: object, prompt_key: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise DatasetError(
+            f"{where}: expected a JSON object with key {prompt_key!r}, got {type(row).__name__}"
+        )
+    if prompt_key not in row:
+        raise DatasetError(
+            f"{where}: missing key {prompt_key!r} (keys: {sorted(row)}); set data.prompt_key to the prompt field"
+        )
+    text = row[prompt_key]
+    if not isinstance(text, str) or not text.strip():
+        raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string, got {text!r}")
+    return text
+
+
+def tokenize_prompts(
+    texts: list[str], tokenizer: Tokenizer, *, max_length: int, truncate: str = "error"
+) -> list[Prompt]:
+    """Tokenise every prompt; prompts over `max_length` tokens are an error unless truncate is left|right."""
+    prompts, too_long = [], []
+    for i, text in enumerate(texts):
+        ids = tokenizer.encode(text)
+        if len(ids) > max_length:
+            if truncate == "left":
+                ids = ids[len(ids) - max_length :]
+            elif truncate == "right":
+                ids = ids[:max_length]
+            else:
+                too_long.append((i, len(ids)))
+        prompts.append(Prompt(id=i, text=text, token_ids=tuple(ids)))
+    if too_long:
+        shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in too_long[:5])
+        more = f" (and {len(too_long) - 5} more)" if len(too_long) > 5 else ""
+        raise DatasetError(
+            f"{len(too_long)} prompt(s) longer than data.max_prompt_length={max_length}: {shown}{more}; "
+            f"raise data.max_prompt_length or set data.truncate=left (keep the end) or data.truncate=right"
+        )
+    return prompts
+
+
+def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int) -> list[Prompt]:
+    if config.source == "synthetic":
+        texts = SyntheticTask(seed=seed).prompts(config.num_prompts)
+    else:
+        assert config.path is not None, "validated: data.source=file needs data.path"
+        texts = read_prompt_file(config.path, config.prompt_key)
+    return tokenize_prompts(texts, tokenizer, max_length=config.max_prompt_length, truncate=config.truncate)
+
+
+class PromptLoader:
+    """Yields `batch_size` prompts per call, walking a fresh seeded permutation every epoch.
+
+    The position (`epoch`, `offset`) is the whole state, so a resumed loader continues exactly where the saved
+    one stopped; an epoch whose remainder is smaller than a batch is dropped and the next epoch starts (resuming
+    at an epoch boundary trains the next epoch, it does not stop or repeat the finished one).
+    """
+
+    def __init__(self, prompts: list[Prompt], batch_size: int, *, seed: int) -> None:
+        if batch_size > len(prompts):
+            raise ValueError(
+                f"data.prompts_per_iteration={batch_size} exceeds the {len(prompts)} prompts of the dataset: "
+                "lower data.prompts_per_iteration or add prompts"
+            )
+        self.prompts = prompts
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.prompts), generator=generator).tolist()
+
+    def next_batch(self) -> list[Prompt]:
+        if self.offset + self.batch_size > len(self.prompts):
+            self.epoch, self.offset = self.epoch + 1, 0
+        order = self._order(self.epoch)[self.offset : self.offset + self.batch_size]
+        self.offset += self.batch_size
+        return [self.prompts[i] for i in order]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])

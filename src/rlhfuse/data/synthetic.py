@@ -1,0 +1,116 @@
+"""The embedded default task: stay on the prompt's topic, with long-tailed response lengths.
+
+A prompt reads `"<topic> : w1 w2 w3"`. The hidden rule scores a response by the fraction of its words that
+belong to the prompt's topic (`topic_fraction`, in [0, 1]). Everything is generated deterministically from a
+seed, nothing is downloaded:
+
+- SFT responses are mostly off-topic (on-topic word rate ~Beta(2, 6), mean 0.25) so the warm-started actor
+  scores ~0.25 and PPO has room to improve it;
+- response lengths follow a log-normal law clipped to `max_new_tokens - 1` (median ~6 words, a few near the
+  limit): the long tail that generation fusion targets;
+- preference pairs rank two responses of one prompt by the hidden rule, with on-topic rates spread over
+  [0, 1] so that a Bradley–Terry reward model learns the rule over its whole range.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from rlhfuse.data.tokenizer import Tokenizer
+
+TOPICS: dict[str, tuple[str, ...]] = {
+    "animals": ("cat", "dog", "horse", "cow", "bird", "fish", "lion", "tiger", "bear", "wolf"),
+    "food": ("bread", "rice", "apple", "cheese", "soup", "cake", "milk", "egg", "pasta", "salad"),
+    "space": ("star", "moon", "planet", "comet", "orbit", "rocket", "galaxy", "sun", "mars", "nebula"),
+    "music": ("song", "drum", "guitar", "piano", "melody", "rhythm", "choir", "violin", "jazz", "opera"),
+    "sports": ("ball", "goal", "team", "race", "match", "coach", "score", "tennis", "golf", "swim"),
+    "weather": ("rain", "snow", "wind", "cloud", "storm", "fog", "thunder", "sunny", "frost", "hail"),
+}
+FILLER: tuple[str, ...] = (
+    "the", "a", "and", "of", "to", "in", "is", "it", "on", "with",
+    "was", "for", "very", "some", "many", "this", "that", "then", "so", "big",
+)  # fmt: skip
+SEPARATOR = ":"
+
+
+def vocabulary() -> list[str]:
+    """Every word of the task (topic names, topic words, filler, separator), in a fixed order."""
+    words = [*TOPICS, SEPARATOR]
+    for topic_words in TOPICS.values():
+        words.extend(topic_words)
+    words.extend(FILLER)
+    return words
+
+
+def build_tokenizer() -> Tokenizer:
+    return Tokenizer.from_words(vocabulary())
+
+
+def topic_fraction(prompt: str, response: str) -> float:
+    """The hidden rule: fraction of the response's words that belong to the prompt's topic (0 if empty)."""
+    topic = prompt.split()[0] if prompt.split() else ""
+    words = response.split()
+    on_topic = set(TOPICS.get(topic, ()))
+    if not words:
+        return 0.0
+    return sum(word in on_topic for word in words) / len(words)
+
+
+@dataclass
+class SyntheticTask:
+    """Deterministic generator of prompts, SFT examples and preference pairs for the topic task."""
+
+    seed: int = 0
+    max_new_tokens: int = 48
+    length_median: float = 6.0  # words; the log-normal's median
+    length_sigma: float = 0.8  # log-normal sigma: larger = heavier tail
+
+    def prompt(self, index: int) -> str:
+        rng = random.Random(f"prompt-{self.seed}-{index}")
+        topic = rng.choice(list(TOPICS))
+        all_words = [w for words in TOPICS.values() for w in words] + list(FILLER)
+        context = [rng.choice(all_words) for _ in range(rng.randint(2, 4))]
+        return " ".join([topic, SEPARATOR, *context])
+
+    def prompts(self, count: int) -> list[str]:
+        return [self.prompt(i) for i in range(count)]
+
+    def response_length(self, rng: random.Random) -> int:
+        length = math.exp(rng.gauss(math.log(self.length_median), self.length_sigma))
+        return max(1, min(self.max_new_tokens - 1, round(length)))
+
+    def response(self, prompt: str, on_topic_rate: float, rng: random.Random) -> str:
+        topic = prompt.split()[0]
+        others = [w for name, words in TOPICS.items() if name != topic for w in words] + list(FILLER)
+        words = [
+            rng.choice(TOPICS[topic]) if rng.random() < on_topic_rate else rng.choice(others)
+            for _ in range(self.response_length(rng))
+        ]
+        return " ".join(words)
+
+    def sft_examples(self, count: int) -> list[tuple[str, str]]:
+        """(prompt, response) pairs whose responses are mostly off-topic, lengths long-tailed."""
+        rng = random.Random(f"sft-{self.seed}")
+        examples = []
+        for i in range(count):
+            prompt = self.prompt(i)
+            examples.append((prompt, self.response(prompt, rng.betavariate(2.0, 6.0), rng)))
+        return examples
+
+    def preference_pairs(self, count: int) -> list[tuple[str, str, str]]:
+        """(prompt, chosen, rejected) triples ranked by `topic_fraction`; ties are redrawn."""
+        rng = random.Random(f"pairs-{self.seed}")
+        pairs: list[tuple[str, str, str]] = []
+        i = 0
+        while len(pairs) < count:
+            prompt = self.prompt(i)
+            i += 1
+            a = self.response(prompt, rng.random(), rng)
+            b = self.response(prompt, rng.random(), rng)
+            score_a, score_b = topic_fraction(prompt, a), topic_fraction(prompt, b)
+            if score_a == score_b:
+                continue
+            pairs.append((prompt, a, b) if score_a > score_b else (prompt, b, a))
+        return pairs
