@@ -137,3 +137,11 @@ def test_invalid_inputs_name_the_problem(kwargs, message):
     for gae in (compute_gae_loop, compute_gae_matrix, compute_gae):
         with pytest.raises(ValueError, match=message):
             gae(**arguments)
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5)])
+def test_empty_batch_or_sequence(shape):
+    zeros_BT = torch.zeros(shape)
+    for gae in (compute_gae_loop, compute_gae_matrix):
+        advantages_BT, returns_BT = gae(zeros_BT, zeros_BT, zeros_BT.bool(), 0.9, 0.9)
+        assert advantages_BT.shape == shape and returns_BT.shape == shape

@@ -86,3 +86,10 @@ def test_dispatch_forces_the_kernel_with_env_var(monkeypatch):
     )
     with pytest.raises(ValueError, match="backend must be one of"):
         compute_gae(rewards_BT, values_BT, mask_BT, 0.9, 0.9, backend="cuda")
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_fix(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    zeros_BT = torch.zeros(1, 2)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        compute_gae(zeros_BT, zeros_BT, zeros_BT, 0.9, 0.9, backend="triton")
