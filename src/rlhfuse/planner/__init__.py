@@ -1,3 +1,104 @@
-"""Execution-plan generator and paper-scale simulator (DESIGN §4-5): cost model, whole-iteration simulator,
-migration decision, Rt sweep, plan search and the `rlhfuse-plan` CLI. Pure Python + numpy (no torch).
+"""Execution-plan generator and paper-scale simulator (DESIGN §4-5). Pure Python + numpy (no torch).
+
+- `specs`: device, cluster and model specifications (H100, H200, A100, this CPU; LLaMA 7B-65B), efficiencies.
+- `cost.CostModel`: prefill / training compute, memory-bound decoding with BSmax, KV memory, TP / PP / DP
+  communication, resharding and swap-in.
+- `migration`: the migration decision (trigger, m, destinations, mechanism) as pure functions; the
+  generation engine reuses them.
+- `simulate`: generation with a long-tailed length distribution and migration, fused or serial inference,
+  fused or serial training, the Rt sweep.
+- `search`: per-task (dp, pp, tp) candidates pruned by Megatron-LM's guidelines, searched exhaustively.
+- `grid`, `cli`: RLHFuse vs RLHFuse-Base, the paper's grid, `rlhfuse-plan`.
+- `plan_for`: what the trainer's `plan=auto` calls.
 """
+
+from rlhfuse.planner.api import as_model_spec, plan_for
+from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
+from rlhfuse.planner.lengths import LengthDistribution
+from rlhfuse.planner.migration import (
+    MigrationDecision,
+    choose_mechanism,
+    decide_migration,
+    destination_count,
+    should_migrate,
+    threshold_from_fraction,
+)
+from rlhfuse.planner.schedule import (
+    PipeModel,
+    fused_lower_bound,
+    greedy_fused_makespan,
+    one_f_one_b,
+    serial_makespan,
+)
+from rlhfuse.planner.search import Breakdown, Plan, PruneStats, search_plan, search_training, train_layouts
+from rlhfuse.planner.simulate import (
+    RLHFModels,
+    Samples,
+    TrainLayout,
+    Workload,
+    gen_inf_fused,
+    gen_inf_serial,
+    rt_sweep,
+    simulate_generation,
+)
+from rlhfuse.planner.specs import (
+    A100,
+    CPU,
+    DEVICES,
+    H100,
+    H200,
+    ClusterSpec,
+    DeviceSpec,
+    Efficiency,
+    ModelSpec,
+    cluster,
+    model,
+)
+
+__all__ = [
+    "A100",
+    "CPU",
+    "DEVICES",
+    "H100",
+    "H200",
+    "PAPER_RANGES",
+    "Breakdown",
+    "ClusterSpec",
+    "Comparison",
+    "CostModel",
+    "DeviceSpec",
+    "Efficiency",
+    "LengthDistribution",
+    "MigrationDecision",
+    "ModelSpec",
+    "PipeModel",
+    "Plan",
+    "PruneStats",
+    "RLHFModels",
+    "Samples",
+    "TrainLayout",
+    "Workload",
+    "as_model_spec",
+    "choose_mechanism",
+    "cluster",
+    "compare",
+    "decide_migration",
+    "destination_count",
+    "fused_lower_bound",
+    "gen_inf_fused",
+    "gen_inf_serial",
+    "greedy_fused_makespan",
+    "model",
+    "one_f_one_b",
+    "paper_grid",
+    "plan_for",
+    "rt_sweep",
+    "search_plan",
+    "search_training",
+    "serial_makespan",
+    "should_migrate",
+    "simulate_generation",
+    "threshold_from_fraction",
+    "train_layouts",
+]

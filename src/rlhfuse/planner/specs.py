@@ -176,6 +176,26 @@ class ModelSpec:
             kv_heads=config.num_kv_heads,
         )
 
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], name: str | None = None) -> ModelSpec:
+        """From a Hugging Face config.json dict (LLaMA / Qwen2 keys)."""
+        missing = [
+            k
+            for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
+            if k not in d
+        ]
+        if missing:
+            raise ValueError(f"config.json lacks {missing}: rlhfuse-plan reads LLaMA-style configs")
+        return cls(
+            name=name or str(d.get("_name_or_path") or d.get("model_type") or "hf"),
+            layers=int(d["num_hidden_layers"]),
+            hidden=int(d["hidden_size"]),
+            heads=int(d["num_attention_heads"]),
+            ffn=int(d["intermediate_size"]),
+            vocab=int(d.get("vocab_size", 32000)),
+            kv_heads=d.get("num_key_value_heads"),
+        )
+
 
 # LLaMA-1 (Touvron et al. 2023, Table 2; RLHFuse Table 2): 13B/33B/65B.
 LLAMA_13B = ModelSpec("13B", layers=40, hidden=5120, heads=40, ffn=13824)

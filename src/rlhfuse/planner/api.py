@@ -1,0 +1,40 @@
+"""`plan_for`: the one call the trainer's `plan=auto` makes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.search import Plan, search_plan
+from rlhfuse.planner.simulate import RLHFModels, Workload
+from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, DeviceSpec, Efficiency, ModelSpec, cluster, model
+
+
+def as_model_spec(m: str | ModelSpec | Any, name: str | None = None) -> ModelSpec:
+    """A preset name (`13b`), a ModelSpec, or anything shaped like `rlhfuse.models.ModelConfig`."""
+    if isinstance(m, ModelSpec):
+        return m
+    if isinstance(m, str):
+        return model(m)
+    return ModelSpec.from_config(m, name)
+
+
+def plan_for(
+    actor: str | ModelSpec | Any,
+    critic: str | ModelSpec | Any,
+    *,
+    device: str | DeviceSpec = "h100",
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    workload: Workload | None = None,
+    fused: bool = True,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+) -> Plan:
+    """The least-iteration-time execution plan for an Actor / Critic pair on a cluster.
+
+    `plan.layout_rows()` / `plan.to_dict()` give per task (dp, pp, tp), the training schedule (fused or serial)
+    and the migration threshold (`plan.rt_fraction`); `plan.breakdown` the predicted iteration.
+    """
+    spec = cluster(device, nodes, gpus_per_node)
+    models = RLHFModels(as_model_spec(actor, "actor"), as_model_spec(critic, "critic"))
+    return search_plan(CostModel(spec, eff), models, workload or Workload(), fused=fused)

@@ -1,0 +1,176 @@
+"""`rlhfuse-plan`: execution plans and paper-scale predictions.
+
+rlhfuse-plan plan --device h100 --nodes 32 --actor 13b --critic 33b --max-len 1024 --json plan.json --png plan.png
+rlhfuse-plan paper-grid --out GRID.json --png grid.png
+rlhfuse-plan rt-sweep --actor 33b --critic 65b --max-len 1024 --png rt.png
+rlhfuse-plan calibrate            # CPU spec vs measured tiny-model runs (needs torch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
+from rlhfuse.planner.simulate import RLHFModels, Workload
+from rlhfuse.planner.specs import DEVICES, ModelSpec, cluster, model
+
+
+def _model_arg(text: str) -> ModelSpec:
+    """A preset name (7b, 13b, 33b, 65b) or the path of a Hugging Face config.json."""
+    path = Path(text)
+    if path.suffix == ".json" and path.exists():
+        return ModelSpec.from_hf_dict(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    try:
+        return model(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _common(p: argparse.ArgumentParser, *, models: bool = True) -> None:
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="device preset (default h100)")
+    p.add_argument("--nodes", type=int, default=32, help="nodes (default 32)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--global-batch", type=int, default=512, help="samples per iteration (default 512)")
+    p.add_argument("--mini-batch", type=int, default=64, help="samples per optimizer step (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled response lengths")
+    if models:
+        p.add_argument(
+            "--actor", type=_model_arg, default=model("13b"), help="preset or config.json (default 13b)"
+        )
+        p.add_argument(
+            "--critic", type=_model_arg, default=model("33b"), help="preset or config.json (default 33b)"
+        )
+        p.add_argument("--max-len", type=int, default=1024, help="max generation length (default 1024)")
+
+
+def _fmt_ratio(value: float, lo_hi: tuple[float, float]) -> str:
+    lo, hi = lo_hi
+    mark = "in" if lo <= round(value, 2) <= hi else ("below" if value < lo else "above")
+    return f"{value:5.2f} ({mark} {lo}-{hi})"
+
+
+def print_comparison(comp: Comparison) -> None:
+    for plan in (comp.base, comp.rlhfuse):
+        b = plan.breakdown
+        print(f"\n{plan.system}: {plan.models.name}, max_len {plan.workload.max_len}, {plan.cluster.gpus} x "
+              f"{plan.cluster.device.name}")  # fmt: skip
+        width = max(len(k) for k, _ in plan.layout_rows())
+        for task, layout in plan.layout_rows():
+            print(f"  {task:<{width}}  {layout}")
+        print(f"  predicted s/iter: generation {b.generation:.2f}  inference (exposed) {b.inference:.2f}  "
+              f"training {b.training:.2f}  others {b.others:.2f}  total {b.total:.2f}  "
+              f"throughput {plan.throughput:.1f} samples/s")  # fmt: skip
+    print(f"\nRLHFuse / RLHFuse-Base: throughput {_fmt_ratio(comp.throughput_ratio, PAPER_RANGES['throughput_ratio'])}"
+          f", Gen+Inf {_fmt_ratio(comp.gen_inf_ratio, PAPER_RANGES['gen_inf_ratio'])}"
+          f", train {_fmt_ratio(comp.train_ratio, PAPER_RANGES['train_ratio'])}"
+          f" [at the fused lower bound: {comp.train_ratio_bound:.2f}]  (paper ranges in brackets)")  # fmt: skip
+
+
+def grid_table(comps: Sequence[Comparison]) -> str:
+    """The grid against the paper's ranges, one row per setting."""
+    head = (f"{'actor/critic':<12} {'len':>5} | {'throughput':>10} {'gen+inf':>8} {'train':>6} {'train@LB':>8} | "
+            f"{'Rt':>4} {'m':>3} {'gen tp':>6} {'train (actor | critic)':<40} {'sched':<6}")  # fmt: skip
+    rows = [head, "-" * len(head)]
+    for c in comps:
+        p = c.rlhfuse
+        a, cr = p.train.actor, p.train.critic
+        m = p.migration.m if p.migration else 0
+        rows.append(
+            f"{p.models.name:<12} {p.workload.max_len:>5} | {c.throughput_ratio:>10.2f} {c.gen_inf_ratio:>8.2f} "
+            f"{c.train_ratio:>6.2f} {c.train_ratio_bound:>8.2f} | {(p.rt_fraction or 0):>4.0%} {m:>3} {p.gen_tp:>6} "
+            f"{f'dp{a.dp} pp{a.pp} tp{a.tp} b{a.micro_batch} | dp{cr.dp} pp{cr.pp} tp{cr.tp} b{cr.micro_batch}':<40} "
+            f"{p.train.mode:<6}"
+        )
+    lo = {k: min(getattr(c, k) for c in comps) for k in PAPER_RANGES}
+    hi = {k: max(getattr(c, k) for c in comps) for k in PAPER_RANGES}
+    rows.append("-" * len(head))
+    rows.append("ours:  " + ", ".join(f"{k} {lo[k]:.2f}-{hi[k]:.2f}" for k in PAPER_RANGES))
+    rows.append("paper: " + ", ".join(f"{k} {a}-{b}" for k, (a, b) in PAPER_RANGES.items()))
+    return "\n".join(rows)
+
+
+def _workload(args: argparse.Namespace, max_len: int) -> Workload:
+    return Workload(
+        global_batch=args.global_batch, mini_batch=args.mini_batch, max_len=max_len, seed=args.seed
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlhfuse-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_plan = sub.add_parser("plan", help="plan one Actor/Critic setting; print the table and breakdown")
+    _common(p_plan)
+    p_plan.add_argument("--json", type=Path, help="write both plans and the ratios here")
+    p_plan.add_argument("--png", type=Path, help="write a Figure-8-style bar chart here")
+    p_grid = sub.add_parser(
+        "paper-grid", help="the paper's grid: 4 model pairs x 3 max lengths on 32 x 8 H100"
+    )
+    _common(p_grid, models=False)
+    p_grid.add_argument("--out", type=Path, default=Path("GRID.json"), help="JSON output (default GRID.json)")
+    p_grid.add_argument("--png", type=Path, help="bar chart of every cell")
+    p_grid.add_argument("--max-lens", type=int, nargs="+", default=[512, 1024, 2048])
+    p_sweep = sub.add_parser("rt-sweep", help="fused Gen+Inf time against the migration threshold (Figure 9)")
+    _common(p_sweep)
+    p_sweep.add_argument("--png", type=Path, help="line chart of the sweep")
+    p_cal = sub.add_parser("calibrate", help="calibrate the CPU spec on tiny-model runs (needs torch)")
+    p_cal.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    if args.command == "calibrate":
+        from rlhfuse.planner.calibrate import calibrate_cpu
+
+        print(calibrate_cpu(repeats=args.repeats).report())
+        return 0
+    try:
+        spec = cluster(args.device, args.nodes, args.gpus_per_node)
+        if args.command == "paper-grid":
+            start = time.perf_counter()
+            comps = paper_grid(
+                max_lens=tuple(args.max_lens), cluster_spec=spec, global_batch=args.global_batch,
+                mini_batch=args.mini_batch, seed=args.seed,
+            )  # fmt: skip
+            seconds = time.perf_counter() - start
+            print(grid_table(comps))
+            print(f"planner wall time for {len(comps)} settings x 2 systems: {seconds:.1f} s")
+            args.out.write_text(json.dumps([c.to_dict() for c in comps], indent=1))
+            print(f"wrote {args.out}")
+            if args.png:
+                from rlhfuse.planner.plot import breakdown_chart
+
+                print(f"wrote {breakdown_chart(comps, args.png)}")
+            return 0
+        comp = compare(RLHFModels(args.actor, args.critic), spec, _workload(args, args.max_len))
+        if args.command == "rt-sweep":
+            print(f"{comp.rlhfuse.models.name}, max_len {args.max_len}: fused Gen+Inf seconds by Rt / batch")
+            best = min(comp.rlhfuse.sweep, key=lambda x: x[1])
+            for frac, seconds in comp.rlhfuse.sweep:
+                print(f"  Rt {frac:4.0%}  {seconds:7.3f} s{'  <- best' if (frac, seconds) == best else ''}")
+            print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
+            if args.png:
+                from rlhfuse.planner.plot import rt_sweep_chart
+
+                print(f"wrote {rt_sweep_chart([comp.rlhfuse], args.png)}")
+            return 0
+        print_comparison(comp)
+        if args.json:
+            args.json.write_text(json.dumps(comp.to_dict(), indent=1))
+            print(f"wrote {args.json}")
+        if args.png:
+            from rlhfuse.planner.plot import breakdown_chart
+
+            print(f"wrote {breakdown_chart([comp], args.png)}")
+    except ValueError as exc:
+        print(f"rlhfuse-plan: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""RLHFuse vs RLHFuse-Base on one setting (`compare`) and on the paper's grid (`paper_grid`, DESIGN §5)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.search import Plan, PruneStats, search_plan
+from rlhfuse.planner.simulate import RLHFModels, Workload
+from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, Efficiency, cluster, model
+
+PAPER_PAIRS = (("13B", "33B"), ("33B", "13B"), ("33B", "65B"), ("65B", "33B"))
+"""Actor / Critic pairs of the paper's evaluation (§7)."""
+PAPER_MAX_LENS = (512, 1024, 2048)
+PAPER_CLUSTER = ("h100", 32, 8)
+"""32 nodes x 8 H100-80GB."""
+PAPER_RANGES = {"throughput_ratio": (1.2, 1.4), "gen_inf_ratio": (1.2, 1.6), "train_ratio": (1.2, 1.3)}
+"""What the paper reports for RLHFuse / RLHFuse-Base (Figures 7 and 8), to compare our predictions against."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """RLHFuse and RLHFuse-Base planned for the same setting, and their ratios (> 1: RLHFuse is faster)."""
+
+    rlhfuse: Plan
+    base: Plan
+    prune: PruneStats
+    seconds: float
+    """Wall time of planning both."""
+
+    @property
+    def throughput_ratio(self) -> float:
+        return self.base.breakdown.total / self.rlhfuse.breakdown.total
+
+    @property
+    def gen_inf_ratio(self) -> float:
+        return self.base.breakdown.gen_inf / self.rlhfuse.breakdown.gen_inf
+
+    @property
+    def train_ratio(self) -> float:
+        return self.base.breakdown.training / self.rlhfuse.breakdown.training
+
+    @property
+    def train_ratio_bound(self) -> float:
+        """Training ratio if the fused schedule reached its lower bound (what annealing reaches on most settings)."""
+        return self.base.breakdown.training / min(self.rlhfuse.train_bound, self.rlhfuse.breakdown.training)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "actor": self.rlhfuse.models.actor.name,
+            "critic": self.rlhfuse.models.critic.name,
+            "max_len": self.rlhfuse.workload.max_len,
+            "throughput_ratio": self.throughput_ratio,
+            "gen_inf_ratio": self.gen_inf_ratio,
+            "train_ratio": self.train_ratio,
+            "train_ratio_bound": self.train_ratio_bound,
+            "plan": self.rlhfuse.to_dict(),
+            "base_plan": self.base.to_dict(),
+            "planner_seconds": self.seconds,
+        }
+
+
+def compare(
+    models: RLHFModels, cluster_spec: ClusterSpec, workload: Workload, eff: Efficiency = DEFAULT_EFFICIENCY
+) -> Comparison:
+    """Plan both systems on the same sampled batch."""
+    start = time.perf_counter()
+    cost = CostModel(cluster_spec, eff)
+    samples = workload.validate().sample()
+    stats = PruneStats()
+    fused = search_plan(cost, models, workload, fused=True, samples=samples, stats=stats)
+    base = search_plan(cost, models, workload, fused=False, samples=samples)
+    return Comparison(fused, base, stats, time.perf_counter() - start)
+
+
+def paper_grid(
+    pairs: tuple[tuple[str, str], ...] = PAPER_PAIRS,
+    max_lens: tuple[int, ...] = PAPER_MAX_LENS,
+    *,
+    cluster_spec: ClusterSpec | None = None,
+    global_batch: int = 512,
+    mini_batch: int = 64,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+    seed: int = 0,
+) -> list[Comparison]:
+    """The paper's grid: Actor/Critic pairs x max generation lengths on 32 x 8 H100, batch 512, mini-batch 64."""
+    spec = cluster_spec or cluster(*PAPER_CLUSTER)
+    out = []
+    for actor, critic in pairs:
+        for max_len in max_lens:
+            workload = Workload(global_batch=global_batch, mini_batch=mini_batch, max_len=max_len, seed=seed)
+            out.append(compare(RLHFModels(model(actor), model(critic)), spec, workload, eff))
+    return out
