@@ -19,8 +19,8 @@ def chain(stages, input_ids_BT, mask_BT):
     return x
 
 
-@pytest.mark.parametrize("head", ["lm", "value"])
-def test_chained_stages_equal_model_outputs_and_gradients(head):
+@pytest.mark.parametrize("head,checkpointed", [("lm", False), ("value", False), ("lm", True)])
+def test_chained_stages_equal_model_outputs_and_gradients(head, checkpointed):
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(num_layers=4), head=head)
     input_ids_BT = torch.randint(0, 128, (2, 6))
@@ -31,9 +31,15 @@ def test_chained_stages_equal_model_outputs_and_gradients(head):
     expected.square().sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    # activation checkpointing recomputes the same layers in backward: same outputs, same gradients
+    model.activation_checkpointing = checkpointed
+    calls = []
+    # the first op of a layer: recomputation may stop early, before a later op or the layer itself returns
+    model.layers[2].input_layernorm.register_forward_hook(lambda *_: calls.append(1))
     got = chain(stages, input_ids_BT, mask_BT)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     got.square().sum().backward()
+    assert len(calls) == (2 if checkpointed else 1), "checkpointed layers run again in backward"
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], atol=0, rtol=0, msg=name)
 

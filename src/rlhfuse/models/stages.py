@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from rlhfuse.models.transformer import Transformer, build_context
+from rlhfuse.models.transformer import Transformer, build_context, run_layers
 
 
 class Stage(nn.Module):
@@ -28,8 +28,8 @@ class Stage(nn.Module):
         self.embed_tokens = model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(model.layers[layer_range[0] : layer_range[1]])
         self.norm = model.norm if self.is_last else None
-        # the model itself is not registered (that would make every stage own every parameter); only its head
-        self._head_of: list[Transformer] = [model] if self.is_last else []
+        # the model itself is not registered (that would make every stage own every parameter): a plain list
+        self._model: list[Transformer] = [model]
         if self.is_last:
             self.head = model.lm_head if model.head == "lm" else model.value_head
 
@@ -45,11 +45,11 @@ class Stage(nn.Module):
         x_BTD = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, t = x_BTD.shape[:2]
         ctx = build_context(self.config, b, t, x_BTD.device, x_BTD.dtype, attention_mask_BT, position_ids_BT)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, ctx)
+        model = self._model[0]
+        x_BTD = run_layers(self.layers, x_BTD, ctx, checkpointed=model.activation_checkpointing)
         if self.norm is None:
             return x_BTD
-        return self._head_of[0].apply_head(self.norm(x_BTD))
+        return model.apply_head(self.norm(x_BTD))
 
     def extra_repr(self) -> str:
         return f"stage {self.index}/{self.num_stages}, layers [{self.layer_range[0]}, {self.layer_range[1]})"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from rlhfuse.models.attention import get_attention
@@ -74,6 +75,8 @@ class AttentionContext:
     slots_B: Tensor | None = None
     write_pos_BT: Tensor | None = None
     """Cache positions the new tokens are stored at (slot length + t)."""
+    valid_BT: Tensor | None = None
+    """Which new tokens are real (recorded in the cache once every layer has run)."""
     num_keys: int = 0
     """Positions of each slot read back from the cache (max over rows of length + T)."""
     first_slot: int | None = None
@@ -91,28 +94,53 @@ def build_context(
     cache: KVCache | None = None,
     cache_slots_B: Tensor | None = None,
 ) -> AttentionContext:
-    """Positions, rotary tables and mask for one call. With a cache, also record the new tokens' validity."""
+    """Positions, rotary tables and attention mask for one call (the cache itself is not modified here)."""
     valid_BT = None if attention_mask_BT is None else attention_mask_BT.to(device=device, dtype=torch.bool)
-    t_T = torch.arange(num_tokens, device=device)
     if cache is None:
-        has_padding = valid_BT is not None and not bool(valid_BT.all())
-        if position_ids_BT is None:
-            if has_padding:
-                assert valid_BT is not None
-                position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
-            else:
-                position_ids_BT = t_T.expand(batch, num_tokens)
-        allowed_B1TS = None
-        # pad after a real token (0 -> 1 along T) means left or inner padding; right padding alone needs no mask:
-        # causally, real queries never reach the pad keys behind them (pad queries' outputs are meaningless)
-        if has_padding and valid_BT is not None and bool((~valid_BT[:, :-1] & valid_BT[:, 1:]).any()):
-            causal_TT = t_T[:, None] >= t_T[None, :]
-            # the diagonal keeps pad query rows from having no key at all (NaN softmax); real rows include it anyway
-            eye_TT = torch.eye(num_tokens, dtype=torch.bool, device=device)
-            allowed_B1TS = ((causal_TT & valid_BT[:, None, :]) | eye_TT)[:, None]
-        ctx = AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_B1TS)
-        return ctx
+        return _uncached_context(config, batch, num_tokens, device, dtype, valid_BT, position_ids_BT)
+    return _cached_context(
+        config, batch, num_tokens, device, dtype, valid_BT, position_ids_BT, cache, cache_slots_B
+    )
 
+
+def _uncached_context(
+    config: ModelConfig,
+    batch: int,
+    num_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    valid_BT: Tensor | None,
+    position_ids_BT: Tensor | None,
+) -> AttentionContext:
+    t_T = torch.arange(num_tokens, device=device)
+    if valid_BT is None or bool(valid_BT.all()):
+        if position_ids_BT is None:
+            position_ids_BT = t_T.expand(batch, num_tokens)
+        return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), None)
+    if position_ids_BT is None:
+        position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
+    allowed_B1TS = None
+    # pad after a real token (0 -> 1 along T) means left or inner padding; right padding alone needs no mask:
+    # causally, real queries never reach the pad keys behind them (pad queries' outputs are meaningless)
+    if bool((~valid_BT[:, :-1] & valid_BT[:, 1:]).any()):
+        causal_TT = t_T[:, None] >= t_T[None, :]
+        # the diagonal keeps pad query rows from having no key at all (NaN softmax); real rows include it anyway
+        eye_TT = torch.eye(num_tokens, dtype=torch.bool, device=device)
+        allowed_B1TS = ((causal_TT & valid_BT[:, None, :]) | eye_TT)[:, None]
+    return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_B1TS)
+
+
+def _cached_context(
+    config: ModelConfig,
+    batch: int,
+    num_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    valid_BT: Tensor | None,
+    position_ids_BT: Tensor | None,
+    cache: KVCache,
+    cache_slots_B: Tensor | None,
+) -> AttentionContext:
     slots_B = (
         torch.arange(batch, device=device)
         if cache_slots_B is None
@@ -135,26 +163,26 @@ def build_context(
     if position_ids_BT is None:
         earlier_valid_B = cache.valid_ST[slots_B].sum(-1)
         position_ids_BT = (earlier_valid_B[:, None] + valid_BT.long().cumsum(-1) - 1).clamp(min=0)
-    write_pos_BT = lengths_B[:, None] + t_T[None, :]
-    cache.valid_ST[slots_B[:, None], write_pos_BT] = valid_BT
+    write_pos_BT = lengths_B[:, None] + torch.arange(num_tokens, device=device)[None, :]
     num_keys = int((lengths_B + num_tokens).max())
+    # which keys are real tokens: the slot's stored validity, with the new tokens' own written over it
+    key_valid_BS = cache.valid_ST[slots_B, :num_keys]  # advanced indexing: a copy, the cache is untouched
+    key_valid_BS.scatter_(1, write_pos_BT, valid_BT)
     s_S = torch.arange(num_keys, device=device)
-    key_valid_BS = cache.valid_ST[slots_B, :num_keys]
     not_future_BTS = s_S[None, None, :] <= write_pos_BT[:, :, None]
     is_self_BTS = s_S[None, None, :] == write_pos_BT[:, :, None]
     allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
-    cos_BTe, sin_BTe = _rope_tables(config, position_ids_BT, dtype)
     first_slot = int(slots_B[0])
     is_range = bool((slots_B == first_slot + torch.arange(batch, device=device)).all())
     return AttentionContext(
-        cos_BTe,
-        sin_BTe,
-        allowed_BTS[:, None],
-        cache,
-        slots_B,
-        write_pos_BT,
-        num_keys,
-        first_slot if is_range else None,
+        *_rope_tables(config, position_ids_BT, dtype),
+        allowed_B1TS=allowed_BTS[:, None],
+        cache=cache,
+        slots_B=slots_B,
+        write_pos_BT=write_pos_BT,
+        valid_BT=valid_BT,
+        num_keys=num_keys,
+        first_slot=first_slot if is_range else None,
     )
 
 
@@ -234,6 +262,16 @@ class DecoderLayer(nn.Module):
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
+def run_layers(layers: nn.ModuleList, x_BTD: Tensor, ctx: AttentionContext, *, checkpointed: bool) -> Tensor:
+    recompute = checkpointed and torch.is_grad_enabled() and ctx.cache is None
+    for layer in layers:
+        if recompute:
+            x_BTD = torch.utils.checkpoint.checkpoint(layer, x_BTD, ctx, use_reentrant=False)
+        else:
+            x_BTD = layer(x_BTD, ctx)
+    return x_BTD
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer. head="lm" returns logits_BTV (Actor, Ref); head="value" returns values_BT
     (Critic, Reward): one scalar per token from a bias-free linear layer over the final hidden state."""
@@ -252,6 +290,8 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
             self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
+        self.activation_checkpointing = False
+        """Recompute each layer's activations in backward instead of storing them (training memory ~1/L)."""
         self.apply(self._init_weights)
         if head == "lm" and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -301,10 +341,11 @@ class Transformer(nn.Module):
             cache,
             cache_slots_B,
         )
-        for layer in self.layers:
-            x_BTD = layer(x_BTD, ctx)
+        x_BTD = run_layers(self.layers, x_BTD, ctx, checkpointed=self.activation_checkpointing)
         if cache is not None:
-            assert ctx.slots_B is not None
+            assert ctx.slots_B is not None and ctx.write_pos_BT is not None and ctx.valid_BT is not None
+            # only now, with every layer's k/v written, do the new positions become part of their slots
+            cache.valid_ST[ctx.slots_B[:, None], ctx.write_pos_BT] = ctx.valid_BT
             cache.lengths_S[ctx.slots_B] += t
         return self.norm(x_BTD)
 
