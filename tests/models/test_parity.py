@@ -156,15 +156,17 @@ def test_save_pretrained_round_trip_through_transformers(tmp_path, architecture,
         torch.testing.assert_close(reloaded(input_ids_BT), model(input_ids_BT), atol=0, rtol=0)
 
 
-def test_save_value_model_loads_as_sequence_classification(tmp_path):
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_save_value_model_loads_as_sequence_classification(tmp_path, architecture):
     torch.manual_seed(5)
-    critic = Transformer(ModelConfig.tiny(), head="value").eval()
+    critic = Transformer(ModelConfig.tiny(architecture=architecture), head="value").eval()
     save_pretrained(critic, tmp_path / "critic")
     save_pretrained(
         critic, tmp_path / "critic"
     )  # overwriting an existing checkpoint goes through the rename too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["critic"], "no temp dirs left behind"
     hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic").eval()
+    assert type(hf_model).__name__.lower().startswith(architecture)
     assert hf_model.config.num_labels == 1
     input_ids_BT = torch.randint(0, 128, (2, 5))
     with torch.no_grad():
@@ -197,3 +199,16 @@ def test_rope_scaling_matches_transformers(tmp_path, rope_parameters):
         torch.testing.assert_close(
             reloaded(input_ids_BT).logits, hf_model(input_ids_BT).logits, atol=ATOL, rtol=0
         )
+
+
+def test_bf16_load_runs_close_to_fp32(hf_llama):
+    _, path = hf_llama
+    model_fp32, model_bf16 = from_pretrained(path), from_pretrained(path, dtype=torch.bfloat16)
+    assert {p.dtype for p in model_bf16.parameters()} == {torch.bfloat16}
+    input_ids_BT = torch.arange(12)[None]
+    with torch.no_grad():
+        logits_bf16 = model_bf16(input_ids_BT)
+        logits_fp32 = model_fp32(input_ids_BT)
+    assert logits_bf16.dtype == torch.bfloat16
+    # bf16 keeps ~3 significant digits; logits here are O(1)
+    torch.testing.assert_close(logits_bf16.float(), logits_fp32, atol=0.1, rtol=0.05)
