@@ -1,0 +1,38 @@
+"""rlhfuse-plan end to end on small settings."""
+
+import json
+
+from rlhfuse.planner.cli import main
+
+GRID_KEYS = {"actor", "critic", "max_len", "throughput_ratio", "gen_inf_ratio", "train_ratio", "plan"}
+
+
+def test_plan_writes_json_and_png(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    rc = main(["plan", "--nodes", "2", "--actor", "7b", "--critic", "7b", "--max-len", "256",
+               "--global-batch", "64", "--mini-batch", "16", "--json", str(out), "--png", str(png)])  # fmt: skip
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert GRID_KEYS <= set(d)
+    assert png.stat().st_size > 1000
+    assert "RLHFuse / RLHFuse-Base" in capsys.readouterr().out
+
+
+def test_paper_grid_one_length(tmp_path):
+    out = tmp_path / "GRID.json"
+    assert main(["paper-grid", "--out", str(out), "--max-lens", "512"]) == 0
+    cells = json.loads(out.read_text())
+    assert [(c["actor"], c["critic"]) for c in cells] == [
+        ("13B", "33B"),
+        ("33B", "13B"),
+        ("33B", "65B"),
+        ("65B", "33B"),
+    ]
+    for c in cells:
+        assert GRID_KEYS <= set(c) and c["max_len"] == 512
+        assert c["throughput_ratio"] > 0 and c["plan"]["generation"]["tp"] in (1, 2, 4, 8)
+
+
+def test_bad_model_and_bad_batch_are_reported(capsys):
+    assert main(["plan", "--nodes", "1", "--actor", "7b", "--critic", "7b", "--global-batch", "100"]) == 2
+    assert "multiple of mini_batch" in capsys.readouterr().err

@@ -1,0 +1,87 @@
+"""Plan search: Megatron-LM pruning, exhaustive choice, plan_for."""
+
+import pytest
+
+from rlhfuse.planner import (
+    CostModel,
+    PruneStats,
+    RLHFModels,
+    Workload,
+    cluster,
+    model,
+    plan_for,
+    train_layouts,
+)
+from rlhfuse.planner.search import search_training, tp_candidates
+from rlhfuse.planner.simulate import model_step_time
+
+
+def test_tp_stays_in_a_node_and_divides_heads():
+    c8 = cluster("h100", 4, 8)
+    stats = PruneStats()
+    assert tp_candidates(model("13b"), c8, stats) == [1, 2, 4, 8]
+    assert tp_candidates(model("33b"), c8, stats) == [1, 2, 4]  # 52 heads
+    assert stats.removed["tp does not divide heads"] == 1
+    assert tp_candidates(model("65b"), cluster("h100", 4, 4)) == [1, 2, 4]
+
+
+def test_train_layouts_obey_every_guideline():
+    cost = CostModel(cluster("h100", 32, 8))
+    w = Workload()
+    stats = PruneStats()
+    layouts = train_layouts(cost, model("33b"), "value", w, 400.0, stats)
+    assert layouts
+    for lay in layouts:
+        assert lay.tp <= 8 and 52 % lay.tp == 0
+        assert 60 % lay.pp == 0
+        assert lay.tp * lay.pp * lay.dp == 256
+        assert w.mini_batch % (lay.dp * lay.micro_batch) == 0
+        need = cost.train_state_bytes(model("33b"), "value", lay.tp, lay.pp)
+        assert need <= cost.usable_memory()
+    assert stats.removed["pp does not divide layers"] > 0
+    assert stats.removed["memory"] > 0  # e.g. 33B at tp = pp = 1 needs 520 GB of training state
+    assert stats.kept == len(layouts)
+
+
+def test_more_memory_keeps_at_least_as_many_layouts():
+    w = Workload()
+    h100 = train_layouts(CostModel(cluster("h100", 4, 8)), model("65b"), "lm", w, 400.0)
+    h200 = train_layouts(CostModel(cluster("h200", 4, 8)), model("65b"), "lm", w, 400.0)
+    assert set(h100) <= set(h200) and len(h200) > len(h100)
+
+
+def test_too_small_a_cluster_is_refused_with_the_reason():
+    cost = CostModel(cluster("h100", 1, 8))
+    with pytest.raises(ValueError, match="no training layout fits"):
+        search_training(cost, RLHFModels(model("65b"), model("65b")), Workload(), 400.0, fused=False)
+
+
+def test_serial_search_is_the_exhaustive_minimum():
+    cost = CostModel(cluster("h100", 4, 8))
+    models = RLHFModels(model("7b"), model("7b"))
+    w = Workload(global_batch=128, mini_batch=32)
+    seq = 400.0
+    best = search_training(cost, models, w, seq, fused=False)[0]
+    la = train_layouts(cost, models.actor, "lm", w, seq)
+    lc = train_layouts(cost, models.critic, "value", w, seq)
+    times = [
+        model_step_time(cost, models.actor, "lm", a, 32, seq)
+        + model_step_time(cost, models.critic, "value", c, 32, seq)
+        for a in la
+        for c in lc
+        if cost.train_state_bytes(models.actor, "lm", a.tp, a.pp)
+        + cost.train_state_bytes(models.critic, "value", c.tp, c.pp)
+        < 0.5 * cost.usable_memory()
+    ]
+    assert best.per_minibatch <= min(times) * (1 + 1e-12)
+
+
+def test_plan_for_returns_a_complete_plan():
+    plan = plan_for("7b", "7b", nodes=2, workload=Workload(global_batch=64, mini_batch=16, max_len=256))
+    assert plan.system == "RLHFuse"
+    assert plan.breakdown.total > 0 and plan.throughput > 0
+    assert plan.rt_fraction is not None and 0 < plan.rt_fraction < 1
+    assert plan.train.mode in ("fused", "serial")
+    assert plan.gen_tp * plan.gen_instances == 16
+    d = plan.to_dict()
+    assert d["training"]["actor"]["dp"] * d["training"]["actor"]["pp"] * d["training"]["actor"]["tp"] == 16
