@@ -125,3 +125,10 @@ def test_gpu_backends_name_the_extra_when_missing(backend, module):
     model = Transformer(ModelConfig.tiny(attention_backend=backend))
     with pytest.raises(MissingDependencyError, match=r"rlhfuse\[gpu\]"):
         model(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_config_without_architectures_loads_by_model_type(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["architectures"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert from_pretrained(checkpoint).config.architecture == "llama"

@@ -30,6 +30,7 @@ SUPPORTED_HF_CLASSES = {
     "LlamaForSequenceClassification": ("llama", "value"),
     "Qwen2ForSequenceClassification": ("qwen2", "value"),
 }
+_CAUSAL_LM_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _HF_HEAD_KEYS = {"lm": "lm_head.weight", "value": "score.weight"}
 # buffers some old checkpoints saved; they are recomputed from the config
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,6 +60,9 @@ def _read_config(path: Path) -> tuple[dict, str]:
         )
     hf = json.loads(config_file.read_text())
     classes = hf.get("architectures") or []
+    if not classes and hf.get("model_type") in _CAUSAL_LM_CLASS:
+        # some exported checkpoints omit `architectures`; model_type alone means the plain causal LM
+        classes = [_CAUSAL_LM_CLASS[hf["model_type"]]]
     known = [c for c in classes if c in SUPPORTED_HF_CLASSES]
     if not known:
         raise CheckpointError(
