@@ -1,0 +1,705 @@
+"""Integer form of a problem and compiled kernels: evaluate, list-schedule and anneal per-rank orders.
+
+Ops are numbered by *stream*: one stream per (model, replica, stage, kind); the ops of a stream are its
+micro-batches in order and carry consecutive ids. Micro-batches of one model are interchangeable, so running each
+stream in micro-batch order loses nothing (the k-th F of a stage can always take the k-th micro-batch to arrive),
+and the search only decides which stream each rank advances next. Moves never reorder a stream.
+
+The kernels are written in the subset of Python that numba compiles; without numba they run as plain Python
+(same results, about 100x slower), so numba is an accelerator, not a requirement for correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlhfuse.pipeline.ir import Action, Kind, Schedule
+from rlhfuse.pipeline.problem import Problem
+
+try:  # pragma: no cover - exercised by whichever branch the environment has
+    import numba
+
+    def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return numba.njit(cache=True, nogil=True)(fn)
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover
+
+    def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
+    HAVE_NUMBA = False
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A problem as flat arrays (index = op id). `pred*`/`succ*` are -1 where absent."""
+
+    problem: Problem
+    actions: tuple[Action, ...]
+    rank: np.ndarray  # int64 [N]
+    dur: np.ndarray  # float64 [N]
+    mem: np.ndarray  # float64 [N]: +activation for F, -activation for B
+    is_b: np.ndarray  # int64 [N]
+    stream: np.ndarray  # int64 [N]
+    pred1: np.ndarray  # int64 [N]
+    pred2: np.ndarray
+    succ1: np.ndarray
+    succ2: np.ndarray
+    lat_succ1: np.ndarray  # float64 [N]: latency on the edge op -> succ1
+    lat_succ2: np.ndarray
+    stream_base: np.ndarray  # int64 [n_streams]: first op id of each stream
+    stream_len: np.ndarray
+    stream_rank: np.ndarray
+    stream_is_b: np.ndarray
+    stream_limit_group: np.ndarray  # int64 [n_streams]: the F stream id of the same (model, replica, stage)
+    rank_ptr: np.ndarray  # int64 [R+1]: ops of rank k are order[rank_ptr[k]:rank_ptr[k+1]]
+    rank_streams_ptr: np.ndarray  # int64 [R+1]
+    rank_streams: np.ndarray  # int64: stream ids per rank
+    head: np.ndarray  # float64 [N]: earliest possible start of op (longest path from the sources)
+    tail: np.ndarray  # float64 [N]: shortest possible time from the op's end to the end of the schedule
+    model_of_stream: np.ndarray  # int64 [n_streams]
+    stage_of_stream: np.ndarray
+    stages_of_stream: np.ndarray  # the model's stage count
+    micro_of_stream: np.ndarray  # the model's micro-batch count
+
+    @property
+    def n(self) -> int:
+        return len(self.actions)
+
+    @property
+    def ranks(self) -> int:
+        return self.problem.ranks
+
+    def index(self) -> dict[Action, int]:
+        return {a: i for i, a in enumerate(self.actions)}
+
+    def to_schedule(self, order: np.ndarray) -> Schedule:
+        return Schedule(
+            tuple(
+                tuple(self.actions[int(op)] for op in order[self.rank_ptr[k] : self.rank_ptr[k + 1]])
+                for k in range(self.ranks)
+            )
+        )
+
+    def from_schedule(self, schedule: Schedule) -> np.ndarray:
+        """Op ids of a schedule, rank after rank (the schedule must be structurally valid)."""
+        idx = self.index()
+        order = np.empty(self.n, dtype=np.int64)
+        for k, rank in enumerate(schedule.ranks):
+            start = self.rank_ptr[k]
+            if len(rank) != self.rank_ptr[k + 1] - start:
+                raise ValueError(f"rank {k} has {len(rank)} ops, expected {self.rank_ptr[k + 1] - start}")
+            for i, a in enumerate(rank):
+                order[start + i] = idx[a]
+        return order
+
+    def evaluate(self, order: np.ndarray) -> tuple[float, np.ndarray]:
+        """(makespan, finish times); makespan is -1 when the order deadlocks."""
+        finish = np.zeros(self.n)
+        ms = evaluate_order(
+            order,
+            self.rank_ptr,
+            self.dur,
+            self.pred1,
+            self.pred2,
+            self.succ1,
+            self.succ2,
+            self.lat_succ1,
+            self.lat_succ2,
+            finish,
+        )
+        return ms, finish
+
+    def peak(self, order: np.ndarray) -> float:
+        return float(rank_peaks(order, self.rank_ptr, self.mem).max())
+
+
+def compile_problem(problem: Problem, durations: Callable[[Action], float] | None = None) -> Compiled:
+    """Number the ops of `problem` by stream and precompute dependencies, heads and tails."""
+    actions: list[Action] = []
+    rank: list[int] = []
+    dur: list[float] = []
+    mem: list[float] = []
+    is_b: list[int] = []
+    stream: list[int] = []
+    s_base: list[int] = []
+    s_len: list[int] = []
+    s_rank: list[int] = []
+    s_is_b: list[int] = []
+    s_group: list[int] = []
+    s_model: list[int] = []
+    s_stage: list[int] = []
+    s_stages: list[int] = []
+    s_micro: list[int] = []
+    ids: dict[tuple[int, int, int, int], int] = {}
+    for mi, m in enumerate(problem.models):
+        for r in range(m.replicas):
+            for s in range(m.stages):
+                f_stream = len(s_base)
+                for kind in (Kind.F, Kind.B):
+                    sid = len(s_base)
+                    ids[(mi, r, s, 0 if kind is Kind.F else 1)] = sid
+                    s_base.append(len(actions))
+                    s_len.append(m.microbatches)
+                    s_rank.append(m.placement[r][s])
+                    s_is_b.append(int(kind is Kind.B))
+                    s_group.append(f_stream)
+                    s_model.append(mi)
+                    s_stage.append(s)
+                    s_stages.append(m.stages)
+                    s_micro.append(m.microbatches)
+                    for i in range(m.microbatches):
+                        a = Action(m.name, r, s, kind, i)
+                        actions.append(a)
+                        rank.append(m.placement[r][s])
+                        d = durations(a) if durations else (m.forward[s] if kind is Kind.F else m.backward[s])
+                        dur.append(float(d))
+                        mem.append(m.activation[s] if kind is Kind.F else -m.activation[s])
+                        is_b.append(int(kind is Kind.B))
+                        stream.append(sid)
+    n = len(actions)
+    pred1 = np.full(n, -1, dtype=np.int64)
+    pred2 = np.full(n, -1, dtype=np.int64)
+    succ1 = np.full(n, -1, dtype=np.int64)
+    succ2 = np.full(n, -1, dtype=np.int64)
+    for mi, m in enumerate(problem.models):
+        for r in range(m.replicas):
+            for s in range(m.stages):
+                f0 = s_base[ids[(mi, r, s, 0)]]
+                b0 = s_base[ids[(mi, r, s, 1)]]
+                for i in range(m.microbatches):
+                    f, b = f0 + i, b0 + i
+                    pred1[b] = f  # B(s) after F(s)
+                    succ2[f] = b
+                    if s > 0:
+                        fp = s_base[ids[(mi, r, s - 1, 0)]] + i
+                        pred1[f] = fp
+                        succ1[fp] = f
+                    if s < m.stages - 1:
+                        bn = s_base[ids[(mi, r, s + 1, 1)]] + i
+                        pred2[b] = bn
+                        succ1[bn] = b
+    rank_a = np.array(rank, dtype=np.int64)
+    lat1 = np.zeros(n)
+    lat2 = np.zeros(n)
+    if problem.comm_latency:
+        for op in range(n):
+            if succ1[op] >= 0 and rank_a[succ1[op]] != rank_a[op]:
+                lat1[op] = problem.comm_latency
+            if succ2[op] >= 0 and rank_a[succ2[op]] != rank_a[op]:
+                lat2[op] = problem.comm_latency
+    dur_a = np.array(dur)
+    head = np.zeros(n)
+    # Ids are ordered so that F(s-1) < F(s) and B(s+1) > B(s); sweep F forward by stage, B from the top stage.
+    topo = _topological(n, pred1, pred2)
+    for op in topo:
+        for p in (pred1[op], pred2[op]):
+            if p >= 0:
+                hop = problem.comm_latency if rank_a[p] != rank_a[op] else 0.0
+                head[op] = max(head[op], head[p] + dur_a[p] + hop)
+    tail = np.zeros(n)
+    for op in reversed(topo):
+        for sc in (succ1[op], succ2[op]):
+            if sc >= 0:
+                hop = problem.comm_latency if rank_a[sc] != rank_a[op] else 0.0
+                tail[op] = max(tail[op], hop + dur_a[sc] + tail[sc])
+    counts = np.bincount(rank_a, minlength=problem.ranks)
+    rank_ptr = np.zeros(problem.ranks + 1, dtype=np.int64)
+    rank_ptr[1:] = np.cumsum(counts)
+    per_rank: list[list[int]] = [[] for _ in range(problem.ranks)]
+    for sid, k in enumerate(s_rank):
+        per_rank[k].append(sid)
+    rs_ptr = np.zeros(problem.ranks + 1, dtype=np.int64)
+    rs_ptr[1:] = np.cumsum([len(x) for x in per_rank])
+    rank_streams = np.array([sid for x in per_rank for sid in x], dtype=np.int64)
+    as_int = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
+    return Compiled(
+        problem=problem,
+        actions=tuple(actions),
+        rank=rank_a,
+        dur=dur_a,
+        mem=np.array(mem),
+        is_b=as_int(is_b),
+        stream=as_int(stream),
+        pred1=pred1,
+        pred2=pred2,
+        succ1=succ1,
+        succ2=succ2,
+        lat_succ1=lat1,
+        lat_succ2=lat2,
+        stream_base=as_int(s_base),
+        stream_len=as_int(s_len),
+        stream_rank=as_int(s_rank),
+        stream_is_b=as_int(s_is_b),
+        stream_limit_group=as_int(s_group),
+        rank_ptr=rank_ptr,
+        rank_streams_ptr=rs_ptr,
+        rank_streams=rank_streams,
+        head=head,
+        tail=tail,
+        model_of_stream=as_int(s_model),
+        stage_of_stream=as_int(s_stage),
+        stages_of_stream=as_int(s_stages),
+        micro_of_stream=as_int(s_micro),
+    )
+
+
+def _topological(n: int, pred1: np.ndarray, pred2: np.ndarray) -> list[int]:
+    indeg = (pred1 >= 0).astype(np.int64) + (pred2 >= 0).astype(np.int64)
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for op in range(n):
+        for p in (pred1[op], pred2[op]):
+            if p >= 0:
+                succs[p].append(op)
+    stack = [op for op in range(n) if indeg[op] == 0]
+    out = []
+    while stack:
+        op = stack.pop()
+        out.append(op)
+        for sc in succs[op]:
+            indeg[sc] -= 1
+            if indeg[sc] == 0:
+                stack.append(sc)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels (numba-compilable)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@jit
+def evaluate_order(order, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish):  # type: ignore[no-untyped-def]
+    """Longest-path times of a per-rank order (Kahn's algorithm); returns the makespan, or -1 on deadlock."""
+    n = dur.shape[0]
+    nranks = rank_ptr.shape[0] - 1
+    nxt = np.full(n, -1, dtype=np.int64)
+    indeg = np.zeros(n, dtype=np.int64)
+    ready = np.zeros(n)
+    for k in range(nranks):
+        for p in range(rank_ptr[k], rank_ptr[k + 1] - 1):
+            nxt[order[p]] = order[p + 1]
+            indeg[order[p + 1]] += 1
+    stack = np.empty(n, dtype=np.int64)
+    top = 0
+    for op in range(n):
+        if pred1[op] >= 0:
+            indeg[op] += 1
+        if pred2[op] >= 0:
+            indeg[op] += 1
+    for op in range(n):
+        if indeg[op] == 0:
+            stack[top] = op
+            top += 1
+    done = 0
+    makespan = 0.0
+    while top > 0:
+        top -= 1
+        op = stack[top]
+        t = ready[op] + dur[op]
+        finish[op] = t
+        done += 1
+        if t > makespan:
+            makespan = t
+        s = succ1[op]
+        if s >= 0:
+            if t + lat1[op] > ready[s]:
+                ready[s] = t + lat1[op]
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                stack[top] = s
+                top += 1
+        s = succ2[op]
+        if s >= 0:
+            if t + lat2[op] > ready[s]:
+                ready[s] = t + lat2[op]
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                stack[top] = s
+                top += 1
+        s = nxt[op]
+        if s >= 0:
+            if t > ready[s]:
+                ready[s] = t
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                stack[top] = s
+                top += 1
+    if done < n:
+        return -1.0
+    return makespan
+
+
+@jit
+def rank_peaks(order, rank_ptr, mem):  # type: ignore[no-untyped-def]
+    """Per-rank peak activation of an order (F adds, B frees; ops on a rank never overlap)."""
+    nranks = rank_ptr.shape[0] - 1
+    peaks = np.zeros(nranks)
+    for k in range(nranks):
+        level = 0.0
+        best = 0.0
+        for p in range(rank_ptr[k], rank_ptr[k + 1]):
+            level += mem[order[p]]
+            if level > best:
+                best = level
+        peaks[k] = best
+    return peaks
+
+
+@jit
+def _next_planned(k, ptr, planned, stream_base, stream_len, rank_streams_ptr, rank_streams):  # type: ignore[no-untyped-def]
+    t = np.inf
+    for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
+        sid = rank_streams[j]
+        if ptr[sid] < stream_len[sid]:
+            p = planned[stream_base[sid] + ptr[sid]]
+            if p >= 0 and p < t:
+                t = p
+    return t
+
+
+@jit
+def list_schedule(  # type: ignore[no-untyped-def]
+    rank_ptr,
+    dur,
+    mem,
+    pred1,
+    pred2,
+    lat1,
+    lat2,
+    succ1,
+    succ2,
+    stream_base,
+    stream_len,
+    stream_rank,
+    stream_is_b,
+    rank_streams_ptr,
+    rank_streams,
+    stream_limit,
+    stream_prio,
+    slack,
+    cap,
+    noise,
+    seed,
+    planned,
+):
+    """Greedy list schedule over streams; returns the per-rank order (op ids) or an empty array if stuck.
+
+    At every step, among the ready stream heads of all ranks, take the one that can start earliest
+    (`max(rank free, inputs ready)`); among those starting within `slack` of the earliest on the same rank, the
+    highest `stream_prio` wins (ties: backward first, then lower stream id). An F is eligible only while its
+    stage holds fewer than `stream_limit` micro-batches in flight and the rank stays under `cap`.
+    `noise` > 0 adds uniform noise of that size to priorities (randomised restarts).
+    `planned[op]` >= 0 marks a *protected* op (the bigger pipeline's 1F1B, timed as if alone): another op may
+    run on that rank only if it ends before the next protected op's planned start, so the protected pipeline
+    keeps its critical path and the other fills its bubbles.
+    """
+    np.random.seed(seed)
+    n = dur.shape[0]
+    nranks = rank_ptr.shape[0] - 1
+    nstreams = stream_base.shape[0]
+    ptr = np.zeros(nstreams, dtype=np.int64)
+    inflight = np.zeros(nstreams, dtype=np.int64)  # indexed by the F stream (B frees its F stream's count)
+    ready_time = np.zeros(n)
+    npreds = np.zeros(n, dtype=np.int64)
+    for op in range(n):
+        if pred1[op] >= 0:
+            npreds[op] += 1
+        if pred2[op] >= 0:
+            npreds[op] += 1
+    free = np.zeros(nranks)
+    level = np.zeros(nranks)
+    fill = rank_ptr[:-1].copy()
+    order = np.empty(n, dtype=np.int64)
+    prio = stream_prio.copy()
+    for done in range(n):
+        best_rank = -1
+        best_start = np.inf
+        for k in range(nranks):
+            # earliest start on this rank
+            k_start = np.inf
+            nxt_plan = _next_planned(k, ptr, planned, stream_base, stream_len, rank_streams_ptr, rank_streams)
+            for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
+                sid = rank_streams[j]
+                if ptr[sid] >= stream_len[sid]:
+                    continue
+                op = stream_base[sid] + ptr[sid]
+                if npreds[op] > 0:
+                    continue
+                if stream_is_b[sid] == 0:
+                    if inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9:
+                        continue
+                st = max(free[k], ready_time[op])
+                if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
+                    continue
+                if st < k_start:
+                    k_start = st
+            if k_start < best_start - 1e-9:
+                best_start = k_start
+                best_rank = k
+        if best_rank < 0:
+            return np.empty(0, dtype=np.int64)
+        k = best_rank
+        nxt_plan = _next_planned(k, ptr, planned, stream_base, stream_len, rank_streams_ptr, rank_streams)
+        chosen = -1
+        chosen_key = -np.inf
+        for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
+            sid = rank_streams[j]
+            if ptr[sid] >= stream_len[sid]:
+                continue
+            op = stream_base[sid] + ptr[sid]
+            if npreds[op] > 0:
+                continue
+            if stream_is_b[sid] == 0:
+                if inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9:
+                    continue
+            st = max(free[k], ready_time[op])
+            if st > best_start + slack + 1e-9:
+                continue
+            if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
+                continue
+            key = prio[sid] + 0.5 * stream_is_b[sid] - 1e-6 * sid
+            if noise > 0:
+                key += noise * np.random.random()
+            if key > chosen_key:
+                chosen_key = key
+                chosen = sid
+        sid = chosen
+        op = stream_base[sid] + ptr[sid]
+        ptr[sid] += 1
+        st = max(free[k], ready_time[op])
+        t = st + dur[op]
+        free[k] = t
+        level[k] += mem[op]
+        g = sid if stream_is_b[sid] == 0 else sid - 1
+        if stream_is_b[sid] == 0:
+            inflight[g] += 1
+        else:
+            inflight[g] -= 1
+        order[fill[k]] = op
+        fill[k] += 1
+        s = succ1[op]
+        if s >= 0:
+            npreds[s] -= 1
+            if t + lat1[op] > ready_time[s]:
+                ready_time[s] = t + lat1[op]
+        s = succ2[op]
+        if s >= 0:
+            npreds[s] -= 1
+            if t + lat2[op] > ready_time[s]:
+                ready_time[s] = t + lat2[op]
+        _ = done
+    return order
+
+
+@jit
+def _objective(finish, tail, makespan, weight, target, mode):  # type: ignore[no-untyped-def]
+    # The makespan alone is flat under most moves, so a secondary term guides the walk across plateaus
+    # (never outweighing much of one unit of makespan):
+    #   mode 0: mean finish time (pulls work earlier, which frees the critical rank);
+    #   mode 1: mean lateness past each op's deadline, target - tail (the latest end that still allows the
+    #           target makespan): how far the schedule is from the target everywhere, not just on its critical path.
+    if mode == 0:
+        return makespan + weight * finish.mean()
+    late = 0.0
+    for op in range(finish.shape[0]):
+        d = finish[op] + tail[op] - target
+        if d > 0:
+            late += d
+    return makespan + weight * late / finish.shape[0]
+
+
+@jit
+def anneal_latency(  # type: ignore[no-untyped-def]
+    order,
+    rank_ptr,
+    dur,
+    pred1,
+    pred2,
+    succ1,
+    succ2,
+    lat1,
+    lat2,
+    stream,
+    mem,
+    tail,
+    cap,
+    iters,
+    temp0,
+    temp1,
+    weight,
+    mode,
+    max_shift,
+    target,
+    seed,
+):
+    """Simulated annealing on per-rank orders for makespan (then the plateau-breaking objective).
+
+    Moves: swap two adjacent ops of different streams (the paper's move) or shift one op by up to
+    `max_shift` places on its rank past ops of other streams. Deadlocking or cap-violating orders are
+    rejected. Stops early once the makespan reaches `target`. Returns (best order, best makespan, iterations).
+    """
+    np.random.seed(seed)
+    n = order.shape[0]
+    nranks = rank_ptr.shape[0] - 1
+    rank_of_pos = np.empty(n, dtype=np.int64)
+    for k in range(nranks):
+        for p in range(rank_ptr[k], rank_ptr[k + 1]):
+            rank_of_pos[p] = k
+    finish = np.zeros(n)
+    cur = order.copy()
+    ms = evaluate_order(cur, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish)
+    cost = _objective(finish, tail, ms, weight, target, mode)
+    best = cur.copy()
+    best_ms = ms
+    best_cost = cost
+    saved = np.empty(max_shift + 2, dtype=np.int64)
+    it = 0
+    for it in range(iters):
+        if best_ms <= target + 1e-9:
+            break
+        temp = temp0 * (temp1 / temp0) ** (it / iters)
+        p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
+        if p < 0:
+            continue
+        k = rank_of_pos[p]
+        new_ms = -1.0
+        if cap == np.inf or _rank_peak(cur, rank_ptr[k], rank_ptr[k + 1], mem) <= cap + 1e-9:
+            new_ms = evaluate_order(cur, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish)
+        if new_ms < 0:
+            for j in range(p, q + 1):
+                cur[j] = saved[j - p]
+            continue
+        new_cost = _objective(finish, tail, new_ms, weight, target, mode)
+        delta = new_cost - cost
+        if delta <= 0 or np.random.random() < np.exp(-delta / temp):
+            cost = new_cost
+            if new_ms < best_ms or (new_ms == best_ms and new_cost < best_cost):
+                best_cost = new_cost
+                best_ms = new_ms
+                best[:] = cur
+        else:
+            for j in range(p, q + 1):
+                cur[j] = saved[j - p]
+    return best, best_ms, it + 1
+
+
+@jit
+def _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved):  # type: ignore[no-untyped-def]
+    """Move one op up to `max_shift` places on its rank past other streams; returns (p, q) or (-1, -1)."""
+    n = cur.shape[0]
+    p = np.random.randint(0, n - 1)
+    k = rank_of_pos[p]
+    shift = 1
+    if max_shift > 1 and np.random.random() < 0.5:
+        shift = np.random.randint(1, max_shift + 1)
+    q = p + shift
+    if q >= rank_ptr[k + 1]:
+        return -1, -1
+    down = shift == 1 or np.random.random() < 0.5
+    moving = stream[cur[p]] if down else stream[cur[q]]
+    lo = p + 1 if down else p
+    hi = q + 1 if down else q
+    for j in range(lo, hi):
+        if stream[cur[j]] == moving:
+            return -1, -1
+    for j in range(p, q + 1):
+        saved[j - p] = cur[j]
+    if down:
+        x = cur[p]
+        for j in range(p, q):
+            cur[j] = cur[j + 1]
+        cur[q] = x
+    else:
+        y = cur[q]
+        for j in range(q, p, -1):
+            cur[j] = cur[j - 1]
+        cur[p] = y
+    return p, q
+
+
+@jit
+def _rank_peak(cur, lo, hi, mem):  # type: ignore[no-untyped-def]
+    level = 0.0
+    best = 0.0
+    for j in range(lo, hi):
+        level += mem[cur[j]]
+        if level > best:
+            best = level
+    return best
+
+
+@jit
+def anneal_memory(  # type: ignore[no-untyped-def]
+    order,
+    rank_ptr,
+    dur,
+    pred1,
+    pred2,
+    succ1,
+    succ2,
+    lat1,
+    lat2,
+    stream,
+    mem,
+    makespan_limit,
+    iters,
+    temp0,
+    temp1,
+    max_shift,
+    target,
+    seed,
+):
+    """The paper's second phase: anneal peak activation with moves restricted to makespan <= the limit.
+
+    Cost: the largest per-rank peak, plus a small share of the sum of per-rank peaks (so that lowering any
+    rank's peak counts). Only the moved rank's peak changes, so memory is re-evaluated incrementally and the
+    (costlier) makespan check runs only for moves the memory cost would accept.
+    """
+    np.random.seed(seed)
+    n = order.shape[0]
+    nranks = rank_ptr.shape[0] - 1
+    rank_of_pos = np.empty(n, dtype=np.int64)
+    for k in range(nranks):
+        for p in range(rank_ptr[k], rank_ptr[k + 1]):
+            rank_of_pos[p] = k
+    finish = np.zeros(n)
+    cur = order.copy()
+    peaks = rank_peaks(cur, rank_ptr, mem)
+    share = 0.1 / nranks
+    cost = peaks.max() + share * peaks.sum()
+    best = cur.copy()
+    best_cost = cost
+    saved = np.empty(max_shift + 2, dtype=np.int64)
+    it = 0
+    for it in range(iters):
+        if peaks.max() <= target + 1e-9:
+            break
+        temp = temp0 * (temp1 / temp0) ** (it / iters)
+        p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
+        if p < 0:
+            continue
+        k = rank_of_pos[p]
+        old_peak = peaks[k]
+        peaks[k] = _rank_peak(cur, rank_ptr[k], rank_ptr[k + 1], mem)
+        new_cost = peaks.max() + share * peaks.sum()
+        delta = new_cost - cost
+        accept = delta <= 0 or np.random.random() < np.exp(-delta / temp)
+        if accept:
+            ms = evaluate_order(cur, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish)
+            accept = ms >= 0 and ms <= makespan_limit + 1e-9
+        if accept:
+            cost = new_cost
+            if cost < best_cost - 1e-12:
+                best_cost = cost
+                best[:] = cur
+        else:
+            peaks[k] = old_peak
+            for j in range(p, q + 1):
+                cur[j] = saved[j - p]
+    return best, it + 1

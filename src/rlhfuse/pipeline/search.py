@@ -1,0 +1,378 @@
+"""Search for a fused schedule: the paper's greedy + two-phase annealing, with better starts and early stop.
+
+1. Constructive starts (`constructive_starts`): the paper's greedy list schedule (earliest start, backward
+   first on ties) and a sweep of list schedules that encode the structure of good fused schedules: each model's
+   micro-batches in flight per stage capped at its 1F1B count plus a few (bounded memory), the bigger pipeline
+   optionally *protected* at its 1F1B timing while the smaller one fills its warm-up and cool-down bubbles,
+   priorities and a small look-ahead slack.
+2. Latency phase: simulated annealing on the per-rank orders (adjacent swaps and short shifts), with a
+   plateau-breaking secondary objective, restarted from the best starts until the lower bound is reached or
+   the latency share of the time budget is spent.
+3. Memory phase: annealing of the peak activation with moves restricted to makespan <= the best found.
+
+The memory cap is a hard constraint everywhere. Seeds run in parallel over local processes (no MPI); the
+best result wins (makespan, then peak, then seed), so a run is deterministic for a seed and a worker count
+when it stops on the lower bound or on iteration counts (a wall-clock stop depends on the machine's speed).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlhfuse.pipeline.baselines import one_f_one_b, serial_makespan, serial_peak
+from rlhfuse.pipeline.bounds import Bounds, lower_bounds
+from rlhfuse.pipeline.compiled import (
+    Compiled,
+    anneal_latency,
+    anneal_memory,
+    compile_problem,
+    list_schedule,
+)
+from rlhfuse.pipeline.ir import Schedule, schedule_to_result
+from rlhfuse.pipeline.problem import Problem
+from rlhfuse.pipeline.simulate import DurationFn, simulate
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How hard to search.
+
+    Attributes:
+        time_budget: wall-clock seconds for the whole search (starts, both phases, all workers in parallel).
+        seed: base seed; worker w uses seed + w.
+        workers: local processes running independent seeds (1: in this process).
+        memory_share: fraction of the budget kept for the memory phase once the latency phase has not
+            reached the lower bound (when it has, the memory phase may use what is left).
+        memory_patience: the memory phase stops after this many annealing rounds without improvement.
+        max_iterations: hard cap on annealing iterations per phase and worker (None: time only); set it
+            to make a run reproducible independently of machine speed.
+    """
+
+    time_budget: float = 60.0
+    seed: int = 0
+    workers: int = 1
+    memory_share: float = 0.25
+    memory_patience: int = 3
+    max_iterations: int | None = None
+
+
+@dataclass
+class Solution:
+    """A searched schedule with its figures (all makespans in the problem's time unit)."""
+
+    problem: Problem
+    schedule: Schedule
+    makespan: float
+    peak: float
+    bounds: Bounds
+    serial_makespan: float
+    serial_peak: float
+    greedy_makespan: float
+    greedy_peak: float
+    seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lower_bound(self) -> float:
+        return self.bounds.makespan
+
+    @property
+    def speedup(self) -> float:
+        return self.serial_makespan / self.makespan
+
+    @property
+    def memory_ratio(self) -> float:
+        """Peak activation relative to serial 1F1B of the models (per-rank max of the two, max over ranks)."""
+        return self.peak / self.serial_peak
+
+    def to_result(self) -> dict[str, Any]:
+        """FORMAT.md result keys, plus a few extra figures (ignored by readers of the FORMAT)."""
+        return schedule_to_result(
+            self.problem,
+            self.schedule,
+            makespan=self.makespan,
+            peak=self.peak,
+            lower_bound=self.lower_bound,
+            serial=self.serial_makespan,
+            seconds=self.seconds,
+            extra={
+                "greedy_makespan": _plain(self.greedy_makespan),
+                "greedy_peak_activation": round(self.greedy_peak, 6),
+                "serial_1f1b_peak_activation": round(self.serial_peak, 6),
+                "speedup_over_serial_1f1b": round(self.speedup, 4),
+                "memory_ratio_to_serial_1f1b": round(self.memory_ratio, 4),
+                "lower_bound_paper": _plain(self.bounds.paper),
+            },
+        )
+
+
+def _plain(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# List schedules
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _cap(problem: Problem) -> float:
+    return math.inf if problem.memory_cap is None else float(problem.memory_cap)
+
+
+def run_list_schedule(
+    c: Compiled,
+    *,
+    limit: np.ndarray | None = None,
+    prio: np.ndarray | None = None,
+    slack: float = 0.0,
+    noise: float = 0.0,
+    seed: int = 0,
+    planned: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """One list schedule (see `compiled.list_schedule`); None if the memory cap blocks every rank."""
+    n_streams = len(c.stream_base)
+    order = list_schedule(
+        c.rank_ptr, c.dur, c.mem, c.pred1, c.pred2, c.lat_succ1, c.lat_succ2, c.succ1, c.succ2,
+        c.stream_base, c.stream_len, c.stream_rank, c.stream_is_b, c.rank_streams_ptr, c.rank_streams,
+        c.stream_len.copy() if limit is None else limit,
+        np.zeros(n_streams) if prio is None else prio,
+        float(slack), _cap(c.problem), float(noise), int(seed),
+        np.full(c.n, -1.0) if planned is None else planned,
+    )  # fmt: skip
+    return order if len(order) else None
+
+
+def greedy_order(c: Compiled) -> np.ndarray:
+    """The paper's greedy: earliest start first, backward first on ties (under the memory cap)."""
+    order = run_list_schedule(c)
+    if order is None:
+        # Unbounded forwards can fill the cap before any backward is possible: fall back to 1F1B limits.
+        order = run_list_schedule(c, limit=_limits(c, [0] * len(c.problem.models)))
+    if order is None:
+        raise ValueError(
+            f"memory_cap={c.problem.memory_cap} of problem {c.problem.name!r} leaves no valid schedule for the "
+            "greedy list scheduler: raise memory_cap or set it to null"
+        )
+    return order
+
+
+def greedy(problem: Problem, durations: DurationFn | None = None) -> Schedule:
+    """The paper's greedy list schedule as a Schedule."""
+    c = compile_problem(problem, durations)
+    return c.to_schedule(greedy_order(c))
+
+
+def _limits(c: Compiled, extra: list[int]) -> np.ndarray:
+    """In-flight cap per F stream: the 1F1B count (stages - stage) plus `extra[model]`."""
+    bonus = np.array(extra, dtype=np.int64)[c.model_of_stream]
+    return np.minimum(c.stream_len, c.stages_of_stream - c.stage_of_stream + bonus)
+
+
+def _planned_1f1b(c: Compiled, model_index: int) -> np.ndarray:
+    """Start times of one model's 1F1B run alone, per op (-1 for the other models' ops)."""
+    problem = c.problem
+    m = problem.models[model_index]
+    alone = Problem(f"{problem.name}/{m.name}", problem.ranks, (m,), None, problem.comm_latency)
+    sim = simulate(alone, one_f_one_b(alone))
+    idx = c.index()
+    planned = np.full(c.n, -1.0)
+    for action, start in sim.start.items():
+        planned[idx[action]] = start
+    return planned
+
+
+def constructive_starts(
+    c: Compiled, deadline: float, seed: int = 0, keep: int = 8
+) -> list[tuple[float, float, np.ndarray]]:
+    """Greedy plus a sweep of structured list schedules; the `keep` best distinct (makespan, peak, order)."""
+    problem = c.problem
+    rng = np.random.default_rng(seed)
+    n_models = len(problem.models)
+    found: dict[bytes, tuple[float, float, np.ndarray]] = {}
+
+    def consider(order: np.ndarray | None) -> None:
+        if order is None:
+            return
+        ms, _ = c.evaluate(order)
+        if ms >= 0:
+            found.setdefault(order.tobytes(), (ms, c.peak(order), order))
+
+    consider(greedy_order(c))
+    paths = lower_bounds(problem, c).critical_path
+    by_path = sorted(range(n_models), key=lambda i: -paths[problem.models[i].name])
+    protect_options: list[int | None] = [None, by_path[0]]
+    planned_cache: dict[int, np.ndarray] = {}
+    max_extra = [min(m.stages, m.microbatches) for m in problem.models]
+    configs = []
+    for protect in protect_options:
+        for slack in (0.0, 1.0, 2.0, 4.0):
+            for favour in range(-1, n_models):
+                if n_models == 2:
+                    grid = [
+                        [e0, e1]
+                        for e0 in range(0, min(4, max_extra[0]) + 1)
+                        for e1 in range(0, max_extra[1] + 1)
+                    ]
+                else:
+                    grid = [[int(rng.integers(0, e + 1)) for e in max_extra] for _ in range(12)]
+                for extra in grid:
+                    configs.append((protect, slack, favour, extra))
+    # Cheap structured ones first, then the rest in a seeded random order (the sweep may hit its deadline).
+    head, rest = configs[:1], configs[1:]
+    rng.shuffle(rest)  # type: ignore[arg-type]
+    for protect, slack, favour, extra in head + rest:
+        if time.perf_counter() > deadline and len(found) >= 2:
+            break
+        planned = None
+        if protect is not None:
+            if protect not in planned_cache:
+                planned_cache[protect] = _planned_1f1b(c, protect)
+            planned = planned_cache[protect]
+            extra = list(extra)
+            extra[protect] = 0
+        prio = np.zeros(len(c.stream_base)) if favour < 0 else (c.model_of_stream == favour).astype(float)
+        consider(run_list_schedule(c, limit=_limits(c, extra), prio=prio, slack=slack, planned=planned))
+    ranked = sorted(found.values(), key=lambda x: (x[0], x[1]))
+    return ranked[:keep]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Annealing
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _anneal_latency(c: Compiled, order: np.ndarray, iters: int, rng: np.random.Generator, target: float):
+    mode = int(rng.integers(0, 2))
+    weight = float(rng.choice([0.3, 1.0, 3.0]) if mode == 0 else rng.choice([3.0, 10.0, 30.0, 100.0]))
+    temp0 = float(rng.choice([0.5, 1.0, 2.0, 4.0]))
+    max_shift = int(rng.choice([1, 4, 8]))
+    best, ms, done = anneal_latency(
+        order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
+        c.mem, c.tail, _cap(c.problem), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
+        int(rng.integers(0, 2**31 - 1)),
+    )  # fmt: skip
+    return best, float(ms), int(done)
+
+
+def _anneal_memory(
+    c: Compiled, order: np.ndarray, limit: float, iters: int, rng: np.random.Generator, target: float
+):
+    temp0 = float(rng.choice([0.5, 1.0, 2.0]))
+    best, done = anneal_memory(
+        order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
+        c.mem, float(limit), int(iters), temp0, 0.01, int(rng.choice([1, 4, 8])), float(target),
+        int(rng.integers(0, 2**31 - 1)),
+    )  # fmt: skip
+    return best, int(done)
+
+
+def _round_iters(by_time: float, left: int, config: SearchConfig) -> int:
+    # With an iteration cap, rounds have a fixed size so that the run does not depend on machine speed.
+    if config.max_iterations is not None:
+        return int(max(1, min(20_000, left)))
+    return int(max(1000, by_time))
+
+
+def _worker(
+    problem: Problem, durations: DurationFn | None, config: SearchConfig, worker: int, t0: float, stop: Any
+) -> dict[str, Any]:
+    """One seed's full search; returns a picklable summary."""
+    c = compile_problem(problem, durations)
+    rng = np.random.default_rng(config.seed + worker)
+    budget = config.time_budget
+    end = t0 + budget
+    bounds = lower_bounds(problem, c)
+    target = bounds.makespan
+    starts = constructive_starts(c, t0 + 0.15 * budget, seed=config.seed + worker)
+    best_ms, best_peak, best = starts[0]
+    stats: dict[str, Any] = {
+        "starts": len(starts),
+        "start_makespan": best_ms,
+        "latency_iters": 0,
+        "memory_iters": 0,
+    }
+    cap_iters = config.max_iterations if config.max_iterations is not None else 2**62
+    rate = 2e5  # iterations per second, re-measured after every round
+    latency_end = t0 + (1.0 - config.memory_share) * budget
+    while best_ms > target + 1e-9 and stats["latency_iters"] < cap_iters:
+        now = time.perf_counter()
+        if now >= latency_end or (stop is not None and stop.is_set()):
+            break
+        seconds = min(latency_end - now, max(0.5, 0.2 * budget))
+        iters = _round_iters(rate * seconds, cap_iters - stats["latency_iters"], config)
+        start = best if rng.random() < 0.7 else starts[int(rng.integers(0, len(starts)))][2]
+        began = time.perf_counter()
+        order, ms, done = _anneal_latency(c, start, iters, rng, target)
+        rate = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
+        stats["latency_iters"] += done
+        if ms >= 0 and (ms < best_ms or (ms == best_ms and c.peak(order) < best_peak)):
+            best_ms, best_peak, best = ms, c.peak(order), order
+    if best_ms <= target + 1e-9 and stop is not None:
+        stop.set()
+    stale = 0
+    while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
+        now = time.perf_counter()
+        if now >= end or best_peak <= bounds.memory + 1e-9:
+            break
+        seconds = min(end - now, max(0.5, 0.1 * budget))
+        iters = _round_iters(rate * seconds, cap_iters - stats["memory_iters"], config)
+        began = time.perf_counter()
+        order, done = _anneal_memory(c, best, best_ms, iters, rng, bounds.memory)
+        rate = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
+        stats["memory_iters"] += done
+        peak = c.peak(order)
+        if peak < best_peak - 1e-9:
+            best_peak, best, stale = peak, order, 0
+        else:
+            stale += 1
+    return {"worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats}
+
+
+def solve(
+    problem: Problem, config: SearchConfig | None = None, durations: DurationFn | None = None
+) -> Solution:
+    """Search a fused schedule for `problem` within `config.time_budget` seconds."""
+    config = config or SearchConfig()
+    t0 = time.perf_counter()
+    c = compile_problem(problem, durations)
+    g_order = greedy_order(c)
+    g_ms, _ = c.evaluate(g_order)
+    workers = max(1, config.workers)
+    if workers == 1:
+        results = [_worker(problem, durations, config, 0, t0, None)]
+    else:
+        ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
+        with ctx.Manager() as manager:
+            stop = manager.Event()
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                futures = [
+                    pool.submit(_worker, problem, durations, config, w, t0, stop) for w in range(workers)
+                ]
+                results = [f.result() for f in futures]
+    win = min(results, key=lambda r: (r["makespan"], r["peak"], r["worker"]))
+    schedule = c.to_schedule(win["order"])
+    checked = simulate(problem, schedule, durations)  # the readable oracle has the last word
+    seconds = time.perf_counter() - t0
+    stats = dict(win["stats"])
+    stats["workers"] = workers
+    return Solution(
+        problem=problem,
+        schedule=schedule,
+        makespan=checked.makespan,
+        peak=checked.peak,
+        bounds=lower_bounds(problem, c),
+        serial_makespan=serial_makespan(problem),
+        serial_peak=serial_peak(problem),
+        greedy_makespan=float(g_ms),
+        greedy_peak=c.peak(g_order),
+        seconds=seconds,
+        stats=stats,
+    )

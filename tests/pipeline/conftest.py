@@ -1,0 +1,36 @@
+"""Shared fixtures: the Table-3 settings (from ../shared/bench, skipped when absent) and small problems."""
+
+from pathlib import Path
+
+import pytest
+
+from rlhfuse.pipeline import make_problem
+from rlhfuse.pipeline.cli import default_table_path
+from rlhfuse.pipeline.problem import load_problems
+
+
+@pytest.fixture(scope="session")
+def table3():
+    path = default_table_path()
+    if not Path(path).is_file():
+        pytest.skip(f"table3.json not found at {path}")
+    return {p.name.split()[0]: p for p in load_problems(path)}
+
+
+@pytest.fixture
+def tiny_fused():
+    """4 ranks: a 4-stage actor and two reversed 2-stage critic replicas."""
+    return make_problem(
+        [
+            {"name": "actor", "stages": 4, "microbatches": 4, "forward": 2, "backward": 4, "activation": 1.5},
+            {
+                "name": "critic",
+                "stages": 2,
+                "microbatches": 3,
+                "forward": 1,
+                "backward": 2,
+                "activation": 1.0,
+            },
+        ],
+        name="tiny",
+    )
