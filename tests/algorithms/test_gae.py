@@ -96,6 +96,19 @@ def test_matrix_form_matches_loop(problem):
     assert bool((advantages_BT[~mask_BT] == 0).all()) and bool((returns_BT[~mask_BT] == 0).all())
 
 
+@settings(max_examples=40, deadline=None)
+@given(gae_problems())
+def test_float32_matrix_form_matches_float64_loop(problem):
+    rewards_BT, values_BT, mask_BT, gamma, lam, chunk_size = problem
+    expected_BT, expected_returns_BT = compute_gae_loop(rewards_BT, values_BT, mask_BT, gamma, lam)
+    advantages_BT, returns_BT = compute_gae_matrix(
+        rewards_BT.float(), values_BT.float(), mask_BT, gamma, lam, chunk_size=chunk_size
+    )
+    assert advantages_BT.dtype == torch.float32
+    torch.testing.assert_close(advantages_BT.double(), expected_BT, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns_BT.double(), expected_returns_BT, rtol=1e-5, atol=1e-5)
+
+
 def test_float32_matches_float64_loop():
     generator = torch.Generator().manual_seed(0)
     rewards_BT = torch.randn(3, 300, generator=generator)
