@@ -8,7 +8,7 @@ import pytest
 from rlhfuse.planner import A100, H100, H200, CostModel, Efficiency, cluster, model
 from rlhfuse.planner.cost import TRAIN_STATE_BYTES_PER_PARAM
 
-NO_OVERHEAD = Efficiency(decode_step_overhead=0.0, decode_layer_overhead=0.0)
+NO_OVERHEAD = Efficiency(decode_step_overhead=0.0, layer_overhead=0.0)
 
 
 @pytest.mark.parametrize(("name", "billions"), [("13b", 13.0), ("33b", 32.5), ("65b", 65.2)])

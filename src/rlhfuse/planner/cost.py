@@ -87,6 +87,7 @@ class CostModel:
         if tokens == 0:
             return 0.0
         t = self.compute_time(self.forward_flops(model, s, head), tp, self.eff.prefill_mfu, tokens)
+        t += model.layers * self.eff.layer_overhead
         return t + 2 * model.layers * self.allreduce_time(tokens * model.hidden * self.device.dtype_bytes, tp)
 
     def decode_step_time(
@@ -105,7 +106,7 @@ class CostModel:
         flops = b * self.matmul_flops_per_token(model) + 4.0 * model.layers * model.hidden * ctx
         comp = flops / (tp * dev.peak_flops * self.eff.decode_mfu)
         comm = 2 * model.layers * self.allreduce_time_array(b * model.hidden * dev.dtype_bytes, tp)
-        fixed = self.eff.decode_step_overhead + model.layers * self.eff.decode_layer_overhead
+        fixed = self.eff.decode_step_overhead + model.layers * self.eff.layer_overhead
         out: NDArray = np.where(b > 0, np.maximum(mem, comp) + comm + fixed, 0.0)
         return out
 

@@ -118,8 +118,8 @@ class Efficiency:
     """Fraction of NVLink / InfiniBand / PCIe bandwidth achieved by collectives and copies."""
     decode_step_overhead: float = 0.5e-3
     """Fixed time per decode step (sampling, scheduling, launch), s. CUDA-graph engines: 0.2-1 ms."""
-    decode_layer_overhead: float = 4e-6
-    """Fixed time per layer per decode step (kernel launches that CUDA graphs do not hide), s."""
+    layer_overhead: float = 4e-6
+    """Fixed time per layer of any forward pass (kernel launches / dispatch that CUDA graphs do not hide), s."""
     memory_reserve: float = 0.1
     """Fraction of device memory not usable (CUDA context, allocator fragmentation)."""
 
