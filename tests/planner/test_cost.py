@@ -75,14 +75,14 @@ def test_decode_small_batch_scales_with_hbm_bandwidth_only():
 def test_prefill_is_compute_bound_and_monotonic():
     m = model("13b")
     seqs = [[s] * 16 for s in (64, 256, 1024, 4096)]
-    cost = CostModel(cluster("h100", 1))
+    cost = CostModel(cluster("h100", 1), NO_OVERHEAD)
     times = [cost.prefill_time(m, s, 1) for s in seqs]
     assert times == sorted(times) and len(set(times)) == 4
     # same peak, different HBM: prefill of a big batch costs the same on H100 and H200
-    h200 = CostModel(cluster("h200", 1)).prefill_time(m, seqs[-1], 1)
+    h200 = CostModel(cluster("h200", 1), NO_OVERHEAD).prefill_time(m, seqs[-1], 1)
     assert h200 == pytest.approx(times[-1], rel=1e-9)
     # A100 has 312 vs 989 TFLOP/s
-    a100 = CostModel(cluster("a100", 1)).prefill_time(m, seqs[-1], 1)
+    a100 = CostModel(cluster("a100", 1), NO_OVERHEAD).prefill_time(m, seqs[-1], 1)
     assert a100 / times[-1] == pytest.approx(H100.peak_flops / A100.peak_flops, rel=1e-9)
 
 

@@ -137,7 +137,10 @@ def _calibrate(torch: Any, repeats: int) -> Calibration:
                 for _ in range(DECODE_STEPS):
                     net(step_ids, cache=cache)
                 best[name][1] = min(best[name][1], (time.perf_counter() - start) / DECODE_STEPS)
-    measured = [(name, ModelSpec.from_config(config, name), *best[name]) for name, config, _, _ in nets]
+    measured = [
+        (name, ModelSpec.from_config(config, name), best[name][0], best[name][1])
+        for name, config, _, _ in nets
+    ]
 
     # fit on the first model: decode (memory-bound) gives the per-layer fixed cost, then prefill the MFU ceiling
     _, spec0, prefill0, decode0 = measured[0]
