@@ -68,10 +68,11 @@ class SyntheticTask:
     length_sigma: float = 0.8  # log-normal sigma: larger = heavier tail
 
     def prompt(self, index: int) -> str:
+        # The context words are the topic's own (plus filler): the topic is visible all over the prompt, which a
+        # tiny model picks up far more easily than one token at a fixed place.
         rng = random.Random(f"prompt-{self.seed}-{index}")
         topic = rng.choice(list(TOPICS))
-        all_words = [w for words in TOPICS.values() for w in words] + list(FILLER)
-        context = [rng.choice(all_words) for _ in range(rng.randint(2, 4))]
+        context = [rng.choice(TOPICS[topic] + FILLER) for _ in range(rng.randint(1, 4))]
         return " ".join([topic, SEPARATOR, *context])
 
     def prompts(self, count: int) -> list[str]:
@@ -100,7 +101,12 @@ class SyntheticTask:
         return examples
 
     def preference_pairs(self, count: int) -> list[tuple[str, str, str]]:
-        """(prompt, chosen, rejected) triples ranked by `topic_fraction`; ties are redrawn."""
+        """(prompt, chosen, rejected) triples ranked by `topic_fraction`; ties are redrawn.
+
+        Length carries no information: the chosen response is the longer one in exactly half of the pairs, so a
+        reward model must learn the fraction itself rather than a length bias (which a policy would exploit by
+        changing its response lengths). One pair in eight rejects an empty response, which scores 0.
+        """
         rng = random.Random(f"pairs-{self.seed}")
         pairs: list[tuple[str, str, str]] = []
         i = 0
@@ -108,9 +114,16 @@ class SyntheticTask:
             prompt = self.prompt(i)
             i += 1
             a = self.response(prompt, rng.random(), rng)
+            if len(pairs) % 8 == 7:
+                if topic_fraction(prompt, a) > 0:
+                    pairs.append((prompt, a, ""))
+                continue
             b = self.response(prompt, rng.random(), rng)
             score_a, score_b = topic_fraction(prompt, a), topic_fraction(prompt, b)
-            if score_a == score_b:
+            if score_a == score_b or len(a.split()) == len(b.split()):
                 continue
-            pairs.append((prompt, a, b) if score_a > score_b else (prompt, b, a))
+            chosen, rejected = (a, b) if score_a > score_b else (b, a)
+            if (len(chosen.split()) > len(rejected.split())) != (len(pairs) % 2 == 0):
+                continue  # even slots: the longer response wins; odd slots: the shorter one
+            pairs.append((prompt, chosen, rejected))
         return pairs

@@ -1,0 +1,182 @@
+"""From a validated `RLHFConfig` to a ready `RLHFTrainer`: data first (bad prompts fail before any model is
+built), then models (warm start if needed), then the components chosen by name from the registries."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+
+from rlhfuse.data.prompts import PromptLoader, load_prompts
+from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
+from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.trainer.callbacks import ExportActor, TaskScore
+from rlhfuse.trainer.config import (
+    GENERATORS,
+    INFERENCERS,
+    MIGRATION_POLICIES,
+    STRATEGIES,
+    RLHFConfig,
+    validate,
+)
+from rlhfuse.trainer.generator import SamplingGenerator
+from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.logging import RichProgress, build_loggers
+from rlhfuse.trainer.models import Models, load_models
+from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.trainer import RLHFTrainer
+from rlhfuse.trainer.warmstart import warm_start
+
+
+@dataclass
+class BuildContext:
+    config: RLHFConfig
+    models: Models
+    fabric: Fabric
+    total_steps: int
+
+
+@GENERATORS.register("sampling")
+def _sampling_generator(ctx: BuildContext) -> SamplingGenerator:
+    return SamplingGenerator(
+        ctx.models.actor,
+        ctx.config.generator,
+        eos_token_id=ctx.models.tokenizer.eos_id,
+        pad_token_id=ctx.models.tokenizer.pad_id,
+        samples_per_prompt=ctx.config.data.samples_per_prompt,
+        seed=ctx.config.seed,
+    )
+
+
+@INFERENCERS.register("models")
+def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
+    cfg = ctx.config.inferencer
+    return ModelInferencer(
+        cfg,
+        actor=ctx.models.actor,
+        ref=ctx.models.ref,
+        critic=ctx.models.critic,
+        reward_model=ctx.models.reward if cfg.use_reward_model else None,
+        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        tokenizer=ctx.models.tokenizer,
+        temperature=ctx.config.generator.temperature,
+        autocast=ctx.fabric.autocast,
+    )
+
+
+@STRATEGIES.register("plain")
+def _plain_strategy(ctx: BuildContext) -> PlainStrategy:
+    return PlainStrategy(
+        ctx.models.actor,
+        ctx.models.critic,
+        ctx.config.pipeline,
+        ctx.config.algorithm,
+        fabric=ctx.fabric,
+        total_steps=ctx.total_steps,
+        micro_batch_size=ctx.config.data.micro_batch_size,
+        micro_batch_tokens=ctx.config.data.micro_batch_tokens,
+        temperature=ctx.config.generator.temperature,
+    )
+
+
+@MIGRATION_POLICIES.register("none")
+def _no_migration(ctx: BuildContext) -> None:
+    return None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but CUDA is not available here: set device=cpu or device=auto")
+    return torch.device(name)
+
+
+def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
+    precision = config.pipeline.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    accelerator = "cuda" if device.type == "cuda" else "cpu"
+    devices: Any = [device.index or 0] if device.type == "cuda" else 1
+    return Fabric(accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
+
+
+def build_trainer(
+    config: RLHFConfig,
+    *,
+    run_dir: str | Path | None = None,
+    callbacks: list[object] | None = None,
+    log: Callable[[str], None] = print,
+) -> RLHFTrainer:
+    counts = validate(config)
+    run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
+    log(f"rlhfuse: {counts.describe()}")
+
+    # Data before models: malformed or over-long prompts fail fast.
+    m = config.model
+    warm = m.sft_path is None and m.reward_path is None
+    if warm:
+        tokenizer = build_tokenizer()
+    else:
+        tokenizer = Tokenizer.from_dir(Path(m.tokenizer_path or m.sft_path or "").expanduser())
+    prompts = load_prompts(config.data, tokenizer, seed=config.seed)
+    loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
+
+    device = resolve_device(config.device)
+    fabric = make_fabric(config, device)
+    if warm:
+        task = SyntheticTask(
+            seed=config.seed,
+            max_new_tokens=config.generator.max_new_tokens,
+            length_median=config.data.length_median,
+            length_sigma=config.data.length_sigma,
+        )
+        sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
+        models = load_models(m, sft_path=str(sft_path), reward_path=str(reward_path), device=device)
+    else:
+        assert m.sft_path is not None
+        reward = m.reward_path or m.critic_path
+        assert reward is not None
+        models = load_models(m, sft_path=m.sft_path, reward_path=reward, device=device)
+    fabric.seed_everything(config.seed, verbose=False)
+
+    ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps)
+    MIGRATION_POLICIES.get(config.migration.name)(ctx)
+    strategy = STRATEGIES.get(config.pipeline.name)(ctx)
+    generator = GENERATORS.get(config.generator.name)(ctx)
+    inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
+
+    all_callbacks: list[object] = [
+        RichProgress(config.iterations, enabled=config.logger.progress, print_every=config.logger.print_every)
+    ]
+    if config.data.source == "synthetic":
+        all_callbacks.append(TaskScore(REWARD_FUNCTIONS.get("topic_fraction"), models.tokenizer))
+    if config.checkpoint.export_hf:
+        all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
+    all_callbacks.extend(callbacks or [])
+    loggers = build_loggers(config.logger, run_dir)
+    for logger in loggers:
+        try:
+            logger.log_hyperparams(dataclasses.asdict(config))
+        except NotImplementedError:  # Fabric's CSVLogger keeps no hyperparameters
+            pass
+    return RLHFTrainer(
+        config,
+        generator=generator,
+        inferencer=inferencer,
+        strategy=strategy,
+        prompts=loader,
+        pad_token_id=models.tokenizer.pad_id,
+        run_dir=run_dir,
+        callbacks=all_callbacks,
+        logger=loggers,
+        fabric=fabric,
+    )

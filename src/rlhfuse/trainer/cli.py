@@ -1,0 +1,73 @@
+"""`rlhfuse-train`: the Hydra entry point. Composes `conf/`, converts to `RLHFConfig` once, builds and fits.
+
+rlhfuse-train                                  # the embedded default RLHF job
+rlhfuse-train algorithm.kl_coef=0.05 generator.max_new_tokens=64
+rlhfuse-train experiment=smoke
+rlhfuse-train hydra.run.dir=runs/a checkpoint.every=10 resume=auto
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from rich.console import Console
+
+from rlhfuse._resources import conf_dir
+from rlhfuse.data.prompts import DatasetError
+from rlhfuse.models import CheckpointError as ModelCheckpointError
+from rlhfuse.trainer.build import build_trainer
+from rlhfuse.trainer.checkpoint import CheckpointError
+from rlhfuse.trainer.hydra import register_schema, to_config
+from rlhfuse.trainer.strategy import NonFiniteError
+
+USER_ERRORS = (
+    ValueError,
+    KeyError,
+    FileNotFoundError,
+    DatasetError,
+    CheckpointError,
+    ModelCheckpointError,
+    NonFiniteError,
+)
+
+
+def run(cfg: DictConfig) -> None:
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    try:
+        config = to_config(cfg)
+        if config.run_dir is None:
+            config.run_dir = HydraConfig.get().runtime.output_dir
+        trainer = build_trainer(config, log=lambda msg: console.print(msg, highlight=False))
+        history = trainer.fit()
+    except USER_ERRORS as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)
+        sys.exit(2)
+    elapsed = time.perf_counter() - start
+    if history:
+        first, last = history[0], history[-1]
+        task = (
+            f", task score {first['task/score']:.3f} -> {last['task/score']:.3f}"
+            if "task/score" in last
+            else ""
+        )
+        console.print(
+            f"rlhfuse-train: done in {elapsed:.0f}s, {len(history)} iterations this run; reward "
+            f"{first['reward/mean']:+.3f} -> {last['reward/mean']:+.3f}{task}; metrics in "
+            f"{config.run_dir}/metrics.jsonl",
+            highlight=False,
+        )
+
+
+def main() -> None:
+    register_schema()
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Generation stage: batched sampling with the engine-owned KV cache.
+
+Each sample's randomness comes from its own stream of uniforms, seeded by (run seed, iteration, prompt id,
+sample index), and tokens are drawn by inverse-CDF sampling from that stream: a sample's tokens therefore do not
+depend on which other samples share its batch, nor on the batch size or order.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlhfuse.models import KVCache, Transformer
+from rlhfuse.trainer.types import PromptBatch, Rollout
+
+
+@dataclass
+class GeneratorConfig:
+    # Registered generator name: sampling (single process, batched, KV cache).
+    name: str = "sampling"
+    # Longest response, in tokens (EOS included).
+    max_new_tokens: int = 48
+    # Softmax temperature; 0 = greedy.
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 = off).
+    top_p: float = 1.0
+    # Keep only the top_k most likely tokens (0 = off).
+    top_k: int = 0
+    # Tokens that end a response besides the tokenizer's EOS.
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Most samples decoded together (0 = all samples of the iteration at once); each chunk is yielded when done.
+    max_batch_size: int = 0
+
+
+def sample_seed(run_seed: int, iteration: int, prompt_id: int, sample_index: int) -> int:
+    """A well-mixed 63-bit seed for one sample's random stream."""
+    digest = hashlib.blake2b(f"{run_seed}/{iteration}/{prompt_id}/{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def filter_logits(logits_BV: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """Probabilities after temperature, top-k and top-p filtering (rows sum to 1), in float64."""
+    logits_BV = logits_BV.double() / temperature
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(probs_BV, dim=-1, descending=True)
+        # Drop a token when the tokens strictly more likely than it already reach top_p.
+        drop_sorted_BV = (torch.cumsum(sorted_BV, dim=-1) - sorted_BV) >= top_p
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
+        probs_BV = probs_BV.masked_fill(drop_BV, 0.0)
+        probs_BV = probs_BV / probs_BV.sum(dim=-1, keepdim=True)
+    return probs_BV
+
+
+def sample_from(probs_BV: Tensor, uniforms_B: Tensor) -> Tensor:
+    """Inverse-CDF sampling: the first token whose cumulative probability exceeds the row's uniform."""
+    cdf_BV = torch.cumsum(probs_BV, dim=-1)
+    u_B1 = (uniforms_B.double() * cdf_BV[:, -1]).unsqueeze(1)
+    index_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
+    return index_B.clamp_(max=probs_BV.shape[-1] - 1)
+
+
+class SamplingGenerator:
+    """Single-process generator owning a copy of the Actor (the "engine" weights, updated by `load_weights`)."""
+
+    def __init__(
+        self,
+        actor: Transformer,
+        config: GeneratorConfig,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        samples_per_prompt: int,
+        seed: int,
+    ) -> None:
+        self.model = copy.deepcopy(actor).eval().requires_grad_(False)
+        self.config = config
+        self.stop_ids = torch.tensor(sorted({eos_token_id, *config.stop_token_ids}))
+        self.pad_token_id = pad_token_id
+        self.samples_per_prompt = samples_per_prompt
+        self.seed = seed
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(dict(named_tensors), strict=True)
+
+    @torch.no_grad()
+    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+        n = self.samples_per_prompt
+        device = next(self.model.parameters()).device
+        ids_BP = prompts.input_ids_BP.repeat_interleave(n, dim=0).to(device)
+        mask_BP = prompts.attention_mask_BP.repeat_interleave(n, dim=0).to(device)
+        prompt_index_B = prompts.prompt_ids_B.repeat_interleave(n)
+        sample_index_B = torch.arange(n).repeat(len(prompts))
+        chunk = self.config.max_batch_size or len(ids_BP)
+        for start in range(0, len(ids_BP), chunk):
+            rows = slice(start, start + chunk)
+            yield self._generate_chunk(
+                ids_BP[rows], mask_BP[rows], prompt_index_B[rows], sample_index_B[rows], iteration
+            )
+
+    def _uniforms(self, prompt_index_B: Tensor, sample_index_B: Tensor, iteration: int) -> Tensor:
+        streams = []
+        for prompt_id, sample_index in zip(prompt_index_B.tolist(), sample_index_B.tolist()):
+            rng = torch.Generator().manual_seed(sample_seed(self.seed, iteration, prompt_id, sample_index))
+            streams.append(torch.rand(self.config.max_new_tokens, generator=rng, dtype=torch.float64))
+        return torch.stack(streams)
+
+    def _next_tokens(self, logits_BV: Tensor, uniforms_B: Tensor) -> Tensor:
+        cfg = self.config
+        if cfg.temperature == 0:
+            return logits_BV.argmax(dim=-1)
+        probs_BV = filter_logits(
+            logits_BV.float(), temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p
+        )
+        return sample_from(probs_BV, uniforms_B.to(probs_BV.device))
+
+    def _generate_chunk(
+        self, ids_BP: Tensor, mask_BP: Tensor, prompt_index_B: Tensor, sample_index_B: Tensor, iteration: int
+    ) -> Rollout:
+        # Trim the chunk's all-padding prompt columns so a chunk's prefill does not depend on other chunks.
+        first_real = int((mask_BP.sum(dim=0) > 0).nonzero().min())
+        ids_BP, mask_BP = ids_BP[:, first_real:], mask_BP[:, first_real:]
+        batch, prompt_len = ids_BP.shape
+        max_new = self.config.max_new_tokens
+        device = ids_BP.device
+        uniforms_BN = self._uniforms(prompt_index_B, sample_index_B, iteration)
+        cache = KVCache.allocate(
+            self.model.config,
+            batch,
+            prompt_len + max_new,
+            dtype=next(self.model.parameters()).dtype,
+            device=device,
+        )
+        positions_BP = (mask_BP.cumsum(dim=1) - 1).clamp(min=0)
+        logits_BV = self.model(ids_BP, attention_mask_BT=mask_BP, position_ids_BT=positions_BP, cache=cache)[
+            :, -1
+        ]
+        next_pos_B = mask_BP.sum(dim=1)
+        response_BN = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=device)
+        lengths_B = torch.zeros(batch, dtype=torch.long, device=device)
+        finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
+        active_A = torch.arange(batch, device=device)  # rows still decoding; A <= B
+        stop_ids = self.stop_ids.to(device)
+        for step in range(max_new):
+            tokens_A = self._next_tokens(logits_BV, uniforms_BN[active_A.cpu(), step])
+            response_BN[active_A, step] = tokens_A
+            lengths_B[active_A] = step + 1
+            stopped_A = torch.isin(tokens_A, stop_ids)
+            finished_B[active_A[stopped_A]] = True
+            active_A, tokens_A = active_A[~stopped_A], tokens_A[~stopped_A]
+            if step == max_new - 1 or len(active_A) == 0:
+                break
+            ones_A1 = torch.ones(len(active_A), 1, dtype=torch.long, device=device)
+            logits_BV = self.model(
+                tokens_A[:, None],
+                attention_mask_BT=ones_A1,
+                position_ids_BT=next_pos_B[active_A][:, None],
+                cache=cache,
+                cache_slots_B=active_A,
+            )[:, -1]
+            next_pos_B[active_A] += 1
+        width = max(int(lengths_B.max()), 1)
+        response_mask_BR = (torch.arange(width, device=device)[None, :] < lengths_B[:, None]).long()
+        return Rollout(
+            prompt_ids_BP=ids_BP.cpu(),
+            prompt_mask_BP=mask_BP.cpu(),
+            response_ids_BR=response_BN[:, :width].cpu(),
+            response_mask_BR=response_mask_BR.cpu(),
+            prompt_index_B=prompt_index_B.cpu(),
+            sample_index_B=sample_index_B.cpu(),
+            finished_B=finished_B.cpu(),
+        )

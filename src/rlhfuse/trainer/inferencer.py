@@ -1,0 +1,135 @@
+"""Inference stage: one forward pass of each model over every generated sample.
+
+Actor log-probs (PPO's "old" log-probs), Ref log-probs (for the KL penalty), Critic values and the reward score,
+read at the last valid token of each sample (plus an optional rule-based reward chosen by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhfuse.algorithms import logprobs_from_logits
+from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.models import Transformer
+from rlhfuse.trainer.registry import RewardFn
+from rlhfuse.trainer.types import Experience, Rollout
+
+
+@dataclass
+class InferencerConfig:
+    # Registered inferencer name: models (Actor, Ref, Reward, Critic forward passes in this process).
+    name: str = "models"
+    # Samples per forward pass (0 = all samples of the iteration at once).
+    micro_batch_size: int = 0
+    # Score samples with the reward model (model.reward_path or the warm-started one).
+    use_reward_model: bool = True
+    # Rule-based reward added to (or replacing) the reward model: a registered name (topic_fraction,
+    # length_penalty) or your own 'package.module:function' taking (prompts, responses) -> list of floats.
+    reward_fn: str | None = None
+    # Weight of the rule-based reward in the score.
+    reward_fn_weight: float = 1.0
+
+
+def response_logprobs(model: Transformer, rollout: Rollout, temperature: float) -> Tensor:
+    """Log-probs [B, R] of the response tokens under `model` (float32)."""
+    prompt_len = rollout.prompt_ids_BP.shape[1]
+    logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+    logits_BRV = logits_BTV[:, prompt_len - 1 : -1].float()
+    return logprobs_from_logits(logits_BRV, rollout.response_ids_BR, temperature=temperature)
+
+
+def response_values(critic: Transformer, rollout: Rollout) -> Tensor:
+    """Critic values [B, R]: V of the state before each response token (float32)."""
+    prompt_len = rollout.prompt_ids_BP.shape[1]
+    values_BT = critic(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+    return values_BT[:, prompt_len - 1 : -1].float()
+
+
+def sequence_scores(reward_model: Transformer, rollout: Rollout) -> Tensor:
+    """Reward-model score [B] read at each sample's last valid token."""
+    values_BT = reward_model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+    last_B = rollout.prompt_ids_BP.shape[1] + rollout.response_lengths_B - 1
+    return values_BT[torch.arange(len(rollout)), last_B].float()
+
+
+class ModelInferencer:
+    """Runs Actor, Ref, Critic and Reward forward passes; Actor and Critic are the strategy's live modules."""
+
+    def __init__(
+        self,
+        config: InferencerConfig,
+        *,
+        actor: Transformer,
+        ref: Transformer,
+        critic: Transformer,
+        reward_model: Transformer | None,
+        reward_fn: RewardFn | None,
+        tokenizer: Tokenizer,
+        temperature: float,
+        autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        if reward_model is None and reward_fn is None:
+            raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
+        self.config = config
+        self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.autocast = autocast
+
+    @torch.no_grad()
+    def infer(self, rollout: Rollout) -> Experience:
+        size = self.config.micro_batch_size or len(rollout)
+        parts = [self._infer(self._rows(rollout, start, size)) for start in range(0, len(rollout), size)]
+        return Experience(
+            rollout=rollout,
+            logprobs_BR=torch.cat([p[0] for p in parts]),
+            ref_logprobs_BR=torch.cat([p[1] for p in parts]),
+            values_BR=torch.cat([p[2] for p in parts]),
+            scores_B=torch.cat([p[3] for p in parts]),
+        )
+
+    @staticmethod
+    def _rows(rollout: Rollout, start: int, size: int) -> Rollout:
+        return Rollout(**{k: v[start : start + size] for k, v in vars(rollout).items()})
+
+    def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        training = self.actor.training, self.critic.training
+        self.actor.eval(), self.critic.eval()
+        device = next(self.actor.parameters()).device
+        rollout = Rollout(**{k: v.to(device) for k, v in vars(rollout).items()})
+        with self.autocast():
+            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature)
+            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature)
+            values_BR = response_values(self.critic, rollout)
+            scores_B = torch.zeros(len(rollout), device=device)
+            if self.reward_model is not None:
+                scores_B = scores_B + sequence_scores(self.reward_model, rollout)
+        if self.reward_fn is not None:
+            scores_B = scores_B + self.config.reward_fn_weight * self.rule_scores(rollout).to(device)
+        self.actor.train(training[0]), self.critic.train(training[1])
+        mask_BR = rollout.response_mask_BR.float()
+        return (
+            (logprobs_BR * mask_BR).cpu(),
+            (ref_logprobs_BR * mask_BR).cpu(),
+            (values_BR * mask_BR).cpu(),
+            scores_B.cpu(),
+        )
+
+    def rule_scores(self, rollout: Rollout) -> Tensor:
+        assert self.reward_fn is not None
+        prompts = [self.tokenizer.decode(ids.tolist()) for ids in rollout.prompt_ids_BP.cpu()]
+        responses = [
+            self.tokenizer.decode(ids[: int(n)].tolist())
+            for ids, n in zip(rollout.response_ids_BR.cpu(), rollout.response_lengths_B.cpu())
+        ]
+        scores = self.reward_fn(prompts, responses)
+        if len(scores) != len(rollout):
+            raise ValueError(f"reward function returned {len(scores)} scores for {len(rollout)} samples")
+        return torch.tensor([float(s) for s in scores], dtype=torch.float32)

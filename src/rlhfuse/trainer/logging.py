@@ -1,0 +1,182 @@
+"""Metrics sinks (metrics.jsonl, Lightning Fabric's CSV/TensorBoard loggers, W&B) and a rich progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rlhfuse.trainer.protocols import Logger
+
+BACKENDS = ("jsonl", "csv", "tensorboard", "wandb")
+
+
+@dataclass
+class LoggerConfig:
+    # Registered logger set name (documentation only; the backends list is what counts).
+    name: str = "default"
+    # Metric sinks: jsonl (<run_dir>/metrics.jsonl) | csv | tensorboard | wandb.
+    backends: list[str] = field(default_factory=lambda: ["jsonl", "csv"])
+    # W&B project and run name (null = the run directory's name).
+    wandb_project: str = "rlhfuse"
+    wandb_run_name: str | None = None
+    # auto = online only when WANDB_API_KEY is set and api.wandb.ai answers within 2 s, else offline;
+    # online | offline | disabled force a mode. The WANDB_MODE environment variable wins over auto.
+    wandb_mode: str = "auto"
+    # Show a rich progress bar with the current stage and per-stage timings.
+    progress: bool = True
+    # Print one summary line per iteration.
+    print_every: int = 1
+
+
+class JsonlLogger:
+    """Appends one JSON object per `log_metrics` call to `path` (the run's metrics.jsonl)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        row = {k: _plain(v) for k, v in metrics.items()}
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row, allow_nan=True) + "\n")
+
+    def log_hyperparams(self, params: Any) -> None:
+        (self.path.parent / "hparams.json").write_text(json.dumps(params, indent=1, default=str))
+
+    def finalize(self, status: str) -> None:
+        pass
+
+    def truncate_after(self, iteration: int) -> None:
+        """Drop rows past `iteration` (a resumed run rewrites the iterations after its checkpoint)."""
+        if not self.path.is_file():
+            return
+        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in rows if json.loads(line).get("iteration", 0) <= iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    return value
+
+
+def wandb_mode(requested: str) -> str:
+    """Resolve `auto` without ever blocking for long: online needs an API key and a reachable server."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if not os.environ.get("WANDB_API_KEY"):
+        return "offline"
+    reachable: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection(("api.wandb.ai", 443), timeout=2).close()
+            reachable.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout=3)
+    return "online" if reachable else "offline"
+
+
+def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
+    loggers: list[Logger] = []
+    for backend in config.backends:
+        if backend == "jsonl":
+            loggers.append(JsonlLogger(run_dir / "metrics.jsonl"))
+        elif backend == "csv":
+            from lightning.fabric.loggers import CSVLogger
+
+            loggers.append(CSVLogger(str(run_dir), name="csv", version=0))
+        elif backend == "tensorboard":
+            from lightning.fabric.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=0))
+        elif backend == "wandb":
+            mode = wandb_mode(config.wandb_mode)
+            if mode == "disabled":
+                continue
+            from lightning.pytorch.loggers import WandbLogger
+
+            loggers.append(
+                WandbLogger(
+                    project=config.wandb_project,
+                    name=config.wandb_run_name or run_dir.name,
+                    save_dir=str(run_dir),
+                    offline=mode == "offline",
+                    mode=mode,
+                )
+            )
+        else:
+            raise ValueError(
+                f"unknown logger backend logger.backends={backend!r}: known are {list(BACKENDS)}"
+            )
+    return loggers
+
+
+STAGES = ("generation", "inference", "training")
+
+
+class RichProgress:
+    """Progress bar over iterations showing the current stage and the last iteration's stage timings."""
+
+    def __init__(
+        self, total: int, *, enabled: bool = True, print_every: int = 1, console: Console | None = None
+    ):
+        self.total = total
+        self.print_every = print_every
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[timings]}"),
+            console=self.console,
+            disable=not enabled,
+            transient=False,
+        )
+        self.task = self.progress.add_task("starting", total=total, timings="")
+
+    def on_fit_start(self, trainer: Any) -> None:
+        self.progress.update(self.task, completed=trainer.iteration)
+        self.progress.start()
+
+    def on_stage_start(self, trainer: Any, stage: str) -> None:
+        self.progress.update(self.task, description=f"iter {trainer.iteration + 1}: {stage}")
+
+    def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None:
+        timings = " ".join(f"{s[:3]} {metrics.get(f'time/{s}', 0.0):.2f}s" for s in STAGES)
+        self.progress.update(self.task, completed=iteration, timings=timings)
+        if self.print_every and iteration % self.print_every == 0:
+            self.progress.console.print(format_metrics(iteration, self.total, metrics), highlight=False)
+
+    def on_fit_end(self, trainer: Any) -> None:
+        self.progress.stop()
+
+
+def format_metrics(iteration: int, total: int, m: Mapping[str, float]) -> str:
+    task = f" task {m['task/score']:.3f}" if "task/score" in m else ""
+    return (
+        f"iter {iteration:>3}/{total} reward {m['reward/mean']:+.3f}{task} kl {m['kl/mean']:.4f} "
+        f"len p50 {m['response_length/p50']:.0f} p99 {m['response_length/p99']:.0f} "
+        f"max {m['response_length/max']:.0f} | gen {m['time/generation']:.2f}s "
+        f"inf {m['time/inference']:.2f}s train {m['time/training']:.2f}s"
+    )

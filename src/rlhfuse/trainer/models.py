@@ -1,0 +1,93 @@
+"""The four models of RLHF and where they come from.
+
+Actor and Ref load from the SFT checkpoint (Ref frozen), the Reward model from the RM checkpoint (frozen), the
+Critic from the Critic checkpoint or, by default, from the Reward model. With no paths configured, the embedded
+tiny model is warm-started first (`rlhfuse.trainer.warmstart`: SFT on the synthetic task, Bradley–Terry reward
+model on its preference pairs) and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.models import Transformer, from_pretrained
+
+
+@dataclass
+class WarmStartConfig:
+    # Supervised fine-tuning of the embedded actor: examples, optimizer steps, batch (samples), peak LR.
+    sft_examples: int = 4096
+    sft_steps: int = 400
+    sft_lr: float = 3e-3
+    # Bradley–Terry reward model on preference pairs.
+    rm_pairs: int = 4096
+    rm_steps: int = 400
+    rm_lr: float = 1e-3
+    batch_size: int = 32
+    # Cache folder for the warm-started checkpoints (null = $RLHFUSE_CACHE or ~/.cache/rlhfuse).
+    cache_dir: str | None = None
+
+
+@dataclass
+class ModelsConfig:
+    # Registered model setup name: tiny (embedded, warm-started) | hf (local Hugging Face checkpoints).
+    name: str = "tiny"
+    # Local Hugging Face checkpoint folders (config.json + *.safetensors). null = warm-start the embedded model.
+    sft_path: str | None = None
+    reward_path: str | None = None
+    # Critic initialisation (null = from the reward model).
+    critic_path: str | None = None
+    # Folder holding tokenizer.json (null = sft_path, or the embedded word-level tokenizer).
+    tokenizer_path: str | None = None
+    # Architecture of the embedded tiny model (ignored when loading checkpoints): llama | qwen2.
+    architecture: str = "llama"
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass
+class Models:
+    actor: Transformer
+    ref: Transformer
+    reward: Transformer
+    critic: Transformer
+    tokenizer: Tokenizer
+    sft_path: Path
+
+
+def _require_checkpoint(path: str, key: str) -> Path:
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{key}={path!r}: no config.json in {folder} (expected a Hugging Face checkpoint folder with "
+            "config.json and model.safetensors); fix the path, or unset it to warm-start the embedded model"
+        )
+    return folder
+
+
+def _frozen(model: Transformer) -> Transformer:
+    return model.eval().requires_grad_(False)
+
+
+def load_models(config: ModelsConfig, *, sft_path: str, reward_path: str, device: torch.device) -> Models:
+    sft = _require_checkpoint(sft_path, "model.sft_path")
+    reward = _require_checkpoint(reward_path, "model.reward_path")
+    critic = _require_checkpoint(config.critic_path, "model.critic_path") if config.critic_path else reward
+    tokenizer = Tokenizer.from_dir(Path(config.tokenizer_path).expanduser() if config.tokenizer_path else sft)
+    return Models(
+        actor=from_pretrained(sft, head="lm").to(device),
+        ref=_frozen(from_pretrained(sft, head="lm").to(device)),
+        reward=_frozen(from_pretrained(reward, head="value").to(device)),
+        critic=from_pretrained(critic, head="value").to(device),
+        tokenizer=tokenizer,
+        sft_path=sft,
+    )

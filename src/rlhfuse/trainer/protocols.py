@@ -1,0 +1,85 @@
+"""The plug points of `RLHFTrainer`: small Protocols, implemented by composition (a variant is a new class).
+
+Single-process implementations ship in this package (`SamplingGenerator`, `ModelInferencer`, `PlainStrategy`);
+the fused variants of the paper (a multi-instance generator with sample migration, a fused Actor+Critic
+pipeline strategy) implement the same Protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Generation stage: samples responses with its own copy of the Actor weights."""
+
+    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+        """Yield the rollout in one or more chunks of finished samples (a streaming generator lets inference
+        start on early-finished samples; the trainer concatenates the chunks)."""
+        ...
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        """Weight sync: replace the generator's Actor weights by the trained ones."""
+        ...
+
+
+@runtime_checkable
+class Inferencer(Protocol):
+    """Inference stage: Actor/Ref log-probs, reward scores and Critic values for generated samples."""
+
+    def infer(self, rollout: Rollout) -> Experience: ...
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """Training stage: owns the Actor and the Critic, their optimizers and LR schedules, and their update step."""
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step of the Actor and the Critic on one mini-batch; returns scalar statistics."""
+        ...
+
+    def actor_weights(self) -> Mapping[str, Tensor]:
+        """The Actor's current weights, for the weight sync to the generator."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: model weights, optimizer and scheduler states."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """Hooks called by `RLHFTrainer` through `fabric.call`. A callback may implement any subset of them (the
+    trainer accepts any object and calls only the hooks it has); this Protocol documents their signatures."""
+
+    def on_fit_start(self, trainer: Any) -> None: ...
+
+    def on_stage_start(self, trainer: Any, stage: str) -> None: ...
+
+    def on_rollout_end(self, trainer: Any, experience: Experience, metrics: dict[str, float]) -> None:
+        """After inference; a callback may add evaluation metrics to `metrics` (they are logged)."""
+        ...
+
+    def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None: ...
+
+    def on_fit_end(self, trainer: Any) -> None: ...
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """Metrics sink. Lightning Fabric's loggers (CSVLogger, TensorBoardLogger) and Lightning's WandbLogger
+    already have this shape."""
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None: ...
+
+    def log_hyperparams(self, params: Any) -> None: ...
+
+    def finalize(self, status: str) -> None: ...

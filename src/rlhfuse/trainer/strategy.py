@@ -1,0 +1,226 @@
+"""Training stage, single process: Actor (PPO clipped loss) and Critic (clipped value loss) updates.
+
+One `train_step` is one optimizer step of each model on one mini-batch, accumulated over micro-batches
+(by samples, or packed up to a token budget). Precision and backward go through Lightning Fabric's precision
+plugin (bf16 autocast on GPU, fp32 on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor
+
+from rlhfuse.algorithms import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    ppo_policy_loss,
+    value_loss,
+)
+from rlhfuse.models import Transformer
+from rlhfuse.trainer.advantages import AlgorithmConfig
+from rlhfuse.trainer.types import TrainBatch
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient norm became NaN/inf; raised before the optimizer step, so weights stay finite."""
+
+
+@dataclass
+class StrategyConfig:
+    # Registered strategy name: plain (single process, Actor then Critic, no pipeline).
+    name: str = "plain"
+    # Peak learning rates (AdamW).
+    actor_lr: float = 1e-4
+    critic_lr: float = 5e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Linear warmup from 0 over this many optimizer steps, then the schedule: constant | linear | cosine.
+    warmup_steps: int = 4
+    lr_schedule: str = "constant"
+    # Floor of the linear/cosine decay, as a fraction of the peak LR.
+    min_lr_ratio: float = 0.1
+    # Clip each model's gradient norm to this value (0 = off).
+    grad_clip: float = 1.0
+    # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed.
+    precision: str = "auto"
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
+    """Split a mini-batch by sample count, or greedily pack consecutive samples up to a token budget."""
+    if tokens <= 0:
+        return [
+            batch.select(torch.arange(s, min(s + samples, len(batch)))) for s in range(0, len(batch), samples)
+        ]
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and used + n > tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return [batch.select(torch.tensor(g)) for g in groups]
+
+
+class PlainStrategy:
+    def __init__(
+        self,
+        actor: Transformer,
+        critic: Transformer,
+        config: StrategyConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        fabric: Fabric,
+        total_steps: int,
+        micro_batch_size: int,
+        micro_batch_tokens: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        self.actor, self.critic = actor, critic
+        self.config, self.algorithm = config, algorithm
+        self.fabric = fabric
+        self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
+        self.temperature = temperature if temperature > 0 else 1.0
+        betas = (config.betas[0], config.betas[1])
+        self.actor_optim = torch.optim.AdamW(
+            actor.parameters(), lr=config.actor_lr, betas=betas, weight_decay=config.weight_decay
+        )
+        self.critic_optim = torch.optim.AdamW(
+            critic.parameters(), lr=config.critic_lr, betas=betas, weight_decay=config.weight_decay
+        )
+
+        def schedule(step: int) -> float:
+            return lr_lambda(
+                step,
+                warmup=config.warmup_steps,
+                total=total_steps,
+                schedule=config.lr_schedule,
+                min_ratio=config.min_lr_ratio,
+            )
+
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_optim, schedule)
+        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
+
+    def actor_weights(self) -> Mapping[str, Tensor]:
+        return self.actor.state_dict()
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        self.actor.train(), self.critic.train()
+        total_tokens = float(batch.response_mask_BR.sum().clamp(min=1))
+        sums: dict[str, float] = {}
+        for micro in micro_batches(batch, samples=self.micro_batch_size, tokens=self.micro_batch_tokens):
+            weight = self._weight(micro, batch, total_tokens)
+            for key, value in self._micro_step(micro, weight).items():
+                sums[key] = sums.get(key, 0.0) + value * weight
+        # Both norms are checked before either model steps: a NaN never reaches the weights.
+        stats = {
+            "actor/grad_norm": self._clip(self.actor, self.actor_optim, "actor/grad_norm"),
+            "critic/grad_norm": self._clip(self.critic, self.critic_optim, "critic/grad_norm"),
+        }
+        for optim, sched in ((self.actor_optim, self.actor_sched), (self.critic_optim, self.critic_sched)):
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+        return {**sums, **stats, "lr": float(self.actor_sched.get_last_lr()[0])}
+
+    def _weight(self, micro: TrainBatch, batch: TrainBatch, total_tokens: float) -> float:
+        # Token-mean losses over the whole mini-batch: weight each micro-batch by its share of response tokens.
+        if self.algorithm.loss_reduction == "token":
+            return float(micro.response_mask_BR.sum()) / total_tokens
+        return len(micro) / len(batch)
+
+    def _micro_step(self, micro: TrainBatch, weight: float) -> dict[str, float]:
+        algo = self.algorithm
+        device = next(self.actor.parameters()).device
+        micro = TrainBatch(**{k: v.to(device) for k, v in vars(micro).items()})
+        start = micro.input_ids_BT.shape[1] - micro.response_length - 1
+        response_ids_BR = micro.input_ids_BT[:, start + 1 :]
+        with self.fabric.autocast():
+            logits_BRV = self.actor(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)[
+                :, start:-1
+            ]
+            values_BR = self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)[
+                :, start:-1
+            ]
+        logits_BRV, values_BR = logits_BRV.float(), values_BR.float()
+        logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=self.temperature)
+        policy_loss, pstats = ppo_policy_loss(
+            logprobs_BR,
+            micro.old_logprobs_BR,
+            micro.advantages_BR,
+            micro.response_mask_BR,
+            clip_eps=algo.clip_eps,
+            clip_eps_high=algo.clip_eps_high,
+            dual_clip=algo.dual_clip,
+            reduction=algo.loss_reduction,
+        )
+        entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
+        if algo.entropy_coef:
+            policy_loss = policy_loss - algo.entropy_coef * masked_mean(
+                entropy_from_logits(logits_BRV), micro.response_mask_BR
+            )
+        critic_loss, _ = value_loss(
+            values_BR,
+            micro.old_values_BR,
+            micro.returns_BR,
+            micro.response_mask_BR,
+            clip_eps=algo.value_clip_eps,
+            reduction=algo.loss_reduction,
+        )
+        for name, value in (("loss/policy", policy_loss), ("loss/value", critic_loss)):
+            if not torch.isfinite(value):
+                raise NonFiniteError(f"{name} is {float(value.detach())}")
+        self.fabric.backward(policy_loss * weight)
+        self.fabric.backward(critic_loss * weight)
+        return {
+            "loss/policy": float(policy_loss.detach()),
+            "loss/value": float(critic_loss.detach()),
+            "policy/clip_fraction": float(pstats.clip_fraction),
+            "policy/approx_kl": float(pstats.approx_kl),
+            "policy/entropy": float(entropy),
+        }
+
+    def _clip(self, model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> float:
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if not math.isfinite(norm):
+            self.actor_optim.zero_grad(set_to_none=True)
+            self.critic_optim.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{name} is {norm}")
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict(),
+            "actor_optim": self.actor_optim.state_dict(),
+            "critic_optim": self.critic_optim.state_dict(),
+            "actor_sched": self.actor_sched.state_dict(),
+            "critic_sched": self.critic_sched.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        self.actor_optim.load_state_dict(state["actor_optim"])
+        self.critic_optim.load_state_dict(state["critic_optim"])
+        self.actor_sched.load_state_dict(state["actor_sched"])
+        self.critic_sched.load_state_dict(state["critic_sched"])

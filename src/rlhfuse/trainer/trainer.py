@@ -1,0 +1,240 @@
+"""`RLHFTrainer`: the PPO loop of RLHF, one iteration at a time, in the paper's order.
+
+1. rollout    = generation (Actor samples responses) + inference (Actor/Ref log-probs, reward, values)
+2. advantages = score + per-token KL penalty, then GAE
+3. training   = Actor and Critic updates over shuffled mini-batches, for ppo_epochs passes
+4. weight sync of the trained Actor to the generator
+5. callbacks, logging, checkpoint
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+
+from rlhfuse.data.prompts import Prompt, PromptLoader
+from rlhfuse.trainer.advantages import compute_train_batch
+from rlhfuse.trainer.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from rlhfuse.trainer.config import RLHFConfig
+from rlhfuse.trainer.logging import JsonlLogger
+from rlhfuse.trainer.protocols import Generator, Inferencer, Logger, Strategy
+from rlhfuse.trainer.strategy import NonFiniteError
+from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
+
+
+def collate_prompts(prompts: Sequence[Prompt], pad_id: int) -> PromptBatch:
+    """Left-pad token ids into a PromptBatch."""
+    width = max(len(p.token_ids) for p in prompts)
+    ids_BP = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        n = len(prompt.token_ids)
+        ids_BP[b, width - n :] = torch.tensor(prompt.token_ids)
+        mask_BP[b, width - n :] = 1
+    return PromptBatch(ids_BP, mask_BP, torch.tensor([p.id for p in prompts]))
+
+
+def cat_experience(parts: list[Experience], pad_id: int) -> Experience:
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat_BR(name: str) -> torch.Tensor:
+        tensors = [getattr(p, name) for p in parts]
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+    return Experience(
+        rollout=Rollout.cat([p.rollout for p in parts], pad_id),
+        logprobs_BR=cat_BR("logprobs_BR"),
+        ref_logprobs_BR=cat_BR("ref_logprobs_BR"),
+        values_BR=cat_BR("values_BR"),
+        scores_B=torch.cat([p.scores_B for p in parts]),
+    )
+
+
+class RLHFTrainer:
+    def __init__(
+        self,
+        config: RLHFConfig,
+        *,
+        generator: Generator,
+        inferencer: Inferencer,
+        strategy: Strategy,
+        prompts: PromptLoader,
+        pad_token_id: int,
+        run_dir: str | Path,
+        callbacks: Sequence[object] = (),
+        logger: Logger | Sequence[Logger] = (),
+        fabric: Fabric | None = None,
+    ) -> None:
+        self.config = config
+        self.generator, self.inferencer, self.strategy = generator, inferencer, strategy
+        self.prompts = prompts
+        self.pad_token_id = pad_token_id
+        self.run_dir = Path(run_dir)
+        self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else list(logger)
+        self.callbacks = list(callbacks)
+        self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
+        self.fabric._callbacks = self.callbacks  # fabric.call dispatches our hooks
+        self.iteration = 0
+        self.history: list[dict[str, float]] = []
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> list[dict[str, float]]:
+        self.resume()
+        self.fabric.call("on_fit_start", self)
+        while self.iteration < self.config.iterations:
+            self.run_iteration()
+        self.fabric.call("on_fit_end", self)
+        for logger in self.loggers:
+            logger.finalize("success")
+        return self.history
+
+    def run_iteration(self) -> dict[str, float]:
+        it = self.iteration + 1
+        start = time.perf_counter()
+        prompts = collate_prompts(self.prompts.next_batch(), self.pad_token_id)
+        # 1. rollout: generation + inference (chunks of finished samples are inferred as they arrive)
+        experience, timings = self.rollout(prompts, it)
+        metrics: dict[str, float] = {}
+        self.fabric.call("on_rollout_end", self, experience, metrics)
+        # 2. rewards, KL penalty and GAE
+        batch, stats = compute_train_batch(experience, self.config.algorithm)
+        self._check_finite(it, stats)
+        # 3. Actor and Critic updates over mini-batches x PPO epochs
+        self.fabric.call("on_stage_start", self, "training")
+        t0 = time.perf_counter()
+        train_stats = self.train(batch, it)
+        timings["time/training"] = time.perf_counter() - t0
+        # 4. weight sync to the generator
+        self.generator.load_weights(self.strategy.actor_weights())
+        # 5. callbacks, logging, checkpoint
+        timings["time/iteration"] = time.perf_counter() - start
+        metrics = {
+            "iteration": it,
+            **stats,
+            **train_stats,
+            **self._rollout_metrics(experience, timings),
+            **metrics,
+        }
+        self.iteration = it
+        self.history.append(metrics)
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=it)
+        every = self.config.checkpoint.every
+        if every > 0 and (it % every == 0 or it == self.config.iterations):
+            self.save_checkpoint()
+        self.fabric.call("on_iteration_end", self, it, metrics)
+        return metrics
+
+    def rollout(self, prompts: PromptBatch, iteration: int) -> tuple[Experience, dict[str, float]]:
+        gen_time = inf_time = 0.0
+        parts: list[Experience] = []
+        self.fabric.call("on_stage_start", self, "generation")
+        t0 = time.perf_counter()
+        for chunk in self.generator.generate(prompts, iteration=iteration):
+            gen_time += time.perf_counter() - t0
+            self.fabric.call("on_stage_start", self, "inference")
+            t1 = time.perf_counter()
+            parts.append(self.inferencer.infer(chunk))
+            inf_time += time.perf_counter() - t1
+            t0 = time.perf_counter()
+        gen_time += time.perf_counter() - t0
+        return cat_experience(parts, self.pad_token_id), {
+            "time/generation": gen_time,
+            "time/inference": inf_time,
+        }
+
+    def train(self, batch: TrainBatch, iteration: int) -> dict[str, float]:
+        size = self.config.data.mini_batch_size
+        sums: dict[str, float] = {}
+        steps = 0
+        for epoch in range(self.config.algorithm.ppo_epochs):
+            # Shuffle seeded by (seed, iteration, epoch): no RNG state to carry across a resume.
+            rng = torch.Generator().manual_seed((self.config.seed * 1_000_003 + iteration) * 101 + epoch)
+            order = torch.randperm(len(batch), generator=rng)
+            for start in range(0, len(batch), size):
+                try:
+                    stats = self.strategy.train_step(batch.select(order[start : start + size]))
+                except NonFiniteError as err:
+                    raise NonFiniteError(
+                        f"iteration {iteration}, PPO epoch {epoch + 1}: {err}; stopped before the optimizer step "
+                        "(no checkpoint written for this iteration). Lower pipeline.actor_lr/critic_lr, "
+                        "check the reward scale, or resume from the last checkpoint"
+                    ) from None
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                steps += 1
+        return {key: value / steps for key, value in sums.items()}
+
+    # ---------------------------------------------------------------- metrics
+    def _rollout_metrics(self, experience: Experience, timings: dict[str, float]) -> dict[str, float]:
+        rollout = experience.rollout
+        lengths_B = rollout.response_lengths_B.float()
+        tokens = int(rollout.attention_mask_BT.sum())
+        seconds = max(timings["time/iteration"], 1e-9)
+        return {
+            "response_length/mean": float(lengths_B.mean()),
+            "response_length/p50": float(torch.quantile(lengths_B, 0.5)),
+            "response_length/p99": float(torch.quantile(lengths_B, 0.99)),
+            "response_length/max": float(lengths_B.max()),
+            "response_length/clipped_fraction": float((~rollout.finished_B).float().mean()),
+            **timings,
+            "throughput/samples_per_s": len(rollout) / seconds,
+            "throughput/tokens_per_s": tokens / seconds,
+        }
+
+    @staticmethod
+    def _check_finite(iteration: int, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            if not torch.isfinite(torch.tensor(value)):
+                raise NonFiniteError(
+                    f"iteration {iteration}: {key} is {value} (non-finite reward, log-prob or value); stopped "
+                    "before training, no checkpoint written for this iteration"
+                )
+
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / self.config.checkpoint.dir
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **self.strategy.state_dict(),
+            "trainer": {"iteration": self.iteration, "loader": self.prompts.state_dict(), "rng": rng_state()},
+        }
+
+    def save_checkpoint(self) -> Path:
+        return save_checkpoint(
+            self.checkpoint_dir, self.iteration, self.state_dict(), keep=self.config.checkpoint.keep
+        )
+
+    def resume(self) -> None:
+        """Apply `config.resume`: never | auto (latest checkpoint in run_dir, if any) | a checkpoint folder."""
+        choice = self.config.resume
+        if choice == "never":
+            return
+        path = latest_checkpoint(self.checkpoint_dir) if choice == "auto" else Path(choice)
+        if path is None:
+            return
+        state = load_checkpoint(path)
+        self.strategy.load_state_dict(state)
+        trainer_state = state["trainer"]
+        self.prompts.load_state_dict(trainer_state["loader"])
+        set_rng_state(trainer_state["rng"])
+        self.iteration = int(trainer_state["iteration"])
+        self.generator.load_weights(self.strategy.actor_weights())
+        for logger in self.loggers:
+            if isinstance(logger, JsonlLogger):
+                logger.truncate_after(self.iteration)

@@ -1,0 +1,168 @@
+"""Typed data passed between the stages of one PPO iteration.
+
+Shape legend (tensor names carry these suffixes):
+    B  samples (prompts_per_iteration * samples_per_prompt in a full iteration)
+    P  prompt length (prompts are LEFT-padded to the longest prompt of the batch)
+    R  response length (responses are RIGHT-padded to the longest response of the batch)
+    T  P + R, the full sequence fed to the models
+    V  vocabulary
+
+Sequence layout of row b:  [pad .. pad | prompt tokens | response tokens (EOS last if it stopped) | pad .. pad]
+so `response_*_BR[:, r]` is aligned with `input_ids_BT[:, P + r]`, and the model output at position P + r - 1
+predicts response token r.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _cat_right_padded(tensors: list[Tensor], pad: float | int) -> Tensor:
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in tensors])
+
+
+def _cat_left_padded(tensors: list[Tensor], pad: float | int) -> Tensor:
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0), value=pad) for t in tensors])
+
+
+@dataclass
+class PromptBatch:
+    """Prompts of one iteration, left-padded.
+
+    input_ids_BP: long [B, P]; attention_mask_BP: long [B, P] (1 = real token);
+    prompt_ids_B: long [B], each prompt's id in the dataset (used to seed per-sample RNG).
+    """
+
+    input_ids_BP: Tensor
+    attention_mask_BP: Tensor
+    prompt_ids_B: Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids_BP.shape[0])
+
+
+@dataclass
+class Rollout:
+    """Generated samples (each row one response to one prompt).
+
+    prompt_ids_BP / prompt_mask_BP: long [B, P], left-padded prompts;
+    response_ids_BR / response_mask_BR: long [B, R], right-padded responses (mask 1 on generated tokens, EOS
+    included); prompt_index_B: long [B], the dataset id of the row's prompt; sample_index_B: long [B], which of
+    the prompt's samples this is; finished_B: bool [B], True if the response ended with an EOS/stop token.
+    """
+
+    prompt_ids_BP: Tensor
+    prompt_mask_BP: Tensor
+    response_ids_BR: Tensor
+    response_mask_BR: Tensor
+    prompt_index_B: Tensor
+    sample_index_B: Tensor
+    finished_B: Tensor
+
+    def __len__(self) -> int:
+        return int(self.response_ids_BR.shape[0])
+
+    @property
+    def input_ids_BT(self) -> Tensor:
+        return torch.cat([self.prompt_ids_BP, self.response_ids_BR], dim=1)
+
+    @property
+    def attention_mask_BT(self) -> Tensor:
+        return torch.cat([self.prompt_mask_BP, self.response_mask_BR], dim=1)
+
+    @property
+    def response_lengths_B(self) -> Tensor:
+        return self.response_mask_BR.sum(dim=1)
+
+    @staticmethod
+    def cat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+        """Concatenate rollouts (e.g. chunks streamed by a generator), re-padding to common widths."""
+        if len(rollouts) == 1:
+            return rollouts[0]
+        return Rollout(
+            prompt_ids_BP=_cat_left_padded([r.prompt_ids_BP for r in rollouts], pad_id),
+            prompt_mask_BP=_cat_left_padded([r.prompt_mask_BP for r in rollouts], 0),
+            response_ids_BR=_cat_right_padded([r.response_ids_BR for r in rollouts], pad_id),
+            response_mask_BR=_cat_right_padded([r.response_mask_BR for r in rollouts], 0),
+            prompt_index_B=torch.cat([r.prompt_index_B for r in rollouts]),
+            sample_index_B=torch.cat([r.sample_index_B for r in rollouts]),
+            finished_B=torch.cat([r.finished_B for r in rollouts]),
+        )
+
+    def sorted(self) -> Rollout:
+        """Rows ordered by (prompt id, sample index): a canonical order independent of completion order."""
+        key_B = self.prompt_index_B * (int(self.sample_index_B.max()) + 1) + self.sample_index_B
+        order_B = torch.argsort(key_B, stable=True)
+        return Rollout(**{f.name: getattr(self, f.name)[order_B] for f in dataclasses.fields(self)})
+
+
+@dataclass
+class Experience:
+    """A rollout plus what the inference stage computed for it. All [B, R] tensors are float32, aligned with
+    `rollout.response_ids_BR` and meaningful where `rollout.response_mask_BR` is 1.
+
+    logprobs_BR: Actor log-probs of the response tokens (the PPO "old" log-probs);
+    ref_logprobs_BR: Ref log-probs; values_BR: Critic values V(s_t) before each response token;
+    scores_B: float32 [B], the sequence-level reward (reward model and/or rule), given at the last valid token.
+    """
+
+    rollout: Rollout
+    logprobs_BR: Tensor
+    ref_logprobs_BR: Tensor
+    values_BR: Tensor
+    scores_B: Tensor
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+
+@dataclass
+class TrainBatch:
+    """What the training stage consumes: one iteration's samples (or a mini/micro-batch of them).
+
+    input_ids_BT / attention_mask_BT: long [B, T]; response_mask_BR: float [B, R] (1 on response tokens);
+    old_logprobs_BR, old_values_BR, advantages_BR, returns_BR: float32 [B, R].
+    The response occupies the last R columns of the T-long sequence.
+    """
+
+    input_ids_BT: Tensor
+    attention_mask_BT: Tensor
+    response_mask_BR: Tensor
+    old_logprobs_BR: Tensor
+    old_values_BR: Tensor
+    advantages_BR: Tensor
+    returns_BR: Tensor
+
+    def __len__(self) -> int:
+        return int(self.input_ids_BT.shape[0])
+
+    @property
+    def response_length(self) -> int:
+        return int(self.response_mask_BR.shape[1])
+
+    def select(self, index_B: Tensor) -> TrainBatch:
+        """The rows `index_B`, with trailing all-padding response columns trimmed (less compute, same result)."""
+        rows = TrainBatch(**{f.name: getattr(self, f.name)[index_B] for f in dataclasses.fields(self)})
+        keep = int(rows.response_mask_BR.sum(dim=0).nonzero().max()) + 1 if rows.response_mask_BR.any() else 1
+        drop = rows.response_length - keep
+        if drop == 0:
+            return rows
+        return TrainBatch(
+            input_ids_BT=rows.input_ids_BT[:, : rows.input_ids_BT.shape[1] - drop],
+            attention_mask_BT=rows.attention_mask_BT[:, : rows.attention_mask_BT.shape[1] - drop],
+            response_mask_BR=rows.response_mask_BR[:, :keep],
+            old_logprobs_BR=rows.old_logprobs_BR[:, :keep],
+            old_values_BR=rows.old_values_BR[:, :keep],
+            advantages_BR=rows.advantages_BR[:, :keep],
+            returns_BR=rows.returns_BR[:, :keep],
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask_BT.sum())

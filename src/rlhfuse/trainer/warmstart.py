@@ -1,0 +1,202 @@
+"""Recipe steps for the embedded default: a supervised warm start of the tiny Actor and a Bradley–Terry reward
+model trained on the synthetic task's preference pairs, cached as Hugging Face checkpoints.
+
+The cache key hashes everything that determines the checkpoints (architecture, warm-start settings, seed and
+task parameters), so a changed setting trains anew; a file lock keeps concurrent runs from training twice and the
+result is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
+from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.models import ModelConfig, Transformer, save_pretrained
+from rlhfuse.trainer.models import ModelsConfig
+
+
+def cache_root(config: ModelsConfig) -> Path:
+    if config.warmstart.cache_dir:
+        return Path(config.warmstart.cache_dir).expanduser()
+    return Path(os.environ.get("RLHFUSE_CACHE", Path.home() / ".cache" / "rlhfuse")).expanduser()
+
+
+def tiny_model_config(config: ModelsConfig, tokenizer: Tokenizer, max_positions: int) -> ModelConfig:
+    return ModelConfig.tiny(
+        architecture=config.architecture,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_id,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+    )
+
+
+def warm_start(
+    config: ModelsConfig, task: SyntheticTask, *, seed: int, log: Callable[[str], None] = print
+) -> tuple[Path, Path]:
+    """Return (sft_path, reward_path), training and caching them on first use."""
+    key_source = {
+        "models": dataclasses.asdict(config)
+        | {"warmstart": dataclasses.asdict(config.warmstart) | {"cache_dir": None}},
+        "task": dataclasses.asdict(task),
+        "seed": seed,
+        "version": 3,  # bump when the task or the training recipe changes
+    }
+    key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()[:16]
+    root = cache_root(config)
+    final = root / f"default-{key}"
+    if (final / "DONE").is_file():
+        log(f"warm start: using cached SFT actor and reward model in {final}")
+        return final / "sft", final / "reward"
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / f"default-{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run may be training the same checkpoints: wait for it
+        if (final / "DONE").is_file():
+            return final / "sft", final / "reward"
+        tmp = root / f".tmp-default-{key}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _train_and_save(config, task, seed, tmp, log)
+            (tmp / "DONE").write_text(json.dumps(key_source, indent=1, default=str))
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final / "sft", final / "reward"
+
+
+def _train_and_save(
+    config: ModelsConfig, task: SyntheticTask, seed: int, out: Path, log: Callable[[str], None]
+) -> None:
+    tokenizer = build_tokenizer()
+    max_positions = 64 + task.max_new_tokens + 16
+    model_config = tiny_model_config(config, tokenizer, max_positions)
+    ws = config.warmstart
+
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    actor = Transformer(model_config, head="lm")
+    sft_data = [
+        (tokenizer.encode(p), [*tokenizer.encode(r, add_bos=False), tokenizer.eos_id])
+        for p, r in task.sft_examples(ws.sft_examples)
+    ]
+    loss = _train(
+        actor,
+        ws.sft_steps,
+        ws.sft_lr,
+        ws.batch_size,
+        seed,
+        len(sft_data),
+        lambda idx: _sft_loss(actor, [sft_data[i] for i in idx], tokenizer.pad_id),
+    )
+    log(
+        f"warm start: SFT actor trained ({ws.sft_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.1f}s)"
+    )
+    save_pretrained(actor, out / "sft")
+    tokenizer.save(out / "sft")
+
+    start = time.perf_counter()
+    torch.manual_seed(seed + 1)
+    reward = Transformer(model_config, head="value")
+    pairs = [
+        (
+            tokenizer.encode(p),
+            [*tokenizer.encode(c, add_bos=False), tokenizer.eos_id],
+            [*tokenizer.encode(r, add_bos=False), tokenizer.eos_id],
+        )
+        for p, c, r in task.preference_pairs(ws.rm_pairs)
+    ]
+    loss = _train(
+        reward,
+        ws.rm_steps,
+        ws.rm_lr,
+        ws.batch_size,
+        seed + 1,
+        len(pairs),
+        lambda idx: _bt_loss(reward, [pairs[i] for i in idx], tokenizer.pad_id),
+    )
+    log(
+        f"warm start: reward model trained ({ws.rm_steps} steps, final loss {loss:.3f}, {time.perf_counter() - start:.1f}s)"
+    )
+    save_pretrained(reward, out / "reward")
+    tokenizer.save(out / "reward")
+
+
+def _train(
+    model: Transformer,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    size: int,
+    loss_of: Callable[[list[int]], Tensor],
+) -> float:
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / max(1, steps))
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    recent: list[float] = []
+    for _ in range(steps):
+        idx = torch.randint(size, (batch_size,), generator=generator).tolist()
+        loss = loss_of(idx)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        recent = [*recent[-19:], float(loss.detach())]
+    model.eval()
+    return sum(recent) / max(1, len(recent))
+
+
+def _right_pad(seqs: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    width = max(len(s) for s in seqs)
+    ids_BT = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask_BT = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids_BT[i, : len(s)] = torch.tensor(s)
+        mask_BT[i, : len(s)] = 1
+    return ids_BT, mask_BT
+
+
+def _sft_loss(actor: Transformer, batch: list[tuple[list[int], list[int]]], pad: int) -> Tensor:
+    """Next-token cross-entropy on response tokens only (EOS included)."""
+    ids_BT, mask_BT = _right_pad([p + r for p, r in batch], pad)
+    labels_BT = torch.full_like(ids_BT, -100)
+    for i, (p, r) in enumerate(batch):
+        labels_BT[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+    logits_BTV = actor(ids_BT, attention_mask_BT=mask_BT)
+    return F.cross_entropy(logits_BTV[:, :-1].flatten(0, 1), labels_BT[:, 1:].flatten(), ignore_index=-100)
+
+
+def _bt_loss(reward: Transformer, batch: list[tuple[list[int], list[int], list[int]]], pad: int) -> Tensor:
+    """Bradley–Terry: -log sigmoid(r(chosen) - r(rejected)), scores read at the last token."""
+    seqs = [p + c for p, c, _ in batch] + [p + r for p, _, r in batch]
+    ids_BT, mask_BT = _right_pad(seqs, pad)
+    values_BT = reward(ids_BT, attention_mask_BT=mask_BT)
+    scores_B = values_BT[torch.arange(len(seqs)), mask_BT.sum(dim=1) - 1]
+    chosen_B, rejected_B = scores_B.chunk(2)
+    return -F.logsigmoid(chosen_B - rejected_B).mean()

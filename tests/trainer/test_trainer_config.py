@@ -1,0 +1,105 @@
+"""Hydra composition of every shipped experiment, overrides, schema checks and one-error validation."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from rlhfuse._resources import conf_dir
+from rlhfuse.trainer import RLHFConfig, compose_config, validate
+from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+
+EXPERIMENTS = sorted(p.stem for p in (Path(conf_dir()) / "experiment").glob("*.yaml"))
+
+
+def test_shipped_experiments_are_known():
+    assert {"default", "smoke", "hf_local"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_into_the_typed_config(name):
+    cfg = compose_config([f"experiment={name}"])
+    assert isinstance(cfg, RLHFConfig) and cfg.experiment == name
+    if name == "hf_local":  # needs the user's paths: validation says which overrides to set
+        with pytest.raises(ValueError, match=r"data\.source=file needs data\.path"):
+            validate(cfg)
+        ok = compose_config(
+            [f"experiment={name}", "model.sft_path=a", "model.reward_path=b", "data.path=p.jsonl"]
+        )
+        validate(ok)
+    else:
+        counts = validate(cfg)
+        assert counts.samples_per_iteration == cfg.data.prompts_per_iteration * cfg.data.samples_per_prompt
+
+
+def test_command_line_style_overrides_reach_the_dataclasses():
+    cfg = compose_config(["algorithm.kl_coef=0.05", "generator.max_new_tokens=64", "logger=wandb", "seed=7"])
+    assert cfg.algorithm.kl_coef == 0.05 and cfg.generator.max_new_tokens == 64 and cfg.seed == 7
+    assert "wandb" in cfg.logger.backends
+    default = compose_config()
+    assert default == RLHFConfig(**{**vars(default)})  # plain dataclasses, no DictConfig inside
+    assert type(default.model.warmstart).__name__ == "WarmStartConfig"
+
+
+def test_schema_rejects_wrong_types_and_unknown_keys():
+    with pytest.raises((ValidationError, ConfigCompositionException), match="max_new_tokens"):
+        compose_config(["generator.max_new_tokens=lots"])
+    with pytest.raises(ConfigCompositionException, match="not_a_field"):
+        compose_config(["generator.not_a_field=1"])
+    with pytest.raises(ConfigCompositionException, match="pipeline"):
+        compose_config(["pipeline=does_not_exist"])
+
+
+def test_invalid_batch_sizes_fail_with_one_error_listing_every_problem():
+    cfg = compose_config(
+        [
+            "data.prompts_per_iteration=16",
+            "data.samples_per_prompt=4",
+            "data.mini_batch_size=48",
+            "data.micro_batch_size=5",
+            "generator.top_p=1.5",
+            "algorithm.kl_estimator=k9",
+        ]
+    )
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    message = str(err.value)
+    assert "4 problem(s)" in message
+    assert (
+        "data.mini_batch_size=48 must divide data.prompts_per_iteration*data.samples_per_prompt=16*4=64"
+        in message
+    )
+    assert "set data.mini_batch_size to a divisor of 64" in message
+    assert "data.micro_batch_size=5 must divide data.mini_batch_size=48" in message
+    assert "generator.top_p=1.5" in message and "algorithm.kl_estimator='k9'" in message
+
+
+def test_unknown_component_names_list_the_known_ones():
+    cfg = compose_config()
+    cfg.pipeline.name = "fusd"
+    cfg.inferencer.reward_fn = "topic_fractoin"
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    assert "unknown strategy pipeline.name='fusd': known strategy names are ['plain']" in str(err.value)
+    assert "known reward function names are ['length_penalty', 'topic_fraction']" in str(err.value)
+
+
+def test_import_paths_resolve_only_when_named_and_fail_clearly():
+    fn = REWARD_FUNCTIONS.get("rlhfuse_test_rewards:constant_reward")
+    assert fn(["p"], ["r"]) == [0.5]
+    with pytest.raises(KeyError, match="has no attribute 'nope'"):
+        REWARD_FUNCTIONS.get("rlhfuse_test_rewards:nope")
+    with pytest.raises(KeyError, match="cannot import module"):
+        REWARD_FUNCTIONS.get("no_such_module_xyz:fn")
+    with pytest.raises(KeyError, match="known reward function names"):
+        REWARD_FUNCTIONS.get("os.system")  # not an import path of the form module:function, not registered
+
+
+def test_model_paths_must_come_in_pairs_and_the_warm_start_needs_the_synthetic_task():
+    cfg = compose_config(["model.sft_path=/x"])
+    with pytest.raises(ValueError, match=r"model\.sft_path='/x', model\.reward_path=None: set both"):
+        validate(cfg)
+    cfg = compose_config(["data=file", "data.path=p.jsonl"])
+    with pytest.raises(ValueError, match=r"needs data\.source=synthetic"):
+        validate(cfg)
