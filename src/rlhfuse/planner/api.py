@@ -29,6 +29,7 @@ def plan_for(
     workload: Workload | None = None,
     fused: bool = True,
     eff: Efficiency = DEFAULT_EFFICIENCY,
+    even_pp: bool = True,
 ) -> Plan:
     """The least-iteration-time execution plan for an Actor / Critic pair on a cluster.
 
@@ -37,4 +38,4 @@ def plan_for(
     """
     spec = cluster(device, nodes, gpus_per_node)
     models = RLHFModels(as_model_spec(actor, "actor"), as_model_spec(critic, "critic"))
-    return search_plan(CostModel(spec, eff), models, workload or Workload(), fused=fused)
+    return search_plan(CostModel(spec, eff), models, workload or Workload(), fused=fused, even_pp=even_pp)

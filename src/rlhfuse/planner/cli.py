@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
+from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.simulate import RLHFModels, Workload
 from rlhfuse.planner.specs import DEVICES, ModelSpec, cluster, model
 
@@ -38,6 +39,13 @@ def _common(p: argparse.ArgumentParser, *, models: bool = True) -> None:
     p.add_argument("--global-batch", type=int, default=512, help="samples per iteration (default 512)")
     p.add_argument("--mini-batch", type=int, default=64, help="samples per optimizer step (default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled response lengths")
+    p.add_argument(
+        "--len-median", type=float, default=RESPONSES.median, help="median response length (tokens)"
+    )
+    p.add_argument(
+        "--len-sigma", type=float, default=RESPONSES.sigma, help="log-normal sigma of response lengths"
+    )
+    p.add_argument("--uneven-pp", action="store_true", help="allow pipeline stages that differ by one layer")
     if models:
         p.add_argument(
             "--actor", type=_model_arg, default=model("13b"), help="preset or config.json (default 13b)"
@@ -94,10 +102,15 @@ def grid_table(comps: Sequence[Comparison]) -> str:
     return "\n".join(rows)
 
 
+def _responses(args: argparse.Namespace) -> LengthDistribution:
+    return LengthDistribution(median=args.len_median, sigma=args.len_sigma)
+
+
 def _workload(args: argparse.Namespace, max_len: int) -> Workload:
     return Workload(
-        global_batch=args.global_batch, mini_batch=args.mini_batch, max_len=max_len, seed=args.seed
-    )
+        global_batch=args.global_batch, mini_batch=args.mini_batch, max_len=max_len, seed=args.seed,
+        responses=_responses(args),
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             start = time.perf_counter()
             comps = paper_grid(
                 max_lens=tuple(args.max_lens), cluster_spec=spec, global_batch=args.global_batch,
-                mini_batch=args.mini_batch, seed=args.seed,
+                mini_batch=args.mini_batch, seed=args.seed, responses=_responses(args), even_pp=not args.uneven_pp,
             )  # fmt: skip
             seconds = time.perf_counter() - start
             print(grid_table(comps))
@@ -146,7 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 print(f"wrote {breakdown_chart(comps, args.png)}")
             return 0
-        comp = compare(RLHFModels(args.actor, args.critic), spec, _workload(args, args.max_len))
+        comp = compare(
+            RLHFModels(args.actor, args.critic),
+            spec,
+            _workload(args, args.max_len),
+            even_pp=not args.uneven_pp,
+        )
         if args.command == "rt-sweep":
             print(f"{comp.rlhfuse.models.name}, max_len {args.max_len}: fused Gen+Inf seconds by Rt / batch")
             best = min(comp.rlhfuse.sweep, key=lambda x: x[1])

@@ -25,6 +25,12 @@ TRAIN_STATE_BYTES_PER_PARAM = 16
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 
 
+def stage_fraction(model: ModelSpec, pp: int) -> float:
+    """Share of the model on the busiest pipeline stage: ceil(layers / pp) / layers (1 / pp when pp divides the
+    layers; otherwise the stage with the extra layer sets the pace and the memory peak)."""
+    return -(-model.layers // pp) / model.layers
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Costs of `ModelSpec` work on a `ClusterSpec`, with achieved-rate factors from `Efficiency`."""
@@ -59,7 +65,7 @@ class CostModel:
     @staticmethod
     def train_state_bytes(model: ModelSpec, head: str, tp: int, pp: int) -> float:
         """Weights, gradients and Adam states on one device of a (tp, pp) shard (no distributed optimizer)."""
-        return TRAIN_STATE_BYTES_PER_PARAM * model.params(head) / (tp * pp)
+        return TRAIN_STATE_BYTES_PER_PARAM * model.params(head) * stage_fraction(model, pp) / tp
 
     def activation_bytes(self, model: ModelSpec, tokens: float, tp: int, layers: float) -> float:
         """Activations one micro-batch of `tokens` keeps for backward on `layers` layers of one device."""
@@ -166,26 +172,27 @@ class CostModel:
     ) -> tuple[float, float]:
         """(forward, backward) of one micro-batch on one pipeline stage, communication included.
 
-        Compute: forward FLOPs / pp on tp devices at training MFU; backward = 2 x forward compute.
+        Compute: the busiest stage's share (`stage_fraction`) of the forward FLOPs on tp devices at training MFU; backward = 2 x forward compute.
         TP: 2 all-reduces of the activations per layer in forward and 2 in backward. PP: one activation
         (gradient) send per micro-batch per stage boundary, inter-node when tp x dp fills a node.
         """
         tokens = micro_batch * seq_len
-        fwd_flops = self.forward_flops(model, [seq_len] * micro_batch, head) / pp
+        share = stage_fraction(model, pp)
+        fwd_flops = self.forward_flops(model, [seq_len] * micro_batch, head) * share
         fwd = self.compute_time(fwd_flops, tp, self.eff.train_mfu, tokens)
         act = tokens * model.hidden * self.device.dtype_bytes
-        tp_comm = 2 * (model.layers / pp) * self.allreduce_time(act, tp)
+        tp_comm = 2 * (model.layers * share) * self.allreduce_time(act, tp)
         p2p = self.p2p_time(act / tp, self.group_inter_node(tp * dp, pp)) if pp > 1 else 0.0
         return fwd + tp_comm + p2p, 2 * fwd + tp_comm + p2p
 
     def grad_allreduce_time(self, model: ModelSpec, head: str, tp: int, pp: int, dp: int) -> float:
         """Data-parallel all-reduce of the bf16 gradients of one (tp, pp) shard, once per mini-batch."""
-        nbytes = model.params(head) / (tp * pp) * self.device.dtype_bytes
+        nbytes = model.params(head) * stage_fraction(model, pp) / tp * self.device.dtype_bytes
         return self.allreduce_time(nbytes, dp, self.group_inter_node(tp, dp))
 
     def optimizer_step_time(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
         """Adam step: read and write the 16 bytes/param of state once (memory-bound)."""
-        nbytes = 2 * TRAIN_STATE_BYTES_PER_PARAM * model.params(head) / (tp * pp)
+        nbytes = 2 * TRAIN_STATE_BYTES_PER_PARAM * model.params(head) * stage_fraction(model, pp) / tp
         return nbytes / (self.device.hbm_bw * self.eff.decode_mbu)
 
     # ---- task switching --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan, PruneStats, search_plan
 from rlhfuse.planner.simulate import RLHFModels, Workload
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, Efficiency, cluster, model
@@ -63,15 +64,20 @@ class Comparison:
 
 
 def compare(
-    models: RLHFModels, cluster_spec: ClusterSpec, workload: Workload, eff: Efficiency = DEFAULT_EFFICIENCY
+    models: RLHFModels,
+    cluster_spec: ClusterSpec,
+    workload: Workload,
+    eff: Efficiency = DEFAULT_EFFICIENCY,
+    *,
+    even_pp: bool = True,
 ) -> Comparison:
-    """Plan both systems on the same sampled batch."""
+    """Plan both systems on the same sampled batch (`even_pp`: see `search.train_layouts`)."""
     start = time.perf_counter()
     cost = CostModel(cluster_spec, eff)
     samples = workload.validate().sample()
     stats = PruneStats()
-    fused = search_plan(cost, models, workload, fused=True, samples=samples, stats=stats)
-    base = search_plan(cost, models, workload, fused=False, samples=samples)
+    fused = search_plan(cost, models, workload, fused=True, samples=samples, stats=stats, even_pp=even_pp)
+    base = search_plan(cost, models, workload, fused=False, samples=samples, even_pp=even_pp)
     return Comparison(fused, base, stats, time.perf_counter() - start)
 
 
@@ -84,12 +90,20 @@ def paper_grid(
     mini_batch: int = 64,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     seed: int = 0,
+    responses: LengthDistribution = RESPONSES,
+    even_pp: bool = True,
 ) -> list[Comparison]:
     """The paper's grid: Actor/Critic pairs x max generation lengths on 32 x 8 H100, batch 512, mini-batch 64."""
     spec = cluster_spec or cluster(*PAPER_CLUSTER)
     out = []
     for actor, critic in pairs:
         for max_len in max_lens:
-            workload = Workload(global_batch=global_batch, mini_batch=mini_batch, max_len=max_len, seed=seed)
-            out.append(compare(RLHFModels(model(actor), model(critic)), spec, workload, eff))
+            workload = Workload(
+                global_batch=global_batch,
+                mini_batch=mini_batch,
+                max_len=max_len,
+                seed=seed,
+                responses=responses,
+            )
+            out.append(compare(RLHFModels(model(actor), model(critic)), spec, workload, eff, even_pp=even_pp))
     return out

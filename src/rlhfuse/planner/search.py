@@ -30,6 +30,7 @@ from rlhfuse.planner.simulate import (
     fused_bound,
     fused_training,
     gen_inf_serial,
+    generate_unmigrated,
     inference_tps,
     model_step_time,
     rt_sweep,
@@ -76,14 +77,19 @@ def train_layouts(
     workload: Workload,
     seq: float,
     stats: PruneStats | None = None,
+    *,
+    even_pp: bool = True,
 ) -> list[TrainLayout]:
-    """Every (tp, pp, dp, micro-batch) of one model that the guidelines allow (memory: this model alone)."""
+    """Every (tp, pp, dp, micro-batch) of one model that the guidelines allow (memory: this model alone).
+
+    `even_pp=False` also admits pipelines whose stages differ by one layer (the paper runs LLaMA-33B's 60
+    layers on 8 stages); the busiest stage then sets the time and memory (`cost.stage_fraction`)."""
     stats = stats if stats is not None else PruneStats()
     devices = cost.cluster.gpus
     out = []
     for tp in tp_candidates(model, cost.cluster, stats):
         for pp in range(1, model.layers + 1):
-            if model.layers % pp:
+            if even_pp and model.layers % pp:
                 stats.removed["pp does not divide layers"] += 1
                 continue
             if devices % (tp * pp):
@@ -125,6 +131,7 @@ def search_training(
     *,
     fused: bool,
     stats: PruneStats | None = None,
+    even_pp: bool = True,
 ) -> list[TrainResult]:
     """Training plans on the (time, resident memory) frontier, fastest first.
 
@@ -135,8 +142,8 @@ def search_training(
     """
     stats = stats if stats is not None else PruneStats()
     mb = workload.mini_batch
-    la = train_layouts(cost, models.actor, "lm", workload, seq, stats)
-    lc = train_layouts(cost, models.critic, "value", workload, seq, stats)
+    la = train_layouts(cost, models.actor, "lm", workload, seq, stats, even_pp=even_pp)
+    lc = train_layouts(cost, models.critic, "value", workload, seq, stats, even_pp=even_pp)
     if not la or not lc:
         raise ValueError(
             f"no training layout fits for {models.name} on {cost.cluster.gpus} x {cost.device.name} "
@@ -257,6 +264,8 @@ class Plan:
         g = self.cluster.gpus
         rows = [("generation (Actor)", f"dp={g // self.gen_tp} pp=1 tp={self.gen_tp}")]
         if self.rt_fraction is None:
+            if self.system == "RLHFuse":
+                rows.append(("migration", "off (no Rt beat generating first, then inferring)"))
             tps = inference_tps(self.models, self.inference_tp)
             rows.append(
                 ("inference (Ref, RW, Critic)", f"groups of {self.inference_tp}, tp={tps}, pp=1, all devices")
@@ -323,15 +332,18 @@ def search_plan(
     fused: bool,
     samples: Samples | None = None,
     stats: PruneStats | None = None,
+    even_pp: bool = True,
 ) -> Plan:
-    """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`)."""
+    """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`).
+
+    `even_pp=False` admits uneven pipeline stages (see `train_layouts`)."""
     workload.validate()
     samples = samples if samples is not None else workload.sample()
     stats = stats if stats is not None else PruneStats()
     seq = float(samples.seq.mean())
     best: Plan | None = None
     cache: dict[int, Unmigrated] = {}
-    for train in search_training(cost, models, workload, seq, fused=fused, stats=stats):
+    for train in search_training(cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp):
         plan = _best_gen_inf(cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache)
         if plan is not None and (best is None or plan.breakdown.total < best.breakdown.total):
             best = plan
@@ -363,14 +375,18 @@ def _best_gen_inf(
             stats.removed["generation: KV cache does not fit"] += 1
             continue
         reshard = cost.reshard_time(models.actor, "lm", train.actor.tp, train.actor.pp, gen_tp)
+        if gen_tp not in cache:
+            cache[gen_tp] = generate_unmigrated(cost, models.actor, samples, gen_tp)
+        sweep: list[tuple[float, GenInfResult]] = []
         if fused:
             sweep = rt_sweep(
-                cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident
-            )
+                cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident,
+                unmigrated=cache[gen_tp],
+            )  # fmt: skip
             _, res = min(sweep, key=lambda x: x[1].end)
             if best is None or res.end + reshard < best[0]:
                 best = (res.end + reshard, res, gen_tp, sweep)
-            continue
+        # no migration (RLHFuse-Base; for RLHFuse, the fallback where no Rt pays: the planner turns it off)
         for group in tp_candidates(LARGEST_GROUP, cost.cluster):
             tps = inference_tps(models, group)
             biggest = max(cost.weight_bytes(m, h) / tp for (m, h), tp in zip(models.inference(), tps))
@@ -378,16 +394,11 @@ def _best_gen_inf(
                 stats.removed["inference: weights do not fit"] += 1
                 continue
             res = gen_inf_serial(
-                cost,
-                models,
-                samples,
-                gen_tp,
-                group,
-                max_context=workload.max_context,
-                resident_bytes=resident,
-            )
+                cost, models, samples, gen_tp, group, max_context=workload.max_context, resident_bytes=resident,
+                unmigrated=cache[gen_tp],
+            )  # fmt: skip
             if best is None or res.end + reshard < best[0]:
-                best = (res.end + reshard, res, gen_tp, [])
+                best = (res.end + reshard, res, gen_tp, sweep)
     if best is None:
         return None
     total_gi, res, gen_tp, sweep = best

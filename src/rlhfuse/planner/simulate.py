@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.migration import Mechanism, MigrationDecision, choose_mechanism, decide_migration
 from rlhfuse.planner.schedule import (
@@ -354,12 +354,14 @@ def gen_inf_serial(
     *,
     max_context: int,
     resident_bytes: float,
+    unmigrated: Unmigrated | None = None,
 ) -> GenInfResult:
     """RLHFuse-Base: generate everything, then run Ref/RW/Critic over the batch on all devices (groups of
     `group` devices, `inference_tps`), their weights prefetched during generation where memory allows."""
     gen = simulate_generation(
-        cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes
-    )
+        cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes,
+        unmigrated=unmigrated,
+    )  # fmt: skip
     tps = inference_tps(models, group)
     work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
     spare = _spare_during_generation(cost, models, gen_tp, len(samples), resident_bytes, max_context)
@@ -491,9 +493,10 @@ def _stage(cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, seq: 
 def activation_peak(
     cost: CostModel, model: ModelSpec, lay: TrainLayout, mini_batch: int, seq: float
 ) -> float:
-    """1F1B's peak on stage 0: min(pp, M) micro-batches in flight over layers / pp layers."""
+    """1F1B's peak on stage 0: min(pp, M) micro-batches in flight over the stage's layers."""
     inflight = min(lay.pp, lay.microbatches(mini_batch))
-    return inflight * cost.activation_bytes(model, lay.micro_batch * seq, lay.tp, model.layers / lay.pp)
+    layers = model.layers * stage_fraction(model, lay.pp)
+    return inflight * cost.activation_bytes(model, lay.micro_batch * seq, lay.tp, layers)
 
 
 def model_step_time(
