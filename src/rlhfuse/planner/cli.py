@@ -79,6 +79,10 @@ def print_comparison(comp: Comparison) -> None:
           f" [at the fused lower bound: {comp.train_ratio_bound:.2f}]  (paper ranges in brackets)")  # fmt: skip
 
 
+def _rt_cell(fraction: float | None) -> str:
+    return "off" if fraction is None else f"{fraction:.0%}"
+
+
 def grid_table(comps: Sequence[Comparison]) -> str:
     """The grid against the paper's ranges, one row per setting."""
     head = (f"{'actor/critic':<12} {'len':>5} | {'throughput':>10} {'gen+inf':>8} {'train':>6} {'train@LB':>8} | "
@@ -90,7 +94,7 @@ def grid_table(comps: Sequence[Comparison]) -> str:
         m = p.migration.m if p.migration else 0
         rows.append(
             f"{p.models.name:<12} {p.workload.max_len:>5} | {c.throughput_ratio:>10.2f} {c.gen_inf_ratio:>8.2f} "
-            f"{c.train_ratio:>6.2f} {c.train_ratio_bound:>8.2f} | {(p.rt_fraction or 0):>4.0%} {m:>3} {p.gen_tp:>6} "
+            f"{c.train_ratio:>6.2f} {c.train_ratio_bound:>8.2f} | {_rt_cell(p.rt_fraction):>4} {m:>3} {p.gen_tp:>6} "
             f"{f'dp{a.dp} pp{a.pp} tp{a.tp} b{a.micro_batch} | dp{cr.dp} pp{cr.pp} tp{cr.tp} b{cr.micro_batch}':<40} "
             f"{p.train.mode:<6}"
         )
