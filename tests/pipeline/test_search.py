@@ -73,12 +73,21 @@ def test_uneven_microbatches_and_bigger_critic():
     assert simulate(p, s.schedule).makespan == s.makespan >= s.lower_bound
 
 
-@pytest.mark.xfail(reason="work in progress: the search reaches 190 on this setting", strict=False)
-def test_figure10_setting_reaches_186_with_peak_26_24(table3):
-    p = table3["table3-08"]
-    s = solve(p, SearchConfig(time_budget=20, seed=0))
-    assert s.makespan == 186
-    assert s.peak == pytest.approx(26.24)
+@pytest.fixture(scope="module")
+def figure10(table3):
+    return solve(table3["table3-08"], SearchConfig(time_budget=8, seed=0))
+
+
+def test_figure10_setting_reaches_186(figure10):
+    assert figure10.makespan == 186 == figure10.lower_bound
+    assert figure10.peak <= 42.24  # never above the paper's greedy
+
+
+@pytest.mark.xfail(
+    reason="our memory phase stops at 28.76 here (paper: 26.24); see docs/schedules.md", strict=False
+)
+def test_figure10_setting_peak_26_24(figure10):
+    assert figure10.peak == pytest.approx(26.24)
 
 
 def test_cli_solve_writes_format_result(tmp_path, tiny_fused):

@@ -38,7 +38,7 @@ from rlhfuse.pipeline.compiled import (
 )
 from rlhfuse.pipeline.ir import Schedule, schedule_to_result
 from rlhfuse.pipeline.problem import Problem
-from rlhfuse.pipeline.simulate import DurationFn, simulate
+from rlhfuse.pipeline.simulate import DurationFn, dependencies, simulate
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,7 @@ def run_list_schedule(
     noise: float = 0.0,
     seed: int = 0,
     planned: np.ndarray | None = None,
+    cap: float | None = None,
 ) -> np.ndarray | None:
     """One list schedule (see `compiled.list_schedule`); None if the memory cap blocks every rank."""
     n_streams = len(c.stream_base)
@@ -144,7 +145,7 @@ def run_list_schedule(
         c.stream_base, c.stream_len, c.stream_rank, c.stream_is_b, c.rank_streams_ptr, c.rank_streams,
         c.stream_len.copy() if limit is None else limit,
         np.zeros(n_streams) if prio is None else prio,
-        float(slack), _cap(c.problem), float(noise), int(seed),
+        float(slack), _cap(c.problem) if cap is None else min(cap, _cap(c.problem)), float(noise), int(seed),
         np.full(c.n, -1.0) if planned is None else planned,
     )  # fmt: skip
     return order if len(order) else None
@@ -176,23 +177,46 @@ def _limits(c: Compiled, extra: list[int]) -> np.ndarray:
     return np.minimum(c.stream_len, c.stages_of_stream - c.stage_of_stream + bonus)
 
 
-def _planned_1f1b(c: Compiled, model_index: int) -> np.ndarray:
-    """Start times of one model's 1F1B run alone, per op (-1 for the other models' ops)."""
+def _planned_1f1b(c: Compiled, model_index: int, latest: float | None = None) -> np.ndarray:
+    """One model's 1F1B run alone, per op: its start time (-1 for the other models' ops).
+
+    With `latest`, the *latest* start that still ends that 1F1B by `latest` (as late as possible): the other
+    model may then use the protected model's slack, not only its idle time.
+    """
     problem = c.problem
     m = problem.models[model_index]
     alone = Problem(f"{problem.name}/{m.name}", problem.ranks, (m,), None, problem.comm_latency)
-    sim = simulate(alone, one_f_one_b(alone))
+    schedule = one_f_one_b(alone)
+    sim = simulate(alone, schedule)
     idx = c.index()
     planned = np.full(c.n, -1.0)
-    for action, start in sim.start.items():
-        planned[idx[action]] = start
+    if latest is None:
+        for action, start in sim.start.items():
+            planned[idx[action]] = start
+        return planned
+    next_on_rank = {a: rank[i + 1] for rank in schedule.ranks for i, a in enumerate(rank[:-1])}
+    succs: dict = {}
+    for a in sim.start:
+        for d in dependencies(alone, a):
+            succs.setdefault(d, []).append(a)
+    late: dict = {}
+    for a in sorted(sim.start, key=lambda x: -sim.start[x]):
+        finish = latest
+        for b in [*succs.get(a, []), next_on_rank.get(a)]:
+            if b is not None:
+                finish = min(finish, late[b])
+        late[a] = finish - (sim.end[a] - sim.start[a])
+        planned[idx[a]] = late[a]
     return planned
 
 
 def constructive_starts(
-    c: Compiled, deadline: float, seed: int = 0, keep: int = 8
+    c: Compiled, deadline: float, seed: int = 0, keep: int = 8, cap: float | None = None
 ) -> list[tuple[float, float, np.ndarray]]:
-    """Greedy plus a sweep of structured list schedules; the `keep` best distinct (makespan, peak, order)."""
+    """Greedy plus a sweep of structured list schedules; the `keep` best distinct (makespan, peak, order).
+
+    `cap` tightens the problem's memory cap for this sweep (the memory phase asks for schedules under a cap).
+    """
     problem = c.problem
     rng = np.random.default_rng(seed)
     n_models = len(problem.models)
@@ -205,11 +229,14 @@ def constructive_starts(
         if ms >= 0:
             found.setdefault(order.tobytes(), (ms, c.peak(order), order))
 
-    consider(greedy_order(c))
+    if cap is None:
+        consider(greedy_order(c))
     paths = lower_bounds(problem, c).critical_path
     by_path = sorted(range(n_models), key=lambda i: -paths[problem.models[i].name])
-    protect_options: list[int | None] = [None, by_path[0]]
-    planned_cache: dict[int, np.ndarray] = {}
+    target = lower_bounds(problem, c).makespan
+    protect_options: list[tuple[int, float | None] | None] = [None, (by_path[0], None), (by_path[0], target)]
+    protect_options += [(i, target) for i in by_path[1:]]
+    planned_cache: dict[tuple[int, float | None], np.ndarray] = {}
     max_extra = [min(m.stages, m.microbatches) for m in problem.models]
     configs = []
     for protect in protect_options:
@@ -225,21 +252,24 @@ def constructive_starts(
                     grid = [[int(rng.integers(0, e + 1)) for e in max_extra] for _ in range(12)]
                 for extra in grid:
                     configs.append((protect, slack, favour, extra))
-    # Cheap structured ones first, then the rest in a seeded random order (the sweep may hit its deadline).
-    head, rest = configs[:1], configs[1:]
-    rng.shuffle(rest)  # type: ignore[arg-type]
-    for protect, slack, favour, extra in head + rest:
+    # Seeded random order, the bigger pipeline protected as late as possible first: those reach the bound
+    # most often (the sweep may hit its deadline on large problems).
+    rng.shuffle(configs)  # type: ignore[arg-type]
+    configs.sort(key=lambda cfg: 0 if cfg[0] is not None and cfg[0][1] is not None else 1)
+    for protect, slack, favour, extra in configs:
         if time.perf_counter() > deadline and len(found) >= 2:
             break
         planned = None
         if protect is not None:
             if protect not in planned_cache:
-                planned_cache[protect] = _planned_1f1b(c, protect)
+                planned_cache[protect] = _planned_1f1b(c, *protect)
             planned = planned_cache[protect]
             extra = list(extra)
-            extra[protect] = 0
+            extra[protect[0]] = 0
         prio = np.zeros(len(c.stream_base)) if favour < 0 else (c.model_of_stream == favour).astype(float)
-        consider(run_list_schedule(c, limit=_limits(c, extra), prio=prio, slack=slack, planned=planned))
+        consider(
+            run_list_schedule(c, limit=_limits(c, extra), prio=prio, slack=slack, planned=planned, cap=cap)
+        )
     ranked = sorted(found.values(), key=lambda x: (x[0], x[1]))
     return ranked[:keep]
 
@@ -249,14 +279,16 @@ def constructive_starts(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _anneal_latency(c: Compiled, order: np.ndarray, iters: int, rng: np.random.Generator, target: float):
+def _anneal_latency(
+    c: Compiled, order: np.ndarray, iters: int, rng: np.random.Generator, target: float, cap: float
+):
     mode = int(rng.integers(0, 2))
     weight = float(rng.choice([0.3, 1.0, 3.0]) if mode == 0 else rng.choice([3.0, 10.0, 30.0, 100.0]))
     temp0 = float(rng.choice([0.5, 1.0, 2.0, 4.0]))
     max_shift = int(rng.choice([1, 4, 8]))
     best, ms, done = anneal_latency(
         order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
-        c.mem, c.tail, _cap(c.problem), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
+        c.mem, c.tail, float(cap), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
         int(rng.integers(0, 2**31 - 1)),
     )  # fmt: skip
     return best, float(ms), int(done)
@@ -302,6 +334,12 @@ def _worker(
     cap_iters = config.max_iterations if config.max_iterations is not None else 2**62
     rate = 2e5  # iterations per second, re-measured after every round
     latency_end = t0 + (1.0 - config.memory_share) * budget
+    # Every other round anneals under a soft memory cap near the low-memory starts (their peak, at least the
+    # serial 1F1B peak, plus a quarter): the latency moves alone drift to high-memory schedules, which the
+    # memory phase can rarely repair at the optimal makespan.
+    low = min(peak for _, peak, _ in starts)
+    soft_cap = min(_cap(problem), 1.25 * max(low, serial_peak(problem)))
+    rounds = 0
     while best_ms > target + 1e-9 and stats["latency_iters"] < cap_iters:
         now = time.perf_counter()
         if now >= latency_end or (stop is not None and stop.is_set()):
@@ -310,13 +348,38 @@ def _worker(
         iters = _round_iters(rate * seconds, cap_iters - stats["latency_iters"], config)
         start = best if rng.random() < 0.7 else starts[int(rng.integers(0, len(starts)))][2]
         began = time.perf_counter()
-        order, ms, done = _anneal_latency(c, start, iters, rng, target)
+        capped = rounds % 2 == 0
+        rounds += 1
+        if capped:
+            fitting = [o for _, peak, o in starts if peak <= soft_cap + 1e-9]
+            start = best if best_peak <= soft_cap + 1e-9 else fitting[int(rng.integers(0, len(fitting)))]
+        order, ms, done = _anneal_latency(c, start, iters, rng, target, soft_cap if capped else _cap(problem))
         rate = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
         stats["latency_iters"] += done
         if ms >= 0 and (ms < best_ms or (ms == best_ms and c.peak(order) < best_peak)):
             best_ms, best_peak, best = ms, c.peak(order), order
     if best_ms <= target + 1e-9 and stop is not None:
         stop.set()
+    # Memory phase, part 1: ask for the best makespan under tighter caps, lowest first (serial 1F1B's peak,
+    # then part of the way back to the current peak): a capped sweep of starts, then capped latency annealing.
+    serial = serial_peak(problem)
+    for cap in (serial, serial + 0.25 * (best_peak - serial), serial + 0.5 * (best_peak - serial)):
+        now = time.perf_counter()
+        if cap >= best_peak - 1e-9 or now >= end - 0.1 * budget:
+            continue
+        under_cap = constructive_starts(c, now + 0.05 * budget, seed=config.seed + worker, cap=cap)
+        if not under_cap:
+            continue
+        ms, peak, order = under_cap[0]
+        tries = 0
+        while ms > best_ms + 1e-9 and tries < 2 and time.perf_counter() < end - 0.05 * budget:
+            tries += 1
+            iters = _round_iters(rate * min(0.1 * budget, end - time.perf_counter()), cap_iters, config)
+            order, ms, done = _anneal_latency(c, order, iters, rng, best_ms, cap)
+            stats["memory_iters"] += done
+        if 0 <= ms <= best_ms + 1e-9:
+            best_peak, best = c.peak(order), order
+            break
     stale = 0
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
