@@ -31,6 +31,14 @@ def run(quick: bool = False) -> None:
     print("\nSame grid admitting uneven pipeline stages (as the paper's 33B pp8/pp16 layouts):")
     print(grid_table(uneven))
     print(f"planner wall time: {uneven_s:.1f} s")
+    if not quick:
+        start = time.perf_counter()
+        searched = paper_grid(max_lens=(1024,), even_pp=False, search_seconds=2.0)
+        print(
+            "\nUneven stages, max length 1024, fused schedule searched by rlhfuse.pipeline (2 s budget per cell):"
+        )
+        print(grid_table(searched))
+        print(f"planner wall time with search: {time.perf_counter() - start:.1f} s")
 
     print("\nRt sweep at max length 1024 (fused Gen+Inf seconds; paper: minimum near 20%):")
     for comp in strict if quick else [c for c in strict if c.rlhfuse.workload.max_len == 1024]:

@@ -46,6 +46,10 @@ def _common(p: argparse.ArgumentParser, *, models: bool = True) -> None:
         "--len-sigma", type=float, default=RESPONSES.sigma, help="log-normal sigma of response lengths"
     )
     p.add_argument("--uneven-pp", action="store_true", help="allow pipeline stages that differ by one layer")
+    p.add_argument(
+        "--search-seconds", type=float, default=0.0,
+        help="re-schedule RLHFuse's fused training with rlhfuse.pipeline's annealing for this long per setting",
+    )  # fmt: skip
     if models:
         p.add_argument(
             "--actor", type=_model_arg, default=model("13b"), help="preset or config.json (default 13b)"
@@ -152,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             comps = paper_grid(
                 max_lens=tuple(args.max_lens), cluster_spec=spec, global_batch=args.global_batch,
                 mini_batch=args.mini_batch, seed=args.seed, responses=_responses(args), even_pp=not args.uneven_pp,
+                search_seconds=args.search_seconds,
             )  # fmt: skip
             seconds = time.perf_counter() - start
             print(grid_table(comps))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan, PruneStats, search_plan
-from rlhfuse.planner.simulate import RLHFModels, Workload
+from rlhfuse.planner.simulate import RLHFModels, Workload, searched_training
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, Efficiency, cluster, model
 
 PAPER_PAIRS = (("13B", "33B"), ("33B", "13B"), ("33B", "65B"), ("65B", "33B"))
@@ -70,14 +70,23 @@ def compare(
     eff: Efficiency = DEFAULT_EFFICIENCY,
     *,
     even_pp: bool = True,
+    search_seconds: float = 0.0,
 ) -> Comparison:
-    """Plan both systems on the same sampled batch (`even_pp`: see `search.train_layouts`)."""
+    """Plan both systems on the same sampled batch (`even_pp`: see `search.train_layouts`).
+
+    `search_seconds` > 0 re-schedules RLHFuse's fused training with `rlhfuse.pipeline`'s annealing search
+    (instead of the greedy list schedule) for that long."""
     start = time.perf_counter()
     cost = CostModel(cluster_spec, eff)
     samples = workload.validate().sample()
     stats = PruneStats()
     fused = search_plan(cost, models, workload, fused=True, samples=samples, stats=stats, even_pp=even_pp)
     base = search_plan(cost, models, workload, fused=False, samples=samples, even_pp=even_pp)
+    if search_seconds > 0 and fused.train.mode == "fused":
+        seq = float(samples.seq.mean())
+        train = searched_training(cost, models, fused.train, workload, seq, search_seconds)
+        b = fused.breakdown
+        fused = replace(fused, train=train, breakdown=replace(b, training=train.total))
     return Comparison(fused, base, stats, time.perf_counter() - start)
 
 
@@ -92,6 +101,7 @@ def paper_grid(
     seed: int = 0,
     responses: LengthDistribution = RESPONSES,
     even_pp: bool = True,
+    search_seconds: float = 0.0,
 ) -> list[Comparison]:
     """The paper's grid: Actor/Critic pairs x max generation lengths on 32 x 8 H100, batch 512, mini-batch 64."""
     spec = cluster_spec or cluster(*PAPER_CLUSTER)
@@ -105,5 +115,6 @@ def paper_grid(
                 seed=seed,
                 responses=responses,
             )
-            out.append(compare(RLHFModels(model(actor), model(critic)), spec, workload, eff, even_pp=even_pp))
+            pair = RLHFModels(model(actor), model(critic))
+            out.append(compare(pair, spec, workload, eff, even_pp=even_pp, search_seconds=search_seconds))
     return out

@@ -7,7 +7,7 @@ n = generation instances (data-parallel Actor replicas of `gen_tp` devices each)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -606,3 +606,42 @@ def fused_training(
     )
     n_mb = workload.global_batch // mb
     return TrainResult("fused", actor, critic, est, bound, memory, n_mb, ranks)
+
+
+def searched_training(
+    cost: CostModel,
+    models: RLHFModels,
+    train: TrainResult,
+    workload: Workload,
+    seq: float,
+    seconds: float,
+    seed: int = 0,
+) -> TrainResult:
+    """A fused `train` re-scheduled by `rlhfuse.pipeline.solve` (the paper's annealing, issue 3) within
+    `seconds`; the makespan used is the better of the searched and the greedy one. Serial results are returned
+    unchanged."""
+    if train.mode != "fused" or seconds <= 0:
+        return train
+    from rlhfuse.pipeline import SearchConfig, make_problem, solve
+
+    ranks, problem = fused_problem(cost, models, train.actor, train.critic, workload, seq)
+    mb = workload.mini_batch
+    acts = [
+        activation_peak(cost, models.actor, train.actor, mb, seq) / max(1, min(train.actor.pp, train.actor.microbatches(mb))),
+        activation_peak(cost, models.critic, train.critic, mb, seq) / max(1, min(train.critic.pp, train.critic.microbatches(mb))),
+    ]  # fmt: skip
+    pipeline_problem = make_problem(
+        [
+            {"name": name, "stages": m.stages, "replicas": m.replicas, "microbatches": m.microbatches,
+             "forward": m.forward, "backward": m.backward, "activation": act / 1e9,
+             "placement": [list(row) for row in m.placement]}
+            for name, m, act in zip(("actor", "critic"), problem, acts)
+        ],
+        ranks=ranks,
+        name=f"{models.name} fused",
+    )  # fmt: skip
+    solution = solve(pipeline_problem, SearchConfig(time_budget=seconds, seed=seed))
+    extra = fused_extra(cost, models, train.actor, train.critic)
+    best = min(solution.makespan + extra, train.per_minibatch)
+    detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds)
+    return replace(train, per_minibatch=best, detail=detail)
