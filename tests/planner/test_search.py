@@ -85,3 +85,39 @@ def test_plan_for_returns_a_complete_plan():
     assert plan.gen_tp * plan.gen_instances == 16
     d = plan.to_dict()
     assert d["training"]["actor"]["dp"] * d["training"]["actor"]["pp"] * d["training"]["actor"]["tp"] == 16
+
+
+def test_uneven_pipeline_stages_are_admitted_only_on_request():
+    cost = CostModel(cluster("h100", 32, 8))
+    w = Workload()
+    strict = train_layouts(cost, model("33b"), "value", w, 400.0)
+    uneven = train_layouts(cost, model("33b"), "value", w, 400.0, even_pp=False)
+    assert {lay.pp for lay in strict} <= {1, 2, 4}  # 60 layers, tp x pp a power of two dividing 256
+    assert 8 in {lay.pp for lay in uneven}  # the paper's 33B on 8 stages (7-8 layers each)
+    assert set(strict) < set(uneven)
+
+
+def test_uneven_stage_sets_the_pace():
+    from rlhfuse.planner.cost import stage_fraction
+
+    m = model("33b")
+    assert stage_fraction(m, 4) == pytest.approx(1 / 4)
+    assert stage_fraction(m, 8) == pytest.approx(8 / 60)  # ceil(60 / 8) = 8 layers on the busiest stage
+    cost = CostModel(cluster("h100", 32, 8))
+    f8, _ = cost.stage_times(m, "value", 4, 8, 8, 1, 512)
+    f4, _ = cost.stage_times(m, "value", 4, 4, 16, 1, 512)
+    assert f8 > f4 / 2  # 8 of 60 layers is more than half of 15
+
+
+def test_pipeline_search_never_worsens_the_fused_training():
+    pytest.importorskip("rlhfuse.pipeline")
+    from rlhfuse.planner.simulate import fused_training, searched_training
+
+    cost = CostModel(cluster("h100", 4, 8))
+    models = RLHFModels(model("7b"), model("7b"))
+    w = Workload(global_batch=64, mini_batch=16)
+    la = [lay for lay in train_layouts(cost, models.actor, "lm", w, 300.0) if lay.pp == 4 and lay.tp == 8]
+    train = fused_training(cost, models, la[0], la[0], w, 300.0)
+    searched = searched_training(cost, models, train, w, 300.0, seconds=0.5)
+    assert train.bound <= searched.per_minibatch <= train.per_minibatch
+    assert "searched_makespan" in searched.detail
