@@ -107,10 +107,10 @@ def _calibrate(torch: Any, repeats: int) -> Calibration:
 
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
-    peak = 2 * n**3 / min(_best_seconds(lambda: a @ b, repeats) for _ in range(3))
+    peak = 2 * n**3 / _best_seconds(lambda: a @ b, 4 * repeats)
     big = torch.randn(16 * 2**20)
     dst = torch.empty_like(big)
-    bw = 2 * big.numel() * 4 / _best_seconds(lambda: dst.copy_(big), repeats)
+    bw = 2 * big.numel() * 4 / _best_seconds(lambda: dst.copy_(big), 4 * repeats)
     device = with_measured(CPU, peak_flops=peak, hbm_bw=bw, name="this-CPU (calibrated)")
     cluster = ClusterSpec(device, 1, 1)
     # CPU kernels: the peak is a measured achievable rate, so ceilings start at 1; no fixed step overhead
