@@ -72,3 +72,22 @@ def test_trigger_and_mechanism_and_threshold():
         threshold_from_fraction(1.0, 512)
     with pytest.raises(ValueError, match="bs_max"):
         destination_count(5, 0, 1.0, 1.0)
+
+
+def test_kv_read_rule_spreads_a_heavy_tail():
+    counts = [6, 2, 2, 2]
+    paper = decide_migration(counts, bs_max=100, kv_bytes_per_sample=1.0, free_kv_bytes=100.0)
+    assert paper.m == 1 and paper.m_read == 0
+    # 12 samples holding 300 bytes of KV now; a destination may read 100 per step: ceil(300 / 100) = 3
+    ours = decide_migration(
+        counts,
+        bs_max=100,
+        kv_bytes_per_sample=1.0,
+        free_kv_bytes=100.0,
+        kv_read_bytes=300.0,
+        kv_read_budget=100.0,
+    )
+    assert (ours.m, ours.m_read) == (3, 3)
+    assert sum(ours.loads) == 12
+    with pytest.raises(ValueError, match="kv_read_budget"):
+        decide_migration(counts, 100, 1.0, 100.0, kv_read_bytes=1.0, kv_read_budget=0.0)

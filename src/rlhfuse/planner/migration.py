@@ -26,6 +26,8 @@ class MigrationDecision:
         destinations: the m instances with the most unfinished samples (ties: lower index), so fewest move.
         moves: (source, destination, count) triples; every unfinished sample of a non-destination moves.
         loads: unfinished samples per destination after the moves, in `destinations` order.
+        m_read: ceil(tail KV bytes now / read budget), the optional third rule (0 when not used): our extension,
+            because a decode step also reads the KV cache, and consolidating the tail multiplies that read.
     """
 
     m: int
@@ -34,6 +36,7 @@ class MigrationDecision:
     destinations: tuple[int, ...]
     moves: tuple[tuple[int, int, int], ...]
     loads: tuple[int, ...]
+    m_read: int = 0
 
     @property
     def moved(self) -> int:
@@ -61,9 +64,19 @@ def destination_count(
 
 
 def decide_migration(
-    unfinished: Sequence[int], bs_max: int, kv_bytes_per_sample: float, free_kv_bytes: float
+    unfinished: Sequence[int],
+    bs_max: int,
+    kv_bytes_per_sample: float,
+    free_kv_bytes: float,
+    *,
+    kv_read_bytes: float = 0.0,
+    kv_read_budget: float | None = None,
 ) -> MigrationDecision:
     """Pick destinations and moves for instances holding `unfinished[i]` unfinished samples each.
+
+    The paper's rule is m = max(m_speed, m_memory). With `kv_read_budget` (bytes of KV cache one destination
+    may read per decode step, e.g. a fraction of its weight bytes), a third rule keeps the tail's current KV
+    (`kv_read_bytes` in total) from slowing the destinations' steps: m >= ceil(kv_read_bytes / budget).
 
     Sources are emptied largest first, each sample to the currently least-loaded destination, so destination
     loads end up balanced; m is capped at the number of instances (when even that cannot hold the tail at
@@ -73,6 +86,14 @@ def decide_migration(
         raise ValueError(f"unfinished counts must be >= 0 (got {list(unfinished)})")
     total = int(sum(unfinished))
     m, m_speed, m_memory = destination_count(total, bs_max, kv_bytes_per_sample, free_kv_bytes)
+    m_read = 0
+    if kv_read_budget is not None and total:
+        if kv_read_budget <= 0:
+            raise ValueError(
+                f"kv_read_budget={kv_read_budget} must be > 0 (or None to use the paper's rule only)"
+            )
+        m_read = math.ceil(kv_read_bytes / kv_read_budget)
+        m = max(m, m_read)
     m = min(m, len(unfinished))
     order = sorted(range(len(unfinished)), key=lambda i: (-unfinished[i], i))
     destinations = tuple(order[:m])
@@ -90,6 +111,7 @@ def decide_migration(
         destinations=destinations,
         moves=tuple((s, d, c) for (s, d), c in sorted(moves.items())),
         loads=tuple(loads[d] for d in destinations),
+        m_read=m_read,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.migration import MigrationDecision
 from rlhfuse.planner.simulate import (
+    KV_READ_SLACK,
     GenInfResult,
     RLHFModels,
     Samples,
@@ -279,8 +280,12 @@ class Plan:
                     f"{self.gen_instances - m} of {self.gen_instances}",
                 )
             )
+            rule = "speed/memory/KV-read" if self.migration and self.migration.m_read else "speed/memory"
             rows.append(
-                ("migration", f"Rt={self.rt_fraction:.0%} of batch -> m={m} instance(s), {self.mechanism}")
+                (
+                    "migration",
+                    f"Rt={self.rt_fraction:.0%} of batch -> m={m} instance(s) ({rule} rule), {self.mechanism}",
+                )
             )
         for name, lay in (("training (Actor)", self.train.actor), ("training (Critic)", self.train.critic)):
             rows.append((name, f"dp={lay.dp} pp={lay.pp} tp={lay.tp} micro-batch={lay.micro_batch}"))
@@ -306,6 +311,7 @@ class Plan:
             else {
                 "rt_fraction": self.rt_fraction,
                 "m": self.migration.m if self.migration else 0,
+                "m_rule": "kv-read" if self.migration and self.migration.m_read else "paper",
                 "mechanism": self.mechanism,
             },
             "training": {
@@ -379,13 +385,16 @@ def _best_gen_inf(
             cache[gen_tp] = generate_unmigrated(cost, models.actor, samples, gen_tp)
         sweep: list[tuple[float, GenInfResult]] = []
         if fused:
-            sweep = rt_sweep(
-                cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident,
-                unmigrated=cache[gen_tp],
-            )  # fmt: skip
-            _, res = min(sweep, key=lambda x: x[1].end)
-            if best is None or res.end + reshard < best[0]:
-                best = (res.end + reshard, res, gen_tp, sweep)
+            # the paper's rule (m = max(speed, memory)), and ours with the KV-read term: the faster wins
+            for slack in (None, KV_READ_SLACK):
+                candidate = rt_sweep(
+                    cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident,
+                    unmigrated=cache[gen_tp], kv_read_slack=slack,
+                )  # fmt: skip
+                _, res = min(candidate, key=lambda x: x[1].end)
+                if best is None or res.end + reshard < best[0]:
+                    best = (res.end + reshard, res, gen_tp, candidate)
+                    sweep = candidate
         # no migration (RLHFuse-Base; for RLHFuse, the fallback where no Rt pays: the planner turns it off)
         for group in tp_candidates(LARGEST_GROUP, cost.cluster):
             tps = inference_tps(models, group)

@@ -182,12 +182,15 @@ def simulate_generation(
     resident_bytes: float = 0.0,
     rt: int | None = None,
     unmigrated: Unmigrated | None = None,
+    kv_read_slack: float | None = None,
 ) -> GenerationResult:
     """Generate `samples` on `cluster.gpus // tp` instances (sample i on instance i mod n).
 
     With `rt`, migrate when `rt` samples remain (DESIGN §2): destinations from `decide_migration`, mechanism
     (KV transfer or re-prefill) by cost, destinations pause for the migration, sources are freed after it.
     `unmigrated` (from `generate_unmigrated` with the same arguments) saves recomputing the first phase.
+    `kv_read_slack` adds the KV-read rule of `decide_migration`, with a budget of that fraction of the
+    instance's weight bytes (each destination's step may grow by about that fraction).
     """
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, actor, samples, tp)
     n = cost.cluster.gpus // tp
@@ -205,11 +208,14 @@ def simulate_generation(
         generated[idx] = np.minimum(done_steps, samples.response[idx] - 1)
     counts = np.bincount(inst[unfinished], minlength=n)
     kv_tok = cost.kv_bytes_per_token(actor)
+    tail_kv = float((samples.prompt + generated)[unfinished].sum()) * kv_tok
     decision = decide_migration(
         counts.tolist(),
         cost.bs_max(actor, tp),
         kv_tok * max_context,
         free_kv_bytes(cost, actor, tp, resident_bytes),
+        kv_read_bytes=tail_kv,
+        kv_read_budget=None if kv_read_slack is None else kv_read_slack * cost.weight_bytes(actor),
     )
     pending = {i: [int(j) for j in np.flatnonzero(unfinished & (inst == i))] for i in range(n)}
     members = {d: list(pending[d]) for d in decision.destinations}
@@ -380,6 +386,7 @@ def gen_inf_fused(
     max_context: int,
     resident_bytes: float,
     unmigrated: Unmigrated | None = None,
+    kv_read_slack: float | None = None,
 ) -> GenInfResult:
     """RLHFuse: migrate the tail at `rt` unfinished samples; freed instances run Ref/RW/Critic (tp groups
     inside the instance) on the finished samples, the tail streaming in as it finishes."""
@@ -392,6 +399,7 @@ def gen_inf_fused(
         resident_bytes=resident_bytes,
         rt=rt,
         unmigrated=unmigrated,
+        kv_read_slack=kv_read_slack,
     )
     assert gen.decision is not None and gen.freed_at is not None
     tps = inference_tps(models, gen_tp)
@@ -409,6 +417,8 @@ def gen_inf_fused(
 
 RT_FRACTIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))
 """The sweep's migration thresholds, as fractions of the batch: 5%, 10%, ..., 95%."""
+KV_READ_SLACK = 0.25
+"""The planner's KV-aware migration policy: a destination may read KV worth 25% of its weight bytes per step."""
 
 
 def rt_sweep(
@@ -421,6 +431,7 @@ def rt_sweep(
     resident_bytes: float,
     fractions: tuple[float, ...] = RT_FRACTIONS,
     unmigrated: Unmigrated | None = None,
+    kv_read_slack: float | None = None,
 ) -> list[tuple[float, GenInfResult]]:
     """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep); the first phase is shared."""
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
@@ -436,6 +447,7 @@ def rt_sweep(
             max_context=max_context,
             resident_bytes=resident_bytes,
             unmigrated=base,
+            kv_read_slack=kv_read_slack,
         )
         out.append((frac, res))
     return out
