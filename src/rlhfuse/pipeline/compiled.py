@@ -537,12 +537,17 @@ def anneal_latency(  # type: ignore[no-untyped-def]
     max_shift,
     target,
     seed,
+    mem_weight,
+    mem_ref,
 ):
-    """Simulated annealing on per-rank orders for makespan (then the plateau-breaking objective).
+    """Simulated annealing on per-rank orders for makespan, then peak activation.
 
     Moves: swap two adjacent ops of different streams (the paper's move) or shift one op by up to
     `max_shift` places on its rank past ops of other streams. Deadlocking or cap-violating orders are
-    rejected. Stops early once the makespan reaches `target`. Returns (best order, best makespan, iterations).
+    rejected. The cost is the makespan plus the plateau-breaking term (`_objective`) plus `mem_weight` per
+    unit of peak activation above `mem_ref` (0: memory ignored). The best order is the lowest makespan, then
+    the lowest peak. Stops early once the makespan reaches `target` (and the peak `mem_ref` when
+    `mem_weight` > 0). Returns (best order, best makespan, best peak, iterations).
     """
     np.random.seed(seed)
     n = order.shape[0]
@@ -553,40 +558,49 @@ def anneal_latency(  # type: ignore[no-untyped-def]
             rank_of_pos[p] = k
     finish = np.zeros(n)
     cur = order.copy()
+    peaks = rank_peaks(cur, rank_ptr, mem)
     ms = evaluate_order(cur, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish)
-    cost = _objective(finish, tail, ms, weight, target, mode)
+    top = peaks.max()
+    cost = _objective(finish, tail, ms, weight, target, mode) + mem_weight * max(0.0, top - mem_ref)
     best = cur.copy()
     best_ms = ms
-    best_cost = cost
+    best_peak = top
     saved = np.empty(max_shift + 2, dtype=np.int64)
     it = 0
     for it in range(iters):
-        if best_ms <= target + 1e-9:
+        if best_ms <= target + 1e-9 and (mem_weight == 0 or best_peak <= mem_ref + 1e-9):
             break
         temp = temp0 * (temp1 / temp0) ** (it / iters)
         p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
         if p < 0:
             continue
         k = rank_of_pos[p]
+        old_peak = peaks[k]
+        peaks[k] = _rank_peak(cur, rank_ptr[k], rank_ptr[k + 1], mem)
         new_ms = -1.0
-        if cap == np.inf or _rank_peak(cur, rank_ptr[k], rank_ptr[k + 1], mem) <= cap + 1e-9:
+        if peaks[k] <= cap + 1e-9:
             new_ms = evaluate_order(cur, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish)
         if new_ms < 0:
+            peaks[k] = old_peak
             for j in range(p, q + 1):
                 cur[j] = saved[j - p]
             continue
-        new_cost = _objective(finish, tail, new_ms, weight, target, mode)
+        top = peaks.max()
+        new_cost = _objective(finish, tail, new_ms, weight, target, mode) + mem_weight * max(
+            0.0, top - mem_ref
+        )
         delta = new_cost - cost
         if delta <= 0 or np.random.random() < np.exp(-delta / temp):
             cost = new_cost
-            if new_ms < best_ms or (new_ms == best_ms and new_cost < best_cost):
-                best_cost = new_cost
+            if new_ms < best_ms or (new_ms == best_ms and top < best_peak - 1e-9):
                 best_ms = new_ms
+                best_peak = top
                 best[:] = cur
         else:
+            peaks[k] = old_peak
             for j in range(p, q + 1):
                 cur[j] = saved[j - p]
-    return best, best_ms, it + 1
+    return best, best_ms, best_peak, it + 1
 
 
 @jit
@@ -632,6 +646,69 @@ def _rank_peak(cur, lo, hi, mem):  # type: ignore[no-untyped-def]
         if level > best:
             best = level
     return best
+
+
+@jit
+def _peak_move(cur, stream, mem, rank_ptr, peaks, max_shift, saved):  # type: ignore[no-untyped-def]
+    """Move an op across the peak of the highest rank: an F from before the peak to after it, or a B from
+    after the peak to before it (either lowers that peak by one activation if nothing else moves).
+    Returns (lo, hi) of the shifted range, or (-1, -1)."""
+    nranks = peaks.shape[0]
+    top = peaks.max()
+    k = np.random.randint(0, nranks)
+    for j in range(nranks):
+        kk = (k + j) % nranks
+        if peaks[kk] >= top - 1e-9:
+            k = kk
+            break
+    lo = rank_ptr[k]
+    hi = rank_ptr[k + 1]
+    level = 0.0
+    peak_pos = lo
+    for j in range(lo, hi):
+        level += mem[cur[j]]
+        if level >= peaks[k] - 1e-9:
+            peak_pos = j
+            break
+    if np.random.random() < 0.5:
+        a = np.random.randint(lo, peak_pos + 1)
+        if mem[cur[a]] <= 0:
+            return -1, -1
+        last = min(hi - 1, a + max_shift)
+        for j in range(a + 1, last + 1):
+            if stream[cur[j]] == stream[cur[a]]:
+                last = j - 1
+                break
+        if last <= peak_pos:
+            return -1, -1
+        q = np.random.randint(peak_pos + 1, last + 1)
+        for j in range(a, q + 1):
+            saved[j - a] = cur[j]
+        x = cur[a]
+        for j in range(a, q):
+            cur[j] = cur[j + 1]
+        cur[q] = x
+        return a, q
+    if peak_pos + 1 >= hi:
+        return -1, -1
+    b = np.random.randint(peak_pos + 1, hi)
+    if mem[cur[b]] >= 0:
+        return -1, -1
+    first = max(lo, b - max_shift)
+    for j in range(b - 1, first - 1, -1):
+        if stream[cur[j]] == stream[cur[b]]:
+            first = j + 1
+            break
+    if first > peak_pos:
+        return -1, -1
+    q = np.random.randint(first, peak_pos + 1)
+    for j in range(q, b + 1):
+        saved[j - q] = cur[j]
+    y = cur[b]
+    for j in range(b, q, -1):
+        cur[j] = cur[j - 1]
+    cur[q] = y
+    return q, b
 
 
 @jit
@@ -681,7 +758,10 @@ def anneal_memory(  # type: ignore[no-untyped-def]
         if peaks.max() <= target + 1e-9:
             break
         temp = temp0 * (temp1 / temp0) ** (it / iters)
-        p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
+        if np.random.random() < 0.6:
+            p, q = _peak_move(cur, stream, mem, rank_ptr, peaks, max_shift, saved)
+        else:
+            p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
         if p < 0:
             continue
         k = rank_of_pos[p]

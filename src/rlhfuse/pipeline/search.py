@@ -52,6 +52,8 @@ class SearchConfig:
         memory_share: fraction of the budget kept for the memory phase once the latency phase has not
             reached the lower bound (when it has, the memory phase may use what is left).
         memory_patience: the memory phase stops after this many annealing rounds without improvement.
+        memory_target: the memory phase stops once the peak is at most this multiple of the serial 1F1B peak
+            (1.0: as low as running the models one after the other; 0: use the whole budget).
         max_iterations: hard cap on annealing iterations per phase and worker (None: time only); set it
             to make a run reproducible independently of machine speed.
     """
@@ -60,7 +62,8 @@ class SearchConfig:
     seed: int = 0
     workers: int = 1
     memory_share: float = 0.25
-    memory_patience: int = 3
+    memory_patience: int = 8
+    memory_target: float = 1.0
     max_iterations: int | None = None
 
 
@@ -211,7 +214,12 @@ def _planned_1f1b(c: Compiled, model_index: int, latest: float | None = None) ->
 
 
 def constructive_starts(
-    c: Compiled, deadline: float, seed: int = 0, keep: int = 8, cap: float | None = None
+    c: Compiled,
+    deadline: float,
+    seed: int = 0,
+    keep: int = 8,
+    cap: float | None = None,
+    planned_cache: dict[tuple[int, float | None], np.ndarray] | None = None,
 ) -> list[tuple[float, float, np.ndarray]]:
     """Greedy plus a sweep of structured list schedules; the `keep` best distinct (makespan, peak, order).
 
@@ -236,7 +244,7 @@ def constructive_starts(
     target = lower_bounds(problem, c).makespan
     protect_options: list[tuple[int, float | None] | None] = [None, (by_path[0], None), (by_path[0], target)]
     protect_options += [(i, target) for i in by_path[1:]]
-    planned_cache: dict[tuple[int, float | None], np.ndarray] = {}
+    planned_cache = {} if planned_cache is None else planned_cache
     max_extra = [min(m.stages, m.microbatches) for m in problem.models]
     configs = []
     for protect in protect_options:
@@ -280,18 +288,24 @@ def constructive_starts(
 
 
 def _anneal_latency(
-    c: Compiled, order: np.ndarray, iters: int, rng: np.random.Generator, target: float, cap: float
-):
+    c: Compiled,
+    order: np.ndarray,
+    iters: int,
+    rng: np.random.Generator,
+    target: float,
+    mem_weight: float,
+    mem_ref: float,
+) -> tuple[np.ndarray, float, float, int]:
     mode = int(rng.integers(0, 2))
     weight = float(rng.choice([0.3, 1.0, 3.0]) if mode == 0 else rng.choice([3.0, 10.0, 30.0, 100.0]))
     temp0 = float(rng.choice([0.5, 1.0, 2.0, 4.0]))
     max_shift = int(rng.choice([1, 4, 8]))
-    best, ms, done = anneal_latency(
+    best, ms, peak, done = anneal_latency(
         order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
-        c.mem, c.tail, float(cap), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
-        int(rng.integers(0, 2**31 - 1)),
+        c.mem, c.tail, _cap(c.problem), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
+        int(rng.integers(0, 2**31 - 1)), float(mem_weight), float(mem_ref),
     )  # fmt: skip
-    return best, float(ms), int(done)
+    return best, float(ms), float(peak), int(done)
 
 
 def _anneal_memory(
@@ -300,7 +314,7 @@ def _anneal_memory(
     temp0 = float(rng.choice([0.5, 1.0, 2.0]))
     best, done = anneal_memory(
         order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
-        c.mem, float(limit), int(iters), temp0, 0.01, int(rng.choice([1, 4, 8])), float(target),
+        c.mem, float(limit), int(iters), temp0, 0.01, int(rng.choice([4, 8, 16])), float(target),
         int(rng.integers(0, 2**31 - 1)),
     )  # fmt: skip
     return best, int(done)
@@ -323,7 +337,11 @@ def _worker(
     end = t0 + budget
     bounds = lower_bounds(problem, c)
     target = bounds.makespan
-    starts = constructive_starts(c, t0 + 0.15 * budget, seed=config.seed + worker)
+    serial = serial_peak(problem)
+    planned_cache: dict[tuple[int, float | None], np.ndarray] = {}
+    starts = constructive_starts(
+        c, t0 + 0.15 * budget, seed=config.seed + worker, planned_cache=planned_cache
+    )
     best_ms, best_peak, best = starts[0]
     stats: dict[str, Any] = {
         "starts": len(starts),
@@ -332,68 +350,58 @@ def _worker(
         "memory_iters": 0,
     }
     cap_iters = config.max_iterations if config.max_iterations is not None else 2**62
-    rate = 2e5  # iterations per second, re-measured after every round
+    rate = 1e4  # iterations per second, re-measured after every round (the first rounds are short)
+
+    def better(ms: float, peak: float) -> bool:
+        return ms >= 0 and (ms < best_ms - 1e-9 or (ms <= best_ms + 1e-9 and peak < best_peak - 1e-9))
+
+    # Phase 1 (latency). Some rounds also charge memory above the serial 1F1B peak: the latency moves alone
+    # drift to high-memory schedules, which the memory phase can rarely repair at the optimal makespan.
     latency_end = t0 + (1.0 - config.memory_share) * budget
-    # Every other round anneals under a soft memory cap near the low-memory starts (their peak, at least the
-    # serial 1F1B peak, plus a quarter): the latency moves alone drift to high-memory schedules, which the
-    # memory phase can rarely repair at the optimal makespan.
-    low = min(peak for _, peak, _ in starts)
-    soft_cap = min(_cap(problem), 1.25 * max(low, serial_peak(problem)))
-    rounds = 0
     while best_ms > target + 1e-9 and stats["latency_iters"] < cap_iters:
         now = time.perf_counter()
         if now >= latency_end or (stop is not None and stop.is_set()):
             break
-        seconds = min(latency_end - now, max(0.5, 0.2 * budget))
-        iters = _round_iters(rate * seconds, cap_iters - stats["latency_iters"], config)
+        iters = _round_iters(
+            rate * min(latency_end - now, max(0.5, 0.2 * budget)), cap_iters - stats["latency_iters"], config
+        )
         start = best if rng.random() < 0.7 else starts[int(rng.integers(0, len(starts)))][2]
+        mem_weight = float(rng.choice([0.0, 0.0, 0.5, 2.0]))
         began = time.perf_counter()
-        capped = rounds % 2 == 0
-        rounds += 1
-        if capped:
-            fitting = [o for _, peak, o in starts if peak <= soft_cap + 1e-9]
-            start = best if best_peak <= soft_cap + 1e-9 else fitting[int(rng.integers(0, len(fitting)))]
-        order, ms, done = _anneal_latency(c, start, iters, rng, target, soft_cap if capped else _cap(problem))
+        order, ms, peak, done = _anneal_latency(c, start, iters, rng, target, mem_weight, serial)
         rate = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
         stats["latency_iters"] += done
-        if ms >= 0 and (ms < best_ms or (ms == best_ms and c.peak(order) < best_peak)):
-            best_ms, best_peak, best = ms, c.peak(order), order
+        if better(ms, peak):
+            best_ms, best_peak, best = ms, peak, order
     if best_ms <= target + 1e-9 and stop is not None:
         stop.set()
-    # Memory phase, part 1: ask for the best makespan under tighter caps, lowest first (serial 1F1B's peak,
-    # then part of the way back to the current peak): a capped sweep of starts, then capped latency annealing.
-    serial = serial_peak(problem)
-    for cap in (serial, serial + 0.25 * (best_peak - serial), serial + 0.5 * (best_peak - serial)):
-        now = time.perf_counter()
-        if cap >= best_peak - 1e-9 or now >= end - 0.1 * budget:
-            continue
-        under_cap = constructive_starts(c, now + 0.05 * budget, seed=config.seed + worker, cap=cap)
-        if not under_cap:
-            continue
-        ms, peak, order = under_cap[0]
-        tries = 0
-        while ms > best_ms + 1e-9 and tries < 2 and time.perf_counter() < end - 0.05 * budget:
-            tries += 1
-            iters = _round_iters(rate * min(0.1 * budget, end - time.perf_counter()), cap_iters, config)
-            order, ms, done = _anneal_latency(c, order, iters, rng, best_ms, cap)
-            stats["memory_iters"] += done
-        if 0 <= ms <= best_ms + 1e-9:
-            best_peak, best = c.peak(order), order
-            break
-    stale = 0
+    # Phase 2 (memory) at makespan <= best: alternate the paper's memory annealing (moves restricted to the
+    # makespan, plus moves aimed at the peak) with latency annealing that charges memory heavily and may
+    # leave the makespan for a while, keeping only results at the best makespan.
+    stale, rounds = 0, 0
+    rates = [rate, rate]  # the two kinds of rounds run at different speeds
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
-        if now >= end or best_peak <= bounds.memory + 1e-9:
+        if now >= end or best_peak <= max(bounds.memory, config.memory_target * serial) + 1e-9:
             break
-        seconds = min(end - now, max(0.5, 0.1 * budget))
-        iters = _round_iters(rate * seconds, cap_iters - stats["memory_iters"], config)
+        kind = rounds % 2
+        iters = _round_iters(
+            rates[kind] * min(end - now, max(0.5, 0.1 * budget)), cap_iters - stats["memory_iters"], config
+        )
         began = time.perf_counter()
-        order, done = _anneal_memory(c, best, best_ms, iters, rng, bounds.memory)
-        rate = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
+        if kind == 0:
+            ref = serial if best_peak > serial + 1e-9 else bounds.memory
+            order, ms, peak, done = _anneal_latency(
+                c, best, iters, rng, best_ms, float(rng.choice([2.0, 5.0, 20.0])), ref
+            )
+        else:
+            order, done = _anneal_memory(c, best, best_ms, iters, rng, bounds.memory)
+            ms, peak = c.evaluate(order)[0], c.peak(order)
+        rounds += 1
+        rates[kind] = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
         stats["memory_iters"] += done
-        peak = c.peak(order)
-        if peak < best_peak - 1e-9:
-            best_peak, best, stale = peak, order, 0
+        if better(ms, peak):
+            best_ms, best_peak, best, stale = ms, peak, order, 0
         else:
             stale += 1
     return {"worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats}
