@@ -94,3 +94,39 @@ def test_lengths_are_long_tailed_and_capped():
 def test_workload_validation_names_the_problem():
     with pytest.raises(ValueError, match="multiple of mini_batch"):
         Workload(global_batch=100, mini_batch=64).validate()
+
+
+def test_swap_is_hidden_when_prefetched_and_paid_per_pass_when_not():
+    from rlhfuse.planner.simulate import inference_tps, swap_exposed
+
+    tps = inference_tps(MODELS, 8)
+    swap, ready = swap_exposed(COST, MODELS, tps, 0.0, 10.0)
+    assert ready == 10.0 and swap > 0  # prefetched from t=0, done long before generation ends
+    swap2, ready2 = swap_exposed(COST, MODELS, tps, 9.99, 10.0)
+    assert ready2 == pytest.approx(9.99 + swap2)
+    swap3, ready3 = swap_exposed(COST, MODELS, tps, None, 10.0, passes=2)
+    assert swap3 == 2 * swap and ready3 == pytest.approx(10.0 + 2 * swap)
+    # the Critic resharded from its training layout over the network instead of copied from host memory
+    swap4, _ = swap_exposed(COST, MODELS, tps, None, 0.0, critic_train=(8, 1))
+    assert swap4 < swap
+
+
+def test_prefetch_starts_later_with_less_free_memory():
+    from rlhfuse.planner.simulate import inference_tps, prefetch_start
+
+    w = Workload(global_batch=64, mini_batch=16, max_len=512)
+    s = w.sample()
+    base = generate_unmigrated(COST, MODELS.actor, s, 4)
+    tps = inference_tps(MODELS, 4)
+    starts = [
+        prefetch_start(COST, MODELS, tps, 4, base, range(4), resident_bytes=r, max_context=w.max_context)
+        for r in (0.0, 40e9, 55e9, 70e9)
+    ]
+    assert starts[0] == 0.0  # everything fits from the start
+    assert starts[-1] is None  # never fits beside the training state
+    known = [x for x in starts if x is not None]
+    assert known == sorted(known)
+    freed = prefetch_start(
+        COST, MODELS, tps, 4, base, range(4), resident_bytes=55e9, max_context=w.max_context, freed_at=0.01
+    )
+    assert freed is not None and freed <= 0.01

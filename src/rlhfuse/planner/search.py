@@ -373,6 +373,7 @@ def _best_gen_inf(
     cache: dict[int, Unmigrated],
 ) -> Plan | None:
     resident = _states(cost, models, train.actor, train.critic)
+    critic_train = (train.critic.tp, train.critic.pp)
     kv_tok = cost.kv_bytes_per_token(models.actor)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
@@ -389,7 +390,7 @@ def _best_gen_inf(
             for slack in (None, KV_READ_SLACK):
                 candidate = rt_sweep(
                     cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident,
-                    unmigrated=cache[gen_tp], kv_read_slack=slack,
+                    unmigrated=cache[gen_tp], kv_read_slack=slack, critic_train=critic_train,
                 )  # fmt: skip
                 _, res = min(candidate, key=lambda x: x[1].end)
                 if best is None or res.end + reshard < best[0]:
@@ -404,7 +405,7 @@ def _best_gen_inf(
                 continue
             res = gen_inf_serial(
                 cost, models, samples, gen_tp, group, max_context=workload.max_context, resident_bytes=resident,
-                unmigrated=cache[gen_tp],
+                unmigrated=cache[gen_tp], critic_train=critic_train,
             )  # fmt: skip
             if best is None or res.end + reshard < best[0]:
                 best = (res.end + reshard, res, gen_tp, sweep)

@@ -324,31 +324,62 @@ def swap_exposed(
     cost: CostModel,
     models: RLHFModels,
     tps: tuple[int, ...],
-    spare_bytes: float,
+    prefetch_from: float | None,
     hidden_until: float,
     passes: int = 1,
+    critic_train: tuple[int, int] | None = None,
 ) -> tuple[float, float]:
-    """(swap seconds, time the inference weights are ready) for loading Ref/RW/Critic onto a tp group.
+    """(swap seconds, time the inference weights are ready) for loading Ref/RW/Critic onto the pool.
 
-    DESIGN §4: the swap-in is overlapped with the previous task. When the weights fit in the memory generation
-    leaves spare (`spare_bytes` per device), they are prefetched from the start of generation, so they are
-    ready at max(swap, `hidden_until`); otherwise they are loaded one model at a time after `hidden_until`,
+    Ref and RW come from host memory (PCIe); with `critic_train` = the Critic's training (tp, pp), the Critic
+    is resharded from its resident training weights over the network instead (DESIGN §4), in parallel with
+    the host copies; without it, the Critic is copied from host memory too.
+
+    DESIGN §4: the swap-in is overlapped with the previous task. From `prefetch_from` (see `prefetch_start`)
+    the weights stream in beside generation, so they are ready at max(`hidden_until`, prefetch_from + swap).
+    With None (they never fit beside generation) they are loaded one model at a time after `hidden_until`,
     `passes` times (Base: 1; fused: 2, once for the bulk of the samples, once more for the tail).
     """
-    nbytes = inference_weight_bytes(cost, models, tps)
-    swap = cost.host_copy_time(nbytes)
-    if nbytes <= spare_bytes:
-        return swap, max(swap, hidden_until)
+    if critic_train is None:
+        swap = cost.host_copy_time(inference_weight_bytes(cost, models, tps))
+    else:
+        (critic, head), critic_tp = models.inference()[2], tps[2]
+        host = inference_weight_bytes(cost, models, tps) - cost.weight_bytes(critic, head) / critic_tp
+        reshard = cost.reshard_time(critic, head, critic_train[0], critic_train[1], critic_tp)
+        swap = max(cost.host_copy_time(host), reshard)
+    if prefetch_from is not None:
+        return swap, max(hidden_until, prefetch_from + swap)
     return passes * swap, hidden_until + passes * swap
 
 
-def _spare_during_generation(
-    cost: CostModel, models: RLHFModels, gen_tp: int, samples: int, resident_bytes: float, max_context: int
-) -> float:
-    """Per-device memory left while generating: free KV memory minus the KV of the instance's samples."""
-    n = cost.cluster.gpus // gen_tp
-    kv = -(-samples // n) * cost.kv_bytes_per_token(models.actor) * max_context / gen_tp
-    return free_kv_bytes(cost, models.actor, gen_tp, resident_bytes) / gen_tp - kv
+def prefetch_start(
+    cost: CostModel,
+    models: RLHFModels,
+    tps: tuple[int, ...],
+    gen_tp: int,
+    base: Unmigrated,
+    instances: NDArray | list[int] | range,
+    *,
+    resident_bytes: float,
+    max_context: int,
+    freed_at: float | None = None,
+) -> float | None:
+    """Earliest time every instance in `instances` has room for the inference weights beside the KV cache of
+    its unfinished samples (each reserved at maximum length), or None if it never has while generating.
+    With `freed_at`, an instance stops generating then (migration) and has room from that time at the latest.
+    """
+    room = free_kv_bytes(cost, models.actor, gen_tp, resident_bytes) / gen_tp - inference_weight_bytes(
+        cost, models, tps
+    )
+    if room < 0:
+        return None
+    keep = int(room * gen_tp // (cost.kv_bytes_per_token(models.actor) * max_context))
+    start = 0.0
+    for i in instances:
+        f = np.sort(base.finish[base.instance == i])
+        t = float(f[len(f) - keep - 1]) if len(f) > keep else 0.0
+        start = max(start, t if freed_at is None else min(t, freed_at))
+    return start
 
 
 def gen_inf_serial(
@@ -361,17 +392,28 @@ def gen_inf_serial(
     max_context: int,
     resident_bytes: float,
     unmigrated: Unmigrated | None = None,
+    critic_train: tuple[int, int] | None = None,
 ) -> GenInfResult:
     """RLHFuse-Base: generate everything, then run Ref/RW/Critic over the batch on all devices (groups of
-    `group` devices, `inference_tps`), their weights prefetched during generation where memory allows."""
+    `group` devices, `inference_tps`), their weights prefetched during generation once memory allows."""
+    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
     gen = simulate_generation(
         cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes,
-        unmigrated=unmigrated,
+        unmigrated=base,
     )  # fmt: skip
     tps = inference_tps(models, group)
     work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
-    spare = _spare_during_generation(cost, models, gen_tp, len(samples), resident_bytes, max_context)
-    swap, ready = swap_exposed(cost, models, tps, spare, gen.end)
+    start = prefetch_start(
+        cost,
+        models,
+        tps,
+        gen_tp,
+        base,
+        range(gen.instances),
+        resident_bytes=resident_bytes,
+        max_context=max_context,
+    )
+    swap, ready = swap_exposed(cost, models, tps, start, gen.end, critic_train=critic_train)
     end = drain_time(np.full(len(samples), gen.end), work, cost.cluster.gpus, ready, latency)
     return GenInfResult(gen, end, group, end - gen.end, None, swap)
 
@@ -387,31 +429,35 @@ def gen_inf_fused(
     resident_bytes: float,
     unmigrated: Unmigrated | None = None,
     kv_read_slack: float | None = None,
+    critic_train: tuple[int, int] | None = None,
 ) -> GenInfResult:
     """RLHFuse: migrate the tail at `rt` unfinished samples; freed instances run Ref/RW/Critic (tp groups
     inside the instance) on the finished samples, the tail streaming in as it finishes."""
+    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
     gen = simulate_generation(
-        cost,
-        models.actor,
-        samples,
-        gen_tp,
-        max_context=max_context,
-        resident_bytes=resident_bytes,
-        rt=rt,
-        unmigrated=unmigrated,
-        kv_read_slack=kv_read_slack,
-    )
+        cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes, rt=rt,
+        unmigrated=base, kv_read_slack=kv_read_slack,
+    )  # fmt: skip
     assert gen.decision is not None and gen.freed_at is not None
     tps = inference_tps(models, gen_tp)
     work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
-    spare = _spare_during_generation(cost, models, gen_tp, len(samples), resident_bytes, max_context)
-    freed = gen.instances - gen.decision.m
-    if freed == 0:  # nothing freed: the whole cluster runs inference after generation, like Base
-        swap, ready = swap_exposed(cost, models, tps, spare, gen.end)
+    freed = [i for i in range(gen.instances) if i not in gen.decision.destinations]
+    if not freed:  # nothing freed: the whole cluster runs inference after generation, like Base
+        start = prefetch_start(
+            cost, models, tps, gen_tp, base, range(gen.instances), resident_bytes=resident_bytes,
+            max_context=max_context,
+        )  # fmt: skip
+        swap, ready = swap_exposed(cost, models, tps, start, gen.end, critic_train=critic_train)
         end = drain_time(np.full(len(samples), gen.end), work, cost.cluster.gpus, ready, latency)
     else:
-        swap, ready = swap_exposed(cost, models, tps, spare, gen.freed_at, passes=2)
-        end = drain_time(gen.finish, work, freed * gen_tp, ready, latency)
+        start = prefetch_start(
+            cost, models, tps, gen_tp, base, freed, resident_bytes=resident_bytes, max_context=max_context,
+            freed_at=gen.freed_at,
+        )  # fmt: skip
+        swap, ready = swap_exposed(
+            cost, models, tps, start, gen.freed_at, passes=2, critic_train=critic_train
+        )
+        end = drain_time(gen.finish, work, len(freed) * gen_tp, ready, latency)
     return GenInfResult(gen, end, gen_tp, max(0.0, end - gen.end), rt, swap)
 
 
@@ -432,6 +478,7 @@ def rt_sweep(
     fractions: tuple[float, ...] = RT_FRACTIONS,
     unmigrated: Unmigrated | None = None,
     kv_read_slack: float | None = None,
+    critic_train: tuple[int, int] | None = None,
 ) -> list[tuple[float, GenInfResult]]:
     """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep); the first phase is shared."""
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
@@ -448,6 +495,7 @@ def rt_sweep(
             resident_bytes=resident_bytes,
             unmigrated=base,
             kv_read_slack=kv_read_slack,
+            critic_train=critic_train,
         )
         out.append((frac, res))
     return out
