@@ -37,9 +37,10 @@ def test_tokenizer_dir_without_tokenizer_json_is_a_clear_error(tmp_path):
 
 
 def test_topic_fraction_hand_values():
-    assert topic_fraction("animals : x", "cat dog the") == pytest.approx(2 / 3)
-    assert topic_fraction("food : x", "cat dog") == 0.0
-    assert topic_fraction("food : x", "") == 0.0
+    assert topic_fraction("cat animals :", "cat dog the") == pytest.approx(2 / 3)
+    assert topic_fraction("the food :", "cat dog") == 0.0
+    assert topic_fraction("food :", "") == 0.0
+    assert topic_fraction("no separator", "cat") == 0.0
 
 
 def test_synthetic_task_is_deterministic_and_long_tailed():
@@ -53,7 +54,7 @@ def test_synthetic_task_is_deterministic_and_long_tailed():
     assert 0.2 < mean_score < 0.3  # room for PPO to improve
     for prompt, chosen, rejected in task.preference_pairs(100):
         assert topic_fraction(prompt, chosen) > topic_fraction(prompt, rejected)
-        assert prompt.split()[0] in TOPICS
+        assert prompt.split()[-2] in TOPICS and prompt.endswith(" :")
 
 
 def _write(path, lines):

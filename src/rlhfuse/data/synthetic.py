@@ -1,8 +1,8 @@
 """The embedded default task: stay on the prompt's topic, with long-tailed response lengths.
 
-A prompt reads `"<topic> : w1 w2 w3"`. The hidden rule scores a response by the fraction of its words that
-belong to the prompt's topic (`topic_fraction`, in [0, 1]). Everything is generated deterministically from a
-seed, nothing is downloaded:
+A prompt reads `"w1 w2 <topic> :"` (context words on the topic or filler). The hidden rule scores a response
+by the fraction of its words that belong to the prompt's topic (`topic_fraction`, in [0, 1]). Everything is
+generated deterministically from a seed, nothing is downloaded:
 
 - SFT responses are mostly off-topic (on-topic word rate ~Beta(2, 6), mean 0.25) so the warm-started actor
   scores ~0.25 and PPO has room to improve it;
@@ -48,9 +48,18 @@ def build_tokenizer() -> Tokenizer:
     return Tokenizer.from_words(vocabulary())
 
 
+def prompt_topic(prompt: str) -> str:
+    """The topic of a prompt `"... <topic> :"`: the word before the last separator ("" if none)."""
+    words = prompt.split()
+    if SEPARATOR not in words:
+        return ""
+    position = len(words) - 1 - words[::-1].index(SEPARATOR)
+    return words[position - 1] if position > 0 else ""
+
+
 def topic_fraction(prompt: str, response: str) -> float:
     """The hidden rule: fraction of the response's words that belong to the prompt's topic (0 if empty)."""
-    topic = prompt.split()[0] if prompt.split() else ""
+    topic = prompt_topic(prompt)
     words = response.split()
     on_topic = set(TOPICS.get(topic, ()))
     if not words:
@@ -68,12 +77,12 @@ class SyntheticTask:
     length_sigma: float = 0.8  # log-normal sigma: larger = heavier tail
 
     def prompt(self, index: int) -> str:
-        # The context words are the topic's own (plus filler): the topic is visible all over the prompt, which a
-        # tiny model picks up far more easily than one token at a fixed place.
+        # "<context words> <topic> :" -- the context words are the topic's own (plus filler), so the topic shows all
+        # over the prompt, and the separator ends the prompt: every word after it belongs to the response.
         rng = random.Random(f"prompt-{self.seed}-{index}")
         topic = rng.choice(list(TOPICS))
         context = [rng.choice(TOPICS[topic] + FILLER) for _ in range(rng.randint(1, 4))]
-        return " ".join([topic, SEPARATOR, *context])
+        return " ".join([*context, topic, SEPARATOR])
 
     def prompts(self, count: int) -> list[str]:
         return [self.prompt(i) for i in range(count)]
@@ -82,12 +91,14 @@ class SyntheticTask:
         length = math.exp(rng.gauss(math.log(self.length_median), self.length_sigma))
         return max(1, min(self.max_new_tokens - 1, round(length)))
 
-    def response(self, prompt: str, on_topic_rate: float, rng: random.Random) -> str:
-        topic = prompt.split()[0]
+    def response(
+        self, prompt: str, on_topic_rate: float, rng: random.Random, length: int | None = None
+    ) -> str:
+        topic = prompt_topic(prompt)
         others = [w for name, words in TOPICS.items() if name != topic for w in words] + list(FILLER)
         words = [
             rng.choice(TOPICS[topic]) if rng.random() < on_topic_rate else rng.choice(others)
-            for _ in range(self.response_length(rng))
+            for _ in range(self.response_length(rng) if length is None else length)
         ]
         return " ".join(words)
 
@@ -113,17 +124,23 @@ class SyntheticTask:
         while len(pairs) < count:
             prompt = self.prompt(i)
             i += 1
-            a = self.response(prompt, rng.random(), rng)
+            a = self.response(prompt, rng.random(), rng, self._pair_length(rng))
             if len(pairs) % 8 == 7:
                 if topic_fraction(prompt, a) > 0:
                     pairs.append((prompt, a, ""))
                 continue
-            b = self.response(prompt, rng.random(), rng)
+            b = self.response(prompt, rng.random(), rng, self._pair_length(rng))
             score_a, score_b = topic_fraction(prompt, a), topic_fraction(prompt, b)
             if score_a == score_b or len(a.split()) == len(b.split()):
                 continue
             chosen, rejected = (a, b) if score_a > score_b else (b, a)
-            if (len(chosen.split()) > len(rejected.split())) != (len(pairs) % 2 == 0):
+            non_empty = len(pairs) - len(pairs) // 8
+            if (len(chosen.split()) > len(rejected.split())) != (non_empty % 2 == 0):
                 continue  # even slots: the longer response wins; odd slots: the shorter one
             pairs.append((prompt, chosen, rejected))
         return pairs
+
+    def _pair_length(self, rng: random.Random) -> int:
+        # Half the pair responses take uniform lengths up to the limit: the reward model must also be right about
+        # long responses, which the SFT length law rarely shows it and a policy would otherwise drift into.
+        return rng.randint(1, self.max_new_tokens - 1) if rng.random() < 0.5 else self.response_length(rng)

@@ -34,6 +34,10 @@ class InferencerConfig:
     reward_fn: str | None = None
     # Weight of the rule-based reward in the score.
     reward_fn_weight: float = 1.0
+    # Score given to responses cut at generator.max_new_tokens without EOS (null = score them like the others).
+    # A reward model trained on finished responses reads garbage at a non-EOS last token, which a policy learns
+    # to exploit by never stopping; like TRL's missing_eos_penalty, but a fixed score cannot be out-bid.
+    truncated_score: float | None = None
 
 
 def response_logprobs(model: Transformer, rollout: Rollout, temperature: float) -> Tensor:
@@ -113,6 +117,10 @@ class ModelInferencer:
                 scores_B = scores_B + sequence_scores(self.reward_model, rollout)
         if self.reward_fn is not None:
             scores_B = scores_B + self.config.reward_fn_weight * self.rule_scores(rollout).to(device)
+        if self.config.truncated_score is not None:
+            scores_B = torch.where(
+                rollout.finished_B, scores_B, torch.full_like(scores_B, self.config.truncated_score)
+            )
         self.actor.train(training[0]), self.critic.train(training[1])
         mask_BR = rollout.response_mask_BR.float()
         return (

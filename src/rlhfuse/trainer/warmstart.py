@@ -60,7 +60,7 @@ def warm_start(
         | {"warmstart": dataclasses.asdict(config.warmstart) | {"cache_dir": None}},
         "task": dataclasses.asdict(task),
         "seed": seed,
-        "version": 3,  # bump when the task or the training recipe changes
+        "version": 5,  # bump when the task or the training recipe changes
     }
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(config)
