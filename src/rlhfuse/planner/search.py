@@ -40,8 +40,6 @@ from rlhfuse.planner.simulate import (
 from rlhfuse.planner.specs import ClusterSpec, ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
-# a model every power of two divides: tp_candidates(LARGEST_GROUP, ...) lists the group sizes of a node
-LARGEST_GROUP = ModelSpec("any", layers=1, hidden=1024, heads=1024, ffn=1)
 FUSED_GREEDY_TOP_K = 4
 """Fused layouts (best lower bounds first) whose greedy schedule is built; the rest are ranked by bound only."""
 
@@ -69,6 +67,13 @@ def tp_candidates(model: ModelSpec, cluster: ClusterSpec, stats: PruneStats | No
             out.append(t)
         t *= 2
     return out
+
+
+def node_group_sizes(cluster: ClusterSpec) -> list[int]:
+    """Device-group sizes inside one node: the powers of two dividing gpus_per_node."""
+    return [
+        g for g in (2**k for k in range(8)) if g <= cluster.gpus_per_node and cluster.gpus_per_node % g == 0
+    ]
 
 
 def train_layouts(
@@ -397,7 +402,7 @@ def _best_gen_inf(
                     best = (res.end + reshard, res, gen_tp, candidate)
                     sweep = candidate
         # no migration (RLHFuse-Base; for RLHFuse, the fallback where no Rt pays: the planner turns it off)
-        for group in tp_candidates(LARGEST_GROUP, cost.cluster):
+        for group in node_group_sizes(cost.cluster):
             tps = inference_tps(models, group)
             biggest = max(cost.weight_bytes(m, h) / tp for (m, h), tp in zip(models.inference(), tps))
             if resident + biggest > cost.usable_memory():
