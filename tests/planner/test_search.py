@@ -121,3 +121,17 @@ def test_pipeline_search_never_worsens_the_fused_training():
     searched = searched_training(cost, models, train, w, 300.0, seconds=0.5)
     assert train.bound <= searched.per_minibatch <= train.per_minibatch
     assert "searched_makespan" in searched.detail
+
+
+def test_plan_for_takes_a_model_config_and_plans_tiny_models_on_this_cpu():
+    from types import SimpleNamespace
+
+    # shaped like rlhfuse.models.ModelConfig.tiny(), without importing torch
+    tiny = SimpleNamespace(
+        num_layers=2, hidden_size=64, num_heads=4, intermediate_size=128, vocab_size=128, num_kv_heads=2
+    )
+    w = Workload(global_batch=8, mini_batch=4, max_len=32)
+    plan = plan_for(tiny, tiny, device="cpu", nodes=1, gpus_per_node=2, workload=w)
+    assert plan.models.actor.layers == 2 and plan.models.actor.n_kv_heads == 2
+    assert plan.breakdown.total > 0
+    assert {lay.tp * lay.pp * lay.dp for lay in (plan.train.actor, plan.train.critic)} == {2}

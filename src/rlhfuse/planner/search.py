@@ -397,6 +397,8 @@ def _best_gen_inf(
                     cost, models, samples, gen_tp, max_context=workload.max_context, resident_bytes=resident,
                     unmigrated=cache[gen_tp], kv_read_slack=slack, critic_train=critic_train,
                 )  # fmt: skip
+                if not candidate:  # a batch too small to migrate
+                    continue
                 _, res = min(candidate, key=lambda x: x[1].end)
                 if best is None or res.end + reshard < best[0]:
                     best = (res.end + reshard, res, gen_tp, candidate)

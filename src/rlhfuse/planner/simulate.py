@@ -433,6 +433,8 @@ def gen_inf_fused(
 ) -> GenInfResult:
     """RLHFuse: migrate the tail at `rt` unfinished samples; freed instances run Ref/RW/Critic (tp groups
     inside the instance) on the finished samples, the tail streaming in as it finishes."""
+    if not 1 <= rt < len(samples):
+        raise ValueError(f"rt={rt} must be in [1, {len(samples) - 1}] for a batch of {len(samples)} samples")
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
     gen = simulate_generation(
         cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes, rt=rt,
@@ -483,8 +485,12 @@ def rt_sweep(
     """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep); the first phase is shared."""
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
     out = []
+    seen = set()
     for frac in fractions:
-        rt = max(1, round(frac * len(samples)))
+        rt = min(max(1, round(frac * len(samples))), len(samples) - 1)  # a small batch: fewer distinct Rt
+        if rt < 1 or rt in seen:
+            continue
+        seen.add(rt)
         res = gen_inf_fused(
             cost,
             models,
