@@ -4,8 +4,9 @@
 2. One model ("fit") sets the two software factors the datasheet cannot give: the prefill MFU ceiling and the
    fixed per-layer cost of a decode step (Python and kernel dispatch, large on CPU).
 3. The cost model with these values predicts prefill and decode-step times of the other models (held out),
-   and the report gives the relative error on each. Timings are the fastest of `repeats` runs on one thread
-   (the machine is shared: slower runs measure the neighbours).
+   and the report gives the relative error on each. Timings are CPU time of this process (one torch thread),
+   fastest of `repeats` runs, round-robin over the models: on a shared machine, wall time measures the
+   neighbours too.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return min(times)
 
 
@@ -127,16 +128,16 @@ def _calibrate(torch: Any, repeats: int) -> Calibration:
         # round-robin over the models, keeping each one's fastest run: a busy spell hits every model alike
         for _ in range(repeats + 1):
             for name, config, net, ids in nets:
-                start = time.perf_counter()
+                start = time.process_time()
                 net(ids)
-                best[name][0] = min(best[name][0], time.perf_counter() - start)
+                best[name][0] = min(best[name][0], time.process_time() - start)
                 cache = KVCache.allocate(config, DECODE_BATCH, DECODE_CONTEXT + DECODE_STEPS + 1)
                 net(ids[:DECODE_BATCH, :DECODE_CONTEXT], cache=cache)
                 step_ids = ids[:DECODE_BATCH, :1]
-                start = time.perf_counter()
+                start = time.process_time()
                 for _ in range(DECODE_STEPS):
                     net(step_ids, cache=cache)
-                best[name][1] = min(best[name][1], (time.perf_counter() - start) / DECODE_STEPS)
+                best[name][1] = min(best[name][1], (time.process_time() - start) / DECODE_STEPS)
     measured = [
         (name, ModelSpec.from_config(config, name), best[name][0], best[name][1])
         for name, config, _, _ in nets
