@@ -130,3 +130,14 @@ def test_prefetch_starts_later_with_less_free_memory():
         COST, MODELS, tps, 4, base, range(4), resident_bytes=55e9, max_context=w.max_context, freed_at=0.01
     )
     assert freed is not None and freed <= 0.01
+
+
+def test_without_a_tail_migration_has_nothing_to_move_and_fusion_gains_nothing():
+    s = _samples(64, 300, prompt=100)  # every response the same length: all finish together
+    serial = gen_inf_serial(COST, MODELS, s, 4, 4, max_context=512, resident_bytes=0.0)
+    for rt in (5, 30, 63):
+        fused = gen_inf_fused(COST, MODELS, s, 4, rt, max_context=512, resident_bytes=0.0)
+        assert fused.generation.decision is not None and fused.generation.decision.m == 0
+        assert fused.end == pytest.approx(serial.end)
+    with pytest.raises(ValueError, match="rt=64"):
+        gen_inf_fused(COST, MODELS, s, 4, 64, max_context=512, resident_bytes=0.0)
