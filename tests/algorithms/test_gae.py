@@ -336,3 +336,15 @@ def test_scan_row_blocks_match_one_block(monkeypatch, requires_grad):
             (expected_BT.sum() + expected_returns_BT.square().sum()), values_BT
         )
         torch.testing.assert_close(gradient_BT, expected_gradient_BT, rtol=1e-10, atol=1e-10)
+
+
+def test_scan_weights_stay_finite_for_any_float32_input():
+    # γλ = 0.9405 over 9000 tokens: one chunk, weights up to ~10^239; fp32 rewards near the fp32 maximum.
+    generator = torch.Generator().manual_seed(4)
+    rewards_BT = torch.randn(2, 9000, generator=generator) * 1e37
+    values_BT = torch.randn(2, 9000, generator=generator) * 1e37
+    mask_BT = torch.rand(2, 9000, generator=generator) < 0.9
+    expected_BT, _ = compute_gae_loop(rewards_BT.double(), values_BT.double(), mask_BT, 0.99, 0.95)
+    advantages_BT, _ = compute_gae_scan(rewards_BT, values_BT, mask_BT, 0.99, 0.95)
+    assert bool(torch.isfinite(advantages_BT).all())
+    torch.testing.assert_close(advantages_BT.double() / 1e37, expected_BT / 1e37, rtol=1e-5, atol=1e-5)

@@ -195,13 +195,14 @@ def _discounted_cumsum_(x_BN: torch.Tensor, decay: float, chunk: int) -> None:
             return
     x_BKC = x_BN.view(B, num_chunks, chunk)
     steps_C = torch.arange(chunk, device=x_BN.device, dtype=x_BN.dtype)
-    log_decay = math.log(decay)
+    # pow of the exact integer steps, not exp(i·log decay): the weights are then correctly rounded.
+    decay_0 = torch.tensor(decay, device=x_BN.device, dtype=x_BN.dtype)
     if decay != 1.0 and chunk > 1:
-        x_BKC.mul_(torch.exp(steps_C * -log_decay))
+        x_BKC.mul_(torch.pow(decay_0, -steps_C))
     if chunk > 1:
         x_BKC.cumsum_(dim=2)
     if decay != 1.0 and chunk > 1:
-        x_BKC.mul_(torch.exp(steps_C * log_decay))
+        x_BKC.mul_(torch.pow(decay_0, steps_C))
     if num_chunks > 1:
         chunk_decay = decay**chunk
         ends_BK = x_BKC[:, :, -1].clone()  # becomes S_k, the chained value at the end of chunk k
@@ -210,7 +211,7 @@ def _discounted_cumsum_(x_BN: torch.Tensor, decay: float, chunk: int) -> None:
         if padded != num_chunks:
             ends_BK = torch.nn.functional.pad(ends_BK, (0, padded - num_chunks))
         _discounted_cumsum_(ends_BK, chunk_decay, next_chunk)
-        x_BKC[:, 1:].addcmul_(ends_BK[:, : num_chunks - 1, None], torch.exp((steps_C + 1) * log_decay))
+        x_BKC[:, 1:].addcmul_(ends_BK[:, : num_chunks - 1, None], torch.pow(decay_0, steps_C + 1))
 
 
 def compute_gae_scan(
@@ -240,7 +241,9 @@ def compute_gae_scan(
     4. Gather back with the same index: valid tokens read their column, masked ones the zeroed dummy.
 
     Memory is O(B·T) (fp64 scan buffer); no T×T or C×C tensor. Returns (advantages_BT, returns_BT) in the dtype of
-    `values_BT`; δ and the outputs are computed in fp32 (fp64 for fp64 inputs), like `compute_gae_loop`.
+    `values_BT`; δ and the outputs are computed in fp32 (fp64 for fp64 inputs), like `compute_gae_loop`. Range:
+    weights up to 10^250 times |δ| must stay finite in fp64, always true for fp32 inputs (|δ| < 10^39); fp64
+    inputs need |δ| < 10^55.
     """
     _check_gae_inputs(rewards_BT, values_BT, mask_BT, gamma, lam)
     if chunk_size is not None and chunk_size < 1:
