@@ -2,15 +2,55 @@
 
 For each setting: our makespan vs greedy vs the paper's solver (FlexFusion) vs the lower bound, the speedup over
 serial 1F1B, the peak activation relative to serial 1F1B and the search seconds (target: <= 60 s per setting on a
-2-core machine). Problems come from `<repo>/../shared/bench/table3.json`, or `$RLHFUSE_TABLE3`.
-`RLHFUSE_SCHEDULE_BUDGET` (seconds per setting) and `RLHFUSE_SCHEDULE_WORKERS` override the search effort.
+2-core machine). Then a 64-rank dry run (greedy + search in one process) as a scale check.
+
+Problems come from `<repo>/../shared/bench/table3.json`, or `$RLHFUSE_TABLE3`. `RLHFUSE_SCHEDULE_BUDGET`
+(seconds per setting) and `RLHFUSE_SCHEDULE_WORKERS` (processes per setting) override the search effort.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
+from rlhfuse.pipeline import greedy, make_problem, simulate
 from rlhfuse.pipeline.cli import bench, default_table_path
+from rlhfuse.pipeline.search import SearchConfig, solve
+
+
+def dry_run_64(budget: float) -> None:
+    """65B/33B-like fused pipelines on 64 ranks: an Actor of 64 stages, two reversed 32-stage Critic replicas."""
+    problem = make_problem(
+        [
+            {
+                "name": "actor",
+                "stages": 64,
+                "microbatches": 64,
+                "forward": 2,
+                "backward": 4,
+                "activation": 1.64,
+            },
+            {
+                "name": "critic",
+                "stages": 32,
+                "microbatches": 32,
+                "forward": 2,
+                "backward": 4,
+                "activation": 2.0,
+            },
+        ],
+        name="dry-run 64 ranks pp64/32 mb64",
+    )
+    began = time.perf_counter()
+    g = simulate(problem, greedy(problem))
+    greedy_seconds = time.perf_counter() - began
+    s = solve(problem, SearchConfig(time_budget=budget))
+    print(
+        f"{problem.name}: greedy {g.makespan:g} ({greedy_seconds:.1f}s), ours {s.makespan:g}, bound "
+        f"{s.lower_bound:g}, serial 1F1B {s.serial_makespan:g} (x{s.speedup:.2f}), peak {s.peak:.2f} "
+        f"(x{s.memory_ratio:.2f} serial 1F1B), {s.seconds:.1f}s for {s.schedule_size} ops",
+        flush=True,
+    )
 
 
 def run(quick: bool = False) -> None:
@@ -23,3 +63,4 @@ def run(quick: bool = False) -> None:
     workers = int(os.environ.get("RLHFUSE_SCHEDULE_WORKERS", 1 if quick else 2))
     print(f"problems: {path}; time budget {budget:g}s per setting, {workers} worker process(es)", flush=True)
     bench(path, time_budget=budget, workers=workers)
+    dry_run_64(budget)

@@ -56,6 +56,8 @@ class SearchConfig:
             (1.0: as low as running the models one after the other; 0: use the whole budget).
         max_iterations: hard cap on annealing iterations per phase and worker (None: time only); set it
             to make a run reproducible independently of machine speed.
+        round_iterations: annealing iterations per round when `max_iterations` is set (otherwise rounds are
+            sized by time).
     """
 
     time_budget: float = 60.0
@@ -65,6 +67,7 @@ class SearchConfig:
     memory_patience: int = 8
     memory_target: float = 1.0
     max_iterations: int | None = None
+    round_iterations: int = 200_000
 
 
 @dataclass
@@ -86,6 +89,10 @@ class Solution:
     @property
     def lower_bound(self) -> float:
         return self.bounds.makespan
+
+    @property
+    def schedule_size(self) -> int:
+        return sum(len(rank) for rank in self.schedule.ranks)
 
     @property
     def speedup(self) -> float:
@@ -246,10 +253,11 @@ def constructive_starts(
     protect_options += [(i, target) for i in by_path[1:]]
     planned_cache = {} if planned_cache is None else planned_cache
     max_extra = [min(m.stages, m.microbatches) for m in problem.models]
+    stream_tail = c.tail[c.stream_base]
     configs = []
     for protect in protect_options:
         for slack in (0.0, 1.0, 2.0, 4.0):
-            for favour in range(-1, n_models):
+            for favour in range(-2, n_models):
                 if n_models == 2:
                     grid = [
                         [e0, e1]
@@ -274,7 +282,12 @@ def constructive_starts(
             planned = planned_cache[protect]
             extra = list(extra)
             extra[protect[0]] = 0
-        prio = np.zeros(len(c.stream_base)) if favour < 0 else (c.model_of_stream == favour).astype(float)
+        if favour == -2:  # critical path first: the stream whose ops have the longest tail
+            prio = 10.0 * stream_tail / max(float(stream_tail.max()), 1e-9)
+        elif favour == -1:  # the paper's rule alone
+            prio = np.zeros(len(c.stream_base))
+        else:
+            prio = (c.model_of_stream == favour).astype(float)
         consider(
             run_list_schedule(c, limit=_limits(c, extra), prio=prio, slack=slack, planned=planned, cap=cap)
         )
@@ -323,7 +336,7 @@ def _anneal_memory(
 def _round_iters(by_time: float, left: int, config: SearchConfig) -> int:
     # With an iteration cap, rounds have a fixed size so that the run does not depend on machine speed.
     if config.max_iterations is not None:
-        return int(max(1, min(20_000, left)))
+        return int(max(1, min(config.round_iterations, left)))
     return int(max(1000, by_time))
 
 
@@ -380,6 +393,14 @@ def _worker(
     # leave the makespan for a while, keeping only results at the best makespan.
     stale, rounds = 0, 0
     rates = [rate, rate]  # the two kinds of rounds run at different speeds
+    # Low-memory starts (list schedules under the serial 1F1B peak): slower, but annealing them with memory
+    # charged keeps their memory while it brings the makespan down.
+    low_starts: list[tuple[float, float, np.ndarray]] = []
+    if best_peak > serial + 1e-9 and time.perf_counter() < end - 0.2 * budget:
+        low_starts = constructive_starts(
+            c, time.perf_counter() + 0.05 * budget, seed=config.seed + worker, cap=serial * (1 + 1e-9),
+            planned_cache=planned_cache,
+        )  # fmt: skip
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= max(bounds.memory, config.memory_target * serial) + 1e-9:
@@ -391,8 +412,11 @@ def _worker(
         began = time.perf_counter()
         if kind == 0:
             ref = serial if best_peak > serial + 1e-9 else bounds.memory
+            start = best
+            if low_starts and rounds % 4 == 2:
+                start = low_starts[int(rng.integers(0, len(low_starts)))][2]
             order, ms, peak, done = _anneal_latency(
-                c, best, iters, rng, best_ms, float(rng.choice([2.0, 5.0, 20.0])), ref
+                c, start, iters, rng, best_ms, float(rng.choice([2.0, 5.0, 20.0])), ref
             )
         else:
             order, done = _anneal_memory(c, best, best_ms, iters, rng, bounds.memory)
