@@ -17,7 +17,7 @@ from functools import cache
 import torch
 
 from rlhfuse._resources import load_kernel_module
-from rlhfuse.algorithms.gae import _check_gae_inputs, compute_gae_matrix
+from rlhfuse.algorithms.gae import _check_gae_inputs, compute_gae_scan
 from rlhfuse.algorithms.logits import chosen_logprobs_torch
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -60,11 +60,15 @@ def gae(
     chunk_size: int = 512,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked GAE (see `rlhfuse.algorithms.gae`): `kernels/gae.py` or `compute_gae_matrix`."""
+    """Masked GAE (see `rlhfuse.algorithms.gae`): `kernels/gae.py`, or the exact O(B·T) `compute_gae_scan`.
+
+    `chunk_size` is accepted for signature compatibility with `compute_gae_matrix` and unused here.
+    """
     if _use_triton(backend, rewards_BT, values_BT, mask_BT):
         _check_gae_inputs(rewards_BT, values_BT, mask_BT, gamma, lam)
         return load_kernel_module("gae").gae(rewards_BT, values_BT, mask_BT, gamma, lam)  # type: ignore[no-any-return]
-    return compute_gae_matrix(rewards_BT, values_BT, mask_BT, gamma, lam, chunk_size=chunk_size)
+    del chunk_size
+    return compute_gae_scan(rewards_BT, values_BT, mask_BT, gamma, lam)
 
 
 def chosen_logprobs(

@@ -3,7 +3,13 @@
 Each function cites its equation in its docstring; `docs/algorithms.md` gathers them with the conventions.
 """
 
-from rlhfuse.algorithms.gae import compute_gae, compute_gae_loop, compute_gae_matrix
+from rlhfuse.algorithms.gae import (
+    compute_gae,
+    compute_gae_loop,
+    compute_gae_matrix,
+    compute_gae_numba,
+    compute_gae_scan,
+)
 from rlhfuse.algorithms.kl import kl_estimate, kl_penalty_rewards
 from rlhfuse.algorithms.logits import chosen_logprobs_torch, entropy_from_logits, logprobs_from_logits
 from rlhfuse.algorithms.losses import PolicyLossStats, ValueLossStats, ppo_policy_loss, value_loss
@@ -16,6 +22,8 @@ __all__ = [
     "compute_gae",
     "compute_gae_loop",
     "compute_gae_matrix",
+    "compute_gae_numba",
+    "compute_gae_scan",
     "entropy_from_logits",
     "kl_estimate",
     "kl_penalty_rewards",
