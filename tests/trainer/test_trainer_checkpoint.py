@@ -88,6 +88,7 @@ class _Exploit:
         return (pathlib.Path.write_text, (pathlib.Path(_Exploit.marker), "pwned"))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_tampered_state_file_is_an_error_not_code_execution(tmp_path):
     path = save_checkpoint(tmp_path / "ckpt", 1, _state())
     marker = tmp_path / "pwned.txt"

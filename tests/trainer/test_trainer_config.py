@@ -37,9 +37,8 @@ def test_command_line_style_overrides_reach_the_dataclasses():
     cfg = compose_config(["algorithm.kl_coef=0.05", "generator.max_new_tokens=64", "logger=wandb", "seed=7"])
     assert cfg.algorithm.kl_coef == 0.05 and cfg.generator.max_new_tokens == 64 and cfg.seed == 7
     assert "wandb" in cfg.logger.backends
-    default = compose_config()
-    assert default == RLHFConfig(**{**vars(default)})  # plain dataclasses, no DictConfig inside
-    assert type(default.model.warmstart).__name__ == "WarmStartConfig"
+    # the shipped YAML defaults and the dataclass defaults are the same job (plain dataclasses inside)
+    assert compose_config() == RLHFConfig()
 
 
 def test_schema_rejects_wrong_types_and_unknown_keys():

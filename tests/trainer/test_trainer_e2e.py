@@ -181,3 +181,21 @@ def test_cli_overrides_and_config_errors(cache_dir, tmp_path):
     assert bad.returncode == 2
     assert "data.mini_batch_size=3 must divide" in bad.stderr and "data.micro_batch_size=2" in bad.stderr
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("metrics.jsonl"))
+
+
+def test_missing_model_and_checkpoint_files_are_clear_errors(cache_dir, tmp_path):
+    from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
+    from rlhfuse.trainer.checkpoint import CheckpointError
+
+    sft = tmp_path / "sft"
+    build_tokenizer().save(sft)  # a tokenizer but no weights
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in SyntheticTask().prompts(8)))
+    cfg = compose_config(
+        ["experiment=hf_local", f"model.sft_path={sft}", f"model.reward_path={sft}", f"data.path={prompts}"]
+    )
+    with pytest.raises(FileNotFoundError, match=r"model\.sft_path=.*no config\.json"):
+        build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
+    trainer = _smoke(cache_dir, tmp_path / "r", f"resume={tmp_path / 'no_such_checkpoint'}")
+    with pytest.raises(CheckpointError, match=r"not a complete rlhfuse checkpoint"):
+        trainer.fit()

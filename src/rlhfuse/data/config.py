@@ -24,12 +24,12 @@ class DataConfig:
     # What to do with a prompt longer than max_prompt_length: error | left (keep the end) | right (keep the start).
     truncate: str = "error"
     # Batch sizes, by unit. One iteration generates prompts_per_iteration * samples_per_prompt samples.
-    prompts_per_iteration: int = 16
+    prompts_per_iteration: int = 32
     # Responses sampled per prompt (the generator's n).
     samples_per_prompt: int = 4
     # Samples per optimizer step (one PPO mini-batch); must divide the samples of an iteration.
-    mini_batch_size: int = 32
+    mini_batch_size: int = 64
     # Samples per forward/backward (gradient accumulation = mini_batch_size / micro_batch_size).
-    micro_batch_size: int = 16
+    micro_batch_size: int = 32
     # Optional token budget per micro-batch instead (0 = off): micro-batches are packed greedily up to it.
     micro_batch_tokens: int = 0

@@ -55,7 +55,7 @@ class RLHFConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # PPO iterations (each: generate, infer, train, sync).
-    iterations: int = 40
+    iterations: int = 60
     # Seeds model init, the prompt order, per-sample sampling streams and mini-batch shuffles.
     seed: int = 0
     # auto (cuda if available, else cpu) | cpu | cuda | cuda:N.

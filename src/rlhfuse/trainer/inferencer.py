@@ -37,7 +37,7 @@ class InferencerConfig:
     # Score given to responses cut at generator.max_new_tokens without EOS (null = score them like the others).
     # A reward model trained on finished responses reads garbage at a non-EOS last token, which a policy learns
     # to exploit by never stopping; like TRL's missing_eos_penalty, but a fixed score cannot be out-bid.
-    truncated_score: float | None = None
+    truncated_score: float | None = -5.0
 
 
 def response_logprobs(model: Transformer, rollout: Rollout, temperature: float) -> Tensor:

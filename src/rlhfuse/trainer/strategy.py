@@ -37,13 +37,13 @@ class StrategyConfig:
     # Registered strategy name: plain (single process, Actor then Critic, no pipeline).
     name: str = "plain"
     # Peak learning rates (AdamW).
-    actor_lr: float = 1e-4
+    actor_lr: float = 5e-4
     critic_lr: float = 5e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # Linear warmup from 0 over this many optimizer steps, then the schedule: constant | linear | cosine.
     warmup_steps: int = 4
-    lr_schedule: str = "constant"
+    lr_schedule: str = "cosine"
     # Floor of the linear/cosine decay, as a fraction of the peak LR.
     min_lr_ratio: float = 0.1
     # Clip each model's gradient norm to this value (0 = off).
