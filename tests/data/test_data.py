@@ -112,3 +112,18 @@ def test_loader_covers_each_epoch_and_resumes_at_the_epoch_boundary():
     assert resumed.epoch == 1  # it trains the next epoch rather than stopping or repeating epoch 0
     with pytest.raises(ValueError, match=r"data\.prompts_per_iteration=11"):
         PromptLoader(prompts, 11, seed=1)
+
+
+def test_parquet_prompts_read_or_name_the_missing_dependency(tmp_path):
+    path = tmp_path / "p.parquet"
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="pip install pyarrow"):
+            read_prompt_file(path)
+        return
+    pq.write_table(pa.table({"prompt": ["cat animals :", ""]}), path)
+    with pytest.raises(DatasetError, match=r"p\.parquet: row 1: 'prompt' must be a non-empty string"):
+        read_prompt_file(path)

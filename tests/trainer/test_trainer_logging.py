@@ -47,3 +47,19 @@ def test_smoke_run_logs_to_wandb_offline_and_csv(tmp_path, monkeypatch, capsys):
     csv = next((tmp_path / "run" / "csv").rglob("metrics.csv")).read_text()
     assert "reward/mean" in csv.splitlines()[0] and len(csv.splitlines()) == 4
     assert "iter   3/3 reward" in capsys.readouterr().err
+
+
+def test_csv_logger_is_fabrics_and_tensorboard_names_its_dependency(tmp_path):
+    import importlib.util
+
+    from lightning.fabric.loggers import CSVLogger
+
+    from rlhfuse.trainer.logging import LoggerConfig, build_loggers
+
+    (jsonl, csv) = build_loggers(LoggerConfig(backends=["jsonl", "csv"]), tmp_path)
+    assert isinstance(jsonl, JsonlLogger) and isinstance(csv, CSVLogger)
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        assert build_loggers(LoggerConfig(backends=["tensorboard"]), tmp_path)
+    else:
+        with pytest.raises(ImportError, match="pip install tensorboard"):
+            build_loggers(LoggerConfig(backends=["tensorboard"]), tmp_path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import threading
@@ -66,11 +65,7 @@ class JsonlLogger:
 
 
 def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return value
-    return value
+    return value.item() if hasattr(value, "item") else value  # tensors and numpy scalars -> Python numbers
 
 
 def wandb_mode(requested: str) -> str:
@@ -106,7 +101,12 @@ def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
 
             loggers.append(CSVLogger(str(run_dir), name="csv", version=0))
         elif backend == "tensorboard":
+            import importlib.util
+
             from lightning.fabric.loggers import TensorBoardLogger
+
+            if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+                raise ImportError("logger.backends=[...,tensorboard] needs `pip install tensorboard`")
 
             loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=0))
         elif backend == "wandb":

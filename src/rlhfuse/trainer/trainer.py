@@ -86,7 +86,9 @@ class RLHFTrainer:
         self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else list(logger)
         self.callbacks = list(callbacks)
         self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
-        self.fabric._callbacks = self.callbacks  # fabric.call dispatches our hooks
+        # fabric.call dispatches the hooks to these callbacks (Fabric takes them at construction; the strategy
+        # needed the Fabric earlier, so they are attached here).
+        self.fabric._callbacks = self.callbacks
         self.iteration = 0
         self.history: list[dict[str, float]] = []
 

@@ -95,12 +95,6 @@ class Rollout:
             finished_B=torch.cat([r.finished_B for r in rollouts]),
         )
 
-    def sorted(self) -> Rollout:
-        """Rows ordered by (prompt id, sample index): a canonical order independent of completion order."""
-        key_B = self.prompt_index_B * (int(self.sample_index_B.max()) + 1) + self.sample_index_B
-        order_B = torch.argsort(key_B, stable=True)
-        return Rollout(**{f.name: getattr(self, f.name)[order_B] for f in dataclasses.fields(self)})
-
 
 @dataclass
 class Experience:
