@@ -62,6 +62,8 @@ class Compiled:
     rank_streams: np.ndarray  # int64: stream ids per rank
     head: np.ndarray  # float64 [N]: earliest possible start of op (longest path from the sources)
     tail: np.ndarray  # float64 [N]: shortest possible time from the op's end to the end of the schedule
+    seq_head: np.ndarray  # float64 [N]: `head`, also counting that a stream runs its ops one after another
+    seq_tail: np.ndarray  # float64 [N]: `tail`, likewise (the k-th last B of a stage still has k B to go)
     model_of_stream: np.ndarray  # int64 [n_streams]
     stage_of_stream: np.ndarray
     stages_of_stream: np.ndarray  # the model's stage count
@@ -208,6 +210,7 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
             if sc >= 0:
                 hop = problem.comm_latency if rank_a[sc] != rank_a[op] else 0.0
                 tail[op] = max(tail[op], hop + dur_a[sc] + tail[sc])
+    seq_head, seq_tail = _sequenced_heads_tails(n, pred1, pred2, succ1, succ2, s_base, s_len, dur_a)
     counts = np.bincount(rank_a, minlength=problem.ranks)
     rank_ptr = np.zeros(problem.ranks + 1, dtype=np.int64)
     rank_ptr[1:] = np.cumsum(counts)
@@ -242,6 +245,8 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
         rank_streams=rank_streams,
         head=head,
         tail=tail,
+        seq_head=seq_head,
+        seq_tail=seq_tail,
         model_of_stream=as_int(s_model),
         stage_of_stream=as_int(s_stage),
         stages_of_stream=as_int(s_stages),
@@ -249,12 +254,48 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
     )
 
 
-def _topological(n: int, pred1: np.ndarray, pred2: np.ndarray) -> list[int]:
-    indeg = (pred1 >= 0).astype(np.int64) + (pred2 >= 0).astype(np.int64)
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for op in range(n):
-        for p in (pred1[op], pred2[op]):
+def _sequenced_heads_tails(
+    n: int,
+    pred1: np.ndarray,
+    pred2: np.ndarray,
+    succ1: np.ndarray,
+    succ2: np.ndarray,
+    s_base: list[int],
+    s_len: list[int],
+    dur: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    # Streams run in micro-batch order (see the module docstring), so consecutive ops of a stream are one
+    # more chain edge: heads and tails over dependencies plus those edges. (Communication latency is left out:
+    # these feed heuristics and bounds that stay valid without it.)
+    prev = np.full(n, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    for base, length in zip(s_base, s_len):
+        for i in range(1, length):
+            prev[base + i] = base + i - 1
+            nxt[base + i - 1] = base + i
+    topo = _topological(n, pred1, pred2, prev)
+    head = np.zeros(n)
+    for op in topo:
+        for p in (pred1[op], pred2[op], prev[op]):
             if p >= 0:
+                head[op] = max(head[op], head[p] + dur[p])
+    tail = np.zeros(n)
+    for op in reversed(topo):
+        for sc in (succ1[op], succ2[op], nxt[op]):
+            if sc >= 0:
+                tail[op] = max(tail[op], dur[sc] + tail[sc])
+    return head, tail
+
+
+def _topological(n: int, *preds: np.ndarray) -> list[int]:
+    """Op ids in an order where every predecessor (in any of `preds`, -1 for none) comes first."""
+    indeg = np.zeros(n, dtype=np.int64)
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for pred in preds:
+        for op in range(n):
+            p = int(pred[op])
+            if p >= 0:
+                indeg[op] += 1
                 succs[p].append(op)
     stack = [op for op in range(n) if indeg[op] == 0]
     out = []
@@ -381,7 +422,7 @@ def list_schedule(  # type: ignore[no-untyped-def]
     rank_streams_ptr,
     rank_streams,
     stream_limit,
-    stream_prio,
+    op_prio,
     slack,
     cap,
     noise,
@@ -392,7 +433,7 @@ def list_schedule(  # type: ignore[no-untyped-def]
 
     At every step, among the ready stream heads of all ranks, take the one that can start earliest
     (`max(rank free, inputs ready)`); among those starting within `slack` of the earliest on the same rank, the
-    highest `stream_prio` wins (ties: backward first, then lower stream id). An F is eligible only while its
+    highest `op_prio` (per op) wins (ties: backward first, then lower stream id). An F is eligible only while its
     stage holds fewer than `stream_limit` micro-batches in flight and the rank stays under `cap`.
     `noise` > 0 adds uniform noise of that size to priorities (randomised restarts).
     `planned[op]` >= 0 marks a *protected* op (the bigger pipeline's 1F1B, timed as if alone): another op may
@@ -416,7 +457,7 @@ def list_schedule(  # type: ignore[no-untyped-def]
     level = np.zeros(nranks)
     fill = rank_ptr[:-1].copy()
     order = np.empty(n, dtype=np.int64)
-    prio = stream_prio.copy()
+    prio = op_prio
     for done in range(n):
         best_rank = -1
         best_start = np.inf
@@ -463,7 +504,7 @@ def list_schedule(  # type: ignore[no-untyped-def]
                 continue
             if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
                 continue
-            key = prio[sid] + 0.5 * stream_is_b[sid] - 1e-6 * sid
+            key = prio[op] + 0.5 * stream_is_b[sid] - 1e-6 * sid
             if noise > 0:
                 key += noise * np.random.random()
             if key > chosen_key:
@@ -512,6 +553,21 @@ def _objective(finish, tail, makespan, weight, target, mode):  # type: ignore[no
         if d > 0:
             late += d
     return makespan + weight * late / finish.shape[0]
+
+
+@jit
+def _rank_lateness(cur, rank_ptr, finish, tail, target, out):  # type: ignore[no-untyped-def]
+    """Cumulative per-rank weights: 1 + how far each rank's ops end past their deadline (target - tail)."""
+    total = 0.0
+    for k in range(rank_ptr.shape[0] - 1):
+        late = 1e-3
+        for j in range(rank_ptr[k], rank_ptr[k + 1]):
+            op = cur[j]
+            d = finish[op] + tail[op] - target + 1.0
+            if d > 0:
+                late += d
+        total += late
+        out[k] = total
 
 
 @jit
@@ -566,12 +622,14 @@ def anneal_latency(  # type: ignore[no-untyped-def]
     best_ms = ms
     best_peak = top
     saved = np.empty(max_shift + 2, dtype=np.int64)
+    focus = np.zeros(nranks)
+    _rank_lateness(cur, rank_ptr, finish, tail, target, focus)
     it = 0
     for it in range(iters):
         if best_ms <= target + 1e-9 and (mem_weight == 0 or best_peak <= mem_ref + 1e-9):
             break
         temp = temp0 * (temp1 / temp0) ** (it / iters)
-        p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
+        p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved, focus)
         if p < 0:
             continue
         k = rank_of_pos[p]
@@ -592,6 +650,8 @@ def anneal_latency(  # type: ignore[no-untyped-def]
         delta = new_cost - cost
         if delta <= 0 or np.random.random() < np.exp(-delta / temp):
             cost = new_cost
+            if it % 16 == 0:
+                _rank_lateness(cur, rank_ptr, finish, tail, new_ms if new_ms > target else target, focus)
             if new_ms < best_ms or (new_ms == best_ms and top < best_peak - 1e-9):
                 best_ms = new_ms
                 best_peak = top
@@ -604,10 +664,19 @@ def anneal_latency(  # type: ignore[no-untyped-def]
 
 
 @jit
-def _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved):  # type: ignore[no-untyped-def]
-    """Move one op up to `max_shift` places on its rank past other streams; returns (p, q) or (-1, -1)."""
+def _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved, focus):  # type: ignore[no-untyped-def]
+    """Move one op up to `max_shift` places on its rank past other streams; returns (p, q) or (-1, -1).
+
+    `focus`: empty, or the cumulative per-rank weights used to pick the rank half of the time.
+    """
     n = cur.shape[0]
     p = np.random.randint(0, n - 1)
+    if focus.shape[0] > 0 and np.random.random() < 0.5:
+        # Aim at ranks in proportion to how late their ops are: moves elsewhere rarely change the makespan.
+        x = np.random.random() * focus[-1]
+        k = np.searchsorted(focus, x, side="right")
+        if k < rank_ptr.shape[0] - 1 and rank_ptr[k + 1] - rank_ptr[k] > 1:
+            p = np.random.randint(rank_ptr[k], rank_ptr[k + 1] - 1)
     k = rank_of_pos[p]
     shift = 1
     if max_shift > 1 and np.random.random() < 0.5:
@@ -748,6 +817,7 @@ def anneal_memory(  # type: ignore[no-untyped-def]
     finish = np.zeros(n)
     cur = order.copy()
     peaks = rank_peaks(cur, rank_ptr, mem)
+    no_focus = np.zeros(0)
     share = 0.1 / nranks
     cost = peaks.max() + share * peaks.sum()
     best = cur.copy()
@@ -761,7 +831,7 @@ def anneal_memory(  # type: ignore[no-untyped-def]
         if np.random.random() < 0.6:
             p, q = _peak_move(cur, stream, mem, rank_ptr, peaks, max_shift, saved)
         else:
-            p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved)
+            p, q = _shift_move(cur, stream, rank_ptr, rank_of_pos, max_shift, saved, no_focus)
         if p < 0:
             continue
         k = rank_of_pos[p]

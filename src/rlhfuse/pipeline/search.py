@@ -154,7 +154,7 @@ def run_list_schedule(
         c.rank_ptr, c.dur, c.mem, c.pred1, c.pred2, c.lat_succ1, c.lat_succ2, c.succ1, c.succ2,
         c.stream_base, c.stream_len, c.stream_rank, c.stream_is_b, c.rank_streams_ptr, c.rank_streams,
         c.stream_len.copy() if limit is None else limit,
-        np.zeros(n_streams) if prio is None else prio,
+        np.zeros(c.n) if prio is None else (prio[c.stream] if len(prio) == n_streams else prio),
         float(slack), _cap(c.problem) if cap is None else min(cap, _cap(c.problem)), float(noise), int(seed),
         np.full(c.n, -1.0) if planned is None else planned,
     )  # fmt: skip
@@ -253,11 +253,10 @@ def constructive_starts(
     protect_options += [(i, target) for i in by_path[1:]]
     planned_cache = {} if planned_cache is None else planned_cache
     max_extra = [min(m.stages, m.microbatches) for m in problem.models]
-    stream_tail = c.tail[c.stream_base]
     configs = []
     for protect in protect_options:
         for slack in (0.0, 1.0, 2.0, 4.0):
-            for favour in range(-2, n_models):
+            for favour in range(-3, n_models):
                 if n_models == 2:
                     grid = [
                         [e0, e1]
@@ -282,8 +281,10 @@ def constructive_starts(
             planned = planned_cache[protect]
             extra = list(extra)
             extra[protect[0]] = 0
-        if favour == -2:  # critical path first: the stream whose ops have the longest tail
-            prio = 10.0 * stream_tail / max(float(stream_tail.max()), 1e-9)
+        if favour == -3:  # critical path first, per stream: the longest dependency tail
+            prio = 10.0 * c.tail / max(float(c.tail.max()), 1e-9)
+        elif favour == -2:  # critical path first, per op: the longest tail (streams run in order)
+            prio = 10.0 * c.seq_tail / max(float(c.seq_tail.max()), 1e-9)
         elif favour == -1:  # the paper's rule alone
             prio = np.zeros(len(c.stream_base))
         else:
@@ -315,7 +316,7 @@ def _anneal_latency(
     max_shift = int(rng.choice([1, 4, 8]))
     best, ms, peak, done = anneal_latency(
         order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
-        c.mem, c.tail, _cap(c.problem), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
+        c.mem, c.seq_tail, _cap(c.problem), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
         int(rng.integers(0, 2**31 - 1)), float(mem_weight), float(mem_ref),
     )  # fmt: skip
     return best, float(ms), float(peak), int(done)
