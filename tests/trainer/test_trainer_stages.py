@@ -113,3 +113,18 @@ def test_lr_schedule_warmup_then_decay():
     assert [lr_lambda(s, schedule="constant", **kw) for s in (0, 3, 4, 13)] == [0.25, 1.0, 1.0, 1.0]
     assert lr_lambda(9, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_lambda(14, schedule="cosine", **kw) == pytest.approx(0.1)
+
+
+def test_shipped_components_satisfy_the_protocols(tmp_path):
+    from rlhfuse.trainer.generator import GeneratorConfig, SamplingGenerator
+    from rlhfuse.trainer.logging import JsonlLogger
+    from rlhfuse.trainer.protocols import Generator, Inferencer, Logger, Strategy
+
+    actor = _models()[0]
+    generator = SamplingGenerator(
+        actor, GeneratorConfig(), eos_token_id=2, pad_token_id=0, samples_per_prompt=1, seed=0
+    )
+    assert isinstance(generator, Generator)
+    assert isinstance(_inferencer()[0], Inferencer)
+    assert isinstance(_strategy(2), Strategy)
+    assert isinstance(JsonlLogger(tmp_path / "m.jsonl"), Logger)

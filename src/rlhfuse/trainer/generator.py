@@ -114,7 +114,8 @@ class SamplingGenerator:
             streams.append(torch.rand(self.config.max_new_tokens, generator=rng, dtype=torch.float64))
         return torch.stack(streams)
 
-    def _next_tokens(self, logits_BV: Tensor, uniforms_B: Tensor) -> Tensor:
+    def _next_tokens(self, logits_BV: Tensor, uniforms_B: Tensor, rows_B: Tensor) -> Tensor:
+        """Next token of each active row (`rows_B`: their indices in the chunk; used by subclasses)."""
         cfg = self.config
         if cfg.temperature == 0:
             return logits_BV.argmax(dim=-1)
@@ -151,7 +152,7 @@ class SamplingGenerator:
         active_A = torch.arange(batch, device=device)  # rows still decoding; A <= B
         stop_ids = self.stop_ids.to(device)
         for step in range(max_new):
-            tokens_A = self._next_tokens(logits_BV, uniforms_BN[active_A.cpu(), step])
+            tokens_A = self._next_tokens(logits_BV, uniforms_BN[active_A.cpu(), step], active_A)
             response_BN[active_A, step] = tokens_A
             lengths_B[active_A] = step + 1
             stopped_A = torch.isin(tokens_A, stop_ids)
