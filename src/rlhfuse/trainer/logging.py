@@ -171,6 +171,9 @@ class RichProgress:
     def on_fit_end(self, trainer: Any) -> None:
         self.progress.stop()
 
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        self.progress.stop()
+
 
 def format_metrics(iteration: int, total: int, m: Mapping[str, float]) -> str:
     task = f" task {m['task/score']:.3f}" if "task/score" in m else ""

@@ -70,7 +70,13 @@ class Callback(Protocol):
 
     def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None: ...
 
-    def on_fit_end(self, trainer: Any) -> None: ...
+    def on_fit_end(self, trainer: Any) -> None:
+        """After the last iteration of a successful fit."""
+        ...
+
+    def on_exception(self, trainer: Any, error: BaseException) -> None:
+        """When fit stops with an error (the error is re-raised afterwards)."""
+        ...
 
 
 @runtime_checkable

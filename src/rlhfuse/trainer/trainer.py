@@ -96,8 +96,14 @@ class RLHFTrainer:
     def fit(self) -> list[dict[str, float]]:
         self.resume()
         self.fabric.call("on_fit_start", self)
-        while self.iteration < self.config.iterations:
-            self.run_iteration()
+        try:
+            while self.iteration < self.config.iterations:
+                self.run_iteration()
+        except BaseException as err:
+            self.fabric.call("on_exception", self, err)
+            for logger in self.loggers:
+                logger.finalize("failed")
+            raise
         self.fabric.call("on_fit_end", self)
         for logger in self.loggers:
             logger.finalize("success")
