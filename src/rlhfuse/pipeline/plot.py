@@ -59,7 +59,14 @@ def plot_timeline(
             Patch(color=colour[name][0], label=f"{name} F"),
             Patch(color=colour[name][1], label=f"{name} B"),
         ]
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
+    ax.legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncol=len(handles),
+        frameon=False,
+    )
     ax.set_title(
         title or f"{problem.name}: makespan {sim.makespan:g}, peak activation {sim.peak:.2f}", fontsize=9
     )

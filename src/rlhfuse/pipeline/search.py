@@ -348,7 +348,8 @@ def _worker(
     c = compile_problem(problem, durations)
     rng = np.random.default_rng(config.seed + worker)
     budget = config.time_budget
-    end = t0 + budget
+    # Leave a little for what follows the search (collecting workers, the oracle check, baselines).
+    end = t0 + budget - min(1.0, 0.02 * budget)
     bounds = lower_bounds(problem, c)
     target = bounds.makespan
     serial = serial_peak(problem)
