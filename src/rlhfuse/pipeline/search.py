@@ -310,10 +310,14 @@ def _anneal_latency(
     mem_weight: float,
     mem_ref: float,
 ) -> tuple[np.ndarray, float, float, int]:
-    mode = int(rng.integers(0, 2))
-    weight = float(rng.choice([0.3, 1.0, 3.0]) if mode == 0 else rng.choice([3.0, 10.0, 30.0, 100.0]))
-    temp0 = float(rng.choice([0.5, 1.0, 2.0, 4.0]))
-    max_shift = int(rng.choice([1, 4, 8]))
+    # Lateness past the deadlines (mode 1) with a heavy weight and a cool start is what closes the last units
+    # on the hardest settings (16/16); the mean-finish objective (mode 0) keeps some diversity.
+    mode = 1 if rng.random() < 0.75 else 0
+    if mode == 1:
+        weight, temp0 = float(rng.choice([30.0, 100.0, 100.0])), float(rng.choice([0.5, 0.5, 1.0]))
+    else:
+        weight, temp0 = float(rng.choice([0.3, 1.0, 3.0])), float(rng.choice([0.5, 1.0, 2.0]))
+    max_shift = int(rng.choice([1, 4, 8, 8]))
     best, ms, peak, done = anneal_latency(
         order, c.rank_ptr, c.dur, c.pred1, c.pred2, c.succ1, c.succ2, c.lat_succ1, c.lat_succ2, c.stream,
         c.mem, c.seq_tail, _cap(c.problem), int(iters), temp0, 0.01, weight, mode, max_shift, float(target),
@@ -349,7 +353,7 @@ def _worker(
     rng = np.random.default_rng(config.seed + worker)
     budget = config.time_budget
     # Leave a little for what follows the search (collecting workers, the oracle check, baselines).
-    end = t0 + budget - min(1.0, 0.02 * budget)
+    end = t0 + budget - min(2.0, 0.04 * budget)
     bounds = lower_bounds(problem, c)
     target = bounds.makespan
     serial = serial_peak(problem)
@@ -378,7 +382,7 @@ def _worker(
         if now >= latency_end or (stop is not None and stop.is_set()):
             break
         iters = _round_iters(
-            rate * min(latency_end - now, max(0.5, 0.2 * budget)), cap_iters - stats["latency_iters"], config
+            rate * min(latency_end - now, max(0.5, 0.3 * budget)), cap_iters - stats["latency_iters"], config
         )
         start = best if rng.random() < 0.7 else starts[int(rng.integers(0, len(starts)))][2]
         mem_weight = float(rng.choice([0.0, 0.0, 0.5, 2.0]))
