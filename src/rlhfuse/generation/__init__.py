@@ -1,0 +1,49 @@
+"""Generation engine and inter-stage fusion (DESIGN §2): continuous batching over engine-owned KV-cache
+slots with prefix sharing and per-sample RNG streams, several instances with long-tail migration (KV transfer
+or re-prefill) decided by `rlhfuse.planner`'s pure functions.
+
+Modules import only submodules of `rlhfuse.trainer` (never the package namespace): `rlhfuse.trainer.config`
+imports `rlhfuse.generation.config` while `rlhfuse.trainer` is still initialising.
+"""
+
+from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance
+from rlhfuse.generation.engine import (
+    EngineStats,
+    GenerationEngine,
+    MigratingSample,
+    SampleRequest,
+    SamplingParams,
+    requests_for,
+    to_rollout,
+)
+from rlhfuse.generation.generator import EngineGenerator
+from rlhfuse.generation.migration import (
+    MECHANISMS,
+    FixedThreshold,
+    MigrationPolicy,
+    NoMigration,
+    pick_mechanism,
+    resolve_threshold,
+)
+
+__all__ = [
+    "MECHANISMS",
+    "Coordinator",
+    "EngineGenerator",
+    "EngineStats",
+    "FixedThreshold",
+    "GenerationConfig",
+    "GenerationEngine",
+    "MigratingSample",
+    "MigrationPolicy",
+    "MigrationReport",
+    "NoMigration",
+    "SampleRequest",
+    "SamplingParams",
+    "balance",
+    "pick_mechanism",
+    "requests_for",
+    "resolve_threshold",
+    "to_rollout",
+]

@@ -1,0 +1,24 @@
+"""Configuration of the generation engine (`generator=engine`).
+
+`GenerationConfig` extends the trainer's `GeneratorConfig` with the engine's own fields; it is the schema of the
+Hydra group `generator` for every generator, so the fields below are ignored by `generator=sampling` (and
+`validate` refuses them there when set away from their defaults).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhfuse.trainer.generator import GeneratorConfig
+
+
+@dataclass
+class GenerationConfig(GeneratorConfig):
+    # generator=engine only. Generation instances (data-parallel copies of the Actor); with
+    # distributed.nproc_per_node > 1 one per process, otherwise stepped in turn in this process.
+    instances: int = 1
+    # generator=engine only. KV-cache slots per instance: most samples decoded together (continuous batching:
+    # waiting samples join as slots free up). 0 = room for every sample of the iteration.
+    num_slots: int = 0
+    # generator=engine only. Prefill each prompt once and copy its KV cache to the slots of its n samples.
+    prefix_sharing: bool = True
