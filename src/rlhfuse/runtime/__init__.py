@@ -1,0 +1,34 @@
+"""Distributed execution of fused Actor+Critic pipeline schedules (RLHFuse intra-stage fusion).
+
+Pure planning (`layout`, `lower`, `balance`) is separate from execution (`executor`, which touches process
+groups). See `docs/runtime.md`.
+"""
+
+from rlhfuse.runtime.balance import karmarkar_karp, sample_costs, split_minibatch
+from rlhfuse.runtime.executor import PipelineError, PipelineExecutor, StepResult, StepWork, ppo_losses
+from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, ProcessGroups, build_process_groups
+from rlhfuse.runtime.lower import Instr, LoweringError, Message, Program, check_program, lower, lower_checked
+from rlhfuse.runtime.partition import stages_for_rank
+
+__all__ = [
+    "Instr",
+    "LoweringError",
+    "Message",
+    "ModelParallel",
+    "ParallelLayout",
+    "PipelineError",
+    "PipelineExecutor",
+    "ProcessGroups",
+    "Program",
+    "StepResult",
+    "StepWork",
+    "build_process_groups",
+    "check_program",
+    "karmarkar_karp",
+    "lower",
+    "lower_checked",
+    "ppo_losses",
+    "sample_costs",
+    "split_minibatch",
+    "stages_for_rank",
+]

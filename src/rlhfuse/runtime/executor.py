@@ -1,0 +1,364 @@
+"""Executor: runs one rank's instruction stream (from `rlhfuse.runtime.lower`) over torch.distributed.
+
+Receives are posted early with `irecv` and waited just before their consumer; sends are `isend`s kept alive
+until the optimizer step; gradient reductions are asynchronous `all_reduce`s launched after a stage's last
+backward. The PPO policy loss and the value loss run on the last stage of each model, which reads the
+experience tensors of its micro-batch from the mini-batch every rank holds.
+
+Legend: B batch rows, T tokens, D model width, R response tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhfuse.algorithms import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    ppo_policy_loss,
+    value_loss,
+)
+from rlhfuse.pipeline.ir import Action, Kind
+from rlhfuse.pipeline.problem import Problem
+from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
+from rlhfuse.trainer.advantages import AlgorithmConfig
+from rlhfuse.trainer.types import TrainBatch
+
+StageKey = tuple[str, int, int]  # (model, replica, stage)
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
+STAT_KEYS = ("loss/policy", "policy/clip_fraction", "policy/approx_kl", "policy/entropy", "loss/value")
+
+
+class PipelineError(RuntimeError):
+    """A rank failed or timed out while running its stream; the message names the rank and the instruction."""
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    # bf16 outputs are promoted as in PlainStrategy; float64 stays float64 (exact parity tests)
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def ppo_losses(algorithm: AlgorithmConfig, temperature: float = 1.0) -> dict[str, LossFn]:
+    """Last-stage losses: the Actor's PPO clipped loss (+ entropy bonus), the Critic's clipped value loss, on
+    the response positions of a micro-batch (same arithmetic as `PlainStrategy`)."""
+
+    def response_slice(out: Tensor, micro: TrainBatch) -> Tensor:
+        start = micro.input_ids_BT.shape[1] - micro.response_length - 1
+        return out[:, start:-1]
+
+    def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+        start = micro.input_ids_BT.shape[1] - micro.response_length - 1
+        logits_BRV = _at_least_fp32(response_slice(logits_BTV, micro))
+        response_ids_BR = micro.input_ids_BT[:, start + 1 :]
+        logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
+        loss, pstats = ppo_policy_loss(
+            logprobs_BR,
+            micro.old_logprobs_BR,
+            micro.advantages_BR,
+            micro.response_mask_BR,
+            clip_eps=algorithm.clip_eps,
+            clip_eps_high=algorithm.clip_eps_high,
+            dual_clip=algorithm.dual_clip,
+            reduction=algorithm.loss_reduction,
+        )
+        entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
+        if algorithm.entropy_coef:
+            loss = loss - algorithm.entropy_coef * masked_mean(
+                entropy_from_logits(logits_BRV), micro.response_mask_BR
+            )
+        return loss, {
+            "loss/policy": float(loss.detach()),
+            "policy/clip_fraction": float(pstats.clip_fraction),
+            "policy/approx_kl": float(pstats.approx_kl),
+            "policy/entropy": float(entropy),
+        }
+
+    def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+        loss, _ = value_loss(
+            _at_least_fp32(response_slice(values_BT, micro)),
+            micro.old_values_BR,
+            micro.returns_BR,
+            micro.response_mask_BR,
+            clip_eps=algorithm.value_clip_eps,
+            reduction=algorithm.loss_reduction,
+        )
+        return loss, {"loss/value": float(loss.detach())}
+
+    return {"actor": actor, "critic": critic}
+
+
+@dataclass
+class StepWork:
+    """The data of one training step as every rank sees it.
+
+    micro[g][i]: micro-batch i of data-parallel group g (the larger model runs all of a group's micro-batches,
+    replica r of the smaller model runs those with i // (M / K) == r); weight[g][i]: its share of the mini-batch
+    loss (token share for token-mean losses, sample share otherwise), so summed gradients equal the mini-batch's.
+    """
+
+    micro: Sequence[Sequence[TrainBatch]]
+    weight: Sequence[Sequence[float]]
+
+
+@dataclass
+class StepResult:
+    """What one rank measured: summed statistics (all ranks agree), gradient norms, per-op compute times."""
+
+    stats: dict[str, float]
+    grad_norm: dict[str, float]
+    seconds: float
+    compute_seconds: float
+    op_seconds: dict[tuple[str, int, str], list[float]] = field(default_factory=dict)
+
+
+class PipelineExecutor:
+    """Runs `program.streams[rank]` with this rank's stages.
+
+    stages: (model, replica, stage) -> module for every stage placed on this rank (`split_stages` outputs);
+    p2p_groups: one process group per model for point-to-point messages; grad_groups: (model, stage) -> group
+    over the ranks holding that stage (None when one rank holds it); timeout_s: how long a wait may block.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        program: Program,
+        problem: Problem,
+        stages: Mapping[StageKey, torch.nn.Module],
+        *,
+        losses: Mapping[str, LossFn],
+        p2p_groups: Mapping[str, Any] | None = None,
+        grad_groups: Mapping[tuple[str, int], Any] | None = None,
+        timeout_s: float = 300.0,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.rank, self.program, self.problem = rank, program, problem
+        self.stream = program.streams[rank]
+        self.stages = dict(stages)
+        self.losses = losses
+        self.p2p = dict(p2p_groups or {})
+        self.grad_groups = dict(grad_groups or {})
+        self.timeout_s = timeout_s
+        self.autocast = autocast
+        self.group = rank // program.group_size
+        n = problem.ranks
+        local = rank % n
+        expected = {
+            (m.name, r, s)
+            for m in problem.models
+            for r, row in enumerate(m.placement)
+            for s, k in enumerate(row)
+            if k == local
+        }
+        if set(self.stages) != expected:
+            raise ValueError(
+                f"rank {rank} holds stages {sorted(expected)} in the layout but got modules for {sorted(self.stages)}"
+            )
+        self.dtype = next(iter(self.stages.values())).parameters().__next__().dtype
+
+    # --- helpers ---------------------------------------------------------------------------------------------
+    def _micro_index(self, model: str, replica: int, mb: int) -> int:
+        return replica * self.problem.model(model).microbatches + mb
+
+    def _micro(
+        self, work: StepWork, model: str, group: int, replica: int, mb: int
+    ) -> tuple[TrainBatch, float]:
+        i = self._micro_index(model, replica, mb)
+        return work.micro[group][i], work.weight[group][i]
+
+    def _message_shape(self, work: StepWork, msg: Message) -> tuple[int, ...]:
+        micro, _ = self._micro(work, msg.model, msg.group, msg.replica, msg.microbatch)
+        b, t = micro.input_ids_BT.shape
+        return (b, t, self.stages_config_width(msg.model))
+
+    def stages_config_width(self, model: str) -> int:
+        for (m, _, _), stage in self.stages.items():
+            if m == model:
+                config: Any = stage.config
+                return int(config.hidden_size)
+        raise ValueError(f"rank {self.rank} holds no stage of {model}")
+
+    def _wait(self, work: Any, what: str) -> None:
+        import datetime
+
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise PipelineError(
+                f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f}s ({err}); "
+                "another rank probably stopped: see its error"
+            ) from err
+        if ok is False:
+            raise PipelineError(f"rank {self.rank}: {what} timed out after {self.timeout_s:.0f}s")
+
+    def _params(self, model: str, stage: int | None = None) -> list[torch.nn.Parameter]:
+        return [
+            p
+            for (m, _, s), mod in sorted(self.stages.items())
+            if m == model and (stage is None or s == stage)
+            for p in mod.parameters()
+        ]
+
+    # --- run -------------------------------------------------------------------------------------------------
+    def run(
+        self,
+        work: StepWork,
+        optimizer_step: Callable[[str, float], None] | None = None,
+    ) -> StepResult:
+        """Run this rank's stream for one mini-batch; `optimizer_step(model, grad_norm)` is called at each
+        OPTIMIZER_STEP once the model's gradients are reduced (None: leave the gradients in `.grad`)."""
+        t0 = time.perf_counter()
+        pending_recv: dict[Message, tuple[Tensor, Any]] = {}
+        inbox: dict[Message, Tensor] = {}
+        inputs: dict[tuple[Action, int], Tensor] = {}
+        outputs: dict[tuple[Action, int], Tensor] = {}
+        sends: dict[str, list[tuple[Any, Tensor]]] = defaultdict(list)
+        reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter], int]]] = defaultdict(list)
+        stat_sums: dict[str, float] = defaultdict(float)
+        op_seconds: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+        compute = 0.0
+        norms: dict[str, float] = {}
+        for ins in self.stream:
+            if ins.kind is Kind.RECV:
+                assert ins.message is not None
+                if ins.post:
+                    buf = torch.empty(self._message_shape(work, ins.message), dtype=self.dtype)
+                    handle = dist.irecv(buf, src=ins.peer, group=self.p2p.get(ins.model))
+                    pending_recv[ins.message] = (buf, handle)
+                else:
+                    buf, handle = pending_recv.pop(ins.message)
+                    self._wait(handle, str(ins))
+                    inbox[ins.message] = buf
+            elif ins.kind is Kind.SEND:
+                assert ins.message is not None
+                tensor = inbox.pop(ins.message)
+                handle = dist.isend(tensor, dst=ins.peer, group=self.p2p.get(ins.model))
+                sends[ins.model].append((handle, tensor))
+            elif ins.kind in (Kind.F, Kind.B):
+                assert ins.action is not None
+                start = time.perf_counter()
+                if ins.kind is Kind.F:
+                    self._forward(ins, work, inbox, inputs, outputs, stat_sums)
+                else:
+                    self._backward(ins, inbox, inputs, outputs)
+                took = time.perf_counter() - start
+                compute += took
+                op_seconds[(ins.model, ins.action.stage, ins.kind.value)].append(took)
+            elif ins.kind is Kind.REDUCE_GRAD:
+                params = self._params(ins.model, ins.stage)
+                flat = torch.cat(
+                    [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                )
+                handle = dist.all_reduce(
+                    flat, group=self.grad_groups.get((ins.model, ins.stage)), async_op=True
+                )
+                reduces[ins.model].append((handle, flat, params, len(ins.peers)))
+            elif ins.kind is Kind.OPTIMIZER_STEP:
+                for handle, _ in sends.pop(ins.model, []):
+                    self._wait(handle, f"send of {ins.model}")
+                for handle, flat, params, _ in reduces.pop(ins.model, []):
+                    self._wait(handle, f"gradient reduction of {ins.model}")
+                    offset = 0
+                    for p in params:
+                        n = p.numel()
+                        p.grad = flat[offset : offset + n].view_as(p).clone()
+                        offset += n
+                norms[ins.model] = self._grad_norm(ins.model)
+                if optimizer_step is not None:
+                    optimizer_step(ins.model, norms[ins.model])
+        if pending_recv:
+            raise PipelineError(
+                f"rank {self.rank}: receives posted but never waited: {list(pending_recv)[:4]}"
+            )
+        stats = self._all_stats(stat_sums)
+        return StepResult(stats, norms, time.perf_counter() - t0, compute, dict(op_seconds))
+
+    def _forward(
+        self,
+        ins: Instr,
+        work: StepWork,
+        inbox: dict[Message, Tensor],
+        inputs: dict[tuple[Action, int], Tensor],
+        outputs: dict[tuple[Action, int], Tensor],
+        stat_sums: dict[str, float],
+    ) -> None:
+        a = ins.action
+        assert a is not None
+        micro, weight = self._micro(work, a.model, ins.group, a.replica, a.microbatch)
+        stage = self.stages[(a.model, a.replica, a.stage)]
+        if a.stage == 0:
+            x = micro.input_ids_BT
+        else:
+            assert ins.needs is not None
+            x = inbox.pop(ins.needs).requires_grad_(True)
+            inputs[(a, ins.group)] = x
+        with self.autocast():
+            out = stage(x, attention_mask_BT=micro.attention_mask_BT)
+        spec = self.problem.model(a.model)
+        if a.stage == spec.stages - 1:
+            loss, stats = self.losses[a.model](out, micro)
+            if not torch.isfinite(loss):
+                from rlhfuse.trainer.strategy import NonFiniteError
+
+                name = "loss/policy" if a.model == "actor" else f"loss/{a.model}"
+                raise NonFiniteError(f"{name} is {float(loss.detach())}")
+            for key, value in stats.items():
+                stat_sums[key] += value * weight
+            outputs[(a, ins.group)] = loss * weight
+        else:
+            outputs[(a, ins.group)] = out
+            # the next stage's input: sent (SEND follows) or consumed on this rank
+            inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.detach()
+
+    def _backward(
+        self,
+        ins: Instr,
+        inbox: dict[Message, Tensor],
+        inputs: dict[tuple[Action, int], Tensor],
+        outputs: dict[tuple[Action, int], Tensor],
+    ) -> None:
+        a = ins.action
+        assert a is not None
+        f = (Action(a.model, a.replica, a.stage, Kind.F, a.microbatch), ins.group)
+        out = outputs.pop(f)
+        if ins.needs is None:  # last stage: out is the weighted loss
+            out.backward()
+        else:
+            torch.autograd.backward(out, inbox.pop(ins.needs))
+        if a.stage > 0:
+            x = inputs.pop(f)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)] = grad
+
+    def _grad_norm(self, model: str) -> float:
+        """The whole model's gradient norm: every stage's squared norm, counted once over its copies."""
+        spec = self.problem.model(model)
+        sq = torch.zeros((), dtype=torch.float64)
+        for (m, _, s), mod in self.stages.items():
+            if m != model:
+                continue
+            copies = len(grad_peers(self.problem, self.program.dp, model, s))
+            for p in mod.parameters():
+                if p.grad is not None:
+                    sq += p.grad.detach().double().pow(2).sum() / copies
+        del spec
+        if dist.is_initialized():
+            dist.all_reduce(sq)
+        return math.sqrt(float(sq))
+
+    def _all_stats(self, sums: Mapping[str, float]) -> dict[str, float]:
+        vec = torch.tensor([sums.get(k, 0.0) for k in STAT_KEYS], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(vec)
+        return dict(zip(STAT_KEYS, vec.tolist(), strict=True))

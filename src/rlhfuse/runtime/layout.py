@@ -1,0 +1,237 @@
+"""Parallel layout of the fused Actor+Critic pipeline: validated sizes, the paper's placement, process groups.
+
+RLHFuse §3 (`../shared/DESIGN.md`): the model with more pipeline stages occupies the ranks of a *fused group*
+in order; the other model is split into K = N / its stages replicas, each reversed over its block of ranks
+(e.g. actor 4 stages on ranks 0..3, critic 2 stages as replicas on 1,0 and 3,2). The fused group is replicated
+`dp` times (data parallelism); world size = N * dp.
+
+This module is pure except `build_process_groups`, which calls `torch.distributed.new_group` on every rank in
+the same order (as torch requires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from rlhfuse.pipeline.problem import Problem, make_problem, reversed_blocks
+
+MODELS = ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """Parallel sizes of one model.
+
+    Attributes:
+        pp: pipeline stages of one replica (1 = no pipeline).
+        tp: tensor-parallel degree (reserved: only 1 is supported today).
+    """
+
+    pp: int = 1
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Actor and Critic co-located on `world_size` ranks.
+
+    Attributes:
+        actor, critic: each model's pipeline sizes.
+        dp: data-parallel fused groups; each holds one replica of the larger model and K of the smaller.
+        world_size: number of ranks (processes).
+        microbatches: micro-batches of the larger model per fused group and mini-batch; each replica of the
+            smaller model runs microbatches / K of them.
+
+    Rank numbering: fused group g holds ranks g*N .. g*N + N - 1 (N = max(actor.pp, critic.pp)).
+    """
+
+    actor: ModelParallel
+    critic: ModelParallel
+    dp: int
+    world_size: int
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name in MODELS:
+            m: ModelParallel = getattr(self, name)
+            if m.pp < 1:
+                problems.append(f"{name}.pp={m.pp} must be >= 1")
+            if m.tp != 1:
+                problems.append(f"{name}.tp={m.tp} is reserved: only tp=1 is supported; set {name}.tp=1")
+        if self.dp < 1:
+            problems.append(f"dp={self.dp} must be >= 1")
+        if self.microbatches < 1:
+            problems.append(f"microbatches={self.microbatches} must be >= 1")
+        if not problems:
+            big, small = self.larger, self.smaller
+            n_big, n_small = getattr(self, big).pp, getattr(self, small).pp
+            if n_big % n_small:
+                problems.append(
+                    f"{small}.pp={n_small} must divide {big}.pp={n_big} (the {small} is placed as "
+                    f"{big}.pp / {small}.pp replicas over blocks of ranks): set {small}.pp to a divisor of {n_big}"
+                )
+            elif self.microbatches % (n_big // n_small):
+                k = n_big // n_small
+                problems.append(
+                    f"microbatches={self.microbatches} must be a multiple of the {k} {small} replicas "
+                    f"({big}.pp / {small}.pp = {n_big} / {n_small} = {k}): use a multiple of {k}"
+                )
+            if n_big * self.dp != self.world_size:
+                hint = (
+                    f"set dp={self.world_size // n_big}"
+                    if self.world_size % n_big == 0
+                    else f"use {n_big * self.dp} processes or a {big}.pp dividing {self.world_size}"
+                )
+                problems.append(
+                    f"{big}.pp * dp = {n_big} * {self.dp} = {n_big * self.dp} != world size {self.world_size}: "
+                    + hint
+                )
+        if problems:
+            raise ValueError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+
+    # --- sizes ---------------------------------------------------------------------------------------------
+    @property
+    def larger(self) -> str:
+        """The model with more stages (the Actor on ties): placed in rank order."""
+        return "actor" if self.actor.pp >= self.critic.pp else "critic"
+
+    @property
+    def smaller(self) -> str:
+        return "critic" if self.larger == "actor" else "actor"
+
+    @property
+    def group_size(self) -> int:
+        """N: ranks of one fused group."""
+        return max(self.actor.pp, self.critic.pp)
+
+    def stages(self, model: str) -> int:
+        return int(getattr(self, model).pp)
+
+    def replicas(self, model: str) -> int:
+        """Replicas of `model` inside one fused group (1 for the larger model, K for the other)."""
+        return self.group_size // self.stages(model)
+
+    def microbatches_per_replica(self, model: str) -> int:
+        return self.microbatches // self.replicas(model)
+
+    # --- placement -----------------------------------------------------------------------------------------
+    def local_placement(self, model: str) -> list[list[int]]:
+        """placement[r][s]: rank inside a fused group of stage s of replica r."""
+        n = self.group_size
+        if model == self.larger:
+            return [list(range(n))]
+        return reversed_blocks(n, self.stages(model))
+
+    def rank(self, model: str, group: int, replica: int, stage: int) -> int:
+        """Global rank of `stage` of `replica` of `model` in data-parallel fused group `group`."""
+        return group * self.group_size + self.local_placement(model)[replica][stage]
+
+    def stages_on(self, rank: int) -> list[tuple[str, int, int]]:
+        """(model, replica, stage) held by a global rank."""
+        local = rank % self.group_size
+        return [
+            (model, r, s)
+            for model in MODELS
+            for r, row in enumerate(self.local_placement(model))
+            for s, k in enumerate(row)
+            if k == local
+        ]
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size
+
+    def problem(
+        self,
+        forward: dict[str, Any] | None = None,
+        backward: dict[str, Any] | None = None,
+        activation: dict[str, Any] | None = None,
+        name: str = "runtime",
+    ) -> Problem:
+        """The scheduling problem of one fused group (local ranks), with per-model durations (a number or one
+        per stage; default: forward 1, backward 2 per stage) and activation sizes."""
+        forward, backward, activation = forward or {}, backward or {}, activation or {}
+        models = [
+            {
+                "name": m,
+                "stages": self.stages(m),
+                "microbatches": self.microbatches_per_replica(m),
+                "forward": forward.get(m, 1.0),
+                "backward": backward.get(m, 2.0),
+                "activation": activation.get(m, 1.0),
+                "placement": self.local_placement(m),
+            }
+            for m in (self.larger, self.smaller)
+        ]
+        return make_problem(models, ranks=self.group_size, name=name)
+
+    # --- process groups by purpose (pure: which ranks) -------------------------------------------------------
+    @cached_property
+    def grad_groups(self) -> dict[tuple[str, int], tuple[int, ...]]:
+        """(model, stage) -> every rank holding that stage: the critic replicas of all fused groups (or the
+        data-parallel copies of the larger model). Gradients of a stage are summed over these ranks."""
+        return {
+            (m, s): tuple(self.rank(m, g, r, s) for g in range(self.dp) for r in range(self.replicas(m)))
+            for m in MODELS
+            for s in range(self.stages(m))
+        }
+
+    @cached_property
+    def pipeline_groups(self) -> dict[tuple[str, int, int], tuple[int, ...]]:
+        """(model, fused group, replica) -> the ranks of that pipeline, in stage order."""
+        return {
+            (m, g, r): tuple(self.rank(m, g, r, s) for s in range(self.stages(m)))
+            for m in MODELS
+            for g in range(self.dp)
+            for r in range(self.replicas(m))
+        }
+
+    @cached_property
+    def data_parallel_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Ranks with the same position in every fused group (same stages of both models)."""
+        return tuple(tuple(g * self.group_size + k for g in range(self.dp)) for k in range(self.group_size))
+
+    def describe(self) -> str:
+        parts = [f"{self.world_size} ranks = {self.dp} fused group(s) x {self.group_size}"]
+        for m in (self.larger, self.smaller):
+            parts.append(f"{m}: {self.replicas(m)} x pp={self.stages(m)} on {self.local_placement(m)}")
+        return "; ".join(parts)
+
+
+@dataclass
+class ProcessGroups:
+    """torch.distributed groups by purpose, built identically on every rank.
+
+    p2p[model]: the whole world, one group per model, so the two models' point-to-point messages never match
+    each other's; grad[(model, stage)]: gradient reduction over replicas and data parallelism (None when a
+    single rank holds the stage); world: the default group (norms, statistics, weight gathering).
+    """
+
+    p2p: dict[str, Any]
+    grad: dict[tuple[str, int], Any]
+    pipeline: dict[tuple[str, int, int], Any]
+    data_parallel: tuple[Any, ...]
+    world: Any
+
+
+def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None) -> ProcessGroups:
+    """Create every group (collective: all ranks must call this, in the same order)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    world = list(range(layout.world_size))
+
+    def group(ranks: tuple[int, ...] | list[int]) -> Any:
+        return dist.new_group(list(ranks), **kwargs)
+
+    p2p = {m: group(world) for m in MODELS}
+    grad = {key: (group(ranks) if len(ranks) > 1 else None) for key, ranks in layout.grad_groups.items()}
+    pipeline = {key: group(ranks) for key, ranks in layout.pipeline_groups.items()}
+    dp = tuple(group(ranks) for ranks in layout.data_parallel_groups)
+    return ProcessGroups(p2p, grad, pipeline, dp, dist.group.WORLD)

@@ -1,0 +1,104 @@
+"""Helpers of the runtime tests: random valid schedules, a random mini-batch, a gloo process launcher."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from rlhfuse.pipeline import Action, Problem, Schedule
+from rlhfuse.pipeline.simulate import all_actions, dependencies
+from rlhfuse.trainer.types import TrainBatch
+
+
+def random_schedule(problem: Problem, seed: int) -> Schedule:
+    """A random valid schedule: a random topological order of all F/B ops, each appended to its rank.
+
+    Unlike the search's schedules, micro-batches of one stage may run out of order (stage s+1 may take
+    micro-batch 3 before 2), which exercises the lowering's channel ordering.
+    """
+    rng = random.Random(seed)
+    placement = {
+        (m.name, r, s): row[s]
+        for m in problem.models
+        for r, row in enumerate(m.placement)
+        for s in range(m.stages)
+    }
+    todo = set(all_actions(problem))
+    done: set[Action] = set()
+    lists: list[list[Action]] = [[] for _ in range(problem.ranks)]
+    while todo:
+        ready = sorted(a for a in todo if all(d in done for d in dependencies(problem, a)))
+        a = rng.choice(ready)
+        todo.remove(a)
+        done.add(a)
+        lists[placement[(a.model, a.replica, a.stage)]].append(a)
+    return Schedule.from_lists(lists)
+
+
+def random_batch(
+    samples: int,
+    *,
+    vocab: int = 128,
+    prompt: int = 5,
+    response: int = 7,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> TrainBatch:
+    """A TrainBatch with left-padded prompts and right-padded responses of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    t = prompt + response
+    ids = torch.randint(1, vocab, (samples, t), generator=g)
+    mask = torch.ones(samples, t, dtype=torch.long)
+    resp = torch.zeros(samples, response, dtype=dtype)
+    for b in range(samples):
+        p_len = int(torch.randint(2, prompt + 1, (1,), generator=g))
+        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
+        mask[b, : prompt - p_len] = 0
+        mask[b, prompt + r_len :] = 0
+        ids[b, mask[b] == 0] = 0
+        resp[b, :r_len] = 1
+    rand = lambda: torch.randn(samples, response, generator=g, dtype=dtype)  # noqa: E731
+    return TrainBatch(ids, mask, resp, -1.0 + 0.1 * rand(), 0.3 * rand(), rand(), rand())
+
+
+def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> None:
+    """Run fn(rank, world, *args) in `world` gloo processes; raise if any fails or the timeout passes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(
+            _entry, args=(world, init_file, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"distributed test did not finish within {timeout}s")

@@ -1,0 +1,151 @@
+"""Parallel layout (placement, validation arithmetic, groups) and lowering (deadlock-freedom by simulation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from runtime_helpers import random_schedule
+
+from rlhfuse.pipeline import Action, Kind, Schedule, greedy, load_problems, serial_one_f_one_b
+from rlhfuse.pipeline.simulate import simulate
+from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+from rlhfuse.runtime.lower import LoweringError, Message, Program, check_program, lower, lower_checked
+
+TABLE3 = Path(__file__).resolve().parents[3] / "shared" / "bench" / "table3.json"
+
+
+def test_fused_placement_paper_example() -> None:
+    # 16-stage actor in order, two 8-stage critic replicas reversed over 7..0 and 15..8 (DESIGN.md §3)
+    layout = ParallelLayout(ModelParallel(16), ModelParallel(8), dp=2, world_size=32, microbatches=16)
+    assert layout.local_placement("actor") == [list(range(16))]
+    assert layout.local_placement("critic") == [list(range(7, -1, -1)), list(range(15, 7, -1))]
+    assert layout.rank("critic", 1, 1, 0) == 16 + 15
+    assert layout.replicas("critic") == 2 and layout.microbatches_per_replica("critic") == 8
+    # critic stage 0 lives on local ranks 7 and 15 of both fused groups: one gradient group of 4 ranks
+    assert layout.grad_groups[("critic", 0)] == (7, 15, 23, 31)
+    assert layout.grad_groups[("actor", 3)] == (3, 19)
+    assert layout.data_parallel_groups[5] == (5, 21)
+    assert layout.pipeline_groups[("critic", 1, 0)] == tuple(range(23, 15, -1))
+    assert sorted(layout.stages_on(17)) == [("actor", 0, 1), ("critic", 0, 6)]
+    problem = layout.problem()
+    assert problem.ranks == 16 and [m.name for m in problem.models] == ["actor", "critic"]
+
+
+def test_critic_larger_takes_rank_order() -> None:
+    layout = ParallelLayout(ModelParallel(1), ModelParallel(2), dp=1, world_size=2, microbatches=2)
+    assert layout.larger == "critic"
+    assert layout.local_placement("critic") == [[0, 1]]
+    assert layout.local_placement("actor") == [[0], [1]]
+
+
+def test_layout_errors_show_the_arithmetic() -> None:
+    with pytest.raises(ValueError) as err:
+        ParallelLayout(ModelParallel(6), ModelParallel(3), dp=1, world_size=4, microbatches=3)
+    msg = str(err.value)
+    assert "actor.pp * dp = 6 * 1 = 6 != world size 4" in msg
+    assert "microbatches=3 must be a multiple of the 2 critic replicas" in msg
+    with pytest.raises(ValueError, match=r"critic.pp=3 must divide actor.pp=4"):
+        ParallelLayout(ModelParallel(4), ModelParallel(3), dp=1, world_size=4)
+    with pytest.raises(ValueError, match=r"tp=2 is reserved"):
+        ParallelLayout(ModelParallel(2, tp=2), ModelParallel(2), dp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"set dp=2"):
+        ParallelLayout(ModelParallel(2), ModelParallel(2), dp=1, world_size=4)
+
+
+def _layout_problem(actor: int, critic: int, mbs: int) -> object:
+    return ParallelLayout(ModelParallel(actor), ModelParallel(critic), 1, max(actor, critic), mbs).problem()
+
+
+def test_lowered_stream_shape() -> None:
+    problem = _layout_problem(2, 2, 2)
+    program = lower_checked(problem, greedy(problem), dp=1, prefetch=1)
+    rank0 = [str(i) for i in program.streams[0]]
+    # rank 0: actor stage 0 sends activations to rank 1; critic stage 1 (reversed) receives them from rank 1
+    assert rank0[-2:] == ["OPTIMIZER_STEP actor", "OPTIMIZER_STEP critic"]
+    sends = [i for i in program.streams[0] if i.kind is Kind.SEND]
+    assert {(i.model, i.message.grad, i.peer) for i in sends} == {("actor", False, 1), ("critic", True, 1)}
+    # each receive is posted before it is waited for, and waited right before its consumer
+    for stream in program.streams:
+        posted: set[Message] = set()
+        for j, ins in enumerate(stream):
+            if ins.kind is Kind.RECV and ins.post:
+                posted.add(ins.message)
+            elif ins.kind is Kind.RECV:
+                assert ins.message in posted
+                assert stream[j + 1].kind in (Kind.F, Kind.B) and stream[j + 1].needs == ins.message
+    counts = program.counts()
+    assert counts["F"] == counts["B"] == 2 * 2 * 2 and counts["SEND"] == counts["RECV"] == counts["RECV_POST"]
+
+
+@pytest.mark.parametrize(
+    "actor,critic,mbs", [(2, 2, 4), (4, 2, 4), (4, 4, 3), (4, 1, 4), (1, 2, 2), (8, 4, 6)]
+)
+def test_many_random_schedules_lower_without_deadlock(actor: int, critic: int, mbs: int) -> None:
+    problem = _layout_problem(actor, critic, mbs)
+    for seed in range(12):
+        schedule = random_schedule(problem, seed)
+        simulate(problem, schedule)  # valid for the planner
+        for prefetch in (0, 1, 3):
+            lower_checked(problem, schedule, dp=2, prefetch=prefetch)
+
+
+def test_out_of_order_consumer_posts_in_sender_order() -> None:
+    # stage 1 consumes micro-batch 1 before 0: the receives must still be posted 0 then 1 (in-order channel)
+    problem = ParallelLayout(ModelParallel(2), ModelParallel(1), 1, 2, 2).problem()
+    a = "actor"
+    F = lambda s, m: Action(a, 0, s, Kind.F, m)  # noqa: E731
+    B = lambda s, m: Action(a, 0, s, Kind.B, m)  # noqa: E731
+    c = [Action("critic", r, 0, k, 0) for r in (0, 1) for k in (Kind.F, Kind.B)]
+    schedule = Schedule(
+        ((F(0, 0), F(0, 1), B(0, 1), B(0, 0), c[0], c[1]), (F(1, 1), F(1, 0), B(1, 1), B(1, 0), c[2], c[3]))
+    )
+    simulate(problem, schedule)
+    program = lower_checked(problem, schedule, prefetch=0)
+    posts = [i.message.microbatch for i in program.streams[1] if i.kind is Kind.RECV and i.post]
+    assert posts == [0, 1]
+
+
+def test_check_program_finds_deadlock_and_mismatch() -> None:
+    problem = _layout_problem(2, 2, 2)
+    program = lower(problem, serial_one_f_one_b(problem))
+    check_program(program)
+    # swap two sends on one channel: the receiver's k-th post no longer matches
+    s0 = list(program.streams[0])
+    idx = [j for j, i in enumerate(s0) if i.kind is Kind.SEND and i.model == "actor"]
+    s0[idx[0]], s0[idx[1]] = s0[idx[1]], s0[idx[0]]
+    with pytest.raises(LoweringError, match="mismatch on channel rank 0 -> rank 1"):
+        check_program(Program((tuple(s0), program.streams[1]), 2, 1))
+    # a blocking wait placed before the send it needs on the other rank, on both ranks: deadlock
+    wait1 = next(i for i in program.streams[1] if i.kind is Kind.RECV and not i.post and i.model == "actor")
+    post1 = next(
+        i for i in program.streams[1] if i.kind is Kind.RECV and i.post and i.message == wait1.message
+    )
+    bad1 = (post1, wait1, *[i for i in program.streams[1] if i not in (post1, wait1)])
+    s0 = list(program.streams[0])
+    w0 = next(j for j, i in enumerate(s0) if i.kind is Kind.RECV and not i.post)
+    p0 = next(j for j, i in enumerate(s0) if i.kind is Kind.RECV and i.post and i.message == s0[w0].message)
+    bad0 = (s0[p0], s0[w0], *[i for j, i in enumerate(s0) if j not in (p0, w0)])
+    # rank 0 waits for rank 1's first message before sending anything; rank 1 waits for rank 0's first one
+    with pytest.raises(LoweringError, match="deadlock"):
+        check_program(Program((bad0, bad1), 2, 1))
+
+
+def test_backward_before_its_forward_is_rejected() -> None:
+    problem = _layout_problem(2, 2, 1)
+    program = lower(problem, greedy(problem))
+    s1 = list(program.streams[1])
+    b = next(j for j, i in enumerate(s1) if i.kind is Kind.B and i.model == "actor")
+    s1.insert(0, s1.pop(b))
+    with pytest.raises(LoweringError, match="before"):
+        check_program(Program((program.streams[0], tuple(s1)), 2, 1))
+
+
+@pytest.mark.skipif(not TABLE3.exists(), reason="needs ../shared/bench/table3.json")
+def test_table3_dry_run_64_ranks() -> None:
+    problems = load_problems(TABLE3)
+    big = [p for p in problems if p.ranks == 16]
+    for problem in (big[0], big[-1]):
+        program = lower_checked(problem, greedy(problem), dp=4)
+        assert len(program.streams) == 64
+        assert sum(1 for s in program.streams for i in s if i.kind is Kind.OPTIMIZER_STEP) == 128
