@@ -3,9 +3,11 @@ slots with prefix sharing and per-sample RNG streams, several instances with lon
 or re-prefill) decided by `rlhfuse.planner`'s pure functions.
 
 Modules import only submodules of `rlhfuse.trainer` (never the package namespace): `rlhfuse.trainer.config`
-imports `rlhfuse.generation.config` while `rlhfuse.trainer` is still initialising.
+imports `rlhfuse.generation.config` while `rlhfuse.trainer` is still initialising, so the trainer package is
+imported first whichever of the two a program imports first.
 """
 
+import rlhfuse.trainer  # noqa: F401  (first: see above)
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance
 from rlhfuse.generation.engine import (
@@ -20,14 +22,22 @@ from rlhfuse.generation.engine import (
 from rlhfuse.generation.generator import EngineGenerator
 from rlhfuse.generation.migration import (
     MECHANISMS,
+    BatchObservation,
     FixedThreshold,
     MigrationPolicy,
     NoMigration,
     pick_mechanism,
     resolve_threshold,
 )
+from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult, rt_sweep, simulate
 
 __all__ = [
+    "AutoThreshold",
+    "BatchObservation",
+    "CostProfile",
+    "SimResult",
+    "rt_sweep",
+    "simulate",
     "MECHANISMS",
     "Coordinator",
     "EngineGenerator",

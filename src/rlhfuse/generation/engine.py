@@ -79,11 +79,12 @@ class MigratingSample:
 
 @dataclass
 class EngineStats:
-    """Per-engine counters. batch_sizes / step_times: running samples of each decode step and when it ended
-    (perf_counter seconds); tokens: generated tokens; prefill_tokens: prompt (and re-prefill) tokens computed."""
+    """Per-engine counters. batch_sizes / step_times / step_seconds: running samples of each decode step, when
+    it ended (perf_counter seconds) and how long it took; tokens: generated tokens; prefill_tokens: prompt (and re-prefill) tokens computed."""
 
     batch_sizes: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
     tokens: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -261,6 +262,7 @@ class GenerationEngine:
         return logits_BPV[:, -1]
 
     def _decode(self) -> list[SampleRequest]:
+        start = time.perf_counter()
         slots = sorted(self.running)
         requests = [self.running[s] for s in slots]
         last_B1 = torch.tensor([[r.tokens[-1]] for r in requests], dtype=torch.long, device=self.device)
@@ -269,6 +271,7 @@ class GenerationEngine:
         tokens_B = self._sample(logits_BV, requests)
         self.stats.batch_sizes.append(len(slots))
         self.stats.step_times.append(time.perf_counter())
+        self.stats.step_seconds.append(self.stats.step_times[-1] - start)
         finished = []
         for slot, request, token in zip(slots, requests, tokens_B.tolist(), strict=True):
             if self._append(request, token):

@@ -24,7 +24,8 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
-from rlhfuse.generation.migration import MigrationPolicy, NoMigration
+from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
+from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer
 from rlhfuse.trainer.types import PromptBatch, Rollout
 
@@ -65,6 +66,7 @@ class EngineGenerator:
             [], bs_max=bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
         )
         self.engines: list[GenerationEngine] = []
+        self._predicted: tuple[object, object] | None = None
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         with torch.no_grad():
@@ -103,10 +105,24 @@ class EngineGenerator:
         yield from self.coordinator.run(requests, threshold=self.policy.threshold(len(requests)))
 
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+        # what migration=auto predicted for this batch's Rt (made from the previous batches)
+        self._predicted = (
+            (self.policy.predicted, self.policy.predicted_serial)
+            if isinstance(self.policy, AutoThreshold)
+            else None
+        )
         done = sorted(
             (sample for _, sample in self.stream(prompts, iteration=iteration)), key=lambda r: r.row
         )
-        self.policy.observe([len(r.tokens) for r in done])
+        self.policy.observe(
+            BatchObservation(
+                response_lengths=[len(r.tokens) for r in done],
+                prompt_len=round(sum(len(r.prompt_P) for r in done) / len(done)),
+                cap=self.params.max_new_tokens,
+                slots=self.engines[0].cache.num_slots,
+                profile=CostProfile.fit([e.stats for e in self.engines]),
+            )
+        )
         yield to_rollout(done, self.pad_token_id)
 
     @property
@@ -119,7 +135,16 @@ class EngineGenerator:
         sizes = [b for s in stats for b in s.batch_sizes]
         busy = sum(s.busy_seconds for s in stats)
         report = self.coordinator.report
+        predicted: dict[str, float] = {}
+        if self._predicted is not None:
+            fused, serial = self._predicted
+            if isinstance(fused, SimResult) and isinstance(serial, SimResult):
+                predicted = {
+                    "migration/predicted_gen_inf_s": fused.gen_inf_s,
+                    "migration/predicted_serial_s": serial.gen_inf_s,
+                }
         return {
+            **predicted,
             "migration/threshold": float(report.threshold),
             "migration/samples_moved": float(report.samples_moved),
             "migration/destinations": float(report.destinations),

@@ -11,11 +11,27 @@ functions of `rlhfuse.planner.migration` (trigger, destination count, destinatio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rlhfuse.planner.migration import Mechanism, choose_mechanism, threshold_from_fraction
 
+if TYPE_CHECKING:
+    from rlhfuse.generation.tuning import CostProfile
+
 MECHANISMS = ("kv", "reprefill", "auto")
+
+
+@dataclass(frozen=True)
+class BatchObservation:
+    """What a finished batch tells a policy: response lengths, mean prompt length, the length cap
+    (max_new_tokens), KV slots per instance and the engines' measured costs (None until measurable)."""
+
+    response_lengths: Sequence[int]
+    prompt_len: int
+    cap: int
+    slots: int
+    profile: CostProfile | None
 
 
 @runtime_checkable
@@ -26,8 +42,8 @@ class MigrationPolicy(Protocol):
         """Rt for a batch of `batch_size` samples: migrate when that many (or fewer) remain; 0 = never."""
         ...
 
-    def observe(self, response_lengths: Sequence[int]) -> None:
-        """Response lengths of a finished iteration (a policy may re-tune on them)."""
+    def observe(self, batch: BatchObservation) -> None:
+        """A finished iteration (a policy may re-tune on it)."""
         ...
 
 
@@ -44,7 +60,7 @@ class NoMigration:
     def threshold(self, batch_size: int) -> int:
         return 0
 
-    def observe(self, response_lengths: Sequence[int]) -> None:
+    def observe(self, batch: BatchObservation) -> None:
         return None
 
 
@@ -59,7 +75,7 @@ class FixedThreshold:
     def threshold(self, batch_size: int) -> int:
         return resolve_threshold(self.value, batch_size)
 
-    def observe(self, response_lengths: Sequence[int]) -> None:
+    def observe(self, batch: BatchObservation) -> None:
         return None
 
 

@@ -15,6 +15,11 @@ from lightning.fabric import Fabric
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
 from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.generation.generator import EngineGenerator
+from rlhfuse.generation.migration import FixedThreshold, NoMigration
+from rlhfuse.generation.tuning import AutoThreshold
+from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
 from rlhfuse.trainer.config import (
     GENERATORS,
@@ -43,7 +48,11 @@ class BuildContext:
 
 
 @GENERATORS.register("sampling")
-def _sampling_generator(ctx: BuildContext) -> SamplingGenerator:
+def _sampling_generator(ctx: BuildContext) -> SamplingGenerator | EngineGenerator:
+    if ctx.config.generator.instances > 1:
+        # `generator.instances=2` on the default job: several instances are what the engine provides
+        print(f"rlhfuse: generator.instances={ctx.config.generator.instances}: generating with the engine")
+        return _engine_generator(ctx)
     return SamplingGenerator(
         ctx.models.actor,
         ctx.config.generator,
@@ -51,6 +60,24 @@ def _sampling_generator(ctx: BuildContext) -> SamplingGenerator:
         pad_token_id=ctx.models.tokenizer.pad_id,
         samples_per_prompt=ctx.config.data.samples_per_prompt,
         seed=ctx.config.seed,
+    )
+
+
+@GENERATORS.register("engine")
+def _engine_generator(ctx: BuildContext) -> EngineGenerator:
+    mig = ctx.config.migration
+    policy = MIGRATION_POLICIES.get(mig.name)(ctx)
+    return EngineGenerator(
+        ctx.models.actor,
+        ctx.config.generator,
+        eos_token_id=ctx.models.tokenizer.eos_id,
+        pad_token_id=ctx.models.tokenizer.pad_id,
+        samples_per_prompt=ctx.config.data.samples_per_prompt,
+        seed=ctx.config.seed,
+        policy=policy if policy is not None else NoMigration(),
+        mechanism=mig.mechanism,
+        bs_max=mig.bs_max,
+        link_bytes_per_s=mig.link_bytes_per_s,
     )
 
 
@@ -85,9 +112,54 @@ def _plain_strategy(ctx: BuildContext) -> PlainStrategy:
     )
 
 
+@STRATEGIES.register("fused")
+def _fused_strategy(ctx: BuildContext) -> Any:
+    return _pipeline_strategy(ctx, "fused")
+
+
+@STRATEGIES.register("serial_1f1b")
+def _serial_1f1b_strategy(ctx: BuildContext) -> Any:
+    return _pipeline_strategy(ctx, "serial_1f1b")
+
+
+def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+
+    cfg = ctx.config
+    return FusedPipelineStrategy(
+        ctx.models.actor,
+        ctx.models.critic,
+        cfg.pipeline,
+        cfg.algorithm,
+        total_steps=ctx.total_steps,
+        mini_batch_size=cfg.data.mini_batch_size,
+        micro_batch_size=cfg.data.micro_batch_size,
+        temperature=cfg.generator.temperature,
+        schedule=schedule,
+        timeout_s=cfg.distributed.timeout_s,
+        autocast=ctx.fabric.autocast,
+    )
+
+
 @MIGRATION_POLICIES.register("none")
 def _no_migration(ctx: BuildContext) -> None:
     return None
+
+
+@MIGRATION_POLICIES.register("off")
+def _migration_off(ctx: BuildContext) -> NoMigration:
+    return NoMigration()
+
+
+@MIGRATION_POLICIES.register("fixed")
+def _fixed_threshold(ctx: BuildContext) -> FixedThreshold:
+    return FixedThreshold(ctx.config.migration.threshold)
+
+
+@MIGRATION_POLICIES.register("auto")
+def _auto_threshold(ctx: BuildContext) -> AutoThreshold:
+    mig = ctx.config.migration
+    return AutoThreshold(mig.threshold, instances=ctx.config.generator.instances, bs_max=mig.bs_max)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,6 +175,14 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     accelerator = "cuda" if device.type == "cuda" else "cpu"
+    if launched_world_size(config.distributed.nproc_per_node) > 1:
+        return distributed_fabric(
+            nproc_per_node=config.distributed.nproc_per_node,
+            backend=config.distributed.backend,
+            timeout_s=config.distributed.timeout_s,
+            device_type=device.type,
+            precision=precision,
+        )
     devices: Any = [device.index or 0] if device.type == "cuda" else 1
     return Fabric(accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
 
@@ -132,6 +212,9 @@ def build_trainer(
 
     device = resolve_device(config.device)
     fabric = make_fabric(config, device)
+    if fabric.world_size > 1:
+        device = fabric.device  # one device per rank
+    rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     if warm:
         task = SyntheticTask(
             seed=config.seed,
@@ -155,14 +238,16 @@ def build_trainer(
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
 
     all_callbacks: list[object] = [
-        RichProgress(config.iterations, enabled=config.logger.progress, print_every=config.logger.print_every)
+        RichProgress(
+            config.iterations, enabled=config.logger.progress and rank0, print_every=config.logger.print_every
+        )
     ]
     if config.data.source == "synthetic":
         all_callbacks.append(TaskScore(REWARD_FUNCTIONS.get("topic_fraction"), models.tokenizer))
-    if config.checkpoint.export_hf:
+    if config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
     all_callbacks.extend(callbacks or [])
-    loggers = build_loggers(config.logger, run_dir)
+    loggers = build_loggers(config.logger, run_dir) if rank0 else []
     for logger in loggers:
         try:
             logger.log_hyperparams(dataclasses.asdict(config))

@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhfuse.data.config import TRUNCATE_MODES, DataConfig
+from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, validate_runtime
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.checkpoint import CheckpointConfig
-from rlhfuse.trainer.generator import GeneratorConfig
 from rlhfuse.trainer.inferencer import InferencerConfig
 from rlhfuse.trainer.logging import BACKENDS, LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS, Registry
-from rlhfuse.trainer.strategy import StrategyConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 REDUCTIONS = ("token", "sequence")
@@ -31,6 +31,16 @@ class MigrationConfig:
     # Sample-migration policy of a multi-instance generator (inter-stage fusion): none = no migration, the
     # only policy the single-process generator supports.
     name: str = "none"
+    # Rt (migration=fixed|auto): migrate the long tail when this many samples (>= 1) or this fraction of the
+    # batch (< 1) remain unfinished; migration=auto starts from it and re-tunes Rt from observed lengths.
+    threshold: float = 0.2
+    # How the tail moves: kv (send each sample's KV cache), reprefill (recompute prompt + generated tokens at the
+    # destination) or auto (the cheaper by estimate: KV bytes / link_bytes_per_s vs measured prefill time).
+    mechanism: str = "auto"
+    # BSmax: decode batch size that saturates one instance; destinations m >= Rt / bs_max.
+    bs_max: int = 32
+    # Bandwidth assumed for KV transfer in the mechanism's cost estimate, bytes per second.
+    link_bytes_per_s: float = 1.0e9
 
 
 # Component names each config group may choose; the builders register themselves in rlhfuse.trainer.build.
@@ -46,10 +56,14 @@ ALGORITHMS = ("ppo",)
 class RLHFConfig:
     model: ModelsConfig = field(default_factory=ModelsConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    # The generator's schema: GeneratorConfig plus the engine's fields (generator=engine).
+    generator: GenerationConfig = field(default_factory=GenerationConfig)
     inferencer: InferencerConfig = field(default_factory=InferencerConfig)
-    # The training strategy (Hydra group `pipeline`): plain = single process, no pipeline.
-    pipeline: StrategyConfig = field(default_factory=StrategyConfig)
+    # The training strategy (Hydra group `pipeline`): plain = single process, no pipeline; fused / serial_1f1b =
+    # Actor and Critic pipelines on the same ranks (rlhfuse.runtime), with distributed.nproc_per_node processes.
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # Multi-process launch (pipeline=fused / serial_1f1b).
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -173,6 +187,21 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
     need(0 < g.top_p <= 1, f"generator.top_p={g.top_p} must be in (0, 1] (1 = off)")
     need(g.top_k >= 0, f"generator.top_k={g.top_k} must be >= 0 (0 = off)")
     need(g.max_batch_size >= 0, f"generator.max_batch_size={g.max_batch_size} must be >= 0 (0 = all)")
+    need(g.instances >= 1, f"generator.instances={g.instances} must be >= 1")
+    need(g.num_slots >= 0, f"generator.num_slots={g.num_slots} must be >= 0 (0 = room for every sample)")
+    mig = cfg.migration
+    if mig.name in ("fixed", "auto"):
+        need(
+            g.instances > 1,
+            f"migration={mig.name} moves samples between generation instances but generator.instances="
+            f"{g.instances}: set generator.instances=2 (or more) or migration=off",
+        )
+    need(
+        mig.threshold > 0, f"migration.threshold={mig.threshold} must be > 0 (a count >= 1 or a fraction < 1)"
+    )
+    one_of("migration.mechanism", mig.mechanism, ("kv", "reprefill", "auto"))
+    positive("migration.bs_max", mig.bs_max)
+    positive("migration.link_bytes_per_s", mig.link_bytes_per_s)
     # inferencer
     i = cfg.inferencer
     need(i.micro_batch_size >= 0, f"inferencer.micro_batch_size={i.micro_batch_size} must be >= 0 (0 = all)")
@@ -222,6 +251,7 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
         re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
         f"device={cfg.device!r} must be auto, cpu, cuda or cuda:N",
     )
+    problems += validate_runtime(cfg)
     if problems:
         raise ValueError(
             f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)

@@ -150,7 +150,7 @@ class RLHFTrainer:
         gen_time = inf_time = 0.0
         parts: list[Experience] = []
         self.fabric.call("on_stage_start", self, "generation")
-        t0 = time.perf_counter()
+        t0 = start = time.perf_counter()
         for chunk in self.generator.generate(prompts, iteration=iteration):
             gen_time += time.perf_counter() - t0
             self.fabric.call("on_stage_start", self, "inference")
@@ -159,10 +159,14 @@ class RLHFTrainer:
             inf_time += time.perf_counter() - t1
             t0 = time.perf_counter()
         gen_time += time.perf_counter() - t0
-        return cat_experience(parts, self.pad_token_id), {
-            "time/generation": gen_time,
-            "time/inference": inf_time,
-        }
+        timings = {"time/generation": gen_time, "time/inference": inf_time}
+        # a generator may report its own metrics (the engine: migration, running batch size, tokens/s)
+        report = getattr(self.generator, "rollout_metrics", None)
+        if callable(report):
+            # from the start of generation to the last inference output: the span inter-stage fusion shortens
+            timings["time/generation_inference"] = time.perf_counter() - start
+            timings.update(report())
+        return cat_experience(parts, self.pad_token_id), timings
 
     def train(self, batch: TrainBatch, iteration: int) -> dict[str, float]:
         size = self.config.data.mini_batch_size

@@ -1,0 +1,72 @@
+"""Rt auto-tuning: the Gen+Inf simulator against hand-computed timelines, the cost fit, and AutoThreshold picking
+the sweep's minimum (or off when no Rt pays)."""
+
+import pytest
+
+from rlhfuse.generation import AutoThreshold, BatchObservation, CostProfile, EngineStats, rt_sweep, simulate
+from rlhfuse.planner import LengthDistribution
+
+FLAT = CostProfile(step_base_s=1.0, step_per_sample_s=0.0, prefill_s_per_token=0.0, inference_s_per_token=1.0)
+
+
+def test_serial_and_fused_timelines_by_hand():
+    # instance 0 holds lengths [2, 8], instance 1 [2, 2]; 1 s per decode step, 1 s of inference per token
+    lengths = [2, 2, 8, 2]
+    serial = simulate(lengths, 0, 2, 0, FLAT, bs_max=4, slots=4)
+    assert serial.generation_s == 8 and serial.gen_inf_s == 8 + 14 / 2
+    # Rt = 1: at t = 2 one sample (length 8, on instance 0) remains; instance 0 keeps it (m = 1, nothing moves),
+    # instance 1 infers 2+2+2 tokens from t = 2 (done at 8), then the tail's 8 tokens from t = 8
+    fused = simulate(lengths, 0, 2, 1, FLAT, bs_max=4, slots=4)
+    assert (fused.generation_s, fused.gen_inf_s, fused.moved, fused.destinations) == (8, 16, 0, 1)
+
+
+def test_moved_samples_pay_their_reprefill_and_the_step_cost_grows_with_batch():
+    profile = CostProfile(
+        step_base_s=1.0, step_per_sample_s=0.5, prefill_s_per_token=0.1, inference_s_per_token=0.0
+    )
+    # instance 0: [1, 6], instance 1: [1, 6]; steps cost 1 + 0.5 b
+    lengths = [1, 1, 6, 6]
+    serial = simulate(lengths, 2, 2, 0, profile, bs_max=4, slots=4)
+    # prefill 2 tokens x 2 samples x 0.1 = 0.4; step 1 with b=2 (2.0), steps 2..6 with b=1 (1.5 each)
+    assert serial.generation_s == pytest.approx(0.4 + 2.0 + 5 * 1.5)
+    fused = simulate(lengths, 2, 2, 2, profile, bs_max=4, slots=4)
+    # at t = 2.4 two samples remain, one per instance, each with 5 steps left; m = 1: instance 0 keeps its own
+    # and takes instance 1's (re-prefill of prompt 2 + 1 generated token = 0.3 s), then 5 steps with b = 2
+    assert fused.moved == 1 and fused.destinations == 1
+    assert fused.generation_s == pytest.approx(2.4 + 0.3 + 5 * 2.0)
+
+
+def test_cost_profile_fit_recovers_a_linear_step_cost():
+    stats = EngineStats(batch_sizes=[1, 2, 4, 8], step_seconds=[0.03, 0.04, 0.06, 0.10], prefill_tokens=100,
+                        prefill_seconds=0.5)  # fmt: skip
+    profile = CostProfile.fit([stats])
+    assert profile.step_base_s == pytest.approx(0.02) and profile.step_per_sample_s == pytest.approx(0.01)
+    assert profile.prefill_s_per_token == pytest.approx(
+        0.005
+    ) and profile.inference_s_per_token == pytest.approx(0.02)
+    assert CostProfile.fit([EngineStats(batch_sizes=[3, 3], step_seconds=[1, 1], prefill_tokens=1)]) is None
+
+
+def test_sweep_covers_5_to_95_percent_and_auto_picks_its_minimum():
+    profile = CostProfile(step_base_s=0.01, step_per_sample_s=0.0, prefill_s_per_token=1e-5,
+                          inference_s_per_token=2e-3)  # fmt: skip
+    sweep, serial = rt_sweep(LengthDistribution(median=20, sigma=1.0), batch=128, cap=200, prompt_len=8,
+                             instances=4, profile=profile, bs_max=64, slots=128)  # fmt: skip
+    rts = [rt for rt, _ in sweep]
+    assert rts[0] == 6 and rts[-1] == 122 and rts == sorted(set(rts))
+    best = min(r.gen_inf_s for _, r in sweep)
+    assert best < serial.gen_inf_s  # a long tail and costly inference: fusion pays
+    policy = AutoThreshold(0.5, instances=4, bs_max=64)
+    assert policy.threshold(128) == 64  # the initial value until lengths and costs are known
+    lengths = LengthDistribution(median=20, sigma=1.0).sample(
+        128, 200, __import__("numpy").random.default_rng(1)
+    )
+    policy.observe(BatchObservation(lengths.tolist(), prompt_len=8, cap=200, slots=128, profile=profile))
+    assert policy.chosen is not None and policy.predicted is not None and policy.predicted_serial is not None
+    assert policy.predicted.gen_inf_s < policy.predicted_serial.gen_inf_s and 0 < policy.threshold(128) < 128
+    # without inference work there is nothing to hide under the tail: migration is turned off
+    idle = CostProfile(
+        step_base_s=0.01, step_per_sample_s=0.0, prefill_s_per_token=1e-5, inference_s_per_token=0
+    )
+    policy.observe(BatchObservation(lengths.tolist(), prompt_len=8, cap=200, slots=128, profile=idle))
+    assert policy.threshold(128) == 0
