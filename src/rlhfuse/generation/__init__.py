@@ -10,6 +10,7 @@ imported first whichever of the two a program imports first.
 import rlhfuse.trainer  # noqa: F401  (first: see above)
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance
+from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure, gather_finished
 from rlhfuse.generation.engine import (
     EngineStats,
     GenerationEngine,
@@ -32,6 +33,9 @@ from rlhfuse.generation.migration import (
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult, rt_sweep, simulate
 
 __all__ = [
+    "DistributedCoordinator",
+    "InstanceFailure",
+    "gather_finished",
     "AutoThreshold",
     "BatchObservation",
     "CostProfile",

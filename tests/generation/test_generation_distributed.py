@@ -1,0 +1,125 @@
+"""Instances as processes (gloo, 2 ranks): migration over point-to-point sends gives exactly the tokens of one
+instance without migration (KV transfer and re-prefill in one run each); a dying instance gives its peer a
+clear InstanceFailure within the group's timeout, never a hang."""
+
+import multiprocessing as mp
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+
+from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
+from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.trainer.types import PromptBatch
+
+EOS, PAD, MAX_NEW = 2, 0, 16
+PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.95, stop_token_ids=(EOS, 6, 14))
+
+
+def _model():
+    torch.manual_seed(0)
+    config = ModelConfig.tiny(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
+    )
+    return Transformer(config, head="lm").eval()
+
+
+def _requests():
+    g = torch.Generator().manual_seed(1)
+    rows = [[1, *torch.randint(3, 24, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()]
+            for _ in range(6)]  # fmt: skip
+    width = max(map(len, rows))
+    ids = torch.full((6, width), PAD)
+    mask = torch.zeros((6, width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return requests_for(PromptBatch(ids, mask, torch.arange(6)), samples_per_prompt=4, seed=3, iteration=1)
+
+
+def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
+    import torch.distributed as dist
+
+    from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure, gather_finished
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )
+    try:
+        for mechanism in mechanisms:  # one process group for both runs: process start-up dominates the test
+            engine = GenerationEngine(_model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW)
+            coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism)
+            done = []
+            for sample in coordinator.run(_requests(), threshold=threshold):
+                done.append(sample)
+                if rank == die_rank:
+                    os._exit(3)  # a crash mid-generation, no goodbye
+            everything = gather_finished(done)
+            report = coordinator.report
+            torch.save(
+                {
+                    "tokens": {r.row: r.tokens for r in everything},
+                    "moved": report.samples_moved,
+                    "mechanism": report.mechanism,
+                    "destinations": report.destinations,
+                },
+                os.path.join(out_dir, f"{mechanism}-rank{rank}.pt"),
+            )
+    except InstanceFailure as err:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(str(err))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _launch(tmp_path, mechanisms, threshold, die_rank=-1, timeout=90):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, str(tmp_path), mechanisms, threshold, die_rank))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+    assert not hung, "a generation process hung"
+    return procs
+
+
+def _serial_tokens():
+    engine = GenerationEngine(_model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW)
+    engine.add(_requests())
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    return {r.row: r.tokens for r in done}
+
+
+@pytest.mark.timeout(180)
+def test_two_processes_migrate_and_keep_every_token(tmp_path):
+    procs = _launch(tmp_path, ("kv", "reprefill"), threshold=6)
+    assert [p.exitcode for p in procs] == [0, 0]
+    expected = _serial_tokens()
+    for mechanism in ("kv", "reprefill"):
+        for rank in range(2):
+            result = torch.load(tmp_path / f"{mechanism}-rank{rank}.pt")
+            assert result["tokens"] == expected
+            assert result["mechanism"] == mechanism and result["moved"] > 0 and result["destinations"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_dying_instance_gives_a_clear_error_not_a_hang(tmp_path):
+    procs = _launch(tmp_path, ("kv",), threshold=6, die_rank=1, timeout=60)
+    assert procs[1].exitcode == 3
+    message = (tmp_path / "rank0.err").read_text()
+    assert "generation instance 0 of 2" in message and "another generation process probably died" in message
