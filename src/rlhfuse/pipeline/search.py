@@ -437,7 +437,10 @@ def _worker(
                 c, start, iters, rng, best_ms, float(rng.choice([2.0, 5.0, 20.0])), ref
             )
         else:
-            order, done = _anneal_memory(c, best, best_ms, iters, rng, bounds.memory)
+            # Other starts already at the best makespan are other basins for the memory moves.
+            same = [o for ms_, _, o in starts if ms_ <= best_ms + 1e-9]
+            start = best if not same or rng.random() < 0.6 else same[int(rng.integers(0, len(same)))]
+            order, done = _anneal_memory(c, start, best_ms, iters, rng, bounds.memory)
             ms, peak = c.evaluate(order)[0], c.peak(order)
         rounds += 1
         rates[kind] = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
