@@ -20,6 +20,7 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
+from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
 from rlhfuse.generation.generator import EngineGenerator
 from rlhfuse.generation.migration import (
     MECHANISMS,
@@ -33,6 +34,8 @@ from rlhfuse.generation.migration import (
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult, rt_sweep, simulate
 
 __all__ = [
+    "FusedResult",
+    "fused_generate_infer",
     "DistributedCoordinator",
     "InstanceFailure",
     "gather_finished",
