@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -91,13 +92,15 @@ def _check_scenario(
         assert result.stats[key] == pytest.approx(value, rel=1e-10, abs=1e-12), f"{where}: {key}"
 
 
-def _two_rank_worker(rank: int, world: int) -> None:
+def _two_rank_worker(rank: int, world: int, *then: Callable[[int, int], None]) -> None:
     for kind in ("serial", "greedy", "random:1", "random:2", "random:3"):
         _check_scenario(rank, world, 2, 2, 1, 4, kind)
     for kind in ("greedy", "random:4"):
         _check_scenario(rank, world, 2, 1, 1, 4, kind)  # two critic replicas, one per rank
         _check_scenario(rank, world, 1, 2, 1, 2, kind)  # the Critic is the larger model
     _check_scenario(rank, world, 1, 1, 2, 2, "greedy")  # data parallelism only
+    for worker in then:
+        worker(rank, world)
 
 
 def _four_rank_worker(rank: int, world: int) -> None:
@@ -105,11 +108,100 @@ def _four_rank_worker(rank: int, world: int) -> None:
     _check_scenario(rank, world, 4, 2, 1, 4, "greedy")  # 4-stage actor, 2 reversed critic replicas
 
 
-@pytest.mark.timeout(120)
-def test_two_ranks_equal_single_process() -> None:
-    run_distributed(_two_rank_worker, 2, timeout=100)
+@pytest.mark.timeout(150)
+def test_two_ranks_equal_single_process_strategy_and_failing_rank() -> None:
+    """One 2-process run (each spawn costs seconds): executor equivalence over layouts and schedules, then
+    FusedPipelineStrategy vs PlainStrategy, then a silent rank stopping the other within its timeout."""
+    run_distributed(_two_rank_worker, 2, _strategy_worker, _failing_rank_worker, timeout=130)
 
 
 @pytest.mark.timeout(120)
 def test_four_ranks_equal_single_process() -> None:
     run_distributed(_four_rank_worker, 4, timeout=100)
+
+
+def _strategy_worker(rank: int, world: int) -> None:
+    """FusedPipelineStrategy (profiling step, then the searched schedule) vs PlainStrategy: same weights."""
+    from lightning.fabric import Fabric
+
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.trainer.strategy import PlainStrategy
+
+    models = _models(2)
+    plain_models = copy.deepcopy(models)
+    algo = AlgorithmConfig()
+    for schedule in ("fused", "serial_1f1b"):
+        cfg = PipelineConfig(
+            name=schedule, microbatches=2, search_budget_s=0.0, warmup_steps=1, grad_clip=0.5
+        )
+        fused = FusedPipelineStrategy(
+            models["actor"],
+            models["critic"],
+            cfg,
+            algo,
+            total_steps=4,
+            mini_batch_size=8,
+            micro_batch_size=4,
+            schedule=schedule,
+            timeout_s=30,
+            log=lambda _: None,
+        )
+        plain = PlainStrategy(
+            plain_models["actor"],
+            plain_models["critic"],
+            cfg,
+            algo,
+            fabric=Fabric(accelerator="cpu", devices=1),
+            total_steps=4,
+            micro_batch_size=4,
+        )
+        for step in range(2):
+            batch = random_batch(8, seed=11 + step)
+            got, want = fused.train_step(batch), plain.train_step(batch)
+            for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "lr"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (schedule, step, key)
+            assert got["train/measured_makespan_s"] > 0 and 0 <= got["train/bubble_ratio"] < 1
+            assert math.isfinite(got["train/predicted_makespan_s"])
+            fused.actor_weights()  # gathers both models on every rank
+            for name in ("actor", "critic"):
+                for (n, p), q in zip(
+                    models[name].named_parameters(), plain_models[name].parameters(), strict=True
+                ):
+                    # PlainStrategy computes its losses in float32 (the pipeline keeps float64): AdamW turns those
+                    # ~1e-7 gradient differences into ~1e-6 weight differences; a wrong LR, step count or stage
+                    # update moves weights by ~lr = 5e-4
+                    err = float((p - q).abs().max())
+                    assert err < 2e-5, f"{schedule} step {step} {name}.{n}: max error {err:.3g}"
+
+
+def _failing_rank_worker(rank: int, world: int) -> None:
+    """Rank 1 never runs its stream (as if it had crashed): rank 0 stops with a PipelineError naming the wait
+    within its timeout instead of hanging."""
+    import time
+
+    from rlhfuse.runtime.executor import PipelineError
+
+    layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, world, 2)
+    groups = build_process_groups(layout, timeout_s=30)
+    if rank == 1:
+        time.sleep(4.0)
+        return
+    models = _models(2)
+    problem = layout.problem()
+    program = lower_checked(problem, greedy(problem))
+    executor = PipelineExecutor(
+        rank,
+        program,
+        problem,
+        stages_for_rank(layout, rank, models),
+        losses=ppo_losses(AlgorithmConfig()),
+        p2p_groups=groups.p2p,
+        grad_groups=groups.grad,
+        timeout_s=1.0,
+    )
+    micro, weights, _ = split_minibatch(random_batch(4), 1, 2)
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match=r"rank 0: WAIT RECV .* timed out after 1s"):
+        executor.run(StepWork(micro, weights))
+    assert time.monotonic() - start < 3.5

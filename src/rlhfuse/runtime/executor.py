@@ -216,8 +216,9 @@ class PipelineExecutor:
         work: StepWork,
         optimizer_step: Callable[[str, float], None] | None = None,
     ) -> StepResult:
-        """Run this rank's stream for one mini-batch; `optimizer_step(model, grad_norm)` is called at each
-        OPTIMIZER_STEP once the model's gradients are reduced (None: leave the gradients in `.grad`)."""
+        """Run this rank's stream for one mini-batch. At each OPTIMIZER_STEP the model's sends and gradient
+        reductions are waited for and its global gradient norm computed; at the end `optimizer_step(model,
+        grad_norm)` is called for every model (None: leave the summed gradients in `.grad`)."""
         t0 = time.perf_counter()
         pending_recv: dict[Message, tuple[Tensor, Any]] = {}
         inbox: dict[Message, Tensor] = {}
@@ -275,14 +276,18 @@ class PipelineExecutor:
                         p.grad = flat[offset : offset + n].view_as(p).clone()
                         offset += n
                 norms[ins.model] = self._grad_norm(ins.model)
-                if optimizer_step is not None:
-                    optimizer_step(ins.model, norms[ins.model])
         if pending_recv:
             raise PipelineError(
                 f"rank {self.rank}: receives posted but never waited: {list(pending_recv)[:4]}"
             )
+        seconds = time.perf_counter() - t0
         stats = self._all_stats(stat_sums)
-        return StepResult(stats, norms, time.perf_counter() - t0, compute, dict(op_seconds))
+        if optimizer_step is not None:
+            # every model's norm is known (and identical on all ranks) before any model steps: a non-finite
+            # norm stops the step with no weight changed, on every rank alike
+            for model in self.program.models or tuple(norms):
+                optimizer_step(model, norms[model])
+        return StepResult(stats, norms, seconds, compute, dict(op_seconds))
 
     def _forward(
         self,

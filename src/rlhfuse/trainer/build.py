@@ -18,6 +18,8 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.generation.generator import EngineGenerator
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
+from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
 from rlhfuse.trainer.config import (
     GENERATORS,
@@ -110,6 +112,35 @@ def _plain_strategy(ctx: BuildContext) -> PlainStrategy:
     )
 
 
+@STRATEGIES.register("fused")
+def _fused_strategy(ctx: BuildContext) -> Any:
+    return _pipeline_strategy(ctx, "fused")
+
+
+@STRATEGIES.register("serial_1f1b")
+def _serial_1f1b_strategy(ctx: BuildContext) -> Any:
+    return _pipeline_strategy(ctx, "serial_1f1b")
+
+
+def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+
+    cfg = ctx.config
+    return FusedPipelineStrategy(
+        ctx.models.actor,
+        ctx.models.critic,
+        cfg.pipeline,
+        cfg.algorithm,
+        total_steps=ctx.total_steps,
+        mini_batch_size=cfg.data.mini_batch_size,
+        micro_batch_size=cfg.data.micro_batch_size,
+        temperature=cfg.generator.temperature,
+        schedule=schedule,
+        timeout_s=cfg.distributed.timeout_s,
+        autocast=ctx.fabric.autocast,
+    )
+
+
 @MIGRATION_POLICIES.register("none")
 def _no_migration(ctx: BuildContext) -> None:
     return None
@@ -144,6 +175,14 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     accelerator = "cuda" if device.type == "cuda" else "cpu"
+    if launched_world_size(config.distributed.nproc_per_node) > 1:
+        return distributed_fabric(
+            nproc_per_node=config.distributed.nproc_per_node,
+            backend=config.distributed.backend,
+            timeout_s=config.distributed.timeout_s,
+            device_type=device.type,
+            precision=precision,
+        )
     devices: Any = [device.index or 0] if device.type == "cuda" else 1
     return Fabric(accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
 
@@ -173,6 +212,9 @@ def build_trainer(
 
     device = resolve_device(config.device)
     fabric = make_fabric(config, device)
+    if fabric.world_size > 1:
+        device = fabric.device  # one device per rank
+    rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     if warm:
         task = SyntheticTask(
             seed=config.seed,
@@ -196,14 +238,16 @@ def build_trainer(
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
 
     all_callbacks: list[object] = [
-        RichProgress(config.iterations, enabled=config.logger.progress, print_every=config.logger.print_every)
+        RichProgress(
+            config.iterations, enabled=config.logger.progress and rank0, print_every=config.logger.print_every
+        )
     ]
     if config.data.source == "synthetic":
         all_callbacks.append(TaskScore(REWARD_FUNCTIONS.get("topic_fraction"), models.tokenizer))
-    if config.checkpoint.export_hf:
+    if config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
     all_callbacks.extend(callbacks or [])
-    loggers = build_loggers(config.logger, run_dir)
+    loggers = build_loggers(config.logger, run_dir) if rank0 else []
     for logger in loggers:
         try:
             logger.log_hyperparams(dataclasses.asdict(config))

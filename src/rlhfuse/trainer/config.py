@@ -11,13 +11,13 @@ from typing import Any
 
 from rlhfuse.data.config import TRUNCATE_MODES, DataConfig
 from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, validate_runtime
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.checkpoint import CheckpointConfig
 from rlhfuse.trainer.inferencer import InferencerConfig
 from rlhfuse.trainer.logging import BACKENDS, LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS, Registry
-from rlhfuse.trainer.strategy import StrategyConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 REDUCTIONS = ("token", "sequence")
@@ -59,8 +59,11 @@ class RLHFConfig:
     # The generator's schema: GeneratorConfig plus the engine's fields (generator=engine).
     generator: GenerationConfig = field(default_factory=GenerationConfig)
     inferencer: InferencerConfig = field(default_factory=InferencerConfig)
-    # The training strategy (Hydra group `pipeline`): plain = single process, no pipeline.
-    pipeline: StrategyConfig = field(default_factory=StrategyConfig)
+    # The training strategy (Hydra group `pipeline`): plain = single process, no pipeline; fused / serial_1f1b =
+    # Actor and Critic pipelines on the same ranks (rlhfuse.runtime), with distributed.nproc_per_node processes.
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # Multi-process launch (pipeline=fused / serial_1f1b).
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -248,6 +251,7 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
         re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
         f"device={cfg.device!r} must be auto, cpu, cuda or cuda:N",
     )
+    problems += validate_runtime(cfg)
     if problems:
         raise ValueError(
             f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)

@@ -1,0 +1,115 @@
+"""Configuration of the distributed training strategies (`pipeline=fused`, `pipeline=serial_1f1b`) and of the
+multi-process launch (`distributed.*`), declared next to the runtime that reads them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from rlhfuse.trainer.strategy import StrategyConfig
+
+PIPELINE_STRATEGIES = ("fused", "serial_1f1b")
+
+
+@dataclass
+class PipelineConfig(StrategyConfig):
+    """`StrategyConfig` plus the pipeline fields (read by pipeline=fused / serial_1f1b; plain ignores them)."""
+
+    # Pipeline stages of the Actor / the Critic. The model with more stages spans a fused group of ranks in
+    # order; the other runs (larger pp / its pp) replicas reversed over blocks of ranks. World size must be
+    # max(actor_pp, critic_pp) * data-parallel groups.
+    actor_pp: int = 2
+    critic_pp: int = 2
+    # Micro-batches per mini-batch and data-parallel group (0 = data.mini_batch_size / data.micro_batch_size /
+    # data-parallel groups). Must be a multiple of the smaller model's replicas.
+    microbatches: int = 0
+    # Schedule search budget in seconds on rank 0 after the profiling step (0 = the paper's greedy schedule).
+    search_budget_s: float = 2.0
+    # Split each mini-batch over data-parallel groups and micro-batches by token cost (Karmarkar-Karp);
+    # false = contiguous equal-count chunks.
+    balance: bool = True
+    # Receives are posted this many compute ops before their consumer.
+    prefetch: int = 1
+
+
+@dataclass
+class DistributedConfig:
+    # Local processes to launch (Lightning Fabric's launcher; 1 = this process only). Under torchrun, each
+    # process is one rank and this must equal torchrun's --nproc-per-node (or stay 1).
+    nproc_per_node: int = 1
+    # auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
+    backend: str = "auto"
+    # Seconds a rank waits for another (a failed rank makes the others stop with a clear error after this).
+    timeout_s: float = 300.0
+
+
+def launched_world_size(nproc_per_node: int) -> int:
+    """World size of this run: torchrun's WORLD_SIZE when set, else nproc_per_node."""
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env and env.isdigit() else nproc_per_node
+
+
+def validate_runtime(cfg: Any) -> list[str]:
+    """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+
+    problems: list[str] = []
+    d = cfg.distributed
+    if d.nproc_per_node < 1:
+        problems.append(f"distributed.nproc_per_node={d.nproc_per_node} must be >= 1")
+    if d.backend not in ("auto", "gloo", "nccl"):
+        problems.append(f"distributed.backend={d.backend!r} is not one of ['auto', 'gloo', 'nccl']")
+    if d.timeout_s <= 0:
+        problems.append(f"distributed.timeout_s={d.timeout_s} must be > 0")
+    p = cfg.pipeline
+    world = launched_world_size(max(d.nproc_per_node, 1))
+    if p.name not in PIPELINE_STRATEGIES:
+        if world > 1:
+            problems.append(
+                f"pipeline={p.name} runs in one process but distributed.nproc_per_node={world}: use "
+                "pipeline=fused or pipeline=serial_1f1b, or distributed.nproc_per_node=1"
+            )
+        return problems
+    layers = cfg.model.num_layers if cfg.model.sft_path is None else None
+    for key in ("actor_pp", "critic_pp"):
+        value = getattr(p, key)
+        if layers is not None and value > layers:
+            problems.append(
+                f"pipeline.{key}={value} exceeds model.num_layers={layers} (every stage holds a layer): "
+                f"set pipeline.{key}<={layers}"
+            )
+    if p.prefetch < 0:
+        problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
+    if p.search_budget_s < 0:
+        problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
+    if cfg.checkpoint.every > 0:
+        problems.append(
+            f"pipeline={p.name} does not write checkpoints yet (optimizer states live on their ranks): "
+            "set checkpoint.every=0 or pipeline=plain"
+        )
+    if cfg.resume != "never":
+        problems.append(f"pipeline={p.name} cannot resume yet: set resume=never or pipeline=plain")
+    big = max(p.actor_pp, p.critic_pp, 1)
+    dp = max(world // big, 1)
+    micro = p.microbatches or _derived_microbatches(cfg, dp)
+    try:
+        ParallelLayout(ModelParallel(p.actor_pp), ModelParallel(p.critic_pp), dp, world, max(micro, 1))
+    except ValueError as err:
+        lines = str(err).splitlines()[1:]
+        problems += [
+            f"pipeline={p.name} with distributed.nproc_per_node={world}: {line.strip()[2:]}" for line in lines
+        ]
+    if micro >= 1 and cfg.data.mini_batch_size < dp * micro:
+        problems.append(
+            f"data.mini_batch_size={cfg.data.mini_batch_size} < data-parallel groups * pipeline micro-batches "
+            f"= {dp} * {micro}: raise data.mini_batch_size or lower pipeline.microbatches"
+        )
+    return problems
+
+
+def _derived_microbatches(cfg: Any, dp: int) -> int:
+    d = cfg.data
+    if d.micro_batch_size <= 0:
+        return 1
+    return max(1, d.mini_batch_size // d.micro_batch_size // dp)

@@ -1,0 +1,272 @@
+"""`FusedPipelineStrategy`: the `Strategy` of `RLHFTrainer` over the distributed runtime.
+
+Every rank holds full copies of the Actor and the Critic (same checkpoint, same seed) and trains only the
+stages the layout places on it. One `train_step`: rank 0's mini-batch is broadcast, split over data-parallel
+groups and micro-batches by token cost, and the rank's instruction stream runs it (compute, async p2p,
+gradient reduction, one optimizer step per model).
+
+`schedule="serial_1f1b"` runs both models with 1F1B one after the other on the same ranks (the baseline);
+`schedule="fused"` profiles the first step under that baseline, then rank 0 searches the fused schedule with the
+measured per-stage forward/backward times and broadcasts it (cached: the micro-batch count is fixed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhfuse.models import Transformer, split_stages
+from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
+from rlhfuse.pipeline.ir import Schedule
+from rlhfuse.pipeline.problem import Problem
+from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.executor import PipelineExecutor, StepResult, StepWork, ppo_losses
+from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout, build_process_groups
+from rlhfuse.runtime.lower import Program, lower_checked
+from rlhfuse.runtime.partition import stages_for_rank
+from rlhfuse.trainer.advantages import AlgorithmConfig
+from rlhfuse.trainer.strategy import NonFiniteError, lr_lambda
+from rlhfuse.trainer.types import TrainBatch
+
+SCHEDULES = ("fused", "serial_1f1b")
+
+
+class FusedPipelineStrategy:
+    def __init__(
+        self,
+        actor: Transformer,
+        critic: Transformer,
+        config: PipelineConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        total_steps: int,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        temperature: float = 1.0,
+        schedule: str = "fused",
+        timeout_s: float = 300.0,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {list(SCHEDULES)}")
+        if not dist.is_initialized():
+            raise ValueError(
+                f"pipeline={schedule} needs torch.distributed: launch with distributed.nproc_per_node=N "
+                "(or torchrun), or use pipeline=plain"
+            )
+        self.models = {"actor": actor, "critic": critic}
+        self.config, self.algorithm, self.schedule_name = config, algorithm, schedule
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        big = max(config.actor_pp, config.critic_pp)
+        dp = max(self.world // big, 1)
+        micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
+        self.layout = ParallelLayout(
+            ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, self.world, micro
+        )
+        self.timeout_s = timeout_s
+        self.log = log
+        self.groups = build_process_groups(self.layout, timeout_s)
+        self.stages = stages_for_rank(self.layout, self.rank, self.models)
+        self.losses = ppo_losses(algorithm, temperature if temperature > 0 else 1.0)
+        self.autocast = autocast
+        # every stage of every model (the same split on all ranks), for weight gathering
+        self.all_stages = {m: split_stages(self.models[m], self.layout.stages(m)) for m in MODELS}
+        betas = (config.betas[0], config.betas[1])
+        lrs = {"actor": config.actor_lr, "critic": config.critic_lr}
+        self.optims: dict[str, torch.optim.Optimizer] = {}
+        self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
+
+        def lr_at(step: int) -> float:
+            return lr_lambda(
+                step,
+                warmup=config.warmup_steps,
+                total=total_steps,
+                schedule=config.lr_schedule,
+                min_ratio=config.min_lr_ratio,
+            )
+
+        for m in MODELS:
+            params = self._local_params(m)
+            self.optims[m] = torch.optim.AdamW(
+                params, lr=lrs[m], betas=betas, weight_decay=config.weight_decay
+            )
+            self.scheds[m] = torch.optim.lr_scheduler.LambdaLR(self.optims[m], lr_at)
+        self.problem: Problem = self.layout.problem()
+        self.schedule: Schedule = serial_one_f_one_b(self.problem)
+        self.program: Program = lower_checked(self.problem, self.schedule, dp=dp, prefetch=config.prefetch)
+        self.profiled: Problem | None = None
+        self.predicted_s = float("nan")
+        self.predicted_serial_s = float("nan")
+        self.steps = 0
+        if self.rank == 0:
+            log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
+
+    # --- Strategy protocol ---------------------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        batch = self._broadcast_batch(batch)
+        micro, weights, skew = split_minibatch(
+            batch,
+            self.layout.dp,
+            self.layout.microbatches,
+            balance=self.config.balance,
+            loss_reduction=self.algorithm.loss_reduction,
+        )
+        for module in self.stages.values():
+            module.train()
+        executor = PipelineExecutor(
+            self.rank,
+            self.program,
+            self.problem,
+            self.stages,
+            losses=self.losses,
+            p2p_groups=self.groups.p2p,
+            grad_groups=self.groups.grad,
+            timeout_s=self.timeout_s,
+            autocast=self.autocast,
+        )
+        dist.barrier()
+        result = executor.run(StepWork(micro, weights), optimizer_step=self._optimizer_step)
+        timing = torch.tensor([result.seconds, result.compute_seconds], dtype=torch.float64)
+        longest = timing[:1].clone()
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(timing)
+        measured = float(longest)
+        bubble = 1.0 - float(timing[1]) / (self.world * measured) if measured > 0 else 0.0
+        predicted = self.predicted_s
+        if self.profiled is None:
+            self._plan(result)
+            predicted = self.predicted_serial_s
+        self.steps += 1
+        return {
+            **result.stats,
+            "actor/grad_norm": result.grad_norm["actor"],
+            "critic/grad_norm": result.grad_norm["critic"],
+            "lr": float(self.scheds["actor"].get_last_lr()[0]),
+            "train/predicted_makespan_s": predicted,
+            "train/measured_makespan_s": measured,
+            "train/bubble_ratio": bubble,
+            "train/dp_imbalance": skew,
+        }
+
+    def actor_weights(self) -> Mapping[str, Tensor]:
+        """The Actor's full weights on every rank (each stage broadcast from its first owner). The Critic is
+        gathered too: the inferencer of the next iteration reads both full models."""
+        for m in MODELS:
+            self._gather(m)
+        return self.models["actor"].state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        for m in MODELS:
+            self._gather(m)
+        return {
+            "actor": self.models["actor"].state_dict(),
+            "critic": self.models["critic"].state_dict(),
+            "rank": self.rank,
+            "world_size": self.world,
+            **{f"{m}_optim": self.optims[m].state_dict() for m in MODELS},
+            **{f"{m}_sched": self.scheds[m].state_dict() for m in MODELS},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("world_size") != self.world or state.get("rank") != self.rank:
+            raise ValueError(
+                f"this pipeline state was saved by rank {state.get('rank')} of {state.get('world_size')}; "
+                f"this is rank {self.rank} of {self.world}: resume with the same layout"
+            )
+        for m in MODELS:
+            self.models[m].load_state_dict(state[m])
+            self.optims[m].load_state_dict(state[f"{m}_optim"])
+            self.scheds[m].load_state_dict(state[f"{m}_sched"])
+
+    # --- internals -----------------------------------------------------------------------------------------------
+    def _local_params(self, model: str) -> list[torch.nn.Parameter]:
+        seen: dict[int, torch.nn.Parameter] = {}
+        for (m, _, _), module in sorted(self.stages.items()):
+            if m == model:
+                for p in module.parameters():
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _optimizer_step(self, model: str, norm: float) -> None:
+        if not math.isfinite(norm):
+            for optim in self.optims.values():
+                optim.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{model}/grad_norm is {norm}")
+        params = self._local_params(model)
+        if self.config.grad_clip > 0:
+            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        self.optims[model].step()
+        self.scheds[model].step()
+        self.optims[model].zero_grad(set_to_none=True)
+
+    def _broadcast_batch(self, batch: TrainBatch) -> TrainBatch:
+        box: list[Any] = [batch if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
+        assert isinstance(out, TrainBatch)
+        return out
+
+    def _gather(self, model: str) -> None:
+        for s, stage in enumerate(self.all_stages[model]):
+            owner = self.layout.rank(model, 0, 0, s)
+            params = list(stage.parameters())
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, src=owner)
+            if self.rank != owner:
+                offset = 0
+                with torch.no_grad():
+                    for p in params:
+                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
+
+    def _plan(self, result: StepResult) -> None:
+        """After the first (serial 1F1B) step: per-stage durations measured on every rank -> problem ->
+        schedule (rank 0 searches, everyone receives the same) -> lowered, checked program."""
+        keys = [(m, s, k) for m in MODELS for s in range(self.layout.stages(m)) for k in ("F", "B")]
+        sums = torch.zeros(len(keys), dtype=torch.float64)
+        counts = torch.zeros(len(keys), dtype=torch.float64)
+        for i, key in enumerate(keys):
+            times = result.op_seconds.get(key, [])
+            sums[i], counts[i] = sum(times), len(times)
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+        mean = {key: float(sums[i] / counts[i].clamp(min=1)) for i, key in enumerate(keys)}
+        floor = 1e-6
+        forward = {m: [max(mean[(m, s, "F")], floor) for s in range(self.layout.stages(m))] for m in MODELS}
+        backward = {m: [max(mean[(m, s, "B")], floor) for s in range(self.layout.stages(m))] for m in MODELS}
+        self.profiled = self.layout.problem(forward=forward, backward=backward, name="profiled")
+        self.predicted_serial_s = simulate(self.profiled, serial_one_f_one_b(self.profiled)).makespan
+        if self.schedule_name == "serial_1f1b":
+            self.predicted_s = self.predicted_serial_s
+            return
+        box: list[Any] = [None]
+        if self.rank == 0:
+            if self.config.search_budget_s > 0:
+                solution = solve(self.profiled, SearchConfig(time_budget=self.config.search_budget_s))
+                box[0] = solution.schedule.to_json()
+            else:
+                box[0] = greedy(self.profiled).to_json()
+        dist.broadcast_object_list(box, src=0)
+        self.schedule = Schedule.from_json(box[0])
+        self.program = lower_checked(
+            self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+        )
+        self.predicted_s = simulate(self.profiled, self.schedule).makespan
+        if self.rank == 0:
+            self.log(
+                f"rlhfuse: fused schedule from measured stage times: predicted {self.predicted_s * 1e3:.1f} ms "
+                f"vs serial 1F1B {self.predicted_serial_s * 1e3:.1f} ms per mini-batch "
+                f"({self.predicted_serial_s / self.predicted_s:.2f}x)"
+            )
