@@ -5,9 +5,10 @@ tail and stream each tail sample to them as it finishes.
 `fused_generate_infer` runs on every rank of an initialised process group, one generation instance per rank:
 
 1. all ranks generate their share in lockstep until Rt samples remain (`DistributedCoordinator`), then migrate;
-2. freed ranks infer their own finished samples in micro-batches, then receive (point-to-point) every sample the
-   destinations finished (those finished before the migration first, then the tail as it finishes) and infer
-   them as they arrive; destinations only decode and send (non-blocking, so decoding never waits on inference);
+2. freed ranks infer their own finished samples in micro-batches, then receive (point-to-point) the tail samples
+   as the destinations finish them and infer them as they arrive; destinations decode the tail and send
+   (non-blocking, so decoding never waits on inference), then infer their own samples finished before the
+   migration;
 3. every rank all-gathers the per-sample results and returns the same `Experience`, rows in canonical order.
 
 With `threshold=0` it is the serial baseline: every rank generates its share to the end, then infers it.
@@ -16,7 +17,6 @@ Results equal the serial ones up to floating-point reassociation (micro-batches 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,17 +140,19 @@ def fused_generate_infer(
                 if len(batch) >= micro_batch or (not open_streams and batch):
                     rows += _infer_rows(inferencer, batch, pad_token_id)
                     batch = []
-        elif report.at:  # a destination: stream every finished sample to the freed ranks, round robin
+        elif report.at:
+            # a destination: stream the tail samples to the freed ranks as they finish (round robin), then infer
+            # its own samples that finished before the migration (as it would have without fusion)
             freed = list(report.freed)
             pending: list = []
-            sent = 0
-            for sample in itertools.chain(finished, stream):  # streamed as each finishes
+            for sent, sample in enumerate(stream):
                 _send_sample(sample, freed[sent % len(freed)], group, pending)
-                sent += 1
             gen_end = time.perf_counter()
             for dst in freed:
                 end = torch.full((_META,), -1, dtype=torch.int64)
                 pending.append((dist.isend(end, dst, group=group), end))
+            for k in range(0, len(finished), micro_batch):
+                rows += _infer_rows(inferencer, finished[k : k + micro_batch], pad_token_id)
             for work, _ in pending:
                 work.wait()
         else:  # no migration: generate to the end, then infer

@@ -1,0 +1,145 @@
+"""Inter-stage fusion: generation + inference, serial vs fused (migration + freed-instance inference), measured
+with 2 generation instances as 2 gloo processes on this machine, and the Rt sweep of the simulator at paper scale.
+
+Measured part: the default job's warm-started models (SFT Actor, Ref, Reward, Critic; long-tailed response
+lengths), its first batch (32 prompts x 4 samples, max_new_tokens 48), one process per instance, one thread each.
+Serial = each instance generates its half, then infers it; fused = at Rt unfinished samples the tail moves (KV
+transfer) to one instance and the other infers finished samples while the tail streams in. Rounds alternate the
+two, the time is rank 0's start to the last inference output (all-gathered). Same samples, same outputs (tested).
+
+Simulated part: `rlhfuse.generation.tuning.rt_sweep` with a 13B Actor / 33B Critic-shaped cost profile on 32
+instances of 8 H100s (documented below), and the planner's own Figure-9 sweep (`rlhfuse.planner.compare`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...]) -> None:
+    import torch.distributed as dist
+
+    from rlhfuse.data.prompts import PromptLoader, load_prompts
+    from rlhfuse.data.synthetic import SyntheticTask
+    from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
+    from rlhfuse.generation.fusion import fused_generate_infer
+    from rlhfuse.trainer import compose_config
+    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.models import load_models
+    from rlhfuse.trainer.trainer import collate_prompts
+    from rlhfuse.trainer.warmstart import warm_start
+
+    torch.set_num_threads(1)
+    cfg = compose_config()
+    task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.max_new_tokens,
+                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma)  # fmt: skip
+    sft, reward = warm_start(cfg.model, task, seed=cfg.seed, log=lambda _: None)
+    models = load_models(cfg.model, sft_path=str(sft), reward_path=str(reward), device=torch.device("cpu"))
+    tok = models.tokenizer
+    prompts = collate_prompts(
+        PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
+        .next_batch(), tok.pad_id)  # fmt: skip
+    inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
+                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
+    params = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, stop_token_ids=(tok.eos_id,))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    results: dict[str, list[float]] = {}
+    lengths: list[int] = []
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, fraction in (("serial", 0.0), *((f"fused Rt {f:.0%}", f) for f in fractions)):
+            requests = requests_for(
+                prompts, samples_per_prompt=cfg.data.samples_per_prompt, seed=0, iteration=r
+            )
+            engine = GenerationEngine(models.actor, params, num_slots=len(requests),
+                                      max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens)  # fmt: skip
+            threshold = round(fraction * len(requests))
+            dist.barrier()
+            res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
+                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id)  # fmt: skip
+            if r > 0:
+                results.setdefault(name, []).append(res.gen_inf_s)
+            if r == 1 and name == "serial":
+                lengths = res.experience.rollout.response_lengths_B.tolist()
+    if rank == 0:
+        torch.save({"results": results, "lengths": lengths}, out)
+    dist.destroy_process_group()
+
+
+def _measured(quick: bool) -> None:
+    rounds = 2 if quick else 5
+    fractions = (0.1, 0.2, 0.4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "fusion.pt")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, port, out, rounds, fractions)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(900)
+        if any(p.exitcode != 0 for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError(f"fusion benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
+        data = torch.load(out)
+    lengths = sorted(data["lengths"])
+    print(f"default job, first batch: {len(lengths)} samples, response length p50 {lengths[len(lengths) // 2]}, "
+          f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = 2 gloo processes, "
+          f"{rounds} rounds")  # fmt: skip
+    serial = data["results"]["serial"]
+    print(f"  serial generation then inference: median {statistics.median(serial) * 1e3:7.1f} ms")
+    for name, times in data["results"].items():
+        if name == "serial":
+            continue
+        ratios = [s / f for s, f in zip(serial, times, strict=True)]
+        print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
+              f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x")  # fmt: skip
+
+
+def _simulated() -> None:
+    from rlhfuse.generation.tuning import CostProfile, rt_sweep
+    from rlhfuse.planner import LengthDistribution
+
+    # 13B Actor (tp 8 per instance, H100): decode step ~2 ms (weights over HBM at 70%) + a KV-read term per
+    # sample; prefill 26 GFLOP/token at 55% of 8 x 989 TFLOP/s; inference = Actor + Ref (13B) + Reward + Critic
+    # (33B) forward passes: 184 GFLOP/token on the same instance. Batch 512, lengths log-normal (median 130,
+    # sigma 1, cap 1024: LMSYS-Chat-1M), 32 instances, BSmax 211 (H100), prompts 128 tokens.
+    peak = 8 * 989e12 * 0.55
+    profile = CostProfile(step_base_s=2.0e-3, step_per_sample_s=2.0e-5, prefill_s_per_token=26e9 / peak,
+                          inference_s_per_token=184e9 / peak)  # fmt: skip
+    sweep, serial = rt_sweep(LengthDistribution(130, 1.0), batch=512, cap=1024, prompt_len=128, instances=32,
+                             profile=profile, bs_max=211, slots=512)  # fmt: skip
+    best_rt, _ = min(sweep, key=lambda x: x[1].gen_inf_s)
+    print(
+        "simulated (rlhfuse.generation.tuning), 13B/33B-shaped costs, 32 instances, batch 512, max len 1024:"
+    )
+    print(f"  serial Gen+Inf {serial.gen_inf_s:.3f} s")
+    for rt, res in sweep:
+        mark = "  <- best" if rt == best_rt else ""
+        print(f"  Rt {rt / 512:4.0%} ({rt:3d})  Gen+Inf {res.gen_inf_s:.3f} s  m={res.destinations:2d}  "
+              f"speedup {serial.gen_inf_s / res.gen_inf_s:.2f}x{mark}")  # fmt: skip
+    from rlhfuse.planner import RLHFModels, Workload, cluster, compare, model
+
+    comp = compare(RLHFModels(model("13b"), model("33b")), cluster("h100", 32, 8), Workload(max_len=1024))
+    print("planner (rlhfuse.planner.compare, 13B/33B, 32x8 H100, max len 1024): fused Gen+Inf by Rt")
+    for frac, seconds in comp.rlhfuse.sweep:
+        print(f"  Rt {frac:4.0%}  {seconds:7.3f} s")
+    print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
+
+
+def run(quick: bool = False) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _measured(quick)
+    _simulated()
