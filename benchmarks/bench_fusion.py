@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
             threshold = round(fraction * len(requests))
             dist.barrier()
             res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
-                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id)  # fmt: skip
+                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id, sync_every=4)  # fmt: skip
             if r > 0:
                 results.setdefault(name, []).append(res.gen_inf_s)
             if r == 1 and name == "serial":

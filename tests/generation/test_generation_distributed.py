@@ -51,7 +51,9 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
     try:
         for mechanism in mechanisms:  # one process group for both runs: process start-up dominates the test
             engine = GenerationEngine(_model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW)
-            coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism)
+            # the re-prefill run also syncs the counts only every 3 steps
+            sync = 3 if mechanism == "reprefill" else 1
+            coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism, sync_every=sync)
             done = []
             for sample in coordinator.run(_requests(), threshold=threshold):
                 done.append(sample)

@@ -43,6 +43,9 @@ class DistributedCoordinator:
     mechanism: str = "auto"
     link_bytes_per_s: float = 1e9
     group: dist.ProcessGroup | None = None
+    # All-gather the unfinished counts every `sync_every` steps (1 = exact Rt; more = less synchronisation, the
+    # migration then starts up to sync_every - 1 steps late).
+    sync_every: int = 1
     report: MigrationReport = field(default_factory=MigrationReport)
 
     @property
@@ -64,6 +67,8 @@ class DistributedCoordinator:
             if engine.has_work():
                 yield from engine.step()
             step += 1
+            if step % self.sync_every:
+                continue  # every rank counts the same loop iterations, so all reach the same sync points
             counts = self._gather_counts(engine.num_unfinished, step)
             total = sum(counts)
             if total == 0:

@@ -111,10 +111,13 @@ def fused_generate_infer(
     micro_batch: int = 8,
     pad_token_id: int = 0,
     group: dist.ProcessGroup | None = None,
+    sync_every: int = 1,
 ) -> FusedResult:
     start = time.perf_counter()
     rank = dist.get_rank(group)
-    coordinator = DistributedCoordinator(engine, bs_max=bs_max, mechanism=mechanism, group=group)
+    coordinator = DistributedCoordinator(
+        engine, bs_max=bs_max, mechanism=mechanism, group=group, sync_every=sync_every
+    )
     rows: list[tuple] = []
     finished: list[SampleRequest] = []
     stream = coordinator.run(requests, threshold=threshold)

@@ -78,6 +78,7 @@ class EngineGenerator:
         slots = self.config.num_slots or batch
         if (
             not self.engines
+            or any(e.has_work() for e in self.engines)  # an earlier generate stopped part-way
             or self.engines[0].cache.max_len < max_len
             or self.engines[0].cache.num_slots != slots
         ):
