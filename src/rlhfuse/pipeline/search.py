@@ -272,7 +272,7 @@ def constructive_starts(
     rng.shuffle(configs)  # type: ignore[arg-type]
     configs.sort(key=lambda cfg: 0 if cfg[0] is not None and cfg[0][1] is not None else 1)
     for protect, slack, favour, extra in configs:
-        if time.perf_counter() > deadline and len(found) >= 2:
+        if time.perf_counter() > deadline and (len(found) >= 2 or cap is not None):
             break
         planned = None
         if protect is not None:
