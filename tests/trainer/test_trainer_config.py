@@ -80,7 +80,10 @@ def test_unknown_component_names_list_the_known_ones():
     cfg.inferencer.reward_fn = "topic_fractoin"
     with pytest.raises(ValueError) as err:
         validate(cfg)
-    assert "unknown strategy pipeline.name='fusd': known strategy names are ['fused', 'plain', 'serial_1f1b']" in str(err.value)
+    assert (
+        "unknown strategy pipeline.name='fusd': known strategy names are ['fused', 'plain', 'serial_1f1b']"
+        in str(err.value)
+    )
     assert "known reward function names are ['length_penalty', 'topic_fraction']" in str(err.value)
 
 
