@@ -113,13 +113,19 @@ class StepWork:
 
 @dataclass
 class StepResult:
-    """What one rank measured: summed statistics (all ranks agree), gradient norms, per-op compute times."""
+    """What one rank measured: summed statistics (all ranks agree), gradient norms, compute times per
+    (model, stage, kind) and per (action, data-parallel group)."""
 
     stats: dict[str, float]
     grad_norm: dict[str, float]
     seconds: float
     compute_seconds: float
     op_seconds: dict[tuple[str, int, str], list[float]] = field(default_factory=dict)
+    action_seconds: dict[tuple[Action, int], float] = field(default_factory=dict)
+    # with track_memory: bytes autograd saved for backward per forward (parameters excluded), and the peak of
+    # the bytes held at once on this rank (added when an F saves them, freed when its B ends)
+    action_bytes: dict[tuple[Action, int], int] = field(default_factory=dict)
+    peak_activation_bytes: int = 0
 
 
 class PipelineExecutor:
@@ -141,6 +147,7 @@ class PipelineExecutor:
         p2p_groups: Mapping[str, Any] | None = None,
         grad_groups: Mapping[tuple[str, int], Any] | None = None,
         timeout_s: float = 300.0,
+        track_memory: bool = False,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.rank, self.program, self.problem = rank, program, problem
@@ -151,6 +158,7 @@ class PipelineExecutor:
         self.grad_groups = dict(grad_groups or {})
         self.timeout_s = timeout_s
         self.autocast = autocast
+        self.track_memory = track_memory
         self.group = rank // program.group_size
         n = problem.ranks
         local = rank % n
@@ -165,7 +173,8 @@ class PipelineExecutor:
             raise ValueError(
                 f"rank {rank} holds stages {sorted(expected)} in the layout but got modules for {sorted(self.stages)}"
             )
-        self.dtype = next(iter(self.stages.values())).parameters().__next__().dtype
+        first = next(next(iter(self.stages.values())).parameters())
+        self.dtype, self.device = first.dtype, first.device
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _micro_index(self, model: str, replica: int, mb: int) -> int:
@@ -228,13 +237,18 @@ class PipelineExecutor:
         reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter], int]]] = defaultdict(list)
         stat_sums: dict[str, float] = defaultdict(float)
         op_seconds: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+        action_seconds: dict[tuple[Action, int], float] = {}
         compute = 0.0
+        self._bytes: dict[tuple[Action, int], int] = {}
+        self._live = self._peak = 0
         norms: dict[str, float] = {}
         for ins in self.stream:
             if ins.kind is Kind.RECV:
                 assert ins.message is not None
                 if ins.post:
-                    buf = torch.empty(self._message_shape(work, ins.message), dtype=self.dtype)
+                    buf = torch.empty(
+                        self._message_shape(work, ins.message), dtype=self.dtype, device=self.device
+                    )
                     handle = dist.irecv(buf, src=ins.peer, group=self.p2p.get(ins.model))
                     pending_recv[ins.message] = (buf, handle)
                 else:
@@ -256,6 +270,7 @@ class PipelineExecutor:
                 took = time.perf_counter() - start
                 compute += took
                 op_seconds[(ins.model, ins.action.stage, ins.kind.value)].append(took)
+                action_seconds[(ins.action, ins.group)] = took
             elif ins.kind is Kind.REDUCE_GRAD:
                 params = self._params(ins.model, ins.stage)
                 flat = torch.cat(
@@ -287,7 +302,9 @@ class PipelineExecutor:
             # norm stops the step with no weight changed, on every rank alike
             for model in self.program.models or tuple(norms):
                 optimizer_step(model, norms[model])
-        return StepResult(stats, norms, seconds, compute, dict(op_seconds))
+        return StepResult(
+            stats, norms, seconds, compute, dict(op_seconds), action_seconds, dict(self._bytes), self._peak
+        )
 
     def _forward(
         self,
@@ -308,11 +325,14 @@ class PipelineExecutor:
             assert ins.needs is not None
             x = inbox.pop(ins.needs).requires_grad_(True)
             inputs[(a, ins.group)] = x
-        with self.autocast():
-            out = stage(x, attention_mask_BT=micro.attention_mask_BT)
         spec = self.problem.model(a.model)
-        if a.stage == spec.stages - 1:
-            loss, stats = self.losses[a.model](out, micro)
+        last = a.stage == spec.stages - 1
+        with self._saved_tensors(a, ins.group):  # the loss's saved tensors count too
+            with self.autocast():
+                out = stage(x, attention_mask_BT=micro.attention_mask_BT)
+            if last:
+                loss, stats = self.losses[a.model](out, micro)
+        if last:
             if not torch.isfinite(loss):
                 from rlhfuse.trainer.strategy import NonFiniteError
 
@@ -341,10 +361,40 @@ class PipelineExecutor:
             out.backward()
         else:
             torch.autograd.backward(out, inbox.pop(ins.needs))
+        self._live -= self._bytes.get(f, 0)
         if a.stage > 0:
             x = inputs.pop(f)
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)] = grad
+
+    @contextlib.contextmanager
+    def _saved_tensors(self, action: Action, group: int) -> Any:
+        """Count the bytes autograd saves during this forward (storages counted once; parameters excluded)."""
+        if not self.track_memory:
+            yield
+            return
+        params = {
+            t.untyped_storage().data_ptr()
+            for m in self.stages.values()
+            for t in [*m.parameters(), *m.buffers()]
+        }
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: Tensor) -> Tensor:
+            nonlocal total
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._bytes[(action, group)] = total
+        self._live += total
+        self._peak = max(self._peak, self._live)
 
     def _grad_norm(self, model: str) -> float:
         """The whole model's gradient norm: every stage's squared norm, counted once over its copies."""

@@ -106,6 +106,7 @@ class FusedPipelineStrategy:
         self.predicted_s = float("nan")
         self.predicted_serial_s = float("nan")
         self.steps = 0
+        self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
 
@@ -119,6 +120,9 @@ class FusedPipelineStrategy:
             balance=self.config.balance,
             loss_reduction=self.algorithm.loss_reduction,
         )
+        device = next(iter(self.stages.values())).parameters().__next__().device
+        if device.type != "cpu":
+            micro = [[TrainBatch(**{k: v.to(device) for k, v in vars(m).items()}) for m in g] for g in micro]
         for module in self.stages.values():
             module.train()
         executor = PipelineExecutor(
@@ -134,6 +138,7 @@ class FusedPipelineStrategy:
         )
         dist.barrier()
         result = executor.run(StepWork(micro, weights), optimizer_step=self._optimizer_step)
+        self.last_result = result
         timing = torch.tensor([result.seconds, result.compute_seconds], dtype=torch.float64)
         longest = timing[:1].clone()
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
@@ -223,13 +228,26 @@ class FusedPipelineStrategy:
             owner = self.layout.rank(model, 0, 0, s)
             params = list(stage.parameters())
             flat = torch.cat([p.detach().reshape(-1) for p in params])
-            dist.broadcast(flat, src=owner)
+            dist.broadcast(flat, src=owner)  # NCCL: the stage's device; gloo: CPU
             if self.rank != owner:
                 offset = 0
                 with torch.no_grad():
                     for p in params:
                         p.copy_(flat[offset : offset + p.numel()].view_as(p))
                         offset += p.numel()
+
+    def replay_makespan(self) -> float:
+        """Collective: the makespan the simulator gives the current schedule with the compute times of the last
+        step's own ops (gathered from every rank of fused group 0). Measured / replayed - 1 is the share of
+        communication, bookkeeping and waiting not explained by compute."""
+        assert self.last_result is not None and self.profiled is not None
+        gathered: list[Any] = [None] * self.world
+        mine = {a: t for (a, g), t in self.last_result.action_seconds.items() if g == 0}
+        dist.all_gather_object(gathered, mine)
+        times: dict[Any, float] = {}
+        for part in gathered:
+            times.update(part or {})
+        return simulate(self.profiled, self.schedule, durations=lambda a: times[a]).makespan
 
     def _plan(self, result: StepResult) -> None:
         """After the first (serial 1F1B) step: per-stage durations measured on every rank -> problem ->

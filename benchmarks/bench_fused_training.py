@@ -1,0 +1,192 @@
+"""Training stage of the default tiny job on 2 gloo processes: fused schedule vs serial 1F1B on the same ranks.
+
+`python -m benchmarks.run fused_training [--quick]`. Both strategies (`rlhfuse.runtime.FusedPipelineStrategy`,
+schedule "fused" and "serial_1f1b") train their own copy of the same models on the same mini-batches, one step
+each in alternation, so machine noise hits both alike. Printed side by side:
+
+- predicted: serial / fused makespan simulated with the stage times measured on the profiling step;
+- measured: median over rounds of serial / fused wall time of one optimizer step (slowest rank);
+- measured / predicted speedup (goal >= 0.9);
+- replay x: serial / fused makespan simulated with each step's own op times (same contention as measured);
+- comm+book: measured makespan / that replayed makespan - 1 per schedule: communication, bookkeeping and waiting
+  not explained by compute;
+- bubble ratio measured on the ranks.
+
+Shapes: the default job (conf/model/tiny.yaml: width 64, 2 layers; mini-batches of 64 samples, prompts <= 16
+tokens, long-tailed responses up to 48) with actor_pp = critic_pp = 2 and 4 micro-batches; `--wide` variants
+(width 256 / 512) show how the ratios move as compute grows against communication.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.trainer.advantages import AlgorithmConfig
+from rlhfuse.trainer.types import TrainBatch
+
+SHAPES = {
+    "default": dict(
+        hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32
+    ),
+    "wide256": dict(
+        hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=64
+    ),
+    "wide512": dict(
+        hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=64
+    ),
+}
+
+
+def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompt, response = 16, 48
+    lengths = torch.exp(torch.randn(samples, generator=g) * 0.8 + 2.4).round().clamp(1, response).long()
+    ids = torch.randint(4, vocab, (samples, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    resp = torch.zeros(samples, response)
+    for b in range(samples):
+        p = int(torch.randint(6, prompt + 1, (1,), generator=g))
+        mask[b, : prompt - p] = 0
+        mask[b, prompt + int(lengths[b]) :] = 0
+        resp[b, : int(lengths[b])] = 1
+    keep = int(lengths.max())
+    ids, mask, resp = ids[:, : prompt + keep], mask[:, : prompt + keep], resp[:, :keep]
+    ids = ids * mask
+
+    def rand() -> torch.Tensor:
+        return torch.randn(samples, keep, generator=g)
+
+    return TrainBatch(ids, mask, resp, -2.0 + 0.1 * rand(), 0.3 * rand(), rand(), rand())
+
+
+def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
+    strategies = {}
+    for name in ("serial_1f1b", "fused"):
+        torch.manual_seed(0)
+        actor, critic = Transformer(cfg, head="lm"), Transformer(cfg, head="value")
+        pcfg = PipelineConfig(name=name, actor_pp=2, critic_pp=2, microbatches=4, search_budget_s=3.0)
+        strategies[name] = FusedPipelineStrategy(
+            actor,
+            critic,
+            pcfg,
+            AlgorithmConfig(),
+            total_steps=10_000,
+            mini_batch_size=64,
+            micro_batch_size=16,
+            schedule=name,
+            timeout_s=120,
+            log=lambda msg: None,
+        )
+    rows: dict[str, list[dict[str, float]]] = {n: [] for n in strategies}
+    for step in range(rounds + 1):
+        batch = _batch(64, step, cfg.vocab_size)
+        order = list(strategies) if step % 2 == 0 else list(reversed(strategies))
+        for name in order:
+            stats = strategies[name].train_step(batch)
+            if step > 0:  # step 0 is each strategy's profiling step (serial 1F1B)
+                stats["replay_s"] = strategies[name].replay_makespan()
+                rows[name].append(stats)
+    if rank == 0:
+        fused = strategies["fused"]
+        queue.put(
+            {
+                "rows": rows,
+                "predicted_fused": fused.predicted_s,
+                "predicted_serial": fused.predicted_serial_s,
+                "schedule": str(fused.schedule),
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(shape: str, rounds: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = mp.start_processes(
+            _worker,
+            args=(2, os.path.join(tmp, "init"), shape, rounds, queue),
+            nprocs=2,
+            join=False,
+            start_method="spawn",
+        )
+        result = queue.get(timeout=900)
+        procs.join()
+    rows = result["rows"]
+    serial = [r["train/measured_makespan_s"] for r in rows["serial_1f1b"]]
+    fused = [r["train/measured_makespan_s"] for r in rows["fused"]]
+    ratios = [s / f for s, f in zip(serial, fused, strict=True)]
+    pred_ratio = result["predicted_serial"] / result["predicted_fused"]
+    meas_ratio = statistics.median(ratios)
+    replay = {n: [r["replay_s"] for r in rows[n]] for n in rows}
+    return {
+        "replay_ratio": statistics.median(
+            s / f for s, f in zip(replay["serial_1f1b"], replay["fused"], strict=True)
+        ),
+        "comm_overhead_serial": statistics.median(
+            m / r - 1 for m, r in zip(serial, replay["serial_1f1b"], strict=True)
+        ),
+        "comm_overhead_fused": statistics.median(
+            m / r - 1 for m, r in zip(fused, replay["fused"], strict=True)
+        ),
+        "predicted_serial_ms": result["predicted_serial"] * 1e3,
+        "predicted_fused_ms": result["predicted_fused"] * 1e3,
+        "measured_serial_ms": statistics.median(serial) * 1e3,
+        "measured_fused_ms": statistics.median(fused) * 1e3,
+        "predicted_ratio": pred_ratio,
+        "measured_ratio": meas_ratio,
+        "measured_over_predicted": meas_ratio / pred_ratio,
+        "overhead_serial": statistics.median(serial) / result["predicted_serial"] - 1,
+        "overhead_fused": statistics.median(fused) / result["predicted_fused"] - 1,
+        "bubble_serial": statistics.median(r["train/bubble_ratio"] for r in rows["serial_1f1b"]),
+        "bubble_fused": statistics.median(r["train/bubble_ratio"] for r in rows["fused"]),
+    }
+
+
+def run(quick: bool = False, shapes: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
+    shapes = shapes or (["default"] if quick else ["default", "wide256", "wide512"])
+    rounds = 4 if quick else 12
+    out = []
+    print(
+        f"{'shape':<9} {'pred serial/fused ms':>21} {'meas serial/fused ms':>21} {'pred x':>7} {'meas x':>7} "
+        f"{'meas/pred':>9} {'replay x':>8} {'comm+book s/f':>14} {'bubble s/f':>11}"
+    )
+    for shape in shapes:
+        r = measure(shape, rounds)
+        out.append((shape, r))
+        print(
+            f"{shape:<9} {r['predicted_serial_ms']:>9.1f} / {r['predicted_fused_ms']:<9.1f} "
+            f"{r['measured_serial_ms']:>9.1f} / {r['measured_fused_ms']:<9.1f} {r['predicted_ratio']:>7.2f} "
+            f"{r['measured_ratio']:>7.2f} {r['measured_over_predicted']:>9.2f} "
+            f"{r['replay_ratio']:>8.2f} {r['comm_overhead_serial']:>+6.0%}/{r['comm_overhead_fused']:<+6.0%} "
+            f"{r['bubble_serial']:>5.2f}/{r['bubble_fused']:<5.2f}",
+            flush=True,
+        )
+    return out
+
+
+if __name__ == "__main__":
+    run(quick="--quick" in sys.argv, shapes=[a for a in sys.argv[1:] if not a.startswith("--")] or None)
