@@ -26,7 +26,7 @@ def _model():
     return Transformer(config, head="lm").eval()
 
 
-def _requests():
+def _prompt_batch():
     g = torch.Generator().manual_seed(1)
     rows = [[1, *torch.randint(3, 24, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()]
             for _ in range(6)]  # fmt: skip
@@ -36,7 +36,11 @@ def _requests():
     for b, row in enumerate(rows):
         ids[b, width - len(row) :] = torch.tensor(row)
         mask[b, width - len(row) :] = 1
-    return requests_for(PromptBatch(ids, mask, torch.arange(6)), samples_per_prompt=4, seed=3, iteration=1)
+    return PromptBatch(ids, mask, torch.arange(6))
+
+
+def _requests():
+    return requests_for(_prompt_batch(), samples_per_prompt=4, seed=3, iteration=1)
 
 
 def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
@@ -166,11 +170,24 @@ def _fusion_worker(rank, port, out_dir):
         )
         torch.save({"experience": result.experience, "freed": result.report.freed, "moved": result.report.samples_moved},
                    os.path.join(out_dir, f"{name}-rank{rank}.pt"))  # fmt: skip
+    # the trainer's generator on the same world: one instance per rank, the whole rollout on every rank
+    from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig
+
+    config = GenerationConfig(
+        name="engine", max_new_tokens=MAX_NEW, top_p=0.95, stop_token_ids=[6, 14], instances=2
+    )
+    gen = EngineGenerator(_model(), config, eos_token_id=EOS, pad_token_id=PAD, samples_per_prompt=4, seed=3,
+                          policy=FixedThreshold(6), mechanism="kv", bs_max=16)  # fmt: skip
+    (rollout,) = gen.generate(_prompt_batch(), iteration=1)
+    assert gen.is_distributed()
+    torch.save({"rollout": rollout, "moved": gen.migration.samples_moved, "metrics": gen.rollout_metrics()},
+               os.path.join(out_dir, f"generator-rank{rank}.pt"))  # fmt: skip
     dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
 def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
+    """Also: EngineGenerator on a 2-rank world generates one instance per rank, equal to the oracle."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -194,6 +211,11 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
         done += engine.step()
     with torch.no_grad():
         oracle = _inferencer().infer(to_rollout(sorted(done, key=lambda r: r.row), PAD))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"generator-rank{rank}.pt", weights_only=False)
+        assert got["moved"] > 0 and got["metrics"]["migration/destinations"] == 1
+        for field in vars(oracle.rollout):
+            assert torch.equal(getattr(got["rollout"], field), getattr(oracle.rollout, field)), field
     fused = torch.load(tmp_path / "fused-rank0.pt", weights_only=False)
     assert fused["moved"] > 0 and len(fused["freed"]) == 1
     for name in ("serial", "fused"):

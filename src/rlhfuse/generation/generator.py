@@ -13,10 +13,12 @@ import math
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport
+from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
 from rlhfuse.generation.engine import (
     GenerationEngine,
     SampleRequest,
@@ -31,7 +33,13 @@ from rlhfuse.trainer.types import PromptBatch, Rollout
 
 
 class EngineGenerator:
-    """`config.instances` engines, each with its own copy of the Actor, coordinated in this process."""
+    """`config.instances` engines, each with its own copy of the Actor.
+
+    On an initialised torch.distributed world of exactly `config.instances` ranks (e.g. `distributed.
+    nproc_per_node=2 generator.instances=2`), each rank is one instance (`DistributedCoordinator`: migration
+    point-to-point) and every rank gets the whole rollout (all-gathered); otherwise the instances are stepped in
+    turn in this process (`Coordinator`). Both give the same samples.
+    """
 
     def __init__(
         self,
@@ -57,7 +65,8 @@ class EngineGenerator:
             top_p=config.top_p,
             stop_token_ids=tuple(sorted({eos_token_id, *config.stop_token_ids})),
         )
-        self.models = [copy.deepcopy(actor).eval().requires_grad_(False) for _ in range(config.instances)]
+        # one copy now; the in-process mode adds the other instances' copies on first use
+        self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
         self.pad_token_id = pad_token_id
         self.samples_per_prompt = samples_per_prompt
         self.seed = seed
@@ -65,6 +74,7 @@ class EngineGenerator:
         self.coordinator = Coordinator(
             [], bs_max=bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
         )
+        self.distributed: DistributedCoordinator | None = None
         self.engines: list[GenerationEngine] = []
         self._predicted: tuple[object, object] | None = None
 
@@ -73,11 +83,22 @@ class EngineGenerator:
             for model in self.models:
                 model.load_state_dict(dict(named_tensors), strict=True)
 
-    def _engines_for(self, prompt_width: int, batch: int) -> list[GenerationEngine]:
+    def is_distributed(self) -> bool:
+        """One instance per rank: a torch.distributed world of exactly `generator.instances` ranks."""
+        return (
+            self.config.instances > 1
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() == self.config.instances
+        )
+
+    def _engines_for(self, prompt_width: int, batch: int, count: int) -> list[GenerationEngine]:
         max_len = prompt_width + self.params.max_new_tokens
         slots = self.config.num_slots or batch
+        while len(self.models) < count:
+            self.models.append(copy.deepcopy(self.models[0]))
         if (
-            not self.engines
+            len(self.engines) != count
             or any(e.has_work() for e in self.engines)  # an earlier generate stopped part-way
             or self.engines[0].cache.max_len < max_len
             or self.engines[0].cache.num_slots != slots
@@ -90,7 +111,7 @@ class EngineGenerator:
                     max_len=max_len,
                     prefix_sharing=self.config.prefix_sharing,
                 )
-                for model in self.models
+                for model in self.models[:count]
             ]
         for engine in self.engines:
             engine.stats = type(engine.stats)()
@@ -102,8 +123,23 @@ class EngineGenerator:
             prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
         )
         width = max(len(r.prompt_P) for r in requests)
-        self.coordinator.engines = self._engines_for(width, len(requests))
-        yield from self.coordinator.run(requests, threshold=self.policy.threshold(len(requests)))
+        threshold = self.policy.threshold(len(requests))
+        if not self.is_distributed():
+            self.distributed = None
+            self.coordinator.engines = self._engines_for(width, len(requests), self.config.instances)
+            yield from self.coordinator.run(requests, threshold=threshold)
+            return
+        # every rank must use the same Rt (policies tune on rank-local timings): rank 0's
+        agreed = torch.tensor([threshold], dtype=torch.int64)
+        dist.broadcast(agreed, 0)
+        (engine,) = self._engines_for(width, len(requests), 1)
+        c = self.coordinator
+        self.distributed = DistributedCoordinator(
+            engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
+        )
+        rank = dist.get_rank()
+        for sample in self.distributed.run(requests, threshold=int(agreed)):
+            yield rank, sample
 
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
         # what migration=auto predicted for this batch's Rt (made from the previous batches)
@@ -112,9 +148,8 @@ class EngineGenerator:
             if isinstance(self.policy, AutoThreshold)
             else None
         )
-        done = sorted(
-            (sample for _, sample in self.stream(prompts, iteration=iteration)), key=lambda r: r.row
-        )
+        done = [sample for _, sample in self.stream(prompts, iteration=iteration)]
+        done = gather_finished(done) if self.distributed is not None else sorted(done, key=lambda r: r.row)
         self.policy.observe(
             BatchObservation(
                 response_lengths=[len(r.tokens) for r in done],
@@ -128,14 +163,14 @@ class EngineGenerator:
 
     @property
     def migration(self) -> MigrationReport:
-        return self.coordinator.report
+        return self.distributed.report if self.distributed is not None else self.coordinator.report
 
     def rollout_metrics(self) -> dict[str, float]:
         """Metrics of the last `generate`: migration, running batch size, engine tokens/s."""
         stats = [e.stats for e in self.engines]
         sizes = [b for s in stats for b in s.batch_sizes]
         busy = sum(s.busy_seconds for s in stats)
-        report = self.coordinator.report
+        report = self.migration
         predicted: dict[str, float] = {}
         if self._predicted is not None:
             fused, serial = self._predicted
