@@ -239,7 +239,9 @@ def build_trainer(
 
     all_callbacks: list[object] = [
         RichProgress(
-            config.iterations, enabled=config.logger.progress and rank0, print_every=config.logger.print_every
+            config.iterations,
+            enabled=config.logger.progress and rank0,
+            print_every=config.logger.print_every if rank0 else 0,
         )
     ]
     if config.data.source == "synthetic":
