@@ -180,7 +180,12 @@ def _fusion_worker(rank, port, out_dir):
                           policy=FixedThreshold(6), mechanism="kv", bs_max=16)  # fmt: skip
     (rollout,) = gen.generate(_prompt_batch(), iteration=1)
     assert gen.is_distributed()
-    torch.save({"rollout": rollout, "moved": gen.migration.samples_moved, "metrics": gen.rollout_metrics()},
+    # what the trainer calls: generation fused with inference, the same Experience on every rank
+    experience, timings = gen.fused_rollout(
+        _prompt_batch(), iteration=1, inferencer=inferencer, micro_batch=4
+    )
+    torch.save({"rollout": rollout, "moved": gen.migration.samples_moved, "metrics": gen.rollout_metrics(),
+                "experience": experience, "timings": timings},
                os.path.join(out_dir, f"generator-rank{rank}.pt"))  # fmt: skip
     dist.destroy_process_group()
 
@@ -216,6 +221,14 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
         assert got["moved"] > 0 and got["metrics"]["migration/destinations"] == 1
         for field in vars(oracle.rollout):
             assert torch.equal(getattr(got["rollout"], field), getattr(oracle.rollout, field)), field
+            assert torch.equal(getattr(got["experience"].rollout, field), getattr(oracle.rollout, field)), (
+                field
+            )
+        for field in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+            torch.testing.assert_close(
+                getattr(got["experience"], field), getattr(oracle, field), atol=1e-5, rtol=1e-5
+            )
+        assert got["timings"]["time/generation_inference"] >= got["timings"]["time/generation"] > 0
     fused = torch.load(tmp_path / "fused-rank0.pt", weights_only=False)
     assert fused["moved"] > 0 and len(fused["freed"]) == 1
     for name in ("serial", "fused"):

@@ -26,10 +26,12 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
+from rlhfuse.generation.fusion import fused_generate_infer
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer
-from rlhfuse.trainer.types import PromptBatch, Rollout
+from rlhfuse.trainer.protocols import Inferencer
+from rlhfuse.trainer.types import Experience, PromptBatch, Rollout
 
 
 class EngineGenerator:
@@ -160,6 +162,49 @@ class EngineGenerator:
             )
         )
         yield to_rollout(done, self.pad_token_id)
+
+    def fused_rollout(
+        self, prompts: PromptBatch, *, iteration: int, inferencer: Inferencer, micro_batch: int = 16
+    ) -> tuple[Experience, dict[str, float]] | None:
+        """Generation fused with inference (`fused_generate_infer`) when one instance runs per rank: the
+        rollout's Experience (the same on every rank) and its timings; None in the in-process mode (the trainer
+        then generates and infers in turn)."""
+        if not self.is_distributed():
+            return None
+        requests = requests_for(
+            prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
+        )
+        self._predicted = (
+            (self.policy.predicted, self.policy.predicted_serial)
+            if isinstance(self.policy, AutoThreshold)
+            else None
+        )
+        agreed = torch.tensor([self.policy.threshold(len(requests))], dtype=torch.int64)
+        dist.broadcast(agreed, 0)
+        width = max(len(r.prompt_P) for r in requests)
+        (engine,) = self._engines_for(width, len(requests), 1)
+        c = self.coordinator
+        result = fused_generate_infer(
+            engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
+            micro_batch=micro_batch, pad_token_id=self.pad_token_id,
+        )  # fmt: skip
+        self.distributed = DistributedCoordinator(engine, bs_max=c.bs_max, report=result.report)
+        rollout = result.experience.rollout
+        self.policy.observe(
+            BatchObservation(
+                response_lengths=rollout.response_lengths_B.tolist(),
+                prompt_len=round(float(rollout.prompt_mask_BP.sum()) / len(rollout)),
+                cap=self.params.max_new_tokens,
+                slots=engine.cache.num_slots,
+                profile=CostProfile.fit([engine.stats]),
+            )
+        )
+        return result.experience, {
+            "time/generation": result.generation_s,
+            "time/inference": result.gen_inf_s - result.generation_s,
+            "time/generation_inference": result.gen_inf_s,
+            **self.rollout_metrics(),
+        }
 
     @property
     def migration(self) -> MigrationReport:
