@@ -147,17 +147,19 @@ class RLHFTrainer:
         return metrics
 
     def rollout(self, prompts: PromptBatch, iteration: int) -> tuple[Experience, dict[str, float]]:
+        self.fabric.call("on_stage_start", self, "generation")
         # a generator that fuses inference into generation (rlhfuse.generation, one instance per rank) may
         # return the whole Experience itself; None = generate and infer in turn below
         fused_rollout = getattr(self.generator, "fused_rollout", None)
-        if callable(fused_rollout):
-            self.fabric.call("on_stage_start", self, "generation")
-            fused = fused_rollout(prompts, iteration=iteration, inferencer=self.inferencer)
-            if fused is not None:
-                return fused
+        fused = (
+            fused_rollout(prompts, iteration=iteration, inferencer=self.inferencer)
+            if callable(fused_rollout)
+            else None
+        )
+        if fused is not None:
+            return fused
         gen_time = inf_time = 0.0
         parts: list[Experience] = []
-        self.fabric.call("on_stage_start", self, "generation")
         t0 = start = time.perf_counter()
         for chunk in self.generator.generate(prompts, iteration=iteration):
             gen_time += time.perf_counter() - t0
