@@ -22,17 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhfuse.algorithms import (
-    entropy_from_logits,
-    logprobs_from_logits,
-    masked_mean,
-    ppo_policy_loss,
-    value_loss,
-)
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
 from rlhfuse.trainer.advantages import AlgorithmConfig
+from rlhfuse.trainer.losses import actor_loss, critic_loss
 from rlhfuse.trainer.types import TrainBatch
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
@@ -44,56 +38,15 @@ class PipelineError(RuntimeError):
     """A rank failed or timed out while running its stream; the message names the rank and the instruction."""
 
 
-def _at_least_fp32(x: Tensor) -> Tensor:
-    # bf16 outputs are promoted as in PlainStrategy; float64 stays float64 (exact parity tests)
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def ppo_losses(algorithm: AlgorithmConfig, temperature: float = 1.0) -> dict[str, LossFn]:
     """Last-stage losses: the Actor's PPO clipped loss (+ entropy bonus), the Critic's clipped value loss, on
-    the response positions of a micro-batch (same arithmetic as `PlainStrategy`)."""
-
-    def response_slice(out: Tensor, micro: TrainBatch) -> Tensor:
-        start = micro.input_ids_BT.shape[1] - micro.response_length - 1
-        return out[:, start:-1]
+    the response positions of a micro-batch (`rlhfuse.trainer.losses`, the same functions as `PlainStrategy`)."""
 
     def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, dict[str, float]]:
-        start = micro.input_ids_BT.shape[1] - micro.response_length - 1
-        logits_BRV = _at_least_fp32(response_slice(logits_BTV, micro))
-        response_ids_BR = micro.input_ids_BT[:, start + 1 :]
-        logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
-        loss, pstats = ppo_policy_loss(
-            logprobs_BR,
-            micro.old_logprobs_BR,
-            micro.advantages_BR,
-            micro.response_mask_BR,
-            clip_eps=algorithm.clip_eps,
-            clip_eps_high=algorithm.clip_eps_high,
-            dual_clip=algorithm.dual_clip,
-            reduction=algorithm.loss_reduction,
-        )
-        entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
-        if algorithm.entropy_coef:
-            loss = loss - algorithm.entropy_coef * masked_mean(
-                entropy_from_logits(logits_BRV), micro.response_mask_BR
-            )
-        return loss, {
-            "loss/policy": float(loss.detach()),
-            "policy/clip_fraction": float(pstats.clip_fraction),
-            "policy/approx_kl": float(pstats.approx_kl),
-            "policy/entropy": float(entropy),
-        }
+        return actor_loss(logits_BTV, micro, algorithm, temperature)
 
     def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, dict[str, float]]:
-        loss, _ = value_loss(
-            _at_least_fp32(response_slice(values_BT, micro)),
-            micro.old_values_BR,
-            micro.returns_BR,
-            micro.response_mask_BR,
-            clip_eps=algorithm.value_clip_eps,
-            reduction=algorithm.loss_reduction,
-        )
-        return loss, {"loss/value": float(loss.detach())}
+        return critic_loss(values_BT, micro, algorithm)
 
     return {"actor": actor, "critic": critic}
 

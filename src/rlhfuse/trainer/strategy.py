@@ -16,14 +16,8 @@ import torch
 from lightning.fabric import Fabric
 from torch import Tensor
 
-from rlhfuse.algorithms import (
-    entropy_from_logits,
-    logprobs_from_logits,
-    masked_mean,
-    ppo_policy_loss,
-    value_loss,
-)
 from rlhfuse.models import Transformer
+from rlhfuse.trainer import losses
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.types import TrainBatch
 
@@ -148,55 +142,19 @@ class PlainStrategy:
         return len(micro) / len(batch)
 
     def _micro_step(self, micro: TrainBatch, weight: float) -> dict[str, float]:
-        algo = self.algorithm
         device = next(self.actor.parameters()).device
         micro = TrainBatch(**{k: v.to(device) for k, v in vars(micro).items()})
-        start = micro.input_ids_BT.shape[1] - micro.response_length - 1
-        response_ids_BR = micro.input_ids_BT[:, start + 1 :]
         with self.fabric.autocast():
-            logits_BRV = self.actor(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)[
-                :, start:-1
-            ]
-            values_BR = self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)[
-                :, start:-1
-            ]
-        logits_BRV, values_BR = logits_BRV.float(), values_BR.float()
-        logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=self.temperature)
-        policy_loss, pstats = ppo_policy_loss(
-            logprobs_BR,
-            micro.old_logprobs_BR,
-            micro.advantages_BR,
-            micro.response_mask_BR,
-            clip_eps=algo.clip_eps,
-            clip_eps_high=algo.clip_eps_high,
-            dual_clip=algo.dual_clip,
-            reduction=algo.loss_reduction,
-        )
-        entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
-        if algo.entropy_coef:
-            policy_loss = policy_loss - algo.entropy_coef * masked_mean(
-                entropy_from_logits(logits_BRV), micro.response_mask_BR
-            )
-        critic_loss, _ = value_loss(
-            values_BR,
-            micro.old_values_BR,
-            micro.returns_BR,
-            micro.response_mask_BR,
-            clip_eps=algo.value_clip_eps,
-            reduction=algo.loss_reduction,
-        )
+            logits_BTV = self.actor(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
+            values_BT = self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
+        policy_loss, policy_stats = losses.actor_loss(logits_BTV, micro, self.algorithm, self.temperature)
+        critic_loss, critic_stats = losses.critic_loss(values_BT, micro, self.algorithm)
         for name, value in (("loss/policy", policy_loss), ("loss/value", critic_loss)):
             if not torch.isfinite(value):
                 raise NonFiniteError(f"{name} is {float(value.detach())}")
         self.fabric.backward(policy_loss * weight)
         self.fabric.backward(critic_loss * weight)
-        return {
-            "loss/policy": float(policy_loss.detach()),
-            "loss/value": float(critic_loss.detach()),
-            "policy/clip_fraction": float(pstats.clip_fraction),
-            "policy/approx_kl": float(pstats.approx_kl),
-            "policy/entropy": float(entropy),
-        }
+        return {**policy_stats, **critic_stats}
 
     def _clip(self, model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")

@@ -1,0 +1,75 @@
+"""The PPO losses of one micro-batch, shared by every Strategy (single-process and pipelined).
+
+Both take a model's output over the whole sequence (prompt + response) and score the response positions:
+the logits at position t predict token t+1, so the response's R tokens are predicted by positions
+[T-R-1, T-1). Half-precision outputs are promoted to fp32; float64 stays float64 (exact parity tests).
+
+Legend: B batch rows, T tokens (prompt + response), R response tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlhfuse.algorithms import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    ppo_policy_loss,
+    value_loss,
+)
+from rlhfuse.trainer.advantages import AlgorithmConfig
+from rlhfuse.trainer.types import TrainBatch
+
+
+def response_outputs(out_BT_: Tensor, micro: TrainBatch) -> Tensor:
+    """The outputs at the positions that predict (logits) or value (values) the response tokens, in ≥ fp32."""
+    start = micro.input_ids_BT.shape[1] - micro.response_length - 1
+    sliced = out_BT_[:, start:-1]
+    return sliced.to(torch.promote_types(sliced.dtype, torch.float32))
+
+
+def actor_loss(
+    logits_BTV: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig, temperature: float = 1.0
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`) and its statistics."""
+    logits_BRV = response_outputs(logits_BTV, micro)
+    response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
+    logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
+    loss, pstats = ppo_policy_loss(
+        logprobs_BR,
+        micro.old_logprobs_BR,
+        micro.advantages_BR,
+        micro.response_mask_BR,
+        clip_eps=algorithm.clip_eps,
+        clip_eps_high=algorithm.clip_eps_high,
+        dual_clip=algorithm.dual_clip,
+        reduction=algorithm.loss_reduction,
+    )
+    entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
+    if algorithm.entropy_coef:
+        loss = loss - algorithm.entropy_coef * masked_mean(
+            entropy_from_logits(logits_BRV), micro.response_mask_BR
+        )
+    return loss, {
+        "loss/policy": float(loss.detach()),
+        "policy/clip_fraction": float(pstats.clip_fraction),
+        "policy/approx_kl": float(pstats.approx_kl),
+        "policy/entropy": float(entropy),
+    }
+
+
+def critic_loss(
+    values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped value loss on the response positions."""
+    loss, _ = value_loss(
+        response_outputs(values_BT, micro),
+        micro.old_values_BR,
+        micro.returns_BR,
+        micro.response_mask_BR,
+        clip_eps=algorithm.value_clip_eps,
+        reduction=algorithm.loss_reduction,
+    )
+    return loss, {"loss/value": float(loss.detach())}
