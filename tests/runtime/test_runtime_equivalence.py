@@ -35,7 +35,7 @@ def _check_scenario(
     rank: int, world: int, actor_pp: int, critic_pp: int, dp: int, mbs: int, kind: str
 ) -> None:
     layout = ParallelLayout(ModelParallel(actor_pp), ModelParallel(critic_pp), dp, world, mbs)
-    groups = build_process_groups(layout, timeout_s=30)
+    groups = build_process_groups(layout, timeout_s=120)
     models = _models(max(actor_pp, critic_pp, 2))
     oracle = copy.deepcopy(models)
     algo = AlgorithmConfig(entropy_coef=0.01)
@@ -59,7 +59,7 @@ def _check_scenario(
         losses=losses,
         p2p_groups=groups.p2p,
         grad_groups=groups.grad,
-        timeout_s=30,
+        timeout_s=120,
     )
     result = executor.run(StepWork(micro, weights))
 
@@ -108,17 +108,17 @@ def _four_rank_worker(rank: int, world: int) -> None:
     _check_scenario(rank, world, 4, 2, 1, 4, "greedy")  # 4-stage actor, 2 reversed critic replicas
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_two_ranks_equal_single_process_strategy_and_failing_rank() -> None:
     """One 2-process run (each spawn costs seconds): executor equivalence over layouts and schedules, then
     FusedPipelineStrategy vs PlainStrategy, measured activation memory vs the simulator, then a silent rank
     stopping the other within its timeout."""
-    run_distributed(_two_rank_worker, 2, _strategy_worker, _memory_worker, _failing_rank_worker, timeout=130)
+    run_distributed(_two_rank_worker, 2, _strategy_worker, _memory_worker, _failing_rank_worker, timeout=280)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_four_ranks_equal_single_process() -> None:
-    run_distributed(_four_rank_worker, 4, timeout=100)
+    run_distributed(_four_rank_worker, 4, timeout=280)
 
 
 def _strategy_worker(rank: int, world: int) -> None:
@@ -145,7 +145,7 @@ def _strategy_worker(rank: int, world: int) -> None:
             mini_batch_size=8,
             micro_batch_size=4,
             schedule=schedule,
-            timeout_s=30,
+            timeout_s=120,
             log=lambda _: None,
         )
         plain = PlainStrategy(
