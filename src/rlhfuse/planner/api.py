@@ -30,12 +30,14 @@ def plan_for(
     fused: bool = True,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     even_pp: bool = True,
+    max_tp: int | None = None,
 ) -> Plan:
     """The least-iteration-time execution plan for an Actor / Critic pair on a cluster.
 
     `plan.layout_rows()` / `plan.to_dict()` give per task (dp, pp, tp), the training schedule (fused or serial)
-    and the migration threshold (`plan.rt_fraction`); `plan.breakdown` the predicted iteration.
+    and the migration threshold (`plan.rt_fraction`); `plan.breakdown` the predicted iteration. `max_tp` caps
+    tensor parallelism (generation, inference groups and training) for a runtime that cannot run more.
     """
-    spec = cluster(device, nodes, gpus_per_node)
+    spec = cluster(device, nodes, gpus_per_node, max_tp)
     models = RLHFModels(as_model_spec(actor, "actor"), as_model_spec(critic, "critic"))
     return search_plan(CostModel(spec, eff), models, workload or Workload(), fused=fused, even_pp=even_pp)

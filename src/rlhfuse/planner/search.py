@@ -60,6 +60,9 @@ def tp_candidates(model: ModelSpec, cluster: ClusterSpec, stats: PruneStats | No
         if t > cluster.gpus_per_node or cluster.gpus_per_node % t:
             if stats is not None:
                 stats.removed["tp crosses a node"] += 1
+        elif cluster.max_tp is not None and t > cluster.max_tp:
+            if stats is not None:
+                stats.removed["tp above the runtime's max_tp"] += 1
         elif model.heads % t or model.n_kv_heads % t:
             if stats is not None:
                 stats.removed["tp does not divide heads"] += 1
@@ -70,10 +73,9 @@ def tp_candidates(model: ModelSpec, cluster: ClusterSpec, stats: PruneStats | No
 
 
 def node_group_sizes(cluster: ClusterSpec) -> list[int]:
-    """Device-group sizes inside one node: the powers of two dividing gpus_per_node."""
-    return [
-        g for g in (2**k for k in range(8)) if g <= cluster.gpus_per_node and cluster.gpus_per_node % g == 0
-    ]
+    """Device-group sizes inside one node: the powers of two dividing gpus_per_node (at most max_tp if set)."""
+    limit = cluster.gpus_per_node if cluster.max_tp is None else min(cluster.gpus_per_node, cluster.max_tp)
+    return [g for g in (2**k for k in range(8)) if g <= limit and cluster.gpus_per_node % g == 0]
 
 
 def train_layouts(

@@ -67,6 +67,9 @@ class ClusterSpec:
     device: DeviceSpec
     nodes: int
     gpus_per_node: int
+    max_tp: int | None = None
+    """Largest tensor-parallel degree a runtime can run (None = any that fits a node); the trainer's plan=auto
+    passes 1, since rlhfuse.runtime has no tensor parallelism yet."""
 
     @property
     def gpus(self) -> int:
@@ -78,12 +81,16 @@ class ClusterSpec:
             problems.append(f"nodes={self.nodes} must be >= 1")
         if self.gpus_per_node < 1:
             problems.append(f"gpus_per_node={self.gpus_per_node} must be >= 1")
+        if self.max_tp is not None and self.max_tp < 1:
+            problems.append(f"max_tp={self.max_tp} must be >= 1 (or None)")
         if problems:
             raise ValueError("invalid ClusterSpec: " + "; ".join(problems))
         return self
 
 
-def cluster(device: str | DeviceSpec, nodes: int, gpus_per_node: int = 8) -> ClusterSpec:
+def cluster(
+    device: str | DeviceSpec, nodes: int, gpus_per_node: int = 8, max_tp: int | None = None
+) -> ClusterSpec:
     """A cluster of a named preset (`h100`, `h200`, `a100`, `cpu`) or of a given DeviceSpec."""
     if isinstance(device, str):
         if device.lower() not in DEVICES:
@@ -91,7 +98,7 @@ def cluster(device: str | DeviceSpec, nodes: int, gpus_per_node: int = 8) -> Clu
                 f"device={device!r} is unknown: use one of {sorted(DEVICES)} or pass a DeviceSpec"
             )
         device = DEVICES[device.lower()]
-    return ClusterSpec(device, nodes, gpus_per_node).validate()
+    return ClusterSpec(device, nodes, gpus_per_node, max_tp).validate()
 
 
 @dataclass(frozen=True)

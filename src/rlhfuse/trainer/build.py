@@ -194,6 +194,10 @@ def build_trainer(
     callbacks: list[object] | None = None,
     log: Callable[[str], None] = print,
 ) -> RLHFTrainer:
+    if config.plan == "auto":  # the planner chooses the layout before anything is built
+        from rlhfuse.trainer.planning import apply_plan
+
+        config = apply_plan(config, resolve_device(config.device), log=log)
     counts = validate(config)
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ REDUCTIONS = ("token", "sequence")
 PRECISIONS = ("auto", "32-true", "bf16-mixed")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+PLAN_MODES = ("manual", "auto")
 
 
 @dataclass
@@ -80,6 +81,11 @@ class RLHFConfig:
     resume: str = "never"
     # Name of the experiment preset, for display.
     experiment: str = "default"
+    # manual = use the configured layout as is; auto = before any model is built, the execution-plan generator
+    # (rlhfuse.planner.plan_for) picks pipeline.actor_pp / critic_pp / microbatches and fused vs serial for
+    # distributed.nproc_per_node processes, and migration.threshold when generator.instances > 1
+    # (rlhfuse.trainer.planning; docs/configuration.md).
+    plan: str = "manual"
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,7 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
         one_of("logger.backends", backend, BACKENDS)
     one_of("logger.wandb_mode", cfg.logger.wandb_mode, WANDB_MODES)
     positive("iterations", cfg.iterations)
+    one_of("plan", cfg.plan, PLAN_MODES)
     need(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = never)")
     need(cfg.checkpoint.keep >= 0, f"checkpoint.keep={cfg.checkpoint.keep} must be >= 0 (0 = keep all)")
     need(

@@ -1,0 +1,293 @@
+"""`plan=auto`: the execution-plan generator (`rlhfuse.planner.plan_for`) chooses the run's parallel layout.
+
+Before any model is built, `apply_plan` describes the run to the planner (the Actor / Critic shapes, the world of
+`distributed.nproc_per_node` devices of the run's kind, the workload of one iteration), then writes the chosen
+plan into the configuration the run uses:
+
+- `pipeline.actor_pp`, `pipeline.critic_pp`, `pipeline.microbatches` and the schedule (`pipeline=fused` or
+  `pipeline=serial_1f1b`) when the world has more than one process; one process keeps `pipeline=plain`;
+- `migration.threshold` (a fraction of the batch, `migration=fixed`, or `migration=auto` starting from it) or
+  `migration=off` when `generator.instances > 1`.
+
+The planner is asked for tensor-parallel degree 1 (`max_tp=1`: rlhfuse.runtime has no tensor parallelism) on
+`nodes` x `gpus_per_node` = WORLD_SIZE / LOCAL_WORLD_SIZE x LOCAL_WORLD_SIZE (torchrun) or 1 x
+nproc_per_node. A choice the runtime cannot run raises a ValueError naming the key; nothing falls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhfuse.planner.api import plan_for
+from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
+from rlhfuse.planner.search import Plan
+from rlhfuse.planner.simulate import Workload
+from rlhfuse.planner.specs import DEVICES, ModelSpec
+from rlhfuse.runtime.config import launched_world_size, validate_runtime
+from rlhfuse.trainer.config import PLAN_MODES, RLHFConfig
+
+__all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "gpu_preset", "plan_config", "workload_for"]
+
+# GPU preset rule: the first preset whose name appears in torch.cuda.get_device_name() (H200, H100, A100);
+# otherwise the preset whose memory is nearest the device's total memory.
+GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+
+
+def gpu_preset(device_name: str, memory_bytes: float) -> tuple[str, str]:
+    """(planner device preset, why) for a CUDA device of this name and memory."""
+    upper = device_name.upper()
+    for token, preset in GPU_NAMES:
+        if token in upper:
+            return preset, f"{device_name!r} matches {token}"
+    gpus = [k for k in DEVICES if k != "cpu"]
+    preset = min(gpus, key=lambda k: (abs(DEVICES[k].memory - memory_bytes), k))
+    return preset, (
+        f"{device_name!r} is not a preset: nearest memory ({memory_bytes / 1e9:.0f} GB) is {DEVICES[preset].name}"
+    )
+
+
+def device_preset(device: Any) -> tuple[str, str]:
+    """The planner preset for a torch.device: `cpu` on CPU, `gpu_preset` of the CUDA device."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return "cpu", "the run's device is the CPU"
+    import torch
+
+    index = device.index or 0
+    props = torch.cuda.get_device_properties(index)
+    return gpu_preset(torch.cuda.get_device_name(index), float(props.total_memory))
+
+
+@dataclass(frozen=True)
+class _Shape:
+    spec: ModelSpec
+    tied: bool
+
+
+def model_shapes(cfg: RLHFConfig) -> tuple[_Shape, _Shape]:
+    """Actor and Critic shapes from the configuration (the embedded tiny model) or the checkpoints' config.json."""
+    m = cfg.model
+    if m.sft_path is None and m.reward_path is None:
+        from rlhfuse.data.synthetic import build_tokenizer
+
+        spec = ModelSpec(
+            name=f"tiny-{m.num_layers}L-{m.hidden_size}",
+            layers=m.num_layers,
+            hidden=m.hidden_size,
+            heads=m.num_heads,
+            ffn=m.intermediate_size,
+            vocab=build_tokenizer().vocab_size,
+            kv_heads=m.num_kv_heads,
+        )
+        return _Shape(spec, False), _Shape(spec, False)
+    from rlhfuse.models.config import ModelConfig
+
+    def read(path: str | None, key: str, name: str) -> _Shape:
+        file = Path(path or "").expanduser() / "config.json"
+        if path is None or not file.is_file():
+            raise ValueError(f"plan=auto reads the model shapes from {key}/config.json: no file at {file}")
+        config = ModelConfig.from_hf_dict(json.loads(file.read_text()))
+        return _Shape(ModelSpec.from_config(config, name), bool(config.tie_word_embeddings))
+
+    critic_key = "model.critic_path" if m.critic_path else "model.reward_path"
+    return read(m.sft_path, "model.sft_path", "actor"), read(
+        m.critic_path or m.reward_path, critic_key, "critic"
+    )
+
+
+def workload_for(cfg: RLHFConfig) -> Workload:
+    """One iteration: prompts x samples per prompt, the mini-batch, max new tokens. Response lengths: the
+    synthetic task's law (data.length_median / length_sigma) or the planner's LMSYS-Chat-1M default; prompts:
+    log-normal, median min(128, max_prompt_length / 2), sigma 0.6, capped at data.max_prompt_length."""
+    d = cfg.data
+    responses = LengthDistribution(d.length_median, d.length_sigma) if d.source == "synthetic" else RESPONSES
+    prompts = LengthDistribution(min(PROMPTS.median, max(1.0, d.max_prompt_length / 2)), PROMPTS.sigma)
+    return Workload(
+        global_batch=d.prompts_per_iteration * d.samples_per_prompt,
+        mini_batch=d.mini_batch_size,
+        max_len=cfg.generator.max_new_tokens,
+        responses=responses,
+        prompts=prompts,
+        prompt_cap=d.max_prompt_length,
+        seed=cfg.seed,
+    )
+
+
+def world_shape(cfg: RLHFConfig) -> tuple[int, int]:
+    """(nodes, devices per node) of the run: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else 1 x nproc_per_node."""
+    world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if (
+        "WORLD_SIZE" in os.environ
+        and local
+        and local.isdigit()
+        and int(local) > 0
+        and world % int(local) == 0
+    ):
+        return world // int(local), int(local)
+    return 1, world
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """The planner's plan for this run, what was applied, and the configuration that results."""
+
+    plan: Plan
+    migration_plan: Plan | None
+    """The plan whose Rt was applied (on generator.instances devices), when generator.instances > 1."""
+    device: str
+    device_reason: str
+    applied: tuple[tuple[str, Any], ...]
+    config: RLHFConfig
+
+    def table(self) -> list[str]:
+        """The plan table (`Plan.layout_rows()`), the predicted breakdown and the overrides applied."""
+        p = self.plan
+        c = p.cluster
+        w = p.workload
+        lines = [
+            f"plan=auto: {c.nodes} x {c.gpus_per_node} {c.device.name} ({self.device_reason}); "
+            f"{p.models.name}; {w.global_batch} samples/iteration, mini-batch {w.mini_batch}, "
+            f"max {w.max_len} new tokens"
+        ]
+        width = max(len(task) for task, _ in p.layout_rows())
+        lines += [f"  {task:<{width}}  {layout}" for task, layout in p.layout_rows()]
+        b = p.breakdown
+        lines.append(
+            f"  predicted iteration: generation {b.generation:.4g} s, exposed inference {b.inference:.4g} s, "
+            f"training {b.training:.4g} s, others {b.others:.4g} s, total {b.total:.4g} s "
+            f"({p.throughput:.4g} samples/s)"
+        )
+        mp = self.migration_plan
+        if mp is not None and mp is not p:
+            rt = "off" if mp.rt_fraction is None else f"Rt={mp.rt_fraction:.0%}"
+            lines.append(
+                f"  migration planned on generator.instances={mp.cluster.gpus} instances: {rt}, "
+                f"predicted generation + inference {mp.breakdown.gen_inf:.4g} s"
+            )
+        if c.gpus == 1:
+            lines.append("  one process: pipeline=plain (the planner's training layouts are pp=1, dp=1)")
+        applied = " ".join(f"{k}={_fmt(v)}" for k, v in self.applied)
+        lines.append("  applied: " + (applied or "nothing to change"))
+        lines.append(
+            "  not applied (rlhfuse.runtime replicates them on every rank): generation and inference layouts, "
+            "per-model micro-batch sizes"
+        )
+        return lines
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -> TrainerPlan:
+    """Run the planner for `cfg` on devices of preset `device` and return the configuration with its plan
+    applied (the input is not modified). Raises ValueError naming the key when the plan cannot be applied."""
+    actor, critic = model_shapes(cfg)
+    workload = workload_for(cfg)
+    nodes, per_node = world_shape(cfg)
+    world = nodes * per_node
+
+    def search(n: int, g: int) -> Plan:
+        try:
+            return plan_for(
+                actor.spec, critic.spec, device=device, nodes=n, gpus_per_node=g, workload=workload, max_tp=1
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"plan=auto: the planner found no plan for {n} x {g} {device} device(s) "
+                f"(distributed.nproc_per_node={world}): {err}"
+            ) from err
+
+    plan = search(nodes, per_node)
+    a, c = plan.train.actor, plan.train.critic
+    applied: list[tuple[str, Any]] = []
+    pipeline = cfg.pipeline
+    if world == 1:
+        if pipeline.name != "plain":
+            applied.append(("pipeline", "plain"))
+        pipeline = dataclasses.replace(pipeline, name="plain")
+    else:
+        for key, lay in (("pipeline.actor_pp", a), ("pipeline.critic_pp", c)):
+            if lay.tp != 1:
+                raise ValueError(
+                    f"plan=auto: the planner chose tp={lay.tp} for {key.split('_')[0]}; rlhfuse.runtime runs "
+                    f"tp=1 only, so {key} cannot express it"
+                )
+        big, small = (a, c) if a.pp >= c.pp else (c, a)
+        if big.pp % small.pp:
+            key = "pipeline.actor_pp" if small is a else "pipeline.critic_pp"
+            raise ValueError(
+                f"plan=auto: the planner chose Actor pp={a.pp} and Critic pp={c.pp} ({plan.train.mode}); "
+                f"rlhfuse.runtime co-locates both on one layout where the larger pp must be a multiple of the "
+                f"smaller, so {key}={small.pp} cannot be applied"
+            )
+        for key, lay, shape in (("pipeline.actor_pp", a, actor), ("pipeline.critic_pp", c, critic)):
+            if shape.tied and lay.pp > 1:
+                raise ValueError(
+                    f"plan=auto: the planner chose {key}={lay.pp}, but that model ties its embedding and LM head "
+                    "(tie_word_embeddings=true), which rlhfuse.runtime refuses with pp > 1: use plan=manual"
+                )
+        name = "fused" if plan.train.mode == "fused" else "serial_1f1b"
+        micro = big.microbatches(workload.mini_batch)
+        pipeline = dataclasses.replace(pipeline, name=name, actor_pp=a.pp, critic_pp=c.pp, microbatches=micro)
+        applied += [
+            ("pipeline", name),
+            ("pipeline.actor_pp", a.pp),
+            ("pipeline.critic_pp", c.pp),
+            ("pipeline.microbatches", micro),
+        ]
+    migration = cfg.migration
+    migration_plan: Plan | None = None
+    instances = cfg.generator.instances
+    if instances > 1:
+        migration_plan = plan if instances == world else search(1, instances)
+        rt = migration_plan.rt_fraction
+        if rt is None:
+            migration = dataclasses.replace(migration, name="off")
+            applied.append(("migration", "off"))
+        else:
+            if not 0 < rt < 1:
+                raise ValueError(
+                    f"plan=auto: the planner's Rt fraction {rt} is not in (0, 1), so migration.threshold "
+                    "cannot be set to it"
+                )
+            name = "auto" if migration.name == "auto" else "fixed"
+            migration = dataclasses.replace(migration, name=name, threshold=float(rt))
+            applied += [("migration", name), ("migration.threshold", float(rt))]
+    planned = dataclasses.replace(cfg, pipeline=pipeline, migration=migration)
+    problems = validate_runtime(planned)
+    if problems:
+        raise ValueError(
+            "plan=auto: the chosen plan ("
+            + " ".join(f"{k}={_fmt(v)}" for k, v in applied)
+            + ") cannot run:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return TrainerPlan(plan, migration_plan, device, device_reason, tuple(applied), planned)
+
+
+def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print) -> RLHFConfig:
+    """`plan=auto`: plan for the run's device kind, print the plan (rank 0 only), return the planned config."""
+    d = cfg.data
+    samples = d.prompts_per_iteration * d.samples_per_prompt
+    if (
+        d.mini_batch_size <= 0
+        or samples <= 0
+        or samples % d.mini_batch_size
+        or cfg.generator.max_new_tokens < 1
+    ):
+        from rlhfuse.trainer.config import validate
+
+        validate(cfg)  # raises the usual message naming the batch-size keys
+    preset, reason = device_preset(device)
+    result = plan_config(cfg, preset, reason)
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0:
+        for line in result.table():
+            log(f"rlhfuse: {line}" if line.startswith("plan=") else line)
+    return result.config
