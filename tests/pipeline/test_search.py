@@ -63,6 +63,13 @@ def test_search_is_deterministic_for_a_seed(tiny_fused):
     assert a.schedule == b.schedule and a.makespan == b.makespan and a.peak == b.peak
 
 
+def test_iteration_budget_ignores_the_clock(tiny_fused):
+    # With max_iterations the wall clock decides nothing: a tiny and a huge time budget give the same schedule.
+    quick = solve(tiny_fused, SearchConfig(time_budget=1e-3, seed=2, max_iterations=3000))
+    slow = solve(tiny_fused, SearchConfig(time_budget=1e6, seed=2, max_iterations=3000))
+    assert quick.schedule == slow.schedule and quick.stats["memory_iters"] == slow.stats["memory_iters"]
+
+
 def test_uneven_microbatches_and_bigger_critic():
     # The Critic is the bigger model here, placed forward; the Actor is reversed; M is not a multiple of S.
     p = make_problem(
@@ -75,21 +82,17 @@ def test_uneven_microbatches_and_bigger_critic():
 
 @pytest.fixture(scope="module")
 def figure10(table3):
-    return solve(table3["table3-08"], SearchConfig(time_budget=20, seed=0))
+    # A deterministic budget (iteration counts; the clock is never consulted): the same schedule on any
+    # machine under any load. Seed 1 reaches the memory bound after about 3.5M memory-phase iterations.
+    return solve(table3["table3-08"], SearchConfig(seed=1, max_iterations=4_000_000, memory_patience=40))
 
 
-def test_figure10_setting_reaches_186(figure10):
+def test_figure10_setting_reaches_186_with_peak_26_24(figure10):
     assert figure10.makespan == 186 == figure10.lower_bound
-    assert figure10.peak <= 42.24  # never above the paper's greedy
-
-
-@pytest.mark.xfail(
-    reason="the memory phase is a time-bounded annealing: it reaches 26.24 in most runs on a quiet machine "
-    "(see the bench), 27-29 when the CPUs are shared",
-    strict=False,
-)
-def test_figure10_setting_peak_26_24(figure10):
-    assert figure10.peak == pytest.approx(26.24)
+    # 26.24 is serial 1F1B's peak (16 Actor micro-batches of 1.64 on rank 0): no memory above running the
+    # two models one after the other, as in the paper's Figure 10.
+    assert figure10.peak == pytest.approx(26.24) == figure10.serial_peak
+    assert figure10.stats["memory_iters"] < 4_000_000  # stopped on the target, not on the budget
 
 
 def test_cli_solve_writes_format_result(tmp_path, tiny_fused):
@@ -144,5 +147,5 @@ def test_dry_run_64_ranks_in_one_process():
             },
         ]
     )
-    s = solve(p, SearchConfig(time_budget=4, max_iterations=20_000))
+    s = solve(p, SearchConfig(max_iterations=5_000, max_starts=40))
     assert simulate(p, s.schedule).makespan == s.makespan <= s.greedy_makespan < s.serial_makespan

@@ -556,6 +556,18 @@ def _objective(finish, tail, makespan, weight, target, mode):  # type: ignore[no
 
 
 @jit
+def _excess(peaks, ref, summed):  # type: ignore[no-untyped-def]
+    """Peak activation above `ref`: of the highest rank, or (`summed`) summed over the ranks."""
+    if summed == 0:
+        return max(0.0, peaks.max() - ref)
+    total = 0.0
+    for k in range(peaks.shape[0]):
+        if peaks[k] > ref:
+            total += peaks[k] - ref
+    return total
+
+
+@jit
 def _rank_lateness(cur, rank_ptr, finish, tail, target, out):  # type: ignore[no-untyped-def]
     """Cumulative per-rank weights: 1 + how far each rank's ops end past their deadline (target - tail)."""
     total = 0.0
@@ -617,7 +629,7 @@ def anneal_latency(  # type: ignore[no-untyped-def]
     peaks = rank_peaks(cur, rank_ptr, mem)
     ms = evaluate_order(cur, rank_ptr, dur, pred1, pred2, succ1, succ2, lat1, lat2, finish)
     top = peaks.max()
-    cost = _objective(finish, tail, ms, weight, target, mode) + mem_weight * max(0.0, top - mem_ref)
+    cost = _objective(finish, tail, ms, weight, target, mode) + mem_weight * _excess(peaks, mem_ref, 0)
     best = cur.copy()
     best_ms = ms
     best_peak = top
@@ -644,8 +656,8 @@ def anneal_latency(  # type: ignore[no-untyped-def]
                 cur[j] = saved[j - p]
             continue
         top = peaks.max()
-        new_cost = _objective(finish, tail, new_ms, weight, target, mode) + mem_weight * max(
-            0.0, top - mem_ref
+        new_cost = _objective(finish, tail, new_ms, weight, target, mode) + mem_weight * _excess(
+            peaks, mem_ref, 0
         )
         delta = new_cost - cost
         if delta <= 0 or np.random.random() < np.exp(-delta / temp):
@@ -800,12 +812,15 @@ def anneal_memory(  # type: ignore[no-untyped-def]
     max_shift,
     target,
     seed,
+    excess_weight=1.0,
 ):
     """The paper's second phase: anneal peak activation with moves restricted to makespan <= the limit.
 
-    Cost: the largest per-rank peak, plus a small share of the sum of per-rank peaks (so that lowering any
-    rank's peak counts). Only the moved rank's peak changes, so memory is re-evaluated incrementally and the
-    (costlier) makespan check runs only for moves the memory cost would accept.
+    Cost: the largest per-rank peak, plus a small share of the sum of per-rank peaks, plus `excess_weight` x
+    the sum over ranks of the peak above `target` (the peak is flat while several ranks share it: lowering any rank's peak must
+    count, and lowering one above the target counts as much as the highest one). Only the moved rank's peak
+    changes, so memory is re-evaluated incrementally and the (costlier) makespan check runs only for moves the
+    memory cost would accept.
     """
     np.random.seed(seed)
     n = order.shape[0]
@@ -819,7 +834,7 @@ def anneal_memory(  # type: ignore[no-untyped-def]
     peaks = rank_peaks(cur, rank_ptr, mem)
     no_focus = np.zeros(0)
     share = 0.1 / nranks
-    cost = peaks.max() + share * peaks.sum()
+    cost = peaks.max() + share * peaks.sum() + excess_weight * _excess(peaks, target, 1)
     best = cur.copy()
     best_cost = cost
     saved = np.empty(max_shift + 2, dtype=np.int64)
@@ -837,7 +852,7 @@ def anneal_memory(  # type: ignore[no-untyped-def]
         k = rank_of_pos[p]
         old_peak = peaks[k]
         peaks[k] = _rank_peak(cur, rank_ptr[k], rank_ptr[k + 1], mem)
-        new_cost = peaks.max() + share * peaks.sum()
+        new_cost = peaks.max() + share * peaks.sum() + excess_weight * _excess(peaks, target, 1)
         delta = new_cost - cost
         accept = delta <= 0 or np.random.random() < np.exp(-delta / temp)
         if accept:

@@ -11,8 +11,9 @@
 3. Memory phase: annealing of the peak activation with moves restricted to makespan <= the best found.
 
 The memory cap is a hard constraint everywhere. Seeds run in parallel over local processes (no MPI); the
-best result wins (makespan, then peak, then seed), so a run is deterministic for a seed and a worker count
-when it stops on the lower bound or on iteration counts (a wall-clock stop depends on the machine's speed).
+best result wins (makespan, then peak, then seed). With an iteration budget (`SearchConfig.max_iterations`)
+the clock decides nothing, so a run is deterministic for a seed and a worker count on any machine under any
+load; a wall-clock budget stops wherever the machine's speed lets it get.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ class SearchConfig:
         memory_patience: the memory phase stops after this many annealing rounds without improvement.
         memory_target: the memory phase stops once the peak is at most this multiple of the serial 1F1B peak
             (1.0: as low as running the models one after the other; 0: use the whole budget).
-        max_iterations: hard cap on annealing iterations per phase and worker (None: time only); set it
-            to make a run reproducible independently of machine speed.
+        max_iterations: a deterministic budget: annealing iterations per phase and worker. When set, the
+            wall clock is not consulted at all (`time_budget` is ignored, start sweeps stop after
+            `max_starts` list schedules, workers do not signal each other), so the result depends only on
+            the problem and the config, never on the machine's speed or load.
         round_iterations: annealing iterations per round when `max_iterations` is set (otherwise rounds are
             sized by time).
+        max_starts: list schedules per start sweep when `max_iterations` is set (the time-bounded search
+            sweeps until its share of the budget is spent).
     """
 
     time_budget: float = 60.0
@@ -68,6 +73,11 @@ class SearchConfig:
     memory_target: float = 1.0
     max_iterations: int | None = None
     round_iterations: int = 200_000
+    max_starts: int = 4000
+
+    @property
+    def deterministic(self) -> bool:
+        return self.max_iterations is not None
 
 
 @dataclass
@@ -227,10 +237,12 @@ def constructive_starts(
     keep: int = 8,
     cap: float | None = None,
     planned_cache: dict[tuple[int, float | None], np.ndarray] | None = None,
+    max_configs: int | None = None,
 ) -> list[tuple[float, float, np.ndarray]]:
     """Greedy plus a sweep of structured list schedules; the `keep` best distinct (makespan, peak, order).
 
     `cap` tightens the problem's memory cap for this sweep (the memory phase asks for schedules under a cap).
+    The sweep stops at `deadline` (perf_counter seconds) or after `max_configs` list schedules.
     """
     problem = c.problem
     rng = np.random.default_rng(seed)
@@ -271,6 +283,8 @@ def constructive_starts(
     # most often (the sweep may hit its deadline on large problems).
     rng.shuffle(configs)  # type: ignore[arg-type]
     configs.sort(key=lambda cfg: 0 if cfg[0] is not None and cfg[0][1] is not None else 1)
+    if max_configs is not None:
+        configs = configs[:max_configs]
     for protect, slack, favour, extra in configs:
         if time.perf_counter() > deadline and (len(found) >= 2 or cap is not None):
             break
@@ -350,20 +364,41 @@ def _round_iters(by_time: float, left: int, config: SearchConfig) -> int:
 
 
 def _worker(
-    problem: Problem, durations: DurationFn | None, config: SearchConfig, worker: int, t0: float, stop: Any
+    problem: Problem,
+    durations: DurationFn | None,
+    config: SearchConfig,
+    worker: int,
+    t0: float,
+    stop: Any,
+    shared: Any = None,
 ) -> dict[str, Any]:
-    """One seed's full search; returns a picklable summary."""
+    """One seed's full search; returns a picklable summary.
+
+    `stop`/`shared` (time-bounded runs with several workers): the first worker to reach the lower bound puts
+    its schedule in `shared` and sets `stop`; the others then run their memory phase from that schedule (with
+    their own seeds), so that every worker spends the rest of the budget on memory at the optimal makespan.
+    """
     c = compile_problem(problem, durations)
     rng = np.random.default_rng(config.seed + worker)
     budget = config.time_budget
     # Leave a little for what follows the search (collecting workers, the oracle check, baselines).
     end = t0 + budget - min(2.0, 0.04 * budget)
+    fixed = config.deterministic
+
+    def by(share: float, since: float) -> float:
+        # A deadline `share` of the budget after `since`; none with an iteration budget (the clock never
+        # decides anything then, so the result does not depend on the machine's speed or load).
+        return math.inf if fixed else min(end, since + share * budget)
+
+    if fixed:
+        end, stop, shared = math.inf, None, None
+    sweep = {"max_configs": config.max_starts} if fixed else {}
     bounds = lower_bounds(problem, c)
     target = bounds.makespan
     serial = serial_peak(problem)
     planned_cache: dict[tuple[int, float | None], np.ndarray] = {}
     starts = constructive_starts(
-        c, t0 + 0.15 * budget, seed=config.seed + worker, planned_cache=planned_cache
+        c, by(0.15, t0), seed=config.seed + worker, planned_cache=planned_cache, **sweep
     )
     best_ms, best_peak, best = starts[0]
     stats: dict[str, Any] = {
@@ -385,7 +420,7 @@ def _worker(
 
     # Phase 1 (latency). Some rounds also charge memory above the serial 1F1B peak: the latency moves alone
     # drift to high-memory schedules, which the memory phase can rarely repair at the optimal makespan.
-    latency_end = t0 + (1.0 - config.memory_share) * budget
+    latency_end = by(1.0 - config.memory_share, t0)
     rounds = 0
     while best_ms > target + 1e-9 and stats["latency_iters"] < cap_iters:
         now = time.perf_counter()
@@ -404,8 +439,15 @@ def _worker(
         stats["latency_iters"] += done
         if better(ms, peak):
             best_ms, best_peak, best = ms, peak, order
-    if best_ms <= target + 1e-9 and stop is not None:
+    if stop is not None and best_ms <= target + 1e-9:
+        if shared is not None and "order" not in shared:
+            shared.update(order=best, makespan=best_ms, peak=best_peak)
         stop.set()
+    elif stop is not None and shared is not None and stop.is_set():
+        other = dict(shared)
+        if "order" in other and better(float(other["makespan"]), float(other["peak"])):
+            best_ms, best_peak, best = float(other["makespan"]), float(other["peak"]), other["order"]
+            stats["adopted"] = True
     # Phase 2 (memory) at makespan <= best: alternate the paper's memory annealing (moves restricted to the
     # makespan, plus moves aimed at the peak) with latency annealing that charges memory heavily and may
     # leave the makespan for a while, keeping only results at the best makespan.
@@ -416,9 +458,10 @@ def _worker(
     low_starts: list[tuple[float, float, np.ndarray]] = []
     if best_peak > serial + 1e-9 and time.perf_counter() < end - 0.2 * budget:
         low_starts = constructive_starts(
-            c, time.perf_counter() + 0.05 * budget, seed=config.seed + worker, cap=serial * (1 + 1e-9),
-            planned_cache=planned_cache,
+            c, by(0.05, time.perf_counter()), seed=config.seed + worker,
+            cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
         )  # fmt: skip
+    mem_goal = max(bounds.memory, config.memory_target * serial)
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= max(bounds.memory, config.memory_target * serial) + 1e-9:
@@ -440,13 +483,16 @@ def _worker(
             # Other starts already at the best makespan are other basins for the memory moves.
             same = [o for ms_, _, o in starts if ms_ <= best_ms + 1e-9]
             start = best if not same or rng.random() < 0.6 else same[int(rng.integers(0, len(same)))]
-            order, done = _anneal_memory(c, start, best_ms, iters, rng, bounds.memory)
+            order, done = _anneal_memory(c, start, best_ms, iters, rng, mem_goal)
             ms, peak = c.evaluate(order)[0], c.peak(order)
         rounds += 1
         rates[kind] = max(1000.0, done / max(time.perf_counter() - began, 1e-3))
         stats["memory_iters"] += done
         if better(ms, peak):
             best_ms, best_peak, best, stale = ms, peak, order, 0
+            stats.setdefault("memory_trace", []).append(
+                (stats["memory_iters"], kind, best_ms, round(best_peak, 4))
+            )
         else:
             stale += 1
     return {"worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats}
@@ -468,9 +514,11 @@ def solve(
         ctx = mp.get_context("fork" if os.name == "posix" else "spawn")
         with ctx.Manager() as manager:
             stop = manager.Event()
+            shared = manager.dict()
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 futures = [
-                    pool.submit(_worker, problem, durations, config, w, t0, stop) for w in range(workers)
+                    pool.submit(_worker, problem, durations, config, w, t0, stop, shared)
+                    for w in range(workers)
                 ]
                 results = [f.result() for f in futures]
     win = min(results, key=lambda r: (r["makespan"], r["peak"], r["worker"]))
