@@ -13,34 +13,15 @@ from __future__ import annotations
 import os
 import time
 
-from rlhfuse.pipeline import greedy, make_problem, simulate
+from rlhfuse.pipeline import greedy, simulate
 from rlhfuse.pipeline.cli import bench, default_table_path
+from rlhfuse.pipeline.problem import scale_check_problem
 from rlhfuse.pipeline.search import SearchConfig, solve
 
 
 def dry_run_64(budget: float) -> None:
     """65B/33B-like fused pipelines on 64 ranks: an Actor of 64 stages, two reversed 32-stage Critic replicas."""
-    problem = make_problem(
-        [
-            {
-                "name": "actor",
-                "stages": 64,
-                "microbatches": 64,
-                "forward": 2,
-                "backward": 4,
-                "activation": 1.64,
-            },
-            {
-                "name": "critic",
-                "stages": 32,
-                "microbatches": 32,
-                "forward": 2,
-                "backward": 4,
-                "activation": 2.0,
-            },
-        ],
-        name="dry-run 64 ranks pp64/32 mb64",
-    )
+    problem = scale_check_problem(64)
     began = time.perf_counter()
     g = simulate(problem, greedy(problem))
     greedy_seconds = time.perf_counter() - began

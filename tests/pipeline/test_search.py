@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from rlhfuse.pipeline import SearchConfig, greedy, lower_bounds, make_problem, simulate, solve
 from rlhfuse.pipeline.cli import main
+from rlhfuse.pipeline.problem import scale_check_problem
 
 
 def test_bounds_match_the_papers_column(table3):
@@ -127,25 +128,6 @@ def test_parallel_workers_return_a_valid_schedule(table3):
 
 
 def test_dry_run_64_ranks_in_one_process():
-    p = make_problem(
-        [
-            {
-                "name": "actor",
-                "stages": 64,
-                "microbatches": 64,
-                "forward": 2,
-                "backward": 4,
-                "activation": 1.64,
-            },
-            {
-                "name": "critic",
-                "stages": 32,
-                "microbatches": 32,
-                "forward": 2,
-                "backward": 4,
-                "activation": 2.0,
-            },
-        ]
-    )
+    p = scale_check_problem(64)
     s = solve(p, SearchConfig(max_iterations=5_000, max_starts=40))
     assert simulate(p, s.schedule).makespan == s.makespan <= s.greedy_makespan < s.serial_makespan

@@ -319,3 +319,29 @@ def make_problem(
             "comm_latency": comm_latency,
         }
     )
+
+
+def scale_check_problem(ranks: int = 64) -> Problem:
+    """The scale check of the schedule search: a 65B/33B-like Actor of `ranks` stages and two reversed Critic
+    replicas of `ranks // 2` stages (the Table-3 16/8 shape, widened), one micro-batch per Actor stage."""
+    return make_problem(
+        [
+            {
+                "name": "actor",
+                "stages": ranks,
+                "microbatches": ranks,
+                "forward": 2,
+                "backward": 4,
+                "activation": 1.64,
+            },
+            {
+                "name": "critic",
+                "stages": ranks // 2,
+                "microbatches": ranks // 2,
+                "forward": 2,
+                "backward": 4,
+                "activation": 2.0,
+            },
+        ],
+        name=f"dry-run {ranks} ranks pp{ranks}/{ranks // 2} mb{ranks}",
+    )
