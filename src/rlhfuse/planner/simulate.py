@@ -577,6 +577,13 @@ def model_step_time(
     )
 
 
+def train_state_bytes(cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout) -> float:
+    """Weights, gradients and optimizer state of both trained models on one device of their layouts."""
+    return cost.train_state_bytes(models.actor, "lm", actor.tp, actor.pp) + cost.train_state_bytes(
+        models.critic, "value", critic.tp, critic.pp
+    )
+
+
 def serial_training(
     cost: CostModel,
     models: RLHFModels,
@@ -588,13 +595,9 @@ def serial_training(
     mb = workload.mini_batch
     ta = model_step_time(cost, models.actor, "lm", actor, mb, seq)
     tc = model_step_time(cost, models.critic, "value", critic, mb, seq)
-    memory = (
-        cost.train_state_bytes(models.actor, "lm", actor.tp, actor.pp)
-        + cost.train_state_bytes(models.critic, "value", critic.tp, critic.pp)
-        + max(
-            activation_peak(cost, models.actor, actor, mb, seq),
-            activation_peak(cost, models.critic, critic, mb, seq),
-        )
+    memory = train_state_bytes(cost, models, actor, critic) + max(
+        activation_peak(cost, models.actor, actor, mb, seq),
+        activation_peak(cost, models.critic, critic, mb, seq),
     )
     n_mb = workload.global_batch // mb
     return TrainResult(
@@ -665,8 +668,7 @@ def fused_training(
     est = greedy_fused_makespan(ranks, problem) + extra
     mb = workload.mini_batch
     memory = (
-        cost.train_state_bytes(models.actor, "lm", actor.tp, actor.pp)
-        + cost.train_state_bytes(models.critic, "value", critic.tp, critic.pp)
+        train_state_bytes(cost, models, actor, critic)
         + activation_peak(cost, models.actor, actor, mb, seq)
         + activation_peak(cost, models.critic, critic, mb, seq)
     )
