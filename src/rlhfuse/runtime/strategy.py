@@ -32,7 +32,7 @@ from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout, build_
 from rlhfuse.runtime.lower import Program, lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
 from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.strategy import NonFiniteError, lr_lambda
+from rlhfuse.trainer.strategy import NonFiniteError, build_optimizer
 from rlhfuse.trainer.types import TrainBatch
 
 SCHEDULES = ("fused", "serial_1f1b")
@@ -79,26 +79,13 @@ class FusedPipelineStrategy:
         self.autocast = autocast
         # every stage of every model (the same split on all ranks), for weight gathering
         self.all_stages = {m: split_stages(self.models[m], self.layout.stages(m)) for m in MODELS}
-        betas = (config.betas[0], config.betas[1])
         lrs = {"actor": config.actor_lr, "critic": config.critic_lr}
         self.optims: dict[str, torch.optim.Optimizer] = {}
         self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
-
-        def lr_at(step: int) -> float:
-            return lr_lambda(
-                step,
-                warmup=config.warmup_steps,
-                total=total_steps,
-                schedule=config.lr_schedule,
-                min_ratio=config.min_lr_ratio,
-            )
-
         for m in MODELS:
-            params = self._local_params(m)
-            self.optims[m] = torch.optim.AdamW(
-                params, lr=lrs[m], betas=betas, weight_decay=config.weight_decay
+            self.optims[m], self.scheds[m] = build_optimizer(
+                self._local_params(m), lrs[m], config, total_steps
             )
-            self.scheds[m] = torch.optim.lr_scheduler.LambdaLR(self.optims[m], lr_at)
         self.problem: Problem = self.layout.problem()
         self.schedule: Schedule = serial_one_f_one_b(self.problem)
         self.program: Program = lower_checked(self.problem, self.schedule, dp=dp, prefetch=config.prefetch)

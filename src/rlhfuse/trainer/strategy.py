@@ -56,6 +56,26 @@ def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
     return min_ratio + (1.0 - min_ratio) * decay
 
 
+def build_optimizer(
+    params: Any, lr: float, config: StrategyConfig, total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` at peak `lr`, with the config's warmup + decay schedule over `total_steps`."""
+    optim = torch.optim.AdamW(
+        params, lr=lr, betas=(config.betas[0], config.betas[1]), weight_decay=config.weight_decay
+    )
+
+    def schedule(step: int) -> float:
+        return lr_lambda(
+            step,
+            warmup=config.warmup_steps,
+            total=total_steps,
+            schedule=config.lr_schedule,
+            min_ratio=config.min_lr_ratio,
+        )
+
+    return optim, torch.optim.lr_scheduler.LambdaLR(optim, schedule)
+
+
 def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
     """Split a mini-batch by sample count, or greedily pack consecutive samples up to a token budget."""
     if tokens <= 0:
@@ -93,25 +113,12 @@ class PlainStrategy:
         self.fabric = fabric
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.temperature = temperature if temperature > 0 else 1.0
-        betas = (config.betas[0], config.betas[1])
-        self.actor_optim = torch.optim.AdamW(
-            actor.parameters(), lr=config.actor_lr, betas=betas, weight_decay=config.weight_decay
+        self.actor_optim, self.actor_sched = build_optimizer(
+            actor.parameters(), config.actor_lr, config, total_steps
         )
-        self.critic_optim = torch.optim.AdamW(
-            critic.parameters(), lr=config.critic_lr, betas=betas, weight_decay=config.weight_decay
+        self.critic_optim, self.critic_sched = build_optimizer(
+            critic.parameters(), config.critic_lr, config, total_steps
         )
-
-        def schedule(step: int) -> float:
-            return lr_lambda(
-                step,
-                warmup=config.warmup_steps,
-                total=total_steps,
-                schedule=config.lr_schedule,
-                min_ratio=config.min_lr_ratio,
-            )
-
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_optim, schedule)
-        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         return self.actor.state_dict()
