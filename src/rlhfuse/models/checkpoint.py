@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -47,6 +48,18 @@ def _hf_key(name: str) -> str:
     if name == "value_head.weight":
         return _HF_HEAD_KEYS["value"]
     return f"model.{name}"
+
+
+def hf_named_tensors(
+    named_tensors: Mapping[str, Tensor], *, tie_word_embeddings: bool = False
+) -> list[tuple[str, Tensor]]:
+    """(HF checkpoint key, tensor) for a `Transformer` state dict, e.g. for an inference engine's weight reload;
+    a tied LM head is left out (the checkpoint stores the embedding table once)."""
+    return [
+        (_hf_key(name), tensor)
+        for name, tensor in named_tensors.items()
+        if not (tie_word_embeddings and name == "lm_head.weight")
+    ]
 
 
 def _read_config(path: Path) -> tuple[dict, str]:
@@ -184,11 +197,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike) -> None:
     hf = model.config.to_hf_dict(model.head)
     # transformers 5 reads "dtype", 4.x "torch_dtype"
     hf["dtype"] = hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    tensors: dict[str, Tensor] = {}
-    for name, param in model.named_parameters():
-        if model._is_tied(name):
-            continue
-        tensors[_hf_key(name)] = param.detach().contiguous().cpu()
+    named = {n: p for n, p in model.named_parameters() if not model._is_tied(n)}
+    tensors = {key: t.detach().contiguous().cpu() for key, t in hf_named_tensors(named)}
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

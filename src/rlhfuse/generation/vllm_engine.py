@@ -1,0 +1,465 @@
+"""`generator=vllm`: vLLM engines as generation instances, with rlhfuse's streaming and long-tail migration.
+
+Legend: P prompt tokens, N max new tokens.
+
+Each instance is one in-process vLLM engine (`vllm.LLM`, V1 engine core in this process:
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`), built once from an HF checkpoint of the Actor and driven request by request
+through its engine API (`add_request` / `step` / `abort_request`) so that finished samples leave as soon as vLLM
+reports them. Every sample is its own request with its own seed (`rlhfuse.trainer.generator.sample_seed`: run
+seed, iteration, prompt id, sample index); the n samples of a prompt share the prompt's KV blocks through vLLM's
+prefix caching.
+
+`VLLMInstance` offers the instance interface `rlhfuse.generation.Coordinator` drives (add / step / evict / admit
+and the counters), so migration is the same decision (`rlhfuse.planner.decide_migration`) with vLLM's mechanism:
+the tail's requests are aborted on their source and resubmitted on a destination as prompt + generated tokens
+(re-prefill), with the remaining token budget. Under greedy decoding a migrated sample ends with exactly the
+tokens it would have had without migration. Under sampling vLLM draws a request's random numbers from a generator
+seeded at submission, whose state cannot be carried over: the resubmitted request is seeded by
+`continuation_seed(seed, tokens so far)`, so results stay reproducible for a given migration point, but the
+tokens after the move differ from an unmigrated run (rlhfuse's own engine, `generator=engine`, keeps them
+identical).
+
+Weight sync goes through vLLM's in-place reload (`collective_rpc("reload_weights")`), then the prefix cache is
+reset. Instances freed by a migration release their memory with vLLM's sleep mode where the platform has it
+(CUDA/ROCm; not the CPU backend) and wake up at the next batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhfuse._optional import require
+from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.generation.coordinator import Coordinator, MigrationReport
+from rlhfuse.generation.engine import (
+    EngineStats,
+    MigratingSample,
+    SampleRequest,
+    SamplingParams,
+    requests_for,
+    to_rollout,
+)
+from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
+from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
+from rlhfuse.models import ModelConfig, Transformer, save_pretrained
+from rlhfuse.models.checkpoint import hf_named_tensors
+from rlhfuse.trainer.types import PromptBatch, Rollout
+
+# vLLM's CPU attention backend (0.32) computes only these head sizes.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> None:
+    """Raise a ValueError naming the setting and the fix when vLLM cannot run `config` on `device`'s backend."""
+    device_type = torch.device(device).type
+    problems = []
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        problems.append(
+            f"model.architecture={config.architecture!r}: generator=vllm supports {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    head_dim = config.head_dim or config.hidden_size // config.num_heads
+    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+        problems.append(
+            f"head size {head_dim} (model.head_dim, or hidden_size/num_heads={config.hidden_size}/"
+            f"{config.num_heads}) is not one vLLM's CPU backend computes {list(CPU_HEAD_SIZES)}: use a model "
+            "with head_dim >= 32 (e.g. model.head_dim=32) or generator=engine"
+        )
+    if device_type == "cuda" and head_dim % 8 != 0:
+        problems.append(f"head size {head_dim} must be a multiple of 8 for vLLM's GPU attention backends")
+    if problems:
+        raise ValueError("generator=vllm cannot run this model:\n  " + "\n  ".join(problems))
+
+
+def continuation_seed(seed: int, generated: int) -> int:
+    """Seed of a sample resubmitted after `generated` tokens (a migrated sample's continued stream)."""
+    digest = hashlib.blake2b(f"{seed}/resume/{generated}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def import_vllm() -> Any:
+    """`vllm`, with its engine core in this process (weight reload and migration need direct access)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # without an HF tokenizer vLLM logs a harmless chat-template warm-up traceback per engine
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    return require("vllm")
+
+
+@contextlib.contextmanager
+def _hidden_modules(*names: str) -> Iterator[None]:
+    """Take modules out of `sys.modules` for a moment. vLLM 0.32's CPU worker rebinds Triton kernels by
+    scanning every loaded module's attributes and calls `vars(value).get`, which fails on llvmlite's `ffi.lib`
+    (numba's, loaded by rlhfuse's GAE): hide that module while an engine starts."""
+    hidden = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The KV-cache facts the migration decision reads (`Coordinator.migrate`), for a vLLM instance: bytes
+    of one sample's full-length cache, how many samples the instance runs at once, the longest sequence."""
+
+    slot_bytes: int
+    num_slots: int
+    max_len: int
+
+    def nbytes_per_slot(self) -> int:
+        return self.slot_bytes
+
+
+class VLLMInstance:
+    """One generation instance: an in-process vLLM engine and the samples it holds.
+
+    `running` maps a request id to its sample (tokens so far grow as vLLM reports them); a sample with no token
+    yet may still wait in vLLM's scheduler.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        model_config: ModelConfig,
+        params: SamplingParams,
+        *,
+        max_len: int,
+        max_num_seqs: int,
+        prefix_caching: bool = True,
+        device: torch.device | str = "cpu",
+        kv_cache_bytes: int = 1 << 30,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        vllm = import_vllm()
+        check_vllm_supported(model_config, device)
+        self.params = params
+        kwargs: dict[str, Any] = {}
+        if torch.device(device).type == "cpu":
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        with _hidden_modules("llvmlite.binding.ffi"):
+            self.llm = vllm.LLM(
+                str(checkpoint),
+                skip_tokenizer_init=True,  # token ids in, token ids out: rlhfuse's tokenizer is not an HF one
+                dtype="float32" if torch.device(device).type == "cpu" else "auto",
+                enforce_eager=True,
+                seed=seed,
+                max_model_len=max_len,
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=prefix_caching,
+                disable_log_stats=True,
+                **kwargs,
+            )
+        self.engine = self.llm.llm_engine
+        self._vllm = vllm
+        dtype_bytes = 4 if torch.device(device).type == "cpu" else 2
+        head_dim = model_config.head_dim or model_config.hidden_size // model_config.num_heads
+        per_token = 2 * model_config.num_layers * model_config.num_kv_heads * head_dim * dtype_bytes
+        self.cache = KVBudget(slot_bytes=per_token * max_len, num_slots=max_num_seqs, max_len=max_len)
+        self.running: dict[str, SampleRequest] = {}
+        self.stats = EngineStats()
+        self.asleep = False
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ queue
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def _sampling_params(self, request: SampleRequest) -> Any:
+        p = self.params
+        done = len(request.tokens)
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0,
+            max_tokens=p.max_new_tokens - done,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=True,  # no HF tokenizer: EOS is one of stop_token_ids
+            seed=request.seed if done == 0 else continuation_seed(request.seed, done),
+            detokenize=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+        )
+
+    def add(self, requests: Iterable[SampleRequest]) -> None:
+        """Submit samples (a started one, `tokens` non-empty, resumes after its tokens)."""
+        self.wake_up()
+        prompt_cls = self._vllm.inputs.TokensPrompt
+        for request in requests:
+            ids = request.prompt_P.tolist() + list(request.tokens)
+            if len(ids) + self.params.max_new_tokens - len(request.tokens) > self.cache.max_len:
+                raise ValueError(
+                    f"sample row {request.row}: prompt of {len(request.prompt_P)} tokens + max_new_tokens="
+                    f"{self.params.max_new_tokens} exceeds the vLLM engine's max_model_len={self.cache.max_len}"
+                )
+            request_id = f"r{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(
+                request_id, prompt_cls(prompt_token_ids=ids), self._sampling_params(request)
+            )
+            self.running[request_id] = request
+            self.stats.prefill_tokens += len(ids)
+
+    def step(self) -> list[SampleRequest]:
+        """One vLLM engine step; the samples that finished in it."""
+        start = time.perf_counter()
+        self._ensure_parallel_state()
+        outputs = self.engine.step()
+        finished = []
+        decoded = 0
+        for out in outputs:
+            request = self.running.get(out.request_id)
+            if request is None:  # aborted (migrated) in between
+                continue
+            completion = out.outputs[0]
+            request.tokens.extend(completion.token_ids)
+            decoded += len(completion.token_ids)
+            if out.finished:
+                request.stopped = bool(request.tokens) and request.tokens[-1] in self.params.stop_token_ids
+                finished.append(self.running.pop(out.request_id))
+        end = time.perf_counter()
+        self.stats.tokens += decoded
+        if decoded:
+            self.stats.batch_sizes.append(len(outputs))
+            self.stats.step_times.append(end)
+            self.stats.step_seconds.append(end - start)
+        self.stats.busy_seconds += end - start
+        return finished
+
+    def _ensure_parallel_state(self) -> None:
+        """vLLM keeps its (single-rank) parallel groups in module globals that every engine of the process
+        shares, and an engine's shutdown destroys them: after another engine closed, set them up again."""
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return
+
+        def init(worker: Any) -> None:
+            from vllm.config import set_current_vllm_config
+            from vllm.platforms import current_platform
+            from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+            with set_current_vllm_config(worker.vllm_config):
+                init_worker_distributed_environment(
+                    worker.vllm_config,
+                    worker.rank,
+                    worker.distributed_init_method,
+                    worker.local_rank,
+                    current_platform.dist_backend,
+                )
+
+        self.llm.collective_rpc(init)
+
+    def close(self) -> None:
+        """Shut the engine down now (idempotent) rather than whenever the garbage collector gets to it."""
+        self.running.clear()
+        self.engine.engine_core.shutdown()
+
+    # ------------------------------------------------------------------ migration
+    def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]:
+        """Abort `count` unfinished samples (not started ones first, then the shortest) and hand them over for
+        resubmission; vLLM has no KV export, so `with_kv` is refused."""
+        if with_kv:
+            raise ValueError("generator=vllm migrates by re-prefill only: set migration.mechanism=reprefill")
+        if count > len(self.running):
+            raise ValueError(
+                f"evict({count}): this instance holds only {len(self.running)} unfinished samples"
+            )
+        order = sorted(self.running, key=lambda rid: (len(self.running[rid].tokens), -int(rid[1:])))
+        chosen = order[:count]
+        self.engine.abort_request(chosen)
+        return [MigratingSample(self.running.pop(rid), None) for rid in chosen]
+
+    def admit(self, samples: Sequence[MigratingSample]) -> None:
+        self.add(s.request for s in samples)
+
+    # ------------------------------------------------------------------ weights and memory
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """In-place weight reload (HF checkpoint names), then drop cached prefixes computed with old weights."""
+        self.wake_up()
+        weights = [(name, t.detach().to("cpu", torch.float32)) for name, t in named_tensors]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+
+    def release(self) -> bool:
+        """Free the instance's device memory (vLLM sleep level 1) for inference; False where the platform has
+        no sleep mode (vLLM's CPU backend)."""
+        from vllm.platforms import current_platform
+
+        if self.asleep or self.running or not current_platform.is_sleep_mode_available():
+            return False
+        self.llm.sleep(level=1)
+        self.asleep = True
+        return True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+class VLLMGenerator:
+    """The trainer's `Generator` on `config.instances` vLLM engines in this process, stepped in turn, with
+    long-tail migration by resubmission (`Coordinator`)."""
+
+    def __init__(
+        self,
+        actor: Transformer,
+        config: GenerationConfig,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        samples_per_prompt: int,
+        seed: int,
+        max_prompt_len: int,
+        policy: MigrationPolicy | None = None,
+        bs_max: int = 32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        import_vllm()  # fail now, before any model is written, if vLLM is missing
+        check_vllm_supported(actor.config, device)
+        if config.instances < 1:
+            raise ValueError(f"generator.instances={config.instances} must be >= 1")
+        self.config = config
+        self.params = SamplingParams(
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            stop_token_ids=tuple(sorted({eos_token_id, *config.stop_token_ids})),
+        )
+        self.actor_config = actor.config
+        self.pad_token_id = pad_token_id
+        self.samples_per_prompt = samples_per_prompt
+        self.seed = seed
+        self.device = torch.device(device)
+        self.max_len = max_prompt_len + config.max_new_tokens
+        self.policy: MigrationPolicy = policy or NoMigration()
+        self.coordinator = Coordinator([], bs_max=bs_max, mechanism="reprefill")
+        self._tmp = tempfile.TemporaryDirectory(prefix="rlhfuse-vllm-")
+        self.checkpoint = Path(self._tmp.name) / "actor"
+        save_pretrained(actor, self.checkpoint)  # vLLM builds each engine from an HF checkpoint
+        self.instances: list[VLLMInstance] = []
+        self._predicted: tuple[object, object] | None = None
+
+    def _instances(self, batch: int) -> list[VLLMInstance]:
+        slots = self.config.num_slots or batch
+        while len(self.instances) < self.config.instances:
+            self.instances.append(
+                VLLMInstance(
+                    self.checkpoint,
+                    self.actor_config,
+                    self.params,
+                    max_len=self.max_len,
+                    max_num_seqs=slots,
+                    prefix_caching=self.config.prefix_sharing,
+                    device=self.device,
+                    kv_cache_bytes=int(self.config.vllm_kv_cache_gb * (1 << 30)),
+                    gpu_memory_utilization=self.config.vllm_gpu_memory_utilization,
+                    seed=self.seed,
+                )
+            )
+        for instance in self.instances:
+            instance.stats = EngineStats()
+        return self.instances
+
+    def close(self) -> None:
+        """Shut the vLLM engines down (the trainer calls this at the end of fit)."""
+        for instance in self.instances:
+            instance.close()
+        self.instances = []
+        self._tmp.cleanup()
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        named = hf_named_tensors(named_tensors, tie_word_embeddings=self.actor_config.tie_word_embeddings)
+        for instance in self.instances:
+            instance.load_weights(named)
+        if not self.instances:  # not built yet: they will start from the new weights
+            model = Transformer(self.actor_config)
+            model.load_state_dict(dict(named_tensors), strict=True)
+            save_pretrained(model, self.checkpoint)
+
+    def stream(self, prompts: PromptBatch, *, iteration: int) -> Iterator[tuple[int, SampleRequest]]:
+        """(instance, finished sample) as each sample finishes; instances freed by the migration release
+        their memory."""
+        requests = requests_for(
+            prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
+        )
+        self.coordinator.engines = self._instances(len(requests))  # type: ignore[assignment]
+        released = False
+        for index, sample in self.coordinator.run(requests, threshold=self.policy.threshold(len(requests))):
+            yield index, sample
+            if not released and self.coordinator.report.at:
+                released = True
+                for freed in self.coordinator.report.freed:
+                    self.instances[freed].release()
+
+    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+        self._predicted = (
+            (self.policy.predicted, self.policy.predicted_serial)
+            if isinstance(self.policy, AutoThreshold)
+            else None
+        )
+        done = sorted((s for _, s in self.stream(prompts, iteration=iteration)), key=lambda r: r.row)
+        self.policy.observe(
+            BatchObservation(
+                response_lengths=[len(r.tokens) for r in done],
+                prompt_len=round(sum(len(r.prompt_P) for r in done) / len(done)),
+                cap=self.params.max_new_tokens,
+                slots=self.instances[0].cache.num_slots,
+                profile=CostProfile.fit([i.stats for i in self.instances]),
+            )
+        )
+        yield to_rollout(done, self.pad_token_id)
+
+    @property
+    def migration(self) -> MigrationReport:
+        return self.coordinator.report
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Metrics of the last `generate`: migration, running batch size, tokens/s."""
+        return rollout_metrics([i.stats for i in self.instances], self.migration, self._predicted)
+
+
+def rollout_metrics(
+    stats: Sequence[EngineStats], report: MigrationReport, predicted: tuple[object, object] | None
+) -> dict[str, float]:
+    """The generation metrics of one batch (`migration/*`, `generation/*`)."""
+    sizes = [b for s in stats for b in s.batch_sizes]
+    busy = sum(s.busy_seconds for s in stats)
+    out: dict[str, float] = {}
+    if predicted is not None:
+        fused, serial = predicted
+        if isinstance(fused, SimResult) and isinstance(serial, SimResult):
+            out["migration/predicted_gen_inf_s"] = fused.gen_inf_s
+            out["migration/predicted_serial_s"] = serial.gen_inf_s
+    return {
+        **out,
+        "migration/threshold": float(report.threshold),
+        "migration/samples_moved": float(report.samples_moved),
+        "migration/destinations": float(report.destinations),
+        "generation/batch_size_p50": float(torch.tensor(sizes, dtype=torch.float64).quantile(0.5))
+        if sizes
+        else 0.0,
+        "generation/tokens_per_s": sum(s.tokens for s in stats) / busy if busy > 0 else math.nan,
+    }
