@@ -11,7 +11,7 @@ from typing import Any
 
 from rlhfuse.data.config import TRUNCATE_MODES, DataConfig
 from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, validate_runtime
+from rlhfuse.runtime.config import PIPELINE_STRATEGIES, DistributedConfig, PipelineConfig, validate_runtime
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.checkpoint import CheckpointConfig
 from rlhfuse.trainer.inferencer import InferencerConfig
@@ -60,10 +60,11 @@ class RLHFConfig:
     # The generator's schema: GeneratorConfig plus the engine's fields (generator=engine).
     generator: GenerationConfig = field(default_factory=GenerationConfig)
     inferencer: InferencerConfig = field(default_factory=InferencerConfig)
-    # The training strategy (Hydra group `pipeline`): plain = single process, no pipeline; fused / serial_1f1b =
+    # The training strategy (Hydra group `pipeline`): plain = no pipeline (one process, or data-parallel over one
+    # process per generation instance: rlhfuse.trainer.data_parallel); fused / serial_1f1b =
     # Actor and Critic pipelines on the same ranks (rlhfuse.runtime), with distributed.nproc_per_node processes.
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    # Multi-process launch (pipeline=fused / serial_1f1b).
+    # Multi-process launch (pipeline=fused / serial_1f1b; with pipeline=plain it follows generator.instances).
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -258,7 +259,12 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
         re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
         f"device={cfg.device!r} must be auto, cpu, cuda or cuda:N",
     )
-    problems += validate_runtime(cfg)
+    if p.name in PIPELINE_STRATEGIES:
+        problems += validate_runtime(cfg)
+    else:
+        from rlhfuse.trainer.data_parallel import validate_plain_launch
+
+        problems += validate_plain_launch(cfg)
     if problems:
         raise ValueError(
             f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)

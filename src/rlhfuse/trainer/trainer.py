@@ -141,7 +141,8 @@ class RLHFTrainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=it)
         every = self.config.checkpoint.every
-        if every > 0 and (it % every == 0 or it == self.config.iterations):
+        # data-parallel ranks hold the same weights and optimizer states: rank 0 writes the checkpoint
+        if every > 0 and (it % every == 0 or it == self.config.iterations) and self.fabric.is_global_zero:
             self.save_checkpoint()
         self.fabric.call("on_iteration_end", self, it, metrics)
         return metrics
