@@ -1,7 +1,7 @@
 """`rlhfuse-train generator.instances=2 migration=auto` runs 2 processes (one generation instance each, gloo),
 generation fused with inference and training data-parallel, with the same samples and PPO results as the serial
 baseline `migration=off` (also 2 processes) and as the single-process job; rank 0 alone logs the migration
-metrics."""
+metrics and writes the checkpoint both ranks resume from."""
 
 from __future__ import annotations
 
@@ -56,16 +56,27 @@ def _results(row: dict[str, float]) -> dict[str, float]:
 
 @pytest.mark.timeout(300)
 def test_two_instance_processes_auto_migration_equals_serial_and_one_process(tmp_path: Path) -> None:
-    out_auto, auto = _cli(tmp_path, "auto", "generator.instances=2", "migration=auto")
+    out_auto, auto = _cli(tmp_path, "auto", "generator.instances=2", "migration=auto", "checkpoint.every=3")
     assert "Starting with 2 processes" in out_auto
+    assert [c.name for c in (tmp_path / "auto" / "checkpoints").iterdir()] == ["iter_00000003"]
+    # both ranks resume from rank 0's checkpoint and run a 4th iteration
+    _, resumed = _cli(
+        tmp_path, "auto", "generator.instances=2", "migration=auto", "resume=auto", "iterations=4"
+    )
+    assert [r["iteration"] for r in resumed] == [1, 2, 3, 4] and resumed[:3] == auto
     out_off, off = _cli(tmp_path, "off", "generator.instances=2", "migration=off")
     assert "Starting with 2 processes" in out_off
+    cache = f"model.warmstart.cache_dir={tmp_path / 'cache'}"
     single = build_trainer(
-        compose_config([*JOB, f"model.warmstart.cache_dir={tmp_path / 'cache'}"]),
+        compose_config([*JOB, cache, "checkpoint.every=3"]), run_dir=tmp_path / "single", log=lambda _: None
+    ).fit()
+    single_resumed = build_trainer(  # the same interruption in one process: 3 iterations, then resumed to 4
+        compose_config([*JOB, cache, "resume=auto", "iterations=4"]),
         run_dir=tmp_path / "single",
         log=lambda _: None,
     ).fit()
     assert [r["iteration"] for r in auto] == [r["iteration"] for r in off] == [1, 2, 3]  # rank 0 alone logs
+    assert _results(resumed[3]) == pytest.approx(_results(single_resumed[-1]), rel=1e-5, abs=1e-6)
     for a, o, s in zip(auto, off, single, strict=True):
         # inference micro-batches pad differently (and the fused path gathers per-sample rows): ~1e-7 apart
         assert _results(a) == pytest.approx(_results(s), rel=1e-5, abs=1e-6)
