@@ -229,6 +229,12 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
                 getattr(got["experience"], field), getattr(oracle, field), atol=1e-5, rtol=1e-5
             )
         assert got["timings"]["time/generation_inference"] >= got["timings"]["time/generation"] > 0
+    # running batch sizes and tokens/s are gathered over both instances: the same numbers on both ranks
+    metrics = [
+        torch.load(tmp_path / f"generator-rank{r}.pt", weights_only=False)["metrics"] for r in range(2)
+    ]
+    for key in ("generation/batch_size_p50", "generation/tokens_per_s"):
+        assert metrics[0][key] == metrics[1][key] > 0, key
     fused = torch.load(tmp_path / "fused-rank0.pt", weights_only=False)
     assert fused["moved"] > 0 and len(fused["freed"]) == 1
     for name in ("serial", "fused"):

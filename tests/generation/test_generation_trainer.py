@@ -1,6 +1,7 @@
 """generator=engine in the trainer: the smoke job with the engine gives the same samples and PPO results as
 generator=sampling; two instances with migration give the same results as without; the new metrics are logged;
-bad combinations fail in `validate` with the override to fix."""
+bad combinations fail in `validate` with the override to fix. The instances run in this process
+(`generator.in_process=true`); test_generation_processes.py runs them as processes."""
 
 import json
 
@@ -25,7 +26,13 @@ def cache_dir(tmp_path_factory):
 
 def _fit(cache_dir, run_dir, *overrides):
     cfg = compose_config(
-        ["experiment=smoke", f"model.warmstart.cache_dir={cache_dir}", "iterations=2", *overrides]
+        [
+            "experiment=smoke",
+            f"model.warmstart.cache_dir={cache_dir}",
+            "iterations=2",
+            "generator.in_process=true",
+            *overrides,
+        ]
     )
     trainer = build_trainer(cfg, run_dir=run_dir, log=lambda _: None)
     history = trainer.fit()

@@ -14,9 +14,12 @@ from rlhfuse.trainer.generator import GeneratorConfig
 
 @dataclass
 class GenerationConfig(GeneratorConfig):
-    # generator=engine only. Generation instances (data-parallel copies of the Actor); with
-    # distributed.nproc_per_node > 1 one per process, otherwise stepped in turn in this process.
+    # Generation instances (data-parallel copies of the Actor; > 1 selects the engine). With pipeline=plain the
+    # job runs one process per instance (rlhfuse.trainer.data_parallel), training data-parallel over them.
     instances: int = 1
+    # true = keep every instance in this one process, stepped in turn (no launch, no speed-up: a correctness
+    # mode for tests and scripts that cannot re-launch themselves).
+    in_process: bool = False
     # generator=engine only. KV-cache slots per instance: most samples decoded together (continuous batching:
     # waiting samples join as slots free up). 0 = room for every sample of the iteration.
     num_slots: int = 0

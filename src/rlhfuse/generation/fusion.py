@@ -28,7 +28,7 @@ from torch import Tensor
 from rlhfuse.generation.coordinator import MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure
 from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
-from rlhfuse.trainer.protocols import Inferencer
+from rlhfuse.trainer.protocols import Inferencer, SwapsWeights
 from rlhfuse.trainer.types import Experience
 
 _META = 8  # row (-1 = end of stream), prompt_index, sample_index, group, seed, prompt len, tokens, stopped
@@ -127,6 +127,10 @@ def fused_generate_infer(
         if coordinator.report.at and rank in coordinator.report.freed:
             break
     report = coordinator.report
+    if isinstance(inferencer, SwapsWeights):
+        # the tail starts here (a destination decodes it next; a freed rank infers now; without migration
+        # generation is over): frozen models' weights start moving onto the device
+        inferencer.prefetch()
     try:
         if report.at and rank in report.freed:
             gen_end = time.perf_counter()

@@ -211,10 +211,18 @@ class EngineGenerator:
         return self.distributed.report if self.distributed is not None else self.coordinator.report
 
     def rollout_metrics(self) -> dict[str, float]:
-        """Metrics of the last `generate`: migration, running batch size, engine tokens/s."""
+        """Metrics of the last `generate`: migration, running batch size, engine tokens/s (over every instance:
+        with one instance per rank, a collective, so every rank calls it)."""
         stats = [e.stats for e in self.engines]
         sizes = [b for s in stats for b in s.batch_sizes]
         busy = sum(s.busy_seconds for s in stats)
+        tokens = sum(s.tokens for s in stats)
+        if self.distributed is not None:
+            gathered: list[tuple[list[int], float, int] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (sizes, busy, tokens))
+            parts = [g for g in gathered if g is not None]
+            sizes = [b for g in parts for b in g[0]]
+            busy, tokens = sum(g[1] for g in parts), sum(g[2] for g in parts)
         report = self.migration
         predicted: dict[str, float] = {}
         if self._predicted is not None:
@@ -232,5 +240,5 @@ class EngineGenerator:
             "generation/batch_size_p50": float(torch.tensor(sizes, dtype=torch.float64).quantile(0.5))
             if sizes
             else 0.0,
-            "generation/tokens_per_s": sum(s.tokens for s in stats) / busy if busy > 0 else math.nan,
+            "generation/tokens_per_s": tokens / busy if busy > 0 else math.nan,
         }

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 
 from rlhfuse.data.prompts import PromptLoader, load_prompts
@@ -18,7 +19,7 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.generation.generator import EngineGenerator
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
-from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
 from rlhfuse.trainer.config import (
@@ -29,6 +30,7 @@ from rlhfuse.trainer.config import (
     RLHFConfig,
     validate,
 )
+from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.logging import RichProgress, build_loggers
@@ -129,6 +131,7 @@ def _plain_strategy(ctx: BuildContext) -> PlainStrategy:
         micro_batch_size=ctx.config.data.micro_batch_size,
         micro_batch_tokens=ctx.config.data.micro_batch_tokens,
         temperature=ctx.config.generator.temperature,
+        group=dist.group.WORLD if ctx.fabric.world_size > 1 else None,  # data-parallel: one rank per instance
     )
 
 
@@ -195,9 +198,13 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     accelerator = "cuda" if device.type == "cuda" else "cpu"
-    if launched_world_size(config.distributed.nproc_per_node) > 1:
+    if config.pipeline.name in PIPELINE_STRATEGIES:
+        world = launched_world_size(config.distributed.nproc_per_node)
+    else:
+        world = plain_world_size(config)  # one process per generation instance
+    if world > 1:
         return distributed_fabric(
-            nproc_per_node=config.distributed.nproc_per_node,
+            nproc_per_node=world,
             backend=config.distributed.backend,
             timeout_s=config.distributed.timeout_s,
             device_type=device.type,

@@ -12,6 +12,7 @@ import sys
 import time
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
@@ -44,6 +45,10 @@ def run(cfg: DictConfig) -> None:
             config.run_dir = HydraConfig.get().runtime.output_dir
         trainer = build_trainer(config, log=lambda msg: console.print(msg, highlight=False))
         history = trainer.fit()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # leave together: a rank exiting with the group alive can abort in gloo's threads at teardown
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)

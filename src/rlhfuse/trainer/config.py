@@ -15,7 +15,13 @@ import torch
 
 from rlhfuse.data.config import TRUNCATE_MODES, DataConfig
 from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, launched_world_size, validate_runtime
+from rlhfuse.runtime.config import (
+    PIPELINE_STRATEGIES,
+    DistributedConfig,
+    PipelineConfig,
+    launched_world_size,
+    validate_runtime,
+)
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.checkpoint import CheckpointConfig
 from rlhfuse.trainer.inferencer import InferencerConfig
@@ -64,10 +70,11 @@ class RLHFConfig:
     # The generator's schema: GeneratorConfig plus the engine's fields (generator=engine).
     generator: GenerationConfig = field(default_factory=GenerationConfig)
     inferencer: InferencerConfig = field(default_factory=InferencerConfig)
-    # The training strategy (Hydra group `pipeline`): plain = single process, no pipeline; fused / serial_1f1b =
+    # The training strategy (Hydra group `pipeline`): plain = no pipeline (one process, or data-parallel over one
+    # process per generation instance: rlhfuse.trainer.data_parallel); fused / serial_1f1b =
     # Actor and Critic pipelines on the same ranks (rlhfuse.runtime), with distributed.nproc_per_node processes.
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    # Multi-process launch (pipeline=fused / serial_1f1b).
+    # Multi-process launch (pipeline=fused / serial_1f1b; with pipeline=plain it follows generator.instances).
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -262,7 +269,12 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
         re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
         f"device={cfg.device!r} must be auto, cpu, cuda or cuda:N",
     )
-    problems += validate_runtime(cfg)
+    if p.name in PIPELINE_STRATEGIES:
+        problems += validate_runtime(cfg)
+    else:
+        from rlhfuse.trainer.data_parallel import validate_plain_launch
+
+        problems += validate_plain_launch(cfg)
     if g.name == "vllm":
         problems += _vllm_problems(cfg)
     if problems:
@@ -291,6 +303,11 @@ def _vllm_problems(cfg: RLHFConfig) -> list[str]:
         problems.append(
             "migration.mechanism=kv: vLLM engines cannot export a sample's KV cache; with generator=vllm set "
             "migration.mechanism=reprefill (or auto)"
+        )
+    if not cfg.generator.in_process:
+        problems.append(
+            "generator=vllm steps its engines in one process: set generator.in_process=true (the shipped "
+            "conf/generator/vllm.yaml does), or use generator=engine for one process per instance"
         )
     world = launched_world_size(cfg.distributed.nproc_per_node)
     if world > 1:

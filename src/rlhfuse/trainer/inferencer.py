@@ -17,6 +17,7 @@ from torch import Tensor
 from rlhfuse.algorithms import logprobs_from_logits
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
+from rlhfuse.trainer.offload import OffloadedModel
 from rlhfuse.trainer.registry import RewardFn
 from rlhfuse.trainer.types import Experience, Rollout
 
@@ -38,6 +39,9 @@ class InferencerConfig:
     # A reward model trained on finished responses reads garbage at a non-EOS last token, which a policy learns
     # to exploit by never stopping; like TRL's missing_eos_penalty, but a fixed score cannot be out-bid.
     truncated_score: float | None = -5.0
+    # Keep the Ref and Reward weights in host memory between inference stages and swap them onto the device for
+    # inference, prefetched when the generation tail starts (rlhfuse.trainer.offload). A no-op on CPU.
+    offload_frozen: bool = False
 
 
 def response_logprobs(model: Transformer, rollout: Rollout, temperature: float) -> Tensor:
@@ -86,6 +90,19 @@ class ModelInferencer:
         self.tokenizer = tokenizer
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast = autocast
+        device = next(actor.parameters()).device
+        frozen = (ref, reward_model) if config.offload_frozen else ()
+        self.offloaded = [OffloadedModel(m, device) for m in frozen if m is not None]
+
+    def prefetch(self) -> None:
+        """Start swapping the frozen models' weights onto the device (overlapped with the generation tail)."""
+        for model in self.offloaded:
+            model.prefetch()
+
+    def release(self) -> None:
+        """After the rollout's last inference: the frozen models' weights back to host memory only."""
+        for model in self.offloaded:
+            model.release()
 
     @torch.no_grad()
     def infer(self, rollout: Rollout) -> Experience:
@@ -108,6 +125,8 @@ class ModelInferencer:
         self.actor.eval(), self.critic.eval()
         device = next(self.actor.parameters()).device
         rollout = Rollout(**{k: v.to(device) for k, v in vars(rollout).items()})
+        for model in self.offloaded:
+            model.acquire()
         with self.autocast():
             logprobs_BR = response_logprobs(self.actor, rollout, self.temperature)
             ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature)

@@ -80,6 +80,16 @@ class Callback(Protocol):
 
 
 @runtime_checkable
+class SwapsWeights(Protocol):
+    """An inferencer whose frozen models live in host memory between rollouts: `prefetch` when the generation
+    tail starts (the copy overlaps with decoding), `release` after the rollout's last inference."""
+
+    def prefetch(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
 class Logger(Protocol):
     """Metrics sink. Lightning Fabric's loggers (CSVLogger, TensorBoardLogger) and Lightning's WandbLogger
     already have this shape."""

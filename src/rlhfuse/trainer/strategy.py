@@ -1,8 +1,15 @@
-"""Training stage, single process: Actor (PPO clipped loss) and Critic (clipped value loss) updates.
+"""Training stage without pipelines: Actor (PPO clipped loss) and Critic (clipped value loss) updates.
 
 One `train_step` is one optimizer step of each model on one mini-batch, accumulated over micro-batches
 (by samples, or packed up to a token budget). Precision and backward go through Lightning Fabric's precision
 plugin (bf16 autocast on GPU, fp32 on CPU).
+
+Data-parallel over a process group (`generator.instances=N`: one rank per generation instance, each holding a
+full Actor and Critic): every rank receives the same mini-batch, keeps its share (Karmarkar-Karp by sequence
+cost, the same split on every rank), weights each micro-batch by its share of the *whole* mini-batch's tokens
+(or samples) and all-reduces (sums) the gradients, so every rank steps with the gradient of the whole mini-batch
+— the single-process update up to floating-point reassociation. Identical gradients and optimizer states keep the
+weights identical on every rank: the Actor copy each rank generates with is in sync without any broadcast.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch import Tensor
 
@@ -107,8 +115,11 @@ class PlainStrategy:
         micro_batch_size: int,
         micro_batch_tokens: int = 0,
         temperature: float = 1.0,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.actor, self.critic = actor, critic
+        # data-parallel ranks (None = this process alone trains on every sample)
+        self.group = group
         self.config, self.algorithm = config, algorithm
         self.fabric = fabric
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
@@ -127,10 +138,23 @@ class PlainStrategy:
         self.actor.train(), self.critic.train()
         total_tokens = float(batch.response_mask_BR.sum().clamp(min=1))
         sums: dict[str, float] = {}
-        for micro in micro_batches(batch, samples=self.micro_batch_size, tokens=self.micro_batch_tokens):
+        failure: str | None = None
+        for micro in micro_batches(
+            self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
+        ):
             weight = self._weight(micro, batch, total_tokens)
-            for key, value in self._micro_step(micro, weight).items():
+            stats, failure = self._micro_step(micro, weight)
+            if failure is not None:
+                break
+            for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
+        if self.group is not None:
+            # every rank learns of a non-finite loss on any rank here, so all raise together (none waits)
+            sums, failure = self._all_reduce(sums, failure)
+        if failure is not None:
+            self.actor_optim.zero_grad(set_to_none=True)
+            self.critic_optim.zero_grad(set_to_none=True)
+            raise NonFiniteError(failure)
         # Both norms are checked before either model steps: a NaN never reaches the weights.
         stats = {
             "actor/grad_norm": self._clip(self.actor, self.actor_optim, "actor/grad_norm"),
@@ -142,13 +166,53 @@ class PlainStrategy:
             optim.zero_grad(set_to_none=True)
         return {**sums, **stats, "lr": float(self.actor_sched.get_last_lr()[0])}
 
+    def share(self, batch: TrainBatch) -> TrainBatch:
+        """This rank's samples of the mini-batch: parts of near-equal cost (tokens + attention), the same
+        partition on every rank; the whole batch in a single process."""
+        if self.group is None:
+            return batch
+        from rlhfuse.runtime.balance import karmarkar_karp, sample_costs  # (runtime imports this module)
+
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if len(batch) < world:
+            raise ValueError(
+                f"a mini-batch of {len(batch)} samples cannot give each of {world} data-parallel ranks a "
+                f"sample: raise data.mini_batch_size to >= {world}"
+            )
+        costs = sample_costs(batch.attention_mask_BT.sum(dim=1).tolist())
+        return batch.select(torch.tensor(karmarkar_karp(costs, world)[rank]))
+
+    def _all_reduce(self, sums: dict[str, float], failure: str | None) -> tuple[dict[str, float], str | None]:
+        """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch);
+        first agree on whether any rank saw a non-finite loss (then nothing else is exchanged)."""
+        failed = torch.tensor([float(failure is not None)], dtype=torch.float64)
+        dist.all_reduce(failed, group=self.group)
+        if failed.item() > 0:
+            return sums, failure or "a loss is non-finite on another data-parallel rank"
+        params = [p for model in (self.actor, self.critic) for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for dtype in sorted({p.dtype for p in params}, key=str):  # one flat buffer per dtype
+            same = [p for p in params if p.dtype == dtype]
+            flat = torch.cat([p.grad.reshape(-1) for p in same if p.grad is not None])
+            dist.all_reduce(flat, group=self.group)
+            for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
+                assert p.grad is not None
+                p.grad.copy_(chunk.view_as(p))
+        keys = sorted(sums)  # every rank ran >= 1 micro-batch, hence the same keys
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(values, group=self.group)
+        return dict(zip(keys, values.tolist(), strict=True)), None
+
     def _weight(self, micro: TrainBatch, batch: TrainBatch, total_tokens: float) -> float:
         # Token-mean losses over the whole mini-batch: weight each micro-batch by its share of response tokens.
         if self.algorithm.loss_reduction == "token":
             return float(micro.response_mask_BR.sum()) / total_tokens
         return len(micro) / len(batch)
 
-    def _micro_step(self, micro: TrainBatch, weight: float) -> dict[str, float]:
+    def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[dict[str, float], str | None]:
+        """Forward and backward of one micro-batch: its statistics, or the non-finite loss (no backward)."""
         device = next(self.actor.parameters()).device
         micro = TrainBatch(**{k: v.to(device) for k, v in vars(micro).items()})
         with self.fabric.autocast():
@@ -158,10 +222,10 @@ class PlainStrategy:
         critic_loss, critic_stats = losses.critic_loss(values_BT, micro, self.algorithm)
         for name, value in (("loss/policy", policy_loss), ("loss/value", critic_loss)):
             if not torch.isfinite(value):
-                raise NonFiniteError(f"{name} is {float(value.detach())}")
+                return {}, f"{name} is {float(value.detach())}"
         self.fabric.backward(policy_loss * weight)
         self.fabric.backward(critic_loss * weight)
-        return {**policy_stats, **critic_stats}
+        return {**policy_stats, **critic_stats}, None
 
     def _clip(self, model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")

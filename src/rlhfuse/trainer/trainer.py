@@ -28,7 +28,7 @@ from rlhfuse.trainer.checkpoint import (
 )
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.logging import JsonlLogger
-from rlhfuse.trainer.protocols import Generator, Inferencer, Logger, Strategy
+from rlhfuse.trainer.protocols import Generator, Inferencer, Logger, Strategy, SwapsWeights
 from rlhfuse.trainer.strategy import NonFiniteError
 from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
 
@@ -115,6 +115,8 @@ class RLHFTrainer:
         prompts = collate_prompts(self.prompts.next_batch(), self.pad_token_id)
         # 1. rollout: generation + inference (chunks of finished samples are inferred as they arrive)
         experience, timings = self.rollout(prompts, it)
+        if isinstance(self.inferencer, SwapsWeights):
+            self.inferencer.release()  # frozen models back to host memory until the next rollout
         metrics: dict[str, float] = {}
         self.fabric.call("on_rollout_end", self, experience, metrics)
         # 2. rewards, KL penalty and GAE
@@ -141,7 +143,8 @@ class RLHFTrainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=it)
         every = self.config.checkpoint.every
-        if every > 0 and (it % every == 0 or it == self.config.iterations):
+        # data-parallel ranks hold the same weights and optimizer states: rank 0 writes the checkpoint
+        if every > 0 and (it % every == 0 or it == self.config.iterations) and self.fabric.is_global_zero:
             self.save_checkpoint()
         self.fabric.call("on_iteration_end", self, it, metrics)
         return metrics

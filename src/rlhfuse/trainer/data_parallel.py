@@ -1,0 +1,59 @@
+"""The launch of `pipeline=plain` (no pipelines): one process, or one process per generation instance.
+
+`rlhfuse-train generator.instances=N` runs N processes (Lightning Fabric's launcher, gloo on CPU; under torchrun
+the launched world): each rank is one generation instance holding full copies of the four models, generation is
+fused with inference across the ranks (`rlhfuse.generation`) and `PlainStrategy` trains data-parallel over them.
+`distributed.nproc_per_node` left at 1 follows `generator.instances`; set, it must agree.
+`generator.in_process=true` keeps the N instances in this one process, stepped in turn (a correctness mode).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def plain_world_size(cfg: Any) -> int:
+    """Processes of a pipeline=plain run: torchrun's WORLD_SIZE when launched by it, else
+    distributed.nproc_per_node when set above 1, else generator.instances (1 with generator.in_process=true)."""
+    env = os.environ.get("WORLD_SIZE")
+    if env and env.isdigit():
+        return int(env)
+    if cfg.distributed.nproc_per_node > 1 or cfg.generator.in_process:
+        return int(cfg.distributed.nproc_per_node)
+    return int(cfg.generator.instances)
+
+
+def validate_plain_launch(cfg: Any) -> list[str]:
+    """Problems of distributed.* and generator.instances with pipeline=plain (each naming the fix)."""
+    problems: list[str] = []
+    d, g = cfg.distributed, cfg.generator
+    if d.nproc_per_node < 1:
+        problems.append(f"distributed.nproc_per_node={d.nproc_per_node} must be >= 1")
+    if d.backend not in ("auto", "gloo", "nccl"):
+        problems.append(f"distributed.backend={d.backend!r} is not one of ['auto', 'gloo', 'nccl']")
+    if d.timeout_s <= 0:
+        problems.append(f"distributed.timeout_s={d.timeout_s} must be > 0")
+    world = plain_world_size(cfg)
+    source = (
+        "torchrun's WORLD_SIZE"
+        if os.environ.get("WORLD_SIZE", "").isdigit()
+        else "distributed.nproc_per_node"
+    )
+    if g.in_process and world > 1:
+        problems.append(
+            f"generator.in_process=true steps every instance in this one process, but {source} gives {world} "
+            "processes: set generator.in_process=false (one process per instance) or distributed.nproc_per_node=1"
+        )
+    elif world != g.instances and not g.in_process:
+        problems.append(
+            f"pipeline=plain runs in one process per generation instance: {source} gives {world} processes but "
+            f"generator.instances={g.instances} ({world} != {g.instances}): set generator.instances={world}, "
+            f"or distributed.nproc_per_node={g.instances}, or pipeline=fused / serial_1f1b"
+        )
+    elif world > 1 and cfg.data.mini_batch_size < world:
+        problems.append(
+            f"data.mini_batch_size={cfg.data.mini_batch_size} < {world} processes: each trains on its share "
+            f"of every mini-batch, so raise data.mini_batch_size to >= {world} (or lower generator.instances)"
+        )
+    return problems

@@ -1,0 +1,78 @@
+"""Ref/Reward weights in host memory between rollouts (`inferencer.offload_frozen`): the swap mechanism with a
+`meta` target (weights on the device only between acquire and release, back on the very host copies after it,
+ties kept), and unchanged inference outputs on CPU."""
+
+import torch
+
+from rlhfuse.data.synthetic import build_tokenizer
+from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
+from rlhfuse.trainer.offload import OffloadedModel
+from rlhfuse.trainer.protocols import SwapsWeights
+from rlhfuse.trainer.types import Rollout
+
+
+def _model(head: str = "lm", seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    config = ModelConfig.tiny(
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
+    )
+    return Transformer(config, head)
+
+
+def _devices(model: torch.nn.Module) -> set[str]:
+    return {p.device.type for p in model.parameters()}
+
+
+def test_swap_lives_on_host_between_uses_and_keeps_ties() -> None:
+    model = _model()
+    model.lm_head.weight = model.embed_tokens.weight  # tied, as with tie_word_embeddings
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    swap = OffloadedModel(model, "meta")
+    host_ptrs = {n: t.data_ptr() for n, t in swap.host.items()}
+    assert swap.on_host and _devices(model) == {"cpu"}
+    for _ in range(2):  # two rollouts
+        swap.prefetch()  # staged on the device while the module still computes on the host copies
+        assert swap.on_host and _devices(model) == {"cpu"}
+        assert swap._staged is not None and {t.device.type for t in swap._staged.values()} == {"meta"}
+        assert swap.acquire() is model
+        assert _devices(model) == {"meta"} and not swap.on_host
+        assert model.lm_head.weight is model.embed_tokens.weight
+        swap.release()
+        assert swap.on_host and _devices(model) == {"cpu"} and swap._staged is None
+        # the very host copies (nothing copied back from the device), values unchanged
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == host_ptrs
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n])
+        assert model.lm_head.weight is model.embed_tokens.weight
+    swap.acquire()  # without a prefetch: copies now
+    assert _devices(model) == {"meta"}
+    swap.release()
+    assert _devices(model) == {"cpu"}
+
+
+def test_offloaded_inference_outputs_are_unchanged() -> None:
+    rollout = Rollout(
+        prompt_ids_BP=torch.tensor([[0, 5, 6], [8, 9, 10]]),
+        prompt_mask_BP=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        response_ids_BR=torch.tensor([[7, 2, 0], [11, 12, 13]]),
+        response_mask_BR=torch.tensor([[1, 1, 0], [1, 1, 1]]),
+        prompt_index_B=torch.tensor([0, 1]),
+        sample_index_B=torch.tensor([0, 0]),
+        finished_B=torch.tensor([True, False]),
+    )
+    outputs = []
+    for offload in (False, True):
+        inf = ModelInferencer(
+            InferencerConfig(truncated_score=None, offload_frozen=offload),
+            actor=_model("lm", 0), ref=_model("lm", 1), critic=_model("value", 2),
+            reward_model=_model("value", 3), reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0,
+        )  # fmt: skip
+        assert isinstance(inf, SwapsWeights) and len(inf.offloaded) == (2 if offload else 0)
+        inf.prefetch()
+        exp = inf.infer(rollout)
+        inf.release()
+        assert all(m.on_host for m in inf.offloaded)
+        outputs.append(exp)
+    for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+        assert torch.equal(getattr(outputs[0], name), getattr(outputs[1], name)), name
