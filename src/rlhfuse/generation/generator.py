@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,22 +146,10 @@ class EngineGenerator:
 
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
         # what migration=auto predicted for this batch's Rt (made from the previous batches)
-        self._predicted = (
-            (self.policy.predicted, self.policy.predicted_serial)
-            if isinstance(self.policy, AutoThreshold)
-            else None
-        )
+        self._predicted = predictions(self.policy)
         done = [sample for _, sample in self.stream(prompts, iteration=iteration)]
         done = gather_finished(done) if self.distributed is not None else sorted(done, key=lambda r: r.row)
-        self.policy.observe(
-            BatchObservation(
-                response_lengths=[len(r.tokens) for r in done],
-                prompt_len=round(sum(len(r.prompt_P) for r in done) / len(done)),
-                cap=self.params.max_new_tokens,
-                slots=self.engines[0].cache.num_slots,
-                profile=CostProfile.fit([e.stats for e in self.engines]),
-            )
-        )
+        self.policy.observe(observation(done, self.params.max_new_tokens, self.engines))
         yield to_rollout(done, self.pad_token_id)
 
     def fused_rollout(
@@ -174,11 +163,7 @@ class EngineGenerator:
         requests = requests_for(
             prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
         )
-        self._predicted = (
-            (self.policy.predicted, self.policy.predicted_serial)
-            if isinstance(self.policy, AutoThreshold)
-            else None
-        )
+        self._predicted = predictions(self.policy)
         agreed = torch.tensor([self.policy.threshold(len(requests))], dtype=torch.int64)
         dist.broadcast(agreed, 0)
         width = max(len(r.prompt_P) for r in requests)
@@ -223,22 +208,50 @@ class EngineGenerator:
             parts = [g for g in gathered if g is not None]
             sizes = [b for g in parts for b in g[0]]
             busy, tokens = sum(g[1] for g in parts), sum(g[2] for g in parts)
-        report = self.migration
-        predicted: dict[str, float] = {}
-        if self._predicted is not None:
-            fused, serial = self._predicted
-            if isinstance(fused, SimResult) and isinstance(serial, SimResult):
-                predicted = {
-                    "migration/predicted_gen_inf_s": fused.gen_inf_s,
-                    "migration/predicted_serial_s": serial.gen_inf_s,
-                }
-        return {
-            **predicted,
-            "migration/threshold": float(report.threshold),
-            "migration/samples_moved": float(report.samples_moved),
-            "migration/destinations": float(report.destinations),
-            "generation/batch_size_p50": float(torch.tensor(sizes, dtype=torch.float64).quantile(0.5))
-            if sizes
-            else 0.0,
-            "generation/tokens_per_s": tokens / busy if busy > 0 else math.nan,
-        }
+        return generation_metrics(sizes, busy, tokens, self.migration, self._predicted)
+
+
+def predictions(policy: MigrationPolicy) -> tuple[object, object] | None:
+    """What migration=auto predicted for the coming batch (fused, serial), made from the previous batches."""
+    if isinstance(policy, AutoThreshold):
+        return policy.predicted, policy.predicted_serial
+    return None
+
+
+def observation(done: Sequence[SampleRequest], cap: int, engines: Sequence[Any]) -> BatchObservation:
+    """A finished batch as a migration policy sees it (lengths, prompt length, KV slots, fitted costs)."""
+    return BatchObservation(
+        response_lengths=[len(r.tokens) for r in done],
+        prompt_len=round(sum(len(r.prompt_P) for r in done) / len(done)),
+        cap=cap,
+        slots=engines[0].cache.num_slots,
+        profile=CostProfile.fit([e.stats for e in engines]),
+    )
+
+
+def generation_metrics(
+    sizes: Sequence[int],
+    busy: float,
+    tokens: int,
+    report: MigrationReport,
+    predicted: tuple[object, object] | None,
+) -> dict[str, float]:
+    """One batch's `migration/*` and `generation/*` metrics: running batch sizes of every decode step, busy
+    seconds and generated tokens summed over the instances, the migration report and the auto-tuner's
+    predictions."""
+    out: dict[str, float] = {}
+    if predicted is not None:
+        fused, serial = predicted
+        if isinstance(fused, SimResult) and isinstance(serial, SimResult):
+            out["migration/predicted_gen_inf_s"] = fused.gen_inf_s
+            out["migration/predicted_serial_s"] = serial.gen_inf_s
+    return {
+        **out,
+        "migration/threshold": float(report.threshold),
+        "migration/samples_moved": float(report.samples_moved),
+        "migration/destinations": float(report.destinations),
+        "generation/batch_size_p50": float(torch.tensor(list(sizes), dtype=torch.float64).quantile(0.5))
+        if sizes
+        else 0.0,
+        "generation/tokens_per_s": tokens / busy if busy > 0 else math.nan,
+    }

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import sys
 import tempfile
@@ -52,8 +51,8 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
-from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
-from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
+from rlhfuse.generation.generator import generation_metrics, observation, predictions
+from rlhfuse.generation.migration import MigrationPolicy, NoMigration
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.models.checkpoint import hf_named_tensors
 from rlhfuse.trainer.types import PromptBatch, Rollout
@@ -415,21 +414,9 @@ class VLLMGenerator:
                     self.instances[freed].release()
 
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
-        self._predicted = (
-            (self.policy.predicted, self.policy.predicted_serial)
-            if isinstance(self.policy, AutoThreshold)
-            else None
-        )
+        self._predicted = predictions(self.policy)
         done = sorted((s for _, s in self.stream(prompts, iteration=iteration)), key=lambda r: r.row)
-        self.policy.observe(
-            BatchObservation(
-                response_lengths=[len(r.tokens) for r in done],
-                prompt_len=round(sum(len(r.prompt_P) for r in done) / len(done)),
-                cap=self.params.max_new_tokens,
-                slots=self.instances[0].cache.num_slots,
-                profile=CostProfile.fit([i.stats for i in self.instances]),
-            )
-        )
+        self.policy.observe(observation(done, self.params.max_new_tokens, self.instances))
         yield to_rollout(done, self.pad_token_id)
 
     @property
@@ -438,28 +425,11 @@ class VLLMGenerator:
 
     def rollout_metrics(self) -> dict[str, float]:
         """Metrics of the last `generate`: migration, running batch size, tokens/s."""
-        return rollout_metrics([i.stats for i in self.instances], self.migration, self._predicted)
-
-
-def rollout_metrics(
-    stats: Sequence[EngineStats], report: MigrationReport, predicted: tuple[object, object] | None
-) -> dict[str, float]:
-    """The generation metrics of one batch (`migration/*`, `generation/*`)."""
-    sizes = [b for s in stats for b in s.batch_sizes]
-    busy = sum(s.busy_seconds for s in stats)
-    out: dict[str, float] = {}
-    if predicted is not None:
-        fused, serial = predicted
-        if isinstance(fused, SimResult) and isinstance(serial, SimResult):
-            out["migration/predicted_gen_inf_s"] = fused.gen_inf_s
-            out["migration/predicted_serial_s"] = serial.gen_inf_s
-    return {
-        **out,
-        "migration/threshold": float(report.threshold),
-        "migration/samples_moved": float(report.samples_moved),
-        "migration/destinations": float(report.destinations),
-        "generation/batch_size_p50": float(torch.tensor(sizes, dtype=torch.float64).quantile(0.5))
-        if sizes
-        else 0.0,
-        "generation/tokens_per_s": sum(s.tokens for s in stats) / busy if busy > 0 else math.nan,
-    }
+        stats = [i.stats for i in self.instances]
+        return generation_metrics(
+            [b for s in stats for b in s.batch_sizes],
+            sum(s.busy_seconds for s in stats),
+            sum(s.tokens for s in stats),
+            self.migration,
+            self._predicted,
+        )

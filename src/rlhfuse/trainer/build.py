@@ -65,21 +65,29 @@ def _sampling_generator(ctx: BuildContext) -> SamplingGenerator | EngineGenerato
     )
 
 
+def _instances_args(ctx: BuildContext) -> dict[str, Any]:
+    """What every multi-instance generator takes: token ids, samples per prompt, seed, migration policy."""
+    mig = ctx.config.migration
+    policy = MIGRATION_POLICIES.get(mig.name)(ctx)
+    return {
+        "eos_token_id": ctx.models.tokenizer.eos_id,
+        "pad_token_id": ctx.models.tokenizer.pad_id,
+        "samples_per_prompt": ctx.config.data.samples_per_prompt,
+        "seed": ctx.config.seed,
+        "policy": policy if policy is not None else NoMigration(),
+        "bs_max": mig.bs_max,
+    }
+
+
 @GENERATORS.register("engine")
 def _engine_generator(ctx: BuildContext) -> EngineGenerator:
     mig = ctx.config.migration
-    policy = MIGRATION_POLICIES.get(mig.name)(ctx)
     return EngineGenerator(
         ctx.models.actor,
         ctx.config.generator,
-        eos_token_id=ctx.models.tokenizer.eos_id,
-        pad_token_id=ctx.models.tokenizer.pad_id,
-        samples_per_prompt=ctx.config.data.samples_per_prompt,
-        seed=ctx.config.seed,
-        policy=policy if policy is not None else NoMigration(),
         mechanism=mig.mechanism,
-        bs_max=mig.bs_max,
         link_bytes_per_s=mig.link_bytes_per_s,
+        **_instances_args(ctx),
     )
 
 
@@ -87,19 +95,12 @@ def _engine_generator(ctx: BuildContext) -> EngineGenerator:
 def _vllm_generator(ctx: BuildContext) -> Any:
     from rlhfuse.generation.vllm_engine import VLLMGenerator  # vLLM is an optional extra
 
-    mig = ctx.config.migration
-    policy = MIGRATION_POLICIES.get(mig.name)(ctx)
     return VLLMGenerator(
         ctx.models.actor,
         ctx.config.generator,
-        eos_token_id=ctx.models.tokenizer.eos_id,
-        pad_token_id=ctx.models.tokenizer.pad_id,
-        samples_per_prompt=ctx.config.data.samples_per_prompt,
-        seed=ctx.config.seed,
         max_prompt_len=ctx.config.data.max_prompt_length,
-        policy=policy if policy is not None else NoMigration(),
-        bs_max=mig.bs_max,
         device=next(ctx.models.actor.parameters()).device,
+        **_instances_args(ctx),
     )
 
 
