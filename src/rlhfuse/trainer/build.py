@@ -18,7 +18,7 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.generation.generator import EngineGenerator
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
-from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
 from rlhfuse.trainer.config import (
@@ -45,6 +45,7 @@ class BuildContext:
     models: Models
     fabric: Fabric
     total_steps: int
+    strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
 
 
 @GENERATORS.register("sampling")
@@ -82,8 +83,12 @@ def _engine_generator(ctx: BuildContext) -> EngineGenerator:
 
 
 @INFERENCERS.register("models")
-def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
+def _model_inferencer(ctx: BuildContext) -> Any:
     cfg = ctx.config.inferencer
+    instances = ctx.config.generator.instances
+    fused_generation = instances > 1 and instances == ctx.fabric.world_size  # infers per rank, own samples
+    if ctx.config.pipeline.name in PIPELINE_STRATEGIES and not fused_generation:
+        return _pipeline_inferencer(ctx)  # the same forwards, over the training layout
     return ModelInferencer(
         cfg,
         actor=ctx.models.actor,
@@ -93,6 +98,33 @@ def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
         reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
         tokenizer=ctx.models.tokenizer,
         temperature=ctx.config.generator.temperature,
+        autocast=ctx.fabric.autocast,
+    )
+
+
+@INFERENCERS.register("pipeline")
+def _pipeline_inferencer(ctx: BuildContext) -> Any:
+    from rlhfuse.runtime.inference import PipelineInferencer
+
+    cfg, models = ctx.config.inferencer, ctx.models
+    layout = getattr(ctx.strategy, "layout", None)
+    if layout is None:
+        raise ValueError(
+            f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
+            "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
+        )
+    named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
+    if cfg.use_reward_model:
+        named["reward"] = models.reward
+    return PipelineInferencer(
+        cfg,
+        layout,
+        named,
+        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        tokenizer=models.tokenizer,
+        temperature=ctx.config.generator.temperature,
+        timeout_s=ctx.config.distributed.timeout_s,
+        prefetch=ctx.config.pipeline.prefetch,
         autocast=ctx.fabric.autocast,
     )
 
@@ -237,7 +269,7 @@ def build_trainer(
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps)
     MIGRATION_POLICIES.get(config.migration.name)(ctx)
-    strategy = STRATEGIES.get(config.pipeline.name)(ctx)
+    strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
 

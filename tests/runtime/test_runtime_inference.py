@@ -1,0 +1,149 @@
+"""Inference over the pipeline layout: forward-only programs are proven deadlock-free, and the distributed
+Actor/Ref log-probs, Critic values and Reward scores equal the single-process inferencer's (gloo, float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import run_distributed
+
+from rlhfuse.data.synthetic import build_tokenizer
+from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.pipeline.ir import Kind, Schedule
+from rlhfuse.runtime.inference import (
+    PipelineInferencer,
+    forward_program,
+    forward_schedule,
+    inference_problem,
+    split_rows,
+)
+from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+from rlhfuse.runtime.lower import LoweringError, check_program, lower
+from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
+from rlhfuse.trainer.types import Rollout
+
+MODELS = ("actor", "ref", "critic", "reward")
+
+
+def _layout(actor_pp: int, critic_pp: int, dp: int, microbatches: int) -> ParallelLayout:
+    world = max(actor_pp, critic_pp) * dp
+    return ParallelLayout(ModelParallel(actor_pp), ModelParallel(critic_pp), dp, world, microbatches)
+
+
+@pytest.mark.parametrize(
+    ("actor_pp", "critic_pp", "dp", "microbatches"),
+    [(2, 2, 1, 4), (2, 1, 1, 4), (1, 2, 2, 2), (1, 1, 2, 1), (4, 2, 1, 6), (16, 8, 4, 16)],
+)
+def test_forward_programs_are_deadlock_free(
+    actor_pp: int, critic_pp: int, dp: int, microbatches: int
+) -> None:
+    layout = _layout(actor_pp, critic_pp, dp, microbatches)
+    for prefetch in (0, 2):
+        problem, program = forward_program(
+            layout, microbatches, MODELS, prefetch=prefetch
+        )  # runs check_program
+        kinds = {i.kind for s in program.streams for i in s}
+        assert kinds <= {Kind.F, Kind.SEND, Kind.RECV}
+        forwards = [i.action for s in program.streams for i in s if i.kind is Kind.F]
+        expected = sum(m.stages * m.replicas * m.microbatches for m in problem.models) * dp
+        assert (
+            len(forwards)
+            == expected
+            == len(
+                set(
+                    zip(
+                        forwards,
+                        [i.group for s in program.streams for i in s if i.kind is Kind.F],
+                        strict=True,
+                    )
+                )
+            )
+        )
+
+
+def test_forward_schedule_runs_both_directions_at_once() -> None:
+    layout = _layout(2, 2, 1, 2)
+    labels = forward_schedule(inference_problem(layout, 2, MODELS)).labels()
+    # the Actor enters at rank 0 while the Critic (reversed) enters at rank 1: no rank idles at the start
+    assert labels[0][0] == "actor.0:F0" and labels[1][0] == "critic.0:F0"
+    assert sorted(labels[0]) == sorted(labels[1]) == sorted(f"{m}.0:F{i}" for m in MODELS for i in range(2))
+
+
+def test_check_program_rejects_a_forward_only_deadlock() -> None:
+    layout = _layout(2, 2, 1, 1)
+    problem = inference_problem(layout, 1, ("actor", "critic"))
+    good = forward_schedule(problem)
+    # each rank first runs the stage that waits for the other rank: both wait forever
+    bad = Schedule.from_lists([tuple(reversed(good.ranks[0])), tuple(reversed(good.ranks[1]))])
+    check_program(lower(problem, good, optimizer_steps=False))
+    with pytest.raises(LoweringError, match="deadlock"):
+        check_program(lower(problem, bad, prefetch=0, optimizer_steps=False))
+
+
+def test_split_rows_repeats_rows_only_when_there_are_too_few() -> None:
+    assert [p.tolist() for p in split_rows(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [p.tolist() for p in split_rows(2, 4)] == [[0], [1], [2], [3]]  # 2, 3 stand for rows 0, 1
+
+
+def _rollout(n: int, seed: int, vocab: int = 128, prompt: int = 5, response: int = 7) -> Rollout:
+    g = torch.Generator().manual_seed(seed)
+    p_ids = torch.randint(1, vocab, (n, prompt), generator=g)
+    r_ids = torch.randint(1, vocab, (n, response), generator=g)
+    p_mask = torch.ones(n, prompt, dtype=torch.long)
+    r_mask = torch.zeros(n, response, dtype=torch.long)
+    for b in range(n):
+        p_len = int(torch.randint(1, prompt + 1, (1,), generator=g))
+        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
+        p_mask[b, : prompt - p_len] = 0
+        p_ids[b, : prompt - p_len] = 0
+        r_mask[b, :r_len] = 1
+        r_ids[b, r_len:] = 0
+    finished = torch.rand(n, generator=g) < 0.7
+    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.arange(n), torch.zeros(n, dtype=torch.long), finished)
+
+
+def _models() -> dict[str, Transformer]:
+    torch.manual_seed(3)
+    cfg = ModelConfig.tiny(num_layers=2)
+    heads = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "value"}
+    return {name: Transformer(cfg, head=head).double() for name, head in heads.items()}
+
+
+def _inference_worker(rank: int, world: int) -> None:
+    models = _models()
+    tokenizer = build_tokenizer()
+    for actor_pp, critic_pp, dp, mbs, size, rows in [
+        (2, 2, 1, 4, 0, 13),
+        (2, 2, 1, 4, 3, 13),
+        (2, 1, 1, 2, 0, 9),  # two critic (and reward) replicas, one per rank
+        (1, 2, 1, 2, 0, 9),  # the Critic is the larger model
+        (1, 1, 2, 2, 0, 11),  # data parallelism only
+        (2, 2, 1, 4, 0, 3),  # fewer rows than micro-batches
+    ]:
+        config = InferencerConfig(micro_batch_size=size, truncated_score=-5.0)
+        layout = _layout(actor_pp, critic_pp, dp, mbs)
+        rollout = _rollout(rows, seed=rows + size)
+        oracle = ModelInferencer(
+            config, actor=models["actor"], ref=models["ref"], critic=models["critic"],
+            reward_model=models["reward"], reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+        ).infer(rollout)  # fmt: skip
+        pipe = PipelineInferencer(
+            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60
+        )
+        got = pipe.infer(rollout)
+        where = (
+            f"rank {rank} actor.pp={actor_pp} critic.pp={critic_pp} dp={dp} M={mbs} size={size} rows={rows}"
+        )
+        assert torch.equal(got.rollout.response_ids_BR, rollout.response_ids_BR), where
+        for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+            a, b = getattr(got, name), getattr(oracle, name)
+            assert a.shape == b.shape and a.dtype == b.dtype, where
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{where}: {name}")
+            assert bool(a.abs().sum() > 0), f"{where}: {name} is all zero"
+        assert not torch.equal(got.logprobs_BR, got.ref_logprobs_BR), where
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_pipeline_inference_equals_single_process() -> None:
+    run_distributed(_inference_worker, 2, timeout=220)
