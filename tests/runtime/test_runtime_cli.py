@@ -57,7 +57,7 @@ def test_pipeline_config_errors_name_the_fix() -> None:
         validate(cfg)
     msg = str(err.value)
     assert "actor.pp * dp = 2 * 1 = 2 != world size 3" in msg
-    assert "set checkpoint.every=0 or pipeline=plain" in msg
+    assert "checkpoint" not in msg  # pipeline strategies write sharded checkpoints (test_runtime_checkpoint)
     cfg = compose_config(["distributed.nproc_per_node=2"])
     with pytest.raises(ValueError, match="pipeline=plain runs in one process"):
         validate(cfg)

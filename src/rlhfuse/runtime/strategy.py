@@ -13,8 +13,10 @@ measured per-stage forward/backward times and broadcasts it (cached: the micro-b
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,8 +26,9 @@ from torch import Tensor
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
 from rlhfuse.pipeline.ir import Schedule
-from rlhfuse.pipeline.problem import Problem
+from rlhfuse.pipeline.problem import Problem, problem_from_dict
 from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.checkpoint import layout_record, load_sharded, save_sharded
 from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.runtime.executor import PipelineExecutor, StepResult, StepWork, ppo_losses
 from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout, build_process_groups
@@ -150,14 +153,12 @@ class FusedPipelineStrategy:
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """The Actor's full weights on every rank (each stage broadcast from its first owner). The Critic is
-        gathered too: the inferencer of the next iteration reads both full models."""
-        for m in MODELS:
-            self._gather(m)
+        gathered too: a per-rank inferencer (fused generation) reads both full models."""
+        self._gather_all()
         return self.models["actor"].state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        for m in MODELS:
-            self._gather(m)
+        self._gather_all()
         return {
             "actor": self.models["actor"].state_dict(),
             "critic": self.models["critic"].state_dict(),
@@ -177,6 +178,62 @@ class FusedPipelineStrategy:
             self.models[m].load_state_dict(state[m])
             self.optims[m].load_state_dict(state[f"{m}_optim"])
             self.scheds[m].load_state_dict(state[f"{m}_sched"])
+
+    # --- sharded checkpoints (rlhfuse.runtime.checkpoint) -----------------------------------------------------
+    def layout_record(self) -> dict[str, Any]:
+        """The layout a shard depends on: world size, dp, micro-batches, each model's stages and layer ranges."""
+        return layout_record(
+            self.layout, {m: [stage.layer_range for stage in self.all_stages[m]] for m in MODELS}
+        )
+
+    def save_checkpoint(
+        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+    ) -> Path:
+        """Collective: this rank's stages, optimizer and scheduler states, the planned schedule and `extra`."""
+        weights = {
+            f"{m}.r{r}.s{s}.{name}": tensor
+            for (m, r, s), module in sorted(self.stages.items())
+            for name, tensor in module.state_dict().items()
+        }
+        schedule: dict[str, Any] = {"steps": self.steps}
+        if self.profiled is not None:  # a resumed run keeps the planned schedule (same op order, same sums)
+            schedule.update(
+                profiled=json.dumps(self.profiled.to_dict()),
+                schedule=self.schedule.to_json(),
+                predicted_s=self.predicted_s,
+                predicted_serial_s=self.predicted_serial_s,
+            )
+        state = {
+            **{f"{m}_optim": self.optims[m].state_dict() for m in MODELS},
+            **{f"{m}_sched": self.scheds[m].state_dict() for m in MODELS},
+            "pipeline": schedule,
+            **extra,
+        }
+        return save_sharded(
+            directory, iteration, weights=weights, state=state, layout=self.layout_record(), keep=keep
+        )
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Collective: check the manifest against this layout, restore this rank's shard; returns its state."""
+        weights, state, _ = load_sharded(path, self.layout_record())
+        for (m, r, s), module in self.stages.items():
+            prefix = f"{m}.r{r}.s{s}."
+            module.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
+        for m in MODELS:
+            self.optims[m].load_state_dict(state[f"{m}_optim"])
+            self.scheds[m].load_state_dict(state[f"{m}_sched"])
+        schedule = state["pipeline"]
+        self.steps = int(schedule["steps"])
+        if "profiled" in schedule:
+            self.profiled = problem_from_dict(json.loads(schedule["profiled"]))
+            self.schedule = Schedule.from_json(schedule["schedule"])
+            self.program = lower_checked(
+                self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+            )
+            self.predicted_s = float(schedule["predicted_s"])
+            self.predicted_serial_s = float(schedule["predicted_serial_s"])
+        self._gather_all()
+        return state
 
     # --- internals -----------------------------------------------------------------------------------------------
     def _local_params(self, model: str) -> list[torch.nn.Parameter]:
@@ -209,6 +266,10 @@ class FusedPipelineStrategy:
         out = box[0]
         assert isinstance(out, TrainBatch)
         return out
+
+    def _gather_all(self) -> None:
+        for m in MODELS:
+            self._gather(m)
 
     def _gather(self, model: str) -> None:
         for s, stage in enumerate(self.all_stages[model]):

@@ -234,6 +234,10 @@ def build_trainer(
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
+    if config.pipeline.name in PIPELINE_STRATEGIES:  # a layout mismatch fails before any model is built
+        from rlhfuse.runtime.checkpoint import check_resume
+
+        check_resume(config, run_dir / config.checkpoint.dir)
     log(f"rlhfuse: {counts.describe()}")
 
     # Data before models: malformed or over-long prompts fail fast.
