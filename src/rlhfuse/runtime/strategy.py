@@ -13,6 +13,7 @@ measured per-stage forward/backward times and broadcasts it (cached: the micro-b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -26,8 +27,8 @@ from torch import Tensor
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
 from rlhfuse.pipeline.ir import Schedule
-from rlhfuse.pipeline.problem import Problem, problem_from_dict
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.pipeline.problem import Problem
+from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
 from rlhfuse.runtime.checkpoint import layout_record, load_sharded, save_sharded
 from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.runtime.executor import PipelineExecutor, StepResult, StepWork, ppo_losses
@@ -52,6 +53,7 @@ class FusedPipelineStrategy:
         total_steps: int,
         mini_batch_size: int,
         micro_batch_size: int,
+        micro_batch_tokens: int = 0,
         temperature: float = 1.0,
         schedule: str = "fused",
         timeout_s: float = 300.0,
@@ -89,12 +91,18 @@ class FusedPipelineStrategy:
             self.optims[m], self.scheds[m] = build_optimizer(
                 self._local_params(m), lrs[m], config, total_steps
             )
+        # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.micro = micro
         self.problem: Problem = self.layout.problem()
         self.schedule: Schedule = serial_one_f_one_b(self.problem)
         self.program: Program = lower_checked(self.problem, self.schedule, dp=dp, prefetch=config.prefetch)
         self.profiled: Problem | None = None
         self.predicted_s = float("nan")
         self.predicted_serial_s = float("nan")
+        # per-micro-batch F/B seconds per (model, stage) measured on the profiling step, and its micro-batch count
+        self.base: dict[str, Any] | None = None
+        self.plans: dict[int, tuple[Problem, Schedule, Program, Problem | None, float, float]] = {}
         self.steps = 0
         self.last_result: StepResult | None = None
         if self.rank == 0:
@@ -103,13 +111,18 @@ class FusedPipelineStrategy:
     # --- Strategy protocol ---------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch = self._broadcast_batch(batch)
+        if self.micro_batch_tokens > 0:
+            lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+            k = self.layout.replicas(self.layout.smaller)
+            self._use(budget_microbatches(lengths, self.layout.dp, self.micro_batch_tokens, k))
         micro, weights, skew = split_minibatch(
             batch,
             self.layout.dp,
-            self.layout.microbatches,
+            self.micro,
             balance=self.config.balance,
             loss_reduction=self.algorithm.loss_reduction,
         )
+        micro_skew = microbatch_imbalance(micro)
         device = next(iter(self.stages.values())).parameters().__next__().device
         if device.type != "cpu":
             micro = [[TrainBatch(**{k: v.to(device) for k, v in vars(m).items()}) for m in g] for g in micro]
@@ -149,6 +162,8 @@ class FusedPipelineStrategy:
             "train/measured_makespan_s": measured,
             "train/bubble_ratio": bubble,
             "train/dp_imbalance": skew,
+            "train/microbatches": float(self.micro),
+            "train/microbatch_imbalance": micro_skew,
         }
 
     def actor_weights(self) -> Mapping[str, Tensor]:
@@ -195,10 +210,10 @@ class FusedPipelineStrategy:
             for (m, r, s), module in sorted(self.stages.items())
             for name, tensor in module.state_dict().items()
         }
-        schedule: dict[str, Any] = {"steps": self.steps}
-        if self.profiled is not None:  # a resumed run keeps the planned schedule (same op order, same sums)
+        schedule: dict[str, Any] = {"steps": self.steps, "microbatches": self.micro}
+        if self.base is not None:  # a resumed run keeps the planned schedule (same op order, same sums)
             schedule.update(
-                profiled=json.dumps(self.profiled.to_dict()),
+                base=json.dumps(self.base),
                 schedule=self.schedule.to_json(),
                 predicted_s=self.predicted_s,
                 predicted_serial_s=self.predicted_serial_s,
@@ -224,14 +239,20 @@ class FusedPipelineStrategy:
             self.scheds[m].load_state_dict(state[f"{m}_sched"])
         schedule = state["pipeline"]
         self.steps = int(schedule["steps"])
-        if "profiled" in schedule:
-            self.profiled = problem_from_dict(json.loads(schedule["profiled"]))
+        self.plans = {}
+        self.micro = int(schedule["microbatches"])
+        self.problem = self._layout(self.micro).problem()
+        self.schedule = serial_one_f_one_b(self.problem)
+        self.profiled, self.base = None, None
+        if "base" in schedule:
+            self.base = json.loads(schedule["base"])
+            self.profiled = self._profiled(self.micro)
             self.schedule = Schedule.from_json(schedule["schedule"])
-            self.program = lower_checked(
-                self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
-            )
             self.predicted_s = float(schedule["predicted_s"])
             self.predicted_serial_s = float(schedule["predicted_serial_s"])
+        self.program = lower_checked(
+            self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+        )
         self._gather_all()
         return state
 
@@ -297,6 +318,49 @@ class FusedPipelineStrategy:
             times.update(part or {})
         return simulate(self.profiled, self.schedule, durations=lambda a: times[a]).makespan
 
+    def _layout(self, microbatches: int) -> ParallelLayout:
+        return dataclasses.replace(self.layout, microbatches=microbatches)
+
+    def _profiled(self, microbatches: int) -> Problem:
+        """The problem with the profiled stage times, scaled to `microbatches` micro-batches of the same
+        mini-batch (a micro-batch's time taken as proportional to its share)."""
+        assert self.base is not None
+        scale = self.base["microbatches"] / microbatches
+        forward, backward = (
+            {m: [t * scale if scale != 1 else t for t in self.base[kind][m]] for m in MODELS}
+            for kind in ("forward", "backward")
+        )
+        return self._layout(microbatches).problem(forward=forward, backward=backward, name="profiled")
+
+    def _use(self, microbatches: int) -> None:
+        """Collective (same count on every rank): switch to the plan for `microbatches` micro-batches per
+        group, planned from the profiled stage times the first time it is needed (cached)."""
+        if microbatches == self.micro:
+            return
+        if self.profiled is not None:  # a plan from the profile (not the serial stand-in before profiling)
+            self.plans[self.micro] = (
+                self.problem,
+                self.schedule,
+                self.program,
+                self.profiled,
+                self.predicted_s,
+                self.predicted_serial_s,
+            )
+        self.micro = microbatches
+        if microbatches in self.plans:
+            (self.problem, self.schedule, self.program, self.profiled, self.predicted_s,
+             self.predicted_serial_s) = self.plans[microbatches]  # fmt: skip
+            return
+        self.problem = self._layout(microbatches).problem()
+        self.schedule = serial_one_f_one_b(self.problem)
+        self.profiled = None
+        if self.base is not None:
+            self._schedule_from_profile()
+        else:  # not profiled yet: this step runs serial 1F1B and profiles
+            self.program = lower_checked(
+                self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+            )
+
     def _plan(self, result: StepResult) -> None:
         """After the first (serial 1F1B) step: per-stage durations measured on every rank -> problem ->
         schedule (rank 0 searches, everyone receives the same) -> lowered, checked program."""
@@ -310,12 +374,26 @@ class FusedPipelineStrategy:
         dist.all_reduce(counts)
         mean = {key: float(sums[i] / counts[i].clamp(min=1)) for i, key in enumerate(keys)}
         floor = 1e-6
-        forward = {m: [max(mean[(m, s, "F")], floor) for s in range(self.layout.stages(m))] for m in MODELS}
-        backward = {m: [max(mean[(m, s, "B")], floor) for s in range(self.layout.stages(m))] for m in MODELS}
-        self.profiled = self.layout.problem(forward=forward, backward=backward, name="profiled")
+        self.base = {
+            "microbatches": self.micro,
+            "forward": {
+                m: [max(mean[(m, s, "F")], floor) for s in range(self.layout.stages(m))] for m in MODELS
+            },
+            "backward": {
+                m: [max(mean[(m, s, "B")], floor) for s in range(self.layout.stages(m))] for m in MODELS
+            },
+        }
+        self._schedule_from_profile()
+
+    def _schedule_from_profile(self) -> None:
+        """Collective: the schedule for the current micro-batch count from the profiled stage times."""
+        self.profiled = self._profiled(self.micro)
         self.predicted_serial_s = simulate(self.profiled, serial_one_f_one_b(self.profiled)).makespan
         if self.schedule_name == "serial_1f1b":
             self.predicted_s = self.predicted_serial_s
+            self.program = lower_checked(
+                self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+            )
             return
         box: list[Any] = [None]
         if self.rank == 0:
@@ -332,7 +410,7 @@ class FusedPipelineStrategy:
         self.predicted_s = simulate(self.profiled, self.schedule).makespan
         if self.rank == 0:
             self.log(
-                f"rlhfuse: fused schedule from measured stage times: predicted {self.predicted_s * 1e3:.1f} ms "
-                f"vs serial 1F1B {self.predicted_serial_s * 1e3:.1f} ms per mini-batch "
-                f"({self.predicted_serial_s / self.predicted_s:.2f}x)"
+                f"rlhfuse: fused schedule from measured stage times ({self.micro} micro-batches): predicted "
+                f"{self.predicted_s * 1e3:.1f} ms vs serial 1F1B {self.predicted_serial_s * 1e3:.1f} ms per "
+                f"mini-batch ({self.predicted_serial_s / self.predicted_s:.2f}x)"
             )

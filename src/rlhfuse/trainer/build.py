@@ -166,6 +166,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         total_steps=ctx.total_steps,
         mini_batch_size=cfg.data.mini_batch_size,
         micro_batch_size=cfg.data.micro_batch_size,
+        micro_batch_tokens=cfg.data.micro_batch_tokens,
         temperature=cfg.generator.temperature,
         schedule=schedule,
         timeout_s=cfg.distributed.timeout_s,
