@@ -102,9 +102,9 @@ def _rollout(n: int, seed: int, vocab: int = 128, prompt: int = 5, response: int
     return Rollout(p_ids, p_mask, r_ids, r_mask, torch.arange(n), torch.zeros(n, dtype=torch.long), finished)
 
 
-def _models() -> dict[str, Transformer]:
+def _models(layers: int = 2) -> dict[str, Transformer]:
     torch.manual_seed(3)
-    cfg = ModelConfig.tiny(num_layers=2)
+    cfg = ModelConfig.tiny(num_layers=layers)
     heads = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "value"}
     return {name: Transformer(cfg, head=head).double() for name, head in heads.items()}
 
@@ -147,3 +147,32 @@ def _inference_worker(rank: int, world: int) -> None:
 @pytest.mark.timeout(240)
 def test_pipeline_inference_equals_single_process() -> None:
     run_distributed(_inference_worker, 2, timeout=220)
+
+
+def _four_rank_inference_worker(rank: int, world: int) -> None:
+    models = _models(layers=4)
+    tokenizer = build_tokenizer()
+    for actor_pp, critic_pp, dp, mbs in [(2, 1, 2, 2), (4, 2, 1, 4), (1, 2, 2, 2)]:
+        config = InferencerConfig(truncated_score=None)
+        rollout = _rollout(10, seed=actor_pp * 10 + critic_pp)
+        oracle = ModelInferencer(
+            config, actor=models["actor"], ref=models["ref"], critic=models["critic"],
+            reward_model=models["reward"], reward_fn=None, tokenizer=tokenizer, temperature=1.0,
+        ).infer(rollout)  # fmt: skip
+        layout = _layout(actor_pp, critic_pp, dp, mbs)
+        got = PipelineInferencer(
+            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=1.0, timeout_s=60,
+            log=lambda _: None,
+        ).infer(rollout)  # fmt: skip
+        where = f"rank {rank} actor.pp={actor_pp} critic.pp={critic_pp} dp={dp}"
+        for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+            torch.testing.assert_close(
+                getattr(got, name), getattr(oracle, name), rtol=1e-6, atol=1e-6, msg=where
+            )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_pipeline_inference_four_ranks_replicas_and_data_parallel() -> None:
+    """Critic/Reward replicas x data parallelism, a 4-stage Actor with two reversed 2-stage Critic replicas."""
+    run_distributed(_four_rank_inference_worker, 4, timeout=220)
