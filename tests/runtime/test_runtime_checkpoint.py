@@ -162,7 +162,59 @@ def _save_worker(rank: int, world: int, root: str) -> None:
         load_sharded(directory / "iter_00000002", LAYOUT)
 
 
+def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
+    """FusedPipelineStrategy with a token budget (two micro-batch counts, each with its own plan): saved after
+    2 steps and resumed into fresh models, steps 3-4 equal an uninterrupted strategy's, bit for bit."""
+    from runtime_helpers import random_batch
+
+    from rlhfuse.models import ModelConfig, Transformer
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.trainer.advantages import AlgorithmConfig
+
+    def make() -> FusedPipelineStrategy:
+        torch.manual_seed(0)
+        cfg = ModelConfig.tiny(num_layers=2)
+        actor, critic = Transformer(cfg, head="lm").double(), Transformer(cfg, head="value").double()
+        pcfg = PipelineConfig(name="fused", microbatches=2, search_budget_s=0.0, warmup_steps=2)
+        return FusedPipelineStrategy(
+            actor, critic, pcfg, AlgorithmConfig(), total_steps=8, mini_batch_size=16, micro_batch_size=4,
+            micro_batch_tokens=24, timeout_s=60, log=lambda _: None,
+        )  # fmt: skip
+
+    batches = [random_batch(size, seed=40 + i) for i, size in enumerate((16, 8, 16, 8))]
+    straight = make()
+    want = [straight.train_step(b) for b in batches]
+    assert len({w["train/microbatches"] for w in want}) >= 2  # several counts, several plans
+    first = make()
+    for b in batches[:2]:
+        first.train_step(b)
+    path = first.save_checkpoint(root, 2, {"trainer": {"iteration": 2}})
+    resumed = make()
+    state = resumed.load_checkpoint(path)
+    assert state["trainer"] == {"iteration": 2} and resumed.steps == 2
+    got = [resumed.train_step(b) for b in batches[2:]]
+    for g, w in zip(got, want[2:], strict=True):
+        for key in (
+            "loss/policy",
+            "loss/value",
+            "actor/grad_norm",
+            "critic/grad_norm",
+            "lr",
+            "train/microbatches",
+        ):
+            assert g[key] == w[key], (rank, key, g[key], w[key])
+    for key, module in straight.stages.items():
+        for p, q in zip(module.parameters(), resumed.stages[key].parameters(), strict=True):
+            assert torch.equal(p, q), (rank, key)
+
+
+def _save_workers(rank: int, world: int, root: str) -> None:
+    _save_worker(rank, world, str(Path(root) / "shards"))
+    _strategy_resume_worker(rank, world, str(Path(root) / "strategy"))
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_sharded_save_is_all_or_nothing(tmp_path: Path) -> None:
-    run_distributed(_save_worker, 2, str(tmp_path / "ckpt"), timeout=100)
+@pytest.mark.timeout(180)
+def test_sharded_save_is_all_or_nothing_and_a_resumed_strategy_is_exact(tmp_path: Path) -> None:
+    run_distributed(_save_workers, 2, str(tmp_path / "ckpt"), timeout=160)
