@@ -239,7 +239,8 @@ class PipelineInferencer:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         if not dist.is_initialized():
             raise ValueError(
-                "PipelineInferencer needs torch.distributed: use inferencer=models in one process"
+                "PipelineInferencer needs torch.distributed: launch with distributed.nproc_per_node=N and "
+                "pipeline=fused or serial_1f1b, or use pipeline=plain (whole-model inference in one process)"
             )
         self.config, self.layout = config, layout
         self.models = dict(models)
@@ -252,11 +253,10 @@ class PipelineInferencer:
         # never match another model's, nor the training's)
         world = list(range(layout.world_size))
         self.p2p = {m: dist.new_group(world) for m in self.names}
-        placed = {m: layout.stages_on(self.rank) for m in self.names}
         self.stages: dict[StageKey, nn.Module] = {}
         for m in self.names:
             split = split_stages(self.models[m], layout.stages(PLACED_AS[m]))
-            for model, replica, stage in placed[m]:
+            for model, replica, stage in layout.stages_on(self.rank):
                 if model == PLACED_AS[m]:
                     self.stages[(m, replica, stage)] = split[stage]
         self.heads: dict[str, Head] = {

@@ -25,7 +25,8 @@ from rlhfuse.trainer.types import Experience, Rollout
 class InferencerConfig:
     # Registered inferencer name: models (Actor, Ref, Reward, Critic forward passes in this process).
     name: str = "models"
-    # Samples per forward pass (0 = all samples of the iteration at once).
+    # Samples per forward pass (0 = all samples of the iteration at once; under pipeline=fused / serial_1f1b,
+    # samples per pipeline micro-batch, 0 = the training layout's micro-batch count).
     micro_batch_size: int = 0
     # Score samples with the reward model (model.reward_path or the warm-started one).
     use_reward_model: bool = True
