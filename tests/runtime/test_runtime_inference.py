@@ -12,10 +12,12 @@ from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline.ir import Kind, Schedule
 from rlhfuse.runtime.inference import (
     PipelineInferencer,
+    assign_rows,
     forward_program,
     forward_schedule,
     inference_problem,
     split_rows,
+    trim_responses,
 )
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, check_program, lower
@@ -83,6 +85,32 @@ def test_check_program_rejects_a_forward_only_deadlock() -> None:
 def test_split_rows_repeats_rows_only_when_there_are_too_few() -> None:
     assert [p.tolist() for p in split_rows(5, 2)] == [[0, 1, 2], [3, 4]]
     assert [p.tolist() for p in split_rows(2, 4)] == [[0], [1], [2], [3]]  # 2, 3 stand for rows 0, 1
+
+
+def test_assign_rows_mixes_lengths_over_groups_and_replicas() -> None:
+    lengths = torch.tensor([7, 1, 5, 3, 8, 2, 6, 4, 9, 10, 12, 11, 0, 13, 14, 15])
+    rows = assign_rows(lengths, dp=2, microbatches=4, replicas=2)
+    kept = sorted(int(r) for group in rows for idx, keep in group for r in idx[keep])
+    assert kept == list(range(16))  # every row exactly once
+    for group in rows:
+        spans = [lengths[idx].tolist() for idx, _ in group]
+        assert all(max(s) - min(s) <= 3 for s in spans)  # similar lengths inside a micro-batch
+        replica_tokens = [sum(sum(s) for s in spans[:2]), sum(sum(s) for s in spans[2:])]
+        assert max(replica_tokens) / min(replica_tokens) < 1.4  # both replicas get short and long rows
+    group_tokens = [sum(int(lengths[idx].sum()) for idx, _ in group) for group in rows]
+    assert max(group_tokens) / min(group_tokens) < 1.2
+    (few,) = assign_rows(torch.tensor([3, 1]), dp=1, microbatches=4, replicas=1)
+    assert sorted(int(r) for idx, keep in few for r in idx[keep]) == [0, 1]
+    assert sum(int((~keep).sum()) for _, keep in few) == 2  # the repeated rows are not kept
+
+
+def test_trim_responses_drops_only_trailing_padding() -> None:
+    rollout = _rollout(4, seed=1, response=7)
+    rollout.response_mask_BR[:, 5:] = 0
+    trimmed = trim_responses(rollout)
+    assert trimmed.response_ids_BR.shape[1] == int(rollout.response_lengths_B.max()) <= 5
+    assert torch.equal(trimmed.response_lengths_B, rollout.response_lengths_B)
+    assert trim_responses(trimmed) is trimmed
 
 
 def _rollout(n: int, seed: int, vocab: int = 128, prompt: int = 5, response: int = 7) -> Rollout:

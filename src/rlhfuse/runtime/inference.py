@@ -17,6 +17,7 @@ Legend: B batch rows, P prompt tokens, R response tokens, T = P + R, V vocabular
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -206,9 +207,52 @@ def _hidden_size(stage: nn.Module) -> int:
 
 
 def split_rows(n: int, parts: int) -> list[Tensor]:
-    """Row indices of `parts` contiguous non-empty micro-batches of n rows. With n < parts, rows repeat
-    (index i holds row i % n); callers keep only indices < n."""
+    """Positions of `parts` contiguous non-empty chunks of n rows. With n < parts, positions run past n
+    (position p stands for row p % n); callers keep only positions < n."""
     return list(torch.arange(max(n, parts)).tensor_split(parts))
+
+
+def assign_rows(
+    lengths_B: Tensor, dp: int, microbatches: int, replicas: int
+) -> list[list[tuple[Tensor, Tensor]]]:
+    """out[g][i] = (row indices, first-copy mask) of micro-batch i of data-parallel group g.
+
+    Rows are sorted by response length and cut into dp * M chunks of near-equal count, dealt in length order to
+    the groups and, inside a group, to the K replicas of the smaller model, every other round in reverse (0 1 1 0
+    ...), so every group and replica gets short and long rows alike, while each micro-batch holds rows of similar
+    length (it is then trimmed to its own longest response: less padding computed).
+    """
+    n = len(lengths_B)
+    order = torch.argsort(lengths_B.cpu(), stable=True)
+    per = microbatches // replicas
+    out: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(dp)]
+    slots: list[dict[int, tuple[Tensor, Tensor]]] = [{} for _ in range(dp)]
+
+    def snake(c: int, ways: int) -> tuple[int, int]:  # deal in rounds, every other round reversed: 0 1 | 1 0
+        rnd, k = divmod(c, ways)
+        return (k if rnd % 2 == 0 else ways - 1 - k), rnd
+
+    for c, pos in enumerate(split_rows(n, dp * microbatches)):
+        g, c2 = snake(c, dp)
+        replica, slot = snake(c2, replicas)
+        slots[g][replica * per + slot] = (order[pos % n], pos < n)
+    for g in range(dp):
+        out[g] = [slots[g][i] for i in range(microbatches)]
+    return out
+
+
+def trim_responses(rollout: Rollout) -> Rollout:
+    """The rollout without its trailing all-padding response columns (responses are right-padded; earlier
+    positions do not attend to later ones, so every kept output is unchanged)."""
+    used = rollout.response_mask_BR.any(dim=0).nonzero()
+    keep = int(used.max()) + 1 if len(used) else 1
+    if keep == rollout.response_ids_BR.shape[1]:
+        return rollout
+    return dataclasses.replace(
+        rollout,
+        response_ids_BR=rollout.response_ids_BR[:, :keep],
+        response_mask_BR=rollout.response_mask_BR[:, :keep],
+    )
 
 
 class PipelineInferencer:
@@ -296,10 +340,13 @@ class PipelineInferencer:
         dp = self.layout.dp
         m = self.microbatches(n)
         problem, program = self.program(m)
-        parts = split_rows(n, dp * m)
+        rows = assign_rows(local.response_lengths_B, dp, m, self.layout.replicas(self.layout.smaller))
         micro = [
-            [Rollout(**{k: v[parts[g * m + i] % n] for k, v in vars(local).items()}) for i in range(m)]
-            for g in range(dp)
+            [
+                trim_responses(Rollout(**{k: v[idx.to(device)] for k, v in vars(local).items()}))
+                for idx, _ in group
+            ]
+            for group in rows
         ]
         modules = {m_: self.models[m_] for m_ in self.names}
         training = {k: mod.training for k, mod in modules.items()}
@@ -324,9 +371,11 @@ class PipelineInferencer:
         widths = {"actor": r, "ref": r, "critic": r, "reward": 1}
         out = {name: torch.zeros(n, widths[name], dtype=torch.float32, device=device) for name in self.names}
         for (name, g, i), value in results.items():
-            idx = parts[g * m + i]
-            keep = idx < n
-            out[name][idx[keep].to(device)] = value.reshape(len(idx), -1)[keep.to(value.device)].float()
+            idx, keep = rows[g][i]
+            v = value.reshape(len(idx), -1)[
+                keep.to(value.device)
+            ].float()  # [b, own response width] or [b, 1]
+            out[name][idx[keep].to(device), : v.shape[1]] = v
         flat = torch.cat([out[name].reshape(-1) for name in self.names])
         dist.all_reduce(flat)
         offset = 0
