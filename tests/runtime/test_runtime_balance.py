@@ -53,3 +53,29 @@ def test_split_covers_every_sample_once_with_weights_summing_to_one(balance: boo
     assert skew >= 0
     with pytest.raises(ValueError, match=r"dp \* microbatches = 2 \* 7 = 14"):
         split_minibatch(batch, 2, 7)
+
+
+def test_token_budget_sets_the_micro_batch_count() -> None:
+    from rlhfuse.runtime.balance import budget_microbatches
+
+    lengths = [10] * 12  # 120 tokens
+    assert budget_microbatches(lengths, 1, 40) == 3
+    assert budget_microbatches(lengths, 1, 41) == 3  # ceil(120 / 41) = 3
+    assert budget_microbatches(lengths, 2, 40) == 2  # 60 tokens per group
+    assert budget_microbatches(lengths, 1, 40, multiple=2) == 4  # rounded up to the replicas
+    assert budget_microbatches(lengths, 1, 1) == 12  # never more micro-batches than samples
+    assert budget_microbatches(lengths, 1, 1, multiple=5) == 10
+    assert budget_microbatches(lengths, 1, 10_000) == 1
+    with pytest.raises(ValueError, match="cannot fill 4 data-parallel groups x 4 replicas"):
+        budget_microbatches(lengths, 4, 40, multiple=4)
+
+
+def test_microbatch_imbalance_is_largest_over_mean() -> None:
+    from rlhfuse.runtime.balance import microbatch_imbalance, sample_costs
+
+    batch = random_batch(8, seed=3)
+    micro, _, _ = split_minibatch(batch, 2, 2, balance=False)
+    costs = [sum(sample_costs(m.attention_mask_BT.sum(dim=1).tolist())) for g in micro for m in g]
+    assert microbatch_imbalance(micro) == pytest.approx(max(costs) / (sum(costs) / 4) - 1)
+    balanced, _, _ = split_minibatch(batch, 2, 2)
+    assert 0 <= microbatch_imbalance(balanced) <= microbatch_imbalance(micro)

@@ -113,7 +113,15 @@ def test_two_ranks_equal_single_process_strategy_and_failing_rank() -> None:
     """One 2-process run (each spawn costs seconds): executor equivalence over layouts and schedules, then
     FusedPipelineStrategy vs PlainStrategy, measured activation memory vs the simulator, then a silent rank
     stopping the other within its timeout."""
-    run_distributed(_two_rank_worker, 2, _strategy_worker, _memory_worker, _failing_rank_worker, timeout=280)
+    run_distributed(
+        _two_rank_worker,
+        2,
+        _strategy_worker,
+        _token_budget_worker,
+        _memory_worker,
+        _failing_rank_worker,
+        timeout=280,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -174,6 +182,54 @@ def _strategy_worker(rank: int, world: int) -> None:
                     # update moves weights by ~lr = 5e-4
                     err = float((p - q).abs().max())
                     assert err < 2e-5, f"{schedule} step {step} {name}.{n}: max error {err:.3g}"
+
+
+def _token_budget_worker(rank: int, world: int) -> None:
+    """A token budget: each step's micro-batch count follows its mini-batch's tokens (planned once per count
+    from the profiled times) and the updates still equal PlainStrategy's (its own token-budget packing)."""
+    from lightning.fabric import Fabric
+
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.trainer.strategy import PlainStrategy
+
+    models = _models(2)
+    plain_models = copy.deepcopy(models)
+    algo = AlgorithmConfig()
+    cfg = PipelineConfig(name="fused", actor_pp=2, critic_pp=1, microbatches=2, search_budget_s=0.0)
+    kwargs = dict(total_steps=4, micro_batch_size=4, micro_batch_tokens=24)
+    fused = FusedPipelineStrategy(
+        models["actor"], models["critic"], cfg, algo, mini_batch_size=16, schedule="fused", timeout_s=120,
+        log=lambda _: None, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+    plain = PlainStrategy(
+        plain_models["actor"], plain_models["critic"], cfg, algo, fabric=Fabric(accelerator="cpu", devices=1),
+        **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+    counts, schedules = [], []
+    for step, size in enumerate((16, 8, 16)):
+        batch = random_batch(size, seed=21 + step)
+        tokens = int(batch.attention_mask_BT.sum())
+        got, want = fused.train_step(batch), plain.train_step(batch)
+        wanted = max(1, math.ceil(tokens / 24))
+        expected = min(math.ceil(wanted / 2) * 2, size // 2 * 2)  # a multiple of the 2 critic replicas
+        assert got["train/microbatches"] == expected, (step, tokens, got["train/microbatches"])
+        counts.append(got["train/microbatches"])
+        schedules.append(fused.schedule)
+        assert got["train/microbatch_imbalance"] >= 0
+        for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (step, key)
+        fused.actor_weights()
+        for name in ("actor", "critic"):
+            for p, q in zip(models[name].parameters(), plain_models[name].parameters(), strict=True):
+                assert float((p - q).abs().max()) < 2e-5, (step, name)
+    # three steps, two counts: the first count's plan (from the profiling step) is reused on the third step
+    assert counts[0] != counts[1] and counts[2] == counts[0]
+    assert schedules[2] is schedules[0] and schedules[1] is not schedules[0]
+    assert {counts[0], counts[1]} <= set(fused.plans)
+    assert (
+        fused.base is not None and fused.base["microbatches"] == counts[0]
+    )  # profiled once, on the first step
 
 
 def _failing_rank_worker(rank: int, world: int) -> None:

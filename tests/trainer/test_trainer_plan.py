@@ -121,10 +121,16 @@ def test_an_inapplicable_plan_fails_naming_the_key(monkeypatch):
 
 
 def test_a_plan_the_runtime_refuses_fails_naming_the_key():
-    # the pipeline strategies do not write checkpoints yet: plan=auto says so instead of falling back to plain
-    cfg = compose_config(["plan=auto", "distributed.nproc_per_node=2", "checkpoint.every=5"])
-    with pytest.raises(ValueError, match=r"plan=auto: the chosen plan .* cannot run:\n.*checkpoint\.every=0"):
+    # a pipeline setting the runtime refuses: plan=auto says so instead of falling back to plain
+    cfg = compose_config(["plan=auto", "distributed.nproc_per_node=2", "pipeline.prefetch=-1"])
+    with pytest.raises(
+        ValueError, match=r"plan=auto: the chosen plan .* cannot run:\n.*pipeline\.prefetch=-1"
+    ):
         plan_config(cfg, "cpu", "test")
+    # checkpoints no longer stop a pipeline plan (the pipeline strategies write sharded ones)
+    plan_config(
+        compose_config(["plan=auto", "distributed.nproc_per_node=2", "checkpoint.every=5"]), "cpu", "test"
+    )
 
 
 def test_tied_embeddings_with_stages_fail_naming_the_key(monkeypatch, tmp_path):

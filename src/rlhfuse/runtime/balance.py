@@ -8,6 +8,7 @@ partitions the samples into groups of near-equal total cost; pure functions of l
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +56,32 @@ def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
 def imbalance(costs: Sequence[float], parts: Sequence[Sequence[int]]) -> float:
     """max part cost / mean part cost - 1 (0 = perfect)."""
     totals = [sum(costs[i] for i in p) for p in parts]
+    mean = sum(totals) / len(totals)
+    return max(totals) / mean - 1.0 if mean > 0 else 0.0
+
+
+def budget_microbatches(lengths: Sequence[int], dp: int, tokens: int, multiple: int = 1) -> int:
+    """Micro-batches per data-parallel group for a token budget: ceil(tokens per group / budget), rounded up to
+    a multiple of `multiple` (the smaller model's replicas), at most what the mini-batch can fill (every
+    micro-batch holds a sample). The budget is met on average: Karmarkar-Karp then balances the micro-batches
+    by cost, it does not cap each one."""
+    if tokens <= 0:
+        raise ValueError(f"token budget {tokens} must be > 0")
+    cap = len(lengths) // dp // multiple * multiple
+    if cap < multiple:
+        raise ValueError(
+            f"a mini-batch of {len(lengths)} samples cannot fill {dp} data-parallel groups x {multiple} replicas "
+            "with one sample per micro-batch: raise data.mini_batch_size"
+        )
+    wanted = max(1, math.ceil(sum(lengths) / dp / tokens))
+    return min(math.ceil(wanted / multiple) * multiple, cap)
+
+
+def microbatch_imbalance(micro: Sequence[Sequence[TrainBatch]], attention_tokens: float = 1024.0) -> float:
+    """Largest micro-batch cost / mean micro-batch cost - 1, over every group (0 = perfect)."""
+    totals = [
+        sum(sample_costs(m.attention_mask_BT.sum(dim=1).tolist(), attention_tokens)) for g in micro for m in g
+    ]
     mean = sum(totals) / len(totals)
     return max(totals) / mean - 1.0 if mean > 0 else 0.0
 

@@ -83,13 +83,6 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
-    if cfg.checkpoint.every > 0:
-        problems.append(
-            f"pipeline={p.name} does not write checkpoints yet (optimizer states live on their ranks): "
-            "set checkpoint.every=0 or pipeline=plain"
-        )
-    if cfg.resume != "never":
-        problems.append(f"pipeline={p.name} cannot resume yet: set resume=never or pipeline=plain")
     big = max(p.actor_pp, p.critic_pp, 1)
     dp = max(world // big, 1)
     micro = p.microbatches or _derived_microbatches(cfg, dp)

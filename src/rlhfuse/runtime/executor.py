@@ -51,6 +51,22 @@ def ppo_losses(algorithm: AlgorithmConfig, temperature: float = 1.0) -> dict[str
     return {"actor": actor, "critic": critic}
 
 
+def wait_for(work: Any, what: str, rank: int, timeout_s: float) -> None:
+    """Wait for an async point-to-point or collective handle; a failure or timeout is a PipelineError naming
+    the rank and the instruction (another rank probably stopped)."""
+    import datetime
+
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        raise PipelineError(
+            f"rank {rank}: {what} failed or timed out after {timeout_s:.0f}s ({err}); "
+            "another rank probably stopped: see its error"
+        ) from err
+    if ok is False:
+        raise PipelineError(f"rank {rank}: {what} timed out after {timeout_s:.0f}s")
+
+
 @dataclass
 class StepWork:
     """The data of one training step as every rank sees it.
@@ -152,17 +168,7 @@ class PipelineExecutor:
         raise ValueError(f"rank {self.rank} holds no stage of {model}")
 
     def _wait(self, work: Any, what: str) -> None:
-        import datetime
-
-        try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            raise PipelineError(
-                f"rank {self.rank}: {what} failed or timed out after {self.timeout_s:.0f}s ({err}); "
-                "another rank probably stopped: see its error"
-            ) from err
-        if ok is False:
-            raise PipelineError(f"rank {self.rank}: {what} timed out after {self.timeout_s:.0f}s")
+        wait_for(work, what, self.rank, self.timeout_s)
 
     def _params(self, model: str, stage: int | None = None) -> list[torch.nn.Parameter]:
         return [

@@ -128,8 +128,13 @@ def grad_peers(problem: Problem, dp: int, model: str, stage: int) -> tuple[int, 
     return tuple(g * n + spec.placement[r][stage] for g in range(dp) for r in range(spec.replicas))
 
 
-def lower(problem: Problem, schedule: Schedule, *, dp: int = 1, prefetch: int = 1) -> Program:
+def lower(
+    problem: Problem, schedule: Schedule, *, dp: int = 1, prefetch: int = 1, optimizer_steps: bool = True
+) -> Program:
     """Compile `schedule` (one fused group, local ranks 0..N-1) into streams for `dp` fused groups.
+
+    optimizer_steps=False: no OPTIMIZER_STEP at the end (a forward-only schedule: inference); the executor
+    then waits for its sends when its stream ends, and `check_program` requires every send matched.
 
     prefetch: a receive is posted this many compute instructions before its consumer (at least), and never
     after an earlier message of the same channel: posts follow the sender's order, so in-order matching holds
@@ -197,7 +202,7 @@ def lower(problem: Problem, schedule: Schedule, *, dp: int = 1, prefetch: int = 
                     peers = grad_peers(problem, dp, a.model, a.stage)
                     if len(peers) > 1:
                         stream.append(Instr(Kind.REDUCE_GRAD, a.model, g, stage=a.stage, peers=peers))
-            for m in problem.model_names():
+            for m in problem.model_names() if optimizer_steps else ():
                 stream.append(Instr(Kind.OPTIMIZER_STEP, m, g, peers=tuple(range(n * dp))))
             streams[base + k] = tuple(stream)
     return Program(tuple(streams), n, dp, tuple(problem.model_names()))
@@ -330,9 +335,11 @@ def check_program(program: Program) -> None:
             )
 
 
-def lower_checked(problem: Problem, schedule: Schedule, *, dp: int = 1, prefetch: int = 1) -> Program:
+def lower_checked(
+    problem: Problem, schedule: Schedule, *, dp: int = 1, prefetch: int = 1, optimizer_steps: bool = True
+) -> Program:
     """`lower` then `check_program`: the program every rank will run, proven free of deadlock and mismatch."""
-    program = lower(problem, schedule, dp=dp, prefetch=prefetch)
+    program = lower(problem, schedule, dp=dp, prefetch=prefetch, optimizer_steps=optimizer_steps)
     check_program(program)
     return program
 

@@ -13,8 +13,11 @@ measured per-stage forward/backward times and broadcasts it (cached: the micro-b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +28,8 @@ from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.pipeline.problem import Problem
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
+from rlhfuse.runtime.checkpoint import layout_record, load_sharded, save_sharded
 from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.runtime.executor import PipelineExecutor, StepResult, StepWork, ppo_losses
 from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout, build_process_groups
@@ -49,6 +53,7 @@ class FusedPipelineStrategy:
         total_steps: int,
         mini_batch_size: int,
         micro_batch_size: int,
+        micro_batch_tokens: int = 0,
         temperature: float = 1.0,
         schedule: str = "fused",
         timeout_s: float = 300.0,
@@ -86,12 +91,18 @@ class FusedPipelineStrategy:
             self.optims[m], self.scheds[m] = build_optimizer(
                 self._local_params(m), lrs[m], config, total_steps
             )
+        # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.micro = micro
         self.problem: Problem = self.layout.problem()
         self.schedule: Schedule = serial_one_f_one_b(self.problem)
         self.program: Program = lower_checked(self.problem, self.schedule, dp=dp, prefetch=config.prefetch)
         self.profiled: Problem | None = None
         self.predicted_s = float("nan")
         self.predicted_serial_s = float("nan")
+        # per-micro-batch F/B seconds per (model, stage) measured on the profiling step, and its micro-batch count
+        self.base: dict[str, Any] | None = None
+        self.plans: dict[int, tuple[Problem, Schedule, Program, Problem | None, float, float]] = {}
         self.steps = 0
         self.last_result: StepResult | None = None
         if self.rank == 0:
@@ -100,13 +111,18 @@ class FusedPipelineStrategy:
     # --- Strategy protocol ---------------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         batch = self._broadcast_batch(batch)
+        if self.micro_batch_tokens > 0:
+            lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+            k = self.layout.replicas(self.layout.smaller)
+            self._use(budget_microbatches(lengths, self.layout.dp, self.micro_batch_tokens, k))
         micro, weights, skew = split_minibatch(
             batch,
             self.layout.dp,
-            self.layout.microbatches,
+            self.micro,
             balance=self.config.balance,
             loss_reduction=self.algorithm.loss_reduction,
         )
+        micro_skew = microbatch_imbalance(micro)
         device = next(iter(self.stages.values())).parameters().__next__().device
         if device.type != "cpu":
             micro = [[TrainBatch(**{k: v.to(device) for k, v in vars(m).items()}) for m in g] for g in micro]
@@ -146,18 +162,18 @@ class FusedPipelineStrategy:
             "train/measured_makespan_s": measured,
             "train/bubble_ratio": bubble,
             "train/dp_imbalance": skew,
+            "train/microbatches": float(self.micro),
+            "train/microbatch_imbalance": micro_skew,
         }
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """The Actor's full weights on every rank (each stage broadcast from its first owner). The Critic is
-        gathered too: the inferencer of the next iteration reads both full models."""
-        for m in MODELS:
-            self._gather(m)
+        gathered too: a per-rank inferencer (fused generation) reads both full models."""
+        self._gather_all()
         return self.models["actor"].state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        for m in MODELS:
-            self._gather(m)
+        self._gather_all()
         return {
             "actor": self.models["actor"].state_dict(),
             "critic": self.models["critic"].state_dict(),
@@ -177,6 +193,68 @@ class FusedPipelineStrategy:
             self.models[m].load_state_dict(state[m])
             self.optims[m].load_state_dict(state[f"{m}_optim"])
             self.scheds[m].load_state_dict(state[f"{m}_sched"])
+
+    # --- sharded checkpoints (rlhfuse.runtime.checkpoint) -----------------------------------------------------
+    def layout_record(self) -> dict[str, Any]:
+        """The layout a shard depends on: world size, dp, micro-batches, each model's stages and layer ranges."""
+        return layout_record(
+            self.layout, {m: [stage.layer_range for stage in self.all_stages[m]] for m in MODELS}
+        )
+
+    def save_checkpoint(
+        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+    ) -> Path:
+        """Collective: this rank's stages, optimizer and scheduler states, the planned schedule and `extra`."""
+        weights = {
+            f"{m}.r{r}.s{s}.{name}": tensor
+            for (m, r, s), module in sorted(self.stages.items())
+            for name, tensor in module.state_dict().items()
+        }
+        schedule: dict[str, Any] = {"steps": self.steps, "microbatches": self.micro}
+        if self.base is not None:  # a resumed run keeps the planned schedule (same op order, same sums)
+            schedule.update(
+                base=json.dumps(self.base),
+                schedule=self.schedule.to_json(),
+                predicted_s=self.predicted_s,
+                predicted_serial_s=self.predicted_serial_s,
+            )
+        state = {
+            **{f"{m}_optim": self.optims[m].state_dict() for m in MODELS},
+            **{f"{m}_sched": self.scheds[m].state_dict() for m in MODELS},
+            "pipeline": schedule,
+            **extra,
+        }
+        return save_sharded(
+            directory, iteration, weights=weights, state=state, layout=self.layout_record(), keep=keep
+        )
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Collective: check the manifest against this layout, restore this rank's shard; returns its state."""
+        weights, state, _ = load_sharded(path, self.layout_record())
+        for (m, r, s), module in self.stages.items():
+            prefix = f"{m}.r{r}.s{s}."
+            module.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
+        for m in MODELS:
+            self.optims[m].load_state_dict(state[f"{m}_optim"])
+            self.scheds[m].load_state_dict(state[f"{m}_sched"])
+        schedule = state["pipeline"]
+        self.steps = int(schedule["steps"])
+        self.plans = {}
+        self.micro = int(schedule["microbatches"])
+        self.problem = self._layout(self.micro).problem()
+        self.schedule = serial_one_f_one_b(self.problem)
+        self.profiled, self.base = None, None
+        if "base" in schedule:
+            self.base = json.loads(schedule["base"])
+            self.profiled = self._profiled(self.micro)
+            self.schedule = Schedule.from_json(schedule["schedule"])
+            self.predicted_s = float(schedule["predicted_s"])
+            self.predicted_serial_s = float(schedule["predicted_serial_s"])
+        self.program = lower_checked(
+            self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+        )
+        self._gather_all()
+        return state
 
     # --- internals -----------------------------------------------------------------------------------------------
     def _local_params(self, model: str) -> list[torch.nn.Parameter]:
@@ -210,6 +288,10 @@ class FusedPipelineStrategy:
         assert isinstance(out, TrainBatch)
         return out
 
+    def _gather_all(self) -> None:
+        for m in MODELS:
+            self._gather(m)
+
     def _gather(self, model: str) -> None:
         for s, stage in enumerate(self.all_stages[model]):
             owner = self.layout.rank(model, 0, 0, s)
@@ -236,6 +318,49 @@ class FusedPipelineStrategy:
             times.update(part or {})
         return simulate(self.profiled, self.schedule, durations=lambda a: times[a]).makespan
 
+    def _layout(self, microbatches: int) -> ParallelLayout:
+        return dataclasses.replace(self.layout, microbatches=microbatches)
+
+    def _profiled(self, microbatches: int) -> Problem:
+        """The problem with the profiled stage times, scaled to `microbatches` micro-batches of the same
+        mini-batch (a micro-batch's time taken as proportional to its share)."""
+        assert self.base is not None
+        scale = self.base["microbatches"] / microbatches
+        forward, backward = (
+            {m: [t * scale if scale != 1 else t for t in self.base[kind][m]] for m in MODELS}
+            for kind in ("forward", "backward")
+        )
+        return self._layout(microbatches).problem(forward=forward, backward=backward, name="profiled")
+
+    def _use(self, microbatches: int) -> None:
+        """Collective (same count on every rank): switch to the plan for `microbatches` micro-batches per
+        group, planned from the profiled stage times the first time it is needed (cached)."""
+        if microbatches == self.micro:
+            return
+        if self.profiled is not None:  # a plan from the profile (not the serial stand-in before profiling)
+            self.plans[self.micro] = (
+                self.problem,
+                self.schedule,
+                self.program,
+                self.profiled,
+                self.predicted_s,
+                self.predicted_serial_s,
+            )
+        self.micro = microbatches
+        if microbatches in self.plans:
+            (self.problem, self.schedule, self.program, self.profiled, self.predicted_s,
+             self.predicted_serial_s) = self.plans[microbatches]  # fmt: skip
+            return
+        self.problem = self._layout(microbatches).problem()
+        self.schedule = serial_one_f_one_b(self.problem)
+        self.profiled = None
+        if self.base is not None:
+            self._schedule_from_profile()
+        else:  # not profiled yet: this step runs serial 1F1B and profiles
+            self.program = lower_checked(
+                self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+            )
+
     def _plan(self, result: StepResult) -> None:
         """After the first (serial 1F1B) step: per-stage durations measured on every rank -> problem ->
         schedule (rank 0 searches, everyone receives the same) -> lowered, checked program."""
@@ -249,12 +374,26 @@ class FusedPipelineStrategy:
         dist.all_reduce(counts)
         mean = {key: float(sums[i] / counts[i].clamp(min=1)) for i, key in enumerate(keys)}
         floor = 1e-6
-        forward = {m: [max(mean[(m, s, "F")], floor) for s in range(self.layout.stages(m))] for m in MODELS}
-        backward = {m: [max(mean[(m, s, "B")], floor) for s in range(self.layout.stages(m))] for m in MODELS}
-        self.profiled = self.layout.problem(forward=forward, backward=backward, name="profiled")
+        self.base = {
+            "microbatches": self.micro,
+            "forward": {
+                m: [max(mean[(m, s, "F")], floor) for s in range(self.layout.stages(m))] for m in MODELS
+            },
+            "backward": {
+                m: [max(mean[(m, s, "B")], floor) for s in range(self.layout.stages(m))] for m in MODELS
+            },
+        }
+        self._schedule_from_profile()
+
+    def _schedule_from_profile(self) -> None:
+        """Collective: the schedule for the current micro-batch count from the profiled stage times."""
+        self.profiled = self._profiled(self.micro)
         self.predicted_serial_s = simulate(self.profiled, serial_one_f_one_b(self.profiled)).makespan
         if self.schedule_name == "serial_1f1b":
             self.predicted_s = self.predicted_serial_s
+            self.program = lower_checked(
+                self.problem, self.schedule, dp=self.layout.dp, prefetch=self.config.prefetch
+            )
             return
         box: list[Any] = [None]
         if self.rank == 0:
@@ -271,7 +410,7 @@ class FusedPipelineStrategy:
         self.predicted_s = simulate(self.profiled, self.schedule).makespan
         if self.rank == 0:
             self.log(
-                f"rlhfuse: fused schedule from measured stage times: predicted {self.predicted_s * 1e3:.1f} ms "
-                f"vs serial 1F1B {self.predicted_serial_s * 1e3:.1f} ms per mini-batch "
-                f"({self.predicted_serial_s / self.predicted_s:.2f}x)"
+                f"rlhfuse: fused schedule from measured stage times ({self.micro} micro-batches): predicted "
+                f"{self.predicted_s * 1e3:.1f} ms vs serial 1F1B {self.predicted_serial_s * 1e3:.1f} ms per "
+                f"mini-batch ({self.predicted_serial_s / self.predicted_s:.2f}x)"
             )

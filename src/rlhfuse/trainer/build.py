@@ -47,6 +47,7 @@ class BuildContext:
     models: Models
     fabric: Fabric
     total_steps: int
+    strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
 
 
 @GENERATORS.register("sampling")
@@ -105,8 +106,12 @@ def _vllm_generator(ctx: BuildContext) -> Any:
 
 
 @INFERENCERS.register("models")
-def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
+def _model_inferencer(ctx: BuildContext) -> Any:
     cfg = ctx.config.inferencer
+    instances = ctx.config.generator.instances
+    fused_generation = instances > 1 and instances == ctx.fabric.world_size  # infers per rank, own samples
+    if ctx.config.pipeline.name in PIPELINE_STRATEGIES and not fused_generation:
+        return _pipeline_inferencer(ctx)  # the same forwards, over the training layout
     return ModelInferencer(
         cfg,
         actor=ctx.models.actor,
@@ -116,6 +121,33 @@ def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
         reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
         tokenizer=ctx.models.tokenizer,
         temperature=ctx.config.generator.temperature,
+        autocast=ctx.fabric.autocast,
+    )
+
+
+@INFERENCERS.register("pipeline")
+def _pipeline_inferencer(ctx: BuildContext) -> Any:
+    from rlhfuse.runtime.inference import PipelineInferencer
+
+    cfg, models = ctx.config.inferencer, ctx.models
+    layout = getattr(ctx.strategy, "layout", None)
+    if layout is None:
+        raise ValueError(
+            f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
+            "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
+        )
+    named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
+    if cfg.use_reward_model:
+        named["reward"] = models.reward
+    return PipelineInferencer(
+        cfg,
+        layout,
+        named,
+        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        tokenizer=models.tokenizer,
+        temperature=ctx.config.generator.temperature,
+        timeout_s=ctx.config.distributed.timeout_s,
+        prefetch=ctx.config.pipeline.prefetch,
         autocast=ctx.fabric.autocast,
     )
 
@@ -158,6 +190,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         total_steps=ctx.total_steps,
         mini_batch_size=cfg.data.mini_batch_size,
         micro_batch_size=cfg.data.micro_batch_size,
+        micro_batch_tokens=cfg.data.micro_batch_tokens,
         temperature=cfg.generator.temperature,
         schedule=schedule,
         timeout_s=cfg.distributed.timeout_s,
@@ -230,6 +263,10 @@ def build_trainer(
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
+    if config.pipeline.name in PIPELINE_STRATEGIES:  # a layout mismatch fails before any model is built
+        from rlhfuse.runtime.checkpoint import check_resume
+
+        check_resume(config, run_dir / config.checkpoint.dir)
     log(f"rlhfuse: {counts.describe()}")
 
     # Data before models: malformed or over-long prompts fail fast.
@@ -265,7 +302,7 @@ def build_trainer(
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps)
     MIGRATION_POLICIES.get(config.migration.name)(ctx)
-    strategy = STRATEGIES.get(config.pipeline.name)(ctx)
+    strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
 

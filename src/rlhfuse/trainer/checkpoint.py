@@ -147,6 +147,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         meta = json.loads(meta_path.read_text())
+        if meta.get("kind") == "pipeline":  # rlhfuse.runtime.checkpoint
+            layout = meta.get("layout", {})
+            raise CheckpointError(
+                f"{meta_path} is a sharded pipeline checkpoint ({layout.get('world_size')} ranks, actor.pp="
+                f"{layout.get('actor', {}).get('pp')}, critic.pp={layout.get('critic', {}).get('pp')}): resume it "
+                f"with pipeline=fused (or serial_1f1b) and distributed.nproc_per_node={layout.get('world_size')}"
+            )
         expected: dict[str, str] = dict(meta["sha256"])
         iteration = int(meta["iteration"])
     except (ValueError, KeyError, TypeError) as err:

@@ -12,7 +12,6 @@ import sys
 import time
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
@@ -45,10 +44,7 @@ def run(cfg: DictConfig) -> None:
             config.run_dir = HydraConfig.get().runtime.output_dir
         trainer = build_trainer(config, log=lambda msg: console.print(msg, highlight=False))
         history = trainer.fit()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # leave together: a rank exiting with the group alive can abort in gloo's threads at teardown
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+        _shutdown_process_group()
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)
@@ -67,6 +63,16 @@ def run(cfg: DictConfig) -> None:
             f"{config.run_dir}/metrics.jsonl",
             highlight=False,
         )
+
+
+def _shutdown_process_group() -> None:
+    """Multi-process runs: every rank done, then an orderly teardown (left to interpreter exit, gloo's
+    background threads can abort a finished process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ pipeline strategy) implement the same Protocols.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -53,6 +54,21 @@ class Strategy(Protocol):
         ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ShardedCheckpointing(Protocol):
+    """A strategy whose state lives on several ranks (the pipeline strategies) writes and reads its checkpoints
+    itself, collectively; the trainer then passes its own state (`extra`) along instead of calling
+    `state_dict` / `load_state_dict`."""
+
+    def save_checkpoint(
+        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+    ) -> Path: ...
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore this rank's shard; returns its state, `extra` included."""
+        ...
 
 
 @runtime_checkable

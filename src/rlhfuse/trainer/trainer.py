@@ -28,7 +28,14 @@ from rlhfuse.trainer.checkpoint import (
 )
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.logging import JsonlLogger
-from rlhfuse.trainer.protocols import Generator, Inferencer, Logger, Strategy, SwapsWeights
+from rlhfuse.trainer.protocols import (
+    Generator,
+    Inferencer,
+    Logger,
+    ShardedCheckpointing,
+    Strategy,
+    SwapsWeights,
+)
 from rlhfuse.trainer.strategy import NonFiniteError
 from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
 
@@ -234,16 +241,18 @@ class RLHFTrainer:
     def checkpoint_dir(self) -> Path:
         return self.run_dir / self.config.checkpoint.dir
 
+    def trainer_state(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "loader": self.prompts.state_dict(), "rng": rng_state()}
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **self.strategy.state_dict(),
-            "trainer": {"iteration": self.iteration, "loader": self.prompts.state_dict(), "rng": rng_state()},
-        }
+        return {**self.strategy.state_dict(), "trainer": self.trainer_state()}
 
     def save_checkpoint(self) -> Path:
-        return save_checkpoint(
-            self.checkpoint_dir, self.iteration, self.state_dict(), keep=self.config.checkpoint.keep
-        )
+        keep = self.config.checkpoint.keep
+        if isinstance(self.strategy, ShardedCheckpointing):  # every rank writes its shard
+            extra = {"trainer": self.trainer_state()}
+            return self.strategy.save_checkpoint(self.checkpoint_dir, self.iteration, extra, keep=keep)
+        return save_checkpoint(self.checkpoint_dir, self.iteration, self.state_dict(), keep=keep)
 
     def resume(self) -> None:
         """Apply `config.resume`: never | auto (latest checkpoint in run_dir, if any) | a checkpoint folder."""
@@ -253,8 +262,11 @@ class RLHFTrainer:
         path = latest_checkpoint(self.checkpoint_dir) if choice == "auto" else Path(choice)
         if path is None:
             return
-        state = load_checkpoint(path)
-        self.strategy.load_state_dict(state)
+        if isinstance(self.strategy, ShardedCheckpointing):
+            state = self.strategy.load_checkpoint(path)
+        else:
+            state = load_checkpoint(path)
+            self.strategy.load_state_dict(state)
         trainer_state = state["trainer"]
         self.prompts.load_state_dict(trainer_state["loader"])
         set_rng_state(trainer_state["rng"])

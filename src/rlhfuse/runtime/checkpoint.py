@@ -1,0 +1,276 @@
+"""Sharded checkpoints of the pipeline strategies: every rank saves the stages it trains, with their optimizer
+and LR-scheduler states; rank 0 seals the folder with a manifest recording the layout.
+
+Layout of `<run_dir>/checkpoints/iter_00000010/` (the folder every rank can see: a shared file system):
+    rank_00000/stages.safetensors   the rank's stage weights, keys `<model>.r<replica>.s<stage>.<parameter>`
+    rank_00000/state.pt             optimizer and scheduler states, the rank's RNG states, the trainer's state
+                                    (iteration, data position), the schedule (loaded with weights_only=True)
+    rank_00001/...
+    meta.json                       written last, by rank 0: kind "pipeline", iteration, the layout (world size,
+                                    dp, micro-batches, per model pp and every stage's layer range) and the
+                                    SHA-256 of every shard file
+
+Atomic as a whole: the shards are written into one temporary folder; only when every rank reports its shard
+written and synced does rank 0 write meta.json and rename the folder into place. A rank that fails (an error,
+NaN weights, a full disk) makes every rank raise `CheckpointError` and the folder is removed; a rank killed
+mid-save leaves an unsealed temporary folder that is never loaded and is removed by the next save. Either way
+the previous checkpoint is untouched.
+
+Resume checks the manifest against the current layout before loading anything (`check_layout`, called by
+`rlhfuse-train` before any model is built) and names the file and every mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhfuse.models.stages import balanced_ranges
+from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout
+from rlhfuse.trainer.checkpoint import (
+    CheckpointError,
+    _fsync,
+    _plain_weights,
+    _sha256,
+    latest_checkpoint,
+    list_checkpoints,
+)
+
+KIND = "pipeline"
+FORMAT = 1
+WEIGHTS, STATE = "stages.safetensors", "state.pt"
+
+
+def layout_record(
+    layout: ParallelLayout, layer_ranges: Mapping[str, list[tuple[int, int]]]
+) -> dict[str, Any]:
+    """What a shard depends on: world size, data parallelism, micro-batches, each model's stages and layers."""
+    return {
+        "world_size": layout.world_size,
+        "dp": layout.dp,
+        "microbatches": layout.microbatches,
+        **{
+            m: {"pp": layout.stages(m), "layers": [list(r) for r in layer_ranges[m]]}
+            for m in MODELS
+            if m in layer_ranges
+        },
+    }
+
+
+def expected_record(layout: ParallelLayout, num_layers: Mapping[str, int] | None) -> dict[str, Any]:
+    """The record of `layout` with equal-cost stages over `num_layers` per model (None: layers unknown yet)."""
+    ranges = {m: balanced_ranges([1.0] * n, layout.stages(m)) for m, n in (num_layers or {}).items()}
+    record = layout_record(layout, ranges)
+    for m in MODELS:
+        record.setdefault(m, {"pp": layout.stages(m)})
+    return record
+
+
+def _mismatches(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in current.items():
+        if key not in saved:
+            out.append(f"{prefix}{key}: not recorded (this run: {value})")
+        elif isinstance(value, Mapping) and isinstance(saved[key], Mapping):
+            out += _mismatches(saved[key], value, f"{prefix}{key}.")
+        elif saved[key] != value:
+            out.append(f"{prefix}{key}: saved {saved[key]}, this run {value}")
+    return out
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The meta.json of a sharded checkpoint folder; a CheckpointError naming the file if it is not one."""
+    meta_path = Path(path) / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(
+            f"{Path(path)} is not a complete rlhfuse checkpoint (no meta.json): pass a folder written by "
+            "checkpoint.every=N, or resume=auto to pick the latest complete one"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{meta_path} is malformed ({err})") from None
+    if meta.get("kind") != KIND:
+        raise CheckpointError(
+            f"{meta_path} is a single-process checkpoint (pipeline=plain); a pipeline strategy resumes only its "
+            "own sharded checkpoints: resume it with pipeline=plain, or start this run with resume=never"
+        )
+    return dict(meta)
+
+
+def check_layout(path: str | Path, current: Mapping[str, Any]) -> dict[str, Any]:
+    """Refuse to resume `path` under another layout: CheckpointError naming meta.json and every mismatch."""
+    meta = read_manifest(path)
+    problems = _mismatches(meta.get("layout", {}), current)
+    if problems:
+        saved = meta.get("layout", {})
+        hint = (
+            f"resume with distributed.nproc_per_node={saved.get('world_size')} "
+            f"pipeline.actor_pp={saved.get('actor', {}).get('pp')} "
+            f"pipeline.critic_pp={saved.get('critic', {}).get('pp')} "
+            f"pipeline.microbatches={saved.get('microbatches')} (and the same model), or resume=never"
+        )
+        raise CheckpointError(
+            f"checkpoint {Path(path) / 'meta.json'} was saved with another pipeline layout:\n  - "
+            + "\n  - ".join(problems)
+            + f"\n{hint}"
+        )
+    return meta
+
+
+def resume_path(checkpoint_dir: str | Path, resume: str) -> Path | None:
+    """The folder `resume` (never | auto | a path) designates, or None."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_dir)
+    return Path(resume)
+
+
+def check_resume(cfg: Any, checkpoint_dir: str | Path) -> Path | None:
+    """Before any model is built: the checkpoint `cfg.resume` designates (None: fresh start) after checking its
+    manifest against the layout `cfg` will run (stage layer ranges too when the model is built from config;
+    a Hugging Face model's layers are checked when the strategy loads the shards)."""
+    path = resume_path(checkpoint_dir, cfg.resume)
+    if path is None:
+        return None
+    p = cfg.pipeline
+    world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
+    dp = max(world // max(p.actor_pp, p.critic_pp, 1), 1)
+    d = cfg.data
+    micro = p.microbatches or max(1, d.mini_batch_size // max(d.micro_batch_size, 1) // dp)  # as the strategy
+    layout = ParallelLayout(ModelParallel(p.actor_pp), ModelParallel(p.critic_pp), dp, world, micro)
+    layers = None if cfg.model.sft_path is not None else {m: cfg.model.num_layers for m in MODELS}
+    check_layout(path, expected_record(layout, layers))
+    return path
+
+
+def _all_ok(error: str | None, what: str) -> None:
+    """Collective: raise the same CheckpointError on every rank if any rank reports an error."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    failed = [(rank, e) for rank, e in enumerate(gathered) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what}: " + "; ".join(f"rank {rank}: {e}" for rank, e in failed))
+
+
+def save_sharded(
+    directory: str | Path,
+    iteration: int,
+    *,
+    weights: Mapping[str, Tensor],
+    state: Mapping[str, Any],
+    layout: Mapping[str, Any],
+    keep: int = 0,
+) -> Path:
+    """Collective: every rank writes its shard (`weights`, weights-only loadable `state`), rank 0 seals the
+    checkpoint with the manifest. Returns the final folder on every rank; raises CheckpointError on every rank
+    (previous checkpoints untouched) if any rank could not write its shard."""
+    rank = dist.get_rank()
+    root = Path(directory)
+    final = root / f"iter_{iteration:08d}"
+    tmp = root / f".tmp-{final.name}-sharded"
+    error: str | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
+            tmp.mkdir()
+        except OSError as err:
+            error = f"cannot create {tmp}: {err}"
+    _all_ok(error, f"checkpoint of iteration {iteration} not written")
+    hashes: dict[str, str] = {}
+    try:
+        shard = tmp / f"rank_{rank:05d}"
+        shard.mkdir()
+        safetensors.torch.save_file(_plain_weights(weights, f"rank {rank} stage"), str(shard / WEIGHTS))
+        torch.save(dict(state), shard / STATE)
+        for name in (WEIGHTS, STATE):
+            _fsync(shard / name)
+            hashes[f"{shard.name}/{name}"] = _sha256(shard / name)
+    except Exception as err:  # reported to every rank below
+        error = f"{type(err).__name__}: {err}"
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (error, hashes))
+    failed = [(r, e) for r, (e, _) in enumerate(parts) if e is not None]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"checkpoint of iteration {iteration} not written (previous checkpoints untouched): "
+            + "; ".join(f"rank {r} could not save its shard: {e}" for r, e in failed)
+        )
+    all_hashes = {k: v for _, part in parts for k, v in part.items()}
+    error = None
+    if rank == 0:
+        try:
+            meta = {"kind": KIND, "format": FORMAT, "iteration": iteration, "layout": dict(layout)}
+            meta["sha256"] = dict(sorted(all_hashes.items()))
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            _fsync(tmp / "meta.json")
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync(root)
+            if keep > 0:
+                for old in list_checkpoints(root)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"cannot seal {final}: {err}"
+    _all_ok(error, f"checkpoint of iteration {iteration} not written")
+    return final
+
+
+def load_sharded(
+    path: str | Path, current: Mapping[str, Any]
+) -> tuple[dict[str, Tensor], dict[str, Any], int]:
+    """Collective: check the manifest against `current` (the layout record), verify and load this rank's shard.
+    Returns (weights, state, iteration); every rank raises the same CheckpointError if any rank cannot load."""
+    rank = dist.get_rank()
+    path = Path(path)
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, str(path.resolve()))
+    if len(set(names)) != 1:
+        raise CheckpointError(f"ranks would resume from different checkpoints: {names} (use a shared folder)")
+    error: str | None = None
+    out: tuple[dict[str, Tensor], dict[str, Any], int] = ({}, {}, 0)
+    try:
+        meta = check_layout(path, current)
+        shard = path / f"rank_{rank:05d}"
+        expected = meta.get("sha256", {})
+        for name in (WEIGHTS, STATE):
+            file = shard / name
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint file {file} is missing")
+            if expected.get(f"{shard.name}/{name}") != _sha256(file):
+                raise CheckpointError(
+                    f"checkpoint file {file} does not match its SHA-256 in meta.json (corrupt or tampered)"
+                )
+        weights = safetensors.torch.load_file(str(shard / WEIGHTS))
+        try:
+            state = torch.load(shard / STATE, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise CheckpointError(f"{shard / STATE} is not a plain tensor/number state file: {err}") from None
+        out = (weights, state, int(meta["iteration"]))
+    except CheckpointError as err:
+        error = str(err)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, error)
+    if error is not None:
+        raise CheckpointError(error)
+    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} cannot resume: {failed[0][1]}")
+    return out

@@ -1,0 +1,395 @@
+"""Inference on the training layout: the rollout's Actor and Ref log-probs, Critic values and Reward scores as
+one forward-only pipeline over the ranks and stages the layout gives the Actor (Actor, Ref) and the Critic
+(Critic, Reward).
+
+Planning is pure: `inference_problem` (the four models as a `Problem`: Ref placed like the Actor, Reward like
+the Critic, so both directions of the fused placement run at once), `forward_schedule` (a list schedule of every
+forward, no backward), then `lower(..., optimizer_steps=False)` and `check_program`, which proves the streams
+free of deadlock and message mismatch exactly as for training. Execution: `ForwardExecutor` runs one rank's
+stream under `torch.no_grad` (async point-to-point, one process group per model), and `PipelineInferencer` (the
+trainer's `Inferencer` under pipeline=fused / serial_1f1b) splits a rollout over data-parallel groups and
+micro-batches, runs the stream and sums every last stage's rows over the world, so that every rank holds the
+whole `Experience` (as the trainer expects: each rank computes advantages; rank 0's batch is trained).
+
+Legend: B batch rows, P prompt tokens, R response tokens, T = P + R, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.models import Transformer, split_stages
+from rlhfuse.pipeline.ir import Action, Kind, Schedule
+from rlhfuse.pipeline.problem import Problem, make_problem
+from rlhfuse.runtime.executor import PipelineError, wait_for
+from rlhfuse.runtime.layout import ParallelLayout
+from rlhfuse.runtime.lower import Instr, Message, Program, lower_checked
+from rlhfuse.trainer.inferencer import (
+    InferencerConfig,
+    final_scores,
+    logprobs_from_output,
+    scores_from_output,
+    values_from_output,
+)
+from rlhfuse.trainer.registry import RewardFn
+from rlhfuse.trainer.types import Experience, Rollout
+
+# inference model -> the training model whose layout (stages, replicas, placement) it uses
+PLACED_AS = {"actor": "actor", "ref": "actor", "critic": "critic", "reward": "critic"}
+StageKey = tuple[str, int, int]  # (model, replica, stage)
+Head = Callable[[Tensor, Rollout], Tensor]  # last stage's output, micro-batch -> result rows
+
+
+def inference_problem(layout: ParallelLayout, microbatches: int, models: Sequence[str]) -> Problem:
+    """One fused group's forward-only problem: each model of `models` on the stages and placement of the
+    training model it is placed as, `microbatches` micro-batches for the larger model (M / K per replica of the
+    smaller). Backward durations are unused (a forward-only schedule has no B)."""
+    k = layout.replicas(layout.smaller)
+    if microbatches < 1 or microbatches % k:
+        raise ValueError(f"microbatches={microbatches} must be a positive multiple of the {k} replicas")
+    entries = [
+        {
+            "name": m,
+            "stages": layout.stages(PLACED_AS[m]),
+            "microbatches": microbatches // layout.replicas(PLACED_AS[m]),
+            "forward": 1.0,
+            "backward": 1.0,
+            "placement": layout.local_placement(PLACED_AS[m]),
+        }
+        for m in models
+    ]
+    return make_problem(entries, ranks=layout.group_size, name="inference")
+
+
+def forward_schedule(problem: Problem, duration: Callable[[Action], float] | None = None) -> Schedule:
+    """Every forward of every model, micro-batch and stage, placed by list scheduling: repeatedly the op that
+    can start earliest (its rank free, its input produced), ties to the lower micro-batch then the model order.
+
+    Each op is chosen only after the op producing its input, so the choice order is a topological order and
+    every rank's list a subsequence of it: the schedule is valid (and `check_program` proves its lowering).
+    Both directions run at once where the placement is fused (Actor and Ref forward over the ranks, Critic and
+    Reward backward over them). O(ops^2): fine for the few hundred ops of one rollout chunk.
+    """
+    duration = duration or (lambda a: 1.0)
+    order = {m.name: i for i, m in enumerate(problem.models)}
+    where = {
+        (m.name, r, s): row[s]
+        for m in problem.models
+        for r, row in enumerate(m.placement)
+        for s in range(m.stages)
+    }
+    stages = {m.name: m.stages for m in problem.models}
+    ready = {
+        Action(m.name, r, 0, Kind.F, mb): 0.0
+        for m in problem.models
+        for r in range(m.replicas)
+        for mb in range(m.microbatches)
+    }
+    free = [0.0] * problem.ranks
+    lists: list[list[Action]] = [[] for _ in range(problem.ranks)]
+    while ready:
+
+        def start(a: Action) -> float:
+            return max(free[where[(a.model, a.replica, a.stage)]], ready[a])
+
+        a = min(ready, key=lambda a: (start(a), a.microbatch, order[a.model], a.replica, a.stage))
+        rank = where[(a.model, a.replica, a.stage)]
+        end = start(a) + duration(a)
+        del ready[a]
+        free[rank] = end
+        lists[rank].append(a)
+        if a.stage + 1 < stages[a.model]:
+            ready[Action(a.model, a.replica, a.stage + 1, Kind.F, a.microbatch)] = end
+    return Schedule.from_lists(lists)
+
+
+def forward_program(
+    layout: ParallelLayout, microbatches: int, models: Sequence[str], *, prefetch: int = 1
+) -> tuple[Problem, Program]:
+    """The checked forward-only program of `layout` (all data-parallel groups): no deadlock, no mismatch."""
+    problem = inference_problem(layout, microbatches, models)
+    schedule = forward_schedule(problem)
+    return problem, lower_checked(problem, schedule, dp=layout.dp, prefetch=prefetch, optimizer_steps=False)
+
+
+class ForwardExecutor:
+    """Runs one rank's forward-only stream: stage 0 embeds the micro-batch's tokens, later stages take the
+    received activation, last stages apply their model's `head` (log-probs, values, scores)."""
+
+    def __init__(
+        self,
+        rank: int,
+        program: Program,
+        problem: Problem,
+        stages: Mapping[StageKey, nn.Module],
+        heads: Mapping[str, Head],
+        *,
+        p2p_groups: Mapping[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.rank, self.program, self.problem = rank, program, problem
+        self.stream = program.streams[rank]
+        self.stages, self.heads = dict(stages), dict(heads)
+        self.p2p = dict(p2p_groups or {})
+        self.timeout_s, self.autocast = timeout_s, autocast
+        first = next(next(iter(self.stages.values())).parameters())
+        self.dtype, self.device = first.dtype, first.device
+        self.width = {m: _hidden_size(mod) for (m, _, _), mod in self.stages.items()}
+
+    def _index(self, model: str, replica: int, mb: int) -> int:
+        return replica * self.problem.model(model).microbatches + mb
+
+    @torch.no_grad()
+    def run(self, micro: Sequence[Sequence[Rollout]]) -> dict[tuple[str, int, int], Tensor]:
+        """micro[g][i]: micro-batch i of data-parallel group g. Returns (model, g, i) -> head output for every
+        last stage on this rank."""
+        pending: dict[Message, tuple[Tensor, Any]] = {}
+        inbox: dict[Message, Tensor] = {}
+        sends: list[tuple[Any, Tensor, Instr]] = []
+        results: dict[tuple[str, int, int], Tensor] = {}
+        for ins in self.stream:
+            if ins.kind is Kind.RECV:
+                assert ins.message is not None
+                if ins.post:
+                    m = ins.message
+                    rows = micro[m.group][self._index(m.model, m.replica, m.microbatch)]
+                    shape = (len(rows), rows.input_ids_BT.shape[1], self.width[m.model])
+                    buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+                    pending[m] = (buf, dist.irecv(buf, src=ins.peer, group=self.p2p.get(ins.model)))
+                else:
+                    buf, handle = pending.pop(ins.message)
+                    wait_for(handle, str(ins), self.rank, self.timeout_s)
+                    inbox[ins.message] = buf
+            elif ins.kind is Kind.SEND:
+                assert ins.message is not None
+                tensor = inbox.pop(ins.message).contiguous()
+                sends.append((dist.isend(tensor, dst=ins.peer, group=self.p2p.get(ins.model)), tensor, ins))
+            elif ins.kind is Kind.F:
+                a = ins.action
+                assert a is not None
+                i = self._index(a.model, a.replica, a.microbatch)
+                rows = micro[ins.group][i]
+                x = rows.input_ids_BT if a.stage == 0 else inbox.pop(ins.needs)  # type: ignore[arg-type]
+                with self.autocast():
+                    out = self.stages[(a.model, a.replica, a.stage)](
+                        x, attention_mask_BT=rows.attention_mask_BT
+                    )
+                if a.stage == self.problem.model(a.model).stages - 1:
+                    results[(a.model, ins.group, i)] = self.heads[a.model](out, rows)
+                else:
+                    inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.to(
+                        self.dtype
+                    )
+            else:
+                raise PipelineError(f"rank {self.rank}: {ins} in a forward-only stream")
+        for handle, _, ins in sends:
+            wait_for(handle, str(ins), self.rank, self.timeout_s)
+        if pending or inbox:
+            raise PipelineError(
+                f"rank {self.rank}: messages left over: {list(pending)[:4]} {list(inbox)[:4]}"
+            )
+        return results
+
+
+def _hidden_size(stage: nn.Module) -> int:
+    config: Any = stage.config  # a `Stage` carries its model's config
+    return int(config.hidden_size)
+
+
+def split_rows(n: int, parts: int) -> list[Tensor]:
+    """Positions of `parts` contiguous non-empty chunks of n rows. With n < parts, positions run past n
+    (position p stands for row p % n); callers keep only positions < n."""
+    return list(torch.arange(max(n, parts)).tensor_split(parts))
+
+
+def assign_rows(
+    lengths_B: Tensor, dp: int, microbatches: int, replicas: int
+) -> list[list[tuple[Tensor, Tensor]]]:
+    """out[g][i] = (row indices, first-copy mask) of micro-batch i of data-parallel group g.
+
+    Rows are sorted by response length and cut into dp * M chunks of near-equal count, dealt in length order to
+    the groups and, inside a group, to the K replicas of the smaller model, every other round in reverse (0 1 1 0
+    ...), so every group and replica gets short and long rows alike, while each micro-batch holds rows of similar
+    length (it is then trimmed to its own longest response: less padding computed).
+    """
+    n = len(lengths_B)
+    order = torch.argsort(lengths_B.cpu(), stable=True)
+    per = microbatches // replicas
+    out: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(dp)]
+    slots: list[dict[int, tuple[Tensor, Tensor]]] = [{} for _ in range(dp)]
+
+    def snake(c: int, ways: int) -> tuple[int, int]:  # deal in rounds, every other round reversed: 0 1 | 1 0
+        rnd, k = divmod(c, ways)
+        return (k if rnd % 2 == 0 else ways - 1 - k), rnd
+
+    for c, pos in enumerate(split_rows(n, dp * microbatches)):
+        g, c2 = snake(c, dp)
+        replica, slot = snake(c2, replicas)
+        slots[g][replica * per + slot] = (order[pos % n], pos < n)
+    for g in range(dp):
+        out[g] = [slots[g][i] for i in range(microbatches)]
+    return out
+
+
+def trim_responses(rollout: Rollout) -> Rollout:
+    """The rollout without its trailing all-padding response columns (responses are right-padded; earlier
+    positions do not attend to later ones, so every kept output is unchanged)."""
+    used = rollout.response_mask_BR.any(dim=0).nonzero()
+    keep = int(used.max()) + 1 if len(used) else 1
+    if keep == rollout.response_ids_BR.shape[1]:
+        return rollout
+    return dataclasses.replace(
+        rollout,
+        response_ids_BR=rollout.response_ids_BR[:, :keep],
+        response_mask_BR=rollout.response_mask_BR[:, :keep],
+    )
+
+
+class PipelineInferencer:
+    """The `Inferencer` of the pipeline strategies: Actor/Ref/Critic/Reward forwards over the training layout.
+
+    Collective: every rank calls `infer` with the same chunks in the same order (the trainer does); rank 0's
+    rollout is broadcast so every rank works on identical rows. Result rows of each micro-batch are computed on
+    its model's last stage and summed over the world (zeros elsewhere), so every rank returns the same
+    `Experience`. `config.micro_batch_size` rows per micro-batch (0 = the layout's micro-batch count per
+    data-parallel group), rounded up to a multiple of the smaller model's replicas.
+    """
+
+    def __init__(
+        self,
+        config: InferencerConfig,
+        layout: ParallelLayout,
+        models: Mapping[str, Transformer],
+        *,
+        reward_fn: RewardFn | None,
+        tokenizer: Tokenizer,
+        temperature: float,
+        timeout_s: float = 300.0,
+        prefetch: int = 1,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        if "reward" not in models and reward_fn is None:
+            raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
+        if not dist.is_initialized():
+            raise ValueError(
+                "PipelineInferencer needs torch.distributed: launch with distributed.nproc_per_node=N and "
+                "pipeline=fused or serial_1f1b, or use pipeline=plain (whole-model inference in one process)"
+            )
+        self.config, self.layout = config, layout
+        self.models = dict(models)
+        self.names = tuple(m for m in PLACED_AS if m in self.models)
+        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.timeout_s, self.prefetch, self.autocast = timeout_s, prefetch, autocast
+        self.rank = dist.get_rank()
+        # collective, same order on every rank: one point-to-point group per inference model (its messages
+        # never match another model's, nor the training's)
+        world = list(range(layout.world_size))
+        self.p2p = {m: dist.new_group(world) for m in self.names}
+        self.stages: dict[StageKey, nn.Module] = {}
+        for m in self.names:
+            split = split_stages(self.models[m], layout.stages(PLACED_AS[m]))
+            for model, replica, stage in layout.stages_on(self.rank):
+                if model == PLACED_AS[m]:
+                    self.stages[(m, replica, stage)] = split[stage]
+        self.heads: dict[str, Head] = {
+            "actor": lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            "ref": lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            "critic": values_from_output,
+            "reward": scores_from_output,
+        }
+        self.programs: dict[int, tuple[Problem, Program]] = {}
+        if self.rank == 0:
+            log(
+                "rlhfuse: inference over the pipeline layout: "
+                + "; ".join(f"{m} on {layout.local_placement(PLACED_AS[m])}" for m in self.names)
+            )
+
+    def microbatches(self, rows: int) -> int:
+        k = self.layout.replicas(self.layout.smaller)
+        size = self.config.micro_batch_size
+        m = math.ceil(math.ceil(rows / self.layout.dp) / size) if size > 0 else self.layout.microbatches
+        return max(k, math.ceil(m / k) * k)
+
+    def program(self, microbatches: int) -> tuple[Problem, Program]:
+        if microbatches not in self.programs:
+            self.programs[microbatches] = forward_program(
+                self.layout, microbatches, self.names, prefetch=self.prefetch
+            )
+        return self.programs[microbatches]
+
+    def infer(self, rollout: Rollout) -> Experience:
+        box: list[Any] = [rollout if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        rollout = box[0]
+        assert isinstance(rollout, Rollout)
+        device = next(iter(self.stages.values())).parameters().__next__().device
+        local = Rollout(**{k: v.to(device) for k, v in vars(rollout).items()})
+        n, r = len(local), local.response_ids_BR.shape[1]
+        dp = self.layout.dp
+        m = self.microbatches(n)
+        problem, program = self.program(m)
+        rows = assign_rows(local.response_lengths_B, dp, m, self.layout.replicas(self.layout.smaller))
+        micro = [
+            [
+                trim_responses(Rollout(**{k: v[idx.to(device)] for k, v in vars(local).items()}))
+                for idx, _ in group
+            ]
+            for group in rows
+        ]
+        modules = {m_: self.models[m_] for m_ in self.names}
+        training = {k: mod.training for k, mod in modules.items()}
+        for mod in modules.values():
+            mod.eval()
+        try:
+            executor = ForwardExecutor(
+                self.rank,
+                program,
+                problem,
+                self.stages,
+                self.heads,
+                p2p_groups=self.p2p,
+                timeout_s=self.timeout_s,
+                autocast=self.autocast,
+            )
+            results = executor.run(micro)
+        finally:
+            for k, mod in modules.items():
+                mod.train(training[k])
+        # every result row is computed on exactly one rank: a sum over the world delivers it to all
+        widths = {"actor": r, "ref": r, "critic": r, "reward": 1}
+        out = {name: torch.zeros(n, widths[name], dtype=torch.float32, device=device) for name in self.names}
+        for (name, g, i), value in results.items():
+            idx, keep = rows[g][i]
+            v = value.reshape(len(idx), -1)[
+                keep.to(value.device)
+            ].float()  # [b, own response width] or [b, 1]
+            out[name][idx[keep].to(device), : v.shape[1]] = v
+        flat = torch.cat([out[name].reshape(-1) for name in self.names])
+        dist.all_reduce(flat)
+        offset = 0
+        for name in self.names:
+            size = out[name].numel()
+            out[name] = flat[offset : offset + size].view_as(out[name])
+            offset += size
+        rm_scores_B = out["reward"][:, 0] if "reward" in out else None
+        scores_B = final_scores(self.config, local, rm_scores_B, self.reward_fn, self.tokenizer)
+        mask_BR = local.response_mask_BR.float()
+        return Experience(
+            rollout=rollout,
+            logprobs_BR=(out["actor"] * mask_BR).cpu(),
+            ref_logprobs_BR=(out["ref"] * mask_BR).cpu(),
+            values_BR=(out["critic"] * mask_BR).cpu(),
+            scores_B=scores_B.cpu(),
+        )
