@@ -50,18 +50,24 @@ def launched_world_size(nproc_per_node: int) -> int:
     return int(env) if env and env.isdigit() else nproc_per_node
 
 
-def validate_runtime(cfg: Any) -> list[str]:
-    """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
-    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
-
+def distributed_problems(d: DistributedConfig) -> list[str]:
+    """Problems of the distributed.* keys themselves (process count, backend, timeout)."""
     problems: list[str] = []
-    d = cfg.distributed
     if d.nproc_per_node < 1:
         problems.append(f"distributed.nproc_per_node={d.nproc_per_node} must be >= 1")
     if d.backend not in ("auto", "gloo", "nccl"):
         problems.append(f"distributed.backend={d.backend!r} is not one of ['auto', 'gloo', 'nccl']")
     if d.timeout_s <= 0:
         problems.append(f"distributed.timeout_s={d.timeout_s} must be > 0")
+    return problems
+
+
+def validate_runtime(cfg: Any) -> list[str]:
+    """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+
+    d = cfg.distributed
+    problems = distributed_problems(d)
     p = cfg.pipeline
     world = launched_world_size(max(d.nproc_per_node, 1))
     if p.name not in PIPELINE_STRATEGIES:

@@ -26,14 +26,10 @@ def plain_world_size(cfg: Any) -> int:
 
 def validate_plain_launch(cfg: Any) -> list[str]:
     """Problems of distributed.* and generator.instances with pipeline=plain (each naming the fix)."""
-    problems: list[str] = []
-    d, g = cfg.distributed, cfg.generator
-    if d.nproc_per_node < 1:
-        problems.append(f"distributed.nproc_per_node={d.nproc_per_node} must be >= 1")
-    if d.backend not in ("auto", "gloo", "nccl"):
-        problems.append(f"distributed.backend={d.backend!r} is not one of ['auto', 'gloo', 'nccl']")
-    if d.timeout_s <= 0:
-        problems.append(f"distributed.timeout_s={d.timeout_s} must be > 0")
+    from rlhfuse.runtime.config import distributed_problems
+
+    g = cfg.generator
+    problems = distributed_problems(cfg.distributed)
     world = plain_world_size(cfg)
     source = (
         "torchrun's WORLD_SIZE"
