@@ -150,8 +150,7 @@ class RLHFTrainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=it)
         every = self.config.checkpoint.every
-        # data-parallel ranks hold the same weights and optimizer states: rank 0 writes the checkpoint
-        if every > 0 and (it % every == 0 or it == self.config.iterations) and self.fabric.is_global_zero:
+        if every > 0 and (it % every == 0 or it == self.config.iterations):
             self.save_checkpoint()
         self.fabric.call("on_iteration_end", self, it, metrics)
         return metrics
@@ -247,11 +246,15 @@ class RLHFTrainer:
     def state_dict(self) -> dict[str, Any]:
         return {**self.strategy.state_dict(), "trainer": self.trainer_state()}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Every rank calls this. A sharded strategy writes one shard per rank; otherwise the ranks hold the
+        same weights and optimizer states (data parallel) and rank 0 writes the checkpoint (None elsewhere)."""
         keep = self.config.checkpoint.keep
         if isinstance(self.strategy, ShardedCheckpointing):  # every rank writes its shard
             extra = {"trainer": self.trainer_state()}
             return self.strategy.save_checkpoint(self.checkpoint_dir, self.iteration, extra, keep=keep)
+        if not self.fabric.is_global_zero:
+            return None
         return save_checkpoint(self.checkpoint_dir, self.iteration, self.state_dict(), keep=keep)
 
     def resume(self) -> None:
