@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlhfuse.generation import (
+    CostProfile,
     FixedThreshold,
     GenerationConfig,
     GenerationEngine,
@@ -115,6 +116,9 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
     assert rollout.prompt_index_B.tolist() == [p for p in range(100, 106) for _ in range(2)]
     metrics = greedy.rollout_metrics()
     assert metrics["generation/batch_size_p50"] > 0 and metrics["generation/tokens_per_s"] > 0
+    # migration=auto's simulator gets decode-step and prefill costs from vLLM's steps too
+    profile = CostProfile.fit([i.stats for i in greedy.instances])
+    assert profile is not None and profile.prefill_s_per_token > 0
 
 
 def test_weight_sync_reaches_the_engine(model, greedy):

@@ -173,6 +173,7 @@ class VLLMInstance:
         self.cache = KVBudget(slot_bytes=per_token * max_len, num_slots=max_num_seqs, max_len=max_len)
         self.running: dict[str, SampleRequest] = {}
         self.stats = EngineStats()
+        self._unprefilled = 0  # tokens submitted since the last step: the next step prefills them
         self.asleep = False
         self._next_id = 0
 
@@ -217,7 +218,7 @@ class VLLMInstance:
                 request_id, prompt_cls(prompt_token_ids=ids), self._sampling_params(request)
             )
             self.running[request_id] = request
-            self.stats.prefill_tokens += len(ids)
+            self._unprefilled += len(ids)
 
     def step(self) -> list[SampleRequest]:
         """One vLLM engine step; the samples that finished in it."""
@@ -238,7 +239,13 @@ class VLLMInstance:
                 finished.append(self.running.pop(out.request_id))
         end = time.perf_counter()
         self.stats.tokens += decoded
-        if decoded:
+        if self._unprefilled:
+            # vLLM times no prefill apart: a step that admits new requests counts as their prefill, and
+            # stays out of the decode-step fit (CostProfile) so that fit sees decode-only steps
+            self.stats.prefill_tokens += self._unprefilled
+            self.stats.prefill_seconds += end - start
+            self._unprefilled = 0
+        elif decoded:
             self.stats.batch_sizes.append(len(outputs))
             self.stats.step_times.append(end)
             self.stats.step_seconds.append(end - start)

@@ -44,6 +44,9 @@ def run(cfg: DictConfig) -> None:
             config.run_dir = HydraConfig.get().runtime.output_dir
         trainer = build_trainer(config, log=lambda msg: console.print(msg, highlight=False))
         history = trainer.fit()
+        close = getattr(trainer.generator, "close", None)
+        if callable(close):  # engines with process-wide state (vLLM) shut down before the process group
+            close()
         _shutdown_process_group()
     except USER_ERRORS as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
