@@ -19,32 +19,17 @@ tokens, long-tailed responses up to 48) with actor_pp = critic_pp = 2 and 4 micr
 
 from __future__ import annotations
 
-import datetime
-import os
 import statistics
 import sys
-import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks.two_ranks import SHAPES, init_worker, run_two_ranks
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer.advantages import AlgorithmConfig
 from rlhfuse.trainer.types import TrainBatch
-
-SHAPES = {
-    "default": dict(
-        hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32
-    ),
-    "wide256": dict(
-        hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=64
-    ),
-    "wide512": dict(
-        hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=64
-    ),
-}
 
 
 def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
@@ -73,14 +58,7 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     from rlhfuse.runtime.config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
     strategies = {}
     for name in ("serial_1f1b", "fused"):
@@ -123,18 +101,7 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
 
 
 def measure(shape: str, rounds: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = mp.start_processes(
-            _worker,
-            args=(2, os.path.join(tmp, "init"), shape, rounds, queue),
-            nprocs=2,
-            join=False,
-            start_method="spawn",
-        )
-        result = queue.get(timeout=900)
-        procs.join()
+    result = run_two_ranks(_worker, shape, rounds)
     rows = result["rows"]
     serial = [r["train/measured_makespan_s"] for r in rows["serial_1f1b"]]
     fused = [r["train/measured_makespan_s"] for r in rows["fused"]]

@@ -14,29 +14,17 @@ The outputs of the pipeline are checked against the single-process ones before t
 
 from __future__ import annotations
 
-import datetime
-import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from benchmarks.two_ranks import SHAPES, init_worker, run_two_ranks
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer.types import Rollout
-
-SHAPES = {
-    "default": dict(
-        hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32
-    ),
-    "wide256": dict(
-        hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=64
-    ),
-}
 
 
 def _rollout(samples: int, seed: int, vocab: int) -> Rollout:
@@ -70,14 +58,7 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
     from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
     torch.manual_seed(0)
     heads = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "value"}
@@ -127,15 +108,7 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
 
 
 def measure(shape: str, rounds: int) -> dict[str, float]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = mp.start_processes(
-            _worker, args=(2, os.path.join(tmp, "init"), shape, rounds, queue), nprocs=2, join=False,
-            start_method="spawn",
-        )  # fmt: skip
-        result: dict[str, float] = queue.get(timeout=900)
-        procs.join()
+    result: dict[str, float] = run_two_ranks(_worker, shape, rounds)
     return result
 
 
