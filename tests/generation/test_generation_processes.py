@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_generation_trainer import NEW_METRICS
 
 from rlhfuse.trainer import build_trainer, compose_config
 
@@ -19,13 +20,6 @@ pytestmark = pytest.mark.distributed
 
 # the smoke model rarely emits EOS: a few frequent word tokens as stop tokens give it long-tailed lengths
 JOB = ["experiment=smoke", "iterations=3", "generator.stop_token_ids=[10,20,30,40,50]"]
-NEW_METRICS = (
-    "migration/threshold",
-    "migration/samples_moved",
-    "migration/destinations",
-    "time/generation_inference",
-    "generation/batch_size_p50",
-)
 
 
 def _cli(tmp_path: Path, name: str, *overrides: str) -> tuple[str, list[dict[str, float]]]:
