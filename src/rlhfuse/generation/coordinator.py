@@ -10,10 +10,11 @@ an inference stage may use); `finished_order` says which instance finished each 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from rlhfuse.generation.engine import GenerationEngine, SampleRequest
+from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest
 from rlhfuse.generation.migration import pick_mechanism
 from rlhfuse.planner.migration import MigrationDecision, decide_migration, should_migrate
 
@@ -45,11 +46,49 @@ def balance(requests: Sequence[SampleRequest], instances: int) -> list[list[Samp
     return shares
 
 
+class KVCapacity(Protocol):
+    """What the migration decision reads of an instance's KV cache."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
+
+    def nbytes_per_slot(self) -> int: ...
+
+
+class Instance(Protocol):
+    """A generation instance as the coordinator drives it (`GenerationEngine`, `VLLMInstance`)."""
+
+    @property
+    def cache(self) -> KVCapacity: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def running(self) -> Mapping[Any, SampleRequest]: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+    def has_work(self) -> bool: ...
+
+    def add(self, requests: Iterable[SampleRequest]) -> None: ...
+
+    def step(self) -> list[SampleRequest]: ...
+
+    def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]: ...
+
+    def admit(self, samples: Sequence[MigratingSample]) -> None: ...
+
+
 @dataclass
 class Coordinator:
     """Drives `engines` over one batch; `threshold` = Rt (0 = no migration)."""
 
-    engines: Sequence[GenerationEngine]
+    engines: Sequence[Instance]
     bs_max: int
     mechanism: str = "auto"
     link_bytes_per_s: float = 1e9

@@ -390,7 +390,7 @@ class VLLMGenerator:
         return self.instances
 
     def close(self) -> None:
-        """Shut the vLLM engines down (the trainer calls this at the end of fit)."""
+        """Shut the vLLM engines down (`rlhfuse-train` calls this after `fit()`)."""
         for instance in self.instances:
             instance.close()
         self.instances = []
@@ -411,7 +411,7 @@ class VLLMGenerator:
         requests = requests_for(
             prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
         )
-        self.coordinator.engines = self._instances(len(requests))  # type: ignore[assignment]
+        self.coordinator.engines = self._instances(len(requests))
         released = False
         for index, sample in self.coordinator.run(requests, threshold=self.policy.threshold(len(requests))):
             yield index, sample
