@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.two_ranks import SHAPES, init_worker, run_two_ranks
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.types import TrainBatch
 
 
 def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
         batch = _batch(64, step, cfg.vocab_size)
         order = list(strategies) if step % 2 == 0 else list(reversed(strategies))
         for name in order:
-            stats = strategies[name].train_step(batch)
+            stats = strategies[name].train_step(batch).metrics()
             if step > 0:  # step 0 is each strategy's profiling step (serial 1F1B)
                 stats["replay_s"] = strategies[name].replay_makespan()
                 rows[name].append(stats)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
-from rlhfuse.trainer.types import PromptBatch
 
 EOS, PAD = 1, 0
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.two_ranks import SHAPES, init_worker, run_two_ranks
+from rlhfuse.core.types import Rollout
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.types import Rollout
 
 
 def _rollout(samples: int, seed: int, vocab: int) -> Rollout:
@@ -53,10 +53,11 @@ def _rollout(samples: int, seed: int, vocab: int) -> Rollout:
 
 
 def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
+    from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.runtime.inference import PipelineInferencer
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
-    from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
+    from rlhfuse.trainer.inferencer import ModelInferencer
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])

@@ -20,9 +20,10 @@ import time
 import torch
 from torch import Tensor
 
+from rlhfuse.core.sampling import GeneratorConfig, filter_logits
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.generator import GeneratorConfig, SamplingGenerator, filter_logits
-from rlhfuse.trainer.types import PromptBatch
+from rlhfuse.trainer.generator import SamplingGenerator
 
 EOS = 2
 

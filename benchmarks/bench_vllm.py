@@ -17,8 +17,8 @@ import time
 import torch
 
 from benchmarks.bench_generation import EOS, _ours, _theirs, hf_model, workload
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import SamplingParams, requests_for
-from rlhfuse.trainer.types import PromptBatch
 
 
 def _vllm(instance, prompts: PromptBatch, n: int, seed: int) -> tuple[float, int]:

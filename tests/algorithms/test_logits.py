@@ -78,7 +78,7 @@ def test_sliced_logits_are_not_copied_and_still_correct(monkeypatch):
     logits_BTV = full_logits_BTV[:, 3:-1]
     labels_BT = torch.randint(0, 13, (2, 5), generator=generator)
     seen_storage = []
-    import rlhfuse.ops as ops
+    import rlhfuse.algorithms.ops as ops
 
     real = ops.chosen_logprobs
 

@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 import torch
 
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.types import PromptBatch
 
 EOS, PAD, MAX_NEW = 2, 0, 16
 PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.95, stop_token_ids=(EOS, 6, 14))
@@ -132,7 +132,8 @@ def test_a_dying_instance_gives_a_clear_error_not_a_hang(tmp_path):
 
 
 def _inferencer():
-    from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.trainer.inferencer import ModelInferencer
 
     torch.manual_seed(7)
     config = _model().config

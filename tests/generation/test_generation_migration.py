@@ -5,6 +5,7 @@ the policy's threshold and the planner's destinations are applied; the freed ins
 import pytest
 import torch
 
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import (
     Coordinator,
     FixedThreshold,
@@ -17,7 +18,6 @@ from rlhfuse.generation import (
     resolve_threshold,
 )
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.types import PromptBatch
 
 EOS, PAD, MAX_NEW = 2, 0, 16
 

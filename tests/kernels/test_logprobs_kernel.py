@@ -81,7 +81,7 @@ def test_logprobs_from_logits_backend_triton_matches_torch():
 def test_import_rlhfuse_does_not_import_triton():
     # triton takes seconds to import and is absent on macOS/Windows: only a kernel call may import it.
     code = (
-        "import sys, torch, rlhfuse, rlhfuse.ops\n"
+        "import sys, torch, rlhfuse, rlhfuse.algorithms.ops\n"
         "from rlhfuse.algorithms import compute_gae, logprobs_from_logits\n"
         "compute_gae(torch.randn(2, 4), torch.randn(2, 4), torch.ones(2, 4), 0.9, 0.9)\n"
         "logprobs_from_logits(torch.randn(2, 4, 5), torch.zeros(2, 4, dtype=torch.long))\n"

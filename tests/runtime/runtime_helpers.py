@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline import Action, Problem, Schedule
 from rlhfuse.pipeline.simulate import all_actions, dependencies
-from rlhfuse.trainer.types import TrainBatch
 
 
 def random_schedule(problem: Problem, seed: int) -> Schedule:

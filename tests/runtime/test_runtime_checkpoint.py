@@ -15,9 +15,10 @@ import safetensors.torch
 import torch
 from runtime_helpers import run_distributed
 
+from rlhfuse.core.checkpoint import list_checkpoints, load_checkpoint
+from rlhfuse.core.errors import CheckpointError
 from rlhfuse.runtime.checkpoint import check_resume, load_sharded, save_sharded
 from rlhfuse.trainer import compose_config
-from rlhfuse.trainer.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
 LAYOUT = {"world_size": 2, "dp": 1, "microbatches": 2, "actor": {"pp": 2, "layers": [[0, 1], [1, 2]]}}
 
@@ -167,10 +168,10 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
     2 steps and resumed into fresh models, steps 3-4 equal an uninterrupted strategy's, bit for bit."""
     from runtime_helpers import random_batch
 
+    from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.runtime.config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
-    from rlhfuse.trainer.advantages import AlgorithmConfig
 
     def make() -> FusedPipelineStrategy:
         torch.manual_seed(0)
@@ -184,16 +185,16 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
 
     batches = [random_batch(size, seed=40 + i) for i, size in enumerate((16, 8, 16, 8))]
     straight = make()
-    want = [straight.train_step(b) for b in batches]
+    want = [straight.train_step(b).metrics() for b in batches]
     assert len({w["train/microbatches"] for w in want}) >= 2  # several counts, several plans
     first = make()
     for b in batches[:2]:
-        first.train_step(b)
+        first.train_step(b).metrics()
     path = first.save_checkpoint(root, 2, {"trainer": {"iteration": 2}})
     resumed = make()
     state = resumed.load_checkpoint(path)
     assert state["trainer"] == {"iteration": 2} and resumed.steps == 2
-    got = [resumed.train_step(b) for b in batches[2:]]
+    got = [resumed.train_step(b).metrics() for b in batches[2:]]
     for g, w in zip(got, want[2:], strict=True):
         for key in (
             "loss/policy",

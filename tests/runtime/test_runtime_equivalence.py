@@ -10,6 +10,7 @@ import pytest
 import torch
 from runtime_helpers import random_batch, random_schedule, run_distributed
 
+from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import greedy, serial_one_f_one_b
 from rlhfuse.runtime.balance import split_minibatch
@@ -17,7 +18,6 @@ from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
-from rlhfuse.trainer.advantages import AlgorithmConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -167,7 +167,7 @@ def _strategy_worker(rank: int, world: int) -> None:
         )
         for step in range(2):
             batch = random_batch(8, seed=11 + step)
-            got, want = fused.train_step(batch), plain.train_step(batch)
+            got, want = fused.train_step(batch).metrics(), plain.train_step(batch).metrics()
             for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "lr"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (schedule, step, key)
             assert got["train/measured_makespan_s"] > 0 and 0 <= got["train/bubble_ratio"] < 1
@@ -210,7 +210,7 @@ def _token_budget_worker(rank: int, world: int) -> None:
     for step, size in enumerate((16, 8, 16)):
         batch = random_batch(size, seed=21 + step)
         tokens = int(batch.attention_mask_BT.sum())
-        got, want = fused.train_step(batch), plain.train_step(batch)
+        got, want = fused.train_step(batch).metrics(), plain.train_step(batch).metrics()
         wanted = max(1, math.ceil(tokens / 24))
         expected = min(math.ceil(wanted / 2) * 2, size // 2 * 2)  # a multiple of the 2 critic replicas
         assert got["train/microbatches"] == expected, (step, tokens, got["train/microbatches"])

@@ -7,6 +7,8 @@ import pytest
 import torch
 from runtime_helpers import run_distributed
 
+from rlhfuse.core.inference import InferencerConfig
+from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline.ir import Kind, Schedule
@@ -21,8 +23,7 @@ from rlhfuse.runtime.inference import (
 )
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, check_program, lower
-from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
-from rlhfuse.trainer.types import Rollout
+from rlhfuse.trainer.inferencer import ModelInferencer
 
 MODELS = ("actor", "ref", "critic", "reward")
 

@@ -7,16 +7,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from rlhfuse.trainer.checkpoint import (
-    CheckpointError,
-    _sha256,
+from rlhfuse.core.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    sha256,
 )
+from rlhfuse.core.errors import CheckpointError
 
 
 def _state(value=1.0):
@@ -98,7 +98,7 @@ def test_tampered_state_file_is_an_error_not_code_execution(tmp_path):
         load_checkpoint(path)
     # even with meta.json rewritten to match, torch.load(weights_only=True) refuses the object
     meta = json.loads((path / "meta.json").read_text())
-    meta["sha256"]["state.pt"] = _sha256(path / "state.pt")
+    meta["sha256"]["state.pt"] = sha256(path / "state.pt")
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="not a plain tensor/number state file"):
         load_checkpoint(path)

@@ -12,11 +12,11 @@ from datetime import timedelta
 import pytest
 import torch
 
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.trainer import compose_config, validate
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.types import TrainBatch
 
 STEPS, MINI_BATCH = 3, 8  # three mini-batches: the second and third steps use AdamW's moments
 
@@ -67,7 +67,7 @@ def _strategy(actor, critic, reduction: str, group=None):
 def _train(reduction: str, group=None) -> tuple[dict[str, torch.Tensor], list[dict[str, float]]]:
     actor, critic = _models()
     strategy = _strategy(actor, critic, reduction, group)
-    stats = [strategy.train_step(_batch(seed)) for seed in range(STEPS)]
+    stats = [strategy.train_step(_batch(seed)).metrics() for seed in range(STEPS)]
     weights = {f"actor.{k}": v for k, v in actor.state_dict().items()}
     weights.update({f"critic.{k}": v for k, v in critic.state_dict().items()})
     return weights, stats
@@ -76,8 +76,8 @@ def _train(reduction: str, group=None) -> tuple[dict[str, torch.Tensor], list[di
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from rlhfuse.core.errors import NonFiniteError
     from rlhfuse.runtime.balance import karmarkar_karp, sample_costs
-    from rlhfuse.trainer.strategy import NonFiniteError
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -95,7 +95,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         bad.advantages_BR[karmarkar_karp(costs, 2)[1]] = float("nan")
         before = [p.clone() for p in actor.parameters()]
         try:
-            strategy.train_step(bad)
+            strategy.train_step(bad).metrics()
             result["nonfinite"] = "no error"
         except NonFiniteError as err:
             unchanged = all(torch.equal(p, q) for p, q in zip(actor.parameters(), before, strict=True))

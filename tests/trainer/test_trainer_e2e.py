@@ -11,8 +11,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from rlhfuse.core.checkpoint import list_checkpoints
 from rlhfuse.trainer import NonFiniteError, build_trainer, compose_config
-from rlhfuse.trainer.checkpoint import list_checkpoints
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "smoke_metrics.json"
 REQUIRED = [
@@ -184,8 +184,8 @@ def test_cli_overrides_and_config_errors(cache_dir, tmp_path):
 
 
 def test_missing_model_and_checkpoint_files_are_clear_errors(cache_dir, tmp_path):
+    from rlhfuse.core.errors import CheckpointError
     from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
-    from rlhfuse.trainer.checkpoint import CheckpointError
 
     sft = tmp_path / "sft"
     build_tokenizer().save(sft)  # a tokenizer but no weights

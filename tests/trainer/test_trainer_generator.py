@@ -4,9 +4,10 @@ EOS/stop tokens, top-k/top-p filtering."""
 import pytest
 import torch
 
+from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from
+from rlhfuse.core.types import PromptBatch
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.generator import GeneratorConfig, SamplingGenerator, filter_logits, sample_from
-from rlhfuse.trainer.types import PromptBatch
+from rlhfuse.trainer.generator import SamplingGenerator
 
 EOS, PAD = 2, 0
 

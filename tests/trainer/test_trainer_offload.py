@@ -4,12 +4,13 @@ ties kept), and unchanged inference outputs on CPU."""
 
 import torch
 
+from rlhfuse.core.inference import InferencerConfig
+from rlhfuse.core.protocols import SwapsWeights
+from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
+from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.offload import OffloadedModel
-from rlhfuse.trainer.protocols import SwapsWeights
-from rlhfuse.trainer.types import Rollout
 
 
 def _model(head: str = "lm", seed: int = 0) -> Transformer:

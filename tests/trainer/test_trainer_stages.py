@@ -6,12 +6,14 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
+from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
+from rlhfuse.core.inference import InferencerConfig
+from rlhfuse.core.optim import StrategyConfig, lr_lambda, micro_batches
+from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.advantages import AlgorithmConfig, compute_train_batch
-from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
-from rlhfuse.trainer.strategy import PlainStrategy, StrategyConfig, lr_lambda, micro_batches
-from rlhfuse.trainer.types import Rollout
+from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.strategy import PlainStrategy
 
 PAD = 0
 
@@ -116,9 +118,10 @@ def test_lr_schedule_warmup_then_decay():
 
 
 def test_shipped_components_satisfy_the_protocols(tmp_path):
-    from rlhfuse.trainer.generator import GeneratorConfig, SamplingGenerator
+    from rlhfuse.core.protocols import Generator, Inferencer, Logger, Strategy
+    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.trainer.generator import SamplingGenerator
     from rlhfuse.trainer.logging import JsonlLogger
-    from rlhfuse.trainer.protocols import Generator, Inferencer, Logger, Strategy
 
     actor = _models()[0]
     generator = SamplingGenerator(

@@ -461,7 +461,7 @@ def compute_gae(
     is installed and no input requires grad, `compute_gae_scan` otherwise; "numba", "scan" or "matrix"
     (`compute_gae_matrix`, the one-product-per-chunk form, with `chunk_size`) force one.
     """
-    from rlhfuse import ops  # deferred: ops imports this module for the reference
+    from rlhfuse.algorithms import ops  # deferred: ops imports this module for the reference
 
     method = method or "auto"
     if method not in _METHODS:

@@ -156,7 +156,7 @@ def logprobs_from_logits(
     at a time, and the backward pass recomputes softmax per chunk from the saved logits. Returns `logprobs_BT` in
     fp32. Dispatches through `rlhfuse.ops.chosen_logprobs` (Triton on CUDA, `chosen_logprobs_torch` elsewhere).
     """
-    from rlhfuse import ops  # deferred: ops imports this module for the reference
+    from rlhfuse.algorithms import ops  # deferred: ops imports this module for the reference
 
     *batch_shape, _ = logits_BTV.shape
     if labels_BT.shape != tuple(batch_shape):

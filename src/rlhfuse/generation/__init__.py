@@ -1,13 +1,8 @@
 """Generation engine and inter-stage fusion (DESIGN §2): continuous batching over engine-owned KV-cache
 slots with prefix sharing and per-sample RNG streams, several instances with long-tail migration (KV transfer
 or re-prefill) decided by `rlhfuse.planner`'s pure functions.
-
-Modules import only submodules of `rlhfuse.trainer` (never the package namespace): `rlhfuse.trainer.config`
-imports `rlhfuse.generation.config` while `rlhfuse.trainer` is still initialising, so the trainer package is
-imported first whichever of the two a program imports first.
 """
 
-import rlhfuse.trainer  # noqa: F401  (first: see above)
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance
 from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure, gather_finished

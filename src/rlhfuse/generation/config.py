@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhfuse.trainer.generator import GeneratorConfig
+from rlhfuse.core.sampling import GeneratorConfig
 
 
 @dataclass

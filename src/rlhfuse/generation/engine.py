@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rlhfuse.core.sampling import filter_logits, sample_from, sample_seed
+from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.models import KVCache, SlotState, Transformer
-from rlhfuse.trainer.generator import filter_logits, sample_from, sample_seed
-from rlhfuse.trainer.types import PromptBatch, Rollout
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse.core.protocols import Inferencer, SwapsWeights
+from rlhfuse.core.types import Experience
 from rlhfuse.generation.coordinator import MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure
 from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
-from rlhfuse.trainer.protocols import Inferencer, SwapsWeights
-from rlhfuse.trainer.types import Experience
 
 _META = 8  # row (-1 = end of stream), prompt_index, sample_index, group, seed, prompt len, tokens, stopped
 

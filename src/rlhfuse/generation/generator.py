@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse.core.protocols import Inferencer
+from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
@@ -31,8 +33,6 @@ from rlhfuse.generation.fusion import fused_generate_infer
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer
-from rlhfuse.trainer.protocols import Inferencer
-from rlhfuse.trainer.types import Experience, PromptBatch, Rollout
 
 
 class EngineGenerator:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse._optional import require
+from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport
 from rlhfuse.generation.engine import (
@@ -55,7 +56,6 @@ from rlhfuse.generation.generator import generation_metrics, observation, predic
 from rlhfuse.generation.migration import MigrationPolicy, NoMigration
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.models.checkpoint import hf_named_tensors
-from rlhfuse.trainer.types import PromptBatch, Rollout
 
 # vLLM's CPU attention backend (0.32) computes only these head sizes.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

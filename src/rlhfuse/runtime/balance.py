@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhfuse.trainer.types import TrainBatch
+from rlhfuse.core.types import TrainBatch
 
 
 def sample_costs(lengths: Sequence[int], attention_tokens: float = 1024.0) -> list[float]:

@@ -35,17 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse.core.checkpoint import fsync, latest_checkpoint, list_checkpoints, plain_weights, sha256
+from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
 from rlhfuse.runtime.config import launched_world_size
 from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout
-from rlhfuse.trainer.checkpoint import (
-    CheckpointError,
-    _fsync,
-    _plain_weights,
-    _sha256,
-    latest_checkpoint,
-    list_checkpoints,
-)
 
 KIND = "pipeline"
 FORMAT = 1
@@ -194,11 +188,11 @@ def save_sharded(
     try:
         shard = tmp / f"rank_{rank:05d}"
         shard.mkdir()
-        safetensors.torch.save_file(_plain_weights(weights, f"rank {rank} stage"), str(shard / WEIGHTS))
+        safetensors.torch.save_file(plain_weights(weights, f"rank {rank} stage"), str(shard / WEIGHTS))
         torch.save(dict(state), shard / STATE)
         for name in (WEIGHTS, STATE):
-            _fsync(shard / name)
-            hashes[f"{shard.name}/{name}"] = _sha256(shard / name)
+            fsync(shard / name)
+            hashes[f"{shard.name}/{name}"] = sha256(shard / name)
     except Exception as err:  # reported to every rank below
         error = f"{type(err).__name__}: {err}"
     parts: list[Any] = [None] * dist.get_world_size()
@@ -218,11 +212,11 @@ def save_sharded(
             meta = {"kind": KIND, "format": FORMAT, "iteration": iteration, "layout": dict(layout)}
             meta["sha256"] = dict(sorted(all_hashes.items()))
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            _fsync(tmp / "meta.json")
+            fsync(tmp / "meta.json")
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync(root)
+            fsync(root)
             if keep > 0:
                 for old in list_checkpoints(root)[:-keep]:
                     shutil.rmtree(old, ignore_errors=True)
@@ -254,7 +248,7 @@ def load_sharded(
             file = shard / name
             if not file.is_file():
                 raise CheckpointError(f"checkpoint file {file} is missing")
-            if expected.get(f"{shard.name}/{name}") != _sha256(file):
+            if expected.get(f"{shard.name}/{name}") != sha256(file):
                 raise CheckpointError(
                     f"checkpoint file {file} does not match its SHA-256 in meta.json (corrupt or tampered)"
                 )

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from rlhfuse.trainer.strategy import StrategyConfig
+from rlhfuse.core.optim import StrategyConfig
 
 PIPELINE_STRATEGIES = ("fused", "serial_1f1b")
 

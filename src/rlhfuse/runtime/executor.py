@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.losses import actor_loss, critic_loss
+from rlhfuse.core.stats import LossStats, scale_stats, sum_stats
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.losses import actor_loss, critic_loss
-from rlhfuse.trainer.types import TrainBatch
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
-LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, float]]]
-STAT_KEYS = ("loss/policy", "policy/clip_fraction", "policy/approx_kl", "policy/entropy", "loss/value")
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, LossStats]]
 
 
 class PipelineError(RuntimeError):
@@ -40,12 +41,12 @@ class PipelineError(RuntimeError):
 
 def ppo_losses(algorithm: AlgorithmConfig, temperature: float = 1.0) -> dict[str, LossFn]:
     """Last-stage losses: the Actor's PPO clipped loss (+ entropy bonus), the Critic's clipped value loss, on
-    the response positions of a micro-batch (`rlhfuse.trainer.losses`, the same functions as `PlainStrategy`)."""
+    the response positions of a micro-batch (`rlhfuse.core.losses`, the same functions as `PlainStrategy`)."""
 
-    def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+    def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, LossStats]:
         return actor_loss(logits_BTV, micro, algorithm, temperature)
 
-    def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+    def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, LossStats]:
         return critic_loss(values_BT, micro, algorithm)
 
     return {"actor": actor, "critic": critic}
@@ -85,7 +86,7 @@ class StepResult:
     """What one rank measured: summed statistics (all ranks agree), gradient norms, compute times per
     (model, stage, kind) and per (action, data-parallel group)."""
 
-    stats: dict[str, float]
+    stats: LossStats
     grad_norm: dict[str, float]
     seconds: float
     compute_seconds: float
@@ -194,7 +195,7 @@ class PipelineExecutor:
         outputs: dict[tuple[Action, int], Tensor] = {}
         sends: dict[str, list[tuple[Any, Tensor]]] = defaultdict(list)
         reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter], int]]] = defaultdict(list)
-        stat_sums: dict[str, float] = defaultdict(float)
+        stat_sums: list[LossStats] = []
         op_seconds: dict[tuple[str, int, str], list[float]] = defaultdict(list)
         action_seconds: dict[tuple[Action, int], float] = {}
         compute = 0.0
@@ -272,7 +273,7 @@ class PipelineExecutor:
         inbox: dict[Message, Tensor],
         inputs: dict[tuple[Action, int], Tensor],
         outputs: dict[tuple[Action, int], Tensor],
-        stat_sums: dict[str, float],
+        stat_sums: list[LossStats],
     ) -> None:
         a = ins.action
         assert a is not None
@@ -293,12 +294,9 @@ class PipelineExecutor:
                 loss, stats = self.losses[a.model](out, micro)
         if last:
             if not torch.isfinite(loss):
-                from rlhfuse.trainer.strategy import NonFiniteError
-
                 name = "loss/policy" if a.model == "actor" else f"loss/{a.model}"
                 raise NonFiniteError(f"{name} is {float(loss.detach())}")
-            for key, value in stats.items():
-                stat_sums[key] += value * weight
+            stat_sums.append(scale_stats(stats, weight))
             outputs[(a, ins.group)] = loss * weight
         else:
             outputs[(a, ins.group)] = out
@@ -371,8 +369,9 @@ class PipelineExecutor:
             dist.all_reduce(sq)
         return math.sqrt(float(sq))
 
-    def _all_stats(self, sums: Mapping[str, float]) -> dict[str, float]:
-        vec = torch.tensor([sums.get(k, 0.0) for k in STAT_KEYS], dtype=torch.float64)
+    def _all_stats(self, parts: Sequence[LossStats]) -> LossStats:
+        """The mini-batch's loss statistics: this rank's weighted micro-batch statistics summed over all ranks."""
+        vec = torch.tensor(sum_stats(parts) if parts else LossStats(), dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(vec)
-        return dict(zip(STAT_KEYS, vec.tolist(), strict=True))
+        return LossStats(*vec.tolist())

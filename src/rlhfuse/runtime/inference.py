@@ -26,6 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlhfuse.core.inference import (
+    InferencerConfig,
+    final_scores,
+    logprobs_from_output,
+    scores_from_output,
+    values_from_output,
+)
+from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
@@ -33,15 +42,6 @@ from rlhfuse.pipeline.problem import Problem, make_problem
 from rlhfuse.runtime.executor import PipelineError, wait_for
 from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Instr, Message, Program, lower_checked
-from rlhfuse.trainer.inferencer import (
-    InferencerConfig,
-    final_scores,
-    logprobs_from_output,
-    scores_from_output,
-    values_from_output,
-)
-from rlhfuse.trainer.registry import RewardFn
-from rlhfuse.trainer.types import Experience, Rollout
 
 # inference model -> the training model whose layout (stages, replicas, placement) it uses
 PLACED_AS = {"actor": "actor", "ref": "actor", "critic": "critic", "reward": "critic"}
@@ -335,7 +335,7 @@ class PipelineInferencer:
         rollout = box[0]
         assert isinstance(rollout, Rollout)
         device = next(iter(self.stages.values())).parameters().__next__().device
-        local = Rollout(**{k: v.to(device) for k, v in vars(rollout).items()})
+        local = rollout.to(device)
         n, r = len(local), local.response_ids_BR.shape[1]
         dp = self.layout.dp
         m = self.microbatches(n)

@@ -24,6 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.optim import build_optimizer
+from rlhfuse.core.stats import PipelineStats, TrainStats
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
 from rlhfuse.pipeline.ir import Schedule
@@ -35,9 +40,6 @@ from rlhfuse.runtime.executor import PipelineExecutor, StepResult, StepWork, ppo
 from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import Program, lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.strategy import NonFiniteError, build_optimizer
-from rlhfuse.trainer.types import TrainBatch
 
 SCHEDULES = ("fused", "serial_1f1b")
 
@@ -109,7 +111,7 @@ class FusedPipelineStrategy:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
 
     # --- Strategy protocol ---------------------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> TrainStats:
         batch = self._broadcast_batch(batch)
         if self.micro_batch_tokens > 0:
             lengths = batch.attention_mask_BT.sum(dim=1).tolist()
@@ -125,7 +127,7 @@ class FusedPipelineStrategy:
         micro_skew = microbatch_imbalance(micro)
         device = next(iter(self.stages.values())).parameters().__next__().device
         if device.type != "cpu":
-            micro = [[TrainBatch(**{k: v.to(device) for k, v in vars(m).items()}) for m in g] for g in micro]
+            micro = [[m.to(device) for m in g] for g in micro]
         for module in self.stages.values():
             module.train()
         executor = PipelineExecutor(
@@ -153,18 +155,20 @@ class FusedPipelineStrategy:
             self._plan(result)
             predicted = self.predicted_serial_s
         self.steps += 1
-        return {
-            **result.stats,
-            "actor/grad_norm": result.grad_norm["actor"],
-            "critic/grad_norm": result.grad_norm["critic"],
-            "lr": float(self.scheds["actor"].get_last_lr()[0]),
-            "train/predicted_makespan_s": predicted,
-            "train/measured_makespan_s": measured,
-            "train/bubble_ratio": bubble,
-            "train/dp_imbalance": skew,
-            "train/microbatches": float(self.micro),
-            "train/microbatch_imbalance": micro_skew,
-        }
+        return TrainStats(
+            loss=result.stats,
+            actor_grad_norm=result.grad_norm["actor"],
+            critic_grad_norm=result.grad_norm["critic"],
+            lr=float(self.scheds["actor"].get_last_lr()[0]),
+            pipeline=PipelineStats(
+                predicted_makespan_s=predicted,
+                measured_makespan_s=measured,
+                bubble_ratio=bubble,
+                dp_imbalance=skew,
+                microbatches=float(self.micro),
+                microbatch_imbalance=micro_skew,
+            ),
+        )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """The Actor's full weights on every rank (each stage broadcast from its first owner). The Critic is

@@ -7,17 +7,21 @@ Typical use from a script::
     build_trainer(cfg, run_dir="runs/smoke").fit()
 """
 
-from rlhfuse.trainer.advantages import AlgorithmConfig, compute_train_batch
+from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
+from rlhfuse.core.checkpoint import CheckpointConfig, load_checkpoint, save_checkpoint
+from rlhfuse.core.errors import CheckpointError, NonFiniteError
+from rlhfuse.core.inference import InferencerConfig
+from rlhfuse.core.optim import StrategyConfig
+from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
+from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.checkpoint import CheckpointConfig, CheckpointError, load_checkpoint, save_checkpoint
 from rlhfuse.trainer.config import RLHFConfig, validate
-from rlhfuse.trainer.generator import GeneratorConfig, SamplingGenerator
+from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.hydra import compose_config, to_config
-from rlhfuse.trainer.inferencer import InferencerConfig, ModelInferencer
-from rlhfuse.trainer.protocols import Callback, Generator, Inferencer, Logger, Strategy
-from rlhfuse.trainer.strategy import NonFiniteError, PlainStrategy, StrategyConfig
+from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
-from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
 
 __all__ = [
     "AlgorithmConfig",

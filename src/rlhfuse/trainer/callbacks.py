@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, save_pretrained
-from rlhfuse.trainer.registry import RewardFn
-from rlhfuse.trainer.types import Experience
 
 
 class TaskScore:

@@ -17,12 +17,11 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from rlhfuse._resources import conf_dir
+from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.data.prompts import DatasetError
 from rlhfuse.models import CheckpointError as ModelCheckpointError
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.checkpoint import CheckpointError
 from rlhfuse.trainer.hydra import register_schema, to_config
-from rlhfuse.trainer.strategy import NonFiniteError
 
 USER_ERRORS = (
     ValueError,

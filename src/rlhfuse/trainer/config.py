@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.checkpoint import CheckpointConfig
+from rlhfuse.core.inference import InferencerConfig
+from rlhfuse.core.registry import Registry
 from rlhfuse.data.config import TRUNCATE_MODES, DataConfig
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.runtime.config import (
@@ -22,12 +26,9 @@ from rlhfuse.runtime.config import (
     launched_world_size,
     validate_runtime,
 )
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.checkpoint import CheckpointConfig
-from rlhfuse.trainer.inferencer import InferencerConfig
 from rlhfuse.trainer.logging import BACKENDS, LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig
-from rlhfuse.trainer.registry import REWARD_FUNCTIONS, Registry
+from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 REDUCTIONS = ("token", "sequence")

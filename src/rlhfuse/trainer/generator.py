@@ -8,64 +8,14 @@ depend on which other samples share its batch, nor on the batch size or order.
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
+from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.models import KVCache, Transformer
-from rlhfuse.trainer.types import PromptBatch, Rollout
-
-
-@dataclass
-class GeneratorConfig:
-    # Registered generator name: sampling (single process, batched, KV cache).
-    name: str = "sampling"
-    # Longest response, in tokens (EOS included).
-    max_new_tokens: int = 48
-    # Softmax temperature; 0 = greedy.
-    temperature: float = 1.0
-    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 = off).
-    top_p: float = 1.0
-    # Keep only the top_k most likely tokens (0 = off).
-    top_k: int = 0
-    # Tokens that end a response besides the tokenizer's EOS.
-    stop_token_ids: list[int] = field(default_factory=list)
-    # Most samples decoded together (0 = all samples of the iteration at once); each chunk is yielded when done.
-    max_batch_size: int = 0
-
-
-def sample_seed(run_seed: int, iteration: int, prompt_id: int, sample_index: int) -> int:
-    """A well-mixed 63-bit seed for one sample's random stream."""
-    digest = hashlib.blake2b(f"{run_seed}/{iteration}/{prompt_id}/{sample_index}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1
-
-
-def filter_logits(logits_BV: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """Probabilities after temperature, top-k and top-p filtering (rows sum to 1), in float64."""
-    logits_BV = logits_BV.double() / temperature
-    if 0 < top_k < logits_BV.shape[-1]:
-        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
-    probs_BV = torch.softmax(logits_BV, dim=-1)
-    if top_p < 1.0:
-        sorted_BV, order_BV = torch.sort(probs_BV, dim=-1, descending=True)
-        # Drop a token when the tokens strictly more likely than it already reach top_p.
-        drop_sorted_BV = (torch.cumsum(sorted_BV, dim=-1) - sorted_BV) >= top_p
-        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-        probs_BV = probs_BV.masked_fill(drop_BV, 0.0)
-        probs_BV = probs_BV / probs_BV.sum(dim=-1, keepdim=True)
-    return probs_BV
-
-
-def sample_from(probs_BV: Tensor, uniforms_B: Tensor) -> Tensor:
-    """Inverse-CDF sampling: the first token whose cumulative probability exceeds the row's uniform."""
-    cdf_BV = torch.cumsum(probs_BV, dim=-1)
-    u_B1 = (uniforms_B.double() * cdf_BV[:, -1]).unsqueeze(1)
-    index_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
-    return index_B.clamp_(max=probs_BV.shape[-1] - 1)
 
 
 class SamplingGenerator:

@@ -9,112 +9,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from rlhfuse.algorithms import logprobs_from_logits
+from rlhfuse.core.inference import (
+    InferencerConfig,
+    final_scores,
+    response_logprobs,
+    response_values,
+    rule_scores,
+    sequence_scores,
+)
+from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
 from rlhfuse.trainer.offload import OffloadedModel
-from rlhfuse.trainer.registry import RewardFn
-from rlhfuse.trainer.types import Experience, Rollout
-
-
-@dataclass
-class InferencerConfig:
-    # Registered inferencer name: models (Actor, Ref, Reward, Critic forward passes in this process).
-    name: str = "models"
-    # Samples per forward pass (0 = all samples of the iteration at once; under pipeline=fused / serial_1f1b,
-    # samples per pipeline micro-batch, 0 = the training layout's micro-batch count).
-    micro_batch_size: int = 0
-    # Score samples with the reward model (model.reward_path or the warm-started one).
-    use_reward_model: bool = True
-    # Rule-based reward added to (or replacing) the reward model: a registered name (topic_fraction,
-    # length_penalty) or your own 'package.module:function' taking (prompts, responses) -> list of floats.
-    reward_fn: str | None = None
-    # Weight of the rule-based reward in the score.
-    reward_fn_weight: float = 1.0
-    # Score given to responses cut at generator.max_new_tokens without EOS (null = score them like the others).
-    # A reward model trained on finished responses reads garbage at a non-EOS last token, which a policy learns
-    # to exploit by never stopping; like TRL's missing_eos_penalty, but a fixed score cannot be out-bid.
-    truncated_score: float | None = -5.0
-    # Keep the Ref and Reward weights in host memory between inference stages and swap them onto the device for
-    # inference, prefetched when the generation tail starts (rlhfuse.trainer.offload). A no-op on CPU.
-    offload_frozen: bool = False
-
-
-def logprobs_from_output(logits_BTV: Tensor, rollout: Rollout, temperature: float) -> Tensor:
-    """Log-probs [B, R] of the response tokens from a language model's logits [B, T, V] (float32)."""
-    prompt_len = rollout.prompt_ids_BP.shape[1]
-    logits_BRV = logits_BTV[:, prompt_len - 1 : -1].float()
-    return logprobs_from_logits(logits_BRV, rollout.response_ids_BR, temperature=temperature)
-
-
-def values_from_output(values_BT: Tensor, rollout: Rollout) -> Tensor:
-    """Critic values [B, R] from a value model's output [B, T]: V of the state before each response token."""
-    prompt_len = rollout.prompt_ids_BP.shape[1]
-    return values_BT[:, prompt_len - 1 : -1].float()
-
-
-def scores_from_output(values_BT: Tensor, rollout: Rollout) -> Tensor:
-    """Reward-model score [B] read at each sample's last valid token of a value model's output [B, T]."""
-    last_B = rollout.prompt_ids_BP.shape[1] + rollout.response_lengths_B - 1
-    return values_BT[torch.arange(len(rollout), device=values_BT.device), last_B].float()
-
-
-def response_logprobs(model: Transformer, rollout: Rollout, temperature: float) -> Tensor:
-    """Log-probs [B, R] of the response tokens under `model` (float32)."""
-    logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
-    return logprobs_from_output(logits_BTV, rollout, temperature)
-
-
-def response_values(critic: Transformer, rollout: Rollout) -> Tensor:
-    """Critic values [B, R]: V of the state before each response token (float32)."""
-    values_BT = critic(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
-    return values_from_output(values_BT, rollout)
-
-
-def sequence_scores(reward_model: Transformer, rollout: Rollout) -> Tensor:
-    """Reward-model score [B] read at each sample's last valid token."""
-    values_BT = reward_model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
-    return scores_from_output(values_BT, rollout)
-
-
-def rule_scores(reward_fn: RewardFn, tokenizer: Tokenizer, rollout: Rollout) -> Tensor:
-    """The rule-based reward [B] of each sample (float32), from the decoded prompt and response."""
-    prompts = [tokenizer.decode(ids.tolist()) for ids in rollout.prompt_ids_BP.cpu()]
-    responses = [
-        tokenizer.decode(ids[: int(n)].tolist())
-        for ids, n in zip(rollout.response_ids_BR.cpu(), rollout.response_lengths_B.cpu())
-    ]
-    scores = reward_fn(prompts, responses)
-    if len(scores) != len(rollout):
-        raise ValueError(f"reward function returned {len(scores)} scores for {len(rollout)} samples")
-    return torch.tensor([float(s) for s in scores], dtype=torch.float32)
-
-
-def final_scores(
-    config: InferencerConfig,
-    rollout: Rollout,
-    model_scores_B: Tensor | None,
-    reward_fn: RewardFn | None,
-    tokenizer: Tokenizer,
-) -> Tensor:
-    """The sequence score [B]: reward-model score (if any) + weighted rule reward (if any), with
-    `config.truncated_score` for responses cut without EOS."""
-    device = rollout.finished_B.device
-    scores_B = torch.zeros(len(rollout), device=device)
-    if model_scores_B is not None:
-        scores_B = scores_B + model_scores_B.to(device)
-    if reward_fn is not None:
-        scores_B = scores_B + config.reward_fn_weight * rule_scores(reward_fn, tokenizer, rollout).to(device)
-    if config.truncated_score is not None:
-        scores_B = torch.where(
-            rollout.finished_B, scores_B, torch.full_like(scores_B, config.truncated_score)
-        )
-    return scores_B
 
 
 class ModelInferencer:
@@ -175,7 +86,7 @@ class ModelInferencer:
         training = self.actor.training, self.critic.training
         self.actor.eval(), self.critic.eval()
         device = next(self.actor.parameters()).device
-        rollout = Rollout(**{k: v.to(device) for k, v in vars(rollout).items()})
+        rollout = rollout.to(device)
         for model in self.offloaded:
             model.acquire()
         with self.autocast():

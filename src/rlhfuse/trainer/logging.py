@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlhfuse.trainer.protocols import Logger
+from rlhfuse.core.protocols import Logger
 
 BACKENDS = ("jsonl", "csv", "tensorboard", "wandb")
 

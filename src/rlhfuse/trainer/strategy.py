@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,82 +23,14 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch import Tensor
 
+from rlhfuse.core import losses
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.optim import StrategyConfig, build_optimizer, micro_batches
+from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
-from rlhfuse.trainer import losses
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.types import TrainBatch
-
-
-class NonFiniteError(FloatingPointError):
-    """A loss or gradient norm became NaN/inf; raised before the optimizer step, so weights stay finite."""
-
-
-@dataclass
-class StrategyConfig:
-    # Registered strategy name: plain (single process, Actor then Critic, no pipeline).
-    name: str = "plain"
-    # Peak learning rates (AdamW).
-    actor_lr: float = 5e-4
-    critic_lr: float = 5e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    # Linear warmup from 0 over this many optimizer steps, then the schedule: constant | linear | cosine.
-    warmup_steps: int = 4
-    lr_schedule: str = "cosine"
-    # Floor of the linear/cosine decay, as a fraction of the peak LR.
-    min_lr_ratio: float = 0.1
-    # Clip each model's gradient norm to this value (0 = off).
-    grad_clip: float = 1.0
-    # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed.
-    precision: str = "auto"
-
-
-def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return min_ratio + (1.0 - min_ratio) * decay
-
-
-def build_optimizer(
-    params: Any, lr: float, config: StrategyConfig, total_steps: int
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `params` at peak `lr`, with the config's warmup + decay schedule over `total_steps`."""
-    optim = torch.optim.AdamW(
-        params, lr=lr, betas=(config.betas[0], config.betas[1]), weight_decay=config.weight_decay
-    )
-
-    def schedule(step: int) -> float:
-        return lr_lambda(
-            step,
-            warmup=config.warmup_steps,
-            total=total_steps,
-            schedule=config.lr_schedule,
-            min_ratio=config.min_lr_ratio,
-        )
-
-    return optim, torch.optim.lr_scheduler.LambdaLR(optim, schedule)
-
-
-def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
-    """Split a mini-batch by sample count, or greedily pack consecutive samples up to a token budget."""
-    if tokens <= 0:
-        return [
-            batch.select(torch.arange(s, min(s + samples, len(batch)))) for s in range(0, len(batch), samples)
-        ]
-    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    groups: list[list[int]] = [[]]
-    used = 0
-    for i, n in enumerate(lengths):
-        if groups[-1] and used + n > tokens:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += n
-    return [batch.select(torch.tensor(g)) for g in groups]
+from rlhfuse.runtime.balance import karmarkar_karp, sample_costs
 
 
 class PlainStrategy:
@@ -134,10 +65,10 @@ class PlainStrategy:
     def actor_weights(self) -> Mapping[str, Tensor]:
         return self.actor.state_dict()
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> TrainStats:
         self.actor.train(), self.critic.train()
         total_tokens = float(batch.response_mask_BR.sum().clamp(min=1))
-        sums: dict[str, float] = {}
+        parts: list[LossStats] = []
         failure: str | None = None
         for micro in micro_batches(
             self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
@@ -146,8 +77,8 @@ class PlainStrategy:
             stats, failure = self._micro_step(micro, weight)
             if failure is not None:
                 break
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value * weight
+            parts.append(scale_stats(stats, weight))
+        sums = sum_stats(parts) if parts else LossStats()
         if self.group is not None:
             # every rank learns of a non-finite loss on any rank here, so all raise together (none waits)
             sums, failure = self._all_reduce(sums, failure)
@@ -156,23 +87,19 @@ class PlainStrategy:
             self.critic_optim.zero_grad(set_to_none=True)
             raise NonFiniteError(failure)
         # Both norms are checked before either model steps: a NaN never reaches the weights.
-        stats = {
-            "actor/grad_norm": self._clip(self.actor, self.actor_optim, "actor/grad_norm"),
-            "critic/grad_norm": self._clip(self.critic, self.critic_optim, "critic/grad_norm"),
-        }
+        actor_norm = self._clip(self.actor, self.actor_optim, "actor/grad_norm")
+        critic_norm = self._clip(self.critic, self.critic_optim, "critic/grad_norm")
         for optim, sched in ((self.actor_optim, self.actor_sched), (self.critic_optim, self.critic_sched)):
             optim.step()
             sched.step()
             optim.zero_grad(set_to_none=True)
-        return {**sums, **stats, "lr": float(self.actor_sched.get_last_lr()[0])}
+        return TrainStats(sums, actor_norm, critic_norm, float(self.actor_sched.get_last_lr()[0]))
 
     def share(self, batch: TrainBatch) -> TrainBatch:
         """This rank's samples of the mini-batch: parts of near-equal cost (tokens + attention), the same
         partition on every rank; the whole batch in a single process."""
         if self.group is None:
             return batch
-        from rlhfuse.runtime.balance import karmarkar_karp, sample_costs  # (runtime imports this module)
-
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if len(batch) < world:
             raise ValueError(
@@ -182,7 +109,7 @@ class PlainStrategy:
         costs = sample_costs(batch.attention_mask_BT.sum(dim=1).tolist())
         return batch.select(torch.tensor(karmarkar_karp(costs, world)[rank]))
 
-    def _all_reduce(self, sums: dict[str, float], failure: str | None) -> tuple[dict[str, float], str | None]:
+    def _all_reduce(self, sums: LossStats, failure: str | None) -> tuple[LossStats, str | None]:
         """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch);
         first agree on whether any rank saw a non-finite loss (then nothing else is exchanged)."""
         failed = torch.tensor([float(failure is not None)], dtype=torch.float64)
@@ -200,10 +127,9 @@ class PlainStrategy:
             for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
                 assert p.grad is not None
                 p.grad.copy_(chunk.view_as(p))
-        keys = sorted(sums)  # every rank ran >= 1 micro-batch, hence the same keys
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        values = torch.tensor(sums, dtype=torch.float64)
         dist.all_reduce(values, group=self.group)
-        return dict(zip(keys, values.tolist(), strict=True)), None
+        return LossStats(*values.tolist()), None
 
     def _weight(self, micro: TrainBatch, batch: TrainBatch, total_tokens: float) -> float:
         # Token-mean losses over the whole mini-batch: weight each micro-batch by its share of response tokens.
@@ -211,10 +137,10 @@ class PlainStrategy:
             return float(micro.response_mask_BR.sum()) / total_tokens
         return len(micro) / len(batch)
 
-    def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[dict[str, float], str | None]:
+    def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[LossStats, str | None]:
         """Forward and backward of one micro-batch: its statistics, or the non-finite loss (no backward)."""
         device = next(self.actor.parameters()).device
-        micro = TrainBatch(**{k: v.to(device) for k, v in vars(micro).items()})
+        micro = micro.to(device)
         with self.fabric.autocast():
             logits_BTV = self.actor(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
             values_BT = self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
@@ -222,10 +148,10 @@ class PlainStrategy:
         critic_loss, critic_stats = losses.critic_loss(values_BT, micro, self.algorithm)
         for name, value in (("loss/policy", policy_loss), ("loss/value", critic_loss)):
             if not torch.isfinite(value):
-                return {}, f"{name} is {float(value.detach())}"
+                return LossStats(), f"{name} is {float(value.detach())}"
         self.fabric.backward(policy_loss * weight)
         self.fabric.backward(critic_loss * weight)
-        return {**policy_stats, **critic_stats}, None
+        return sum_stats([policy_stats, critic_stats]), None
 
     def _clip(self, model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")

@@ -17,18 +17,16 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
-from rlhfuse.data.prompts import Prompt, PromptLoader
-from rlhfuse.trainer.advantages import compute_train_batch
-from rlhfuse.trainer.checkpoint import (
+from rlhfuse.core.advantages import compute_train_batch
+from rlhfuse.core.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from rlhfuse.trainer.config import RLHFConfig
-from rlhfuse.trainer.logging import JsonlLogger
-from rlhfuse.trainer.protocols import (
+from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.protocols import (
     Generator,
     Inferencer,
     Logger,
@@ -36,8 +34,11 @@ from rlhfuse.trainer.protocols import (
     Strategy,
     SwapsWeights,
 )
-from rlhfuse.trainer.strategy import NonFiniteError
-from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
+from rlhfuse.core.stats import TrainStats, mean_stats
+from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
+from rlhfuse.data.prompts import Prompt, PromptLoader
+from rlhfuse.trainer.config import RLHFConfig
+from rlhfuse.trainer.logging import JsonlLogger
 
 
 def collate_prompts(prompts: Sequence[Prompt], pad_id: int) -> PromptBatch:
@@ -141,7 +142,7 @@ class RLHFTrainer:
         metrics = {
             "iteration": it,
             **stats,
-            **train_stats,
+            **train_stats.metrics(),
             **self._rollout_metrics(experience, timings),
             **metrics,
         }
@@ -187,10 +188,9 @@ class RLHFTrainer:
             timings.update(report())
         return cat_experience(parts, self.pad_token_id), timings
 
-    def train(self, batch: TrainBatch, iteration: int) -> dict[str, float]:
+    def train(self, batch: TrainBatch, iteration: int) -> TrainStats:
         size = self.config.data.mini_batch_size
-        sums: dict[str, float] = {}
-        steps = 0
+        steps: list[TrainStats] = []
         for epoch in range(self.config.algorithm.ppo_epochs):
             # Shuffle seeded by (seed, iteration, epoch): no RNG state to carry across a resume.
             rng = torch.Generator().manual_seed((self.config.seed * 1_000_003 + iteration) * 101 + epoch)
@@ -204,10 +204,8 @@ class RLHFTrainer:
                         "(no checkpoint written for this iteration). Lower pipeline.actor_lr/critic_lr, "
                         "check the reward scale, or resume from the last checkpoint"
                     ) from None
-                for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                steps += 1
-        return {key: value / steps for key, value in sums.items()}
+                steps.append(stats)
+        return mean_stats(steps)
 
     # ---------------------------------------------------------------- metrics
     def _rollout_metrics(self, experience: Experience, timings: dict[str, float]) -> dict[str, float]:

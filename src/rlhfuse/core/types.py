@@ -15,10 +15,36 @@ predicts response token r.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+_D = TypeVar("_D")
+
+
+class ModelRole(str, enum.Enum):
+    """The four models of RLHF. A `str` enum: `ModelRole.ACTOR == "actor"`, so it keys configs, checkpoint
+    files and metric names with the same spelling as before."""
+
+    ACTOR = "actor"
+    REF = "ref"
+    CRITIC = "critic"
+    REWARD = "reward"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _tensors_to(obj: _D, device: torch.device | str) -> _D:
+    """A copy of the stage dataclass `obj` with every tensor field (and nested stage data) on `device`."""
+    changes = {}
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        changes[f.name] = value.to(device)
+    return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
 
 
 def _cat_right_padded(tensors: list[Tensor], pad: float | int) -> Tensor:
@@ -43,6 +69,10 @@ class PromptBatch:
     attention_mask_BP: Tensor
     prompt_ids_B: Tensor
 
+    def to(self, device: torch.device | str) -> PromptBatch:
+        """This PromptBatch with every tensor on `device`."""
+        return _tensors_to(self, device)
+
     def __len__(self) -> int:
         return int(self.input_ids_BP.shape[0])
 
@@ -64,6 +94,10 @@ class Rollout:
     prompt_index_B: Tensor
     sample_index_B: Tensor
     finished_B: Tensor
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """This Rollout with every tensor on `device`."""
+        return _tensors_to(self, device)
 
     def __len__(self) -> int:
         return int(self.response_ids_BR.shape[0])
@@ -112,6 +146,10 @@ class Experience:
     values_BR: Tensor
     scores_B: Tensor
 
+    def to(self, device: torch.device | str) -> Experience:
+        """This Experience with every tensor on `device`."""
+        return _tensors_to(self, device)
+
     def __len__(self) -> int:
         return len(self.rollout)
 
@@ -132,6 +170,10 @@ class TrainBatch:
     old_values_BR: Tensor
     advantages_BR: Tensor
     returns_BR: Tensor
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """This TrainBatch with every tensor on `device`."""
+        return _tensors_to(self, device)
 
     def __len__(self) -> int:
         return int(self.input_ids_BT.shape[0])

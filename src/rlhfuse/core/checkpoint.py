@@ -27,12 +27,10 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from rlhfuse.core.errors import CheckpointError
+
 FORMAT = 1
 MODEL_KEYS = ("actor", "critic")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, tampered with or unreadable."""
 
 
 @dataclass
@@ -64,7 +62,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -72,7 +70,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -80,7 +78,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _plain_weights(state: Mapping[str, Tensor], name: str) -> dict[str, Tensor]:
+def plain_weights(state: Mapping[str, Tensor], name: str) -> dict[str, Tensor]:
     weights = {}
     for key, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -102,17 +100,17 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         for key in MODEL_KEYS:
-            safetensors.torch.save_file(_plain_weights(state[key], key), str(tmp / f"{key}.safetensors"))
+            safetensors.torch.save_file(plain_weights(state[key], key), str(tmp / f"{key}.safetensors"))
         torch.save({k: v for k, v in state.items() if k not in MODEL_KEYS}, tmp / "state.pt")
         files = sorted(p.name for p in tmp.iterdir())
-        meta = {"format": FORMAT, "iteration": iteration, "sha256": {f: _sha256(tmp / f) for f in files}}
+        meta = {"format": FORMAT, "iteration": iteration, "sha256": {f: sha256(tmp / f) for f in files}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for path in tmp.iterdir():
-            _fsync(path)
+            fsync(path)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync(root)
+        fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -162,7 +160,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
-        if expected.get(name) != _sha256(file):
+        if expected.get(name) != sha256(file):
             raise CheckpointError(
                 f"checkpoint file {file} does not match its SHA-256 in meta.json (corrupt or tampered)"
             )

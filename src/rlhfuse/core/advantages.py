@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhfuse.algorithms import compute_gae, kl_estimate, kl_penalty_rewards, masked_mean, whiten
-from rlhfuse.trainer.types import Experience, TrainBatch
+from rlhfuse.core.types import Experience, TrainBatch
 
 
 @dataclass

@@ -19,8 +19,9 @@ from rlhfuse.algorithms import (
     ppo_policy_loss,
     value_loss,
 )
-from rlhfuse.trainer.advantages import AlgorithmConfig
-from rlhfuse.trainer.types import TrainBatch
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.stats import LossStats
+from rlhfuse.core.types import TrainBatch
 
 
 def response_outputs(out_BT_: Tensor, micro: TrainBatch) -> Tensor:
@@ -32,7 +33,7 @@ def response_outputs(out_BT_: Tensor, micro: TrainBatch) -> Tensor:
 
 def actor_loss(
     logits_BTV: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig, temperature: float = 1.0
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, LossStats]:
     """PPO clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`) and its statistics."""
     logits_BRV = response_outputs(logits_BTV, micro)
     response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
@@ -52,17 +53,15 @@ def actor_loss(
         loss = loss - algorithm.entropy_coef * masked_mean(
             entropy_from_logits(logits_BRV), micro.response_mask_BR
         )
-    return loss, {
-        "loss/policy": float(loss.detach()),
-        "policy/clip_fraction": float(pstats.clip_fraction),
-        "policy/approx_kl": float(pstats.approx_kl),
-        "policy/entropy": float(entropy),
-    }
+    return loss, LossStats(
+        policy_loss=float(loss.detach()),
+        clip_fraction=float(pstats.clip_fraction),
+        approx_kl=float(pstats.approx_kl),
+        entropy=float(entropy),
+    )
 
 
-def critic_loss(
-    values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig
-) -> tuple[Tensor, dict[str, float]]:
+def critic_loss(values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig) -> tuple[Tensor, LossStats]:
     """Clipped value loss on the response positions."""
     loss, _ = value_loss(
         response_outputs(values_BT, micro),
@@ -72,4 +71,4 @@ def critic_loss(
         clip_eps=algorithm.value_clip_eps,
         reduction=algorithm.loss_reduction,
     )
-    return loss, {"loss/value": float(loss.detach())}
+    return loss, LossStats(value_loss=float(loss.detach()))

@@ -13,7 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from rlhfuse.trainer.types import Experience, PromptBatch, Rollout, TrainBatch
+from rlhfuse.core.stats import TrainStats
+from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 
 
 @runtime_checkable
@@ -41,8 +42,8 @@ class Inferencer(Protocol):
 class Strategy(Protocol):
     """Training stage: owns the Actor and the Critic, their optimizers and LR schedules, and their update step."""
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of the Actor and the Critic on one mini-batch; returns scalar statistics."""
+    def train_step(self, batch: TrainBatch) -> TrainStats:
+        """One optimizer step of the Actor and the Critic on one mini-batch; returns its statistics."""
         ...
 
     def actor_weights(self) -> Mapping[str, Tensor]:

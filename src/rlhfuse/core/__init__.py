@@ -1,0 +1,30 @@
+"""The bottom of rlhfuse's package graph: the typed data passed between stages, the plug-point Protocols,
+typed statistics, errors, the PPO micro-batch losses, sampling and optimizer helpers, checkpoint files and the
+name registry. `runtime`, `generation`, `pipeline` and `planner` build on it and never import `rlhfuse.trainer`
+(the composition root); `tests/test_architecture.py` checks this from the source.
+"""
+
+from rlhfuse.core.errors import CheckpointError, NonFiniteError
+from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
+from rlhfuse.core.stats import LossStats, PipelineStats, TrainStats, mean_stats, sum_stats
+from rlhfuse.core.types import Experience, ModelRole, PromptBatch, Rollout, TrainBatch
+
+__all__ = [
+    "Callback",
+    "CheckpointError",
+    "Experience",
+    "Generator",
+    "Inferencer",
+    "Logger",
+    "LossStats",
+    "ModelRole",
+    "NonFiniteError",
+    "PipelineStats",
+    "PromptBatch",
+    "Rollout",
+    "Strategy",
+    "TrainBatch",
+    "TrainStats",
+    "mean_stats",
+    "sum_stats",
+]

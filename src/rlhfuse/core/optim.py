@@ -1,0 +1,80 @@
+"""Optimizers and micro-batching shared by every training strategy: AdamW with warmup + decay, and the split
+of a mini-batch into micro-batches (by samples, or packed up to a token budget)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhfuse.core.types import TrainBatch
+
+
+@dataclass
+class StrategyConfig:
+    # Registered strategy name: plain (single process, Actor then Critic, no pipeline).
+    name: str = "plain"
+    # Peak learning rates (AdamW).
+    actor_lr: float = 5e-4
+    critic_lr: float = 5e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Linear warmup from 0 over this many optimizer steps, then the schedule: constant | linear | cosine.
+    warmup_steps: int = 4
+    lr_schedule: str = "cosine"
+    # Floor of the linear/cosine decay, as a fraction of the peak LR.
+    min_lr_ratio: float = 0.1
+    # Clip each model's gradient norm to this value (0 = off).
+    grad_clip: float = 1.0
+    # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed.
+    precision: str = "auto"
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def build_optimizer(
+    params: Any, lr: float, config: StrategyConfig, total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` at peak `lr`, with the config's warmup + decay schedule over `total_steps`."""
+    optim = torch.optim.AdamW(
+        params, lr=lr, betas=(config.betas[0], config.betas[1]), weight_decay=config.weight_decay
+    )
+
+    def schedule(step: int) -> float:
+        return lr_lambda(
+            step,
+            warmup=config.warmup_steps,
+            total=total_steps,
+            schedule=config.lr_schedule,
+            min_ratio=config.min_lr_ratio,
+        )
+
+    return optim, torch.optim.lr_scheduler.LambdaLR(optim, schedule)
+
+
+def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
+    """Split a mini-batch by sample count, or greedily pack consecutive samples up to a token budget."""
+    if tokens <= 0:
+        return [
+            batch.select(torch.arange(s, min(s + samples, len(batch)))) for s in range(0, len(batch), samples)
+        ]
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and used + n > tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return [batch.select(torch.tensor(g)) for g in groups]

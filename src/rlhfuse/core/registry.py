@@ -1,0 +1,68 @@
+"""Components chosen by name.
+
+An import path `package.module:attribute` is resolved only when the user's own config (or command line) names
+it; rlhfuse never resolves names read from checkpoints or datasets, so no file can make rlhfuse import code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Generic, TypeVar, cast
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str, config_key: str) -> None:
+        self.kind = kind
+        self.config_key = config_key
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def add(obj: T) -> T:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = obj
+            return obj
+
+        return add
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or _is_import_path(name)
+
+    def get(self, name: str) -> T:
+        if name in self._entries:
+            return self._entries[name]
+        if _is_import_path(name):
+            return cast(T, _import(name, self.config_key))
+        raise KeyError(self.unknown_message(name))
+
+    def unknown_message(self, name: str) -> str:
+        return (
+            f"unknown {self.kind} {self.config_key}={name!r}: known {self.kind} names are {self.names()} "
+            f"(or name your own as 'package.module:function')"
+        )
+
+
+def _is_import_path(name: str) -> bool:
+    module, sep, attr = name.partition(":")
+    return bool(sep and module and attr and all(part.isidentifier() for part in [*module.split("."), attr]))
+
+
+def _import(path: str, config_key: str) -> object:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise KeyError(f"{config_key}={path!r}: cannot import module {module_name!r} ({err})") from err
+    if not hasattr(module, attr):
+        raise KeyError(f"{config_key}={path!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+RewardFn = Callable[[list[str], list[str]], list[float]]
+"""A rule-based reward: (prompt texts, response texts) -> one score per sample."""

@@ -1,0 +1,94 @@
+"""Typed statistics of the stages, summed generically (as torchtune's `PPOStats(*map(sum, zip(*stats)))`).
+
+Every stats type is a NamedTuple of floats (or of nested stats tuples, or None where a part did not run);
+`metrics()` flattens it into the logged metric names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeVar
+
+S = TypeVar("S", bound=tuple[Any, ...])
+
+
+def _combine(stats: Sequence[Any], scale: float) -> Any:
+    first = stats[0]
+    if first is None:
+        return None
+    if isinstance(first, tuple):
+        return type(first)(*(_combine(col, scale) for col in zip(*stats, strict=True)))
+    return sum(stats) * scale
+
+
+def sum_stats(stats: Sequence[S]) -> S:
+    """Field-wise sum of stats tuples of one type (nested tuples summed too; None stays None)."""
+    if not stats:
+        raise ValueError("sum_stats needs at least one stats tuple")
+    return _combine(stats, 1.0)  # type: ignore[no-any-return]
+
+
+def mean_stats(stats: Sequence[S]) -> S:
+    """Field-wise mean of stats tuples of one type."""
+    if not stats:
+        raise ValueError("mean_stats needs at least one stats tuple")
+    return _combine(stats, 1.0 / len(stats))  # type: ignore[no-any-return]
+
+
+def scale_stats(stats: S, weight: float) -> S:
+    """Every field of `stats` multiplied by `weight` (a micro-batch's share of its mini-batch)."""
+    return _combine([stats], weight)  # type: ignore[no-any-return]
+
+
+class LossStats(NamedTuple):
+    """A micro-batch's loss statistics; weighted by its share, they sum to the mini-batch's. The Actor's loss
+    fills the policy fields, the Critic's the value field (the other fields are 0)."""
+
+    policy_loss: float = 0.0
+    clip_fraction: float = 0.0
+    approx_kl: float = 0.0
+    entropy: float = 0.0
+    value_loss: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss/policy": self.policy_loss,
+            "policy/clip_fraction": self.clip_fraction,
+            "policy/approx_kl": self.approx_kl,
+            "policy/entropy": self.entropy,
+            "loss/value": self.value_loss,
+        }
+
+
+class PipelineStats(NamedTuple):
+    """What a pipelined training step measured: the planner's prediction against the executed makespan."""
+
+    predicted_makespan_s: float
+    measured_makespan_s: float
+    bubble_ratio: float
+    dp_imbalance: float
+    microbatches: float
+    microbatch_imbalance: float
+
+    def metrics(self) -> dict[str, float]:
+        return {f"train/{name}": float(value) for name, value in self._asdict().items()}
+
+
+class TrainStats(NamedTuple):
+    """One optimizer step of the Actor and the Critic on one mini-batch (`Strategy.train_step`)."""
+
+    loss: LossStats
+    actor_grad_norm: float
+    critic_grad_norm: float
+    lr: float
+    # pipelined strategies only
+    pipeline: PipelineStats | None = None
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            **self.loss.metrics(),
+            "actor/grad_norm": self.actor_grad_norm,
+            "critic/grad_norm": self.critic_grad_norm,
+            "lr": self.lr,
+            **(self.pipeline.metrics() if self.pipeline is not None else {}),
+        }

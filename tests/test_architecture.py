@@ -1,0 +1,90 @@
+"""The package graph, read from the source: dependencies flow one way (no cycle between rlhfuse's subpackages,
+imports inside functions included), `rlhfuse.trainer` is the composition root that no other package imports,
+and the bottom package `rlhfuse.core` imports none of the execution packages."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+import rlhfuse
+
+ROOT = pathlib.Path(rlhfuse.__file__).parent
+
+
+def _package_of(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported(node: ast.AST, module_parts: list[str]) -> list[str]:
+    """Absolute module names an import statement names (relative imports resolved)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = module_parts[: len(module_parts) - node.level]
+            name = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            name = node.module or ""
+        if name == "rlhfuse":  # `from rlhfuse import ops`
+            return [f"rlhfuse.{alias.name}" for alias in node.names]
+        return [name]
+    return []
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in ROOT.rglob("*.py"):
+        parts = ["rlhfuse", *path.relative_to(ROOT).with_suffix("").parts]
+        source = _package_of(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):  # every import, nested ones too
+            for name in _imported(node, parts):
+                if name.startswith("rlhfuse.") and (target := name.split(".")[1]) != source:
+                    graph[source].add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_cycle_between_subpackages() -> None:
+    cycle = _cycle(package_graph())
+    assert cycle is None, f"import cycle between rlhfuse subpackages: {' -> '.join(cycle or [])}"
+
+
+def test_trainer_is_the_composition_root() -> None:
+    importers = sorted(src for src, targets in package_graph().items() if "trainer" in targets)
+    assert importers == [], f"only rlhfuse.trainer composes the components; imported by {importers}"
+
+
+def test_core_sits_at_the_bottom() -> None:
+    allowed = {"algorithms", "models", "data", "_optional", "_resources"}
+    assert package_graph()["core"] <= allowed, package_graph()["core"] - allowed
+
+
+def test_the_graph_reader_sees_nested_and_relative_imports(tmp_path: pathlib.Path) -> None:
+    tree = ast.parse("def f():\n    from rlhfuse.trainer import build\n    from .. import ops\n")
+    names = [n for node in ast.walk(tree) for n in _imported(node, ["rlhfuse", "runtime", "strategy"])]
+    assert names == ["rlhfuse.trainer", "rlhfuse.ops"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
