@@ -185,8 +185,8 @@ def _fusion_worker(rank, port, out_dir):
     experience, timings = gen.fused_rollout(
         _prompt_batch(), iteration=1, inferencer=inferencer, micro_batch=4
     )
-    torch.save({"rollout": rollout, "moved": gen.migration.samples_moved, "metrics": gen.rollout_metrics(),
-                "experience": experience, "timings": timings},
+    torch.save({"rollout": rollout, "moved": gen.migration.samples_moved, "metrics": gen.generation_stats().metrics(),
+                "experience": experience, "timings": timings.metrics()},
                os.path.join(out_dir, f"generator-rank{rank}.pt"))  # fmt: skip
     dist.destroy_process_group()
 

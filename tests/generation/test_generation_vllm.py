@@ -114,7 +114,7 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
     ends = [bool(t) and t[-1] in STOPS for t in expected]
     assert rollout.finished_B.tolist() == ends
     assert rollout.prompt_index_B.tolist() == [p for p in range(100, 106) for _ in range(2)]
-    metrics = greedy.rollout_metrics()
+    metrics = greedy.generation_stats().metrics()
     assert metrics["generation/batch_size_p50"] > 0 and metrics["generation/tokens_per_s"] > 0
     # migration=auto's simulator gets decode-step and prefill costs from vLLM's steps too
     profile = CostProfile.fit([i.stats for i in greedy.instances])

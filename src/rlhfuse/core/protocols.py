@@ -7,13 +7,13 @@ pipeline strategy) implement the same Protocols.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from rlhfuse.core.stats import TrainStats
+from rlhfuse.core.stats import GenerationStats, RolloutStats, TrainStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 
 
@@ -30,12 +30,42 @@ class Generator(Protocol):
         """Weight sync: replace the generator's Actor weights by the trained ones."""
         ...
 
+    def generation_stats(self) -> GenerationStats | None:
+        """What the last `generate` measured (migration, decode batch sizes, tokens/s); None for a generator
+        that measures nothing beyond the stage's own timings. With one instance per rank, every rank calls it."""
+        ...
+
+
+@runtime_checkable
+class FusingGenerator(Generator, Protocol):
+    """A generator that fuses inference into generation (inter-stage fusion across processes: the long tail
+    migrates and freed instances start inference while it finishes)."""
+
+    def fused_rollout(
+        self, prompts: PromptBatch, *, iteration: int, inferencer: Inferencer
+    ) -> tuple[Experience, RolloutStats]: ...
+
 
 @runtime_checkable
 class Inferencer(Protocol):
     """Inference stage: Actor/Ref log-probs, reward scores and Critic values for generated samples."""
 
     def infer(self, rollout: Rollout) -> Experience: ...
+
+
+StageHook = Callable[[str], None]
+"""Told the name of each sub-stage as it starts ("generation", "inference"), e.g. to show progress."""
+
+
+@runtime_checkable
+class RolloutStage(Protocol):
+    """Step 1 of an iteration: generation + inference, from prompts to the Experience that training consumes.
+    Two implementations, chosen once when the trainer is built: `SerialRollout` (generate, then infer each
+    streamed chunk) and `FusedRollout` (generation fused with inference across instances)."""
+
+    def run(
+        self, prompts: PromptBatch, iteration: int, on_stage: StageHook | None = None
+    ) -> tuple[Experience, RolloutStats]: ...
 
 
 @runtime_checkable

@@ -92,3 +92,52 @@ class TrainStats(NamedTuple):
             "lr": self.lr,
             **(self.pipeline.metrics() if self.pipeline is not None else {}),
         }
+
+
+class GenerationStats(NamedTuple):
+    """What a multi-instance generator measured in its last rollout: the migration it did (Rt, samples moved,
+    destination instances), the running decode batch size and token rate over every instance, and what
+    migration=auto predicted for this batch before generating it (None for other policies)."""
+
+    threshold: float
+    samples_moved: float
+    destinations: float
+    batch_size_p50: float
+    tokens_per_s: float
+    predicted_gen_inf_s: float | None = None
+    predicted_serial_s: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        predicted = {}
+        if self.predicted_gen_inf_s is not None and self.predicted_serial_s is not None:
+            predicted = {
+                "migration/predicted_gen_inf_s": self.predicted_gen_inf_s,
+                "migration/predicted_serial_s": self.predicted_serial_s,
+            }
+        return {
+            **predicted,
+            "migration/threshold": self.threshold,
+            "migration/samples_moved": self.samples_moved,
+            "migration/destinations": self.destinations,
+            "generation/batch_size_p50": self.batch_size_p50,
+            "generation/tokens_per_s": self.tokens_per_s,
+        }
+
+
+class RolloutStats(NamedTuple):
+    """One rollout (generation + inference, `RolloutStage.run`): seconds spent generating and inferring, the
+    span from the first decode step to the last inference output (the span inter-stage fusion shortens; None
+    for a generator without instances), and the generator's own statistics."""
+
+    generation_s: float
+    inference_s: float
+    generation_inference_s: float | None = None
+    generation: GenerationStats | None = None
+
+    def metrics(self) -> dict[str, float]:
+        out = {"time/generation": self.generation_s, "time/inference": self.inference_s}
+        if self.generation_inference_s is not None:
+            out["time/generation_inference"] = self.generation_inference_s
+        if self.generation is not None:
+            out.update(self.generation.metrics())
+        return out

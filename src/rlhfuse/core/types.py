@@ -146,6 +146,19 @@ class Experience:
     values_BR: Tensor
     scores_B: Tensor
 
+    @staticmethod
+    def cat(parts: list[Experience], pad_id: int) -> Experience:
+        """Concatenate experiences (e.g. of chunks inferred as they streamed in), re-padding to common widths."""
+        if len(parts) == 1:
+            return parts[0]
+        return Experience(
+            rollout=Rollout.cat([p.rollout for p in parts], pad_id),
+            logprobs_BR=_cat_right_padded([p.logprobs_BR for p in parts], 0),
+            ref_logprobs_BR=_cat_right_padded([p.ref_logprobs_BR for p in parts], 0),
+            values_BR=_cat_right_padded([p.values_BR for p in parts], 0),
+            scores_B=torch.cat([p.scores_B for p in parts]),
+        )
+
     def to(self, device: torch.device | str) -> Experience:
         """This Experience with every tensor on `device`."""
         return _tensors_to(self, device)

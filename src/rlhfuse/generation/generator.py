@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhfuse.core.protocols import Inferencer
+from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport
@@ -154,12 +155,15 @@ class EngineGenerator:
 
     def fused_rollout(
         self, prompts: PromptBatch, *, iteration: int, inferencer: Inferencer, micro_batch: int = 16
-    ) -> tuple[Experience, dict[str, float]] | None:
-        """Generation fused with inference (`fused_generate_infer`) when one instance runs per rank: the
-        rollout's Experience (the same on every rank) and its timings; None in the in-process mode (the trainer
-        then generates and infers in turn)."""
+    ) -> tuple[Experience, RolloutStats]:
+        """Generation fused with inference (`fused_generate_infer`), one instance per rank: the rollout's
+        Experience (the same on every rank) and its statistics (`FusedRollout` runs this)."""
         if not self.is_distributed():
-            return None
+            raise RuntimeError(
+                f"fused generation + inference needs one generation instance per rank: generator.instances="
+                f"{self.config.instances} on a world of "
+                f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
+            )
         requests = requests_for(
             prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
         )
@@ -184,20 +188,20 @@ class EngineGenerator:
                 profile=CostProfile.fit([engine.stats]),
             )
         )
-        return result.experience, {
-            "time/generation": result.generation_s,
-            "time/inference": result.gen_inf_s - result.generation_s,
-            "time/generation_inference": result.gen_inf_s,
-            **self.rollout_metrics(),
-        }
+        return result.experience, RolloutStats(
+            generation_s=result.generation_s,
+            inference_s=result.gen_inf_s - result.generation_s,
+            generation_inference_s=result.gen_inf_s,
+            generation=self.generation_stats(),
+        )
 
     @property
     def migration(self) -> MigrationReport:
         return self.distributed.report if self.distributed is not None else self.coordinator.report
 
-    def rollout_metrics(self) -> dict[str, float]:
-        """Metrics of the last `generate`: migration, running batch size, engine tokens/s (over every instance:
-        with one instance per rank, a collective, so every rank calls it)."""
+    def generation_stats(self) -> GenerationStats:
+        """Statistics of the last `generate`: migration, running batch size, engine tokens/s (over every
+        instance: with one instance per rank, a collective, so every rank calls it)."""
         stats = [e.stats for e in self.engines]
         sizes = [b for s in stats for b in s.batch_sizes]
         busy = sum(s.busy_seconds for s in stats)
@@ -208,7 +212,7 @@ class EngineGenerator:
             parts = [g for g in gathered if g is not None]
             sizes = [b for g in parts for b in g[0]]
             busy, tokens = sum(g[1] for g in parts), sum(g[2] for g in parts)
-        return generation_metrics(sizes, busy, tokens, self.migration, self._predicted)
+        return generation_stats(sizes, busy, tokens, self.migration, self._predicted)
 
 
 def predictions(policy: MigrationPolicy) -> tuple[object, object] | None:
@@ -229,29 +233,24 @@ def observation(done: Sequence[SampleRequest], cap: int, engines: Sequence[Any])
     )
 
 
-def generation_metrics(
+def generation_stats(
     sizes: Sequence[int],
     busy: float,
     tokens: int,
     report: MigrationReport,
     predicted: tuple[object, object] | None,
-) -> dict[str, float]:
-    """One batch's `migration/*` and `generation/*` metrics: running batch sizes of every decode step, busy
-    seconds and generated tokens summed over the instances, the migration report and the auto-tuner's
-    predictions."""
-    out: dict[str, float] = {}
-    if predicted is not None:
-        fused, serial = predicted
-        if isinstance(fused, SimResult) and isinstance(serial, SimResult):
-            out["migration/predicted_gen_inf_s"] = fused.gen_inf_s
-            out["migration/predicted_serial_s"] = serial.gen_inf_s
-    return {
-        **out,
-        "migration/threshold": float(report.threshold),
-        "migration/samples_moved": float(report.samples_moved),
-        "migration/destinations": float(report.destinations),
-        "generation/batch_size_p50": float(torch.tensor(list(sizes), dtype=torch.float64).quantile(0.5))
-        if sizes
-        else 0.0,
-        "generation/tokens_per_s": tokens / busy if busy > 0 else math.nan,
-    }
+) -> GenerationStats:
+    """One batch's generation statistics: running batch sizes of every decode step, busy seconds and generated
+    tokens summed over the instances, the migration report and the auto-tuner's predictions."""
+    fused = serial = None
+    if predicted is not None and all(isinstance(p, SimResult) for p in predicted):
+        fused, serial = (p.gen_inf_s for p in predicted)  # type: ignore[attr-defined]
+    return GenerationStats(
+        threshold=float(report.threshold),
+        samples_moved=float(report.samples_moved),
+        destinations=float(report.destinations),
+        batch_size_p50=float(torch.tensor(list(sizes), dtype=torch.float64).quantile(0.5)) if sizes else 0.0,
+        tokens_per_s=tokens / busy if busy > 0 else math.nan,
+        predicted_gen_inf_s=fused,
+        predicted_serial_s=serial,
+    )

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse._optional import require
+from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport
@@ -52,7 +53,7 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
-from rlhfuse.generation.generator import generation_metrics, observation, predictions
+from rlhfuse.generation.generator import generation_stats, observation, predictions
 from rlhfuse.generation.migration import MigrationPolicy, NoMigration
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.models.checkpoint import hf_named_tensors
@@ -430,10 +431,10 @@ class VLLMGenerator:
     def migration(self) -> MigrationReport:
         return self.coordinator.report
 
-    def rollout_metrics(self) -> dict[str, float]:
-        """Metrics of the last `generate`: migration, running batch size, tokens/s."""
+    def generation_stats(self) -> GenerationStats:
+        """Statistics of the last `generate`: migration, running batch size, tokens/s."""
         stats = [i.stats for i in self.instances]
-        return generation_metrics(
+        return generation_stats(
             [b for s in stats for b in s.batch_sizes],
             sum(s.busy_seconds for s in stats),
             sum(s.tokens for s in stats),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 
+from rlhfuse.core.protocols import FusingGenerator, RolloutStage
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
 from rlhfuse.data.tokenizer import Tokenizer
@@ -28,6 +29,8 @@ from rlhfuse.trainer.config import (
     MIGRATION_POLICIES,
     STRATEGIES,
     RLHFConfig,
+    fuses_rollout,
+    resolve_components,
     validate,
 )
 from rlhfuse.trainer.data_parallel import plain_world_size
@@ -36,6 +39,7 @@ from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.logging import RichProgress, build_loggers
 from rlhfuse.trainer.models import Models, load_models
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.warmstart import warm_start
@@ -51,11 +55,7 @@ class BuildContext:
 
 
 @GENERATORS.register("sampling")
-def _sampling_generator(ctx: BuildContext) -> SamplingGenerator | EngineGenerator:
-    if ctx.config.generator.instances > 1:
-        # `generator.instances=2` on the default job: several instances are what the engine provides
-        print(f"rlhfuse: generator.instances={ctx.config.generator.instances}: generating with the engine")
-        return _engine_generator(ctx)
+def _sampling_generator(ctx: BuildContext) -> SamplingGenerator:
     return SamplingGenerator(
         ctx.models.actor,
         ctx.config.generator,
@@ -69,13 +69,12 @@ def _sampling_generator(ctx: BuildContext) -> SamplingGenerator | EngineGenerato
 def _instances_args(ctx: BuildContext) -> dict[str, Any]:
     """What every multi-instance generator takes: token ids, samples per prompt, seed, migration policy."""
     mig = ctx.config.migration
-    policy = MIGRATION_POLICIES.get(mig.name)(ctx)
     return {
         "eos_token_id": ctx.models.tokenizer.eos_id,
         "pad_token_id": ctx.models.tokenizer.pad_id,
         "samples_per_prompt": ctx.config.data.samples_per_prompt,
         "seed": ctx.config.seed,
-        "policy": policy if policy is not None else NoMigration(),
+        "policy": MIGRATION_POLICIES.get(mig.name)(ctx),
         "bs_max": mig.bs_max,
     }
 
@@ -106,12 +105,8 @@ def _vllm_generator(ctx: BuildContext) -> Any:
 
 
 @INFERENCERS.register("models")
-def _model_inferencer(ctx: BuildContext) -> Any:
+def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
     cfg = ctx.config.inferencer
-    instances = ctx.config.generator.instances
-    fused_generation = instances > 1 and instances == ctx.fabric.world_size  # infers per rank, own samples
-    if ctx.config.pipeline.name in PIPELINE_STRATEGIES and not fused_generation:
-        return _pipeline_inferencer(ctx)  # the same forwards, over the training layout
     return ModelInferencer(
         cfg,
         actor=ctx.models.actor,
@@ -198,11 +193,6 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     )
 
 
-@MIGRATION_POLICIES.register("none")
-def _no_migration(ctx: BuildContext) -> None:
-    return None
-
-
 @MIGRATION_POLICIES.register("off")
 def _migration_off(ctx: BuildContext) -> NoMigration:
     return NoMigration()
@@ -217,6 +207,15 @@ def _fixed_threshold(ctx: BuildContext) -> FixedThreshold:
 def _auto_threshold(ctx: BuildContext) -> AutoThreshold:
     mig = ctx.config.migration
     return AutoThreshold(mig.threshold, instances=ctx.config.generator.instances, bs_max=mig.bs_max)
+
+
+def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> RolloutStage:
+    """Step 1's form, chosen once: fused generation + inference when each rank is one generation instance of
+    the engine (`fuses_rollout`), the serial stage otherwise."""
+    if fuses_rollout(ctx.config, ctx.fabric.world_size):
+        assert isinstance(generator, FusingGenerator), type(generator)
+        return FusedRollout(generator, inferencer)
+    return SerialRollout(generator, inferencer, pad_token_id=ctx.models.tokenizer.pad_id)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -259,6 +258,7 @@ def build_trainer(
         from rlhfuse.trainer.planning import apply_plan
 
         config = apply_plan(config, resolve_device(config.device), log=log)
+    config = resolve_components(config, log=log)
     counts = validate(config)
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -301,10 +301,10 @@ def build_trainer(
     fabric.seed_everything(config.seed, verbose=False)
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps)
-    MIGRATION_POLICIES.get(config.migration.name)(ctx)
     strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
+    rollout = rollout_stage(ctx, generator, inferencer)
 
     all_callbacks: list[object] = [
         RichProgress(
@@ -329,6 +329,7 @@ def build_trainer(
         generator=generator,
         inferencer=inferencer,
         strategy=strategy,
+        rollout=rollout,
         prompts=loader,
         pad_token_id=models.tokenizer.pad_id,
         run_dir=run_dir,

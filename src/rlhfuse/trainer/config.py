@@ -5,8 +5,10 @@ combination before anything is built and raises one error listing every problem 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,9 @@ PLAN_MODES = ("manual", "auto")
 
 @dataclass
 class MigrationConfig:
-    # Sample-migration policy of a multi-instance generator (inter-stage fusion): none = no migration, the
-    # only policy the single-process generator supports.
-    name: str = "none"
+    # Sample-migration policy of a multi-instance generator (inter-stage fusion): off = no migration (the only
+    # policy the single-process generator supports; `migration=none` selects it too) | fixed | auto.
+    name: str = "off"
     # Rt (migration=fixed|auto): migrate the long tail when this many samples (>= 1) or this fraction of the
     # batch (< 1) remain unfinished; migration=auto starts from it and re-tunes Rt from observed lengths.
     threshold: float = 0.2
@@ -127,6 +129,39 @@ def derived_counts(cfg: RLHFConfig) -> DerivedCounts:
     else:
         accumulation = d.mini_batch_size // d.micro_batch_size if d.micro_batch_size > 0 else 0
     return DerivedCounts(samples, minis, per_iteration, accumulation, per_iteration * cfg.iterations)
+
+
+def fuses_rollout(cfg: RLHFConfig, world_size: int) -> bool:
+    """Whether the rollout fuses inference into generation across processes: generator=engine with one
+    generation instance per rank (inter-stage fusion); otherwise generation and inference run in turn."""
+    instances = cfg.generator.instances
+    return cfg.generator.name == "engine" and instances > 1 and instances == world_size
+
+
+def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -> RLHFConfig:
+    """The component choices a layout implies, applied before validation and printed with their rule (never a
+    silent swap); every other choice is taken as given and validated.
+
+    - generator=sampling with generator.instances > 1 -> generator=engine (only the engine has instances);
+    - inferencer=models under pipeline=fused / serial_1f1b -> inferencer=pipeline (the same forward passes over
+      the training layout), unless each rank is one generation instance and infers its own samples.
+    """
+    g, i = cfg.generator, cfg.inferencer
+    if g.name == "sampling" and g.instances > 1:
+        log(
+            f"rlhfuse: generator=sampling -> engine (rule: generator.instances={g.instances} > 1 needs the "
+            "engine's instances; set generator=engine to choose it yourself)"
+        )
+        g = dataclasses.replace(g, name="engine")
+    resolved = dataclasses.replace(cfg, generator=g)
+    world = launched_world_size(cfg.distributed.nproc_per_node)
+    if i.name == "models" and cfg.pipeline.name in PIPELINE_STRATEGIES and not fuses_rollout(resolved, world):
+        log(
+            f"rlhfuse: inferencer=models -> pipeline (rule: pipeline={cfg.pipeline.name} runs the Ref / Reward "
+            "/ Critic forward passes over the training layout's stages)"
+        )
+        i = dataclasses.replace(i, name="pipeline")
+    return dataclasses.replace(resolved, inferencer=i)
 
 
 def validate(cfg: RLHFConfig) -> DerivedCounts:

@@ -42,6 +42,10 @@ class SamplingGenerator:
         with torch.no_grad():
             self.model.load_state_dict(dict(named_tensors), strict=True)
 
+    def generation_stats(self) -> None:
+        """One batched decode, no instances: nothing to report beyond the stage's timings."""
+        return None
+
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
         n = self.samples_per_prompt

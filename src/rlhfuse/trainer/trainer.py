@@ -1,6 +1,7 @@
 """`RLHFTrainer`: the PPO loop of RLHF, one iteration at a time, in the paper's order.
 
-1. rollout    = generation (Actor samples responses) + inference (Actor/Ref log-probs, reward, values)
+1. rollout    = generation (Actor samples responses) + inference (Actor/Ref log-probs, reward, values),
+                serial or fused (`RolloutStage`, chosen when the trainer is built)
 2. advantages = score + per-token KL penalty, then GAE
 3. training   = Actor and Critic updates over shuffled mini-batches, for ppo_epochs passes
 4. weight sync of the trained Actor to the generator
@@ -30,15 +31,17 @@ from rlhfuse.core.protocols import (
     Generator,
     Inferencer,
     Logger,
+    RolloutStage,
     ShardedCheckpointing,
     Strategy,
     SwapsWeights,
 )
 from rlhfuse.core.stats import TrainStats, mean_stats
-from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
+from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
 from rlhfuse.data.prompts import Prompt, PromptLoader
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.logging import JsonlLogger
+from rlhfuse.trainer.rollout import SerialRollout
 
 
 def collate_prompts(prompts: Sequence[Prompt], pad_id: int) -> PromptBatch:
@@ -53,24 +56,6 @@ def collate_prompts(prompts: Sequence[Prompt], pad_id: int) -> PromptBatch:
     return PromptBatch(ids_BP, mask_BP, torch.tensor([p.id for p in prompts]))
 
 
-def cat_experience(parts: list[Experience], pad_id: int) -> Experience:
-    if len(parts) == 1:
-        return parts[0]
-
-    def cat_BR(name: str) -> torch.Tensor:
-        tensors = [getattr(p, name) for p in parts]
-        width = max(t.shape[1] for t in tensors)
-        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
-
-    return Experience(
-        rollout=Rollout.cat([p.rollout for p in parts], pad_id),
-        logprobs_BR=cat_BR("logprobs_BR"),
-        ref_logprobs_BR=cat_BR("ref_logprobs_BR"),
-        values_BR=cat_BR("values_BR"),
-        scores_B=torch.cat([p.scores_B for p in parts]),
-    )
-
-
 class RLHFTrainer:
     def __init__(
         self,
@@ -79,6 +64,7 @@ class RLHFTrainer:
         generator: Generator,
         inferencer: Inferencer,
         strategy: Strategy,
+        rollout: RolloutStage | None = None,
         prompts: PromptLoader,
         pad_token_id: int,
         run_dir: str | Path,
@@ -90,29 +76,29 @@ class RLHFTrainer:
         self.generator, self.inferencer, self.strategy = generator, inferencer, strategy
         self.prompts = prompts
         self.pad_token_id = pad_token_id
+        self.rollout_stage: RolloutStage = rollout or SerialRollout(
+            generator, inferencer, pad_token_id=pad_token_id
+        )
         self.run_dir = Path(run_dir)
         self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else list(logger)
         self.callbacks = list(callbacks)
         self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
-        # fabric.call dispatches the hooks to these callbacks (Fabric takes them at construction; the strategy
-        # needed the Fabric earlier, so they are attached here).
-        self.fabric._callbacks = self.callbacks
         self.iteration = 0
         self.history: list[dict[str, float]] = []
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> list[dict[str, float]]:
         self.resume()
-        self.fabric.call("on_fit_start", self)
+        self._call("on_fit_start")
         try:
             while self.iteration < self.config.iterations:
                 self.run_iteration()
         except BaseException as err:
-            self.fabric.call("on_exception", self, err)
+            self._call("on_exception", err)
             for logger in self.loggers:
                 logger.finalize("failed")
             raise
-        self.fabric.call("on_fit_end", self)
+        self._call("on_fit_end")
         for logger in self.loggers:
             logger.finalize("success")
         return self.history
@@ -122,22 +108,23 @@ class RLHFTrainer:
         start = time.perf_counter()
         prompts = collate_prompts(self.prompts.next_batch(), self.pad_token_id)
         # 1. rollout: generation + inference (chunks of finished samples are inferred as they arrive)
-        experience, timings = self.rollout(prompts, it)
+        experience, rollout_stats = self.rollout_stage.run(prompts, it, self._on_stage)
         if isinstance(self.inferencer, SwapsWeights):
             self.inferencer.release()  # frozen models back to host memory until the next rollout
         metrics: dict[str, float] = {}
-        self.fabric.call("on_rollout_end", self, experience, metrics)
+        self._call("on_rollout_end", experience, metrics)
         # 2. rewards, KL penalty and GAE
         batch, stats = compute_train_batch(experience, self.config.algorithm)
         self._check_finite(it, stats)
         # 3. Actor and Critic updates over mini-batches x PPO epochs
-        self.fabric.call("on_stage_start", self, "training")
+        self._on_stage("training")
         t0 = time.perf_counter()
         train_stats = self.train(batch, it)
-        timings["time/training"] = time.perf_counter() - t0
+        training_s = time.perf_counter() - t0
         # 4. weight sync to the generator
         self.generator.load_weights(self.strategy.actor_weights())
         # 5. callbacks, logging, checkpoint
+        timings = {**rollout_stats.metrics(), "time/training": training_s}
         timings["time/iteration"] = time.perf_counter() - start
         metrics = {
             "iteration": it,
@@ -153,40 +140,18 @@ class RLHFTrainer:
         every = self.config.checkpoint.every
         if every > 0 and (it % every == 0 or it == self.config.iterations):
             self.save_checkpoint()
-        self.fabric.call("on_iteration_end", self, it, metrics)
+        self._call("on_iteration_end", it, metrics)
         return metrics
 
-    def rollout(self, prompts: PromptBatch, iteration: int) -> tuple[Experience, dict[str, float]]:
-        self.fabric.call("on_stage_start", self, "generation")
-        # a generator that fuses inference into generation (rlhfuse.generation, one instance per rank) may
-        # return the whole Experience itself; None = generate and infer in turn below
-        fused_rollout = getattr(self.generator, "fused_rollout", None)
-        fused = (
-            fused_rollout(prompts, iteration=iteration, inferencer=self.inferencer)
-            if callable(fused_rollout)
-            else None
-        )
-        if fused is not None:
-            return fused
-        gen_time = inf_time = 0.0
-        parts: list[Experience] = []
-        t0 = start = time.perf_counter()
-        for chunk in self.generator.generate(prompts, iteration=iteration):
-            gen_time += time.perf_counter() - t0
-            self.fabric.call("on_stage_start", self, "inference")
-            t1 = time.perf_counter()
-            parts.append(self.inferencer.infer(chunk))
-            inf_time += time.perf_counter() - t1
-            t0 = time.perf_counter()
-        gen_time += time.perf_counter() - t0
-        timings = {"time/generation": gen_time, "time/inference": inf_time}
-        # a generator may report its own metrics (the engine: migration, running batch size, tokens/s)
-        report = getattr(self.generator, "rollout_metrics", None)
-        if callable(report):
-            # from the start of generation to the last inference output: the span inter-stage fusion shortens
-            timings["time/generation_inference"] = time.perf_counter() - start
-            timings.update(report())
-        return cat_experience(parts, self.pad_token_id), timings
+    def _call(self, hook: str, *args: Any) -> None:
+        """Call `hook(self, *args)` on every callback that has it (a callback may implement any subset)."""
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if callable(method):
+                method(self, *args)
+
+    def _on_stage(self, stage: str) -> None:
+        self._call("on_stage_start", stage)
 
     def train(self, batch: TrainBatch, iteration: int) -> TrainStats:
         size = self.config.data.mini_batch_size
