@@ -7,17 +7,19 @@ A_t = sum_l (gamma * lam)^l delta_{t+l},  delta_t = r_t + gamma V_{t+1} - V_t   
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from rlhfuse.algorithms import compute_gae, kl_estimate, kl_penalty_rewards, masked_mean, whiten
+from rlhfuse.core.config import choice_problems, need, non_negative, positive
 from rlhfuse.core.types import Experience, TrainBatch
 
 
 @dataclass
 class AlgorithmConfig:
     # Registered algorithm name: ppo.
-    name: str = "ppo"
+    name: Literal["ppo"] = "ppo"
     # Passes over each iteration's samples.
     ppo_epochs: int = 2
     # GAE discount and lambda.
@@ -25,7 +27,7 @@ class AlgorithmConfig:
     lam: float = 0.95
     # Per-token KL penalty coefficient (0 = no KL penalty) and estimator: k1 | k2 | k3.
     kl_coef: float = 0.05
-    kl_estimator: str = "k1"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     # PPO ratio clip, optional asymmetric upper clip (null = same as clip_eps) and dual clip (null = off).
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
@@ -35,9 +37,23 @@ class AlgorithmConfig:
     # Normalise advantages to zero mean / unit variance over the iteration's response tokens.
     whiten_advantages: bool = True
     # Loss reduction over tokens: token (mean over all tokens of the mini-batch) | sequence.
-    loss_reduction: str = "token"
+    loss_reduction: Literal["token", "sequence"] = "token"
     # Entropy bonus coefficient (0 = off).
     entropy_coef: float = 0.0
+
+    def problems(self) -> list[str]:
+        problems = choice_problems(self, "algorithm")
+        positive(problems, "algorithm.ppo_epochs", self.ppo_epochs)
+        need(problems, 0 < self.gamma <= 1, f"algorithm.gamma={self.gamma} must be in (0, 1]")
+        need(problems, 0 <= self.lam <= 1, f"algorithm.lam={self.lam} must be in [0, 1]")
+        non_negative(problems, "algorithm.kl_coef", self.kl_coef, "0 = no KL penalty")
+        positive(problems, "algorithm.clip_eps", self.clip_eps)
+        need(
+            problems,
+            self.dual_clip is None or self.dual_clip > 1,
+            f"algorithm.dual_clip={self.dual_clip} must be > 1 (typically 3) or null",
+        )
+        return problems
 
 
 def compute_train_batch(

@@ -27,6 +27,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from rlhfuse.core.config import non_negative
 from rlhfuse.core.errors import CheckpointError
 
 FORMAT = 1
@@ -43,6 +44,12 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     # At the end, export the trained Actor as a Hugging Face checkpoint in <run_dir>/actor_hf.
     export_hf: bool = True
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        non_negative(problems, "checkpoint.every", self.every, "0 = never")
+        non_negative(problems, "checkpoint.keep", self.keep, "0 = keep all")
+        return problems
 
 
 def rng_state() -> dict[str, Any]:

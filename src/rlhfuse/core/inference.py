@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse.algorithms import logprobs_from_logits
+from rlhfuse.core.config import need, non_negative
 from rlhfuse.core.registry import RewardFn
 from rlhfuse.core.types import Rollout
 from rlhfuse.data.tokenizer import Tokenizer
@@ -39,6 +40,16 @@ class InferencerConfig:
     # Keep the Ref and Reward weights in host memory between inference stages and swap them onto the device for
     # inference, prefetched when the generation tail starts (rlhfuse.trainer.offload). A no-op on CPU.
     offload_frozen: bool = False
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        non_negative(problems, "inferencer.micro_batch_size", self.micro_batch_size, "0 = all")
+        need(
+            problems,
+            self.use_reward_model or self.reward_fn is not None,
+            "no reward: inferencer.use_reward_model=false and no inferencer.reward_fn; enable one of them",
+        )
+        return problems
 
 
 def logprobs_from_output(logits_BTV: Tensor, rollout: Rollout, temperature: float) -> Tensor:

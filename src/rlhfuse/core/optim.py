@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from rlhfuse.core.config import choice_problems, need, non_negative, positive
 from rlhfuse.core.types import TrainBatch
 
 
@@ -23,13 +24,26 @@ class StrategyConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # Linear warmup from 0 over this many optimizer steps, then the schedule: constant | linear | cosine.
     warmup_steps: int = 4
-    lr_schedule: str = "cosine"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     # Floor of the linear/cosine decay, as a fraction of the peak LR.
     min_lr_ratio: float = 0.1
     # Clip each model's gradient norm to this value (0 = off).
     grad_clip: float = 1.0
     # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed.
-    precision: str = "auto"
+    precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
+
+    def problems(self) -> list[str]:
+        problems = choice_problems(self, "pipeline")
+        positive(problems, "pipeline.actor_lr", self.actor_lr)
+        positive(problems, "pipeline.critic_lr", self.critic_lr)
+        need(
+            problems,
+            len(self.betas) == 2,
+            f"pipeline.betas={self.betas} must be two numbers, e.g. [0.9,0.95]",
+        )
+        non_negative(problems, "pipeline.warmup_steps", self.warmup_steps, "0 = no warmup")
+        non_negative(problems, "pipeline.grad_clip", self.grad_clip, "0 = off")
+        return problems
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:

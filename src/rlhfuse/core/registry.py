@@ -7,17 +7,17 @@ it; rlhfuse never resolves names read from checkpoints or datasets, so no file c
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar, cast
 
 T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str, config_key: str) -> None:
+    def __init__(self, kind: str, config_key: str, entries: Mapping[str, T] | None = None) -> None:
         self.kind = kind
         self.config_key = config_key
-        self._entries: dict[str, T] = {}
+        self._entries: dict[str, T] = dict(entries or {})
 
     def register(self, name: str) -> Callable[[T], T]:
         def add(obj: T) -> T:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rlhfuse.core.config import need, non_negative, positive
+
 
 @dataclass
 class GeneratorConfig:
@@ -29,6 +31,19 @@ class GeneratorConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     # Most samples decoded together (0 = all samples of the iteration at once); each chunk is yielded when done.
     max_batch_size: int = 0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        positive(problems, "generator.max_new_tokens", self.max_new_tokens)
+        need(
+            problems,
+            self.temperature >= 0,
+            f"generator.temperature={self.temperature} must be >= 0 (0 = greedy)",
+        )
+        need(problems, 0 < self.top_p <= 1, f"generator.top_p={self.top_p} must be in (0, 1] (1 = off)")
+        non_negative(problems, "generator.top_k", self.top_k, "0 = off")
+        non_negative(problems, "generator.max_batch_size", self.max_batch_size, "0 = all")
+        return problems
 
 
 def sample_seed(run_seed: int, iteration: int, prompt_id: int, sample_index: int) -> int:

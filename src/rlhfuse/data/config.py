@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-TRUNCATE_MODES = ("error", "left", "right")
+from rlhfuse.core.config import choice_problems, need, positive
+
+TruncateMode = Literal["error", "left", "right"]
+TRUNCATE_MODES = get_args(TruncateMode)
 
 
 @dataclass
 class DataConfig:
     # Prompt source: "synthetic" (the embedded topic task, generated from `run.seed`) or "file" (`path`).
-    source: str = "synthetic"
+    source: Literal["synthetic", "file"] = "synthetic"
     # A local .jsonl (one JSON object per line) or .parquet file of prompts; used when source=file.
     path: str | None = None
     # The field of each row that holds the prompt text.
@@ -22,7 +26,7 @@ class DataConfig:
     # Longest prompt, in tokens (BOS included). Longer prompts are an error unless `truncate` is left|right.
     max_prompt_length: int = 16
     # What to do with a prompt longer than max_prompt_length: error | left (keep the end) | right (keep the start).
-    truncate: str = "error"
+    truncate: TruncateMode = "error"
     # Batch sizes, by unit. One iteration generates prompts_per_iteration * samples_per_prompt samples.
     prompts_per_iteration: int = 32
     # Responses sampled per prompt (the generator's n).
@@ -33,3 +37,45 @@ class DataConfig:
     micro_batch_size: int = 32
     # Optional token budget per micro-batch instead (0 = off): micro-batches are packed greedily up to it.
     micro_batch_tokens: int = 0
+
+    def problems(self) -> list[str]:
+        problems = choice_problems(self, "data")
+        for key in ("prompts_per_iteration", "samples_per_prompt", "mini_batch_size", "micro_batch_size"):
+            positive(problems, f"data.{key}", getattr(self, key))
+        samples = self.prompts_per_iteration * self.samples_per_prompt
+        if self.mini_batch_size > 0 and samples > 0:
+            need(
+                problems,
+                samples % self.mini_batch_size == 0,
+                f"data.mini_batch_size={self.mini_batch_size} must divide data.prompts_per_iteration*"
+                f"data.samples_per_prompt={self.prompts_per_iteration}*{self.samples_per_prompt}={samples}: set "
+                f"data.mini_batch_size to a divisor of {samples} (e.g. {divisor_near(samples, self.mini_batch_size)})",
+            )
+        if self.micro_batch_tokens == 0 and self.micro_batch_size > 0 and self.mini_batch_size > 0:
+            need(
+                problems,
+                self.mini_batch_size % self.micro_batch_size == 0,
+                f"data.micro_batch_size={self.micro_batch_size} must divide data.mini_batch_size="
+                f"{self.mini_batch_size}: set data.micro_batch_size="
+                f"{divisor_near(self.mini_batch_size, self.micro_batch_size)} or a token budget with "
+                "data.micro_batch_tokens",
+            )
+        need(
+            problems,
+            self.micro_batch_tokens >= 0,
+            f"data.micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = off)",
+        )
+        need(
+            problems,
+            self.source != "file" or bool(self.path),
+            "data.source=file needs data.path=<a local .jsonl or .parquet file>",
+        )
+        positive(problems, "data.max_prompt_length", self.max_prompt_length)
+        positive(problems, "data.num_prompts", self.num_prompts)
+        return problems
+
+
+def divisor_near(n: int, target: int) -> int:
+    """The divisor of `n` closest to `target` (the larger on a tie): the value an error message suggests."""
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    return min(divisors, key=lambda k: (abs(k - target), -k))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlhfuse.core.config import need, non_negative
 from rlhfuse.core.sampling import GeneratorConfig
 
 
@@ -29,3 +30,9 @@ class GenerationConfig(GeneratorConfig):
     vllm_kv_cache_gb: float = 1.0
     # generator=vllm only. GPU backend: fraction of device memory each vLLM engine may take (weights + KV).
     vllm_gpu_memory_utilization: float = 0.5
+
+    def problems(self) -> list[str]:
+        problems = GeneratorConfig.problems(self)
+        need(problems, self.instances >= 1, f"generator.instances={self.instances} must be >= 1")
+        non_negative(problems, "generator.num_slots", self.num_slots, "0 = room for every sample")
+        return problems

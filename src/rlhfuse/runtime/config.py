@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from rlhfuse.core.config import choice_problems, need, positive
 from rlhfuse.core.optim import StrategyConfig
 
 PIPELINE_STRATEGIES = ("fused", "serial_1f1b")
@@ -39,9 +40,20 @@ class DistributedConfig:
     # process is one rank and this must equal torchrun's --nproc-per-node (or stay 1).
     nproc_per_node: int = 1
     # auto (nccl on CUDA, gloo on CPU) | gloo | nccl.
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     # Seconds a rank waits for another (a failed rank makes the others stop with a clear error after this).
     timeout_s: float = 300.0
+
+    def problems(self) -> list[str]:
+        """Problems of the distributed.* keys themselves (process count, backend, timeout)."""
+        problems = choice_problems(self, "distributed")
+        need(
+            problems,
+            self.nproc_per_node >= 1,
+            f"distributed.nproc_per_node={self.nproc_per_node} must be >= 1",
+        )
+        positive(problems, "distributed.timeout_s", self.timeout_s)
+        return problems
 
 
 def launched_world_size(nproc_per_node: int) -> int:
@@ -50,24 +62,12 @@ def launched_world_size(nproc_per_node: int) -> int:
     return int(env) if env and env.isdigit() else nproc_per_node
 
 
-def distributed_problems(d: DistributedConfig) -> list[str]:
-    """Problems of the distributed.* keys themselves (process count, backend, timeout)."""
-    problems: list[str] = []
-    if d.nproc_per_node < 1:
-        problems.append(f"distributed.nproc_per_node={d.nproc_per_node} must be >= 1")
-    if d.backend not in ("auto", "gloo", "nccl"):
-        problems.append(f"distributed.backend={d.backend!r} is not one of ['auto', 'gloo', 'nccl']")
-    if d.timeout_s <= 0:
-        problems.append(f"distributed.timeout_s={d.timeout_s} must be > 0")
-    return problems
-
-
 def validate_runtime(cfg: Any) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 
     d = cfg.distributed
-    problems = distributed_problems(d)
+    problems: list[str] = []
     p = cfg.pipeline
     world = launched_world_size(max(d.nproc_per_node, 1))
     if p.name not in PIPELINE_STRATEGIES:

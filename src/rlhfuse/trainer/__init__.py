@@ -16,12 +16,13 @@ from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Stra
 from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.config import RLHFConfig, validate
+from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.hydra import compose_config, to_config
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
+from rlhfuse.trainer.validate import validate
 
 __all__ = [
     "AlgorithmConfig",

@@ -5,208 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 
 from rlhfuse.core.protocols import FusingGenerator, RolloutStage
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.generation.generator import EngineGenerator
-from rlhfuse.generation.migration import FixedThreshold, NoMigration
-from rlhfuse.generation.tuning import AutoThreshold
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
-from rlhfuse.trainer.config import (
-    GENERATORS,
-    INFERENCERS,
-    MIGRATION_POLICIES,
-    STRATEGIES,
-    RLHFConfig,
-    fuses_rollout,
-    resolve_components,
-    validate,
-)
+from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
+from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
-from rlhfuse.trainer.generator import SamplingGenerator
-from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.logging import RichProgress, build_loggers
-from rlhfuse.trainer.models import Models, load_models
+from rlhfuse.trainer.models import load_models
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
-from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
+from rlhfuse.trainer.validate import validate
 from rlhfuse.trainer.warmstart import warm_start
-
-
-@dataclass
-class BuildContext:
-    config: RLHFConfig
-    models: Models
-    fabric: Fabric
-    total_steps: int
-    strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
-
-
-@GENERATORS.register("sampling")
-def _sampling_generator(ctx: BuildContext) -> SamplingGenerator:
-    return SamplingGenerator(
-        ctx.models.actor,
-        ctx.config.generator,
-        eos_token_id=ctx.models.tokenizer.eos_id,
-        pad_token_id=ctx.models.tokenizer.pad_id,
-        samples_per_prompt=ctx.config.data.samples_per_prompt,
-        seed=ctx.config.seed,
-    )
-
-
-def _instances_args(ctx: BuildContext) -> dict[str, Any]:
-    """What every multi-instance generator takes: token ids, samples per prompt, seed, migration policy."""
-    mig = ctx.config.migration
-    return {
-        "eos_token_id": ctx.models.tokenizer.eos_id,
-        "pad_token_id": ctx.models.tokenizer.pad_id,
-        "samples_per_prompt": ctx.config.data.samples_per_prompt,
-        "seed": ctx.config.seed,
-        "policy": MIGRATION_POLICIES.get(mig.name)(ctx),
-        "bs_max": mig.bs_max,
-    }
-
-
-@GENERATORS.register("engine")
-def _engine_generator(ctx: BuildContext) -> EngineGenerator:
-    mig = ctx.config.migration
-    return EngineGenerator(
-        ctx.models.actor,
-        ctx.config.generator,
-        mechanism=mig.mechanism,
-        link_bytes_per_s=mig.link_bytes_per_s,
-        **_instances_args(ctx),
-    )
-
-
-@GENERATORS.register("vllm")
-def _vllm_generator(ctx: BuildContext) -> Any:
-    from rlhfuse.generation.vllm_engine import VLLMGenerator  # vLLM is an optional extra
-
-    return VLLMGenerator(
-        ctx.models.actor,
-        ctx.config.generator,
-        max_prompt_len=ctx.config.data.max_prompt_length,
-        device=next(ctx.models.actor.parameters()).device,
-        **_instances_args(ctx),
-    )
-
-
-@INFERENCERS.register("models")
-def _model_inferencer(ctx: BuildContext) -> ModelInferencer:
-    cfg = ctx.config.inferencer
-    return ModelInferencer(
-        cfg,
-        actor=ctx.models.actor,
-        ref=ctx.models.ref,
-        critic=ctx.models.critic,
-        reward_model=ctx.models.reward if cfg.use_reward_model else None,
-        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
-        tokenizer=ctx.models.tokenizer,
-        temperature=ctx.config.generator.temperature,
-        autocast=ctx.fabric.autocast,
-    )
-
-
-@INFERENCERS.register("pipeline")
-def _pipeline_inferencer(ctx: BuildContext) -> Any:
-    from rlhfuse.runtime.inference import PipelineInferencer
-
-    cfg, models = ctx.config.inferencer, ctx.models
-    layout = getattr(ctx.strategy, "layout", None)
-    if layout is None:
-        raise ValueError(
-            f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
-            "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
-        )
-    named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
-    if cfg.use_reward_model:
-        named["reward"] = models.reward
-    return PipelineInferencer(
-        cfg,
-        layout,
-        named,
-        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
-        tokenizer=models.tokenizer,
-        temperature=ctx.config.generator.temperature,
-        timeout_s=ctx.config.distributed.timeout_s,
-        prefetch=ctx.config.pipeline.prefetch,
-        autocast=ctx.fabric.autocast,
-    )
-
-
-@STRATEGIES.register("plain")
-def _plain_strategy(ctx: BuildContext) -> PlainStrategy:
-    return PlainStrategy(
-        ctx.models.actor,
-        ctx.models.critic,
-        ctx.config.pipeline,
-        ctx.config.algorithm,
-        fabric=ctx.fabric,
-        total_steps=ctx.total_steps,
-        micro_batch_size=ctx.config.data.micro_batch_size,
-        micro_batch_tokens=ctx.config.data.micro_batch_tokens,
-        temperature=ctx.config.generator.temperature,
-        group=dist.group.WORLD if ctx.fabric.world_size > 1 else None,  # data-parallel: one rank per instance
-    )
-
-
-@STRATEGIES.register("fused")
-def _fused_strategy(ctx: BuildContext) -> Any:
-    return _pipeline_strategy(ctx, "fused")
-
-
-@STRATEGIES.register("serial_1f1b")
-def _serial_1f1b_strategy(ctx: BuildContext) -> Any:
-    return _pipeline_strategy(ctx, "serial_1f1b")
-
-
-def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
-
-    cfg = ctx.config
-    return FusedPipelineStrategy(
-        ctx.models.actor,
-        ctx.models.critic,
-        cfg.pipeline,
-        cfg.algorithm,
-        total_steps=ctx.total_steps,
-        mini_batch_size=cfg.data.mini_batch_size,
-        micro_batch_size=cfg.data.micro_batch_size,
-        micro_batch_tokens=cfg.data.micro_batch_tokens,
-        temperature=cfg.generator.temperature,
-        schedule=schedule,
-        timeout_s=cfg.distributed.timeout_s,
-        autocast=ctx.fabric.autocast,
-    )
-
-
-@MIGRATION_POLICIES.register("off")
-def _migration_off(ctx: BuildContext) -> NoMigration:
-    return NoMigration()
-
-
-@MIGRATION_POLICIES.register("fixed")
-def _fixed_threshold(ctx: BuildContext) -> FixedThreshold:
-    return FixedThreshold(ctx.config.migration.threshold)
-
-
-@MIGRATION_POLICIES.register("auto")
-def _auto_threshold(ctx: BuildContext) -> AutoThreshold:
-    mig = ctx.config.migration
-    return AutoThreshold(mig.threshold, instances=ctx.config.generator.instances, bs_max=mig.bs_max)
 
 
 def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> RolloutStage:

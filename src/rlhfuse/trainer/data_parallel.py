@@ -26,10 +26,8 @@ def plain_world_size(cfg: Any) -> int:
 
 def validate_plain_launch(cfg: Any) -> list[str]:
     """Problems of distributed.* and generator.instances with pipeline=plain (each naming the fix)."""
-    from rlhfuse.runtime.config import distributed_problems
-
     g = cfg.generator
-    problems = distributed_problems(cfg.distributed)
+    problems: list[str] = []
     world = plain_world_size(cfg)
     source = (
         "torchrun's WORLD_SIZE"

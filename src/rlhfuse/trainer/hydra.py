@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Sequence
+from typing import Any, Literal, Union, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -13,16 +18,71 @@ from rlhfuse.trainer.config import RLHFConfig
 SCHEMA_NAME = "rlhfuse_schema"
 
 
+def _schema_type(annotation: Any) -> Any:
+    """`annotation` as OmegaConf can check it: `Literal[...]` becomes str (its choices are checked by each
+    config's `problems()`), nested config dataclasses become their schema twins."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return str
+    if origin in (Union, types.UnionType):
+        return functools.reduce(lambda a, b: a | b, [_schema_type(a) for a in get_args(annotation)])
+    if origin is list:
+        return list[_schema_type(get_args(annotation)[0])]  # type: ignore[misc]
+    if dataclasses.is_dataclass(annotation):
+        return schema(annotation)  # type: ignore[arg-type]
+    return annotation
+
+
+@functools.cache
+def schema(cls: type) -> type:
+    """The OmegaConf structured-config twin of the config dataclass `cls` (same names, keys and defaults)."""
+    hints = typing.get_type_hints(cls)
+    fields: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(cls):
+        kind = _schema_type(hints[f.name])
+        if f.default_factory is not dataclasses.MISSING:
+            make = f.default_factory
+            twin = functools.partial(_to_schema, make) if dataclasses.is_dataclass(hints[f.name]) else make
+            fields.append((f.name, kind, dataclasses.field(default_factory=twin)))
+        else:
+            fields.append((f.name, kind, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def _to_schema(make: Any) -> Any:
+    return _as_schema(make())
+
+
+def _as_schema(value: Any) -> Any:
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    return schema(type(value))(
+        **{f.name: _as_schema(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    )
+
+
+def _from_container(cls: type, data: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    return cls(
+        **{
+            name: _from_container(hints[name], value) if dataclasses.is_dataclass(hints[name]) else value
+            for name, value in data.items()
+        }
+    )
+
+
 def register_schema() -> None:
-    """Register `RLHFConfig` as the schema `conf/config.yaml` builds on: YAML keys and types are checked."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=RLHFConfig)
+    """Register `RLHFConfig`'s schema as the one `conf/config.yaml` builds on: YAML keys and types are checked."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=schema(RLHFConfig))
 
 
 def to_config(cfg: DictConfig) -> RLHFConfig:
     """Convert a composed DictConfig into the typed `RLHFConfig` (library code never sees a DictConfig)."""
-    merged = OmegaConf.merge(OmegaConf.structured(RLHFConfig), cfg)
+    merged = OmegaConf.merge(OmegaConf.structured(schema(RLHFConfig)), cfg)
     OmegaConf.resolve(merged)
-    config = OmegaConf.to_object(merged)
+    container = OmegaConf.to_container(merged, resolve=True)
+    assert isinstance(container, dict)
+    config = _from_container(RLHFConfig, {str(k): v for k, v in container.items()})
     assert isinstance(config, RLHFConfig)
     return config
 

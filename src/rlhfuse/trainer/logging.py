@@ -9,14 +9,16 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlhfuse.core.config import choice_problems
 from rlhfuse.core.protocols import Logger
 
-BACKENDS = ("jsonl", "csv", "tensorboard", "wandb")
+Backend = Literal["jsonl", "csv", "tensorboard", "wandb"]
+BACKENDS = get_args(Backend)
 
 
 @dataclass
@@ -24,17 +26,20 @@ class LoggerConfig:
     # Registered logger set name (documentation only; the backends list is what counts).
     name: str = "default"
     # Metric sinks: jsonl (<run_dir>/metrics.jsonl) | csv | tensorboard | wandb.
-    backends: list[str] = field(default_factory=lambda: ["jsonl", "csv"])
+    backends: list[Backend] = field(default_factory=lambda: ["jsonl", "csv"])
     # W&B project and run name (null = the run directory's name).
     wandb_project: str = "rlhfuse"
     wandb_run_name: str | None = None
     # auto = online only when WANDB_API_KEY is set and api.wandb.ai answers within 2 s, else offline;
     # online | offline | disabled force a mode. The WANDB_MODE environment variable wins over auto.
-    wandb_mode: str = "auto"
+    wandb_mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     # Show a rich progress bar with the current stage and per-stage timings.
     progress: bool = True
     # Print one summary line per iteration.
     print_every: int = 1
+
+    def problems(self) -> list[str]:
+        return choice_problems(self, "logger")
 
 
 class JsonlLogger:

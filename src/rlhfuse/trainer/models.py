@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from rlhfuse.core.config import choice_problems, need
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, from_pretrained
 
@@ -35,7 +37,7 @@ class WarmStartConfig:
 @dataclass
 class ModelsConfig:
     # Registered model setup name: tiny (embedded, warm-started) | hf (local Hugging Face checkpoints).
-    name: str = "tiny"
+    name: Literal["tiny", "hf"] = "tiny"
     # Local Hugging Face checkpoint folders (config.json + *.safetensors). null = warm-start the embedded model.
     sft_path: str | None = None
     reward_path: str | None = None
@@ -44,7 +46,7 @@ class ModelsConfig:
     # Folder holding tokenizer.json (null = sft_path, or the embedded word-level tokenizer).
     tokenizer_path: str | None = None
     # Architecture of the embedded tiny model (ignored when loading checkpoints): llama | qwen2.
-    architecture: str = "llama"
+    architecture: Literal["llama", "qwen2"] = "llama"
     hidden_size: int = 64
     intermediate_size: int = 192
     num_layers: int = 2
@@ -52,6 +54,17 @@ class ModelsConfig:
     num_kv_heads: int = 2
     head_dim: int = 32
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+    def problems(self) -> list[str]:
+        problems = choice_problems(self, "model")
+        need(
+            problems,
+            (self.sft_path is None and self.reward_path is None)
+            or (self.sft_path is not None and (self.reward_path is not None or self.critic_path is not None)),
+            f"model.sft_path={self.sft_path!r}, model.reward_path={self.reward_path!r}: set both (the Critic starts "
+            "from the reward model unless model.critic_path is given), or neither to warm-start the embedded model",
+        )
+        return problems
 
 
 @dataclass

@@ -282,7 +282,7 @@ def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print)
         or samples % d.mini_batch_size
         or cfg.generator.max_new_tokens < 1
     ):
-        from rlhfuse.trainer.config import validate
+        from rlhfuse.trainer.validate import validate
 
         validate(cfg)  # raises the usual message naming the batch-size keys
     preset, reason = device_preset(device)

@@ -1,0 +1,56 @@
+"""Shared helpers of the component configs: each config dataclass declares its closed choices as `Literal[...]`
+types and lists its own problems (`problems()`, messages naming the key, the value and the fix); the trainer's
+`validate` gathers them with the rules that span several components into one error."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a `Literal[...]` annotation (also inside `X | None` and `list[X]`), else None."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    for arg in get_args(annotation):
+        if (choices := literal_choices(arg)) is not None:
+            return choices
+    return None
+
+
+def choice_problems(config: Any, prefix: str) -> list[str]:
+    """One problem per field of the dataclass `config` whose value is not among its `Literal` choices."""
+    problems = []
+    for f in dataclasses.fields(config):
+        choices = literal_choices(_hints(type(config))[f.name])  # type: ignore[arg-type]
+        if choices is None:
+            continue
+        value = getattr(config, f.name)
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if v is not None and v not in choices:
+                problems.append(f"{key}={v!r} is not one of {list(choices)}: set {key}=<one of them>")
+    return problems
+
+
+def need(problems: list[str], ok: bool, message: str) -> None:
+    """Add `message` to `problems` unless `ok`."""
+    if not ok:
+        problems.append(message)
+
+
+def positive(problems: list[str], key: str, value: float) -> None:
+    need(problems, value > 0, f"{key}={value} must be > 0")
+
+
+def non_negative(problems: list[str], key: str, value: float, zero: str) -> None:
+    """`value >= 0`; `zero` says what 0 means (e.g. "0 = off")."""
+    need(problems, value >= 0, f"{key}={value} must be >= 0 ({zero})")

@@ -1,0 +1,220 @@
+"""The components `build_trainer` composes, chosen by name: one builder per registered name of each config group
+(generator, inferencer, pipeline, migration), gathered in the registry table at the end of this module.
+
+A builder takes the `BuildContext` (validated config, loaded models, Fabric, optimizer step count) and returns the
+component. Your own builder can be named as `package.module:function` in your config (`rlhfuse.core.registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric import Fabric
+
+from rlhfuse.core.registry import Registry
+from rlhfuse.generation.generator import EngineGenerator
+from rlhfuse.generation.migration import FixedThreshold, NoMigration
+from rlhfuse.generation.tuning import AutoThreshold
+from rlhfuse.trainer.config import RLHFConfig
+from rlhfuse.trainer.generator import SamplingGenerator
+from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.models import Models
+from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.strategy import PlainStrategy
+
+
+@dataclass
+class BuildContext:
+    config: RLHFConfig
+    models: Models
+    fabric: Fabric
+    total_steps: int
+    strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
+
+
+def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
+    return SamplingGenerator(
+        ctx.models.actor,
+        ctx.config.generator,
+        eos_token_id=ctx.models.tokenizer.eos_id,
+        pad_token_id=ctx.models.tokenizer.pad_id,
+        samples_per_prompt=ctx.config.data.samples_per_prompt,
+        seed=ctx.config.seed,
+    )
+
+
+def _instances_args(ctx: BuildContext) -> dict[str, Any]:
+    """What every multi-instance generator takes: token ids, samples per prompt, seed, migration policy."""
+    mig = ctx.config.migration
+    return {
+        "eos_token_id": ctx.models.tokenizer.eos_id,
+        "pad_token_id": ctx.models.tokenizer.pad_id,
+        "samples_per_prompt": ctx.config.data.samples_per_prompt,
+        "seed": ctx.config.seed,
+        "policy": MIGRATION_POLICIES.get(mig.name)(ctx),
+        "bs_max": mig.bs_max,
+    }
+
+
+def engine_generator(ctx: BuildContext) -> EngineGenerator:
+    mig = ctx.config.migration
+    return EngineGenerator(
+        ctx.models.actor,
+        ctx.config.generator,
+        mechanism=mig.mechanism,
+        link_bytes_per_s=mig.link_bytes_per_s,
+        **_instances_args(ctx),
+    )
+
+
+def vllm_generator(ctx: BuildContext) -> Any:
+    from rlhfuse.generation.vllm_engine import VLLMGenerator  # vLLM is an optional extra
+
+    return VLLMGenerator(
+        ctx.models.actor,
+        ctx.config.generator,
+        max_prompt_len=ctx.config.data.max_prompt_length,
+        device=next(ctx.models.actor.parameters()).device,
+        **_instances_args(ctx),
+    )
+
+
+def model_inferencer(ctx: BuildContext) -> ModelInferencer:
+    cfg = ctx.config.inferencer
+    return ModelInferencer(
+        cfg,
+        actor=ctx.models.actor,
+        ref=ctx.models.ref,
+        critic=ctx.models.critic,
+        reward_model=ctx.models.reward if cfg.use_reward_model else None,
+        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        tokenizer=ctx.models.tokenizer,
+        temperature=ctx.config.generator.temperature,
+        autocast=ctx.fabric.autocast,
+    )
+
+
+def pipeline_inferencer(ctx: BuildContext) -> Any:
+    from rlhfuse.runtime.inference import PipelineInferencer
+
+    cfg, models = ctx.config.inferencer, ctx.models
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+
+    if not isinstance(ctx.strategy, FusedPipelineStrategy):
+        raise ValueError(
+            f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
+            "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
+        )
+    named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
+    if cfg.use_reward_model:
+        named["reward"] = models.reward
+    return PipelineInferencer(
+        cfg,
+        ctx.strategy.layout,
+        named,
+        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        tokenizer=models.tokenizer,
+        temperature=ctx.config.generator.temperature,
+        timeout_s=ctx.config.distributed.timeout_s,
+        prefetch=ctx.config.pipeline.prefetch,
+        autocast=ctx.fabric.autocast,
+    )
+
+
+def plain_strategy(ctx: BuildContext) -> PlainStrategy:
+    return PlainStrategy(
+        ctx.models.actor,
+        ctx.models.critic,
+        ctx.config.pipeline,
+        ctx.config.algorithm,
+        fabric=ctx.fabric,
+        total_steps=ctx.total_steps,
+        micro_batch_size=ctx.config.data.micro_batch_size,
+        micro_batch_tokens=ctx.config.data.micro_batch_tokens,
+        temperature=ctx.config.generator.temperature,
+        group=dist.group.WORLD if ctx.fabric.world_size > 1 else None,  # data-parallel: one rank per instance
+    )
+
+
+def fused_strategy(ctx: BuildContext) -> Any:
+    return _pipeline_strategy(ctx, "fused")
+
+
+def serial_1f1b_strategy(ctx: BuildContext) -> Any:
+    return _pipeline_strategy(ctx, "serial_1f1b")
+
+
+def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+
+    cfg = ctx.config
+    return FusedPipelineStrategy(
+        ctx.models.actor,
+        ctx.models.critic,
+        cfg.pipeline,
+        cfg.algorithm,
+        total_steps=ctx.total_steps,
+        mini_batch_size=cfg.data.mini_batch_size,
+        micro_batch_size=cfg.data.micro_batch_size,
+        micro_batch_tokens=cfg.data.micro_batch_tokens,
+        temperature=cfg.generator.temperature,
+        schedule=schedule,
+        timeout_s=cfg.distributed.timeout_s,
+        autocast=ctx.fabric.autocast,
+    )
+
+
+def migration_off(ctx: BuildContext) -> NoMigration:
+    return NoMigration()
+
+
+def fixed_threshold(ctx: BuildContext) -> FixedThreshold:
+    return FixedThreshold(ctx.config.migration.threshold)
+
+
+def auto_threshold(ctx: BuildContext) -> AutoThreshold:
+    mig = ctx.config.migration
+    return AutoThreshold(mig.threshold, instances=ctx.config.generator.instances, bs_max=mig.bs_max)
+
+
+Builder = Callable[[BuildContext], Any]
+
+# The registry table: every name a config group may choose, and the builder it selects.
+GENERATORS: Registry[Builder] = Registry(
+    "generator",
+    "generator.name",
+    {
+        "sampling": sampling_generator,
+        "engine": engine_generator,
+        "vllm": vllm_generator,
+    },
+)
+INFERENCERS: Registry[Builder] = Registry(
+    "inferencer",
+    "inferencer.name",
+    {
+        "models": model_inferencer,
+        "pipeline": pipeline_inferencer,
+    },
+)
+STRATEGIES: Registry[Builder] = Registry(
+    "strategy",
+    "pipeline.name",
+    {
+        "plain": plain_strategy,
+        "fused": fused_strategy,
+        "serial_1f1b": serial_1f1b_strategy,
+    },
+)
+MIGRATION_POLICIES: Registry[Builder] = Registry(
+    "migration policy",
+    "migration.name",
+    {
+        "off": migration_off,
+        "fixed": fixed_threshold,
+        "auto": auto_threshold,
+    },
+)
