@@ -39,7 +39,7 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
 
     torch.set_num_threads(1)
     cfg = compose_config()
-    task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.max_new_tokens,
+    task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.sampling.max_new_tokens,
                          length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma)  # fmt: skip
     sft, reward = warm_start(cfg.model, task, seed=cfg.seed, log=lambda _: None)
     models = load_models(cfg.model, sft_path=str(sft), reward_path=str(reward), device=torch.device("cpu"))
@@ -49,7 +49,9 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
         .next_batch(), tok.pad_id)  # fmt: skip
     inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
                                  reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
-    params = SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, stop_token_ids=(tok.eos_id,))
+    params = SamplingParams(
+        max_new_tokens=cfg.generator.sampling.max_new_tokens, stop_token_ids=(tok.eos_id,)
+    )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     results: dict[str, list[float]] = {}

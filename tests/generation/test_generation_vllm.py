@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import (
     CostProfile,
@@ -15,6 +16,7 @@ from rlhfuse.generation import (
     SamplingParams,
     requests_for,
 )
+from rlhfuse.generation.config import VLLMOptions
 from rlhfuse.generation.vllm_engine import VLLMGenerator  # imports vllm only when an engine is built
 from rlhfuse.models import ModelConfig, Transformer
 
@@ -63,11 +65,9 @@ def _prompts(count: int, seed: int = 1) -> PromptBatch:
 def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, bs_max=4):
     config = GenerationConfig(
         name="vllm",
-        max_new_tokens=MAX_NEW,
-        temperature=temperature,
-        stop_token_ids=STOPS,
+        sampling=GeneratorConfig(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=STOPS),
         instances=instances,
-        vllm_kv_cache_gb=0.25,
+        vllm=VLLMOptions(vllm_kv_cache_gb=0.25),
     )
     return VLLMGenerator(
         model,

@@ -169,6 +169,7 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
     from runtime_helpers import random_batch
 
     from rlhfuse.core.advantages import AlgorithmConfig
+    from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.runtime.config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
@@ -177,7 +178,9 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
         torch.manual_seed(0)
         cfg = ModelConfig.tiny(num_layers=2)
         actor, critic = Transformer(cfg, head="lm").double(), Transformer(cfg, head="value").double()
-        pcfg = PipelineConfig(name="fused", microbatches=2, search_budget_s=0.0, warmup_steps=2)
+        pcfg = PipelineConfig(
+            name="fused", optim=OptimConfig(warmup_steps=2), microbatches=2, search_budget_s=0.0
+        )
         return FusedPipelineStrategy(
             actor, critic, pcfg, AlgorithmConfig(), total_steps=8, mini_batch_size=16, micro_batch_size=4,
             micro_batch_tokens=24, timeout_s=60, log=lambda _: None,

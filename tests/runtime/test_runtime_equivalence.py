@@ -133,6 +133,7 @@ def _strategy_worker(rank: int, world: int) -> None:
     """FusedPipelineStrategy (profiling step, then the searched schedule) vs PlainStrategy: same weights."""
     from lightning.fabric import Fabric
 
+    from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
@@ -142,7 +143,10 @@ def _strategy_worker(rank: int, world: int) -> None:
     algo = AlgorithmConfig()
     for schedule in ("fused", "serial_1f1b"):
         cfg = PipelineConfig(
-            name=schedule, microbatches=2, search_budget_s=0.0, warmup_steps=1, grad_clip=0.5
+            name=schedule,
+            optim=OptimConfig(warmup_steps=1, grad_clip=0.5),
+            microbatches=2,
+            search_budget_s=0.0,
         )
         fused = FusedPipelineStrategy(
             models["actor"],
@@ -159,7 +163,7 @@ def _strategy_worker(rank: int, world: int) -> None:
         plain = PlainStrategy(
             plain_models["actor"],
             plain_models["critic"],
-            cfg,
+            cfg.optim,
             algo,
             fabric=Fabric(accelerator="cpu", devices=1),
             total_steps=4,
@@ -203,7 +207,7 @@ def _token_budget_worker(rank: int, world: int) -> None:
         log=lambda _: None, **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
     plain = PlainStrategy(
-        plain_models["actor"], plain_models["critic"], cfg, algo, fabric=Fabric(accelerator="cpu", devices=1),
+        plain_models["actor"], plain_models["critic"], cfg.optim, algo, fabric=Fabric(accelerator="cpu", devices=1),
         **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
     counts, schedules = [], []

@@ -35,7 +35,7 @@ def test_every_experiment_composes_into_the_typed_config(name):
 
 def test_command_line_style_overrides_reach_the_dataclasses():
     cfg = compose_config(["algorithm.kl_coef=0.05", "generator.max_new_tokens=64", "logger=wandb", "seed=7"])
-    assert cfg.algorithm.kl_coef == 0.05 and cfg.generator.max_new_tokens == 64 and cfg.seed == 7
+    assert cfg.algorithm.kl_coef == 0.05 and cfg.generator.sampling.max_new_tokens == 64 and cfg.seed == 7
     assert "wandb" in cfg.logger.backends
     # the shipped YAML defaults and the dataclass defaults are the same job (plain dataclasses inside)
     assert compose_config() == RLHFConfig()

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.trainer import compose_config, validate
 
 STEPS, MINI_BATCH = 3, 8  # three mini-batches: the second and third steps use AdamW's moments
@@ -55,7 +55,7 @@ def _strategy(actor, critic, reduction: str, group=None):
     return PlainStrategy(
         actor,
         critic,
-        PipelineConfig(warmup_steps=1, grad_clip=0.5),
+        OptimConfig(warmup_steps=1, grad_clip=0.5),
         AlgorithmConfig(loss_reduction=reduction),
         fabric=Fabric(accelerator="cpu", devices=1),
         total_steps=STEPS,

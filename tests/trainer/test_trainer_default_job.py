@@ -39,5 +39,5 @@ def test_default_job_reward_rises_with_long_tailed_lengths(tmp_path):
     assert mean("task/score", last) > 0.35
     # long-tailed lengths all along: p99 well above the median, and a few responses near the limit
     assert statistics.median(r["response_length/p99"] / r["response_length/p50"] for r in rows) >= 2.5
-    assert max(r["response_length/max"] for r in last) >= 0.75 * cfg.generator.max_new_tokens
+    assert max(r["response_length/max"] for r in last) >= 0.75 * cfg.generator.sampling.max_new_tokens
     assert (run / "actor_hf" / "config.json").is_file()

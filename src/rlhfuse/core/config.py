@@ -7,7 +7,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from typing import Any, Literal, get_args, get_origin
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+C = TypeVar("C")
+
+FLAT = "flatten"
+
+
+def flat_field(cls: Callable[[], C]) -> C:
+    """A config composed into its parent with its keys at the parent's level: `pipeline.actor_lr` is
+    `PipelineConfig.optim.actor_lr`. Hydra's YAML stays flat; the code reads the composed parts."""
+    return dataclasses.field(default_factory=cls, metadata={FLAT: True})  # type: ignore[no-any-return]
+
+
+def is_flat(f: dataclasses.Field[Any]) -> bool:
+    return bool(f.metadata.get(FLAT))
 
 
 @functools.cache
@@ -29,6 +44,9 @@ def choice_problems(config: Any, prefix: str) -> list[str]:
     """One problem per field of the dataclass `config` whose value is not among its `Literal` choices."""
     problems = []
     for f in dataclasses.fields(config):
+        if is_flat(f):
+            problems += choice_problems(getattr(config, f.name), prefix)
+            continue
         choices = literal_choices(_hints(type(config))[f.name])  # type: ignore[arg-type]
         if choices is None:
             continue

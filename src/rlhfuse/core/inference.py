@@ -6,7 +6,9 @@ Legend: B samples, T tokens (prompt + response), R response tokens, V vocabulary
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -15,8 +17,13 @@ from rlhfuse.algorithms import logprobs_from_logits
 from rlhfuse.core.config import need, non_negative
 from rlhfuse.core.registry import RewardFn
 from rlhfuse.core.types import Rollout
-from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
+
+
+class Decoder(Protocol):
+    """What a rule-based reward needs of a tokenizer: token ids back to text."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass
@@ -89,7 +96,7 @@ def sequence_scores(reward_model: Transformer, rollout: Rollout) -> Tensor:
     return scores_from_output(values_BT, rollout)
 
 
-def rule_scores(reward_fn: RewardFn, tokenizer: Tokenizer, rollout: Rollout) -> Tensor:
+def rule_scores(reward_fn: RewardFn, tokenizer: Decoder, rollout: Rollout) -> Tensor:
     """The rule-based reward [B] of each sample (float32), from the decoded prompt and response."""
     prompts = [tokenizer.decode(ids.tolist()) for ids in rollout.prompt_ids_BP.cpu()]
     responses = [
@@ -107,7 +114,7 @@ def final_scores(
     rollout: Rollout,
     model_scores_B: Tensor | None,
     reward_fn: RewardFn | None,
-    tokenizer: Tokenizer,
+    tokenizer: Decoder,
 ) -> Tensor:
     """The sequence score [B]: reward-model score (if any) + weighted rule reward (if any), with
     `config.truncated_score` for responses cut without EOS."""

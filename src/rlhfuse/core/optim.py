@@ -14,9 +14,9 @@ from rlhfuse.core.types import TrainBatch
 
 
 @dataclass
-class StrategyConfig:
-    # Registered strategy name: plain (single process, Actor then Critic, no pipeline).
-    name: str = "plain"
+class OptimConfig:
+    """The optimizer settings of every training strategy (keys `pipeline.*`, composed into `PipelineConfig`)."""
+
     # Peak learning rates (AdamW).
     actor_lr: float = 5e-4
     critic_lr: float = 5e-4
@@ -46,6 +46,9 @@ class StrategyConfig:
         return problems
 
 
+StrategyConfig = OptimConfig  # the name earlier releases and docs used
+
+
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -57,7 +60,7 @@ def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
 
 
 def build_optimizer(
-    params: Any, lr: float, config: StrategyConfig, total_steps: int
+    params: Any, lr: float, config: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `params` at peak `lr`, with the config's warmup + decay schedule over `total_steps`."""
     optim = torch.optim.AdamW(

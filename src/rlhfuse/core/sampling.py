@@ -17,8 +17,8 @@ from rlhfuse.core.config import need, non_negative, positive
 
 @dataclass
 class GeneratorConfig:
-    # Registered generator name: sampling (single process, batched, KV cache).
-    name: str = "sampling"
+    """The sampling settings every generator reads (keys `generator.*`, composed into `GenerationConfig`)."""
+
     # Longest response, in tokens (EOS included).
     max_new_tokens: int = 48
     # Softmax temperature; 0 = greedy.

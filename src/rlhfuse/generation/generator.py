@@ -63,11 +63,11 @@ class EngineGenerator:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
         self.params = SamplingParams(
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_k=config.top_k,
-            top_p=config.top_p,
-            stop_token_ids=tuple(sorted({eos_token_id, *config.stop_token_ids})),
+            max_new_tokens=config.sampling.max_new_tokens,
+            temperature=config.sampling.temperature,
+            top_k=config.sampling.top_k,
+            top_p=config.sampling.top_p,
+            stop_token_ids=tuple(sorted({eos_token_id, *config.sampling.stop_token_ids})),
         )
         # one copy now; the in-process mode adds the other instances' copies on first use
         self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
@@ -98,7 +98,7 @@ class EngineGenerator:
 
     def _engines_for(self, prompt_width: int, batch: int, count: int) -> list[GenerationEngine]:
         max_len = prompt_width + self.params.max_new_tokens
-        slots = self.config.num_slots or batch
+        slots = self.config.engine.num_slots or batch
         while len(self.models) < count:
             self.models.append(copy.deepcopy(self.models[0]))
         if (
@@ -113,7 +113,7 @@ class EngineGenerator:
                     self.params,
                     num_slots=slots,
                     max_len=max_len,
-                    prefix_sharing=self.config.prefix_sharing,
+                    prefix_sharing=self.config.engine.prefix_sharing,
                 )
                 for model in self.models[:count]
             ]

@@ -349,18 +349,18 @@ class VLLMGenerator:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
         self.params = SamplingParams(
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_k=config.top_k,
-            top_p=config.top_p,
-            stop_token_ids=tuple(sorted({eos_token_id, *config.stop_token_ids})),
+            max_new_tokens=config.sampling.max_new_tokens,
+            temperature=config.sampling.temperature,
+            top_k=config.sampling.top_k,
+            top_p=config.sampling.top_p,
+            stop_token_ids=tuple(sorted({eos_token_id, *config.sampling.stop_token_ids})),
         )
         self.actor_config = actor.config
         self.pad_token_id = pad_token_id
         self.samples_per_prompt = samples_per_prompt
         self.seed = seed
         self.device = torch.device(device)
-        self.max_len = max_prompt_len + config.max_new_tokens
+        self.max_len = max_prompt_len + config.sampling.max_new_tokens
         self.policy: MigrationPolicy = policy or NoMigration()
         self.coordinator = Coordinator([], bs_max=bs_max, mechanism="reprefill")
         self._tmp = tempfile.TemporaryDirectory(prefix="rlhfuse-vllm-")
@@ -370,7 +370,7 @@ class VLLMGenerator:
         self._predicted: tuple[object, object] | None = None
 
     def _instances(self, batch: int) -> list[VLLMInstance]:
-        slots = self.config.num_slots or batch
+        slots = self.config.engine.num_slots or batch
         while len(self.instances) < self.config.instances:
             self.instances.append(
                 VLLMInstance(
@@ -379,10 +379,10 @@ class VLLMGenerator:
                     self.params,
                     max_len=self.max_len,
                     max_num_seqs=slots,
-                    prefix_caching=self.config.prefix_sharing,
+                    prefix_caching=self.config.engine.prefix_sharing,
                     device=self.device,
-                    kv_cache_bytes=int(self.config.vllm_kv_cache_gb * (1 << 30)),
-                    gpu_memory_utilization=self.config.vllm_gpu_memory_utilization,
+                    kv_cache_bytes=int(self.config.vllm.vllm_kv_cache_gb * (1 << 30)),
+                    gpu_memory_utilization=self.config.vllm.vllm_gpu_memory_utilization,
                     seed=self.seed,
                 )
             )

@@ -7,15 +7,22 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rlhfuse.core.config import choice_problems, need, positive
-from rlhfuse.core.optim import StrategyConfig
+from rlhfuse.core.config import choice_problems, flat_field, need, positive
+from rlhfuse.core.optim import OptimConfig
 
 PIPELINE_STRATEGIES = ("fused", "serial_1f1b")
 
 
 @dataclass
-class PipelineConfig(StrategyConfig):
-    """`StrategyConfig` plus the pipeline fields (read by pipeline=fused / serial_1f1b; plain ignores them)."""
+class PipelineConfig:
+    """The training strategy (Hydra group `pipeline`): its name, the optimizer settings every strategy reads
+    (`optim`, keys `pipeline.actor_lr` ...) and the pipeline fields (read by pipeline=fused / serial_1f1b; plain
+    ignores them)."""
+
+    # Registered strategy name: plain (no pipeline: one process, or data parallel over the generation
+    # instances) | fused | serial_1f1b (Actor and Critic pipelines on the same ranks).
+    name: str = "plain"
+    optim: OptimConfig = flat_field(OptimConfig)
 
     # Pipeline stages of the Actor / the Critic. The model with more stages spans a fused group of ranks in
     # order; the other runs (larger pp / its pp) replicas reversed over blocks of ranks. World size must be
@@ -32,6 +39,9 @@ class PipelineConfig(StrategyConfig):
     balance: bool = True
     # Receives are posted this many compute ops before their consumer.
     prefetch: int = 1
+
+    def problems(self) -> list[str]:
+        return self.optim.problems()
 
 
 @dataclass

@@ -86,12 +86,12 @@ class FusedPipelineStrategy:
         self.autocast = autocast
         # every stage of every model (the same split on all ranks), for weight gathering
         self.all_stages = {m: split_stages(self.models[m], self.layout.stages(m)) for m in MODELS}
-        lrs = {"actor": config.actor_lr, "critic": config.critic_lr}
+        lrs = {"actor": config.optim.actor_lr, "critic": config.optim.critic_lr}
         self.optims: dict[str, torch.optim.Optimizer] = {}
         self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
         for m in MODELS:
             self.optims[m], self.scheds[m] = build_optimizer(
-                self._local_params(m), lrs[m], config, total_steps
+                self._local_params(m), lrs[m], config.optim, total_steps
             )
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
@@ -275,8 +275,8 @@ class FusedPipelineStrategy:
                 optim.zero_grad(set_to_none=True)
             raise NonFiniteError(f"{model}/grad_norm is {norm}")
         params = self._local_params(model)
-        if self.config.grad_clip > 0:
-            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
+        if self.config.optim.grad_clip > 0:
+            coef = min(1.0, self.config.optim.grad_clip / (norm + 1e-6))
             if coef < 1.0:
                 for p in params:
                     if p.grad is not None:

@@ -15,6 +15,7 @@ from rlhfuse.core.optim import StrategyConfig
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
 from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
+from rlhfuse.generation.config import EngineOptions, GenerationConfig, VLLMOptions
 from rlhfuse.trainer.build import build_trainer
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import SamplingGenerator
@@ -31,7 +32,10 @@ __all__ = [
     "CheckpointError",
     "Experience",
     "Generator",
+    "EngineOptions",
+    "GenerationConfig",
     "GeneratorConfig",
+    "VLLMOptions",
     "Inferencer",
     "InferencerConfig",
     "Logger",

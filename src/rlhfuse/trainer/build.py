@@ -48,7 +48,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
-    precision = config.pipeline.precision
+    precision = config.pipeline.optim.precision
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     accelerator = "cuda" if device.type == "cuda" else "cpu"
@@ -108,7 +108,7 @@ def build_trainer(
     if warm:
         task = SyntheticTask(
             seed=config.seed,
-            max_new_tokens=config.generator.max_new_tokens,
+            max_new_tokens=config.generator.sampling.max_new_tokens,
             length_median=config.data.length_median,
             length_sigma=config.data.length_sigma,
         )

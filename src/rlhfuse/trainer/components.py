@@ -38,7 +38,7 @@ class BuildContext:
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
     return SamplingGenerator(
         ctx.models.actor,
-        ctx.config.generator,
+        ctx.config.generator.sampling,
         eos_token_id=ctx.models.tokenizer.eos_id,
         pad_token_id=ctx.models.tokenizer.pad_id,
         samples_per_prompt=ctx.config.data.samples_per_prompt,
@@ -92,7 +92,7 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
         reward_model=ctx.models.reward if cfg.use_reward_model else None,
         reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
         tokenizer=ctx.models.tokenizer,
-        temperature=ctx.config.generator.temperature,
+        temperature=ctx.config.generator.sampling.temperature,
         autocast=ctx.fabric.autocast,
     )
 
@@ -117,7 +117,7 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
         named,
         reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
         tokenizer=models.tokenizer,
-        temperature=ctx.config.generator.temperature,
+        temperature=ctx.config.generator.sampling.temperature,
         timeout_s=ctx.config.distributed.timeout_s,
         prefetch=ctx.config.pipeline.prefetch,
         autocast=ctx.fabric.autocast,
@@ -128,13 +128,13 @@ def plain_strategy(ctx: BuildContext) -> PlainStrategy:
     return PlainStrategy(
         ctx.models.actor,
         ctx.models.critic,
-        ctx.config.pipeline,
+        ctx.config.pipeline.optim,
         ctx.config.algorithm,
         fabric=ctx.fabric,
         total_steps=ctx.total_steps,
         micro_batch_size=ctx.config.data.micro_batch_size,
         micro_batch_tokens=ctx.config.data.micro_batch_tokens,
-        temperature=ctx.config.generator.temperature,
+        temperature=ctx.config.generator.sampling.temperature,
         group=dist.group.WORLD if ctx.fabric.world_size > 1 else None,  # data-parallel: one rank per instance
     )
 
@@ -160,7 +160,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         mini_batch_size=cfg.data.mini_batch_size,
         micro_batch_size=cfg.data.micro_batch_size,
         micro_batch_tokens=cfg.data.micro_batch_tokens,
-        temperature=cfg.generator.temperature,
+        temperature=cfg.generator.sampling.temperature,
         schedule=schedule,
         timeout_s=cfg.distributed.timeout_s,
         autocast=ctx.fabric.autocast,

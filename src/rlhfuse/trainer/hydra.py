@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from rlhfuse._resources import conf_dir
+from rlhfuse.core.config import is_flat
 from rlhfuse.trainer.config import RLHFConfig
 
 SCHEMA_NAME = "rlhfuse_schema"
@@ -35,18 +36,27 @@ def _schema_type(annotation: Any) -> Any:
 
 @functools.cache
 def schema(cls: type) -> type:
-    """The OmegaConf structured-config twin of the config dataclass `cls` (same names, keys and defaults)."""
-    hints = typing.get_type_hints(cls)
+    """The OmegaConf structured-config twin of the config dataclass `cls`: the same keys and defaults, with
+    the fields of flat-composed parts (`rlhfuse.core.config.flat_field`) at the parent's level."""
     fields: list[tuple[str, Any, Any]] = []
-    for f in dataclasses.fields(cls):
-        kind = _schema_type(hints[f.name])
+    for f, kind in _leaf_fields(cls):
         if f.default_factory is not dataclasses.MISSING:
-            make = f.default_factory
-            twin = functools.partial(_to_schema, make) if dataclasses.is_dataclass(hints[f.name]) else make
-            fields.append((f.name, kind, dataclasses.field(default_factory=twin)))
+            make = functools.partial(_to_schema, f.default_factory)
+            fields.append((f.name, kind, dataclasses.field(default_factory=make)))
         else:
             fields.append((f.name, kind, dataclasses.field(default=f.default)))
     return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def _leaf_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[dataclasses.Field[Any], Any]] = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if is_flat(f):
+            out += _leaf_fields(hints[f.name])
+        else:
+            out.append((f, _schema_type(hints[f.name])))
+    return out
 
 
 def _to_schema(make: Any) -> Any:
@@ -54,21 +64,34 @@ def _to_schema(make: Any) -> Any:
 
 
 def _as_schema(value: Any) -> Any:
+    """A default value as the schema holds it (config dataclass instances become their twins)."""
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return value
-    return schema(type(value))(
-        **{f.name: _as_schema(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    )
+    return schema(type(value))(**_flat_values(value))
+
+
+def _flat_values(value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(value):
+        if is_flat(f):
+            out.update(_flat_values(getattr(value, f.name)))
+        else:
+            out[f.name] = _as_schema(getattr(value, f.name))
+    return out
 
 
 def _from_container(cls: type, data: dict[str, Any]) -> Any:
+    """The config dataclass `cls` from its schema twin's container (flat parts regrouped)."""
     hints = typing.get_type_hints(cls)
-    return cls(
-        **{
-            name: _from_container(hints[name], value) if dataclasses.is_dataclass(hints[name]) else value
-            for name, value in data.items()
-        }
-    )
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        kind = hints[f.name]
+        if is_flat(f):
+            kwargs[f.name] = _from_container(kind, data)
+        elif f.name in data:
+            value = data[f.name]
+            kwargs[f.name] = _from_container(kind, value) if dataclasses.is_dataclass(kind) else value  # type: ignore[arg-type]
+    return cls(**kwargs)
 
 
 def register_schema() -> None:

@@ -110,7 +110,7 @@ def workload_for(cfg: RLHFConfig) -> Workload:
     return Workload(
         global_batch=d.prompts_per_iteration * d.samples_per_prompt,
         mini_batch=d.mini_batch_size,
-        max_len=cfg.generator.max_new_tokens,
+        max_len=cfg.generator.sampling.max_new_tokens,
         responses=responses,
         prompts=prompts,
         prompt_cap=d.max_prompt_length,
@@ -280,7 +280,7 @@ def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print)
         d.mini_batch_size <= 0
         or samples <= 0
         or samples % d.mini_batch_size
-        or cfg.generator.max_new_tokens < 1
+        or cfg.generator.sampling.max_new_tokens < 1
     ):
         from rlhfuse.trainer.validate import validate
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from rlhfuse.core import losses
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.errors import NonFiniteError
-from rlhfuse.core.optim import StrategyConfig, build_optimizer, micro_batches
+from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
 from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
@@ -38,7 +38,7 @@ class PlainStrategy:
         self,
         actor: Transformer,
         critic: Transformer,
-        config: StrategyConfig,
+        config: OptimConfig,
         algorithm: AlgorithmConfig,
         *,
         fabric: Fabric,

@@ -34,7 +34,7 @@ def validate(cfg: RLHFConfig) -> DerivedCounts:
 def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     problems: list[str] = []
     d, g, m, i = cfg.data, cfg.generator, cfg.model, cfg.inferencer
-    longest = d.max_prompt_length + g.max_new_tokens
+    longest = d.max_prompt_length + g.sampling.max_new_tokens
     need(
         problems,
         d.micro_batch_tokens == 0 or d.micro_batch_tokens >= longest,
