@@ -72,7 +72,7 @@ def _check_scenario(
                 loss, stats = losses[name](out, m)
                 (loss * w).backward()
                 key = "loss/policy" if name == "actor" else "loss/value"
-                want_stats[key] += stats[key] * w
+                want_stats[key] += stats.metrics()[key] * w
     where = f"rank {rank} {kind} actor.pp={actor_pp} critic.pp={critic_pp} dp={dp} M={mbs}"
     for name in ("actor", "critic"):
         names = {id(p): n for n, p in models[name].named_parameters()}
@@ -89,7 +89,7 @@ def _check_scenario(
         total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in oracle[name].parameters()))
         assert result.grad_norm[name] == pytest.approx(total, rel=1e-10), where
     for key, value in want_stats.items():
-        assert result.stats[key] == pytest.approx(value, rel=1e-10, abs=1e-12), f"{where}: {key}"
+        assert result.stats.metrics()[key] == pytest.approx(value, rel=1e-10, abs=1e-12), f"{where}: {key}"
 
 
 def _two_rank_worker(rank: int, world: int, *then: Callable[[int, int], None]) -> None:
