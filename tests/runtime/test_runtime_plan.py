@@ -14,6 +14,7 @@ from rlhfuse.runtime.config import PIPELINE_STRATEGIES
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.plan import (
     PLANNERS,
+    PlanOptions,
     StageProfile,
     plan_fused,
     plan_serial_1f1b,
@@ -58,7 +59,7 @@ def test_plans_are_frozen_lowered_and_predicted_from_the_profile() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         before.microbatches = 2  # type: ignore[misc]
 
-    serial = plan_serial_1f1b(LAYOUT, profile, 6, prefetch=1, search_budget_s=5.0)
+    serial = plan_serial_1f1b(LAYOUT, profile, 6, PlanOptions(prefetch=1, search_budget_s=5.0))
     assert serial.microbatches == 6 and serial.schedule == serial_one_f_one_b(serial.problem)
     assert serial.profiled is not None and serial.predicted_s == serial.predicted_serial_s > 0
     assert serial.note == "" and len(serial.program.streams) == LAYOUT.group_size
@@ -69,7 +70,7 @@ def test_plans_are_frozen_lowered_and_predicted_from_the_profile() -> None:
         searches.append(search())
         return searches[-1]
 
-    fused = plan_fused(LAYOUT, profile, 4, prefetch=1, search_budget_s=0.0, agree=agree)
+    fused = plan_fused(LAYOUT, profile, 4, PlanOptions(prefetch=1, search_budget_s=0.0), agree)
     assert len(searches) == 1 and fused.schedule is searches[0]
     assert fused.profiled is not None
     assert fused.predicted_s == simulate(fused.profiled, fused.schedule).makespan

@@ -137,16 +137,25 @@ def _serial_makespan(profiled: Problem) -> float:
     return simulate(profiled, serial_one_f_one_b(profiled)).makespan
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """prefetch: receives are posted this many compute ops before their consumer; search_budget_s: seconds of
+    annealing for the fused schedule (0 = the paper's greedy)."""
+
+    prefetch: int = 1
+    search_budget_s: float = 0.0
+
+
 class Planner(Protocol):
+    """A planning function: the plan for `microbatches` micro-batches per group from the profiled stage times."""
+
     def __call__(
         self,
         layout: ParallelLayout,
         profile: StageProfile,
         microbatches: int,
-        *,
-        prefetch: int,
-        search_budget_s: float,
-        agree: Agree = here,
+        options: PlanOptions,
+        agree: Agree = ...,
     ) -> PipelinePlan: ...
 
 
@@ -154,9 +163,7 @@ def plan_serial_1f1b(
     layout: ParallelLayout,
     profile: StageProfile,
     microbatches: int,
-    *,
-    prefetch: int,
-    search_budget_s: float,
+    options: PlanOptions,
     agree: Agree = here,
 ) -> PipelinePlan:
     """The baseline: serial 1F1B, with its makespan predicted from the profiled stage times (no search)."""
@@ -164,7 +171,7 @@ def plan_serial_1f1b(
     return lowered_plan(
         layout,
         microbatches,
-        prefetch=prefetch,
+        prefetch=options.prefetch,
         profile=profile,
         predicted_s=serial,
         predicted_serial_s=serial,
@@ -175,19 +182,17 @@ def plan_fused(
     layout: ParallelLayout,
     profile: StageProfile,
     microbatches: int,
-    *,
-    prefetch: int,
-    search_budget_s: float,
+    options: PlanOptions,
     agree: Agree = here,
 ) -> PipelinePlan:
-    """The fused schedule searched on the profiled stage times (`search_budget_s` seconds of annealing, 0 = the
-    paper's greedy); `agree` makes every rank use the same one."""
+    """The fused schedule searched on the profiled stage times (`options.search_budget_s` seconds of annealing,
+    0 = the paper's greedy); `agree` makes every rank use the same one."""
     profiled = profile.problem(layout, microbatches)
     serial = _serial_makespan(profiled)
 
     def search() -> Schedule:
-        if search_budget_s > 0:
-            return solve(profiled, SearchConfig(time_budget=search_budget_s)).schedule
+        if options.search_budget_s > 0:
+            return solve(profiled, SearchConfig(time_budget=options.search_budget_s)).schedule
         return greedy(profiled)
 
     schedule = agree(search)
@@ -200,7 +205,7 @@ def plan_fused(
         layout,
         microbatches,
         schedule,
-        prefetch=prefetch,
+        prefetch=options.prefetch,
         profile=profile,
         predicted_s=predicted,
         predicted_serial_s=serial,

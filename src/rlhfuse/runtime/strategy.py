@@ -35,6 +35,7 @@ from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.plan import (
     PipelinePlan,
+    PlanOptions,
     StageProfile,
     lowered_plan,
     planner_for,
@@ -193,14 +194,8 @@ class FusedPipelineStrategy:
     def _planned(self, microbatches: int) -> PipelinePlan:
         """Collective: a new plan from the profile, cached."""
         assert self.profile is not None
-        plan = self.planner(
-            self.layout,
-            self.profile,
-            microbatches,
-            prefetch=self.config.prefetch,
-            search_budget_s=self.config.search_budget_s,
-            agree=self._from_rank0,
-        )
+        options = PlanOptions(self.config.prefetch, self.config.search_budget_s)
+        plan = self.planner(self.layout, self.profile, microbatches, options, self._from_rank0)
         if self.rank == 0 and plan.note:
             self.log(f"rlhfuse: {plan.note}")
         self.plans[microbatches] = plan
