@@ -45,6 +45,14 @@ from rlhfuse.runtime.plan import (
 
 
 class FusedPipelineStrategy:
+    """The trainer's `Strategy` over the pipeline runtime. `schedule` names the planning function in `PLANNERS`
+    (fused | serial_1f1b); the rest is the layout (from `config` and the world size) and the update's settings.
+
+    Parts: `shards` (this rank's stages), `optimizers`, `executor` (runs a plan), `checkpointer` (sharded);
+    state: `profile` (None until the profiling step ran), `plans` (one per micro-batch count), `plan` (the
+    next step's).
+    """
+
     def __init__(
         self,
         actor: Transformer,
@@ -94,6 +102,7 @@ class FusedPipelineStrategy:
         # the stage times measured on the profiling step (None until it ran), the plans made from them per
         # micro-batch count, and the plan the next step runs
         self.profile: StageProfile | None = None
+        self.plan_options = PlanOptions(config.prefetch, config.search_budget_s)
         self.plans: dict[int, PipelinePlan] = {}
         self.plan = unprofiled_plan(self.layout, micro, prefetch=config.prefetch)
         self.steps = 0
@@ -194,8 +203,7 @@ class FusedPipelineStrategy:
     def _planned(self, microbatches: int) -> PipelinePlan:
         """Collective: a new plan from the profile, cached."""
         assert self.profile is not None
-        options = PlanOptions(self.config.prefetch, self.config.search_budget_s)
-        plan = self.planner(self.layout, self.profile, microbatches, options, self._from_rank0)
+        plan = self.planner(self.layout, self.profile, microbatches, self.plan_options, self._from_rank0)
         if self.rank == 0 and plan.note:
             self.log(f"rlhfuse: {plan.note}")
         self.plans[microbatches] = plan
