@@ -91,8 +91,8 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
         queue.put(
             {
                 "rows": rows,
-                "predicted_fused": fused.predicted_s,
-                "predicted_serial": fused.predicted_serial_s,
+                "predicted_fused": fused.plan.predicted_s,
+                "predicted_serial": fused.plan.predicted_serial_s,
                 "schedule": str(fused.schedule),
             }
         )

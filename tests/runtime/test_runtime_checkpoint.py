@@ -193,9 +193,9 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
     first = make()
     for b in batches[:2]:
         first.train_step(b).metrics()
-    path = first.save_checkpoint(root, 2, {"trainer": {"iteration": 2}})
+    path = first.checkpointer.save(root, 2, {"trainer": {"iteration": 2}})
     resumed = make()
-    state = resumed.load_checkpoint(path)
+    state = resumed.checkpointer.load(path)
     assert state["trainer"] == {"iteration": 2} and resumed.steps == 2
     got = [resumed.train_step(b).metrics() for b in batches[2:]]
     for g, w in zip(got, want[2:], strict=True):

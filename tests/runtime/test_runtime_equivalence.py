@@ -232,7 +232,7 @@ def _token_budget_worker(rank: int, world: int) -> None:
     assert schedules[2] is schedules[0] and schedules[1] is not schedules[0]
     assert {counts[0], counts[1]} <= set(fused.plans)
     assert (
-        fused.base is not None and fused.base["microbatches"] == counts[0]
+        fused.profile is not None and fused.profile.microbatches == counts[0]
     )  # profiled once, on the first step
 
 

@@ -5,13 +5,14 @@ name registry. `runtime`, `generation`, `pipeline` and `planner` build on it and
 """
 
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
+from rlhfuse.core.protocols import Callback, Checkpointer, Generator, Inferencer, Logger, Strategy
 from rlhfuse.core.stats import LossStats, PipelineStats, TrainStats, mean_stats, sum_stats
 from rlhfuse.core.types import Experience, ModelRole, PromptBatch, Rollout, TrainBatch
 
 __all__ = [
     "Callback",
     "CheckpointError",
+    "Checkpointer",
     "Experience",
     "Generator",
     "Inferencer",

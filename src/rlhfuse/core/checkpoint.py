@@ -7,6 +7,10 @@ Layout of `<run_dir>/checkpoints/iter_00000010/`:
                  file is an error)
 A checkpoint is written into a temporary folder and renamed into place only when complete, so a run killed
 during a save leaves the previous checkpoint loadable; incomplete folders are ignored and cleaned up.
+
+`PlainCheckpointer` is the `Checkpointer` of strategies whose ranks hold the same state (one process, or data
+parallel): rank 0 writes, every rank loads. The pipeline strategies' sharded format is in
+`rlhfuse.runtime.checkpoint`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import pickle
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,3 +185,31 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     state.update(extra)
     state["iteration"] = iteration
     return state
+
+
+class PlainCheckpointer:
+    """The `Checkpointer` of this format for a strategy whose ranks hold the same state: `state()` (the
+    strategy's `state_dict`, with 'actor'/'critic' weights) is written by the writer rank only (rank 0);
+    `load` reads the folder on every rank and hands it to `restore` (the strategy's `load_state_dict`)."""
+
+    def __init__(
+        self,
+        state: Callable[[], Mapping[str, Any]],
+        restore: Callable[[Mapping[str, Any]], None],
+        *,
+        writer: bool = True,
+    ) -> None:
+        self.state, self.restore, self.writer = state, restore, writer
+
+    def save(
+        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+    ) -> Path | None:
+        """The checkpoint folder on the writer rank, None elsewhere."""
+        if not self.writer:
+            return None
+        return save_checkpoint(directory, iteration, {**self.state(), **extra}, keep=keep)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        state = load_checkpoint(path)
+        self.restore(state)
+        return state

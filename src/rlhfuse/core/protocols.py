@@ -69,6 +69,25 @@ class RolloutStage(Protocol):
 
 
 @runtime_checkable
+class Checkpointer(Protocol):
+    """Writes and reads a strategy's checkpoints. Every rank calls both, the same way for every strategy: the
+    single-process format is written by rank 0 alone (`rlhfuse.core.checkpoint.PlainCheckpointer`), the
+    pipeline strategies' sharded one by every rank (`rlhfuse.runtime.checkpoint.ShardedCheckpointer`)."""
+
+    def save(
+        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+    ) -> Path | None:
+        """Save the strategy's state plus `extra` (the trainer's state) as `directory/iter_<iteration>`,
+        keeping the `keep` most recent checkpoints (0 = all); returns the folder (None on a rank that wrote
+        nothing)."""
+        ...
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore the strategy from the checkpoint folder `path`; returns the saved state, `extra` included."""
+        ...
+
+
+@runtime_checkable
 class Strategy(Protocol):
     """Training stage: owns the Actor and the Critic, their optimizers and LR schedules, and their update step."""
 
@@ -86,19 +105,9 @@ class Strategy(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
-
-@runtime_checkable
-class ShardedCheckpointing(Protocol):
-    """A strategy whose state lives on several ranks (the pipeline strategies) writes and reads its checkpoints
-    itself, collectively; the trainer then passes its own state (`extra`) along instead of calling
-    `state_dict` / `load_state_dict`."""
-
-    def save_checkpoint(
-        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
-    ) -> Path: ...
-
-    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore this rank's shard; returns its state, `extra` included."""
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """How this strategy's checkpoints are written and read."""
         ...
 
 

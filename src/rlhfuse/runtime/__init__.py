@@ -1,16 +1,32 @@
 """Distributed execution of fused Actor+Critic pipeline schedules (RLHFuse intra-stage fusion).
 
-Pure planning (`layout`, `lower`, `balance`) is separate from execution (`executor`, which touches process
-groups). See `docs/runtime.md`.
+Pure planning (`layout`, `plan`, `lower`, `balance`) is separate from execution (`executor`, which touches
+process groups). See `docs/runtime.md`.
 """
 
 from rlhfuse.runtime.balance import karmarkar_karp, sample_costs, split_minibatch
-from rlhfuse.runtime.executor import PipelineError, PipelineExecutor, StepResult, StepWork, ppo_losses
+from rlhfuse.runtime.executor import (
+    PipelineError,
+    PipelineExecutor,
+    PlanExecutor,
+    StepResult,
+    StepWork,
+    ppo_losses,
+)
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, ProcessGroups, build_process_groups
 from rlhfuse.runtime.lower import Instr, LoweringError, Message, Program, check_program, lower, lower_checked
-from rlhfuse.runtime.partition import stages_for_rank
+from rlhfuse.runtime.partition import RankStages, stages_for_rank
+from rlhfuse.runtime.plan import (
+    PLANNERS,
+    PipelinePlan,
+    PlanOptions,
+    StageProfile,
+    plan_fused,
+    plan_serial_1f1b,
+)
 
 __all__ = [
+    "PLANNERS",
     "Instr",
     "LoweringError",
     "Message",
@@ -18,8 +34,13 @@ __all__ = [
     "ParallelLayout",
     "PipelineError",
     "PipelineExecutor",
+    "PipelinePlan",
+    "PlanExecutor",
+    "PlanOptions",
     "ProcessGroups",
     "Program",
+    "RankStages",
+    "StageProfile",
     "StepResult",
     "StepWork",
     "build_process_groups",
@@ -27,6 +48,8 @@ __all__ = [
     "karmarkar_karp",
     "lower",
     "lower_checked",
+    "plan_fused",
+    "plan_serial_1f1b",
     "ppo_losses",
     "sample_costs",
     "split_minibatch",

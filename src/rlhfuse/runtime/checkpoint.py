@@ -18,6 +18,8 @@ the previous checkpoint is untouched.
 
 Resume checks the manifest against the current layout before loading anything (`check_layout`, called by
 `rlhfuse-train` before any model is built) and names the file and every mismatch.
+
+`ShardedCheckpointer` is the pipeline strategies' `Checkpointer` over this format.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import os
 import pickle
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
 from rlhfuse.runtime.config import launched_world_size
 from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout
+from rlhfuse.runtime.partition import RankStages
 
 KIND = "pipeline"
 FORMAT = 1
@@ -268,3 +271,42 @@ def load_sharded(
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} cannot resume: {failed[0][1]}")
     return out
+
+
+class ShardedCheckpointer:
+    """The pipeline strategies' `Checkpointer` (collective: every rank saves and loads its own shard).
+
+    A shard holds this rank's stage weights (`stages.shard()`) and `state()`, the rank's other state
+    (optimizer and scheduler states, the planned schedule); `restore` takes that state back after loading.
+    """
+
+    def __init__(
+        self,
+        stages: RankStages,
+        state: Callable[[], Mapping[str, Any]],
+        restore: Callable[[Mapping[str, Any]], None],
+    ) -> None:
+        self.stages, self.state, self.restore = stages, state, restore
+
+    def layout_record(self) -> dict[str, Any]:
+        """The layout a shard depends on: world size, dp, micro-batches, each model's stages and layer ranges."""
+        return layout_record(self.stages.layout, self.stages.layer_ranges())
+
+    def save(self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0) -> Path:
+        return save_sharded(
+            directory,
+            iteration,
+            weights=self.stages.shard(),
+            state={**self.state(), **extra},
+            layout=self.layout_record(),
+            keep=keep,
+        )
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Check the manifest against this layout, restore this rank's shard, then bring every rank's full
+        model copies in sync; returns the shard's state."""
+        weights, state, _ = load_sharded(path, self.layout_record())
+        self.stages.load_shard(weights)
+        self.restore(state)
+        self.stages.gather()
+        return state

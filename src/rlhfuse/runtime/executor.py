@@ -1,4 +1,5 @@
-"""Executor: runs one rank's instruction stream (from `rlhfuse.runtime.lower`) over torch.distributed.
+"""Executor: runs one rank's instruction stream (from `rlhfuse.runtime.lower`) over torch.distributed;
+`PlanExecutor` runs and measures the training steps of a `PipelinePlan` (`rlhfuse.runtime.plan`).
 
 Receives are posted early with `irecv` and waited just before their consumer; sends are `isend`s kept alive
 until the optimizer step; gradient reductions are asynchronous `all_reduce`s launched after a stage's last
@@ -16,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ from rlhfuse.core.stats import LossStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
+from rlhfuse.runtime.layout import MODELS, ParallelLayout, ProcessGroups
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
+from rlhfuse.runtime.plan import PipelinePlan, StageProfile
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, LossStats]]
@@ -375,3 +378,88 @@ class PipelineExecutor:
         if dist.is_initialized():
             dist.all_reduce(vec)
         return LossStats(*vec.tolist())
+
+
+class StepMeasurement(NamedTuple):
+    """One executed step: this rank's result, the slowest rank's wall time and the step's bubble ratio
+    (1 - total compute / (ranks x measured makespan))."""
+
+    result: StepResult
+    measured_s: float
+    bubble_ratio: float
+
+
+class PlanExecutor:
+    """Runs training steps of `PipelinePlan`s on this rank's stages and measures them (collective: every rank
+    runs its stream of the same plan).
+
+    stages: this rank's (model, replica, stage) modules; groups: the layout's process groups; losses: the
+    last-stage losses (`ppo_losses`); timeout_s: how long a wait may block.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        stages: Mapping[StageKey, torch.nn.Module],
+        groups: ProcessGroups,
+        *,
+        losses: Mapping[str, LossFn],
+        timeout_s: float = 300.0,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.rank, self.world = rank, world
+        self.stages, self.groups, self.losses = stages, groups, losses
+        self.timeout_s, self.autocast = timeout_s, autocast
+
+    def run(
+        self, plan: PipelinePlan, work: StepWork, optimizer_step: Callable[[str, float], None]
+    ) -> StepMeasurement:
+        device = next(next(iter(self.stages.values())).parameters()).device
+        if device.type != "cpu":
+            work = StepWork([[m.to(device) for m in g] for g in work.micro], work.weight)
+        for module in self.stages.values():
+            module.train()
+        executor = PipelineExecutor(
+            self.rank,
+            plan.program,
+            plan.problem,
+            self.stages,
+            losses=self.losses,
+            p2p_groups=self.groups.p2p,
+            grad_groups=self.groups.grad,
+            timeout_s=self.timeout_s,
+            autocast=self.autocast,
+        )
+        dist.barrier()
+        result = executor.run(work, optimizer_step=optimizer_step)
+        timing = torch.tensor([result.seconds, result.compute_seconds], dtype=torch.float64)
+        longest = timing[:1].clone()
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(timing)
+        measured = float(longest)
+        bubble = 1.0 - float(timing[1]) / (self.world * measured) if measured > 0 else 0.0
+        return StepMeasurement(result, measured, bubble)
+
+    def profile(self, result: StepResult, layout: ParallelLayout, microbatches: int) -> StageProfile:
+        """Collective: each stage's mean forward / backward seconds over every rank's ops of `result`."""
+        keys = [(m, s, k) for m in MODELS for s in range(layout.stages(m)) for k in ("F", "B")]
+        sums = torch.zeros(len(keys), dtype=torch.float64)
+        counts = torch.zeros(len(keys), dtype=torch.float64)
+        for i, key in enumerate(keys):
+            times = result.op_seconds.get(key, [])
+            sums[i], counts[i] = sum(times), len(times)
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+        mean = {key: float(sums[i] / counts[i].clamp(min=1)) for i, key in enumerate(keys)}
+        return StageProfile.from_means(layout, microbatches, mean)
+
+    def action_seconds(self, result: StepResult) -> dict[Action, float]:
+        """Collective: the seconds of every op of fused group 0 in `result`, gathered from every rank."""
+        gathered: list[Any] = [None] * self.world
+        mine = {a: t for (a, g), t in result.action_seconds.items() if g == 0}
+        dist.all_gather_object(gathered, mine)
+        times: dict[Action, float] = {}
+        for part in gathered:
+            times.update(part or {})
+        return times

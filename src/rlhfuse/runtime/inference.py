@@ -34,7 +34,7 @@ from rlhfuse.core.inference import (
     values_from_output,
 )
 from rlhfuse.core.registry import RewardFn
-from rlhfuse.core.types import Experience, Rollout
+from rlhfuse.core.types import Experience, ModelRole, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
@@ -44,7 +44,12 @@ from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Instr, Message, Program, lower_checked
 
 # inference model -> the training model whose layout (stages, replicas, placement) it uses
-PLACED_AS = {"actor": "actor", "ref": "actor", "critic": "critic", "reward": "critic"}
+PLACED_AS: dict[str, str] = {
+    ModelRole.ACTOR: ModelRole.ACTOR,
+    ModelRole.REF: ModelRole.ACTOR,
+    ModelRole.CRITIC: ModelRole.CRITIC,
+    ModelRole.REWARD: ModelRole.CRITIC,
+}
 StageKey = tuple[str, int, int]  # (model, replica, stage)
 Head = Callable[[Tensor, Rollout], Tensor]  # last stage's output, micro-batch -> result rows
 

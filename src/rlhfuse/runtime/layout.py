@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from rlhfuse.core.types import ModelRole
 from rlhfuse.pipeline.problem import Problem, make_problem, reversed_blocks
 
-MODELS = ("actor", "critic")
+# the trained models (str enums: they key dicts, files and metrics as "actor" / "critic")
+MODELS: tuple[str, ...] = (ModelRole.ACTOR, ModelRole.CRITIC)
 
 
 @dataclass(frozen=True)

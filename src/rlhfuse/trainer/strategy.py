@@ -25,6 +25,7 @@ from torch import Tensor
 
 from rlhfuse.core import losses
 from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
 from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
@@ -60,6 +61,10 @@ class PlainStrategy:
         )
         self.critic_optim, self.critic_sched = build_optimizer(
             critic.parameters(), config.critic_lr, config, total_steps
+        )
+        # data-parallel ranks hold the same state: rank 0 writes it
+        self.checkpointer = PlainCheckpointer(
+            self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:

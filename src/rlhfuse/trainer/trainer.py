@@ -19,23 +19,9 @@ import torch
 from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import compute_train_batch
-from rlhfuse.core.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from rlhfuse.core.checkpoint import latest_checkpoint, rng_state, set_rng_state
 from rlhfuse.core.errors import NonFiniteError
-from rlhfuse.core.protocols import (
-    Generator,
-    Inferencer,
-    Logger,
-    RolloutStage,
-    ShardedCheckpointing,
-    Strategy,
-    SwapsWeights,
-)
+from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy, SwapsWeights
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
 from rlhfuse.data.prompts import Prompt, PromptLoader
@@ -210,15 +196,11 @@ class RLHFTrainer:
         return {**self.strategy.state_dict(), "trainer": self.trainer_state()}
 
     def save_checkpoint(self) -> Path | None:
-        """Every rank calls this. A sharded strategy writes one shard per rank; otherwise the ranks hold the
-        same weights and optimizer states (data parallel) and rank 0 writes the checkpoint (None elsewhere)."""
+        """Every rank calls this; the strategy's checkpointer decides who writes what (the pipeline strategies:
+        one shard per rank; otherwise the ranks hold the same state and rank 0 writes it, None elsewhere)."""
+        extra = {"trainer": self.trainer_state()}
         keep = self.config.checkpoint.keep
-        if isinstance(self.strategy, ShardedCheckpointing):  # every rank writes its shard
-            extra = {"trainer": self.trainer_state()}
-            return self.strategy.save_checkpoint(self.checkpoint_dir, self.iteration, extra, keep=keep)
-        if not self.fabric.is_global_zero:
-            return None
-        return save_checkpoint(self.checkpoint_dir, self.iteration, self.state_dict(), keep=keep)
+        return self.strategy.checkpointer.save(self.checkpoint_dir, self.iteration, extra, keep=keep)
 
     def resume(self) -> None:
         """Apply `config.resume`: never | auto (latest checkpoint in run_dir, if any) | a checkpoint folder."""
@@ -228,11 +210,7 @@ class RLHFTrainer:
         path = latest_checkpoint(self.checkpoint_dir) if choice == "auto" else Path(choice)
         if path is None:
             return
-        if isinstance(self.strategy, ShardedCheckpointing):
-            state = self.strategy.load_checkpoint(path)
-        else:
-            state = load_checkpoint(path)
-            self.strategy.load_state_dict(state)
+        state = self.strategy.checkpointer.load(path)
         trainer_state = state["trainer"]
         self.prompts.load_state_dict(trainer_state["loader"])
         set_rng_state(trainer_state["rng"])

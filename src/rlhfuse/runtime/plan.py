@@ -1,0 +1,229 @@
+"""Pure planning of a pipelined training step: profiled stage times -> `PipelinePlan` (the schedule, its
+lowered program and the predicted makespans). Nothing here touches a process group; the one collective choice
+(rank 0 searches the fused schedule, the other ranks receive it) is passed in as `agree`.
+
+Two planning functions, chosen once from the `pipeline` config name through `PLANNERS`:
+    plan_fused        the fused Actor+Critic schedule (the paper's greedy, or annealing within a time budget)
+    plan_serial_1f1b  the baseline: both models with 1F1B one after the other on the same ranks
+Before the profiling step there are no stage times: `unprofiled_plan` is serial 1F1B on unit durations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
+from rlhfuse.pipeline.ir import Action, Schedule
+from rlhfuse.pipeline.problem import Problem
+from rlhfuse.runtime.layout import MODELS, ParallelLayout
+from rlhfuse.runtime.lower import Program, lower_checked
+
+# Runs a schedule search where it must run (rank 0) and returns the schedule every rank uses.
+Agree = Callable[[Callable[[], Schedule]], Schedule]
+
+# Profiled stage times below this (seconds) are raised to it: the planner needs positive durations.
+MIN_STAGE_SECONDS = 1e-6
+
+
+def here(search: Callable[[], Schedule]) -> Schedule:
+    """`Agree` for one process: run the search here."""
+    return search()
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """Per-micro-batch seconds of every stage, measured on the profiling step (which ran `microbatches`
+    micro-batches per group): `forward[model][stage]`, `backward[model][stage]`."""
+
+    microbatches: int
+    forward: Mapping[str, tuple[float, ...]]
+    backward: Mapping[str, tuple[float, ...]]
+
+    @staticmethod
+    def from_means(
+        layout: ParallelLayout, microbatches: int, mean: Mapping[tuple[str, int, str], float]
+    ) -> StageProfile:
+        """From the mean seconds per (model, stage, "F" | "B") over every rank."""
+
+        def times(kind: str) -> dict[str, tuple[float, ...]]:
+            return {
+                m: tuple(max(mean[(m, s, kind)], MIN_STAGE_SECONDS) for s in range(layout.stages(m)))
+                for m in MODELS
+            }
+
+        return StageProfile(microbatches, times("F"), times("B"))
+
+    def problem(self, layout: ParallelLayout, microbatches: int) -> Problem:
+        """The layout's problem with these stage times, scaled to `microbatches` micro-batches of the same
+        mini-batch (a micro-batch's time taken as proportional to its share)."""
+        scale = self.microbatches / microbatches
+        forward, backward = (
+            {m: [t * scale if scale != 1 else t for t in times[m]] for m in MODELS}
+            for times in (self.forward, self.backward)
+        )
+        layout = dataclasses.replace(layout, microbatches=microbatches)
+        return layout.problem(forward=forward, backward=backward, name="profiled")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "microbatches": self.microbatches,
+                "forward": {m: list(self.forward[m]) for m in MODELS},
+                "backward": {m: list(self.backward[m]) for m in MODELS},
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str) -> StageProfile:
+        raw = json.loads(text)
+        forward, backward = ({m: tuple(raw[kind][m]) for m in MODELS} for kind in ("forward", "backward"))
+        return StageProfile(int(raw["microbatches"]), forward, backward)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What one training step runs, and what the planner predicted for it.
+
+    microbatches: per data-parallel group; problem: the layout's scheduling problem for that count (unit
+    durations: it fixes the ops, messages and placement the executor runs); schedule: every rank's order of
+    ops; program: the schedule lowered to per-rank instruction streams (checked free of deadlock); profiled:
+    the problem with the profiled stage times (None before profiling); predicted_s / predicted_serial_s: the
+    simulated makespans of this schedule and of serial 1F1B with those times (nan before profiling); note: what
+    the planner reports (empty: nothing to log).
+    """
+
+    microbatches: int
+    problem: Problem
+    schedule: Schedule
+    program: Program
+    profiled: Problem | None = None
+    predicted_s: float = math.nan
+    predicted_serial_s: float = math.nan
+    note: str = ""
+
+
+def lowered_plan(
+    layout: ParallelLayout,
+    microbatches: int,
+    schedule: Schedule | None = None,
+    *,
+    prefetch: int,
+    profile: StageProfile | None = None,
+    predicted_s: float = math.nan,
+    predicted_serial_s: float = math.nan,
+    note: str = "",
+) -> PipelinePlan:
+    """`schedule` (default serial 1F1B) for `microbatches` micro-batches, lowered and checked."""
+    problem = dataclasses.replace(layout, microbatches=microbatches).problem()
+    schedule = schedule if schedule is not None else serial_one_f_one_b(problem)
+    program = lower_checked(problem, schedule, dp=layout.dp, prefetch=prefetch)
+    profiled = profile.problem(layout, microbatches) if profile is not None else None
+    return PipelinePlan(
+        microbatches, problem, schedule, program, profiled, predicted_s, predicted_serial_s, note
+    )
+
+
+def unprofiled_plan(layout: ParallelLayout, microbatches: int, *, prefetch: int) -> PipelinePlan:
+    """Serial 1F1B on unit durations: the plan of the profiling step (no stage times yet)."""
+    return lowered_plan(layout, microbatches, prefetch=prefetch)
+
+
+def _serial_makespan(profiled: Problem) -> float:
+    return simulate(profiled, serial_one_f_one_b(profiled)).makespan
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """prefetch: receives are posted this many compute ops before their consumer; search_budget_s: seconds of
+    annealing for the fused schedule (0 = the paper's greedy)."""
+
+    prefetch: int = 1
+    search_budget_s: float = 0.0
+
+
+class Planner(Protocol):
+    """A planning function: the plan for `microbatches` micro-batches per group from the profiled stage times."""
+
+    def __call__(
+        self,
+        layout: ParallelLayout,
+        profile: StageProfile,
+        microbatches: int,
+        options: PlanOptions,
+        agree: Agree = ...,
+    ) -> PipelinePlan: ...
+
+
+def plan_serial_1f1b(
+    layout: ParallelLayout,
+    profile: StageProfile,
+    microbatches: int,
+    options: PlanOptions,
+    agree: Agree = here,
+) -> PipelinePlan:
+    """The baseline: serial 1F1B, with its makespan predicted from the profiled stage times (no search)."""
+    serial = _serial_makespan(profile.problem(layout, microbatches))
+    return lowered_plan(
+        layout,
+        microbatches,
+        prefetch=options.prefetch,
+        profile=profile,
+        predicted_s=serial,
+        predicted_serial_s=serial,
+    )
+
+
+def plan_fused(
+    layout: ParallelLayout,
+    profile: StageProfile,
+    microbatches: int,
+    options: PlanOptions,
+    agree: Agree = here,
+) -> PipelinePlan:
+    """The fused schedule searched on the profiled stage times (`options.search_budget_s` seconds of annealing,
+    0 = the paper's greedy); `agree` makes every rank use the same one."""
+    profiled = profile.problem(layout, microbatches)
+    serial = _serial_makespan(profiled)
+
+    def search() -> Schedule:
+        if options.search_budget_s > 0:
+            return solve(profiled, SearchConfig(time_budget=options.search_budget_s)).schedule
+        return greedy(profiled)
+
+    schedule = agree(search)
+    predicted = simulate(profiled, schedule).makespan
+    note = (
+        f"fused schedule from measured stage times ({microbatches} micro-batches): predicted "
+        f"{predicted * 1e3:.1f} ms vs serial 1F1B {serial * 1e3:.1f} ms per mini-batch ({serial / predicted:.2f}x)"
+    )
+    return lowered_plan(
+        layout,
+        microbatches,
+        schedule,
+        prefetch=options.prefetch,
+        profile=profile,
+        predicted_s=predicted,
+        predicted_serial_s=serial,
+        note=note,
+    )
+
+
+PLANNERS: dict[str, Planner] = {"fused": plan_fused, "serial_1f1b": plan_serial_1f1b}
+
+
+def planner_for(name: str) -> Planner:
+    """The planning function of `pipeline=<name>`."""
+    if name not in PLANNERS:
+        raise ValueError(f"schedule={name!r} is not one of {list(PLANNERS)}")
+    return PLANNERS[name]
+
+
+def replay(plan: PipelinePlan, action_seconds: Mapping[Action, float]) -> float:
+    """The makespan the simulator gives `plan`'s schedule with each op's own measured seconds."""
+    assert plan.profiled is not None, "replay needs a profiled plan"
+    return simulate(plan.profiled, plan.schedule, durations=lambda a: action_seconds[a]).makespan
