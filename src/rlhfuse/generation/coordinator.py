@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlhfuse.core.balance import least_loaded
 from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest
 from rlhfuse.generation.migration import pick_mechanism
 from rlhfuse.planner.migration import MigrationDecision, decide_migration, should_migrate
@@ -39,11 +40,10 @@ def balance(requests: Sequence[SampleRequest], instances: int) -> list[list[Samp
     groups: dict[int, list[SampleRequest]] = {}
     for request in requests:
         groups.setdefault(request.group, []).append(request)
-    shares: list[list[SampleRequest]] = [[] for _ in range(instances)]
-    for members in groups.values():
-        target = min(range(instances), key=lambda i: (len(shares[i]), i))
-        shares[target].extend(members)
-    return shares
+    members = list(groups.values())
+    return [
+        [r for g in share for r in members[g]] for share in least_loaded([len(m) for m in members], instances)
+    ]
 
 
 class KVCapacity(Protocol):

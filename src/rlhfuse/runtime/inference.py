@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlhfuse.core.balance import assign_rows
+from rlhfuse.core.balance import split_rows as split_rows  # re-exported: tests and callers import it here
 from rlhfuse.core.inference import (
     InferencerConfig,
     final_scores,
@@ -204,41 +206,6 @@ class ForwardExecutor:
 def _hidden_size(stage: nn.Module) -> int:
     config: Any = stage.config  # a `Stage` carries its model's config
     return int(config.hidden_size)
-
-
-def split_rows(n: int, parts: int) -> list[Tensor]:
-    """Positions of `parts` contiguous non-empty chunks of n rows. With n < parts, positions run past n
-    (position p stands for row p % n); callers keep only positions < n."""
-    return list(torch.arange(max(n, parts)).tensor_split(parts))
-
-
-def assign_rows(
-    lengths_B: Tensor, dp: int, microbatches: int, replicas: int
-) -> list[list[tuple[Tensor, Tensor]]]:
-    """out[g][i] = (row indices, first-copy mask) of micro-batch i of data-parallel group g.
-
-    Rows are sorted by response length and cut into dp * M chunks of near-equal count, dealt in length order to
-    the groups and, inside a group, to the K replicas of the smaller model, every other round in reverse (0 1 1 0
-    ...), so every group and replica gets short and long rows alike, while each micro-batch holds rows of similar
-    length (it is then trimmed to its own longest response: less padding computed).
-    """
-    n = len(lengths_B)
-    order = torch.argsort(lengths_B.cpu(), stable=True)
-    per = microbatches // replicas
-    out: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(dp)]
-    slots: list[dict[int, tuple[Tensor, Tensor]]] = [{} for _ in range(dp)]
-
-    def snake(c: int, ways: int) -> tuple[int, int]:  # deal in rounds, every other round reversed: 0 1 | 1 0
-        rnd, k = divmod(c, ways)
-        return (k if rnd % 2 == 0 else ways - 1 - k), rnd
-
-    for c, pos in enumerate(split_rows(n, dp * microbatches)):
-        g, c2 = snake(c, dp)
-        replica, slot = snake(c2, replicas)
-        slots[g][replica * per + slot] = (order[pos % n], pos < n)
-    for g in range(dp):
-        out[g] = [slots[g][i] for i in range(microbatches)]
-    return out
 
 
 def trim_responses(rollout: Rollout) -> Rollout:
