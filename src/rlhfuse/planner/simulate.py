@@ -21,6 +21,7 @@ from rlhfuse.planner.schedule import (
     fused_lower_bound,
     greedy_fused_makespan,
     one_f_one_b,
+    pipeline_problem,
     reversed_blocks,
 )
 from rlhfuse.planner.specs import ModelSpec
@@ -690,7 +691,7 @@ def searched_training(
     unchanged."""
     if train.mode != "fused" or seconds <= 0:
         return train
-    from rlhfuse.pipeline import SearchConfig, make_problem, solve
+    from rlhfuse.pipeline import SearchConfig, solve
 
     ranks, problem = fused_problem(cost, models, train.actor, train.critic, workload, seq)
     mb = workload.mini_batch
@@ -698,17 +699,14 @@ def searched_training(
         activation_peak(cost, models.actor, train.actor, mb, seq) / max(1, min(train.actor.pp, train.actor.microbatches(mb))),
         activation_peak(cost, models.critic, train.critic, mb, seq) / max(1, min(train.critic.pp, train.critic.microbatches(mb))),
     ]  # fmt: skip
-    pipeline_problem = make_problem(
-        [
-            {"name": name, "stages": m.stages, "replicas": m.replicas, "microbatches": m.microbatches,
-             "forward": m.forward, "backward": m.backward, "activation": act / 1e9,
-             "placement": [list(row) for row in m.placement]}
-            for name, m, act in zip(("actor", "critic"), problem, acts)
-        ],
-        ranks=ranks,
+    searchable = pipeline_problem(
+        ranks,
+        problem,
+        names=("actor", "critic"),
+        activations=[a / 1e9 for a in acts],
         name=f"{models.name} fused",
-    )  # fmt: skip
-    solution = solve(pipeline_problem, SearchConfig(time_budget=seconds, seed=seed))
+    )
+    solution = solve(searchable, SearchConfig(time_budget=seconds, seed=seed))
     extra = fused_extra(cost, models, train.actor, train.critic)
     best = min(solution.makespan + extra, train.per_minibatch)
     detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds)
