@@ -708,6 +708,7 @@ def searched_training(
     )
     solution = solve(searchable, SearchConfig(time_budget=seconds, seed=seed))
     extra = fused_extra(cost, models, train.actor, train.critic)
-    best = min(solution.makespan + extra, train.per_minibatch)
+    # the search may reach the bound; summed in another order, its makespan can land a few ulps below it
+    best = max(min(solution.makespan + extra, train.per_minibatch), train.bound)
     detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds)
     return replace(train, per_minibatch=best, detail=detail)
