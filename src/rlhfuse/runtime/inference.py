@@ -36,7 +36,7 @@ from rlhfuse.core.inference import (
     values_from_output,
 )
 from rlhfuse.core.registry import RewardFn
-from rlhfuse.core.types import Experience, Rollout
+from rlhfuse.core.types import Experience, ModelRole, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
@@ -46,7 +46,12 @@ from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Instr, Message, Program, lower_checked
 
 # inference model -> the training model whose layout (stages, replicas, placement) it uses
-PLACED_AS = {"actor": "actor", "ref": "actor", "critic": "critic", "reward": "critic"}
+PLACED_AS: dict[str, ModelRole] = {  # results are keyed by ModelRole (a str enum: "actor" finds it)
+    ModelRole.ACTOR: ModelRole.ACTOR,
+    ModelRole.REF: ModelRole.ACTOR,
+    ModelRole.CRITIC: ModelRole.CRITIC,
+    ModelRole.REWARD: ModelRole.CRITIC,
+}
 StageKey = tuple[str, int, int]  # (model, replica, stage)
 Head = Callable[[Tensor, Rollout], Tensor]  # last stage's output, micro-batch -> result rows
 
@@ -246,7 +251,7 @@ class PipelineInferencer:
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
     ) -> None:
-        if "reward" not in models and reward_fn is None:
+        if ModelRole.REWARD not in models and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         if not dist.is_initialized():
             raise ValueError(
@@ -271,10 +276,10 @@ class PipelineInferencer:
                 if model == PLACED_AS[m]:
                     self.stages[(m, replica, stage)] = split[stage]
         self.heads: dict[str, Head] = {
-            "actor": lambda out, rows: logprobs_from_output(out, rows, self.temperature),
-            "ref": lambda out, rows: logprobs_from_output(out, rows, self.temperature),
-            "critic": values_from_output,
-            "reward": scores_from_output,
+            ModelRole.ACTOR: lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            ModelRole.REF: lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            ModelRole.CRITIC: values_from_output,
+            ModelRole.REWARD: scores_from_output,
         }
         self.programs: dict[int, tuple[Problem, Program]] = {}
         if self.rank == 0:
@@ -335,7 +340,12 @@ class PipelineInferencer:
             for k, mod in modules.items():
                 mod.train(training[k])
         # every result row is computed on exactly one rank: a sum over the world delivers it to all
-        widths = {"actor": r, "ref": r, "critic": r, "reward": 1}
+        widths: dict[str, int] = {
+            ModelRole.ACTOR: r,
+            ModelRole.REF: r,
+            ModelRole.CRITIC: r,
+            ModelRole.REWARD: 1,
+        }
         out = {name: torch.zeros(n, widths[name], dtype=torch.float32, device=device) for name in self.names}
         for (name, g, i), value in results.items():
             idx, keep = rows[g][i]
@@ -350,13 +360,13 @@ class PipelineInferencer:
             size = out[name].numel()
             out[name] = flat[offset : offset + size].view_as(out[name])
             offset += size
-        rm_scores_B = out["reward"][:, 0] if "reward" in out else None
+        rm_scores_B = out[ModelRole.REWARD][:, 0] if ModelRole.REWARD in out else None
         scores_B = final_scores(self.config, local, rm_scores_B, self.reward_fn, self.tokenizer)
         mask_BR = local.response_mask_BR.float()
         return Experience(
             rollout=rollout,
-            logprobs_BR=(out["actor"] * mask_BR).cpu(),
-            ref_logprobs_BR=(out["ref"] * mask_BR).cpu(),
-            values_BR=(out["critic"] * mask_BR).cpu(),
+            logprobs_BR=(out[ModelRole.ACTOR] * mask_BR).cpu(),
+            ref_logprobs_BR=(out[ModelRole.REF] * mask_BR).cpu(),
+            values_BR=(out[ModelRole.CRITIC] * mask_BR).cpu(),
             scores_B=scores_B.cpu(),
         )
