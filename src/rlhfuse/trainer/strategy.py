@@ -112,7 +112,9 @@ class PlainStrategy:
     def _all_reduce(self, sums: LossStats, failure: str | None) -> tuple[LossStats, str | None]:
         """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch);
         first agree on whether any rank saw a non-finite loss (then nothing else is exchanged)."""
-        failed = torch.tensor([float(failure is not None)], dtype=torch.float64)
+        # the gradients' device: the one the group's backend reduces on
+        device = next(self.actor.parameters()).device
+        failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
         dist.all_reduce(failed, group=self.group)
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
@@ -127,7 +129,7 @@ class PlainStrategy:
             for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
                 assert p.grad is not None
                 p.grad.copy_(chunk.view_as(p))
-        values = torch.tensor(sums, dtype=torch.float64)
+        values = torch.tensor(sums, dtype=torch.float64, device=device)
         dist.all_reduce(values, group=self.group)
         return LossStats(*values.tolist()), None
 
