@@ -59,3 +59,19 @@ def test_opposite_pipelines_fill_each_others_bubbles():
     fwd = PipeModel(8, 1, 8, 1.0, 2.0, (tuple(range(8)),))
     bwd = PipeModel(8, 1, 8, 1.0, 2.0, reversed_blocks(8, 8))
     assert greedy_fused_makespan(8, [fwd, bwd]) < serial_makespan([fwd, bwd])
+
+
+def test_bound_is_rlhfuse_pipelines_bound_and_1f1b_its_simulated_1f1b():
+    # one makespan model: the closed forms equal rlhfuse.pipeline's bound and simulated 1F1B
+    from rlhfuse.pipeline import lower_bounds
+    from rlhfuse.pipeline import serial_makespan as simulated_serial
+    from rlhfuse.planner.schedule import pipeline_problem
+
+    cases = [(p["ranks"], models) for p, models in _problems()] if TABLE3.exists() else []
+    for stages, other, micro, f, b in [(8, 4, 8, 1.0, 2.0), (4, 2, 6, 1.5, 2.5), (16, 8, 4, 0.7, 1.9)]:
+        cases.append((stages, [PipeModel(stages, 1, micro, f, b, (tuple(range(stages)),)),
+                               PipeModel(other, stages // other, micro, b, f, reversed_blocks(stages, other))]))  # fmt: skip
+    for ranks, models in cases:
+        problem = pipeline_problem(ranks, models)
+        assert fused_lower_bound(ranks, models) == pytest.approx(lower_bounds(problem).paper, rel=1e-12)
+        assert serial_makespan(models) == pytest.approx(simulated_serial(problem), rel=1e-12)

@@ -4,7 +4,7 @@ or re-prefill) decided by `rlhfuse.planner`'s pure functions.
 """
 
 from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance
+from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance, migrate
 from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure, gather_finished
 from rlhfuse.generation.engine import (
     EngineStats,
@@ -26,7 +26,9 @@ from rlhfuse.generation.migration import (
     pick_mechanism,
     resolve_threshold,
 )
+from rlhfuse.generation.transport import InProcess, PointToPoint, Transport
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult, rt_sweep, simulate
+from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
 __all__ = [
     "FusedResult",
@@ -54,6 +56,13 @@ __all__ = [
     "SampleRequest",
     "SamplingParams",
     "balance",
+    "migrate",
+    "InProcess",
+    "PointToPoint",
+    "Transport",
+    "InferredBatch",
+    "InferredSample",
+    "SampleBatch",
     "pick_mechanism",
     "requests_for",
     "resolve_threshold",

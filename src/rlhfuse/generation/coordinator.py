@@ -3,7 +3,8 @@
 Prompts are spread over the instances balanced by sample count, a prompt's n samples kept together (they share
 its prefill). After every round of steps the coordinator counts the unfinished samples; the first time the count
 drops to Rt (`rlhfuse.planner.should_migrate`), `decide_migration` picks the destinations and the moves, and the
-samples of the other instances move there by KV transfer or re-prefill. The freed instances are then idle (what
+samples of the other instances move there by KV transfer or re-prefill (`migrate`, the same function
+`DistributedCoordinator` calls over point-to-point sends). The freed instances are then idle (what
 an inference stage may use); `finished_order` says which instance finished each sample.
 """
 
@@ -14,8 +15,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlhfuse.core.balance import least_loaded
 from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest
 from rlhfuse.generation.migration import pick_mechanism
+from rlhfuse.generation.transport import InProcess, Transport
 from rlhfuse.planner.migration import MigrationDecision, decide_migration, should_migrate
 
 
@@ -39,11 +42,10 @@ def balance(requests: Sequence[SampleRequest], instances: int) -> list[list[Samp
     groups: dict[int, list[SampleRequest]] = {}
     for request in requests:
         groups.setdefault(request.group, []).append(request)
-    shares: list[list[SampleRequest]] = [[] for _ in range(instances)]
-    for members in groups.values():
-        target = min(range(instances), key=lambda i: (len(shares[i]), i))
-        shares[target].extend(members)
-    return shares
+    members = list(groups.values())
+    return [
+        [r for g in share for r in members[g]] for share in least_loaded([len(m) for m in members], instances)
+    ]
 
 
 class KVCapacity(Protocol):
@@ -112,32 +114,66 @@ class Coordinator:
 
     def migrate(self) -> MigrationReport:
         """Move the tail per `decide_migration` (called once per batch, when Rt samples remain)."""
-        first = self.engines[0]
-        slot_bytes = first.cache.nbytes_per_slot()
-        decision = decide_migration(
+        return migrate(
+            dict(enumerate(self.engines)),
             [e.num_unfinished for e in self.engines],
-            self.bs_max,
-            kv_bytes_per_sample=slot_bytes,
-            free_kv_bytes=slot_bytes * first.cache.num_slots,
-        )
-        moving = [r for src, _, _ in decision.moves for r in self.engines[src].running.values()]
-        stats = [e.stats for e in self.engines]
-        prefill_s = sum(s.prefill_seconds for s in stats) / max(sum(s.prefill_tokens for s in stats), 1)
-        mechanism = pick_mechanism(
-            self.mechanism,
-            kv_bytes=sum(
-                slot_bytes * (len(r.prompt_P) + len(r.tokens)) / first.cache.max_len for r in moving
-            ),
+            InProcess(),
+            bs_max=self.bs_max,
+            mechanism=self.mechanism,
             link_bytes_per_s=self.link_bytes_per_s,
-            reprefill_tokens=sum(len(r.prompt_P) + len(r.tokens) for r in moving),
-            prefill_s_per_token=prefill_s,
+            report=self.report,
         )
-        for src, dst, count in decision.moves:
-            self.engines[dst].admit(self.engines[src].evict(count, with_kv=mechanism == "kv"))
-        self.report.samples_moved = decision.moved
-        self.report.destinations = decision.m
-        self.report.mechanism = mechanism
-        self.report.at = time.perf_counter()
-        self.report.decision = decision
-        self.report.freed = tuple(i for i in range(len(self.engines)) if i not in decision.destinations)
-        return self.report
+
+
+def migrate(
+    instances: Mapping[int, Instance],
+    unfinished: Sequence[int],
+    transport: Transport,
+    *,
+    bs_max: int,
+    mechanism: str,
+    link_bytes_per_s: float,
+    report: MigrationReport,
+) -> MigrationReport:
+    """The one migration mechanism (DESIGN §2), for instances in one process or one per rank.
+
+    `instances`: the instances this process drives, by their index among all `len(unfinished)` instances;
+    `unfinished`: every instance's unfinished count (the same on every process). Every process computes the
+    same `decide_migration` and, from sums over all instances (`transport.all_sum`), the same mechanism; then
+    the moves run in the same global order everywhere: a source evicts and sends, a destination receives and
+    admits. Fills and returns `report`.
+    """
+    cache = next(iter(instances.values())).cache
+    slot_bytes = cache.nbytes_per_slot()
+    decision = decide_migration(
+        unfinished, bs_max, kv_bytes_per_sample=slot_bytes, free_kv_bytes=slot_bytes * cache.num_slots
+    )
+    sources = {src for src, _, _ in decision.moves}
+    moving = [r for i, e in instances.items() if i in sources for r in e.running.values()]
+    stats = [e.stats for e in instances.values()]
+    tokens, prefill_s, prefill_tokens = transport.all_sum(
+        [
+            sum(len(r.prompt_P) + len(r.tokens) for r in moving),
+            sum(s.prefill_seconds for s in stats),
+            sum(s.prefill_tokens for s in stats),
+        ]
+    )
+    chosen = pick_mechanism(
+        mechanism,
+        kv_bytes=tokens * slot_bytes / cache.max_len,
+        link_bytes_per_s=link_bytes_per_s,
+        reprefill_tokens=int(tokens),
+        prefill_s_per_token=prefill_s / max(prefill_tokens, 1.0),
+    )
+    for src, dst, count in decision.moves:
+        if src in instances:
+            transport.send(instances[src].evict(count, with_kv=chosen == "kv"), src, dst)
+        if dst in instances:
+            instances[dst].admit(transport.recv(src, dst))
+    report.samples_moved = decision.moved
+    report.destinations = decision.m
+    report.mechanism = chosen
+    report.at = time.perf_counter()
+    report.decision = decision
+    report.freed = tuple(i for i in range(len(unfinished)) if i not in decision.destinations)
+    return report

@@ -30,8 +30,8 @@ from rlhfuse.core.types import Experience
 from rlhfuse.generation.coordinator import MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure
 from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
-
-_META = 8  # row (-1 = end of stream), prompt_index, sample_index, group, seed, prompt len, tokens, stopped
+from rlhfuse.generation.transport import PointToPoint, Sending
+from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
 
 @dataclass
@@ -45,59 +45,18 @@ class FusedResult:
     gen_inf_s: float
 
 
-def _infer_rows(inferencer: Inferencer, samples: Sequence[SampleRequest], pad: int) -> list[tuple]:
+def _infer(inferencer: Inferencer, samples: Sequence[SampleRequest], pad: int) -> list[InferredSample]:
     if not samples:
         return []
     exp = inferencer.infer(to_rollout(samples, pad))
     out = []
     for b, r in enumerate(samples):
         n = len(r.tokens)
-        sample = (
-            r.row,
-            r.prompt_index,
-            r.sample_index,
-            r.group,
-            r.prompt_P.tolist(),
-            r.seed,
-            r.tokens,
-            r.stopped,
-        )
         out.append(
-            (sample, exp.logprobs_BR[b, :n].clone(), exp.ref_logprobs_BR[b, :n].clone(),
-             exp.values_BR[b, :n].clone(), float(exp.scores_B[b]))
+            InferredSample(r, exp.logprobs_BR[b, :n].clone(), exp.ref_logprobs_BR[b, :n].clone(),
+                           exp.values_BR[b, :n].clone(), float(exp.scores_B[b]))
         )  # fmt: skip
     return out
-
-
-def _send_sample(r: SampleRequest, dst: int, group: dist.ProcessGroup | None, pending: list) -> None:
-    meta = torch.tensor(
-        [
-            r.row,
-            r.prompt_index,
-            r.sample_index,
-            r.group,
-            r.seed,
-            len(r.prompt_P),
-            len(r.tokens),
-            int(r.stopped),
-        ],
-        dtype=torch.int64,
-    )
-    ids = torch.cat([r.prompt_P, torch.tensor(r.tokens, dtype=torch.int64)]).contiguous()
-    pending += [(dist.isend(meta, dst, group=group), meta), (dist.isend(ids, dst, group=group), ids)]
-
-
-def _recv_sample(group: dist.ProcessGroup | None) -> tuple[int, SampleRequest | None]:
-    meta = torch.zeros(_META, dtype=torch.int64)
-    src = dist.recv(meta, group=group)  # from any destination
-    row, prompt_index, sample_index, grp, seed, p, n, stopped = meta.tolist()
-    if row < 0:
-        return src, None
-    ids = torch.zeros(p + n, dtype=torch.int64)
-    dist.recv(ids, src, group=group)
-    return src, SampleRequest(
-        row, prompt_index, sample_index, grp, ids[:p].clone(), seed, ids[p:].tolist(), bool(stopped)
-    )
 
 
 def fused_generate_infer(
@@ -114,11 +73,12 @@ def fused_generate_infer(
     sync_every: int = 1,
 ) -> FusedResult:
     start = time.perf_counter()
-    rank = dist.get_rank(group)
     coordinator = DistributedCoordinator(
         engine, bs_max=bs_max, mechanism=mechanism, group=group, sync_every=sync_every
     )
-    rows: list[tuple] = []
+    transport: PointToPoint = coordinator.transport
+    rank = coordinator.rank
+    rows: list[InferredSample] = []
     finished: list[SampleRequest] = []
     stream = coordinator.run(requests, threshold=threshold)
     # generate until this rank is free (migration moved its tail away) or done
@@ -135,69 +95,64 @@ def fused_generate_infer(
         if report.at and rank in report.freed:
             gen_end = time.perf_counter()
             for k in range(0, len(finished), micro_batch):
-                rows += _infer_rows(inferencer, finished[k : k + micro_batch], pad_token_id)
+                rows += _infer(inferencer, finished[k : k + micro_batch], pad_token_id)
             open_streams = set(report.decision.destinations if report.decision else ())
             batch: list[SampleRequest] = []
             while open_streams:
-                src, arrived = _recv_sample(group)
-                if arrived is None:
+                src, packed = transport.recv_packed()  # from any destination; an empty batch ends its stream
+                arrived = SampleBatch.unpack(packed).requests
+                if not arrived:
                     open_streams.discard(src)
-                else:
-                    batch.append(arrived)
+                batch += arrived
                 if len(batch) >= micro_batch or (not open_streams and batch):
-                    rows += _infer_rows(inferencer, batch, pad_token_id)
+                    rows += _infer(inferencer, batch, pad_token_id)
                     batch = []
         elif report.at:
             # a destination: stream the tail samples to the freed ranks as they finish (round robin), then infer
             # its own samples that finished before the migration (as it would have without fusion)
             freed = list(report.freed)
-            pending: list = []
+            pending: list[Sending] = []
             for sent, sample in enumerate(stream):
-                _send_sample(sample, freed[sent % len(freed)], group, pending)
+                pending.append(transport.isend(SampleBatch.of([sample]).pack(), freed[sent % len(freed)]))
             gen_end = time.perf_counter()
-            for dst in freed:
-                end = torch.full((_META,), -1, dtype=torch.int64)
-                pending.append((dist.isend(end, dst, group=group), end))
+            pending += [transport.isend(SampleBatch([]).pack(), dst) for dst in freed]
             for k in range(0, len(finished), micro_batch):
-                rows += _infer_rows(inferencer, finished[k : k + micro_batch], pad_token_id)
-            for work, _ in pending:
-                work.wait()
+                rows += _infer(inferencer, finished[k : k + micro_batch], pad_token_id)
+            for sending in pending:
+                sending.wait()
         else:  # no migration: generate to the end, then infer
             finished += list(stream)
             gen_end = time.perf_counter()
             for k in range(0, len(finished), micro_batch):
-                rows += _infer_rows(inferencer, finished[k : k + micro_batch], pad_token_id)
-        gathered: list[list[tuple] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, rows, group=group)
+                rows += _infer(inferencer, finished[k : k + micro_batch], pad_token_id)
+        gathered = transport.all_gather(InferredBatch(rows).pack())
         gen_inf = time.perf_counter() - start
     except RuntimeError as err:
         raise InstanceFailure(f"fused generation+inference on rank {rank} failed: {err}") from err
-    all_rows = sorted((r for part in gathered for r in part or []), key=lambda r: r[0][0])
-    if [r[0][0] for r in all_rows] != sorted(r.row for r in requests):
+    all_rows = sorted(
+        (r for p in gathered for r in InferredBatch.unpack(p).rows), key=lambda r: r.request.row
+    )
+    if [r.request.row for r in all_rows] != sorted(r.row for r in requests):
         raise InstanceFailure(
-            f"fused generation+inference lost samples: got rows {[r[0][0] for r in all_rows]}"
+            f"fused generation+inference lost samples: got rows {[r.request.row for r in all_rows]}"
         )
     return FusedResult(_assemble(all_rows, pad_token_id), report, gen_end - start, gen_inf)
 
 
-def _assemble(rows: list[tuple], pad: int) -> Experience:
-    samples = [
-        SampleRequest(row, pi, si, g, torch.tensor(p, dtype=torch.int64), seed, tokens, stopped)
-        for (row, pi, si, g, p, seed, tokens, stopped), *_ in rows
-    ]
-    rollout = to_rollout(samples, pad)
+def _assemble(rows: list[InferredSample], pad: int) -> Experience:
+    rollout = to_rollout([r.request for r in rows], pad)
     width = rollout.response_ids_BR.shape[1]
 
-    def pad_BR(index: int) -> Tensor:
+    def pad_BR(values_N: list[Tensor]) -> Tensor:
         out = torch.zeros(len(rows), width)
-        for b, row in enumerate(rows):
-            out[b, : len(row[index])] = row[index]
+        for b, values in enumerate(values_N):
+            out[b, : len(values)] = values
         return out
 
     return Experience(
         rollout=rollout,
-        logprobs_BR=pad_BR(1),
-        ref_logprobs_BR=pad_BR(2),
-        values_BR=pad_BR(3),
-        scores_B=torch.tensor([row[4] for row in rows], dtype=torch.float32),
+        logprobs_BR=pad_BR([r.logprobs_N for r in rows]),
+        ref_logprobs_BR=pad_BR([r.ref_logprobs_N for r in rows]),
+        values_BR=pad_BR([r.values_N for r in rows]),
+        scores_B=torch.tensor([r.score for r in rows], dtype=torch.float32),
     )

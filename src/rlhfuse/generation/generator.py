@@ -20,6 +20,7 @@ from torch import Tensor
 from rlhfuse.core.protocols import Inferencer
 from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
+from rlhfuse.core.wire import pack_tensors, unpack_tensors
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
@@ -32,6 +33,7 @@ from rlhfuse.generation.engine import (
 )
 from rlhfuse.generation.fusion import fused_generate_infer
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
+from rlhfuse.generation.transport import collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer
 
@@ -87,6 +89,11 @@ class EngineGenerator:
             for model in self.models:
                 model.load_state_dict(dict(named_tensors), strict=True)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's Actor copy (and so its collectives' tensors under NCCL) lives."""
+        return next(self.models[0].parameters()).device
+
     def is_distributed(self) -> bool:
         """One instance per rank: a torch.distributed world of exactly `generator.instances` ranks."""
         return (
@@ -134,7 +141,7 @@ class EngineGenerator:
             yield from self.coordinator.run(requests, threshold=threshold)
             return
         # every rank must use the same Rt (policies tune on rank-local timings): rank 0's
-        agreed = torch.tensor([threshold], dtype=torch.int64)
+        agreed = torch.tensor([threshold], dtype=torch.int64, device=collective_device(None, self.device))
         dist.broadcast(agreed, 0)
         (engine,) = self._engines_for(width, len(requests), 1)
         c = self.coordinator
@@ -168,7 +175,11 @@ class EngineGenerator:
             prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
         )
         self._predicted = predictions(self.policy)
-        agreed = torch.tensor([self.policy.threshold(len(requests))], dtype=torch.int64)
+        agreed = torch.tensor(
+            [self.policy.threshold(len(requests))],
+            dtype=torch.int64,
+            device=collective_device(None, self.device),
+        )
         dist.broadcast(agreed, 0)
         width = max(len(r.prompt_P) for r in requests)
         (engine,) = self._engines_for(width, len(requests), 1)
@@ -206,12 +217,12 @@ class EngineGenerator:
         sizes = [b for s in stats for b in s.batch_sizes]
         busy = sum(s.busy_seconds for s in stats)
         tokens = sum(s.tokens for s in stats)
-        if self.distributed is not None:
-            gathered: list[tuple[list[int], float, int] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (sizes, busy, tokens))
-            parts = [g for g in gathered if g is not None]
-            sizes = [b for g in parts for b in g[0]]
-            busy, tokens = sum(g[1] for g in parts), sum(g[2] for g in parts)
+        if self.distributed is not None:  # every instance's decode batch sizes, busy seconds and tokens
+            mine = pack_tensors([tokens, *sizes], [torch.tensor([busy], dtype=torch.float64)])
+            parts = [unpack_tensors(p) for p in self.distributed.transport.all_gather(mine)]
+            sizes = [b for ints, _ in parts for b in ints[1:]]
+            busy = sum(float(t[0]) for _, (t,) in parts)
+            tokens = sum(ints[0] for ints, _ in parts)
         return generation_stats(sizes, busy, tokens, self.migration, self._predicted)
 
 

@@ -1,8 +1,9 @@
 """Rt auto-tuning (DESIGN §2): simulate generation + inference for each Rt on this machine's measured costs and
 the response lengths seen so far, and keep the fastest.
 
-The simulator is deliberately small and fed by profiled costs rather than datasheets (the planner's
-`rt_sweep` models paper-scale GPUs; this one models the engine that is actually running):
+The simulator is the planner's (`rlhfuse.planner.simulate`: continuous batching per instance, the tail at Rt,
+`decide_migration`, a fluid inference queue) fed by profiled costs rather than datasheets (the planner's
+`rt_sweep` models paper-scale GPUs with its cost model; this one the engine that is actually running):
 
 - decode step of b samples on one instance: `step_base_s + step_per_sample_s * b` (least-squares fit of the
   engines' measured steps), flat up to the fit's noise below BSmax as on an accelerator, linear on a CPU;
@@ -25,9 +26,17 @@ import numpy as np
 from rlhfuse.generation.engine import EngineStats
 from rlhfuse.generation.migration import BatchObservation, resolve_threshold
 from rlhfuse.planner.lengths import LengthDistribution
-from rlhfuse.planner.migration import decide_migration, threshold_from_fraction
-
-RT_FRACTIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 5% .. 95%
+from rlhfuse.planner.migration import decide_migration
+from rlhfuse.planner.simulate import (
+    RT_FRACTIONS,
+    Samples,
+    StepTime,
+    continuous_batching,
+    decode_instances,
+    drain_time,
+    rt_values,
+    tail_at,
+)
 
 
 @dataclass(frozen=True)
@@ -70,22 +79,6 @@ class SimResult:
     destinations: int = 0
 
 
-def _finish_times(lengths: Sequence[int], start: float, profile: CostProfile) -> list[float]:
-    """Continuous batching of `lengths` on one instance from `start`: each sample's finish time."""
-    if not lengths:
-        return []
-    order = sorted(lengths)
-    ends: dict[int, float] = {}
-    t, i, remaining = start, 0, len(order)
-    for step in range(1, order[-1] + 1):
-        t += profile.step(remaining)
-        while i < len(order) and order[i] == step:
-            ends.setdefault(step, t)
-            i += 1
-            remaining -= 1
-    return [ends[n] for n in lengths]
-
-
 def simulate(
     lengths: Sequence[int],
     prompt_len: int,
@@ -96,59 +89,45 @@ def simulate(
     bs_max: int,
     slots: int,
 ) -> SimResult:
-    """One batch of responses of `lengths` tokens; `rt` = 0: no migration (serial generation, then inference)."""
+    """One batch of responses of `lengths` tokens; `rt` = 0: no migration (serial generation, then inference).
+
+    The planner's simulator (`rlhfuse.planner.simulate`: `decode_instances`, `tail_at`, `drain_time`) fed with
+    this machine's measured costs: decode steps from `profile.step`, prefill and re-prefill per token, every
+    moved sample re-prefilled on its destination, inference as one queue over the freed instances."""
     n = len(lengths)
-    share = [list(lengths[i::instances]) for i in range(instances)]
-    prefill = [profile.prefill_s_per_token * prompt_len * len(s) for s in share]
-    finish = [_finish_times(s, prefill[i], profile) for i, s in enumerate(share)]
-    work = [(prompt_len + length) * profile.inference_s_per_token for length in lengths]
-    ends = sorted((t, i, k) for i, f in enumerate(finish) for k, t in enumerate(f))
+    samples = Samples(np.full(n, prompt_len, dtype=np.int64), np.asarray(lengths, dtype=np.int64))
+    per_instance = np.bincount(np.arange(n) % instances, minlength=instances)
+    prefill_end = profile.prefill_s_per_token * prompt_len * per_instance.astype(np.float64)
+    base = decode_instances(_step_time(profile), samples, instances, prefill_end)
+    work = samples.seq * profile.inference_s_per_token
+    no_latency = np.zeros(n)
     if rt <= 0 or rt >= n:
-        gen_end = ends[-1][0]
-        return SimResult(gen_end, gen_end + sum(work) / instances)
-    # the moment Rt samples remain: the (n - rt)-th finish
-    t_mig = ends[n - rt - 1][0]
-    done = [(t, lengths[i + instances * k]) for t, i, k in ends[: n - rt]]
-    tail: list[list[tuple[int, int]]] = []  # per instance: (steps left, length) of its unfinished samples
-    for i, f in enumerate(finish):
-        ran = _steps_by(share[i], prefill[i], t_mig, profile)
-        tail.append([(max(share[i][k] - ran, 1), share[i][k]) for k, t in enumerate(f) if t > t_mig])
-    decision = decide_migration([len(x) for x in tail], bs_max, kv_bytes_per_sample=1.0, free_kv_bytes=slots)
-    loads = {d: list(tail[d]) for d in decision.destinations}
-    reprefill_tokens = dict.fromkeys(decision.destinations, 0)
-    for src, dst, count in decision.moves:
-        items, tail[src] = tail[src][:count], tail[src][count:]
-        loads[dst] += items
-        reprefill_tokens[dst] += sum(prompt_len + length - left for left, length in items)
-    finished_tail: list[tuple[float, int]] = []
-    for d, items in loads.items():
-        start = t_mig + reprefill_tokens[d] * profile.prefill_s_per_token
-        ts = _finish_times([left for left, _ in items], start, profile)
-        finished_tail += [(t, length) for t, (_, length) in zip(ts, items, strict=True)]
-    gen_end = max([t_mig, *(t for t, _ in finished_tail)])
+        gen_end = float(base.finish.max())
+        return SimResult(gen_end, drain_time(np.full(n, gen_end), work, instances, gen_end, no_latency))
+    tail = tail_at(base, samples, rt)
+    decision = decide_migration(tail.counts, bs_max, kv_bytes_per_sample=1.0, free_kv_bytes=slots)
+    members, incoming = tail.moves(base, decision)
+    finish = base.finish.copy()
+    ctx_now = samples.prompt + tail.generated
+    for d, mem in members.items():
+        start = tail.t_mig + float(ctx_now[incoming[d]].sum()) * profile.prefill_s_per_token
+        idx = np.asarray(mem, dtype=np.int64)
+        finish[idx], _ = continuous_batching(
+            _step_time(profile), ctx_now[idx], samples.response[idx] - tail.generated[idx], start
+        )
+    gen_end = float(finish.max())
     servers = instances - decision.m
     if servers <= 0:  # every instance is a destination: inference after generation, as serial
-        return SimResult(gen_end, gen_end + sum(work) / instances, decision.moved, decision.m)
+        serial_end = drain_time(np.full(n, gen_end), work, instances, gen_end, no_latency)
+        return SimResult(gen_end, serial_end, decision.moved, decision.m)
     # freed instances infer the finished samples from t_mig, the tail streaming in (one fluid queue)
-    busy = t_mig
-    for t, length in sorted(done + finished_tail):
-        busy = max(busy, t) + (prompt_len + length) * profile.inference_s_per_token / servers
-    return SimResult(gen_end, busy, decision.moved, decision.m)
+    return SimResult(
+        gen_end, drain_time(finish, work, servers, tail.t_mig, no_latency), decision.moved, decision.m
+    )
 
 
-def _steps_by(lengths: Sequence[int], start: float, until: float, profile: CostProfile) -> int:
-    """Decode steps an instance with `lengths` has completed by time `until`."""
-    order = sorted(lengths)
-    t, i, remaining, step = start, 0, len(order), 0
-    while remaining and step < order[-1]:
-        t_next = t + profile.step(remaining)
-        if t_next > until:
-            break
-        t, step = t_next, step + 1
-        while i < len(order) and order[i] == step:
-            i += 1
-            remaining -= 1
-    return step
+def _step_time(profile: CostProfile) -> StepTime:
+    return lambda alive, ctx: profile.step_base_s + profile.step_per_sample_s * alive
 
 
 def rt_sweep(
@@ -167,13 +146,13 @@ def rt_sweep(
     """(Rt, prediction) for each distinct Rt of `fractions`, and the serial prediction, on one stratified batch."""
     lengths = distribution.sample(batch, cap, np.random.default_rng(seed)).tolist()
     serial = simulate(lengths, prompt_len, instances, 0, profile, bs_max=bs_max, slots=slots)
-    out: list[tuple[int, SimResult]] = []
-    for fraction in fractions:
-        rt = min(threshold_from_fraction(fraction, batch), batch - 1)
-        if out and out[-1][0] == rt:
-            continue
-        out.append((rt, simulate(lengths, prompt_len, instances, rt, profile, bs_max=bs_max, slots=slots)))
-    return out, serial
+    return [
+        (rt, simulate(lengths, prompt_len, instances, rt, profile, bs_max=bs_max, slots=slots))
+        for _, rt in rt_values(fractions, batch)
+    ], serial
+
+
+_TIE = 1e-12  # relative: far below any measured cost difference, far above float rounding
 
 
 class AutoThreshold:
@@ -223,8 +202,10 @@ class AutoThreshold:
         )
         if not sweep:
             return
-        rt, best = min(sweep, key=lambda item: (item[1].gen_inf_s, item[0]))
-        if serial.gen_inf_s <= best.gen_inf_s:  # no Rt pays on this machine: migration off (Rt = 0)
+        # the smallest Rt among the fastest: predictions equal but for summation order count as ties
+        fastest = min(result.gen_inf_s for _, result in sweep) * (1 + _TIE)
+        rt, best = min((item for item in sweep if item[1].gen_inf_s <= fastest), key=lambda item: item[0])
+        if serial.gen_inf_s <= best.gen_inf_s * (1 + _TIE):  # no Rt pays on this machine: migration off
             rt, best = 0, serial
         self.chosen, self.predicted, self.predicted_serial = rt, best, serial
 

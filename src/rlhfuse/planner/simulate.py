@@ -7,6 +7,7 @@ n = generation instances (data-parallel Actor replicas of `gen_tp` devices each)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -21,6 +22,7 @@ from rlhfuse.planner.schedule import (
     fused_lower_bound,
     greedy_fused_makespan,
     one_f_one_b,
+    pipeline_problem,
     reversed_blocks,
 )
 from rlhfuse.planner.specs import ModelSpec
@@ -100,8 +102,13 @@ class RLHFModels:
 # ---------------------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------------------
-def decode_finish_times(
-    cost: CostModel, model: ModelSpec, tp: int, ctx0: NDArray, remaining: NDArray, t0: float
+StepTime = Callable[[NDArray, NDArray], NDArray]
+"""Seconds of each decode step from (samples running, KV entries read) per step: the cost model's
+`decode_step_time` here, a measured `a + b x batch` fit in `rlhfuse.generation.tuning`."""
+
+
+def continuous_batching(
+    step_time: StepTime, ctx0: NDArray, remaining: NDArray, t0: float
 ) -> tuple[NDArray, NDArray]:
     """Continuous-batching decode of one instance from time `t0`.
 
@@ -118,8 +125,17 @@ def decode_finish_times(
     alive = len(r_sorted) - first_alive
     suffix_ctx = np.concatenate([np.cumsum(c_sorted[::-1])[::-1], [0.0]])
     ctx = suffix_ctx[first_alive] + alive * (k + 1)
-    steps = t0 + np.cumsum(cost.decode_step_time(model, tp, alive, ctx))
+    steps = t0 + np.cumsum(step_time(alive, ctx))
     return steps[remaining - 1], steps
+
+
+def decode_finish_times(
+    cost: CostModel, model: ModelSpec, tp: int, ctx0: NDArray, remaining: NDArray, t0: float
+) -> tuple[NDArray, NDArray]:
+    """`continuous_batching` with the cost model's decode steps of `model` on `tp` devices."""
+    return continuous_batching(
+        lambda alive, ctx: cost.decode_step_time(model, tp, alive, ctx), ctx0, remaining, t0
+    )
 
 
 @dataclass(frozen=True)
@@ -155,21 +171,83 @@ class Unmigrated:
     prefill_end: NDArray
 
 
-def generate_unmigrated(cost: CostModel, actor: ModelSpec, samples: Samples, tp: int) -> Unmigrated:
-    n = cost.cluster.gpus // tp
-    inst = np.arange(len(samples)) % n
+def decode_instances(
+    step_time: StepTime, samples: Samples, instances: int, prefill_end: NDArray, tp: int = 1
+) -> Unmigrated:
+    """Sample i on instance i mod `instances`, each instance decoding its samples from `prefill_end[i]`."""
+    inst = np.arange(len(samples)) % instances
     finish = np.zeros(len(samples))
     steps_of = []
-    prefill_end = np.zeros(n)
-    for i in range(n):
+    for i in range(instances):
         idx = np.flatnonzero(inst == i)
-        prefill_end[i] = cost.prefill_time(actor, samples.prompt[idx], tp)
-        f, steps = decode_finish_times(
-            cost, actor, tp, samples.prompt[idx], samples.response[idx], prefill_end[i]
-        )
+        f, steps = continuous_batching(step_time, samples.prompt[idx], samples.response[idx], prefill_end[i])
         finish[idx] = f
         steps_of.append(steps)
     return Unmigrated(tp, inst, finish, tuple(steps_of), prefill_end)
+
+
+def generate_unmigrated(cost: CostModel, actor: ModelSpec, samples: Samples, tp: int) -> Unmigrated:
+    n = cost.cluster.gpus // tp
+    inst = np.arange(len(samples)) % n
+    prefill_end = np.array([cost.prefill_time(actor, samples.prompt[inst == i], tp) for i in range(n)])
+    return decode_instances(
+        lambda alive, ctx: cost.decode_step_time(actor, tp, alive, ctx), samples, n, prefill_end, tp
+    )
+
+
+@dataclass(frozen=True)
+class Tail:
+    """The batch when Rt samples remain: at `t_mig`, which samples are `unfinished`, tokens `generated` so
+    far (each unfinished sample still needs response - generated >= 1), and the instances' unfinished
+    `counts` (what `decide_migration` reads)."""
+
+    t_mig: float
+    unfinished: NDArray
+    generated: NDArray
+    counts: list[int]
+
+    def moves(
+        self, base: Unmigrated, decision: MigrationDecision
+    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """(every sample each destination decodes after the moves, the samples that moved to it)."""
+        pending = {
+            i: [int(j) for j in np.flatnonzero(self.unfinished & (base.instance == i))]
+            for i in range(len(base.steps))
+        }
+        members = {d: list(pending[d]) for d in decision.destinations}
+        incoming: dict[int, list[int]] = {d: [] for d in decision.destinations}
+        for src, dst, count in decision.moves:
+            moved, pending[src] = pending[src][:count], pending[src][count:]
+            incoming[dst] += moved
+            members[dst] += moved
+        return members, incoming
+
+
+def tail_at(base: Unmigrated, samples: Samples, rt: int) -> Tail:
+    """The `Tail` of `base` (generation without migration) when `rt` samples remain."""
+    size = len(samples)
+    t_mig = float(np.sort(base.finish)[size - rt - 1])
+    unfinished = base.finish > t_mig
+    generated = np.zeros(size, dtype=np.int64)
+    for i, steps in enumerate(base.steps):
+        idx = np.flatnonzero(base.instance == i)
+        done_steps = int(np.searchsorted(steps, t_mig, side="right")) if t_mig >= base.prefill_end[i] else 0
+        generated[idx] = np.minimum(done_steps, samples.response[idx] - 1)
+    counts = np.bincount(base.instance[unfinished], minlength=len(base.steps))
+    return Tail(t_mig, unfinished, generated, counts.tolist())
+
+
+def rt_values(fractions: Sequence[float], batch: int) -> list[tuple[float, int]]:
+    """(fraction, Rt) for each distinct Rt the sweep's `fractions` give on a batch (Rt in [1, batch - 1])."""
+    out: list[tuple[float, int]] = []
+    seen: set[int] = set()
+    for frac in fractions:
+        rt = min(max(1, round(frac * batch)), batch - 1)  # a small batch: fewer distinct Rt
+        if rt < 1 or rt in seen:
+            continue
+        seen.add(rt)
+        out.append((frac, rt))
+    return out
 
 
 def simulate_generation(
@@ -195,35 +273,23 @@ def simulate_generation(
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, actor, samples, tp)
     n = cost.cluster.gpus // tp
     size = len(samples)
-    inst, finish, steps_of, prefill_end = base.instance, base.finish, base.steps, base.prefill_end
+    finish = base.finish
     if rt is None or rt >= size or size == 0:
         return GenerationResult(finish, float(finish.max(initial=0.0)), n)
 
-    t_mig = float(np.sort(finish)[size - rt - 1])
-    unfinished = finish > t_mig
-    generated = np.zeros(size, dtype=np.int64)
-    for i in range(n):
-        idx = np.flatnonzero(inst == i)
-        done_steps = int(np.searchsorted(steps_of[i], t_mig, side="right")) if t_mig >= prefill_end[i] else 0
-        generated[idx] = np.minimum(done_steps, samples.response[idx] - 1)
-    counts = np.bincount(inst[unfinished], minlength=n)
+    tail = tail_at(base, samples, rt)
+    t_mig, unfinished, generated = tail.t_mig, tail.unfinished, tail.generated
     kv_tok = cost.kv_bytes_per_token(actor)
     tail_kv = float((samples.prompt + generated)[unfinished].sum()) * kv_tok
     decision = decide_migration(
-        counts.tolist(),
+        tail.counts,
         cost.bs_max(actor, tp),
         kv_tok * max_context,
         free_kv_bytes(cost, actor, tp, resident_bytes),
         kv_read_bytes=tail_kv,
         kv_read_budget=None if kv_read_slack is None else kv_read_slack * cost.weight_bytes(actor),
     )
-    pending = {i: [int(j) for j in np.flatnonzero(unfinished & (inst == i))] for i in range(n)}
-    members = {d: list(pending[d]) for d in decision.destinations}
-    incoming: dict[int, list[int]] = {d: [] for d in decision.destinations}
-    for src, dst, count in decision.moves:
-        moved, pending[src] = pending[src][:count], pending[src][count:]
-        incoming[dst] += moved
-        members[dst] += moved
+    members, incoming = tail.moves(base, decision)
     ctx_now = samples.prompt + generated
     kv_seconds = max(
         (
@@ -485,12 +551,7 @@ def rt_sweep(
     """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep); the first phase is shared."""
     base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
     out = []
-    seen = set()
-    for frac in fractions:
-        rt = min(max(1, round(frac * len(samples))), len(samples) - 1)  # a small batch: fewer distinct Rt
-        if rt < 1 or rt in seen:
-            continue
-        seen.add(rt)
+    for frac, rt in rt_values(fractions, len(samples)):
         res = gen_inf_fused(
             cost,
             models,
@@ -690,7 +751,7 @@ def searched_training(
     unchanged."""
     if train.mode != "fused" or seconds <= 0:
         return train
-    from rlhfuse.pipeline import SearchConfig, make_problem, solve
+    from rlhfuse.pipeline import SearchConfig, solve
 
     ranks, problem = fused_problem(cost, models, train.actor, train.critic, workload, seq)
     mb = workload.mini_batch
@@ -698,18 +759,16 @@ def searched_training(
         activation_peak(cost, models.actor, train.actor, mb, seq) / max(1, min(train.actor.pp, train.actor.microbatches(mb))),
         activation_peak(cost, models.critic, train.critic, mb, seq) / max(1, min(train.critic.pp, train.critic.microbatches(mb))),
     ]  # fmt: skip
-    pipeline_problem = make_problem(
-        [
-            {"name": name, "stages": m.stages, "replicas": m.replicas, "microbatches": m.microbatches,
-             "forward": m.forward, "backward": m.backward, "activation": act / 1e9,
-             "placement": [list(row) for row in m.placement]}
-            for name, m, act in zip(("actor", "critic"), problem, acts)
-        ],
-        ranks=ranks,
+    searchable = pipeline_problem(
+        ranks,
+        problem,
+        names=("actor", "critic"),
+        activations=[a / 1e9 for a in acts],
         name=f"{models.name} fused",
-    )  # fmt: skip
-    solution = solve(pipeline_problem, SearchConfig(time_budget=seconds, seed=seed))
+    )
+    solution = solve(searchable, SearchConfig(time_budget=seconds, seed=seed))
     extra = fused_extra(cost, models, train.actor, train.critic)
-    best = min(solution.makespan + extra, train.per_minibatch)
+    # the search may reach the bound; summed in another order, its makespan can land a few ulps below it
+    best = max(min(solution.makespan + extra, train.per_minibatch), train.bound)
     detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds)
     return replace(train, per_minibatch=best, detail=detail)

@@ -1,63 +1,34 @@
 """Splitting a mini-batch over data-parallel groups and micro-batches, balanced by token cost.
 
-Cost of a sample: its tokens plus the attention term (tokens² / `attention_tokens`), the shape of a
-transformer's FLOPs (linear layers ∝ tokens, attention ∝ tokens²). Karmarkar–Karp (largest differencing)
-partitions the samples into groups of near-equal total cost; pure functions of lengths.
+The cost model, Karmarkar–Karp and the micro-batch weighting live in `rlhfuse.core.balance` (the one balancer
+module); this module applies them to a `TrainBatch` for the pipeline strategies and re-exports them.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 
 import torch
 
+from rlhfuse.core.balance import (
+    batch_costs,
+    imbalance,
+    karmarkar_karp,
+    microbatch_weights,
+    sample_costs,
+)
 from rlhfuse.core.types import TrainBatch
 
-
-def sample_costs(lengths: Sequence[int], attention_tokens: float = 1024.0) -> list[float]:
-    """Cost per sample: tokens + tokens² / attention_tokens."""
-    return [float(n) + float(n) * float(n) / attention_tokens for n in lengths]
-
-
-def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
-    """Partition indices into `parts` non-empty sets of near-equal cost (multi-way largest differencing).
-
-    Needs len(costs) >= parts. Each set is returned sorted; sets are ordered by decreasing cost.
-    """
-    if parts < 1 or len(costs) < parts:
-        raise ValueError(f"cannot split {len(costs)} samples into {parts} non-empty parts")
-    # each heap entry: (-spread, tie, [(cost, indices)] * parts sorted by cost descending)
-    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
-    for i, c in enumerate(costs):
-        part = [(float(c), [i])] + [(0.0, []) for _ in range(parts - 1)]
-        heapq.heappush(heap, (-float(c), i, part))
-    tie = len(costs)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        # combine the largest of one with the smallest of the other
-        merged = [(a[j][0] + b[parts - 1 - j][0], a[j][1] + b[parts - 1 - j][1]) for j in range(parts)]
-        merged.sort(key=lambda x: -x[0])
-        tie += 1
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
-    result = [sorted(idx) for _, idx in heap[0][2]]
-    if any(not r for r in result):
-        # KK may leave a part empty when a few samples dominate: move one sample from the fullest part
-        for r in result:
-            if not r:
-                donor = max(result, key=len)
-                r.append(donor.pop())
-        result = [sorted(r) for r in result]
-    return result
-
-
-def imbalance(costs: Sequence[float], parts: Sequence[Sequence[int]]) -> float:
-    """max part cost / mean part cost - 1 (0 = perfect)."""
-    totals = [sum(costs[i] for i in p) for p in parts]
-    mean = sum(totals) / len(totals)
-    return max(totals) / mean - 1.0 if mean > 0 else 0.0
+__all__ = [
+    "budget_microbatches",
+    "imbalance",
+    "karmarkar_karp",
+    "microbatch_imbalance",
+    "microbatch_weights",
+    "sample_costs",
+    "split_minibatch",
+]
 
 
 def budget_microbatches(lengths: Sequence[int], dp: int, tokens: int, multiple: int = 1) -> int:
@@ -79,9 +50,7 @@ def budget_microbatches(lengths: Sequence[int], dp: int, tokens: int, multiple: 
 
 def microbatch_imbalance(micro: Sequence[Sequence[TrainBatch]], attention_tokens: float = 1024.0) -> float:
     """Largest micro-batch cost / mean micro-batch cost - 1, over every group (0 = perfect)."""
-    totals = [
-        sum(sample_costs(m.attention_mask_BT.sum(dim=1).tolist(), attention_tokens)) for g in micro for m in g
-    ]
+    totals = [sum(batch_costs(m, attention_tokens)) for g in micro for m in g]
     mean = sum(totals) / len(totals)
     return max(totals) / mean - 1.0 if mean > 0 else 0.0
 
@@ -106,8 +75,7 @@ def split_minibatch(
             f"a mini-batch of {n} samples cannot fill dp * microbatches = {dp} * {microbatches} = "
             f"{dp * microbatches} micro-batches: raise data.mini_batch_size or lower data.micro_batch_size"
         )
-    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    costs = sample_costs(lengths, attention_tokens)
+    costs = batch_costs(batch, attention_tokens)
     if balance:
         groups = karmarkar_karp(costs, dp)
         micro_index = [
@@ -122,13 +90,6 @@ def split_minibatch(
         chunks = [c.tolist() for c in torch.arange(n).tensor_split(dp * microbatches)]
         micro_index = [chunks[g * microbatches : (g + 1) * microbatches] for g in range(dp)]
         skew = imbalance(costs, [[i for part in m for i in part] for m in micro_index])
-    total_tokens = float(batch.response_mask_BR.sum().clamp(min=1))
-    micro: list[list[TrainBatch]] = []
-    weights: list[list[float]] = []
-    for g in range(dp):
-        micro.append([batch.select(torch.tensor(idx)) for idx in micro_index[g]])
-        if loss_reduction == "token":
-            weights.append([float(m.response_mask_BR.sum()) / total_tokens for m in micro[g]])
-        else:
-            weights.append([len(m) / n for m in micro[g]])
+    micro = [[batch.select(torch.tensor(idx)) for idx in micro_index[g]] for g in range(dp)]
+    weights = [microbatch_weights(group, batch, loss_reduction) for group in micro]
     return micro, weights, skew

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlhfuse.core.balance import assign_rows
+from rlhfuse.core.balance import split_rows as split_rows  # re-exported: tests and callers import it here
 from rlhfuse.core.inference import (
     InferencerConfig,
     final_scores,
@@ -44,7 +46,7 @@ from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Instr, Message, Program, lower_checked
 
 # inference model -> the training model whose layout (stages, replicas, placement) it uses
-PLACED_AS: dict[str, str] = {
+PLACED_AS: dict[str, ModelRole] = {  # results are keyed by ModelRole (a str enum: "actor" finds it)
     ModelRole.ACTOR: ModelRole.ACTOR,
     ModelRole.REF: ModelRole.ACTOR,
     ModelRole.CRITIC: ModelRole.CRITIC,
@@ -211,41 +213,6 @@ def _hidden_size(stage: nn.Module) -> int:
     return int(config.hidden_size)
 
 
-def split_rows(n: int, parts: int) -> list[Tensor]:
-    """Positions of `parts` contiguous non-empty chunks of n rows. With n < parts, positions run past n
-    (position p stands for row p % n); callers keep only positions < n."""
-    return list(torch.arange(max(n, parts)).tensor_split(parts))
-
-
-def assign_rows(
-    lengths_B: Tensor, dp: int, microbatches: int, replicas: int
-) -> list[list[tuple[Tensor, Tensor]]]:
-    """out[g][i] = (row indices, first-copy mask) of micro-batch i of data-parallel group g.
-
-    Rows are sorted by response length and cut into dp * M chunks of near-equal count, dealt in length order to
-    the groups and, inside a group, to the K replicas of the smaller model, every other round in reverse (0 1 1 0
-    ...), so every group and replica gets short and long rows alike, while each micro-batch holds rows of similar
-    length (it is then trimmed to its own longest response: less padding computed).
-    """
-    n = len(lengths_B)
-    order = torch.argsort(lengths_B.cpu(), stable=True)
-    per = microbatches // replicas
-    out: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(dp)]
-    slots: list[dict[int, tuple[Tensor, Tensor]]] = [{} for _ in range(dp)]
-
-    def snake(c: int, ways: int) -> tuple[int, int]:  # deal in rounds, every other round reversed: 0 1 | 1 0
-        rnd, k = divmod(c, ways)
-        return (k if rnd % 2 == 0 else ways - 1 - k), rnd
-
-    for c, pos in enumerate(split_rows(n, dp * microbatches)):
-        g, c2 = snake(c, dp)
-        replica, slot = snake(c2, replicas)
-        slots[g][replica * per + slot] = (order[pos % n], pos < n)
-    for g in range(dp):
-        out[g] = [slots[g][i] for i in range(microbatches)]
-    return out
-
-
 def trim_responses(rollout: Rollout) -> Rollout:
     """The rollout without its trailing all-padding response columns (responses are right-padded; earlier
     positions do not attend to later ones, so every kept output is unchanged)."""
@@ -284,7 +251,7 @@ class PipelineInferencer:
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
     ) -> None:
-        if "reward" not in models and reward_fn is None:
+        if ModelRole.REWARD not in models and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         if not dist.is_initialized():
             raise ValueError(
@@ -309,10 +276,10 @@ class PipelineInferencer:
                 if model == PLACED_AS[m]:
                     self.stages[(m, replica, stage)] = split[stage]
         self.heads: dict[str, Head] = {
-            "actor": lambda out, rows: logprobs_from_output(out, rows, self.temperature),
-            "ref": lambda out, rows: logprobs_from_output(out, rows, self.temperature),
-            "critic": values_from_output,
-            "reward": scores_from_output,
+            ModelRole.ACTOR: lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            ModelRole.REF: lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            ModelRole.CRITIC: values_from_output,
+            ModelRole.REWARD: scores_from_output,
         }
         self.programs: dict[int, tuple[Problem, Program]] = {}
         if self.rank == 0:
@@ -373,7 +340,12 @@ class PipelineInferencer:
             for k, mod in modules.items():
                 mod.train(training[k])
         # every result row is computed on exactly one rank: a sum over the world delivers it to all
-        widths = {"actor": r, "ref": r, "critic": r, "reward": 1}
+        widths: dict[str, int] = {
+            ModelRole.ACTOR: r,
+            ModelRole.REF: r,
+            ModelRole.CRITIC: r,
+            ModelRole.REWARD: 1,
+        }
         out = {name: torch.zeros(n, widths[name], dtype=torch.float32, device=device) for name in self.names}
         for (name, g, i), value in results.items():
             idx, keep = rows[g][i]
@@ -388,13 +360,13 @@ class PipelineInferencer:
             size = out[name].numel()
             out[name] = flat[offset : offset + size].view_as(out[name])
             offset += size
-        rm_scores_B = out["reward"][:, 0] if "reward" in out else None
+        rm_scores_B = out[ModelRole.REWARD][:, 0] if ModelRole.REWARD in out else None
         scores_B = final_scores(self.config, local, rm_scores_B, self.reward_fn, self.tokenizer)
         mask_BR = local.response_mask_BR.float()
         return Experience(
             rollout=rollout,
-            logprobs_BR=(out["actor"] * mask_BR).cpu(),
-            ref_logprobs_BR=(out["ref"] * mask_BR).cpu(),
-            values_BR=(out["critic"] * mask_BR).cpu(),
+            logprobs_BR=(out[ModelRole.ACTOR] * mask_BR).cpu(),
+            ref_logprobs_BR=(out[ModelRole.REF] * mask_BR).cpu(),
+            values_BR=(out[ModelRole.CRITIC] * mask_BR).cpu(),
             scores_B=scores_B.cpu(),
         )

@@ -25,13 +25,13 @@ from torch import Tensor
 
 from rlhfuse.core import losses
 from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
 from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
-from rlhfuse.runtime.balance import karmarkar_karp, sample_costs
 
 
 class PlainStrategy:
@@ -72,13 +72,14 @@ class PlainStrategy:
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
         self.actor.train(), self.critic.train()
-        total_tokens = float(batch.response_mask_BR.sum().clamp(min=1))
         parts: list[LossStats] = []
         failure: str | None = None
-        for micro in micro_batches(
+        micros = micro_batches(
             self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
-        ):
-            weight = self._weight(micro, batch, total_tokens)
+        )
+        # each micro-batch weighted by its share of the *whole* mini-batch (token-mean or sequence-mean losses)
+        weights = microbatch_weights(micros, batch, self.algorithm.loss_reduction)
+        for micro, weight in zip(micros, weights, strict=True):
             stats, failure = self._micro_step(micro, weight)
             if failure is not None:
                 break
@@ -111,13 +112,14 @@ class PlainStrategy:
                 f"a mini-batch of {len(batch)} samples cannot give each of {world} data-parallel ranks a "
                 f"sample: raise data.mini_batch_size to >= {world}"
             )
-        costs = sample_costs(batch.attention_mask_BT.sum(dim=1).tolist())
-        return batch.select(torch.tensor(karmarkar_karp(costs, world)[rank]))
+        return batch.select(torch.tensor(karmarkar_karp(batch_costs(batch), world)[rank]))
 
     def _all_reduce(self, sums: LossStats, failure: str | None) -> tuple[LossStats, str | None]:
         """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch);
         first agree on whether any rank saw a non-finite loss (then nothing else is exchanged)."""
-        failed = torch.tensor([float(failure is not None)], dtype=torch.float64)
+        # the gradients' device: the one the group's backend reduces on
+        device = next(self.actor.parameters()).device
+        failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
         dist.all_reduce(failed, group=self.group)
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
@@ -132,15 +134,9 @@ class PlainStrategy:
             for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
                 assert p.grad is not None
                 p.grad.copy_(chunk.view_as(p))
-        values = torch.tensor(sums, dtype=torch.float64)
+        values = torch.tensor(sums, dtype=torch.float64, device=device)
         dist.all_reduce(values, group=self.group)
         return LossStats(*values.tolist()), None
-
-    def _weight(self, micro: TrainBatch, batch: TrainBatch, total_tokens: float) -> float:
-        # Token-mean losses over the whole mini-batch: weight each micro-batch by its share of response tokens.
-        if self.algorithm.loss_reduction == "token":
-            return float(micro.response_mask_BR.sum()) / total_tokens
-        return len(micro) / len(batch)
 
     def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[LossStats, str | None]:
         """Forward and backward of one micro-batch: its statistics, or the non-finite loss (no backward)."""
