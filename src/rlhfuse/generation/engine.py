@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhfuse.core.sampling import filter_logits, sample_from, sample_seed
+from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.models import KVCache, SlotState, Transformer
 
@@ -39,6 +39,17 @@ class SamplingParams:
     top_p: float = 1.0
     # EOS and any extra stop tokens: a response ends with the first of them (kept as its last token).
     stop_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(config: GeneratorConfig, eos_token_id: int) -> SamplingParams:
+        """The `generator.*` sampling settings, with the tokenizer's EOS among the stop tokens."""
+        return SamplingParams(
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            stop_token_ids=tuple(sorted({eos_token_id, *config.stop_token_ids})),
+        )
 
 
 @dataclass

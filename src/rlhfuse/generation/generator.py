@@ -64,13 +64,7 @@ class EngineGenerator:
         if config.instances < 1:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
-        self.params = SamplingParams(
-            max_new_tokens=config.sampling.max_new_tokens,
-            temperature=config.sampling.temperature,
-            top_k=config.sampling.top_k,
-            top_p=config.sampling.top_p,
-            stop_token_ids=tuple(sorted({eos_token_id, *config.sampling.stop_token_ids})),
-        )
+        self.params = SamplingParams.of(config.sampling, eos_token_id)
         # one copy now; the in-process mode adds the other instances' copies on first use
         self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
         self.pad_token_id = pad_token_id
