@@ -173,12 +173,12 @@ def _fusion_worker(rank, port, out_dir):
                    os.path.join(out_dir, f"{name}-rank{rank}.pt"))  # fmt: skip
     # the trainer's generator on the same world: one instance per rank, the whole rollout on every rank
     from rlhfuse.core.sampling import GeneratorConfig
-    from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig
+    from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig, InstanceSetup
 
     sampling = GeneratorConfig(max_new_tokens=MAX_NEW, top_p=0.95, stop_token_ids=[6, 14])
     config = GenerationConfig(name="engine", sampling=sampling, instances=2)
-    gen = EngineGenerator(_model(), config, eos_token_id=EOS, pad_token_id=PAD, samples_per_prompt=4, seed=3,
-                          policy=FixedThreshold(6), mechanism="kv", bs_max=16)  # fmt: skip
+    setup = InstanceSetup(EOS, PAD, samples_per_prompt=4, seed=3, policy=FixedThreshold(6), bs_max=16)
+    gen = EngineGenerator(_model(), config, setup, mechanism="kv")
     (rollout,) = gen.generate(_prompt_batch(), iteration=1)
     assert gen.is_distributed()
     # what the trainer calls: generation fused with inference, the same Experience on every rank

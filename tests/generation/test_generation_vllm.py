@@ -13,6 +13,8 @@ from rlhfuse.generation import (
     FixedThreshold,
     GenerationConfig,
     GenerationEngine,
+    InstanceSetup,
+    NoMigration,
     SamplingParams,
     requests_for,
 )
@@ -69,17 +71,10 @@ def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, b
         instances=instances,
         vllm=VLLMOptions(vllm_kv_cache_gb=0.25),
     )
-    return VLLMGenerator(
-        model,
-        config,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        samples_per_prompt=samples,
-        seed=0,
-        max_prompt_len=16,
-        policy=policy,
-        bs_max=bs_max,
+    setup = InstanceSetup(
+        EOS, PAD, samples_per_prompt=samples, seed=0, policy=policy or NoMigration(), bs_max=bs_max
     )
+    return VLLMGenerator(model, config, setup, max_prompt_len=16)
 
 
 def _engine_tokens(model, prompts: PromptBatch, samples: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from rlhfuse.generation.engine import (
     to_rollout,
 )
 from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
-from rlhfuse.generation.generator import EngineGenerator
+from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
 from rlhfuse.generation.migration import (
     MECHANISMS,
     BatchObservation,
@@ -45,6 +45,7 @@ __all__ = [
     "MECHANISMS",
     "Coordinator",
     "EngineGenerator",
+    "InstanceSetup",
     "EngineStats",
     "FixedThreshold",
     "GenerationConfig",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +39,19 @@ from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer
 
 
+@dataclass(frozen=True)
+class InstanceSetup:
+    """What every multi-instance generator takes besides the Actor and `generator.*`: the tokenizer's EOS and
+    pad ids, samples per prompt, the run seed (per-sample streams), the migration policy and BSmax."""
+
+    eos_token_id: int
+    pad_token_id: int
+    samples_per_prompt: int
+    seed: int
+    policy: MigrationPolicy = field(default_factory=NoMigration)
+    bs_max: int = 32
+
+
 class EngineGenerator:
     """`config.instances` engines, each with its own copy of the Actor.
 
@@ -51,28 +65,23 @@ class EngineGenerator:
         self,
         actor: Transformer,
         config: GenerationConfig,
+        setup: InstanceSetup,
         *,
-        eos_token_id: int,
-        pad_token_id: int,
-        samples_per_prompt: int,
-        seed: int,
-        policy: MigrationPolicy | None = None,
         mechanism: str = "auto",
-        bs_max: int = 32,
         link_bytes_per_s: float = 1e9,
     ) -> None:
         if config.instances < 1:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
-        self.params = SamplingParams.of(config.sampling, eos_token_id)
+        self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
         # one copy now; the in-process mode adds the other instances' copies on first use
         self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
-        self.pad_token_id = pad_token_id
-        self.samples_per_prompt = samples_per_prompt
-        self.seed = seed
-        self.policy: MigrationPolicy = policy or NoMigration()
+        self.pad_token_id = setup.pad_token_id
+        self.samples_per_prompt = setup.samples_per_prompt
+        self.seed = setup.seed
+        self.policy: MigrationPolicy = setup.policy
         self.coordinator = Coordinator(
-            [], bs_max=bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
+            [], bs_max=setup.bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
         )
         self.distributed: DistributedCoordinator | None = None
         self.engines: list[GenerationEngine] = []

@@ -53,8 +53,8 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
-from rlhfuse.generation.generator import generation_stats, observation, predictions
-from rlhfuse.generation.migration import MigrationPolicy, NoMigration
+from rlhfuse.generation.generator import InstanceSetup, generation_stats, observation, predictions
+from rlhfuse.generation.migration import MigrationPolicy
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.models.checkpoint import hf_named_tensors
 
@@ -333,14 +333,9 @@ class VLLMGenerator:
         self,
         actor: Transformer,
         config: GenerationConfig,
+        setup: InstanceSetup,
         *,
-        eos_token_id: int,
-        pad_token_id: int,
-        samples_per_prompt: int,
-        seed: int,
         max_prompt_len: int,
-        policy: MigrationPolicy | None = None,
-        bs_max: int = 32,
         device: torch.device | str = "cpu",
     ) -> None:
         import_vllm()  # fail now, before any model is written, if vLLM is missing
@@ -348,15 +343,15 @@ class VLLMGenerator:
         if config.instances < 1:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
-        self.params = SamplingParams.of(config.sampling, eos_token_id)
+        self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
         self.actor_config = actor.config
-        self.pad_token_id = pad_token_id
-        self.samples_per_prompt = samples_per_prompt
-        self.seed = seed
+        self.pad_token_id = setup.pad_token_id
+        self.samples_per_prompt = setup.samples_per_prompt
+        self.seed = setup.seed
         self.device = torch.device(device)
         self.max_len = max_prompt_len + config.sampling.max_new_tokens
-        self.policy: MigrationPolicy = policy or NoMigration()
-        self.coordinator = Coordinator([], bs_max=bs_max, mechanism="reprefill")
+        self.policy: MigrationPolicy = setup.policy
+        self.coordinator = Coordinator([], bs_max=setup.bs_max, mechanism="reprefill")
         self._tmp = tempfile.TemporaryDirectory(prefix="rlhfuse-vllm-")
         self.checkpoint = Path(self._tmp.name) / "actor"
         save_pretrained(actor, self.checkpoint)  # vLLM builds each engine from an HF checkpoint

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 
 from rlhfuse.core.registry import Registry
-from rlhfuse.generation.generator import EngineGenerator
+from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
 from rlhfuse.trainer.config import RLHFConfig
@@ -46,17 +46,17 @@ def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
     )
 
 
-def _instances_args(ctx: BuildContext) -> dict[str, Any]:
+def instance_setup(ctx: BuildContext) -> InstanceSetup:
     """What every multi-instance generator takes: token ids, samples per prompt, seed, migration policy."""
     mig = ctx.config.migration
-    return {
-        "eos_token_id": ctx.models.tokenizer.eos_id,
-        "pad_token_id": ctx.models.tokenizer.pad_id,
-        "samples_per_prompt": ctx.config.data.samples_per_prompt,
-        "seed": ctx.config.seed,
-        "policy": MIGRATION_POLICIES.get(mig.name)(ctx),
-        "bs_max": mig.bs_max,
-    }
+    return InstanceSetup(
+        eos_token_id=ctx.models.tokenizer.eos_id,
+        pad_token_id=ctx.models.tokenizer.pad_id,
+        samples_per_prompt=ctx.config.data.samples_per_prompt,
+        seed=ctx.config.seed,
+        policy=MIGRATION_POLICIES.get(mig.name)(ctx),
+        bs_max=mig.bs_max,
+    )
 
 
 def engine_generator(ctx: BuildContext) -> EngineGenerator:
@@ -64,9 +64,9 @@ def engine_generator(ctx: BuildContext) -> EngineGenerator:
     return EngineGenerator(
         ctx.models.actor,
         ctx.config.generator,
+        instance_setup(ctx),
         mechanism=mig.mechanism,
         link_bytes_per_s=mig.link_bytes_per_s,
-        **_instances_args(ctx),
     )
 
 
@@ -76,9 +76,9 @@ def vllm_generator(ctx: BuildContext) -> Any:
     return VLLMGenerator(
         ctx.models.actor,
         ctx.config.generator,
+        instance_setup(ctx),
         max_prompt_len=ctx.config.data.max_prompt_length,
         device=next(ctx.models.actor.parameters()).device,
-        **_instances_args(ctx),
     )
 
 
