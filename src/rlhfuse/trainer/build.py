@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
+from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.protocols import FusingGenerator, RolloutStage
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
@@ -84,10 +85,12 @@ def build_trainer(
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
+    checkpoint_dir = run_dir / config.checkpoint.dir
+    check_fresh_start(checkpoint_dir, config.resume, config.checkpoint.overwrite)
     if config.pipeline.name in PIPELINE_STRATEGIES:  # a layout mismatch fails before any model is built
         from rlhfuse.runtime.checkpoint import check_resume
 
-        check_resume(config, run_dir / config.checkpoint.dir)
+        check_resume(config, checkpoint_dir, run_dir)
     log(f"rlhfuse: {counts.describe()}")
 
     # Data before models: malformed or over-long prompts fail fast.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -16,6 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rlhfuse.core.config import choice_problems
 from rlhfuse.core.protocols import Logger
+
+log = logging.getLogger(__name__)
 
 Backend = Literal["jsonl", "csv", "tensorboard", "wandb"]
 BACKENDS = get_args(Backend)
@@ -43,16 +46,27 @@ class LoggerConfig:
 
 
 class JsonlLogger:
-    """Appends one JSON object per `log_metrics` call to `path` (the run's metrics.jsonl)."""
+    """Appends one JSON object per `log_metrics` call to `path` (the run's metrics.jsonl); one row per
+    iteration: `truncate_after` (called when a run starts) cuts the file back to the iteration it starts from."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.last_iteration: int | None = None
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         row = {k: _plain(v) for k, v in metrics.items()}
+        iteration = row.get("iteration")
+        if (
+            isinstance(iteration, int)
+            and self.last_iteration is not None
+            and iteration <= self.last_iteration
+        ):
+            self.truncate_after(iteration - 1)  # a row for this iteration exists: replace it, never two
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row, allow_nan=True) + "\n")
+        if isinstance(iteration, int):
+            self.last_iteration = iteration
 
     def log_hyperparams(self, params: Any) -> None:
         (self.path.parent / "hparams.json").write_text(json.dumps(params, indent=1, default=str))
@@ -61,12 +75,29 @@ class JsonlLogger:
         pass
 
     def truncate_after(self, iteration: int) -> None:
-        """Drop rows past `iteration` (a resumed run rewrites the iterations after its checkpoint)."""
-        if not self.path.is_file():
+        """Keep the rows of iterations <= `iteration` (0 = none: a fresh start), the last one for each
+        iteration, and replace the file atomically. Rows that do not parse (a row torn by a kill) are dropped
+        with a warning naming the file and line."""
+        self.last_iteration = iteration
+        if not self.path.exists():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("iteration", 0) <= iteration]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept: dict[int, str] = {}
+        lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                row_iteration = int(row["iteration"])
+            except (ValueError, KeyError, TypeError) as err:
+                where = "last row" if number == len(lines) else "row"
+                log.warning("rlhfuse: %s:%d: dropped a malformed %s (%s)", self.path, number, where, err)
+                continue
+            if row_iteration <= iteration:
+                kept[row_iteration] = line
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(kept[i] + "\n" for i in sorted(kept)), encoding="utf-8")
+        os.replace(tmp, self.path)
 
 
 def _plain(value: Any) -> Any:
