@@ -309,8 +309,28 @@ class PlainCheckpointer:
 
     def load(self, path: str | Path) -> dict[str, Any]:
         state = load_checkpoint(path)
-        self.restore(state)
+        try:
+            self.restore(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise mismatch_error(path, err) from None
         return state
+
+
+def mismatch_error(path: str | Path, err: BaseException) -> CheckpointError:
+    """A checkpoint that does not fit this run's models or optimizers, named with the first key that differs."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    sizes = [line for line in lines if line.startswith("size mismatch for")]
+    if sizes:
+        first = sizes[0].removeprefix("size mismatch for ").replace("copying a param with shape", "saved")
+        what = f"{len(sizes)} tensor(s) differ in shape, first {first}"
+    elif isinstance(err, KeyError):
+        what = f"entry {err.args[0]!r} is missing"
+    else:
+        what = lines[-1] if lines else type(err).__name__
+    return CheckpointError(
+        f"checkpoint {path} does not fit this run's models ({what}): resume with the model.* settings it was "
+        "saved with, or start a new run (resume=never in another hydra.run.dir)"
+    )
 
 
 # ---------------------------------------------------------------- the run a checkpoint belongs to

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from rlhfuse.core.checkpoint import (
     fsync,
+    mismatch_error,
     plain_weights,
     prune_run,
     remove_checkpoint,
@@ -318,7 +319,10 @@ class ShardedCheckpointer:
         """Check the manifest against this layout, restore this rank's shard, then bring every rank's full
         model copies in sync; returns the shard's state."""
         weights, state, _ = load_sharded(path, self.layout_record())
-        self.stages.load_shard(weights)
-        self.restore(state)
+        try:
+            self.stages.load_shard(weights)
+            self.restore(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise mismatch_error(path, err) from None
         self.stages.gather()
         return state

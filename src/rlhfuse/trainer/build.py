@@ -17,7 +17,7 @@ from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
-from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
+from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
@@ -141,6 +141,8 @@ def build_trainer(
         all_callbacks.append(TaskScore(REWARD_FUNCTIONS.get("topic_fraction"), models.tokenizer))
     if config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
+    if Watchdog.current is not None and fabric.world_size > 1:
+        all_callbacks.append(Watchdog.current)  # keeps the last step for its dead-rank message
     all_callbacks.extend(callbacks or [])
     loggers = build_loggers(config.logger, run_dir) if rank0 else []
     for logger in loggers:

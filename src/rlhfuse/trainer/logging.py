@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlhfuse._optional import MissingDependencyError
 from rlhfuse.core.config import choice_problems
 from rlhfuse.core.protocols import Logger
 
@@ -142,7 +143,9 @@ def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
             from lightning.fabric.loggers import TensorBoardLogger
 
             if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
-                raise ImportError("logger.backends=[...,tensorboard] needs `pip install tensorboard`")
+                raise MissingDependencyError(
+                    "logger.backends=[...,tensorboard] needs `pip install tensorboard`"
+                )
 
             loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=0))
         elif backend == "wandb":

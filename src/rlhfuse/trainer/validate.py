@@ -8,11 +8,11 @@ against instances, registered names, the distributed layout, the vLLM backend).
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import torch
 
+from rlhfuse._resources import read_json
 from rlhfuse.core.config import need
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
@@ -122,7 +122,11 @@ def _vllm_problems(cfg: RLHFConfig) -> list[str]:
         config_file = Path(m.sft_path).expanduser() / "config.json"
         if not config_file.is_file():
             return problems  # load_models names the missing file
-        model = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+        try:
+            model = ModelConfig.from_hf_dict(read_json(config_file, ValueError))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            problems.append(f"model.sft_path: {err}")
+            return problems
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     try:
         check_vllm_supported(model, "cuda" if cuda else "cpu")
