@@ -27,7 +27,7 @@ from rlhfuse.trainer.models import load_models
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
-from rlhfuse.trainer.validate import validate
+from rlhfuse.trainer.validate import check_context, validate
 from rlhfuse.trainer.warmstart import warm_start
 
 
@@ -101,6 +101,7 @@ def build_trainer(
     else:
         tokenizer = Tokenizer.from_dir(Path(m.tokenizer_path or m.sft_path or "").expanduser())
     prompts = load_prompts(config.data, tokenizer, seed=config.seed)
+    check_context(config, max(len(p.token_ids) for p in prompts))
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
 
     device = resolve_device(config.device)
