@@ -122,3 +122,13 @@ def test_clean_stale_keeps_complete_checkpoints(tmp_path):
     (tmp_path / "iter_00000005").mkdir()
     assert clean_stale(tmp_path) == [".trash-iter_00000000-1", "iter_00000005"]
     assert _names(tmp_path) == ["iter_00000001"]
+
+
+def test_csv_sink_keeps_the_resumed_runs_rows(cache_dir, tmp_path):
+    common = ("checkpoint.every=2", "logger=default", "logger.progress=false")
+    _smoke(cache_dir, tmp_path, "iterations=3", *common).fit()  # checkpoint at 2, row 3 is past it
+    _smoke(cache_dir, tmp_path, "iterations=4", *common, "resume=auto").fit()
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    steps = [int(float(r.split(",")[header.index("step")])) for r in rows[1:]]
+    assert steps == [1, 2, 3, 4]

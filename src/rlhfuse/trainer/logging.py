@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import os
 import socket
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +101,28 @@ class JsonlLogger:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text("".join(kept[i] + "\n" for i in sorted(kept)), encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def keep_csv_rows(logger: Any, iteration: int) -> None:
+    """Fabric's CSVLogger deletes an existing metrics.csv when it starts writing: carry over its rows of
+    iterations <= `iteration` (those of the run being resumed; none on a fresh start), one per iteration."""
+    path = Path(logger.log_dir) / "metrics.csv"
+    if iteration <= 0 or not path.is_file():
+        return
+    kept: dict[int, dict[str, Any]] = {}
+    with path.open(newline="", encoding="utf-8", errors="replace") as handle:
+        for row in csv.DictReader(handle):
+            try:
+                step = int(float(row.get("step") or "nan"))
+            except ValueError:
+                continue  # a torn row
+            if step <= iteration:
+                kept[step] = {k: v for k, v in row.items() if k != "step" and k is not None and v != ""}
+    with warnings.catch_warnings():  # "Previous log files ... will be deleted": not these rows
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        for step in sorted(kept):
+            logger.log_metrics(kept[step], step=step)
+    logger.save()
 
 
 def _plain(value: Any) -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
 
 from rlhfuse.core.advantages import compute_train_batch
 from rlhfuse.core.checkpoint import (
@@ -38,7 +39,7 @@ from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
 from rlhfuse.data.prompts import Prompt, PromptLoader
 from rlhfuse.trainer.config import RLHFConfig
-from rlhfuse.trainer.logging import JsonlLogger
+from rlhfuse.trainer.logging import JsonlLogger, keep_csv_rows
 from rlhfuse.trainer.rollout import SerialRollout
 
 log = logging.getLogger(__name__)
@@ -264,6 +265,8 @@ class RLHFTrainer:
         for logger in self.loggers:
             if isinstance(logger, JsonlLogger):
                 logger.truncate_after(self.iteration)
+            elif isinstance(logger, CSVLogger):
+                keep_csv_rows(logger, self.iteration)
 
 
 VOLATILE_KEYS = ("iterations", "resume", "run_dir", "logger", "checkpoint", "experiment")
