@@ -1,4 +1,5 @@
-"""Locate the resources that live at the repository root (`conf/`, `kernels/`).
+"""Locate the resources that live at the repository root (`conf/`, `kernels/`); read the JSON files a user
+hands in (`read_json`: one error naming the file, never a bare decoder message).
 
 In a source checkout (editable install) they sit beside `src/`; in a wheel they are shipped inside the
 package as `rlhfuse/conf` and `rlhfuse/kernels` (see `[tool.hatch.build.targets.wheel.force-include]`).
@@ -7,10 +8,12 @@ package as `rlhfuse/conf` and `rlhfuse/kernels` (see `[tool.hatch.build.targets.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -54,3 +57,15 @@ def load_kernel_module(name: str) -> ModuleType:
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def read_json(path: Path, error: type[Exception]) -> Any:
+    """`path` parsed as UTF-8 JSON; `error` naming the file and the position otherwise."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise error(f"{path} is not UTF-8 text (byte {err.start}): re-save it as UTF-8 JSON") from None
+    except json.JSONDecodeError as err:
+        raise error(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}): fix or replace the file"
+        ) from None

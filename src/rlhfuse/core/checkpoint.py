@@ -6,7 +6,12 @@ Layout of `<run_dir>/checkpoints/iter_00000010/`:
     meta.json    iteration, format and the SHA-256 of every file (checked on load: a tampered or truncated
                  file is an error)
 A checkpoint is written into a temporary folder and renamed into place only when complete, so a run killed
-during a save leaves the previous checkpoint loadable; incomplete folders are ignored and cleaned up.
+during a save leaves the previous checkpoint loadable; incomplete folders are ignored, and `clean_stale` (called
+by the trainer at start) removes them with the temporary folders of interrupted saves and prunes.
+
+Checkpoints belong to a run (`RunIdentity`, `<run_dir>/run.json`): meta.json records the id of the run that
+wrote it; `resume=auto` continues the run recorded in run.json, and rotation (`prune_run`) removes only that
+run's older checkpoints, newest kept by iteration and time.
 
 `PlainCheckpointer` is the `Checkpointer` of strategies whose ranks hold the same state (one process, or data
 parallel): rank 0 writes, every rank loads. The pipeline strategies' sharded format is in
@@ -15,12 +20,15 @@ parallel): rank 0 writes, every rank loads. The pipeline strategies' sharded for
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
+import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +56,9 @@ class CheckpointConfig:
     dir: str = "checkpoints"
     # At the end, export the trained Actor as a Hugging Face checkpoint in <run_dir>/actor_hf.
     export_hf: bool = True
+    # Start a fresh run (resume=never) in a run folder that holds another run's checkpoints. They stay on disk
+    # (rotation removes only this run's own), and resume=auto then continues this run. false = refuse.
+    overwrite: bool = False
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -100,9 +111,15 @@ def plain_weights(state: Mapping[str, Tensor], name: str) -> dict[str, Tensor]:
 
 
 def save_checkpoint(
-    directory: str | Path, iteration: int, state: Mapping[str, Any], *, keep: int = 0
+    directory: str | Path,
+    iteration: int,
+    state: Mapping[str, Any],
+    *,
+    keep: int = 0,
+    run: str | None = None,
 ) -> Path:
-    """Write `state` (a strategy state with 'actor'/'critic' weights, plus any weights-only-loadable extras)."""
+    """Write `state` (a strategy state with 'actor'/'critic' weights, plus any weights-only-loadable extras);
+    `run` (the writing run's id) goes into meta.json; `keep` > 0 then keeps that many checkpoints of `run`."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:08d}"
@@ -114,30 +131,100 @@ def save_checkpoint(
             safetensors.torch.save_file(plain_weights(state[key], key), str(tmp / f"{key}.safetensors"))
         torch.save({k: v for k, v in state.items() if k not in MODEL_KEYS}, tmp / "state.pt")
         files = sorted(p.name for p in tmp.iterdir())
-        meta = {"format": FORMAT, "iteration": iteration, "sha256": {f: sha256(tmp / f) for f in files}}
+        meta = {
+            "format": FORMAT,
+            "iteration": iteration,
+            **seal_fields(run),
+            "sha256": {f: sha256(tmp / f) for f in files},
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for path in tmp.iterdir():
             fsync(path)
         if final.exists():
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         os.rename(tmp, final)
         fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep > 0:
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_run(root, run, keep)
     return final
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Complete checkpoints (with meta.json) in `directory`, oldest first."""
+def seal_fields(run: str | None) -> dict[str, Any]:
+    """What meta.json records about the save itself: the writing run's id and the time."""
+    return {"run": run, "saved_at": time.time()}
+
+
+def checkpoint_meta(path: Path) -> dict[str, Any] | None:
+    """meta.json of a complete checkpoint folder (every file it lists present), else None."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("sha256", {}), dict):
+        return None
+    if not all((path / name).is_file() for name in meta.get("sha256", {})):
+        return None  # half-removed by an interrupted prune
+    return meta
+
+
+def _order(path: Path, meta: Mapping[str, Any]) -> tuple[int, float]:
+    return int(meta.get("iteration", 0)), float(meta.get("saved_at") or path.stat().st_mtime)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Remove a checkpoint folder: renamed out of the `iter_*` names first, so a kill midway leaves no
+    half-removed checkpoint that looks complete."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune_run(directory: str | Path, run: str | None, keep: int) -> list[Path]:
+    """Keep the `keep` newest (by iteration, then time) complete checkpoints written by `run` (0 = keep all);
+    checkpoints of other runs are never touched. Returns the removed folders."""
+    if keep <= 0:
+        return []
+    own = list_checkpoints(directory, run=run)
+    removed = own[:-keep]
+    for old in removed:
+        remove_checkpoint(old)
+    return removed
+
+
+def clean_stale(directory: str | Path) -> list[str]:
+    """Remove what interrupted saves and prunes left in a checkpoint folder: `.tmp-*` / `.trash-*` folders
+    and `iter_*` folders that are not complete. Returns the names removed."""
     root = Path(directory)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("iter_*") if p.is_dir() and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
+    removed = []
+    for path in sorted(root.iterdir()):
+        stale = path.name.startswith((".tmp-", ".trash-")) or (
+            path.name.startswith("iter_") and checkpoint_meta(path) is None
+        )
+        if stale and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+_ANY = object()
+
+
+def list_checkpoints(directory: str | Path, *, run: Any = _ANY) -> list[Path]:
+    """Complete checkpoints (meta.json and every file it lists) in `directory`, oldest first (by iteration,
+    then time); with `run`, only those that run wrote."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.glob("iter_*"):
+        meta = checkpoint_meta(path) if path.is_dir() else None
+        if meta is not None and (run is _ANY or meta.get("run") == run):
+            found.append((_order(path, meta), path))
+    return [path for _, path in sorted(found)]
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -156,6 +243,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         )
     try:
         meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict):
+            raise TypeError(f"a JSON object expected, got a {type(meta).__name__}")
         if meta.get("kind") == "pipeline":  # rlhfuse.runtime.checkpoint
             layout = meta.get("layout", {})
             raise CheckpointError(
@@ -166,7 +255,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         expected: dict[str, str] = dict(meta["sha256"])
         iteration = int(meta["iteration"])
     except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{meta_path} is malformed ({err})") from None
+        raise CheckpointError(
+            f"{meta_path} is malformed ({err}): this checkpoint is damaged; resume from another one "
+            "(resume=<checkpoint folder>) or remove it"
+        ) from None
     for name in (*(f"{k}.safetensors" for k in MODEL_KEYS), "state.pt"):
         file = path / name
         if not file.is_file():
@@ -202,14 +294,155 @@ class PlainCheckpointer:
         self.state, self.restore, self.writer = state, restore, writer
 
     def save(
-        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+        self,
+        directory: str | Path,
+        iteration: int,
+        extra: Mapping[str, Any],
+        *,
+        keep: int = 0,
+        run: str | None = None,
     ) -> Path | None:
         """The checkpoint folder on the writer rank, None elsewhere."""
         if not self.writer:
             return None
-        return save_checkpoint(directory, iteration, {**self.state(), **extra}, keep=keep)
+        return save_checkpoint(directory, iteration, {**self.state(), **extra}, keep=keep, run=run)
 
     def load(self, path: str | Path) -> dict[str, Any]:
         state = load_checkpoint(path)
-        self.restore(state)
+        try:
+            self.restore(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise mismatch_error(path, err) from None
         return state
+
+
+def mismatch_error(path: str | Path, err: BaseException) -> CheckpointError:
+    """A checkpoint that does not fit this run's models or optimizers, named with the first key that differs."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    sizes = [line for line in lines if line.startswith("size mismatch for")]
+    if sizes:
+        first = sizes[0].removeprefix("size mismatch for ").replace("copying a param with shape", "saved")
+        what = f"{len(sizes)} tensor(s) differ in shape, first {first}"
+    elif isinstance(err, KeyError):
+        what = f"entry {err.args[0]!r} is missing"
+    else:
+        what = lines[-1] if lines else type(err).__name__
+    return CheckpointError(
+        f"checkpoint {path} does not fit this run's models ({what}): resume with the model.* settings it was "
+        "saved with, or start a new run (resume=never in another hydra.run.dir)"
+    )
+
+
+# ---------------------------------------------------------------- the run a checkpoint belongs to
+RUN_FILE = "run.json"
+
+
+@dataclass
+class RunIdentity:
+    """Who writes the checkpoints of a run folder (`<run_dir>/run.json`). A run starts fresh (resume=never, or
+    resume=auto with nothing to continue), continues itself (resume=auto), or branches from an explicit
+    checkpoint (a new run whose `resumed_from` records the lineage)."""
+
+    id: str
+    # SHA-256 prefix of the configuration (without the keys that may change between attempts: iterations,
+    # resume, run_dir, logger, checkpoint).
+    config_hash: str
+    # Iteration the run started from (0 = fresh).
+    start_iteration: int
+    # The checkpoint a branched run started from: {"path", "run", "iteration"}; None otherwise.
+    resumed_from: dict[str, Any] | None = None
+    started_at: float = 0.0
+
+    @classmethod
+    def new(cls, config_hash: str, start_iteration: int, resumed_from: Path | None = None) -> RunIdentity:
+        lineage = None
+        if resumed_from is not None:
+            meta = checkpoint_meta(resumed_from) or {}
+            lineage = {
+                "path": str(resumed_from.resolve()),
+                "run": meta.get("run"),
+                "iteration": meta.get("iteration"),
+            }
+        return cls(uuid.uuid4().hex[:12], config_hash, start_iteration, lineage, time.time())
+
+
+def read_runs(run_dir: str | Path) -> list[RunIdentity]:
+    """The runs recorded in `run_dir/run.json`, the current one first (empty: none recorded)."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [RunIdentity(**entry) for entry in [data["run"], *data.get("earlier", [])]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{path} is malformed ({err}): delete it to let resume=auto pick the latest checkpoint by iteration"
+        ) from None
+
+
+def write_runs(run_dir: str | Path, runs: list[RunIdentity]) -> None:
+    """Record `runs` (the current one first) atomically in `run_dir/run.json`."""
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    entries = [dataclasses.asdict(r) for r in runs]
+    tmp = root / f".{RUN_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"run": entries[0], "earlier": entries[1:]}, indent=1), encoding="utf-8")
+    os.replace(tmp, root / RUN_FILE)
+
+
+def auto_resume_path(run_dir: str | Path, checkpoint_dir: str | Path) -> Path | None:
+    """What `resume=auto` continues: the newest checkpoint of the run recorded in run.json, else the checkpoint
+    that run branched from, else nothing (the run had saved nothing). Without run.json (a folder written before
+    runs were recorded), the latest complete checkpoint by iteration."""
+    runs = read_runs(run_dir)
+    if not runs:
+        return latest_checkpoint(checkpoint_dir)
+    own = list_checkpoints(checkpoint_dir, run=runs[0].id)
+    if own:
+        return own[-1]
+    lineage = runs[0].resumed_from
+    if lineage and checkpoint_meta(Path(lineage["path"])) is not None:
+        return Path(lineage["path"])
+    return None
+
+
+def resume_path(run_dir: str | Path, checkpoint_dir: str | Path, resume: str) -> Path | None:
+    """The folder `resume` (never | auto | a path) designates, or None."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return auto_resume_path(run_dir, checkpoint_dir)
+    return Path(resume)
+
+
+def check_fresh_start(checkpoint_dir: str | Path, resume: str, overwrite: bool) -> None:
+    """Refuse a fresh run (resume=never) over another run's checkpoints unless checkpoint.overwrite=true."""
+    if resume != "never" or overwrite:
+        return
+    found = list_checkpoints(checkpoint_dir)
+    if found:
+        names = found[0].name if len(found) == 1 else f"{found[0].name} .. {found[-1].name}"
+        raise CheckpointError(
+            f"{Path(checkpoint_dir)} holds {len(found)} checkpoint(s) of another run ({names}) and resume=never "
+            "starts a fresh one: set resume=auto to continue it, resume=<checkpoint folder> to branch from one, "
+            "checkpoint.overwrite=true to start a new run here (the old checkpoints stay, rotation never "
+            "removes them), or another hydra.run.dir"
+        )
+
+
+def begin_run(
+    run_dir: str | Path, config_hash: str, resumed: Path | None, iteration: int, *, auto: bool
+) -> RunIdentity:
+    """The identity this attempt writes its checkpoints under: `resume=auto` continuing the recorded run keeps
+    its id; a fresh start or a branch from an explicit checkpoint is a new run (the earlier ones stay listed)."""
+    runs = read_runs(run_dir)
+    if auto and runs:
+        current = runs[0]
+        if resumed is None or (checkpoint_meta(resumed) or {}).get("run") == current.id:
+            return current
+        branch = current.resumed_from
+        if branch is not None and Path(branch["path"]) == resumed.resolve():
+            return current  # continued from the checkpoint it branched from: it had saved nothing yet
+    run = RunIdentity.new(config_hash, iteration, resumed)
+    write_runs(run_dir, [run, *runs])
+    return run

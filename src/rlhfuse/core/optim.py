@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhfuse.core.config import choice_problems, need, non_negative, positive
+from rlhfuse.core.config import choice_problems, need, non_negative
 from rlhfuse.core.types import TrainBatch
 
 
@@ -34,15 +34,34 @@ class OptimConfig:
 
     def problems(self) -> list[str]:
         problems = choice_problems(self, "pipeline")
-        positive(problems, "pipeline.actor_lr", self.actor_lr)
-        positive(problems, "pipeline.critic_lr", self.critic_lr)
+        for key in ("actor_lr", "critic_lr"):
+            value = getattr(self, key)
+            need(
+                problems,
+                math.isfinite(value) and value > 0,
+                f"pipeline.{key}={value} must be a finite number > 0, e.g. pipeline.{key}=1e-5",
+            )
         need(
             problems,
-            len(self.betas) == 2,
-            f"pipeline.betas={self.betas} must be two numbers, e.g. [0.9,0.95]",
+            len(self.betas) == 2 and all(math.isfinite(b) and 0 <= b < 1 for b in self.betas),
+            f"pipeline.betas={self.betas} must be two numbers in [0, 1), e.g. pipeline.betas=[0.9,0.95]",
+        )
+        need(
+            problems,
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            f"pipeline.weight_decay={self.weight_decay} must be a finite number >= 0 (0 = off)",
+        )
+        need(
+            problems,
+            math.isfinite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            f"pipeline.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (a fraction of the peak LR)",
         )
         non_negative(problems, "pipeline.warmup_steps", self.warmup_steps, "0 = no warmup")
-        non_negative(problems, "pipeline.grad_clip", self.grad_clip, "0 = off")
+        need(
+            problems,
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            f"pipeline.grad_clip={self.grad_clip} must be a finite number >= 0 (0 = off)",
+        )
         return problems
 
 

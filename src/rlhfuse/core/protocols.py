@@ -75,11 +75,17 @@ class Checkpointer(Protocol):
     pipeline strategies' sharded one by every rank (`rlhfuse.runtime.checkpoint.ShardedCheckpointer`)."""
 
     def save(
-        self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0
+        self,
+        directory: str | Path,
+        iteration: int,
+        extra: Mapping[str, Any],
+        *,
+        keep: int = 0,
+        run: str | None = None,
     ) -> Path | None:
-        """Save the strategy's state plus `extra` (the trainer's state) as `directory/iter_<iteration>`,
-        keeping the `keep` most recent checkpoints (0 = all); returns the folder (None on a rank that wrote
-        nothing)."""
+        """Save the strategy's state plus `extra` (the trainer's state) as `directory/iter_<iteration>`, its
+        meta.json naming `run` (the writing run's id), keeping the `keep` most recent checkpoints of that run
+        (0 = all); returns the folder (None on a rank that wrote nothing)."""
         ...
 
     def load(self, path: str | Path) -> dict[str, Any]:

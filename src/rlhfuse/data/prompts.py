@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from rlhfuse._optional import MissingDependencyError
 from rlhfuse.data.config import DataConfig
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
@@ -39,8 +40,14 @@ def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[str]:
     if path.suffix not in (".jsonl", ".json"):
         raise DatasetError(f"{path}: unsupported prompt file type {path.suffix!r}: use .jsonl or .parquet")
     texts: list[str] = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {err.start} of the line): re-save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -58,11 +65,14 @@ def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[str]:
 def _read_parquet(path: Path, prompt_key: str) -> list[str]:
     try:
         import pyarrow.parquet as pq  # optional: only Parquet prompt files need it
-    except ImportError as err:
-        raise ImportError(
+    except ImportError:
+        raise MissingDependencyError(
             f"reading {path} needs pyarrow: `pip install pyarrow` (or convert it to .jsonl)"
-        ) from err
-    rows = pq.read_table(path).to_pylist()
+        ) from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        raise DatasetError(f"{path}: not a readable Parquet file ({err}): re-export it") from None
     return [_prompt_of(row, prompt_key, f"{path}: row {i}") for i, row in enumerate(rows)]
 
 

@@ -6,12 +6,13 @@ the same class also loads the tokenizer of a real Hugging Face checkpoint direct
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models, pre_tokenizers
+
+from rlhfuse._resources import read_json
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -73,11 +74,19 @@ class Tokenizer:
                 f"no tokenizer.json in {directory}: rlhfuse loads tokenizers in the `tokenizers` JSON format "
                 "(save one with `tokenizer.save_pretrained(dir)` from transformers, or set model.tokenizer_path)"
             )
-        backend = _HFTokenizer.from_file(str(path))
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(
+                f"{path} is not a readable tokenizer file ({str(err).splitlines()[0][:200]}): re-save it with "
+                "`tokenizer.save_pretrained(dir)`, or point model.tokenizer_path at a complete one"
+            ) from None
         ids: dict[str, int | None] = {"pad": None, "bos": None, "eos": None}
         config_path = directory / "config.json"
         if config_path.is_file():
-            config = json.loads(config_path.read_text())
+            config = read_json(config_path, ValueError)
+            if not isinstance(config, dict):
+                raise ValueError(f"{config_path} holds a {type(config).__name__}, not a JSON object: fix it")
             for key in ids:
                 value = config.get(f"{key}_token_id")
                 if isinstance(value, list):  # some HF configs list several eos ids

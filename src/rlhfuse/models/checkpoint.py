@@ -14,12 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from rlhfuse._resources import read_json
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.transformer import Transformer
 
@@ -71,7 +73,11 @@ def _read_config(path: Path) -> tuple[dict, str]:
             f"{config_file} is missing: a checkpoint directory needs config.json next to its *.safetensors "
             "(save it with transformers' save_pretrained or rlhfuse.models.save_pretrained)"
         )
-    hf = json.loads(config_file.read_text())
+    hf = read_json(config_file, CheckpointError)
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{config_file} holds a {type(hf).__name__}, not a JSON object: fix or replace it"
+        )
     classes = hf.get("architectures") or []
     if not classes and hf.get("model_type") in _CAUSAL_LM_CLASS:
         # some exported checkpoints omit `architectures`; model_type alone means the plain causal LM
@@ -89,7 +95,8 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     """Checkpoint key -> the safetensors file holding it."""
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+        index = read_json(index_file, CheckpointError)
+        weight_map = index.get("weight_map", {}) if isinstance(index, dict) else {}
         missing_files = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing_files:
             raise CheckpointError(
@@ -105,10 +112,19 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         )
     mapping: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for key in f.keys():
                 mapping[key] = file
     return mapping
+
+
+def _open_safetensors(file: Path) -> Any:
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({err}): it is truncated or corrupt; copy it again"
+        ) from None
 
 
 def from_pretrained(
@@ -162,9 +178,15 @@ def from_pretrained(
     for key in expected:
         by_file.setdefault(files[key], []).append(key)
     for file, keys in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for key in keys:
-                tensor = f.get_tensor(key)
+                try:
+                    tensor = f.get_tensor(key)
+                except SafetensorError as err:
+                    raise CheckpointError(
+                        f"{file}: tensor {key!r} cannot be read ({err}): the file is truncated or corrupt; "
+                        "copy it again"
+                    ) from None
                 name = expected[key]
                 if tensor.shape != shapes[name]:
                     raise CheckpointError(

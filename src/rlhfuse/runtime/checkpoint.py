@@ -13,7 +13,7 @@ Layout of `<run_dir>/checkpoints/iter_00000010/` (the folder every rank can see:
 Atomic as a whole: the shards are written into one temporary folder; only when every rank reports its shard
 written and synced does rank 0 write meta.json and rename the folder into place. A rank that fails (an error,
 NaN weights, a full disk) makes every rank raise `CheckpointError` and the folder is removed; a rank killed
-mid-save leaves an unsealed temporary folder that is never loaded and is removed by the next save. Either way
+mid-save leaves an unsealed temporary folder that is never loaded and is removed by the next save or start. Either way
 the previous checkpoint is untouched.
 
 Resume checks the manifest against the current layout before loading anything (`check_layout`, called by
@@ -37,7 +37,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhfuse.core.checkpoint import fsync, latest_checkpoint, list_checkpoints, plain_weights, sha256
+from rlhfuse.core.checkpoint import (
+    fsync,
+    mismatch_error,
+    plain_weights,
+    prune_run,
+    remove_checkpoint,
+    resume_path,
+    seal_fields,
+    sha256,
+)
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
 from rlhfuse.runtime.config import launched_world_size
@@ -98,6 +107,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except ValueError as err:
         raise CheckpointError(f"{meta_path} is malformed ({err})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"{meta_path} is malformed (a JSON object expected, got a {type(meta).__name__})"
+        )
     if meta.get("kind") != KIND:
         raise CheckpointError(
             f"{meta_path} is a single-process checkpoint (pipeline=plain); a pipeline strategy resumes only its "
@@ -126,20 +139,11 @@ def check_layout(path: str | Path, current: Mapping[str, Any]) -> dict[str, Any]
     return meta
 
 
-def resume_path(checkpoint_dir: str | Path, resume: str) -> Path | None:
-    """The folder `resume` (never | auto | a path) designates, or None."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return latest_checkpoint(checkpoint_dir)
-    return Path(resume)
-
-
-def check_resume(cfg: Any, checkpoint_dir: str | Path) -> Path | None:
+def check_resume(cfg: Any, checkpoint_dir: str | Path, run_dir: str | Path | None = None) -> Path | None:
     """Before any model is built: the checkpoint `cfg.resume` designates (None: fresh start) after checking its
     manifest against the layout `cfg` will run (stage layer ranges too when the model is built from config;
     a Hugging Face model's layers are checked when the strategy loads the shards)."""
-    path = resume_path(checkpoint_dir, cfg.resume)
+    path = resume_path(run_dir or Path(checkpoint_dir).parent, checkpoint_dir, cfg.resume)
     if path is None:
         return None
     p = cfg.pipeline
@@ -170,6 +174,7 @@ def save_sharded(
     state: Mapping[str, Any],
     layout: Mapping[str, Any],
     keep: int = 0,
+    run: str | None = None,
 ) -> Path:
     """Collective: every rank writes its shard (`weights`, weights-only loadable `state`), rank 0 seals the
     checkpoint with the manifest. Returns the final folder on every rank; raises CheckpointError on every rank
@@ -213,16 +218,15 @@ def save_sharded(
     if rank == 0:
         try:
             meta = {"kind": KIND, "format": FORMAT, "iteration": iteration, "layout": dict(layout)}
+            meta.update(seal_fields(run))
             meta["sha256"] = dict(sorted(all_hashes.items()))
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             fsync(tmp / "meta.json")
             if final.exists():
-                shutil.rmtree(final)
+                remove_checkpoint(final)
             os.rename(tmp, final)
             fsync(root)
-            if keep > 0:
-                for old in list_checkpoints(root)[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+            prune_run(root, run, keep)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"cannot seal {final}: {err}"
@@ -292,7 +296,15 @@ class ShardedCheckpointer:
         """The layout a shard depends on: world size, dp, micro-batches, each model's stages and layer ranges."""
         return layout_record(self.stages.layout, self.stages.layer_ranges())
 
-    def save(self, directory: str | Path, iteration: int, extra: Mapping[str, Any], *, keep: int = 0) -> Path:
+    def save(
+        self,
+        directory: str | Path,
+        iteration: int,
+        extra: Mapping[str, Any],
+        *,
+        keep: int = 0,
+        run: str | None = None,
+    ) -> Path:
         return save_sharded(
             directory,
             iteration,
@@ -300,13 +312,17 @@ class ShardedCheckpointer:
             state={**self.state(), **extra},
             layout=self.layout_record(),
             keep=keep,
+            run=run,
         )
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Check the manifest against this layout, restore this rank's shard, then bring every rank's full
         model copies in sync; returns the shard's state."""
         weights, state, _ = load_sharded(path, self.layout_record())
-        self.stages.load_shard(weights)
-        self.restore(state)
+        try:
+            self.stages.load_shard(weights)
+            self.restore(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise mismatch_error(path, err) from None
         self.stages.gather()
         return state

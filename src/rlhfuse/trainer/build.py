@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
+from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.protocols import FusingGenerator, RolloutStage
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
-from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
+from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import ExportActor, TaskScore
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
@@ -26,7 +27,7 @@ from rlhfuse.trainer.models import load_models
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
-from rlhfuse.trainer.validate import validate
+from rlhfuse.trainer.validate import check_context, validate
 from rlhfuse.trainer.warmstart import warm_start
 
 
@@ -84,10 +85,12 @@ def build_trainer(
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
+    checkpoint_dir = run_dir / config.checkpoint.dir
+    check_fresh_start(checkpoint_dir, config.resume, config.checkpoint.overwrite)
     if config.pipeline.name in PIPELINE_STRATEGIES:  # a layout mismatch fails before any model is built
         from rlhfuse.runtime.checkpoint import check_resume
 
-        check_resume(config, run_dir / config.checkpoint.dir)
+        check_resume(config, checkpoint_dir, run_dir)
     log(f"rlhfuse: {counts.describe()}")
 
     # Data before models: malformed or over-long prompts fail fast.
@@ -98,6 +101,7 @@ def build_trainer(
     else:
         tokenizer = Tokenizer.from_dir(Path(m.tokenizer_path or m.sft_path or "").expanduser())
     prompts = load_prompts(config.data, tokenizer, seed=config.seed)
+    check_context(config, max(len(p.token_ids) for p in prompts))
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
 
     device = resolve_device(config.device)
@@ -138,6 +142,8 @@ def build_trainer(
         all_callbacks.append(TaskScore(REWARD_FUNCTIONS.get("topic_fraction"), models.tokenizer))
     if config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
+    if Watchdog.current is not None and fabric.world_size > 1:
+        all_callbacks.append(Watchdog.current)  # keeps the last step for its dead-rank message
     all_callbacks.extend(callbacks or [])
     loggers = build_loggers(config.logger, run_dir) if rank0 else []
     for logger in loggers:

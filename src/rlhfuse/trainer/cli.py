@@ -4,10 +4,15 @@ rlhfuse-train                                  # the embedded default RLHF job
 rlhfuse-train algorithm.kl_coef=0.05 generator.max_new_tokens=64
 rlhfuse-train experiment=smoke
 rlhfuse-train hydra.run.dir=runs/a checkpoint.every=10 resume=auto
+
+A bad input (configuration key or value, data file, checkpoint, model folder, a missing optional package) ends
+in one line naming the file or key and the fix, exit status 2; a multi-process job whose rank died or lost
+contact ends in one line naming the rank and the last step, exit status 1. `RLHFUSE_DEBUG=1` shows tracebacks.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -16,12 +21,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
+from rlhfuse._optional import MissingDependencyError
 from rlhfuse._resources import conf_dir
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.data.prompts import DatasetError
 from rlhfuse.models import CheckpointError as ModelCheckpointError
+from rlhfuse.runtime.launch import Watchdog
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.hydra import register_schema, to_config
+from rlhfuse.trainer.hydra import check_keys, override_keys, register_schema, to_config
 
 USER_ERRORS = (
     ValueError,
@@ -31,7 +38,12 @@ USER_ERRORS = (
     CheckpointError,
     ModelCheckpointError,
     NonFiniteError,
+    MissingDependencyError,
 )
+
+
+def debug() -> bool:
+    return os.environ.get("RLHFUSE_DEBUG", "") not in ("", "0")
 
 
 def run(cfg: DictConfig) -> None:
@@ -48,9 +60,31 @@ def run(cfg: DictConfig) -> None:
             close()
         _shutdown_process_group()
     except USER_ERRORS as err:
+        _disarm()
+        if debug():
+            raise
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)
         sys.exit(2)
+    except Exception as err:
+        watchdog = Watchdog.current
+        if watchdog is None or debug():  # one process: a bug, shown with its traceback
+            raise
+        # a multi-process job: a rank that died or stopped breaks the collectives of the others
+        time.sleep(1.0)  # let a killed peer's process disappear, so it can be named
+        _disarm()
+        dead = watchdog.dead_ranks()
+        if dead:
+            message = watchdog.describe(dead)
+        else:
+            cause = (str(err).strip().splitlines() or [""])[0][:200]
+            message = (
+                f"rank {watchdog.rank} stopped at {watchdog.step}: {type(err).__name__}: {cause}; another rank "
+                "probably failed (see its output); RLHFUSE_DEBUG=1 shows the traceback, resume=auto continues "
+                "from the last checkpoint"
+            )
+        console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)
+        sys.exit(1)
     elapsed = time.perf_counter() - start
     if history:
         first, last = history[0], history[-1]
@@ -73,11 +107,22 @@ def _shutdown_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        _disarm()  # peers now exit on their own; the barrier below is bounded by distributed.timeout_s
         dist.barrier()
         dist.destroy_process_group()
 
 
+def _disarm() -> None:
+    if Watchdog.current is not None:
+        Watchdog.current.disarm()
+
+
 def main() -> None:
+    try:  # every unknown key at once (Hydra stops at the first)
+        check_keys(override_keys([a for a in sys.argv[1:] if not a.startswith("-")]))
+    except ValueError as err:
+        Console(stderr=True).print(f"[bold red]rlhfuse-train: error:[/] {err}", highlight=False)
+        sys.exit(2)
     register_schema()
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
 

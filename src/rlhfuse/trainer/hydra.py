@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import types
 import typing
@@ -99,8 +100,74 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=schema(RLHFConfig))
 
 
+@functools.cache
+def schema_keys(cls: type = RLHFConfig) -> dict[str, Any]:
+    """The key tree of `cls`'s schema: key -> subtree (a config dataclass) or None (a leaf)."""
+    out: dict[str, Any] = {}
+    for f, kind in _leaf_fields(cls):
+        nested = isinstance(kind, type) and dataclasses.is_dataclass(kind)
+        out[f.name] = schema_keys(kind) if nested else None
+    return out
+
+
+def unknown_keys(keys: Sequence[str]) -> list[str]:
+    """One problem per dotted key that the schema does not have, with the closest known key."""
+    problems = []
+    for key in keys:
+        tree: dict[str, Any] | None = schema_keys()
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if tree is None:  # below a leaf (a list index, a dict value): the leaf's type checks it
+                break
+            if part not in tree:
+                known = ".".join(parts[:depth])
+                close = difflib.get_close_matches(part, list(tree), n=1)
+                hint = f"did you mean {'.'.join([*parts[:depth], close[0]])}?" if close else ""
+                where = f"{known}.*" if known else "the top level"
+                problems.append(
+                    f"{key} is not a configuration key ({hint + ' ' if hint else ''}known at {where}: "
+                    f"{', '.join(sorted(tree))})"
+                )
+                break
+            tree = tree[part]
+    return problems
+
+
+def _paths(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict):
+        return [prefix] if prefix else []
+    out = []
+    for key, value in node.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        out += _paths(value, path) if isinstance(value, dict) else [path]
+    return out
+
+
+def override_keys(overrides: Sequence[str]) -> list[str]:
+    """The configuration keys command-line overrides set (Hydra's own keys and group choices aside)."""
+    keys = []
+    for item in overrides:
+        key = item.split("=", 1)[0].lstrip("+~")
+        if "=" not in item or key.startswith("hydra") or "/" in key or key.startswith("-"):
+            continue
+        keys.append(key)
+    return keys
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """ValueError listing every key the schema does not have (Hydra would report only the first)."""
+    problems = unknown_keys(keys)
+    if problems:
+        raise ValueError(
+            f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)
+        )
+
+
 def to_config(cfg: DictConfig) -> RLHFConfig:
-    """Convert a composed DictConfig into the typed `RLHFConfig` (library code never sees a DictConfig)."""
+    """Convert a composed DictConfig into the typed `RLHFConfig` (library code never sees a DictConfig).
+    Keys the schema does not have (a `+key=value` override, a misspelt key in an experiment YAML) are errors."""
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    check_keys([k for k in _paths(raw) if not k.startswith("hydra")])
     merged = OmegaConf.merge(OmegaConf.structured(schema(RLHFConfig)), cfg)
     OmegaConf.resolve(merged)
     container = OmegaConf.to_container(merged, resolve=True)

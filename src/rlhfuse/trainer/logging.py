@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 import os
 import socket
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +17,11 @@ from typing import Any, Literal, get_args
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlhfuse._optional import MissingDependencyError
 from rlhfuse.core.config import choice_problems
 from rlhfuse.core.protocols import Logger
+
+log = logging.getLogger(__name__)
 
 Backend = Literal["jsonl", "csv", "tensorboard", "wandb"]
 BACKENDS = get_args(Backend)
@@ -43,16 +49,27 @@ class LoggerConfig:
 
 
 class JsonlLogger:
-    """Appends one JSON object per `log_metrics` call to `path` (the run's metrics.jsonl)."""
+    """Appends one JSON object per `log_metrics` call to `path` (the run's metrics.jsonl); one row per
+    iteration: `truncate_after` (called when a run starts) cuts the file back to the iteration it starts from."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.last_iteration: int | None = None
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
         row = {k: _plain(v) for k, v in metrics.items()}
+        iteration = row.get("iteration")
+        if (
+            isinstance(iteration, int)
+            and self.last_iteration is not None
+            and iteration <= self.last_iteration
+        ):
+            self.truncate_after(iteration - 1)  # a row for this iteration exists: replace it, never two
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row, allow_nan=True) + "\n")
+        if isinstance(iteration, int):
+            self.last_iteration = iteration
 
     def log_hyperparams(self, params: Any) -> None:
         (self.path.parent / "hparams.json").write_text(json.dumps(params, indent=1, default=str))
@@ -61,12 +78,51 @@ class JsonlLogger:
         pass
 
     def truncate_after(self, iteration: int) -> None:
-        """Drop rows past `iteration` (a resumed run rewrites the iterations after its checkpoint)."""
-        if not self.path.is_file():
+        """Keep the rows of iterations <= `iteration` (0 = none: a fresh start), the last one for each
+        iteration, and replace the file atomically. Rows that do not parse (a row torn by a kill) are dropped
+        with a warning naming the file and line."""
+        self.last_iteration = iteration
+        if not self.path.exists():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line).get("iteration", 0) <= iteration]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept: dict[int, str] = {}
+        lines = self.path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                row_iteration = int(row["iteration"])
+            except (ValueError, KeyError, TypeError) as err:
+                where = "last row" if number == len(lines) else "row"
+                log.warning("rlhfuse: %s:%d: dropped a malformed %s (%s)", self.path, number, where, err)
+                continue
+            if row_iteration <= iteration:
+                kept[row_iteration] = line
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(kept[i] + "\n" for i in sorted(kept)), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def keep_csv_rows(logger: Any, iteration: int) -> None:
+    """Fabric's CSVLogger deletes an existing metrics.csv when it starts writing: carry over its rows of
+    iterations <= `iteration` (those of the run being resumed; none on a fresh start), one per iteration."""
+    path = Path(logger.log_dir) / "metrics.csv"
+    if iteration <= 0 or not path.is_file():
+        return
+    kept: dict[int, dict[str, Any]] = {}
+    with path.open(newline="", encoding="utf-8", errors="replace") as handle:
+        for row in csv.DictReader(handle):
+            try:
+                step = int(float(row.get("step") or "nan"))
+            except ValueError:
+                continue  # a torn row
+            if step <= iteration:
+                kept[step] = {k: v for k, v in row.items() if k != "step" and k is not None and v != ""}
+    with warnings.catch_warnings():  # "Previous log files ... will be deleted": not these rows
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        for step in sorted(kept):
+            logger.log_metrics(kept[step], step=step)
+    logger.save()
 
 
 def _plain(value: Any) -> Any:
@@ -111,7 +167,9 @@ def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
             from lightning.fabric.loggers import TensorBoardLogger
 
             if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
-                raise ImportError("logger.backends=[...,tensorboard] needs `pip install tensorboard`")
+                raise MissingDependencyError(
+                    "logger.backends=[...,tensorboard] needs `pip install tensorboard`"
+                )
 
             loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=0))
         elif backend == "wandb":

@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,17 +21,28 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
 
 from rlhfuse.core.advantages import compute_train_batch
-from rlhfuse.core.checkpoint import latest_checkpoint, rng_state, set_rng_state
-from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.checkpoint import (
+    RunIdentity,
+    begin_run,
+    clean_stale,
+    prune_run,
+    resume_path,
+    rng_state,
+    set_rng_state,
+)
+from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy, SwapsWeights
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
 from rlhfuse.data.prompts import Prompt, PromptLoader
 from rlhfuse.trainer.config import RLHFConfig
-from rlhfuse.trainer.logging import JsonlLogger
+from rlhfuse.trainer.logging import JsonlLogger, keep_csv_rows
 from rlhfuse.trainer.rollout import SerialRollout
+
+log = logging.getLogger(__name__)
 
 
 def collate_prompts(prompts: Sequence[Prompt], pad_id: int) -> PromptBatch:
@@ -71,6 +86,7 @@ class RLHFTrainer:
         self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
         self.iteration = 0
         self.history: list[dict[str, float]] = []
+        self.run: RunIdentity | None = None  # set by resume(); names the run in each checkpoint's meta.json
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> list[dict[str, float]]:
@@ -197,25 +213,66 @@ class RLHFTrainer:
 
     def save_checkpoint(self) -> Path | None:
         """Every rank calls this; the strategy's checkpointer decides who writes what (the pipeline strategies:
-        one shard per rank; otherwise the ranks hold the same state and rank 0 writes it, None elsewhere)."""
+        one shard per rank; otherwise the ranks hold the same state and rank 0 writes it, None elsewhere).
+        Rank 0 then removes this run's checkpoints older than the newest `checkpoint.keep`."""
         extra = {"trainer": self.trainer_state()}
-        keep = self.config.checkpoint.keep
-        return self.strategy.checkpointer.save(self.checkpoint_dir, self.iteration, extra, keep=keep)
+        run = self.run.id if self.run is not None else None
+        path = self.strategy.checkpointer.save(self.checkpoint_dir, self.iteration, extra, run=run)
+        if self._rank0:
+            prune_run(self.checkpoint_dir, run, self.config.checkpoint.keep)
+        return path
+
+    @property
+    def _rank0(self) -> bool:
+        return bool(getattr(self.fabric, "global_rank", 0) == 0)
 
     def resume(self) -> None:
-        """Apply `config.resume`: never | auto (latest checkpoint in run_dir, if any) | a checkpoint folder."""
+        """Apply `config.resume`: never | auto (the run recorded in run_dir, if any: `resume_path`) | a
+        checkpoint folder; then record the run (rank 0), remove what interrupted saves left, and cut
+        metrics.jsonl back to the iteration this attempt starts from."""
         choice = self.config.resume
-        if choice == "never":
-            return
-        path = latest_checkpoint(self.checkpoint_dir) if choice == "auto" else Path(choice)
-        if path is None:
-            return
-        state = self.strategy.checkpointer.load(path)
-        trainer_state = state["trainer"]
-        self.prompts.load_state_dict(trainer_state["loader"])
-        set_rng_state(trainer_state["rng"])
-        self.iteration = int(trainer_state["iteration"])
-        self.generator.load_weights(self.strategy.actor_weights())
+        if self._rank0:
+            stale = clean_stale(self.checkpoint_dir)
+            if stale:
+                log.warning(
+                    "rlhfuse: removed %s left by an interrupted save in %s",
+                    ", ".join(stale),
+                    self.checkpoint_dir,
+                )
+        path = resume_path(self.run_dir, self.checkpoint_dir, choice)
+        if path is not None:
+            state = self.strategy.checkpointer.load(path)
+            if "trainer" not in state:
+                raise CheckpointError(
+                    f"{path} holds no 'trainer' entry (iteration, data position, RNG states) in its state file: "
+                    "it was not written by rlhfuse-train; pass a folder written by checkpoint.every=N"
+                )
+            trainer_state = state["trainer"]
+            self.prompts.load_state_dict(trainer_state["loader"])
+            set_rng_state(trainer_state["rng"])
+            self.iteration = int(trainer_state["iteration"])
+            self.generator.load_weights(self.strategy.actor_weights())
+        if self._rank0:
+            digest = config_hash(self.config)
+            self.run = begin_run(self.run_dir, digest, path, self.iteration, auto=choice == "auto")
+            if self.run.config_hash != digest:
+                log.warning(
+                    "rlhfuse: resuming run %s with a changed configuration (hash %s, recorded %s)",
+                    self.run.id,
+                    digest,
+                    self.run.config_hash,
+                )
         for logger in self.loggers:
             if isinstance(logger, JsonlLogger):
                 logger.truncate_after(self.iteration)
+            elif isinstance(logger, CSVLogger):
+                keep_csv_rows(logger, self.iteration)
+
+
+VOLATILE_KEYS = ("iterations", "resume", "run_dir", "logger", "checkpoint", "experiment")
+
+
+def config_hash(config: RLHFConfig) -> str:
+    """SHA-256 prefix of what makes a run's training itself (not the keys that may change between attempts)."""
+    data = {k: v for k, v in dataclasses.asdict(config).items() if k not in VOLATILE_KEYS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -8,12 +8,14 @@ against instances, registered names, the distributed layout, the vLLM backend).
 from __future__ import annotations
 
 import importlib.util
-import json
+import os
 from pathlib import Path
 
 import torch
 
+from rlhfuse._resources import read_json
 from rlhfuse.core.config import need
+from rlhfuse.models import ModelConfig
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
@@ -74,16 +76,109 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         problems += validate_runtime(cfg)
     else:
         problems += validate_plain_launch(cfg)
+    model, where = _model_shape(cfg, problems)
+    if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
+        problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
     if g.name == "vllm":
-        problems += _vllm_problems(cfg)
+        problems += _vllm_problems(cfg, model)
     return problems
 
 
-def _vllm_problems(cfg: RLHFConfig) -> list[str]:
+# the embedded model's positions (`rlhfuse.trainer.warmstart`): prompts up to this long, plus max_new_tokens
+EMBEDDED_PROMPT_POSITIONS = 64 + 16
+
+
+def _model_shape(cfg: RLHFConfig, problems: list[str]) -> tuple[ModelConfig | None, str]:
+    """The Actor's shape before any model is built: from the config (the embedded model) or the SFT checkpoint's
+    config.json (None when it is missing: loading names the file). Also says where it came from."""
+    m = cfg.model
+    if m.sft_path is None:
+        positions = EMBEDDED_PROMPT_POSITIONS + cfg.generator.sampling.max_new_tokens
+        shape = ModelConfig(
+            architecture=m.architecture,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            max_position_embeddings=positions,
+        )
+        return shape, "the embedded model"
+    config_file = Path(m.sft_path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None, ""
+    try:
+        return ModelConfig.from_hf_dict(read_json(config_file, ValueError)), str(config_file)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        problems.append(f"model.sft_path: {err}")
+        return None, ""
+
+
+def check_context(cfg: RLHFConfig, longest_prompt: int) -> None:
+    """Once the prompts are tokenized: the longest one plus generator.max_new_tokens must fit the model's
+    positions (ValueError naming both and the fix)."""
+    problems: list[str] = []
+    model, where = _model_shape(cfg, problems)
+    if model is not None:
+        problems += _context_problems(cfg, model, where, longest_prompt)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _context_problems(cfg: RLHFConfig, model: ModelConfig, where: str, prompt: int) -> list[str]:
+    """Prompt (`prompt` tokens) + response must fit the model's positions."""
+    new = cfg.generator.sampling.max_new_tokens
+    limit = model.max_position_embeddings
+    if prompt + new <= limit:
+        return []
+    if prompt <= 1:
+        return [
+            f"generator.max_new_tokens={new} exceeds max_position_embeddings={limit} of {where}: set "
+            f"generator.max_new_tokens<={limit - 1} (and leave room for the prompt)"
+        ]
+    room = limit - prompt
+    fix = f"lower generator.max_new_tokens to <= {room}, or" if room > 0 else "lower"
+    return [
+        f"the longest prompt ({prompt} tokens) + generator.max_new_tokens={new} = {prompt + new} tokens exceed "
+        f"max_position_embeddings={limit} of {where}: {fix} data.max_prompt_length with data.truncate=left "
+        "(keeps each prompt's end)"
+    ]
+
+
+def _kv_memory_problems(cfg: RLHFConfig, model: ModelConfig) -> list[str]:
+    """The generator's KV cache for one rollout must fit in half of this machine's memory (host or device)."""
+    d, g = cfg.data, cfg.generator
+    samples = d.prompts_per_iteration * d.samples_per_prompt
+    rows = min([n for n in (g.engine.num_slots, g.sampling.max_batch_size) if n > 0] or [samples])
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.resolved_head_dim * (2 if cuda else 4)
+    tokens = d.max_prompt_length + g.sampling.max_new_tokens
+    need_bytes = rows * tokens * per_token
+    memory = _memory_bytes(cuda)
+    if memory is None or need_bytes <= memory // 2:
+        return []
+    fits = memory // 2 // (rows * per_token) - d.max_prompt_length
+    return [
+        f"generator.max_new_tokens={g.sampling.max_new_tokens}: the KV cache of {rows} samples x {tokens} tokens "
+        f"needs {need_bytes / 2**30:.1f} GiB, more than half of this machine's {memory / 2**30:.1f} GiB "
+        f"{'device' if cuda else 'host'} memory: lower generator.max_new_tokens (<= {max(fits, 0)} fits), or "
+        "decode fewer samples at once (generator.max_batch_size / generator.num_slots)"
+    ]
+
+
+def _memory_bytes(cuda: bool) -> int | None:
+    try:
+        if cuda:
+            return int(torch.cuda.get_device_properties(0).total_memory)
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
+
+
+def _vllm_problems(cfg: RLHFConfig, model: ModelConfig | None) -> list[str]:
     """generator=vllm: vLLM installed, re-prefill migration, a model vLLM's backend computes (read from the
     config or the checkpoint's config.json, before any model is built)."""
     from rlhfuse.generation.vllm_engine import check_vllm_supported
-    from rlhfuse.models import ModelConfig
 
     problems = []
     if importlib.util.find_spec("vllm") is None:
@@ -109,20 +204,8 @@ def _vllm_problems(cfg: RLHFConfig) -> list[str]:
             f"(distributed.nproc_per_node={cfg.distributed.nproc_per_node}): use generator=engine for "
             "multi-process generation, or distributed.nproc_per_node=1"
         )
-    m = cfg.model
-    if m.sft_path is None:
-        model = ModelConfig(
-            architecture=m.architecture,
-            hidden_size=m.hidden_size,
-            num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-        )
-    else:
-        config_file = Path(m.sft_path).expanduser() / "config.json"
-        if not config_file.is_file():
-            return problems  # load_models names the missing file
-        model = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+    if model is None:
+        return problems  # load_models names the missing file
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     try:
         check_vllm_supported(model, "cuda" if cuda else "cpu")
