@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
+from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.protocols import FusingGenerator, RolloutStage
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
@@ -105,6 +106,7 @@ def build_trainer(
     if fabric.world_size > 1:
         device = fabric.device  # one device per rank
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
+    critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
     if warm:
         task = SyntheticTask(
             seed=config.seed,
@@ -113,12 +115,14 @@ def build_trainer(
             length_sigma=config.data.length_sigma,
         )
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
-        models = load_models(m, sft_path=str(sft_path), reward_path=str(reward_path), device=device)
+        models = load_models(
+            m, sft_path=str(sft_path), reward_path=str(reward_path), device=device, critic=critic
+        )
     else:
         assert m.sft_path is not None
         reward = m.reward_path or m.critic_path
         assert reward is not None
-        models = load_models(m, sft_path=m.sft_path, reward_path=reward, device=device)
+        models = load_models(m, sft_path=m.sft_path, reward_path=reward, device=device, critic=critic)
     fabric.seed_everything(config.seed, verbose=False)
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps)

@@ -108,6 +108,7 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
+    assert models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
     if cfg.use_reward_model:
         named["reward"] = models.reward
@@ -151,6 +152,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
     cfg = ctx.config
+    assert ctx.models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     return FusedPipelineStrategy(
         ctx.models.actor,
         ctx.models.critic,

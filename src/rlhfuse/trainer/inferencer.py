@@ -1,7 +1,8 @@
 """Inference stage: one forward pass of each model over every generated sample.
 
-Actor log-probs (PPO's "old" log-probs), Ref log-probs (for the KL penalty), Critic values and the reward score,
-read at the last valid token of each sample (plus an optional rule-based reward chosen by name).
+Actor log-probs (PPO's "old" log-probs), Ref log-probs (for the KL penalty), Critic values (zeros, without any
+Critic forward, for a critic-free algorithm) and the reward score, read at the last valid token of each sample
+(plus an optional rule-based reward chosen by name).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ModelInferencer:
         *,
         actor: Transformer,
         ref: Transformer,
-        critic: Transformer,
+        critic: Transformer | None,
         reward_model: Transformer | None,
         reward_fn: RewardFn | None,
         tokenizer: Tokenizer,
@@ -83,8 +84,10 @@ class ModelInferencer:
         return Rollout(**{k: v[start : start + size] for k, v in vars(rollout).items()})
 
     def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        training = self.actor.training, self.critic.training
-        self.actor.eval(), self.critic.eval()
+        live = [self.actor] if self.critic is None else [self.actor, self.critic]
+        training = [model.training for model in live]
+        for live_model in live:
+            live_model.eval()
         device = next(self.actor.parameters()).device
         rollout = rollout.to(device)
         for model in self.offloaded:
@@ -92,10 +95,15 @@ class ModelInferencer:
         with self.autocast():
             logprobs_BR = response_logprobs(self.actor, rollout, self.temperature)
             ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature)
-            values_BR = response_values(self.critic, rollout)
+            values_BR = (
+                torch.zeros_like(logprobs_BR)
+                if self.critic is None
+                else response_values(self.critic, rollout)
+            )
             rm_scores_B = None if self.reward_model is None else sequence_scores(self.reward_model, rollout)
         scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer)
-        self.actor.train(training[0]), self.critic.train(training[1])
+        for live_model, mode in zip(live, training, strict=True):
+            live_model.train(mode)
         mask_BR = rollout.response_mask_BR.float()
         return (
             (logprobs_BR * mask_BR).cpu(),

@@ -1,7 +1,8 @@
 """The four models of RLHF and where they come from.
 
 Actor and Ref load from the SFT checkpoint (Ref frozen), the Reward model from the RM checkpoint (frozen), the
-Critic from the Critic checkpoint or, by default, from the Reward model. With no paths configured, the embedded
+Critic (only for an algorithm that trains one) from the Critic checkpoint or, by default, from the Reward model.
+With no paths configured, the embedded
 tiny model is warm-started first (`rlhfuse.trainer.warmstart`: SFT on the synthetic task, Bradley–Terry reward
 model on its preference pairs) and cached.
 """
@@ -72,7 +73,8 @@ class Models:
     actor: Transformer
     ref: Transformer
     reward: Transformer
-    critic: Transformer
+    # None for a critic-free algorithm (grpo, rloo, reinforce_pp): no Critic is loaded, trained or saved
+    critic: Transformer | None
     tokenizer: Tokenizer
     sft_path: Path
 
@@ -91,16 +93,23 @@ def _frozen(model: Transformer) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
-def load_models(config: ModelsConfig, *, sft_path: str, reward_path: str, device: torch.device) -> Models:
+def load_models(
+    config: ModelsConfig, *, sft_path: str, reward_path: str, device: torch.device, critic: bool = True
+) -> Models:
+    """Actor, Ref, Reward and (when `critic`, i.e. the algorithm trains one) the Critic, on `device`."""
     sft = _require_checkpoint(sft_path, "model.sft_path")
     reward = _require_checkpoint(reward_path, "model.reward_path")
-    critic = _require_checkpoint(config.critic_path, "model.critic_path") if config.critic_path else reward
+    critic_dir = None
+    if critic:
+        critic_dir = (
+            _require_checkpoint(config.critic_path, "model.critic_path") if config.critic_path else reward
+        )
     tokenizer = Tokenizer.from_dir(Path(config.tokenizer_path).expanduser() if config.tokenizer_path else sft)
     return Models(
         actor=from_pretrained(sft, head="lm").to(device),
         ref=_frozen(from_pretrained(sft, head="lm").to(device)),
         reward=_frozen(from_pretrained(reward, head="value").to(device)),
-        critic=from_pretrained(critic, head="value").to(device),
+        critic=None if critic_dir is None else from_pretrained(critic_dir, head="value").to(device),
         tokenizer=tokenizer,
         sft_path=sft,
     )
