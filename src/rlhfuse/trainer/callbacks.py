@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, save_pretrained
 
 
 class TaskScore:
-    """Logs `task/score`: the mean of a rule (e.g. the synthetic task's hidden topic rule) over the rollout,
-    whatever reward the run optimises; the honest measure of whether RLHF improved the policy."""
+    """Logs `task/score` (or `key`): the mean of a rule (the synthetic task's hidden topic rule, the arithmetic
+    task's numeric match) over the rollout, whatever reward the run optimises; the honest measure of whether RLHF
+    improved the policy."""
 
-    def __init__(self, rule: RewardFn, tokenizer: Tokenizer, key: str = "task/score") -> None:
-        self.rule, self.tokenizer, self.key = rule, tokenizer, key
+    def __init__(
+        self,
+        rule: RuleReward,
+        tokenizer: Tokenizer,
+        key: str = "task/score",
+        rows: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        self.rule, self.tokenizer, self.key, self.rows = rule, tokenizer, key, rows
 
     def on_rollout_end(self, trainer: Any, experience: Experience, metrics: dict[str, float]) -> None:
-        rollout = experience.rollout
-        prompts = [self.tokenizer.decode(ids.tolist()) for ids in rollout.prompt_ids_BP]
-        responses = [
-            self.tokenizer.decode(ids[: int(n)].tolist())
-            for ids, n in zip(rollout.response_ids_BR, rollout.response_lengths_B)
-        ]
-        scores = self.rule(prompts, responses)
-        metrics[self.key] = sum(scores) / max(1, len(scores))
+        scores_B = self.rule(reward_samples(experience.rollout, self.tokenizer, self.rows))
+        metrics[self.key] = float(scores_B.sum()) / max(1, len(scores_B))
 
 
 class ExportActor:

@@ -8,8 +8,9 @@ Critic forward, for a critic-free algorithm) and the reward score, read at the l
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from rlhfuse.core.inference import (
     rule_scores,
     sequence_scores,
 )
-from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.rewards import RuleReward
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
@@ -40,16 +41,19 @@ class ModelInferencer:
         ref: Transformer,
         critic: Transformer | None,
         reward_model: Transformer | None,
-        reward_fn: RewardFn | None,
+        reward_fn: RuleReward | None,
         tokenizer: Tokenizer,
         temperature: float,
         autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+        rows: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         if reward_model is None and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         self.config = config
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.reward_fn = reward_fn
+        # the dataset rows' fields by prompt id, for the reward function's records (e.g. the reference answer)
+        self.rows = rows
         self.tokenizer = tokenizer
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast = autocast
@@ -101,7 +105,7 @@ class ModelInferencer:
                 else response_values(self.critic, rollout)
             )
             rm_scores_B = None if self.reward_model is None else sequence_scores(self.reward_model, rollout)
-        scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer)
+        scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)
         mask_BR = rollout.response_mask_BR.float()
@@ -114,4 +118,4 @@ class ModelInferencer:
 
     def rule_scores(self, rollout: Rollout) -> Tensor:
         assert self.reward_fn is not None
-        return rule_scores(self.reward_fn, self.tokenizer, rollout)
+        return rule_scores(self.reward_fn, self.tokenizer, rollout, self.rows)

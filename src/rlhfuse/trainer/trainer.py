@@ -23,6 +23,7 @@ from rlhfuse.core.advantages import compute_train_batch
 from rlhfuse.core.checkpoint import latest_checkpoint, rng_state, set_rng_state
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy, SwapsWeights
+from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
 from rlhfuse.data.prompts import Prompt, PromptLoader
@@ -95,7 +96,13 @@ class RLHFTrainer:
         start = time.perf_counter()
         prompts = collate_prompts(self.prompts.next_batch(), self.pad_token_id)
         # 1. rollout: generation + inference (chunks of finished samples are inferred as they arrive)
-        experience, rollout_stats = self.rollout_stage.run(prompts, it, self._on_stage)
+        try:
+            experience, rollout_stats = self.rollout_stage.run(prompts, it, self._on_stage)
+        except NonFiniteRewardError as err:
+            raise NonFiniteError(
+                f"iteration {it}: reward/mean is {err.value}: {err}; stopped before training, no checkpoint "
+                "written for this iteration"
+            ) from None
         if isinstance(self.inferencer, SwapsWeights):
             self.inferencer.release()  # frozen models back to host memory until the next rollout
         metrics: dict[str, float] = {}

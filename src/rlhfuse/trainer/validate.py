@@ -45,9 +45,10 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     if m.sft_path is None and m.reward_path is None:
         need(
             problems,
-            d.source == "synthetic",
-            "no model.sft_path/model.reward_path: the embedded model is warm-started on the synthetic task, which "
-            "needs data.source=synthetic; give model.sft_path and model.reward_path to train on your own prompts",
+            d.source in ("synthetic", "arithmetic"),
+            "no model.sft_path/model.reward_path: the embedded model is warm-started on an embedded task, which "
+            "needs data.source=synthetic or arithmetic; give model.sft_path and model.reward_path to train on your "
+            "own prompts",
         )
     else:
         need(
