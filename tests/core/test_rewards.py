@@ -58,7 +58,7 @@ def test_answer_format_needs_a_finished_response_with_an_answer():
 class _Words:
     """A decoder over a tiny vocabulary: id i -> word i (0 = pad, skipped)."""
 
-    words = ["<pad>", "answer", ":", "3", "4", "1", "+", "2", "="]
+    words = ("<pad>", "answer", ":", "3", "4", "1", "+", "2", "=")
 
     def decode(self, ids):
         return " ".join(self.words[i] for i in ids if i != 0)
