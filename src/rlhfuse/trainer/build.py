@@ -19,11 +19,11 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import distributed_fabric, is_global_zero
-from rlhfuse.trainer.callbacks import ExportActor, TaskScore
+from rlhfuse.trainer.callbacks import ExportActor, SampleTable, TaskScore
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
-from rlhfuse.trainer.logging import RichProgress, build_loggers
+from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import load_models
 from rlhfuse.trainer.registry import rule_reward
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
@@ -158,8 +158,18 @@ def build_trainer(
         all_callbacks.append(TaskScore(rule, models.tokenizer, key="task/accuracy", rows=rows))
     if config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
-    all_callbacks.extend(callbacks or [])
     loggers = build_loggers(config.logger, run_dir) if rank0 else []
+    if config.logger.log_samples_every > 0 and rank0:
+        all_callbacks.append(
+            SampleTable(
+                run_dir / "samples.jsonl",
+                models.tokenizer,
+                every=config.logger.log_samples_every,
+                count=config.logger.log_samples_count,
+                sinks=table_sinks(loggers),
+            )
+        )
+    all_callbacks.extend(callbacks or [])
     for logger in loggers:
         try:
             logger.log_hyperparams(dataclasses.asdict(config))
