@@ -228,3 +228,19 @@ def test_grpo_two_instance_processes_with_migration_data_parallel(tmp_path):
         assert {k: v for k, v in got.items() if not k.startswith(skip)} == pytest.approx(
             ref, rel=1e-5, abs=1e-6
         )
+
+
+def test_grpo_from_checkpoints_with_a_rule_reward_asks_for_no_reward_or_critic_checkpoint(
+    cache_dir, tmp_path
+):
+    warm = _smoke(cache_dir, tmp_path / "warm", "iterations=1")  # the cached warm start: an SFT checkpoint
+    sft = warm.config.model.warmstart.cache_dir
+    (sft_dir,) = [p / "sft" for p in Path(sft).iterdir() if (p / "DONE").is_file()]
+    rule_only = ["inferencer.use_reward_model=false", "inferencer.reward_fn=topic_fraction"]
+    with pytest.raises(ValueError, match=r"model\.sft_path='/x', model\.reward_path=None: set both"):
+        validate(compose_config(["model.sft_path=/x", *rule_only]))  # PPO's Critic needs a start
+    cfg = compose_config(["experiment=smoke", "algorithm=grpo", f"model.sft_path={sft_dir}", *rule_only])
+    trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
+    assert trainer.inferencer.reward_model is None and trainer.strategy.critic is None
+    (row,) = trainer.fit()[:1]
+    assert math.isfinite(row["loss/policy"]) and "task/score" in row

@@ -129,13 +129,23 @@ def build_trainer(
     if warm:
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
         models = load_models(
-            m, sft_path=str(sft_path), reward_path=str(reward_path), device=device, critic=critic
+            m,
+            sft_path=str(sft_path),
+            reward_path=str(reward_path),
+            device=device,
+            critic=critic,
+            reward=config.inferencer.use_reward_model,
         )
     else:
         assert m.sft_path is not None
-        reward = m.reward_path or m.critic_path
-        assert reward is not None
-        models = load_models(m, sft_path=m.sft_path, reward_path=reward, device=device, critic=critic)
+        models = load_models(
+            m,
+            sft_path=m.sft_path,
+            reward_path=m.reward_path,
+            device=device,
+            critic=critic,
+            reward=config.inferencer.use_reward_model,
+        )
     fabric.seed_everything(config.seed, verbose=False)
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows)

@@ -114,6 +114,7 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
     assert models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
     if cfg.use_reward_model:
+        assert models.reward is not None, "loaded: inferencer.use_reward_model=true"
         named["reward"] = models.reward
     return PipelineInferencer(
         cfg,

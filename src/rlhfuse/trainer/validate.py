@@ -51,6 +51,17 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             "own prompts",
         )
     else:
+        # a checkpoint for each model the run uses: the reward model (unless the score is a rule alone) and the
+        # Critic's start (for an algorithm with a Critic: model.critic_path, else the reward model)
+        critic = cfg.algorithm.name in ALGORITHMS and algorithm_of(cfg.algorithm).uses_critic
+        need(
+            problems,
+            m.sft_path is None
+            or m.reward_path is not None
+            or (not i.use_reward_model and (not critic or m.critic_path is not None))
+            or (i.use_reward_model and m.critic_path is not None),
+            m.paths_problem(),
+        )
         need(
             problems,
             m.reward_path is not None or not i.use_reward_model,
