@@ -100,3 +100,19 @@ def test_policy_loss_sequence_sum_on_policy():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     loss, _ = ppo_policy_loss(lp, lp, adv, mask, reduction="sequence_sum", constant_length=5)
     assert float(loss) == pytest.approx(0.1)
+
+
+def test_group_advantages_are_centred_in_every_group():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(24, generator=g, dtype=torch.float64)
+    groups = torch.randint(0, 5, (24,), generator=g) * 7  # any labels, interleaved, groups of any size >= 2
+    groups[:10] = torch.arange(5).repeat(2) * 7  # every label at least twice
+    for a in (grpo_advantages(scores, groups), grpo_advantages(scores, groups, std_norm=False)):
+        assert a.dtype == torch.float64
+        for label in groups.unique():
+            assert float(a[groups == label].sum()) == pytest.approx(0.0, abs=1e-9)
+    a = rloo_advantages(scores, groups)
+    for label in groups.unique():
+        n = int((groups == label).sum())
+        centred = scores[groups == label] - scores[groups == label].mean()
+        assert a[groups == label].tolist() == pytest.approx((n / (n - 1) * centred).tolist())

@@ -244,3 +244,18 @@ def test_grpo_from_checkpoints_with_a_rule_reward_asks_for_no_reward_or_critic_c
     assert trainer.inferencer.reward_model is None and trainer.strategy.critic is None
     (row,) = trainer.fit()[:1]
     assert math.isfinite(row["loss/policy"]) and "task/score" in row
+
+
+def test_sequence_sum_constant_length_defaults_to_max_new_tokens_and_says_so():
+    from rlhfuse.trainer.config import resolve_components
+
+    said = []
+    cfg = resolve_components(
+        compose_config(["algorithm=dr_grpo", "generator.max_new_tokens=24"]), log=said.append
+    )
+    assert cfg.algorithm.loss_constant_length == 24
+    assert any("algorithm.loss_constant_length=0 -> 24" in line for line in said)
+    kept = resolve_components(
+        compose_config(["algorithm=dr_grpo", "algorithm.loss_constant_length=7"]), log=said.append
+    )
+    assert kept.algorithm.loss_constant_length == 7
