@@ -176,7 +176,7 @@ def build_trainer(
                 models.tokenizer,
                 every=config.logger.log_samples_every,
                 count=config.logger.log_samples_count,
-                sinks=table_sinks(loggers),
+                sinks=table_sinks(config.logger, loggers),
             )
         )
     all_callbacks.extend(callbacks or [])

@@ -144,12 +144,10 @@ def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def table_sinks(loggers: list[Logger]) -> list[Any]:
+def table_sinks(config: LoggerConfig, loggers: list[Logger]) -> list[Any]:
     """The loggers that also take tables (W&B): the samples table goes to them too."""
-    from importlib.util import find_spec
-
-    if find_spec("wandb") is None or find_spec("lightning.pytorch") is None:
-        return []
+    if "wandb" not in config.backends:
+        return []  # no need to import lightning.pytorch (seconds) to find none
     from lightning.pytorch.loggers import WandbLogger
 
     return [logger for logger in loggers if isinstance(logger, WandbLogger)]
