@@ -84,7 +84,11 @@ def test_unknown_component_names_list_the_known_ones():
         "unknown strategy pipeline.name='fusd': known strategy names are ['fused', 'plain', 'serial_1f1b']"
         in str(err.value)
     )
-    assert "known reward function names are ['length_penalty', 'topic_fraction']" in str(err.value)
+    # the registry gained the verifiable rewards (issue 14): exact_match, numeric_match, answer_format
+    assert (
+        "known reward function names are ['answer_format', 'exact_match', 'length_penalty', 'numeric_match', "
+        "'topic_fraction']" in str(err.value)
+    )
 
 
 def test_import_paths_resolve_only_when_named_and_fail_clearly():

@@ -3,7 +3,9 @@
 Legend: B batch rows, T time (tokens). `mask_BT` is nonzero on the tokens that enter the loss.
 
 Reductions: "token" averages over every valid token of the batch; "sequence" averages each row over its valid
-tokens first, then averages those means over the rows that have at least one valid token.
+tokens first, then averages those means over the rows that have at least one valid token; "sequence_sum" sums
+each row's valid tokens, divides by a constant length L (`constant_length`, the same for every row and every
+batch: Dr. GRPO, Liu et al. 2025, eq. 3) and averages over the rows: (1/B)·Σ_b (1/L)·Σ_t m_bt·l_bt.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from rlhfuse.algorithms.masked import _valid, masked_mean
 
-_REDUCTIONS = ("token", "sequence")
+_REDUCTIONS = ("token", "sequence", "sequence_sum")
 
 
 class PolicyLossStats(NamedTuple):
@@ -32,13 +34,21 @@ class ValueLossStats(NamedTuple):
     explained_variance: torch.Tensor  # 1 − Var[R − V]/Var[R]; 1 is perfect, ≤ 0 no better than a constant
 
 
-def _reduce(per_token_BT: torch.Tensor, valid_BT: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_loss(
+    per_token_BT: torch.Tensor, valid_BT: torch.Tensor, reduction: str, constant_length: int | None = None
+) -> torch.Tensor:
+    """Per-token losses to one loss by `reduction` (module docstring); "sequence_sum" needs `constant_length`."""
     if reduction == "token":
         return masked_mean(per_token_BT, valid_BT)
     if reduction == "sequence":
         row_means_B = masked_mean(per_token_BT, valid_BT, dim=-1)
         nonempty_B = valid_BT.any(dim=-1)
         return masked_mean(row_means_B, nonempty_B)
+    if reduction == "sequence_sum":
+        if constant_length is None or constant_length <= 0:
+            raise ValueError(f"reduction='sequence_sum' needs constant_length > 0, got {constant_length}")
+        row_sums_B = torch.where(valid_BT, per_token_BT, torch.zeros_like(per_token_BT)).sum(dim=-1)
+        return row_sums_B.sum() / (constant_length * max(per_token_BT.shape[0], 1))
     raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
@@ -58,6 +68,7 @@ def ppo_policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     reduction: str = "token",
+    constant_length: int | None = None,
 ) -> tuple[torch.Tensor, PolicyLossStats]:
     """PPO clipped surrogate loss (Schulman et al. 2017, eq. 7), negated for minimisation, per token:
 
@@ -65,7 +76,8 @@ def ppo_policy_loss(
 
     with ε_high = `clip_eps_high` or ε (asymmetric "clip-higher" when set). Dual clip (Ye et al. 2020, eq. 5):
     for A_t < 0, L_t = min(L_t, −c·A_t) with c = `dual_clip` > 1, bounding the loss when r_t ≫ 1.
-    The per-token losses are reduced by `reduction` ("token" or "sequence", see the module docstring).
+    The per-token losses are reduced by `reduction` ("token", "sequence" or "sequence_sum" over
+    `constant_length`, see the module docstring).
     """
     _check_same_shape(
         logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT, mask_BT=mask_BT
@@ -86,7 +98,7 @@ def ppo_policy_loss(
         per_token_BT = torch.where(
             advantages_BT < 0, torch.minimum(per_token_BT, dual_bound_BT), per_token_BT
         )
-    loss = _reduce(per_token_BT, valid_BT, reduction)
+    loss = reduce_loss(per_token_BT, valid_BT, reduction, constant_length)
     with torch.no_grad():
         stats = PolicyLossStats(
             clip_fraction=masked_mean((clipped_BT > unclipped_BT).to(ratio_BT.dtype), valid_BT),
@@ -104,12 +116,13 @@ def value_loss(
     *,
     clip_eps: float | None = 0.2,
     reduction: str = "token",
+    constant_length: int | None = None,
 ) -> tuple[torch.Tensor, ValueLossStats]:
     """Clipped value loss (PPO2 baselines; Ouyang et al. 2022 / Ziegler et al. 2019 critic), per token:
 
         V^clip_t = V_old,t + clip(V_t − V_old,t, −ε, ε),  L_t = ½·max((V_t − R_t)², (V^clip_t − R_t)²)
 
-    and L_t = ½·(V_t − R_t)² when `clip_eps` is None. Reduced by `reduction` ("token" or "sequence").
+    and L_t = ½·(V_t − R_t)² when `clip_eps` is None. Reduced by `reduction` (module docstring).
     """
     _check_same_shape(
         values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT, mask_BT=mask_BT
@@ -126,7 +139,7 @@ def value_loss(
         clipped_error_BT = (clipped_values_BT - returns_BT) ** 2
         per_token_BT = 0.5 * torch.maximum(unclipped_error_BT, clipped_error_BT)
         clipped_more_BT = clipped_error_BT > unclipped_error_BT
-    loss = _reduce(per_token_BT, valid_BT, reduction)
+    loss = reduce_loss(per_token_BT, valid_BT, reduction, constant_length)
     with torch.no_grad():
         residual_var = masked_mean((returns_BT - values_BT) ** 2, valid_BT) - (
             masked_mean(returns_BT - values_BT, valid_BT) ** 2

@@ -1,7 +1,8 @@
 """Atomic, safe checkpoints.
 
 Layout of `<run_dir>/checkpoints/iter_00000010/`:
-    actor.safetensors, critic.safetensors   model weights (safetensors: no code can run on load)
+    actor.safetensors, critic.safetensors   model weights (safetensors: no code can run on load; no critic file
+                                            for a critic-free algorithm)
     state.pt     optimizer/scheduler states, RNG states, data position (loaded with torch.load(weights_only=True))
     meta.json    iteration, format and the SHA-256 of every file (checked on load: a tampered or truncated
                  file is an error)
@@ -118,8 +119,9 @@ def save_checkpoint(
     keep: int = 0,
     run: str | None = None,
 ) -> Path:
-    """Write `state` (a strategy state with 'actor'/'critic' weights, plus any weights-only-loadable extras);
-    `run` (the writing run's id) goes into meta.json; `keep` > 0 then keeps that many checkpoints of `run`."""
+    """Write `state` (a strategy state with 'actor' (and, with a Critic, 'critic') weights, plus any
+    weights-only-loadable extras); `run` (the writing run's id) goes into meta.json; `keep` > 0 then keeps that
+    many checkpoints of `run`."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{iteration:08d}"
@@ -127,7 +129,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        for key in MODEL_KEYS:
+        for key in (k for k in MODEL_KEYS if k in state):  # no critic file for a critic-free algorithm
             safetensors.torch.save_file(plain_weights(state[key], key), str(tmp / f"{key}.safetensors"))
         torch.save({k: v for k, v in state.items() if k not in MODEL_KEYS}, tmp / "state.pt")
         files = sorted(p.name for p in tmp.iterdir())
@@ -259,7 +261,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{meta_path} is malformed ({err}): this checkpoint is damaged; resume from another one "
             "(resume=<checkpoint folder>) or remove it"
         ) from None
-    for name in (*(f"{k}.safetensors" for k in MODEL_KEYS), "state.pt"):
+    models = [k for k in MODEL_KEYS if k == "actor" or f"{k}.safetensors" in expected]
+    for name in (*(f"{k}.safetensors" for k in models), "state.pt"):
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
@@ -268,7 +271,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"checkpoint file {file} does not match its SHA-256 in meta.json (corrupt or tampered)"
             )
     state: dict[str, Any] = {}
-    for key in MODEL_KEYS:
+    for key in models:
         state[key] = safetensors.torch.load_file(str(path / f"{key}.safetensors"))
     try:
         extra = torch.load(path / "state.pt", map_location="cpu", weights_only=True)

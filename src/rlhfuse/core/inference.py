@@ -6,24 +6,18 @@ Legend: B samples, T tokens (prompt + response), R response tokens, V vocabulary
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rlhfuse.algorithms import logprobs_from_logits
 from rlhfuse.core.config import need, non_negative
-from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.rewards import Decoder, RuleReward, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.models import Transformer
-
-
-class Decoder(Protocol):
-    """What a rule-based reward needs of a tokenizer: token ids back to text."""
-
-    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass
@@ -35,8 +29,10 @@ class InferencerConfig:
     micro_batch_size: int = 0
     # Score samples with the reward model (model.reward_path or the warm-started one).
     use_reward_model: bool = True
-    # Rule-based reward added to (or replacing) the reward model: a registered name (topic_fraction,
-    # length_penalty) or your own 'package.module:function' taking (prompts, responses) -> list of floats.
+    # Rule-based (verifiable) reward added to (or replacing) the reward model: a registered name (exact_match,
+    # numeric_match, answer_format, topic_fraction, length_penalty) or your own 'package.module:function' taking
+    # a list of rlhfuse.core.rewards.RewardSample (prompt, response text and ids, finished, the dataset row's
+    # fields) -> one float per sample.
     reward_fn: str | None = None
     # Weight of the rule-based reward in the score.
     reward_fn_weight: float = 1.0
@@ -96,25 +92,21 @@ def sequence_scores(reward_model: Transformer, rollout: Rollout) -> Tensor:
     return scores_from_output(values_BT, rollout)
 
 
-def rule_scores(reward_fn: RewardFn, tokenizer: Decoder, rollout: Rollout) -> Tensor:
-    """The rule-based reward [B] of each sample (float32), from the decoded prompt and response."""
-    prompts = [tokenizer.decode(ids.tolist()) for ids in rollout.prompt_ids_BP.cpu()]
-    responses = [
-        tokenizer.decode(ids[: int(n)].tolist())
-        for ids, n in zip(rollout.response_ids_BR.cpu(), rollout.response_lengths_B.cpu())
-    ]
-    scores = reward_fn(prompts, responses)
-    if len(scores) != len(rollout):
-        raise ValueError(f"reward function returned {len(scores)} scores for {len(rollout)} samples")
-    return torch.tensor([float(s) for s in scores], dtype=torch.float32)
+def rule_scores(
+    reward_fn: RuleReward, tokenizer: Decoder, rollout: Rollout, rows: Sequence[Mapping[str, Any]] = ()
+) -> Tensor:
+    """The rule-based reward [B] of each sample (float32), from its record (decoded prompt and response, ids,
+    finished flag, the dataset row `rows[prompt id]`)."""
+    return reward_fn(reward_samples(rollout, tokenizer, rows))
 
 
 def final_scores(
     config: InferencerConfig,
     rollout: Rollout,
     model_scores_B: Tensor | None,
-    reward_fn: RewardFn | None,
+    reward_fn: RuleReward | None,
     tokenizer: Decoder,
+    rows: Sequence[Mapping[str, Any]] = (),
 ) -> Tensor:
     """The sequence score [B]: reward-model score (if any) + weighted rule reward (if any), with
     `config.truncated_score` for responses cut without EOS."""
@@ -123,7 +115,8 @@ def final_scores(
     if model_scores_B is not None:
         scores_B = scores_B + model_scores_B.to(device)
     if reward_fn is not None:
-        scores_B = scores_B + config.reward_fn_weight * rule_scores(reward_fn, tokenizer, rollout).to(device)
+        rule_B = rule_scores(reward_fn, tokenizer, rollout, rows).to(device)
+        scores_B = scores_B + config.reward_fn_weight * rule_B
     if config.truncated_score is not None:
         scores_B = torch.where(
             rollout.finished_B, scores_B, torch.full_like(scores_B, config.truncated_score)

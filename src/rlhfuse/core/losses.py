@@ -1,4 +1,4 @@
-"""The PPO losses of one micro-batch, shared by every Strategy (single-process and pipelined).
+"""The losses of one micro-batch (policy: every algorithm; value: those with a Critic), shared by every Strategy (single-process and pipelined).
 
 Both take a model's output over the whole sequence (prompt + response) and score the response positions:
 the logits at position t predict token t+1, so the response's R tokens are predicted by positions
@@ -14,9 +14,11 @@ from torch import Tensor
 
 from rlhfuse.algorithms import (
     entropy_from_logits,
+    kl_estimate,
     logprobs_from_logits,
     masked_mean,
     ppo_policy_loss,
+    reduce_loss,
     value_loss,
 )
 from rlhfuse.core.advantages import AlgorithmConfig
@@ -34,7 +36,9 @@ def response_outputs(out_BT_: Tensor, micro: TrainBatch) -> Tensor:
 def actor_loss(
     logits_BTV: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig, temperature: float = 1.0
 ) -> tuple[Tensor, LossStats]:
-    """PPO clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`) and its statistics."""
+    """Clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`, + β·KL(π_θ ‖ π_ref) when
+    `algorithm.kl_loss_coef` = β > 0, the KL estimated per token and reduced like the policy loss) and its
+    statistics."""
     logits_BRV = response_outputs(logits_BTV, micro)
     response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
     logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
@@ -47,7 +51,22 @@ def actor_loss(
         clip_eps_high=algorithm.clip_eps_high,
         dual_clip=algorithm.dual_clip,
         reduction=algorithm.loss_reduction,
+        constant_length=algorithm.loss_constant_length or None,
     )
+    kl_loss = 0.0
+    if algorithm.kl_loss_coef > 0:
+        assert micro.ref_logprobs_BR is not None, (
+            "compute_train_batch keeps ref log-probs when kl_loss_coef > 0"
+        )
+        kl_BR = kl_estimate(logprobs_BR, micro.ref_logprobs_BR, kind=algorithm.kl_loss_estimator)
+        kl_term = reduce_loss(
+            kl_BR,
+            micro.response_mask_BR != 0,
+            algorithm.loss_reduction,
+            algorithm.loss_constant_length or None,
+        )
+        loss = loss + algorithm.kl_loss_coef * kl_term
+        kl_loss = float(kl_term.detach())
     entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
     if algorithm.entropy_coef:
         loss = loss - algorithm.entropy_coef * masked_mean(
@@ -58,6 +77,7 @@ def actor_loss(
         clip_fraction=float(pstats.clip_fraction),
         approx_kl=float(pstats.approx_kl),
         entropy=float(entropy),
+        kl_loss=kl_loss,
     )
 
 
@@ -70,5 +90,6 @@ def critic_loss(values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig
         micro.response_mask_BR,
         clip_eps=algorithm.value_clip_eps,
         reduction=algorithm.loss_reduction,
+        constant_length=algorithm.loss_constant_length or None,
     )
     return loss, LossStats(value_loss=float(loss.detach()))

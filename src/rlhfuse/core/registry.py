@@ -62,7 +62,3 @@ def _import(path: str, config_key: str) -> object:
     if not hasattr(module, attr):
         raise KeyError(f"{config_key}={path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
-
-
-RewardFn = Callable[[list[str], list[str]], list[float]]
-"""A rule-based reward: (prompt texts, response texts) -> one score per sample."""

@@ -42,13 +42,16 @@ def scale_stats(stats: S, weight: float) -> S:
 
 class LossStats(NamedTuple):
     """A micro-batch's loss statistics; weighted by its share, they sum to the mini-batch's. The Actor's loss
-    fills the policy fields, the Critic's the value field (the other fields are 0)."""
+    fills the policy fields (and `kl_loss`, the KL term before its coefficient, when the KL is a loss term), the
+    Critic's the value field (the other fields are 0). `metrics()` leaves `kl_loss` out: the trainer logs it as
+    loss/kl only when the algorithm has the term."""
 
     policy_loss: float = 0.0
     clip_fraction: float = 0.0
     approx_kl: float = 0.0
     entropy: float = 0.0
     value_loss: float = 0.0
+    kl_loss: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -75,20 +78,28 @@ class PipelineStats(NamedTuple):
 
 
 class TrainStats(NamedTuple):
-    """One optimizer step of the Actor and the Critic on one mini-batch (`Strategy.train_step`)."""
+    """One optimizer step of the Actor and the Critic on one mini-batch (`Strategy.train_step`); without a
+    Critic (critic-free algorithms) `critic_grad_norm` is None and neither loss/value nor critic/grad_norm is
+    logged."""
 
     loss: LossStats
     actor_grad_norm: float
-    critic_grad_norm: float
+    critic_grad_norm: float | None
     lr: float
     # pipelined strategies only
     pipeline: PipelineStats | None = None
 
     def metrics(self) -> dict[str, float]:
+        loss = self.loss.metrics()
+        critic = {}
+        if self.critic_grad_norm is None:
+            del loss["loss/value"]
+        else:
+            critic["critic/grad_norm"] = self.critic_grad_norm
         return {
-            **self.loss.metrics(),
+            **loss,
             "actor/grad_norm": self.actor_grad_norm,
-            "critic/grad_norm": self.critic_grad_norm,
+            **critic,
             "lr": self.lr,
             **(self.pipeline.metrics() if self.pipeline is not None else {}),
         }

@@ -43,7 +43,7 @@ def _tensors_to(obj: _D, device: torch.device | str) -> _D:
     changes = {}
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
-        changes[f.name] = value.to(device)
+        changes[f.name] = None if value is None else value.to(device)
     return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
 
 
@@ -172,7 +172,9 @@ class TrainBatch:
     """What the training stage consumes: one iteration's samples (or a mini/micro-batch of them).
 
     input_ids_BT / attention_mask_BT: long [B, T]; response_mask_BR: float [B, R] (1 on response tokens);
-    old_logprobs_BR, old_values_BR, advantages_BR, returns_BR: float32 [B, R].
+    old_logprobs_BR, old_values_BR, advantages_BR, returns_BR: float32 [B, R] (old values are 0 for an
+    algorithm without a Critic, which trains on no returns); ref_logprobs_BR: float32 [B, R], the Ref log-probs, present only when the KL
+    enters the loss (algorithm.kl_loss_coef > 0), else None.
     The response occupies the last R columns of the T-long sequence.
     """
 
@@ -183,6 +185,7 @@ class TrainBatch:
     old_values_BR: Tensor
     advantages_BR: Tensor
     returns_BR: Tensor
+    ref_logprobs_BR: Tensor | None = None
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """This TrainBatch with every tensor on `device`."""
@@ -197,7 +200,12 @@ class TrainBatch:
 
     def select(self, index_B: Tensor) -> TrainBatch:
         """The rows `index_B`, with trailing all-padding response columns trimmed (less compute, same result)."""
-        rows = TrainBatch(**{f.name: getattr(self, f.name)[index_B] for f in dataclasses.fields(self)})
+        rows = TrainBatch(
+            **{  # type: ignore[arg-type]
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index_B]
+                for f in dataclasses.fields(self)
+            }
+        )
         keep = int(rows.response_mask_BR.sum(dim=0).nonzero().max()) + 1 if rows.response_mask_BR.any() else 1
         drop = rows.response_length - keep
         if drop == 0:
@@ -210,6 +218,7 @@ class TrainBatch:
             old_values_BR=rows.old_values_BR[:, :keep],
             advantages_BR=rows.advantages_BR[:, :keep],
             returns_BR=rows.returns_BR[:, :keep],
+            ref_logprobs_BR=None if rows.ref_logprobs_BR is None else rows.ref_logprobs_BR[:, :keep],
         )
 
     @property

@@ -1,5 +1,6 @@
-"""Prompt data, tokenizers and the embedded default task (`rlhfuse.data.synthetic`)."""
+"""Prompt data, tokenizers and the embedded tasks (`rlhfuse.data.synthetic`, `rlhfuse.data.arithmetic`)."""
 
+from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.config import DataConfig
 from rlhfuse.data.prompts import (
     DatasetError,
@@ -7,12 +8,14 @@ from rlhfuse.data.prompts import (
     PromptLoader,
     load_prompts,
     read_prompt_file,
+    read_prompt_rows,
     tokenize_prompts,
 )
 from rlhfuse.data.synthetic import SyntheticTask, topic_fraction
 from rlhfuse.data.tokenizer import Tokenizer
 
 __all__ = [
+    "ArithmeticTask",
     "DataConfig",
     "DatasetError",
     "Prompt",
@@ -21,6 +24,7 @@ __all__ = [
     "Tokenizer",
     "load_prompts",
     "read_prompt_file",
+    "read_prompt_rows",
     "tokenize_prompts",
     "topic_fraction",
 ]

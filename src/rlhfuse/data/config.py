@@ -13,16 +13,19 @@ TRUNCATE_MODES = get_args(TruncateMode)
 
 @dataclass
 class DataConfig:
-    # Prompt source: "synthetic" (the embedded topic task, generated from `run.seed`) or "file" (`path`).
-    source: Literal["synthetic", "file"] = "synthetic"
+    # Prompt source: "synthetic" (the embedded topic task, generated from `seed`), "arithmetic" (the embedded
+    # verifiable task: generated `a + b =` problems whose rows carry the `answer`) or "file" (`path`).
+    source: Literal["synthetic", "arithmetic", "file"] = "synthetic"
     # A local .jsonl (one JSON object per line) or .parquet file of prompts; used when source=file.
     path: str | None = None
-    # The field of each row that holds the prompt text.
+    # The field of each row that holds the prompt text (the row's other fields, e.g. `answer`, reach the reward).
     prompt_key: str = "prompt"
     # Synthetic task only: number of distinct prompts, and the SFT response-length law (log-normal, in words).
     num_prompts: int = 512
     length_median: float = 6.0
     length_sigma: float = 0.8
+    # Arithmetic task only: operands are drawn from 0..max_operand (answers from -max_operand to 2*max_operand).
+    max_operand: int = 9
     # Longest prompt, in tokens (BOS included). Longer prompts are an error unless `truncate` is left|right.
     max_prompt_length: int = 16
     # What to do with a prompt longer than max_prompt_length: error | left (keep the end) | right (keep the start).
@@ -72,6 +75,7 @@ class DataConfig:
         )
         positive(problems, "data.max_prompt_length", self.max_prompt_length)
         positive(problems, "data.num_prompts", self.num_prompts)
+        positive(problems, "data.max_operand", self.max_operand)
         return problems
 
 

@@ -1,15 +1,21 @@
-"""Prompt datasets (synthetic or a local JSONL/Parquet file), tokenisation with a length limit, and a
-resumable loader that yields a fixed number of prompts per iteration, epoch after epoch."""
+"""Prompt datasets (the embedded synthetic / arithmetic tasks or a local JSONL/Parquet file), tokenisation with a
+length limit, and a resumable loader that yields a fixed number of prompts per iteration, epoch after epoch.
+
+Each prompt keeps its dataset row's other fields (`Prompt.fields`, e.g. a reference `answer`): the rollout carries
+only the prompt's id (`Rollout.prompt_index_B`), and the reward stage looks the fields up by it."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlhfuse._optional import MissingDependencyError
+from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.config import DataConfig
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
@@ -21,15 +27,23 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its position in the dataset (`id`), text and token ids (BOS first when the tokenizer has one)."""
+    """One prompt: its position in the dataset (`id`), text, token ids (BOS first when the tokenizer has one) and
+    the dataset row's other fields (what a reward function may read, e.g. `answer`)."""
 
     id: int
     text: str
     token_ids: tuple[int, ...]
+    fields: Mapping[str, Any] = field(default_factory=dict)
 
 
 def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[str]:
     """Read prompt texts from a .jsonl or .parquet file; malformed rows raise DatasetError naming file:line."""
+    return [text for text, _ in read_prompt_rows(path, prompt_key)]
+
+
+def read_prompt_rows(path: str | Path, prompt_key: str = "prompt") -> list[tuple[str, dict[str, Any]]]:
+    """(prompt text, the row's other fields) of every row of a .jsonl or .parquet file; malformed rows raise
+    DatasetError naming file:line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -39,7 +53,7 @@ def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[str]:
         return _read_parquet(path, prompt_key)
     if path.suffix not in (".jsonl", ".json"):
         raise DatasetError(f"{path}: unsupported prompt file type {path.suffix!r}: use .jsonl or .parquet")
-    texts: list[str] = []
+    texts: list[tuple[str, dict[str, Any]]] = []
     with path.open("rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
             try:
@@ -56,13 +70,13 @@ def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[str]:
                 raise DatasetError(
                     f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
-            texts.append(_prompt_of(row, prompt_key, f"{path}:{lineno}"))
+            texts.append((_prompt_of(row, prompt_key, f"{path}:{lineno}"), _fields_of(row, prompt_key)))
     if not texts:
         raise DatasetError(f"{path}: no prompts found (empty file)")
     return texts
 
 
-def _read_parquet(path: Path, prompt_key: str) -> list[str]:
+def _read_parquet(path: Path, prompt_key: str) -> list[tuple[str, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq  # optional: only Parquet prompt files need it
     except ImportError:
@@ -73,7 +87,14 @@ def _read_parquet(path: Path, prompt_key: str) -> list[str]:
         rows = pq.read_table(path).to_pylist()
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise DatasetError(f"{path}: not a readable Parquet file ({err}): re-export it") from None
-    return [_prompt_of(row, prompt_key, f"{path}: row {i}") for i, row in enumerate(rows)]
+    return [
+        (_prompt_of(row, prompt_key, f"{path}: row {i}"), _fields_of(row, prompt_key))
+        for i, row in enumerate(rows)
+    ]
+
+
+def _fields_of(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != prompt_key}
 
 
 def _prompt_of(row: object, prompt_key: str, where: str) -> str:
@@ -92,9 +113,15 @@ def _prompt_of(row: object, prompt_key: str, where: str) -> str:
 
 
 def tokenize_prompts(
-    texts: list[str], tokenizer: Tokenizer, *, max_length: int, truncate: str = "error"
+    texts: list[str],
+    tokenizer: Tokenizer,
+    *,
+    max_length: int,
+    truncate: str = "error",
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[Prompt]:
-    """Tokenise every prompt; prompts over `max_length` tokens are an error unless truncate is left|right."""
+    """Tokenise every prompt (with its row's fields, `rows[i]`, if given); prompts over `max_length` tokens are an
+    error unless truncate is left|right."""
     prompts, too_long = [], []
     for i, text in enumerate(texts):
         ids = tokenizer.encode(text)
@@ -105,7 +132,7 @@ def tokenize_prompts(
                 ids = ids[:max_length]
             else:
                 too_long.append((i, len(ids)))
-        prompts.append(Prompt(id=i, text=text, token_ids=tuple(ids)))
+        prompts.append(Prompt(id=i, text=text, token_ids=tuple(ids), fields=rows[i] if rows else {}))
     if too_long:
         shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in too_long[:5])
         more = f" (and {len(too_long) - 5} more)" if len(too_long) > 5 else ""
@@ -117,12 +144,19 @@ def tokenize_prompts(
 
 
 def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int) -> list[Prompt]:
+    rows: list[dict[str, Any]] | None = None
     if config.source == "synthetic":
         texts = SyntheticTask(seed=seed).prompts(config.num_prompts)
+    elif config.source == "arithmetic":
+        task = ArithmeticTask(seed=seed, max_operand=config.max_operand)
+        texts, rows = task.prompts(config.num_prompts), task.rows(config.num_prompts)
     else:
         assert config.path is not None, "validated: data.source=file needs data.path"
-        texts = read_prompt_file(config.path, config.prompt_key)
-    return tokenize_prompts(texts, tokenizer, max_length=config.max_prompt_length, truncate=config.truncate)
+        pairs = read_prompt_rows(config.path, config.prompt_key)
+        texts, rows = [text for text, _ in pairs], [fields for _, fields in pairs]
+    return tokenize_prompts(
+        texts, tokenizer, max_length=config.max_prompt_length, truncate=config.truncate, rows=rows
+    )
 
 
 class PromptLoader:

@@ -87,6 +87,9 @@ class SyntheticTask:
     def prompts(self, count: int) -> list[str]:
         return [self.prompt(i) for i in range(count)]
 
+    def tokenizer(self) -> Tokenizer:
+        return build_tokenizer()
+
     def response_length(self, rng: random.Random) -> int:
         length = math.exp(rng.gauss(math.log(self.length_median), self.length_sigma))
         return max(1, min(self.max_new_tokens - 1, round(length)))

@@ -35,7 +35,7 @@ from rlhfuse.core.inference import (
     scores_from_output,
     values_from_output,
 )
-from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.rewards import RuleReward
 from rlhfuse.core.types import Experience, ModelRole, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
@@ -243,13 +243,14 @@ class PipelineInferencer:
         layout: ParallelLayout,
         models: Mapping[str, Transformer],
         *,
-        reward_fn: RewardFn | None,
+        reward_fn: RuleReward | None,
         tokenizer: Tokenizer,
         temperature: float,
         timeout_s: float = 300.0,
         prefetch: int = 1,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
+        rows: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         if ModelRole.REWARD not in models and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
@@ -262,6 +263,7 @@ class PipelineInferencer:
         self.models = dict(models)
         self.names = tuple(m for m in PLACED_AS if m in self.models)
         self.reward_fn, self.tokenizer = reward_fn, tokenizer
+        self.rows = rows  # the dataset rows' fields by prompt id, for the reward function's records
         self.temperature = temperature if temperature > 0 else 1.0
         self.timeout_s, self.prefetch, self.autocast = timeout_s, prefetch, autocast
         self.rank = dist.get_rank()
@@ -361,7 +363,7 @@ class PipelineInferencer:
             out[name] = flat[offset : offset + size].view_as(out[name])
             offset += size
         rm_scores_B = out[ModelRole.REWARD][:, 0] if ModelRole.REWARD in out else None
-        scores_B = final_scores(self.config, local, rm_scores_B, self.reward_fn, self.tokenizer)
+        scores_B = final_scores(self.config, local, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
         mask_BR = local.response_mask_BR.float()
         return Experience(
             rollout=rollout,

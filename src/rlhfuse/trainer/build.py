@@ -11,24 +11,26 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
+from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.protocols import FusingGenerator, RolloutStage
+from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import PromptLoader, load_prompts
-from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
+from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
-from rlhfuse.trainer.callbacks import ExportActor, TaskScore
+from rlhfuse.trainer.callbacks import ExportActor, SampleTable, TaskScore
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
-from rlhfuse.trainer.logging import RichProgress, build_loggers
+from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import load_models
-from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.registry import rule_reward
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import check_context, validate
-from rlhfuse.trainer.warmstart import warm_start
+from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
 
 def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> RolloutStage:
@@ -38,6 +40,18 @@ def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> Rollout
         assert isinstance(generator, FusingGenerator), type(generator)
         return FusedRollout(generator, inferencer)
     return SerialRollout(generator, inferencer, pad_token_id=ctx.models.tokenizer.pad_id)
+
+
+def embedded_task(config: RLHFConfig) -> WarmStartTask:
+    """The embedded task of `data.source` (its tokenizer, and the warm start's data when no model is given):
+    the arithmetic task for data=arithmetic, the synthetic topic task otherwise."""
+    d = config.data
+    max_new = config.generator.sampling.max_new_tokens
+    if d.source == "arithmetic":
+        return ArithmeticTask(seed=config.seed, max_operand=d.max_operand, max_new_tokens=max_new)
+    return SyntheticTask(
+        seed=config.seed, max_new_tokens=max_new, length_median=d.length_median, length_sigma=d.length_sigma
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,15 +107,21 @@ def build_trainer(
         check_resume(config, checkpoint_dir, run_dir)
     log(f"rlhfuse: {counts.describe()}")
 
-    # Data before models: malformed or over-long prompts fail fast.
+    # Data before models: malformed or over-long prompts, and rows without the field the reward function
+    # reads, fail fast.
     m = config.model
     warm = m.sft_path is None and m.reward_path is None
+    task = embedded_task(config)
     if warm:
-        tokenizer = build_tokenizer()
+        tokenizer = task.tokenizer()
     else:
         tokenizer = Tokenizer.from_dir(Path(m.tokenizer_path or m.sft_path or "").expanduser())
     prompts = load_prompts(config.data, tokenizer, seed=config.seed)
     check_context(config, max(len(p.token_ids) for p in prompts))
+    rows = [p.fields for p in prompts]  # by prompt id (= position)
+    if config.inferencer.reward_fn:
+        source = config.data.path or f"data.source={config.data.source}"
+        rule_reward(config.inferencer.reward_fn).check_rows(rows, source)
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
 
     device = resolve_device(config.device)
@@ -109,23 +129,30 @@ def build_trainer(
     if fabric.world_size > 1:
         device = fabric.device  # one device per rank
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
+    critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
     if warm:
-        task = SyntheticTask(
-            seed=config.seed,
-            max_new_tokens=config.generator.sampling.max_new_tokens,
-            length_median=config.data.length_median,
-            length_sigma=config.data.length_sigma,
-        )
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
-        models = load_models(m, sft_path=str(sft_path), reward_path=str(reward_path), device=device)
+        models = load_models(
+            m,
+            sft_path=str(sft_path),
+            reward_path=str(reward_path),
+            device=device,
+            critic=critic,
+            reward=config.inferencer.use_reward_model,
+        )
     else:
         assert m.sft_path is not None
-        reward = m.reward_path or m.critic_path
-        assert reward is not None
-        models = load_models(m, sft_path=m.sft_path, reward_path=reward, device=device)
+        models = load_models(
+            m,
+            sft_path=m.sft_path,
+            reward_path=m.reward_path,
+            device=device,
+            critic=critic,
+            reward=config.inferencer.use_reward_model,
+        )
     fabric.seed_everything(config.seed, verbose=False)
 
-    ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps)
+    ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows)
     strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
@@ -139,13 +166,26 @@ def build_trainer(
         )
     ]
     if config.data.source == "synthetic":
-        all_callbacks.append(TaskScore(REWARD_FUNCTIONS.get("topic_fraction"), models.tokenizer))
+        all_callbacks.append(TaskScore(rule_reward("topic_fraction", "task/score"), models.tokenizer))
+    elif config.data.source == "arithmetic":  # the share of right answers, whatever reward the run optimises
+        rule = rule_reward("numeric_match", "task/accuracy")
+        all_callbacks.append(TaskScore(rule, models.tokenizer, key="task/accuracy", rows=rows))
     if config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
     if Watchdog.current is not None and fabric.world_size > 1:
         all_callbacks.append(Watchdog.current)  # keeps the last step for its dead-rank message
-    all_callbacks.extend(callbacks or [])
     loggers = build_loggers(config.logger, run_dir) if rank0 else []
+    if config.logger.log_samples_every > 0 and rank0:
+        all_callbacks.append(
+            SampleTable(
+                run_dir / "samples.jsonl",
+                models.tokenizer,
+                every=config.logger.log_samples_every,
+                count=config.logger.log_samples_count,
+                sinks=table_sinks(config.logger, loggers),
+            )
+        )
+    all_callbacks.extend(callbacks or [])
     for logger in loggers:
         try:
             logger.log_hyperparams(dataclasses.asdict(config))

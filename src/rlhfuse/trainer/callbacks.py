@@ -1,32 +1,36 @@
-"""Callbacks shipped with the trainer: a task-score metric and the Hugging Face export of the trained Actor."""
+"""Callbacks shipped with the trainer: a task-score metric, the samples table and the Hugging Face export of the
+trained Actor."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, save_pretrained
 
 
 class TaskScore:
-    """Logs `task/score`: the mean of a rule (e.g. the synthetic task's hidden topic rule) over the rollout,
-    whatever reward the run optimises; the honest measure of whether RLHF improved the policy."""
+    """Logs `task/score` (or `key`): the mean of a rule (the synthetic task's hidden topic rule, the arithmetic
+    task's numeric match) over the rollout, whatever reward the run optimises; the honest measure of whether RLHF
+    improved the policy."""
 
-    def __init__(self, rule: RewardFn, tokenizer: Tokenizer, key: str = "task/score") -> None:
-        self.rule, self.tokenizer, self.key = rule, tokenizer, key
+    def __init__(
+        self,
+        rule: RuleReward,
+        tokenizer: Tokenizer,
+        key: str = "task/score",
+        rows: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        self.rule, self.tokenizer, self.key, self.rows = rule, tokenizer, key, rows
 
     def on_rollout_end(self, trainer: Any, experience: Experience, metrics: dict[str, float]) -> None:
-        rollout = experience.rollout
-        prompts = [self.tokenizer.decode(ids.tolist()) for ids in rollout.prompt_ids_BP]
-        responses = [
-            self.tokenizer.decode(ids[: int(n)].tolist())
-            for ids, n in zip(rollout.response_ids_BR, rollout.response_lengths_B)
-        ]
-        scores = self.rule(prompts, responses)
-        metrics[self.key] = sum(scores) / max(1, len(scores))
+        scores_B = self.rule(reward_samples(experience.rollout, self.tokenizer, self.rows))
+        metrics[self.key] = float(scores_B.sum()) / max(1, len(scores_B))
 
 
 class ExportActor:
@@ -38,3 +42,74 @@ class ExportActor:
     def on_fit_end(self, trainer: Any) -> None:
         save_pretrained(self.actor, self.path)
         self.tokenizer.save(self.path)
+
+
+class TableSink(Protocol):
+    """Where a samples table also goes: Lightning's WandbLogger has this method (a W&B Table)."""
+
+    def log_table(
+        self, key: str, columns: list[str], data: list[list[Any]], step: int | None = None
+    ) -> None: ...
+
+
+SAMPLE_COLUMNS = [
+    "iteration",
+    "prompt_id",
+    "sample_index",
+    "prompt",
+    "response",
+    "score",
+    "finished",
+    "length",
+]
+
+
+class SampleTable:
+    """Every `every` iterations, the first `count` samples (0 = all) of the rollout — prompt, response, score,
+    finished flag, length — appended to `path` (samples.jsonl, one object per sample) and logged to each table
+    sink as the Table `samples`. A resumed run drops the rows after its checkpoint's iteration."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer,
+        *,
+        every: int,
+        count: int = 16,
+        sinks: Sequence[TableSink] = (),
+    ) -> None:
+        self.path, self.tokenizer, self.every, self.count = Path(path), tokenizer, every, count
+        self.sinks = list(sinks)
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if self.path.is_file():
+            lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [line for line in lines if json.loads(line)["iteration"] <= trainer.iteration]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def on_rollout_end(self, trainer: Any, experience: Experience, metrics: dict[str, float]) -> None:
+        iteration = trainer.iteration + 1  # the iteration whose rollout this is
+        if self.every <= 0 or iteration % self.every != 0:
+            return
+        samples = reward_samples(experience.rollout, self.tokenizer)
+        shown = samples[: self.count] if self.count > 0 else samples
+        scores = experience.scores_B.tolist()
+        data = [
+            [
+                iteration,
+                s.prompt_id,
+                s.sample_index,
+                s.prompt,
+                s.response,
+                scores[i],
+                s.finished,
+                len(s.response_ids),
+            ]
+            for i, s in enumerate(shown)
+        ]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            for row in data:
+                handle.write(json.dumps(dict(zip(SAMPLE_COLUMNS, row, strict=True)), allow_nan=True) + "\n")
+        for sink in self.sinks:
+            sink.log_table(key="samples", columns=SAMPLE_COLUMNS, data=data, step=iteration)

@@ -7,8 +7,8 @@ component. Your own builder can be named as `package.module:function` in your co
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
-from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.registry import rule_reward
 from rlhfuse.trainer.strategy import PlainStrategy
 
 
@@ -33,6 +33,8 @@ class BuildContext:
     fabric: Fabric
     total_steps: int
     strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
+    # the dataset rows' fields by prompt id (what a reward function reads besides the text, e.g. `answer`)
+    rows: Sequence[Mapping[str, Any]] = field(default_factory=list)
 
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
@@ -90,10 +92,11 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
         ref=ctx.models.ref,
         critic=ctx.models.critic,
         reward_model=ctx.models.reward if cfg.use_reward_model else None,
-        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        reward_fn=rule_reward(cfg.reward_fn) if cfg.reward_fn else None,
         tokenizer=ctx.models.tokenizer,
         temperature=ctx.config.generator.sampling.temperature,
         autocast=ctx.fabric.autocast,
+        rows=ctx.rows,
     )
 
 
@@ -108,19 +111,22 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
+    assert models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
     if cfg.use_reward_model:
+        assert models.reward is not None, "loaded: inferencer.use_reward_model=true"
         named["reward"] = models.reward
     return PipelineInferencer(
         cfg,
         ctx.strategy.layout,
         named,
-        reward_fn=REWARD_FUNCTIONS.get(cfg.reward_fn) if cfg.reward_fn else None,
+        reward_fn=rule_reward(cfg.reward_fn) if cfg.reward_fn else None,
         tokenizer=models.tokenizer,
         temperature=ctx.config.generator.sampling.temperature,
         timeout_s=ctx.config.distributed.timeout_s,
         prefetch=ctx.config.pipeline.prefetch,
         autocast=ctx.fabric.autocast,
+        rows=ctx.rows,
     )
 
 
@@ -151,6 +157,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
     cfg = ctx.config
+    assert ctx.models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     return FusedPipelineStrategy(
         ctx.models.actor,
         ctx.models.critic,

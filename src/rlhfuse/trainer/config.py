@@ -161,7 +161,9 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
 
     - generator=sampling with generator.instances > 1 -> generator=engine (only the engine has instances);
     - inferencer=models under pipeline=fused / serial_1f1b -> inferencer=pipeline (the same forward passes over
-      the training layout), unless each rank is one generation instance and infers its own samples.
+      the training layout), unless each rank is one generation instance and infers its own samples;
+    - algorithm.loss_reduction=sequence_sum with algorithm.loss_constant_length=0 -> the constant length is
+      generator.max_new_tokens (the documented meaning of 0).
     """
     g, i = cfg.generator, cfg.inferencer
     if g.name == "sampling" and g.instances > 1:
@@ -178,4 +180,12 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
             "/ Critic forward passes over the training layout's stages)"
         )
         i = dataclasses.replace(i, name="pipeline")
-    return dataclasses.replace(resolved, inferencer=i)
+    a = cfg.algorithm
+    if a.loss_reduction == "sequence_sum" and a.loss_constant_length == 0:
+        length = g.sampling.max_new_tokens
+        log(
+            f"rlhfuse: algorithm.loss_constant_length=0 -> {length} (rule: loss_reduction=sequence_sum divides "
+            "every sequence's token sum by generator.max_new_tokens unless algorithm.loss_constant_length is set)"
+        )
+        a = dataclasses.replace(a, loss_constant_length=length)
+    return dataclasses.replace(resolved, inferencer=i, algorithm=a)

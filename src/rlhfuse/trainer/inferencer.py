@@ -1,14 +1,16 @@
 """Inference stage: one forward pass of each model over every generated sample.
 
-Actor log-probs (PPO's "old" log-probs), Ref log-probs (for the KL penalty), Critic values and the reward score,
-read at the last valid token of each sample (plus an optional rule-based reward chosen by name).
+Actor log-probs (PPO's "old" log-probs), Ref log-probs (for the KL penalty), Critic values (zeros, without any
+Critic forward, for a critic-free algorithm) and the reward score, read at the last valid token of each sample
+(plus an optional rule-based reward chosen by name).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,7 +23,7 @@ from rlhfuse.core.inference import (
     rule_scores,
     sequence_scores,
 )
-from rlhfuse.core.registry import RewardFn
+from rlhfuse.core.rewards import RuleReward
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
@@ -37,18 +39,21 @@ class ModelInferencer:
         *,
         actor: Transformer,
         ref: Transformer,
-        critic: Transformer,
+        critic: Transformer | None,
         reward_model: Transformer | None,
-        reward_fn: RewardFn | None,
+        reward_fn: RuleReward | None,
         tokenizer: Tokenizer,
         temperature: float,
         autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+        rows: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         if reward_model is None and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         self.config = config
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.reward_fn = reward_fn
+        # the dataset rows' fields by prompt id, for the reward function's records (e.g. the reference answer)
+        self.rows = rows
         self.tokenizer = tokenizer
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast = autocast
@@ -83,8 +88,10 @@ class ModelInferencer:
         return Rollout(**{k: v[start : start + size] for k, v in vars(rollout).items()})
 
     def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        training = self.actor.training, self.critic.training
-        self.actor.eval(), self.critic.eval()
+        live = [self.actor] if self.critic is None else [self.actor, self.critic]
+        training = [model.training for model in live]
+        for live_model in live:
+            live_model.eval()
         device = next(self.actor.parameters()).device
         rollout = rollout.to(device)
         for model in self.offloaded:
@@ -92,10 +99,15 @@ class ModelInferencer:
         with self.autocast():
             logprobs_BR = response_logprobs(self.actor, rollout, self.temperature)
             ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature)
-            values_BR = response_values(self.critic, rollout)
+            values_BR = (
+                torch.zeros_like(logprobs_BR)
+                if self.critic is None
+                else response_values(self.critic, rollout)
+            )
             rm_scores_B = None if self.reward_model is None else sequence_scores(self.reward_model, rollout)
-        scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer)
-        self.actor.train(training[0]), self.critic.train(training[1])
+        scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
+        for live_model, mode in zip(live, training, strict=True):
+            live_model.train(mode)
         mask_BR = rollout.response_mask_BR.float()
         return (
             (logprobs_BR * mask_BR).cpu(),
@@ -106,4 +118,4 @@ class ModelInferencer:
 
     def rule_scores(self, rollout: Rollout) -> Tensor:
         assert self.reward_fn is not None
-        return rule_scores(self.reward_fn, self.tokenizer, rollout)
+        return rule_scores(self.reward_fn, self.tokenizer, rollout, self.rows)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlhfuse._optional import MissingDependencyError
-from rlhfuse.core.config import choice_problems
+from rlhfuse.core.config import choice_problems, non_negative
 from rlhfuse.core.protocols import Logger
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,17 @@ class LoggerConfig:
     progress: bool = True
     # Print one summary line per iteration.
     print_every: int = 1
+    # Every this many iterations (0 = never), write a table of prompts, responses and scores to
+    # <run_dir>/samples.jsonl (and to W&B as the Table `samples` when the wandb backend is on).
+    log_samples_every: int = 0
+    # Samples per table: the first this many of the iteration (0 = all).
+    log_samples_count: int = 16
 
     def problems(self) -> list[str]:
-        return choice_problems(self, "logger")
+        problems = choice_problems(self, "logger")
+        non_negative(problems, "logger.log_samples_every", self.log_samples_every, "0 = never")
+        non_negative(problems, "logger.log_samples_count", self.log_samples_count, "0 = all")
+        return problems
 
 
 class JsonlLogger:
@@ -192,6 +200,15 @@ def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
                 f"unknown logger backend logger.backends={backend!r}: known are {list(BACKENDS)}"
             )
     return loggers
+
+
+def table_sinks(config: LoggerConfig, loggers: list[Logger]) -> list[Any]:
+    """The loggers that also take tables (W&B): the samples table goes to them too."""
+    if "wandb" not in config.backends:
+        return []  # no need to import lightning.pytorch (seconds) to find none
+    from lightning.pytorch.loggers import WandbLogger
+
+    return [logger for logger in loggers if isinstance(logger, WandbLogger)]
 
 
 STAGES = ("generation", "inference", "training")

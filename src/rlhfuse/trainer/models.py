@@ -1,7 +1,8 @@
 """The four models of RLHF and where they come from.
 
 Actor and Ref load from the SFT checkpoint (Ref frozen), the Reward model from the RM checkpoint (frozen), the
-Critic from the Critic checkpoint or, by default, from the Reward model. With no paths configured, the embedded
+Critic (only for an algorithm that trains one) from the Critic checkpoint or, by default, from the Reward model.
+With no paths configured, the embedded
 tiny model is warm-started first (`rlhfuse.trainer.warmstart`: SFT on the synthetic task, Bradley–Terry reward
 model on its preference pairs) and cached.
 """
@@ -56,23 +57,27 @@ class ModelsConfig:
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
     def problems(self) -> list[str]:
+        """This config's own problems; whether model.sft_path also needs model.reward_path depends on the
+        algorithm and the inferencer (`rlhfuse.trainer.validate`)."""
         problems = choice_problems(self, "model")
-        need(
-            problems,
-            (self.sft_path is None and self.reward_path is None)
-            or (self.sft_path is not None and (self.reward_path is not None or self.critic_path is not None)),
-            f"model.sft_path={self.sft_path!r}, model.reward_path={self.reward_path!r}: set both (the Critic starts "
-            "from the reward model unless model.critic_path is given), or neither to warm-start the embedded model",
-        )
+        need(problems, self.sft_path is not None or self.reward_path is None, self.paths_problem())
         return problems
+
+    def paths_problem(self) -> str:
+        return (
+            f"model.sft_path={self.sft_path!r}, model.reward_path={self.reward_path!r}: set both (the Critic starts "
+            "from the reward model unless model.critic_path is given), or neither to warm-start the embedded model"
+        )
 
 
 @dataclass
 class Models:
     actor: Transformer
     ref: Transformer
-    reward: Transformer
-    critic: Transformer
+    # None when the score is a rule alone (inferencer.use_reward_model=false, checkpoints given)
+    reward: Transformer | None
+    # None for a critic-free algorithm (grpo, rloo, reinforce_pp): no Critic is loaded, trained or saved
+    critic: Transformer | None
     tokenizer: Tokenizer
     sft_path: Path
 
@@ -91,16 +96,36 @@ def _frozen(model: Transformer) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
-def load_models(config: ModelsConfig, *, sft_path: str, reward_path: str, device: torch.device) -> Models:
+def load_models(
+    config: ModelsConfig,
+    *,
+    sft_path: str,
+    reward_path: str | None,
+    device: torch.device,
+    critic: bool = True,
+    reward: bool = True,
+) -> Models:
+    """Actor, Ref, and on `device` the Reward model (when `reward`: the score uses it) and the Critic (when
+    `critic`, i.e. the algorithm trains one; from model.critic_path, else from the reward checkpoint)."""
     sft = _require_checkpoint(sft_path, "model.sft_path")
-    reward = _require_checkpoint(reward_path, "model.reward_path")
-    critic = _require_checkpoint(config.critic_path, "model.critic_path") if config.critic_path else reward
+    reward_dir = _require_checkpoint(reward_path, "model.reward_path") if reward_path is not None else None
+    if reward and reward_dir is None:
+        raise FileNotFoundError("the reward model is used but model.reward_path is not set: set it")
+    critic_dir = None
+    if critic:
+        critic_dir = (
+            _require_checkpoint(config.critic_path, "model.critic_path") if config.critic_path else reward_dir
+        )
+        if critic_dir is None:
+            raise FileNotFoundError("the Critic needs model.critic_path or model.reward_path: set one")
     tokenizer = Tokenizer.from_dir(Path(config.tokenizer_path).expanduser() if config.tokenizer_path else sft)
     return Models(
         actor=from_pretrained(sft, head="lm").to(device),
         ref=_frozen(from_pretrained(sft, head="lm").to(device)),
-        reward=_frozen(from_pretrained(reward, head="value").to(device)),
-        critic=from_pretrained(critic, head="value").to(device),
+        reward=_frozen(from_pretrained(reward_dir, head="value").to(device))
+        if reward and reward_dir
+        else None,
+        critic=None if critic_dir is None else from_pretrained(critic_dir, head="value").to(device),
         tokenizer=tokenizer,
         sft_path=sft,
     )

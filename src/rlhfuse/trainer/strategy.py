@@ -1,4 +1,5 @@
-"""Training stage without pipelines: Actor (PPO clipped loss) and Critic (clipped value loss) updates.
+"""Training stage without pipelines: Actor (clipped policy loss) and Critic (clipped value loss) updates; a
+critic-free algorithm (`critic=None`) trains the Actor alone: no Critic forward, optimizer or checkpoint entry.
 
 One `train_step` is one optimizer step of each model on one mini-batch, accumulated over micro-batches
 (by samples, or packed up to a token budget). Precision and backward go through Lightning Fabric's precision
@@ -27,7 +28,7 @@ from rlhfuse.core import losses
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.checkpoint import PlainCheckpointer
-from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
 from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
@@ -38,7 +39,7 @@ class PlainStrategy:
     def __init__(
         self,
         actor: Transformer,
-        critic: Transformer,
+        critic: Transformer | None,
         config: OptimConfig,
         algorithm: AlgorithmConfig,
         *,
@@ -59,9 +60,13 @@ class PlainStrategy:
         self.actor_optim, self.actor_sched = build_optimizer(
             actor.parameters(), config.actor_lr, config, total_steps
         )
-        self.critic_optim, self.critic_sched = build_optimizer(
-            critic.parameters(), config.critic_lr, config, total_steps
-        )
+        # the Critic's optimizer, LR schedule and checkpoint entries exist only for an algorithm with a Critic
+        self.critic_optim: torch.optim.Optimizer | None = None
+        self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
+        if critic is not None:
+            self.critic_optim, self.critic_sched = build_optimizer(
+                critic.parameters(), config.critic_lr, config, total_steps
+            )
         # data-parallel ranks hold the same state: rank 0 writes it
         self.checkpointer = PlainCheckpointer(
             self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
@@ -70,8 +75,18 @@ class PlainStrategy:
     def actor_weights(self) -> Mapping[str, Tensor]:
         return self.actor.state_dict()
 
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The trained models: the Actor, and the Critic when the algorithm has one."""
+        return [self.actor] if self.critic is None else [self.actor, self.critic]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.actor_optim] if self.critic_optim is None else [self.actor_optim, self.critic_optim]
+
     def train_step(self, batch: TrainBatch) -> TrainStats:
-        self.actor.train(), self.critic.train()
+        for model in self.models:
+            model.train()
         parts: list[LossStats] = []
         failure: str | None = None
         micros = micro_batches(
@@ -89,17 +104,25 @@ class PlainStrategy:
             # every rank learns of a non-finite loss on any rank here, so all raise together (none waits)
             sums, failure = self._all_reduce(sums, failure)
         if failure is not None:
-            self.actor_optim.zero_grad(set_to_none=True)
-            self.critic_optim.zero_grad(set_to_none=True)
+            self._zero_grad()
             raise NonFiniteError(failure)
         # Both norms are checked before either model steps: a NaN never reaches the weights.
-        actor_norm = self._clip(self.actor, self.actor_optim, "actor/grad_norm")
-        critic_norm = self._clip(self.critic, self.critic_optim, "critic/grad_norm")
-        for optim, sched in ((self.actor_optim, self.actor_sched), (self.critic_optim, self.critic_sched)):
+        actor_norm = self._clip(self.actor, "actor/grad_norm")
+        critic_norm = None if self.critic is None else self._clip(self.critic, "critic/grad_norm")
+        steps: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]] = [
+            (self.actor_optim, self.actor_sched)
+        ]
+        if self.critic_optim is not None and self.critic_sched is not None:
+            steps.append((self.critic_optim, self.critic_sched))
+        for optim, sched in steps:
             optim.step()
             sched.step()
             optim.zero_grad(set_to_none=True)
         return TrainStats(sums, actor_norm, critic_norm, float(self.actor_sched.get_last_lr()[0]))
+
+    def _zero_grad(self) -> None:
+        for optim in self.optimizers:
+            optim.zero_grad(set_to_none=True)
 
     def share(self, batch: TrainBatch) -> TrainBatch:
         """This rank's samples of the mini-batch: parts of near-equal cost (tokens + attention), the same
@@ -123,7 +146,7 @@ class PlainStrategy:
         dist.all_reduce(failed, group=self.group)
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
-        params = [p for model in (self.actor, self.critic) for p in model.parameters() if p.requires_grad]
+        params = [p for model in self.models for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -144,39 +167,58 @@ class PlainStrategy:
         micro = micro.to(device)
         with self.fabric.autocast():
             logits_BTV = self.actor(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
-            values_BT = self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
+            values_BT = (
+                None
+                if self.critic is None
+                else self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
+            )
         policy_loss, policy_stats = losses.actor_loss(logits_BTV, micro, self.algorithm, self.temperature)
-        critic_loss, critic_stats = losses.critic_loss(values_BT, micro, self.algorithm)
-        for name, value in (("loss/policy", policy_loss), ("loss/value", critic_loss)):
+        named = [("loss/policy", policy_loss, policy_stats)]
+        if values_BT is not None:
+            named.append(("loss/value", *losses.critic_loss(values_BT, micro, self.algorithm)))
+        for name, value, _ in named:
             if not torch.isfinite(value):
                 return LossStats(), f"{name} is {float(value.detach())}"
-        self.fabric.backward(policy_loss * weight)
-        self.fabric.backward(critic_loss * weight)
-        return sum_stats([policy_stats, critic_stats]), None
+        for _, value, _ in named:
+            self.fabric.backward(value * weight)
+        return sum_stats([stats for _, _, stats in named]), None
 
-    def _clip(self, model: torch.nn.Module, optim: torch.optim.Optimizer, name: str) -> float:
+    def _clip(self, model: torch.nn.Module, name: str) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         if not math.isfinite(norm):
-            self.actor_optim.zero_grad(set_to_none=True)
-            self.critic_optim.zero_grad(set_to_none=True)
+            self._zero_grad()
             raise NonFiniteError(f"{name} is {norm}")
         return norm
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Weights, optimizer and scheduler states; the 'critic*' entries only for an algorithm with a Critic."""
+        state: dict[str, Any] = {
             "actor": self.actor.state_dict(),
-            "critic": self.critic.state_dict(),
             "actor_optim": self.actor_optim.state_dict(),
-            "critic_optim": self.critic_optim.state_dict(),
             "actor_sched": self.actor_sched.state_dict(),
-            "critic_sched": self.critic_sched.state_dict(),
         }
+        if self.critic is not None and self.critic_optim is not None and self.critic_sched is not None:
+            state["critic"] = self.critic.state_dict()
+            state["critic_optim"] = self.critic_optim.state_dict()
+            state["critic_sched"] = self.critic_sched.state_dict()
+        return {key: state[key] for key in _STATE_ORDER if key in state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        has_critic = "critic" in state
+        if has_critic != (self.critic is not None):
+            raise CheckpointError(
+                f"this checkpoint was written by a run {'with' if has_critic else 'without'} a Critic, but "
+                f"algorithm.name={self.algorithm.name} {'trains none' if self.critic is None else 'needs one'}: "
+                "resume it with the algorithm that wrote it"
+            )
         self.actor.load_state_dict(state["actor"])
-        self.critic.load_state_dict(state["critic"])
         self.actor_optim.load_state_dict(state["actor_optim"])
-        self.critic_optim.load_state_dict(state["critic_optim"])
         self.actor_sched.load_state_dict(state["actor_sched"])
-        self.critic_sched.load_state_dict(state["critic_sched"])
+        if self.critic is not None and self.critic_optim is not None and self.critic_sched is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optim.load_state_dict(state["critic_optim"])
+            self.critic_sched.load_state_dict(state["critic_sched"])
+
+
+_STATE_ORDER = ("actor", "critic", "actor_optim", "critic_optim", "actor_sched", "critic_sched")

@@ -1,9 +1,10 @@
-"""`RLHFTrainer`: the PPO loop of RLHF, one iteration at a time, in the paper's order.
+"""`RLHFTrainer`: the RL loop of RLHF, one iteration at a time, in the paper's order.
 
 1. rollout    = generation (Actor samples responses) + inference (Actor/Ref log-probs, reward, values),
                 serial or fused (`RolloutStage`, chosen when the trainer is built)
-2. advantages = score + per-token KL penalty, then GAE
-3. training   = Actor and Critic updates over shuffled mini-batches, for ppo_epochs passes
+2. advantages = the algorithm's (`algorithm.name`): PPO's score + per-token KL penalty then GAE, or a
+                critic-free baseline (GRPO, RLOO, REINFORCE++)
+3. training   = Actor (and, with a Critic, Critic) updates over shuffled mini-batches, for ppo_epochs passes
 4. weight sync of the trained Actor to the generator
 5. callbacks, logging, checkpoint
 """
@@ -35,6 +36,7 @@ from rlhfuse.core.checkpoint import (
 )
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy, SwapsWeights
+from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
 from rlhfuse.data.prompts import Prompt, PromptLoader
@@ -110,15 +112,21 @@ class RLHFTrainer:
         start = time.perf_counter()
         prompts = collate_prompts(self.prompts.next_batch(), self.pad_token_id)
         # 1. rollout: generation + inference (chunks of finished samples are inferred as they arrive)
-        experience, rollout_stats = self.rollout_stage.run(prompts, it, self._on_stage)
+        try:
+            experience, rollout_stats = self.rollout_stage.run(prompts, it, self._on_stage)
+        except NonFiniteRewardError as err:
+            raise NonFiniteError(
+                f"iteration {it}: reward/mean is {err.value}: {err}; stopped before training, no checkpoint "
+                "written for this iteration"
+            ) from None
         if isinstance(self.inferencer, SwapsWeights):
             self.inferencer.release()  # frozen models back to host memory until the next rollout
         metrics: dict[str, float] = {}
         self._call("on_rollout_end", experience, metrics)
-        # 2. rewards, KL penalty and GAE
+        # 2. rewards, KL penalty and the algorithm's advantages (GAE, or a group / batch baseline)
         batch, stats = compute_train_batch(experience, self.config.algorithm)
         self._check_finite(it, stats)
-        # 3. Actor and Critic updates over mini-batches x PPO epochs
+        # 3. Actor (and Critic) updates over mini-batches x PPO epochs
         self._on_stage("training")
         t0 = time.perf_counter()
         train_stats = self.train(batch, it)
@@ -132,6 +140,7 @@ class RLHFTrainer:
             "iteration": it,
             **stats,
             **train_stats.metrics(),
+            **self._kl_loss_metric(train_stats),
             **self._rollout_metrics(experience, timings),
             **metrics,
         }
@@ -175,6 +184,10 @@ class RLHFTrainer:
         return mean_stats(steps)
 
     # ---------------------------------------------------------------- metrics
+    def _kl_loss_metric(self, stats: TrainStats) -> dict[str, float]:
+        """loss/kl (the KL term before its coefficient) when the algorithm has the KL as a loss term."""
+        return {"loss/kl": stats.loss.kl_loss} if self.config.algorithm.kl_loss_coef > 0 else {}
+
     def _rollout_metrics(self, experience: Experience, timings: dict[str, float]) -> dict[str, float]:
         rollout = experience.rollout
         lengths_B = rollout.response_lengths_B.float()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from rlhfuse._resources import read_json
+from rlhfuse.core.advantages import ALGORITHMS, algorithm_of
 from rlhfuse.core.config import need
 from rlhfuse.models import ModelConfig
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
@@ -46,11 +47,23 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     if m.sft_path is None and m.reward_path is None:
         need(
             problems,
-            d.source == "synthetic",
-            "no model.sft_path/model.reward_path: the embedded model is warm-started on the synthetic task, which "
-            "needs data.source=synthetic; give model.sft_path and model.reward_path to train on your own prompts",
+            d.source in ("synthetic", "arithmetic"),
+            "no model.sft_path/model.reward_path: the embedded model is warm-started on an embedded task, which "
+            "needs data.source=synthetic or arithmetic; give model.sft_path and model.reward_path to train on your "
+            "own prompts",
         )
     else:
+        # a checkpoint for each model the run uses: the reward model (unless the score is a rule alone) and the
+        # Critic's start (for an algorithm with a Critic: model.critic_path, else the reward model)
+        critic = cfg.algorithm.name in ALGORITHMS and algorithm_of(cfg.algorithm).uses_critic
+        need(
+            problems,
+            m.sft_path is None
+            or m.reward_path is not None
+            or (not i.use_reward_model and (not critic or m.critic_path is not None))
+            or (i.use_reward_model and m.critic_path is not None),
+            m.paths_problem(),
+        )
         need(
             problems,
             m.reward_path is not None or not i.use_reward_model,
@@ -65,6 +78,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         )
     if i.reward_fn is not None:
         need(problems, i.reward_fn in REWARD_FUNCTIONS, REWARD_FUNCTIONS.unknown_message(i.reward_fn))
+    problems += algorithm_problems(cfg)
     for registry, value in (
         (GENERATORS, g.name),
         (INFERENCERS, i.name),
@@ -81,6 +95,33 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
     if g.name == "vllm":
         problems += _vllm_problems(cfg, model)
+    return problems
+
+
+def algorithm_problems(cfg: RLHFConfig) -> list[str]:
+    """The algorithm against the data and the strategy: group baselines need several samples per prompt, and
+    the pipeline strategies fuse an Actor and a Critic pipeline, so they need an algorithm with a Critic."""
+    a, problems = cfg.algorithm, list[str]()
+    if a.name not in ALGORITHMS:
+        return problems  # AlgorithmConfig.problems names the unknown algorithm
+    algorithm = algorithm_of(a)
+    n = cfg.data.samples_per_prompt
+    need(
+        problems,
+        n >= algorithm.min_samples_per_prompt,
+        f"algorithm={a.name} baselines each sample against the other samples of its prompt, which needs "
+        f"data.samples_per_prompt >= {algorithm.min_samples_per_prompt} (got data.samples_per_prompt={n}): set "
+        f"data.samples_per_prompt={max(algorithm.min_samples_per_prompt, 4)} (and data.mini_batch_size to divide "
+        "data.prompts_per_iteration*data.samples_per_prompt), or algorithm=ppo / reinforce_pp",
+    )
+    if not algorithm.uses_critic and cfg.pipeline.name in PIPELINE_STRATEGIES:
+        problems.append(
+            f"pipeline={cfg.pipeline.name} with algorithm={a.name}: the pipeline strategies fuse the Actor's and the "
+            "Critic's training pipelines (intra-stage fusion), and a critic-free algorithm has one model left, so "
+            "there is nothing to fuse and an Actor-only pipeline is not implemented yet: use pipeline=plain "
+            "(data-parallel with generator.instances=N keeps inter-stage fusion: migration, early Ref and reward "
+            "inference), or algorithm=ppo for the fused pipelines"
+        )
     return problems
 
 

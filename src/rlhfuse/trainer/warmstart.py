@@ -1,5 +1,6 @@
-"""Recipe steps for the embedded default: a supervised warm start of the tiny Actor and a Bradley–Terry reward
-model trained on the synthetic task's preference pairs, cached as Hugging Face checkpoints.
+"""Recipe steps for the embedded tasks: a supervised warm start of the tiny Actor and a Bradley–Terry reward
+model trained on the task's preference pairs (the synthetic topic task, or the arithmetic task), cached as
+Hugging Face checkpoints.
 
 The cache key hashes everything that determines the checkpoints (architecture, warm-start settings, seed and
 task parameters), so a changed setting trains anew; a file lock keeps concurrent runs from training twice and the
@@ -17,15 +18,28 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhfuse.data.synthetic import SyntheticTask, build_tokenizer
+from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.trainer.models import ModelsConfig
+
+
+class WarmStartTask(Protocol):
+    """An embedded task the tiny model is warm-started on (a dataclass: its fields key the cache)."""
+
+    max_new_tokens: int
+
+    def tokenizer(self) -> Tokenizer: ...
+
+    def sft_examples(self, count: int) -> list[tuple[str, str]]: ...
+
+    def preference_pairs(self, count: int) -> list[tuple[str, str, str]]: ...
 
 
 def cache_root(config: ModelsConfig) -> Path:
@@ -52,16 +66,18 @@ def tiny_model_config(config: ModelsConfig, tokenizer: Tokenizer, max_positions:
 
 
 def warm_start(
-    config: ModelsConfig, task: SyntheticTask, *, seed: int, log: Callable[[str], None] = print
+    config: ModelsConfig, task: WarmStartTask, *, seed: int, log: Callable[[str], None] = print
 ) -> tuple[Path, Path]:
     """Return (sft_path, reward_path), training and caching them on first use."""
-    key_source = {
+    key_source: dict[str, Any] = {
         "models": dataclasses.asdict(config)
         | {"warmstart": dataclasses.asdict(config.warmstart) | {"cache_dir": None}},
-        "task": dataclasses.asdict(task),
+        "task": dataclasses.asdict(task),  # type: ignore[call-overload]
         "seed": seed,
         "version": 5,  # bump when the task or the training recipe changes
     }
+    if not isinstance(task, SyntheticTask):  # the synthetic task's key predates the other tasks
+        key_source["task_kind"] = type(task).__name__
     key = hashlib.sha256(json.dumps(key_source, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(config)
     final = root / f"default-{key}"
@@ -86,9 +102,9 @@ def warm_start(
 
 
 def _train_and_save(
-    config: ModelsConfig, task: SyntheticTask, seed: int, out: Path, log: Callable[[str], None]
+    config: ModelsConfig, task: WarmStartTask, seed: int, out: Path, log: Callable[[str], None]
 ) -> None:
-    tokenizer = build_tokenizer()
+    tokenizer = task.tokenizer()
     max_positions = 64 + task.max_new_tokens + 16
     model_config = tiny_model_config(config, tokenizer, max_positions)
     ws = config.warmstart

@@ -1,0 +1,223 @@
+"""Rule-based (verifiable) rewards: a reward function receives typed per-sample records, batched, and returns one
+score per sample; `RuleReward` calls it and turns every failure into an error naming the function and the sample.
+
+A reward function is chosen by a registered name (`rlhfuse.trainer.registry.REWARD_FUNCTIONS`) or as
+`package.module:function` (`inferencer.reward_fn`). The built-in checks of a final answer (exact and numeric
+match) and of a format live here as plain functions of strings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from rlhfuse.core.errors import NonFiniteError
+from rlhfuse.core.types import Rollout
+
+
+class Decoder(Protocol):
+    """What a rule-based reward needs of a tokenizer: token ids back to text."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class RewardSample:
+    """One generated sample as a reward function sees it.
+
+    prompt / response: decoded text (special tokens skipped); response_ids: the generated token ids (EOS
+    included when it stopped); finished: True if the response ended with EOS / a stop token, False if it was cut
+    at generator.max_new_tokens (truncated); fields: the dataset row's other fields (e.g. `answer`), empty for a
+    dataset without any; prompt_id: the prompt's row in the dataset; sample_index: which of its samples this is.
+    """
+
+    prompt: str
+    response: str
+    response_ids: tuple[int, ...]
+    finished: bool
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    prompt_id: int = 0
+    sample_index: int = 0
+
+    def describe(self) -> str:
+        """The sample, for error messages: ids, prompt and (shortened) response."""
+        response = self.response if len(self.response) <= 80 else self.response[:77] + "..."
+        return f"prompt {self.prompt_id} sample {self.sample_index} (prompt {self.prompt!r}, response {response!r})"
+
+
+RewardFn = Callable[[Sequence[RewardSample]], Sequence[float]]
+"""A rule-based reward: a batch of samples -> one finite score per sample, in order."""
+
+
+class RewardError(ValueError):
+    """A reward function failed; the message names the function (its config key and value) and the sample."""
+
+
+class NonFiniteRewardError(NonFiniteError):
+    """A reward function returned NaN or inf; the message names the function and the sample (the trainer adds
+    the iteration and stops before training)."""
+
+    def __init__(self, message: str, value: float) -> None:
+        super().__init__(message)
+        self.value = value
+
+
+def reward_samples(
+    rollout: Rollout, tokenizer: Decoder, rows: Sequence[Mapping[str, Any]] = ()
+) -> list[RewardSample]:
+    """The rollout's samples as records; `rows[prompt_id]` are the dataset row's fields (none if `rows` is
+    empty)."""
+    out = []
+    for b, (prompt_ids, response_ids, n, prompt_id, sample_index, finished) in enumerate(
+        zip(
+            rollout.prompt_ids_BP.cpu(),
+            rollout.response_ids_BR.cpu(),
+            rollout.response_lengths_B.cpu().tolist(),
+            rollout.prompt_index_B.cpu().tolist(),
+            rollout.sample_index_B.cpu().tolist(),
+            rollout.finished_B.cpu().tolist(),
+            strict=True,
+        )
+    ):
+        if rows and not 0 <= prompt_id < len(rows):
+            raise IndexError(f"sample {b}: prompt id {prompt_id} is outside the dataset's {len(rows)} rows")
+        ids = tuple(response_ids[: int(n)].tolist())
+        out.append(
+            RewardSample(
+                prompt=tokenizer.decode(prompt_ids.tolist()),
+                response=tokenizer.decode(list(ids)),
+                response_ids=ids,
+                finished=bool(finished),
+                fields=rows[prompt_id] if rows else {},
+                prompt_id=int(prompt_id),
+                sample_index=int(sample_index),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class RuleReward:
+    """A reward function with the name it was chosen by; calling it checks what the function returns.
+
+    A function that raises is called again one sample at a time to name the first sample it fails on; a wrong
+    number of scores, a score that is not a number, or a non-finite score are errors naming the sample.
+    `needs` lists the dataset fields the function reads (checked against every row before training starts).
+    """
+
+    name: str
+    fn: RewardFn
+    key: str = "inferencer.reward_fn"
+    needs: tuple[str, ...] = ()
+
+    def __call__(self, samples: Sequence[RewardSample]) -> Tensor:
+        """Scores [len(samples)] (float32)."""
+        where = f"{self.key}={self.name!r}"
+        try:
+            scores = list(self.fn(samples))
+        except Exception as err:
+            raise RewardError(f"{where} raised {self._first_failure(samples, err)}") from err
+        if len(scores) != len(samples):
+            raise RewardError(
+                f"{where} returned {len(scores)} scores for {len(samples)} samples: return one score per sample, "
+                "in order"
+            )
+        values = []
+        for sample, score in zip(samples, scores, strict=True):
+            try:
+                value = float(score)
+            except (TypeError, ValueError):
+                raise RewardError(
+                    f"{where} returned {score!r} (not a number) for {sample.describe()}"
+                ) from None
+            if not math.isfinite(value):
+                raise NonFiniteRewardError(
+                    f"{where} returned the non-finite score {value} for {sample.describe()}", value
+                )
+            values.append(value)
+        return torch.tensor(values, dtype=torch.float32)
+
+    def _first_failure(self, samples: Sequence[RewardSample], err: Exception) -> str:
+        for sample in samples:
+            try:
+                self.fn([sample])
+            except Exception as single:
+                return f"{type(single).__name__}: {single} on {sample.describe()}"
+        return f"{type(err).__name__}: {err} on a batch of {len(samples)} samples (each alone passes)"
+
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], source: str) -> None:
+        """Every dataset row holds the fields this function reads; else an error naming the row and the field."""
+        for i, row in enumerate(rows):
+            missing = [key for key in self.needs if key not in row]
+            if missing:
+                raise RewardError(
+                    f"{self.key}={self.name!r} reads the field {missing[0]!r} of each dataset row, but row {i} of "
+                    f"{source} has only {sorted(row)}: add {missing[0]!r} to every row, or choose a reward function "
+                    "that needs no such field"
+                )
+
+
+# ------------------------------------------------------------------------------------------ answer checks
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_MARKER = re.compile(r"(?:####|\banswer\b\s*(?:is)?\s*[:=]?)", re.IGNORECASE)
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response: the content of its last `\\boxed{...}`, else the text after its last
+    `####` or `answer` marker (`answer:`, `answer is`, `Answer =`), up to the end of that line; None if none."""
+    boxed = _BOXED.findall(response)
+    if boxed:
+        return str(boxed[-1]).strip()
+    markers = list(_MARKER.finditer(response))
+    if not markers:
+        return None
+    rest = response[markers[-1].end() :].strip().splitlines()
+    return rest[0].strip() if rest and rest[0].strip() else None
+
+
+def normalize_answer(text: str) -> str:
+    """Case-folded, whitespace-collapsed, without surrounding punctuation or `$`: the form exact match compares."""
+    return " ".join(text.casefold().split()).strip(" .,;:!$")
+
+
+def parse_number(text: str) -> float | None:
+    """The first number in `text` (thousands commas allowed), or None."""
+    found = _NUMBER.search(text)
+    if found is None:
+        return None
+    try:
+        return float(found.group(0).replace(",", ""))
+    except ValueError:
+        return None
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1 if the response's final answer (`extract_answer`) equals `answer` after `normalize_answer`, else 0."""
+    got = extract_answer(response)
+    return float(got is not None and normalize_answer(got) == normalize_answer(str(answer)))
+
+
+def numeric_match(response: str, answer: str | float, rel_tol: float = 1e-6) -> float:
+    """1 if the number in the response's final answer (or, without an answer marker, the response's last
+    number) equals `answer` to within `rel_tol` (relative, absolute below 1), else 0."""
+    target = parse_number(str(answer))
+    if target is None:
+        raise ValueError(f"the reference answer {answer!r} is not a number")
+    got_text = extract_answer(response)
+    if got_text is None:
+        numbers = _NUMBER.findall(response)
+        got_text = numbers[-1] if numbers else None
+    got = None if got_text is None else parse_number(got_text)
+    return float(got is not None and abs(got - target) <= rel_tol * max(1.0, abs(target)))
+
+
+def has_answer_format(response: str, finished: bool) -> float:
+    """1 if the response finished (EOS, not cut at the token limit) and states a final answer, else 0."""
+    return float(finished and extract_answer(response) is not None)
