@@ -37,7 +37,7 @@ from rlhfuse.pipeline.compiled import (
     compile_problem,
     list_schedule,
 )
-from rlhfuse.pipeline.ir import Schedule, schedule_to_result
+from rlhfuse.pipeline.ir import Action, Kind, Schedule, schedule_to_result
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.pipeline.simulate import DurationFn, dependencies, simulate
 
@@ -63,6 +63,13 @@ class SearchConfig:
             sized by time).
         max_starts: list schedules per start sweep when `max_iterations` is set (the time-bounded search
             sweeps until its share of the budget is spent).
+        exact: after the latency phase, if the makespan is above the bound, let the exact model
+            (`rlhfuse.pipeline.exact`, CP-SAT) decide "makespan <= bound?" (raising the proven bound on each
+            "no") and, if left open, minimise the makespan from the annealing result. Worker 0 only.
+        exact_share: share of `time_budget` the exact step may use (wall-clock runs).
+        exact_effort: CP-SAT deterministic time for the exact step when `max_iterations` is set (one solver
+            thread, so the result is still the same on any machine).
+        exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
     """
 
     time_budget: float = 60.0
@@ -74,6 +81,10 @@ class SearchConfig:
     max_iterations: int | None = None
     round_iterations: int = 200_000
     max_starts: int = 4000
+    exact: bool = True
+    exact_share: float = 0.4
+    exact_effort: float = 5.0
+    exact_max_ops: int = 20_000
 
     @property
     def deterministic(self) -> bool:
@@ -95,10 +106,21 @@ class Solution:
     greedy_peak: float
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    proven_bound: float = 0.0
 
     @property
     def lower_bound(self) -> float:
-        return self.bounds.makespan
+        """The best proven lower bound: the analytic one (`bounds.makespan`) or the exact model's."""
+        return max(self.bounds.makespan, self.proven_bound)
+
+    @property
+    def gap(self) -> float:
+        """(makespan - lower bound) / lower bound: 0 when the schedule is proven optimal."""
+        return max(0.0, self.makespan - self.lower_bound) / self.lower_bound if self.lower_bound else 0.0
+
+    @property
+    def optimal(self) -> bool:
+        return self.makespan <= self.lower_bound + 1e-9
 
     @property
     def schedule_size(self) -> int:
@@ -130,6 +152,10 @@ class Solution:
                 "speedup_over_serial_1f1b": round(self.speedup, 4),
                 "memory_ratio_to_serial_1f1b": round(self.memory_ratio, 4),
                 "lower_bound_paper": _plain(self.bounds.paper),
+                "lower_bound_analytic": _plain(self.bounds.makespan),
+                "gap": round(self.gap, 6),
+                "optimal": self.optimal,
+                "exact_status": self.stats.get("exact_status", "not run"),
             },
         )
 
@@ -178,11 +204,27 @@ def greedy_order(c: Compiled) -> np.ndarray:
         # Unbounded forwards can fill the cap before any backward is possible: fall back to 1F1B limits.
         order = run_list_schedule(c, limit=_limits(c, [0] * len(c.problem.models)))
     if order is None:
-        raise ValueError(
-            f"memory_cap={c.problem.memory_cap} of problem {c.problem.name!r} leaves no valid schedule for the "
-            "greedy list scheduler: raise memory_cap or set it to null"
-        )
+        # Under a tight cap: every micro-batch alone (valid whenever the problem's cap passed validation).
+        order = serial_order(c)
     return order
+
+
+def serial_order(c: Compiled) -> np.ndarray:
+    """Each micro-batch alone, model after model: all its F (stage 0 up), then all its B (top stage down).
+
+    Valid under any cap that `problem.min_feasible_cap` allows (a rank holds one micro-batch of one replica at
+    a time): the constructive start of last resort for memory-capped problems.
+    """
+    lists: list[list[int]] = [[] for _ in range(c.ranks)]
+    idx = c.index()
+    for m in c.problem.models:
+        for r in range(m.replicas):
+            for i in range(m.microbatches):
+                seq = [Action(m.name, r, s, Kind.F, i) for s in range(m.stages)]
+                seq += [Action(m.name, r, s, Kind.B, i) for s in reversed(range(m.stages))]
+                for a in seq:
+                    lists[m.placement[r][a.stage]].append(idx[a])
+    return np.array([op for ops in lists for op in ops], dtype=np.int64)
 
 
 def greedy(problem: Problem, durations: DurationFn | None = None) -> Schedule:
@@ -420,14 +462,19 @@ def _worker(
 
     # Phase 1 (latency). Some rounds also charge memory above the serial 1F1B peak: the latency moves alone
     # drift to high-memory schedules, which the memory phase can rarely repair at the optimal makespan.
-    latency_end = by(1.0 - config.memory_share, t0)
+    exact_on = config.exact and worker == 0 and c.n <= config.exact_max_ops
+    # With the exact step to follow, the annealing only needs to get close (the exact model closes the gap).
+    latency_end = by(0.2 if exact_on else 1.0 - config.memory_share, t0)
+    latency_cap = cap_iters // 4 if exact_on else cap_iters
     rounds = 0
-    while best_ms > target + 1e-9 and stats["latency_iters"] < cap_iters:
+    while best_ms > target + 1e-9 and stats["latency_iters"] < latency_cap:
         now = time.perf_counter()
         if now >= latency_end or (stop is not None and stop.is_set()):
             break
         iters = _round_iters(
-            rate * min(latency_end - now, max(0.5, 0.3 * budget)), cap_iters - stats["latency_iters"], config
+            rate * min(latency_end - now, max(0.5, 0.3 * budget)),
+            latency_cap - stats["latency_iters"],
+            config,
         )
         start = best if rng.random() < 0.7 else starts[int(rng.integers(0, len(starts)))][2]
         tried = rounds < 1
@@ -439,6 +486,21 @@ def _worker(
         stats["latency_iters"] += done
         if better(ms, peak):
             best_ms, best_peak, best = ms, peak, order
+    if exact_on and best_ms > target + 1e-9:
+        from rlhfuse.pipeline.exact import exact_search
+
+        seconds = max(0.5, min(config.exact_share * budget, end - time.perf_counter()))
+        r = exact_search(
+            problem, compiled=c, upper_order=best, analytic_bound=target, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
+            max_ops=config.exact_max_ops,
+        )  # fmt: skip
+        stats.update(exact_status=r.status, proven_bound=r.lower_bound, exact_seconds=round(r.seconds, 3))
+        if r.order is not None and better(float(r.value or -1), c.peak(r.order)):
+            best_ms, best_peak, best = float(c.evaluate(r.order)[0]), c.peak(r.order), r.order
+        target = max(target, r.lower_bound)
+    elif best_ms <= target + 1e-9:
+        stats.update(exact_status="OPTIMAL", proven_bound=target)
     if stop is not None and best_ms <= target + 1e-9:
         if shared is not None and "order" not in shared:
             shared.update(order=best, makespan=best_ms, peak=best_peak)
@@ -462,6 +524,21 @@ def _worker(
             cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
         )  # fmt: skip
     mem_goal = max(bounds.memory, config.memory_target * serial)
+    if exact_on and best_peak > mem_goal + 1e-9:
+        # The exact model's schedules are at the optimal makespan but hold much memory, and the annealing
+        # rarely repairs that: ask the restricted model (in-flight limits) for a low-memory one first.
+        from rlhfuse.pipeline.exact import low_memory_search
+
+        seconds = max(0.5, min(config.exact_share * budget / 2, end - time.perf_counter()))
+        low = low_memory_search(
+            problem, compiled=c, makespan=best_ms, peak=best_peak, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort / 2 if fixed else None,
+        )  # fmt: skip
+        if low is not None and low.order is not None:
+            ms_low = float(c.evaluate(low.order)[0])
+            if better(ms_low, c.peak(low.order)):
+                best_ms, best_peak, best = ms_low, c.peak(low.order), low.order
+                stats["exact_low_memory"] = round(best_peak, 4)
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= max(bounds.memory, config.memory_target * serial) + 1e-9:
@@ -522,6 +599,7 @@ def solve(
                 ]
                 results = [f.result() for f in futures]
     win = min(results, key=lambda r: (r["makespan"], r["peak"], r["worker"]))
+    proven = max(float(r["stats"].get("proven_bound", 0.0)) for r in results)
     schedule = c.to_schedule(win["order"])
     checked = simulate(problem, schedule, durations)  # the readable oracle has the last word
     seconds = time.perf_counter() - t0
@@ -539,4 +617,5 @@ def solve(
         greedy_peak=c.peak(g_order),
         seconds=seconds,
         stats=stats,
+        proven_bound=proven,
     )

@@ -1,0 +1,187 @@
+"""The proof side: proven bounds and optimal schedules on problems whose optimum is known by hand or by
+enumerating every schedule; memory caps; bad input named before any search."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from rlhfuse.pipeline import SearchConfig, lower_bounds, make_problem, simulate, solve
+from rlhfuse.pipeline.cli import main
+from rlhfuse.pipeline.compiled import compile_problem
+from rlhfuse.pipeline.exact import exact_search, prove
+from rlhfuse.pipeline.ir import parse_action
+from rlhfuse.pipeline.problem import min_feasible_cap, problem_from_dict
+
+
+def _single(stages, micro, f, b, cap=None):
+    return make_problem(
+        [{"name": "actor", "stages": stages, "microbatches": micro, "forward": f, "backward": b}],
+        memory_cap=cap,
+    )
+
+
+def test_1f1b_optimum_is_proven():
+    # One pipeline: stage 0 does M(f+b) work and waits (S-1)(f+b) for the first backward, so (M+S-1)(f+b)
+    # is optimal, and 1F1B reaches it.
+    p = _single(3, 4, 1, 2)
+    r = exact_search(p, analytic_bound=0.0, time_budget=10)
+    assert r.optimal and r.value == r.lower_bound == (4 + 3 - 1) * 3
+
+
+def test_memory_cap_of_one_microbatch_serialises_and_the_proof_sees_it():
+    # Cap 1 with activation 1: rank 0 holds micro-batch 0 until its B on stage 0, so micro-batch 1 cannot
+    # start before it: 2 x (F0 F1 B1 B0) = 8, while the cap-blind bound says (2+2-1)(1+1) = 6.
+    p = _single(2, 2, 1, 1, cap=1.0)
+    assert lower_bounds(p).makespan == 6
+    r = exact_search(p, analytic_bound=6.0, time_budget=10)
+    assert r.optimal and r.lower_bound == 8 and r.value == 8
+    s = solve(p, SearchConfig(max_iterations=2000))
+    assert s.makespan == s.lower_bound == 8 and s.gap == 0 and s.peak <= 1.0
+
+
+def _brute_force(problem):
+    """The optimum over every per-rank merge of the streams (micro-batches in order on each stream)."""
+    c = compile_problem(problem)
+    per_rank = []
+    for k in range(c.ranks):
+        streams = [int(s) for s in c.rank_streams[c.rank_streams_ptr[k] : c.rank_streams_ptr[k + 1]]]
+        labels = [sid for sid in streams for _ in range(int(c.stream_len[sid]))]
+        merges = []
+        for perm in set(itertools.permutations(labels)):
+            nxt = {sid: int(c.stream_base[sid]) for sid in streams}
+            ops = []
+            for sid in perm:
+                ops.append(nxt[sid])
+                nxt[sid] += 1
+            merges.append(ops)
+        per_rank.append(merges)
+    best = np.inf
+    for combo in itertools.product(*per_rank):
+        ms, _ = c.evaluate(np.array([op for ops in combo for op in ops], dtype=np.int64))
+        order = np.array([op for ops in combo for op in ops], dtype=np.int64)
+        if ms >= 0 and (problem.memory_cap is None or c.peak(order) <= problem.memory_cap + 1e-9):
+            best = min(best, ms)
+    return best
+
+
+@pytest.mark.parametrize(("cap", "optimum"), [(None, 15), (2.5, 20)])
+def test_exact_optimum_equals_enumeration_on_a_tiny_fused_problem(cap, optimum):
+    # Under cap 2.5 an Actor micro-batch (1.5) and a Critic one (1.0) fit together on a rank but two Actor
+    # micro-batches do not: the optimum (20, by enumeration) is well above the cap-blind bound (15).
+    p = make_problem(
+        [
+            {"name": "actor", "stages": 2, "microbatches": 2, "forward": 2, "backward": 3, "activation": 1.5},
+            {
+                "name": "critic",
+                "stages": 2,
+                "microbatches": 1,
+                "forward": 1,
+                "backward": 2,
+                "activation": 1.0,
+            },
+        ],
+        memory_cap=cap,
+    )
+    assert lower_bounds(p).makespan == 15
+    assert _brute_force(p) == optimum
+    r = exact_search(p, analytic_bound=lower_bounds(p).makespan, time_budget=10)
+    assert r.optimal and r.value == r.lower_bound == optimum
+    assert simulate(p, compile_problem(p).to_schedule(r.order)).makespan == optimum
+
+
+def test_proven_bound_is_never_above_a_found_schedule_and_gap_is_reported(tiny_fused):
+    s = solve(tiny_fused, SearchConfig(max_iterations=3000))
+    assert s.lower_bound <= s.makespan and s.gap == pytest.approx(
+        (s.makespan - s.lower_bound) / s.lower_bound
+    )
+    result = s.to_result()
+    for key in ("makespan", "lower_bound", "gap", "peak_activation", "ranks", "serial_1f1b"):
+        assert key in result
+
+
+def test_fractional_durations_are_scaled_exactly():
+    p = _single(2, 3, 0.5, 1.25)
+    r = exact_search(p, analytic_bound=0.0, time_budget=10)
+    assert r.optimal and r.value == pytest.approx((3 + 2 - 1) * 1.75)
+
+
+def test_exact_step_is_deterministic_with_an_iteration_budget():
+    p = make_problem(
+        [{"name": "actor", "stages": 4, "microbatches": 6, "forward": 2, "backward": 4, "activation": 1.0},
+         {"name": "critic", "stages": 2, "microbatches": 4, "forward": 1, "backward": 2, "activation": 1.0}],
+        memory_cap=4.0,
+    )  # fmt: skip
+    cfg = SearchConfig(seed=1, max_iterations=3000, max_starts=50)
+    a, b = solve(p, cfg), solve(p, cfg)
+    assert a.schedule == b.schedule and a.lower_bound == b.lower_bound
+    assert simulate(p, a.schedule).peak <= 4.0 + 1e-9
+    assert a.makespan <= 1.05 * a.lower_bound
+
+
+def test_capped_unseen_problem_within_5_percent_never_over_cap():
+    # Unequal stage times, a micro-batch count that is not a multiple of the stages, a tight cap.
+    p = make_problem(
+        [{"name": "actor", "stages": 6, "microbatches": 9, "forward": [2, 3, 2, 2, 3, 2],
+          "backward": [4, 6, 4, 4, 6, 4], "activation": 1.0},
+         {"name": "critic", "stages": 3, "microbatches": 5, "forward": 1, "backward": 2, "activation": 2.0}],
+        memory_cap=7.0,
+    )  # fmt: skip
+    s = solve(p, SearchConfig(max_iterations=20_000, max_starts=100))
+    sim = simulate(p, s.schedule)
+    assert sim.peak <= 7.0 + 1e-9
+    assert s.makespan <= 1.05 * s.lower_bound
+
+
+def test_too_large_for_the_exact_model_says_so_and_keeps_the_bound(tiny_fused):
+    c = compile_problem(tiny_fused)
+    bound = lower_bounds(tiny_fused, c).makespan
+    r = prove(tiny_fused, compiled=c, analytic_bound=bound, max_ops=10)
+    assert r.status == "TOO_LARGE" and r.lower_bound == bound and "max_ops" in r.note
+
+
+def test_cli_bound_writes_the_proven_bound(tmp_path, capsys):
+    problem = tmp_path / "p.json"
+    problem.write_text(json.dumps(_single(2, 2, 1, 1, cap=1.0).to_dict()))
+    out = tmp_path / "b.json"
+    assert main(["bound", str(problem), "--time-budget", "5", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["lower_bound"] == 8 == got["makespan"] and got["optimal"] and got["lower_bound_analytic"] == 6
+    assert "proven lower bound 8" in capsys.readouterr().out
+    assert main(["bound", str(problem), "--max-ops", "3", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["status"] == "TOO_LARGE"
+
+
+# --- bad input: a clear error naming the field, before any search ------------------------------------------
+
+
+def test_cap_no_schedule_can_meet_is_refused_naming_the_field():
+    # Two stages of one replica on rank 0 (interleaved): one micro-batch holds 1 + 1 there, whatever the order.
+    raw = {
+        "name": "interleaved",
+        "ranks": 1,
+        "models": [{"name": "actor", "stages": 2, "replicas": 1, "microbatches": 2, "forward": 1,
+                    "backward": 1, "activation": 1.0, "placement": [[0, 0]]}],
+        "memory_cap": 1.5,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"memory_cap=1.5 is below 2"):
+        problem_from_dict(raw)
+    raw["memory_cap"] = 2.0
+    assert min_feasible_cap(problem_from_dict(raw)) == 2.0
+
+
+def test_contradictory_placement_is_refused():
+    raw = {
+        "name": "overlap",
+        "ranks": 2,
+        "models": [{"name": "critic", "stages": 2, "replicas": 2, "microbatches": 1, "forward": 1,
+                    "backward": 1, "placement": [[1, 0], [0, 1]]}],
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"placement\[1\]\[0\] puts replica 1 on rank 0, which replica 0"):
+        problem_from_dict(raw)
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown action kind 'X'"):
+        parse_action("actor.0.s0:X3")
