@@ -185,3 +185,37 @@ def test_contradictory_placement_is_refused():
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="unknown action kind 'X'"):
         parse_action("actor.0.s0:X3")
+
+
+# --- split backward (beyond the paper) ------------------------------------------------------------------
+
+
+def test_split_backward_one_stage_pair_by_hand():
+    # 2 stages, 1 micro-batch, F=1, B=2 (I=W=1): F0 F1 I1 I0 W0 is the critical path and W1 runs on rank 1
+    # beside I0, so the optimum is 5 (plain: F0 F1 B1 B0 = 6).
+    p = _single(2, 1, 1, 2)
+    s = solve(p, SearchConfig(max_iterations=1000, split_backward=True))
+    sim = simulate(p, s.schedule)
+    assert {a.kind.value for rank in s.schedule.ranks for a in rank} == {"F", "I", "W"}
+    assert sim.makespan == s.makespan == s.lower_bound == 5
+    assert solve(p, SearchConfig(max_iterations=1000)).makespan == 6
+
+
+def test_split_backward_search_is_valid_and_never_worse_on_a_fused_problem(tiny_fused):
+    plain = solve(tiny_fused, SearchConfig(max_iterations=3000))
+    split = solve(tiny_fused, SearchConfig(max_iterations=3000, split_backward=True))
+    assert simulate(tiny_fused, split.schedule).makespan == split.makespan >= split.lower_bound
+    assert split.makespan <= plain.makespan and split.optimal
+
+
+def test_a_schedule_mixing_b_and_i_is_refused(tiny_fused):
+    from rlhfuse.pipeline import ScheduleError
+    from rlhfuse.pipeline.ir import Action, Kind, Schedule
+
+    good = solve(tiny_fused, SearchConfig(max_iterations=500)).schedule
+    first = good.ranks[0][0]
+    bad = Schedule(
+        ((Action(first.model, first.replica, first.stage, Kind.I, 0), *good.ranks[0]), *good.ranks[1:])
+    )
+    with pytest.raises(ScheduleError, match="not both B and I/W"):
+        simulate(tiny_fused, bad)

@@ -209,7 +209,7 @@ def prove(
             )
             base, length = int(c.stream_base[sid]), int(c.stream_len[sid])
             for i in range(length - limit):
-                b = int(c.succ2[base + i])  # the op that frees micro-batch i's activation
+                b = int(c.free_op[base + i])  # the op that frees micro-batch i's activation
                 model.add(start[base + i + limit] >= start[b] + int(dur[b]))
     makespan = model.new_int_var(lb_scaled, max(lb_scaled, horizon), "makespan")
     for base, length in zip(c.stream_base, c.stream_len):
@@ -222,7 +222,7 @@ def prove(
         for k in modelled:
             held, demands = [], []
             for op in map(int, np.nonzero((c.rank == k) & (c.is_b == 0))[0]):
-                b = int(c.succ2[op])
+                b = int(c.free_op[op])
                 size = model.new_int_var(int(dur[op] + dur[b]), horizon, f"h{op}")
                 held.append(model.new_interval_var(start[op], size, start[b] + int(dur[b]), f"m{op}"))
                 demands.append(int(demand[op]))

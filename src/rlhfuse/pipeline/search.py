@@ -70,6 +70,8 @@ class SearchConfig:
         exact_effort: CP-SAT deterministic time for the exact step when `max_iterations` is set (one solver
             thread, so the result is still the same on any machine).
         exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
+        split_backward: search split-backward schedules (F, I, W per stage; `rlhfuse.pipeline.simulate`)
+            instead of F/B ones. Beyond the paper; the runtime lowers and executes plain F/B schedules only.
     """
 
     time_budget: float = 60.0
@@ -85,6 +87,7 @@ class SearchConfig:
     exact_share: float = 0.4
     exact_effort: float = 5.0
     exact_max_ops: int = 20_000
+    split_backward: bool = False
 
     @property
     def deterministic(self) -> bool:
@@ -192,7 +195,7 @@ def run_list_schedule(
         c.stream_len.copy() if limit is None else limit,
         np.zeros(c.n) if prio is None else (prio[c.stream] if len(prio) == n_streams else prio),
         float(slack), _cap(c.problem) if cap is None else min(cap, _cap(c.problem)), float(noise), int(seed),
-        np.full(c.n, -1.0) if planned is None else planned,
+        np.full(c.n, -1.0) if planned is None else planned, c.stream_limit_group, c.stream_frees,
     )  # fmt: skip
     return order if len(order) else None
 
@@ -221,7 +224,8 @@ def serial_order(c: Compiled) -> np.ndarray:
         for r in range(m.replicas):
             for i in range(m.microbatches):
                 seq = [Action(m.name, r, s, Kind.F, i) for s in range(m.stages)]
-                seq += [Action(m.name, r, s, Kind.B, i) for s in reversed(range(m.stages))]
+                back = (Kind.I, Kind.W) if c.split_backward else (Kind.B,)
+                seq += [Action(m.name, r, s, k, i) for s in reversed(range(m.stages)) for k in back]
                 for a in seq:
                     lists[m.placement[r][a.stage]].append(idx[a])
     return np.array([op for ops in lists for op in ops], dtype=np.int64)
@@ -305,6 +309,8 @@ def constructive_starts(
     target = lower_bounds(problem, c).makespan
     protect_options: list[tuple[int, float | None] | None] = [None, (by_path[0], None), (by_path[0], target)]
     protect_options += [(i, target) for i in by_path[1:]]
+    if c.split_backward:  # the protected timing is the plain 1F1B one
+        protect_options = [None]
     planned_cache = {} if planned_cache is None else planned_cache
     max_extra = [min(m.stages, m.microbatches) for m in problem.models]
     configs = []
@@ -420,7 +426,7 @@ def _worker(
     its schedule in `shared` and sets `stop`; the others then run their memory phase from that schedule (with
     their own seeds), so that every worker spends the rest of the budget on memory at the optimal makespan.
     """
-    c = compile_problem(problem, durations)
+    c = compile_problem(problem, durations, config.split_backward)
     rng = np.random.default_rng(config.seed + worker)
     budget = config.time_budget
     # Leave a little for what follows the search (collecting workers, the oracle check, baselines).
@@ -581,7 +587,7 @@ def solve(
     """Search a fused schedule for `problem` within `config.time_budget` seconds."""
     config = config or SearchConfig()
     t0 = time.perf_counter()
-    c = compile_problem(problem, durations)
+    c = compile_problem(problem, durations, config.split_backward)
     g_order = greedy_order(c)
     g_ms, _ = c.evaluate(g_order)
     workers = max(1, config.workers)
