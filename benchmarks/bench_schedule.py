@@ -4,8 +4,10 @@ For each setting: our makespan vs greedy vs the paper's solver (FlexFusion) vs t
 serial 1F1B, the peak activation relative to serial 1F1B and the search seconds (target: <= 60 s per setting on a
 2-core machine). Then a 64-rank dry run (greedy + search in one process) as a scale check.
 
-Problems come from `<repo>/../shared/bench/table3.json`, or `$RLHFUSE_TABLE3`. `RLHFUSE_SCHEDULE_BUDGET`
-(seconds per setting) and `RLHFUSE_SCHEDULE_WORKERS` (processes per setting) override the search effort.
+Problems come from `<repo>/../shared/bench/table3.json`, or `$RLHFUSE_TABLE3`. The effort is deterministic
+(`RLHFUSE_SCHEDULE_ITERATIONS` annealing iterations per phase, default 1M, plus a fixed CP-SAT deterministic
+time), so the figures do not depend on the machine's load; `RLHFUSE_SCHEDULE_ITERATIONS=0` uses the wall-clock
+`RLHFUSE_SCHEDULE_BUDGET` (seconds per setting) instead, and `RLHFUSE_SCHEDULE_WORKERS` sets the processes.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def run(quick: bool = False) -> None:
             f"Table-3 problems not found at {path}: set RLHFUSE_TABLE3=/path/to/table3.json"
         )
     budget = float(os.environ.get("RLHFUSE_SCHEDULE_BUDGET", 5.0 if quick else 60.0))
-    workers = int(os.environ.get("RLHFUSE_SCHEDULE_WORKERS", 1 if quick else 2))
-    print(f"problems: {path}; time budget {budget:g}s per setting, {workers} worker process(es)", flush=True)
-    bench(path, time_budget=budget, workers=workers)
+    workers = int(os.environ.get("RLHFUSE_SCHEDULE_WORKERS", 1))
+    iterations = int(os.environ.get("RLHFUSE_SCHEDULE_ITERATIONS", 100_000 if quick else 1_000_000)) or None
+    effort = f"{iterations} iterations per phase" if iterations else f"time budget {budget:g}s"
+    print(f"problems: {path}; {effort} per setting, {workers} worker process(es)", flush=True)
+    bench(path, time_budget=budget, workers=workers, max_iterations=iterations)
     dry_run_64(budget)

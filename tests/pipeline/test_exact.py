@@ -219,3 +219,21 @@ def test_a_schedule_mixing_b_and_i_is_refused(tiny_fused):
     )
     with pytest.raises(ScheduleError, match="not both B and I/W"):
         simulate(tiny_fused, bad)
+
+
+def test_low_memory_search_keeps_the_makespan_and_lowers_the_peak():
+    from rlhfuse.pipeline.baselines import serial_peak
+    from rlhfuse.pipeline.exact import low_memory_search
+
+    p = make_problem(
+        [{"name": "actor", "stages": 4, "microbatches": 8, "forward": 1, "backward": 2, "activation": 1.0},
+         {"name": "critic", "stages": 2, "microbatches": 4, "forward": 1, "backward": 2, "activation": 1.0}],
+    )  # fmt: skip
+    c = compile_problem(p)
+    r = exact_search(p, compiled=c, analytic_bound=lower_bounds(p, c).makespan, time_budget=10)
+    assert r.optimal
+    peak = c.peak(r.order)
+    low = low_memory_search(
+        p, compiled=c, makespan=r.value, peak=peak + 1.0, serial_peak=serial_peak(p), time_budget=10
+    )
+    assert low is not None and c.evaluate(low.order)[0] <= r.value and c.peak(low.order) < peak + 1.0

@@ -21,6 +21,7 @@ stays valid and every schedule found is re-timed with the true durations. Activa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from rlhfuse.pipeline.compiled import Compiled, _sequenced_heads_tails, compile_
 from rlhfuse.pipeline.problem import Problem
 
 DEFAULT_MAX_OPS = 20_000
+SAFETY_SECONDS_PER_UNIT = 12.0  # wall-clock cap per unit of CP-SAT deterministic time
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def prove(
     resource_ranks: tuple[int, ...] | None = None,
     at_most: float | None = None,
     inflight_extra: tuple[int, ...] | None = None,
+    cap_override: float | None = None,
 ) -> ExactResult:
     """Solve (or bound) `problem` exactly with CP-SAT, warm-started from `upper_order`.
 
@@ -118,12 +121,13 @@ def prove(
     inflight_extra: per model, allow at most the 1F1B count (stages - stage) + extra micro-batches in flight
         on each stage: a *restriction* that steers the solver to low-memory schedules (the bound is then not
         a bound for the problem and is not reported: `lower_bound` stays `analytic_bound`).
+    cap_override: a memory cap tighter than the problem's (heuristic use only, with `inflight_extra`).
     """
     began = time.perf_counter()
     c = compiled or compile_problem(problem)
-    if objective not in ("makespan", "peak"):
-        raise ValueError(f"objective must be 'makespan' or 'peak' (got {objective!r})")
-    if objective == "peak" and (upper_order is None or makespan_limit is None):
+    if objective not in ("makespan", "peak", "area"):
+        raise ValueError(f"objective must be 'makespan', 'peak' or 'area' (got {objective!r})")
+    if objective in ("peak", "area") and (upper_order is None or makespan_limit is None):
         raise ValueError("objective='peak' needs upper_order and makespan_limit (the makespan to keep)")
     if c.n > max_ops:
         return ExactResult(
@@ -145,6 +149,10 @@ def prove(
     m_scale, m_exact = _scale(np.append(act, problem.memory_cap or 0.0))
     demand = _ints(act, m_scale, m_exact)
     cap = None
+    if cap_override is not None:
+        problem = dataclasses.replace(problem, memory_cap=min(cap_override, problem.memory_cap or math.inf))
+        m_scale, m_exact = _scale(np.append(act, problem.memory_cap or 0.0))
+        demand = _ints(act, m_scale, m_exact)
     if problem.memory_cap is not None:
         cap = (
             math.ceil(problem.memory_cap * m_scale - 1e-9)
@@ -168,7 +176,7 @@ def prove(
         int_c_finish = _retime(c, upper_order, dur, lat_i)
         hint_start = int_c_finish - dur
     horizon = int((hint_start + dur).max()) if hint_start is not None else int(dur.sum())
-    if objective == "peak":
+    if objective in ("peak", "area"):
         assert makespan_limit is not None
         horizon = min(horizon, math.floor(makespan_limit * t_scale + 1e-6)) if t_exact else horizon
     lb_scaled = (
@@ -230,10 +238,20 @@ def prove(
                 model.add_cumulative(held, demands, peak)
     if objective == "makespan":
         model.minimize(makespan)
-    else:
+    elif objective == "peak":
         assert peak is not None
         model.add(makespan <= horizon)
         model.minimize(peak)
+    else:  # activation held x time, summed: a smooth proxy of the peaks that the solver improves steadily
+        model.add(makespan <= horizon)
+        frees = c.free_op[c.is_b == 0]
+        fwd = np.nonzero(c.is_b == 0)[0]
+        model.minimize(
+            sum(
+                int(demand[f]) * (start[int(b)] + int(dur[int(b)]) - start[int(f)])
+                for f, b in zip(fwd, frees)
+            )
+        )
     if hint_start is not None:
         for op in range(c.n):
             model.add_hint(start[op], int(hint_start[op]))
@@ -244,6 +262,9 @@ def prove(
     solver.parameters.random_seed = int(seed)
     if deterministic_budget is not None:
         solver.parameters.max_deterministic_time = float(deterministic_budget)
+        # A safety net only (CP-SAT's deterministic time can run far slower than the clock on some models);
+        # when it stops a solve, the result may depend on the machine, and `note` says so.
+        solver.parameters.max_time_in_seconds = SAFETY_SECONDS_PER_UNIT * float(deterministic_budget) + 5.0
     else:
         solver.parameters.max_time_in_seconds = max(0.01, float(time_budget))
     status = solver.solve(model)
@@ -256,7 +277,9 @@ def prove(
         order = _order_from_starts(c, starts)
         ms, _ = c.evaluate(order)
         value = float(ms) if objective == "makespan" else c.peak(order)
-    if inflight_extra is not None:  # a restricted model proves nothing about the problem
+        if objective == "area" and ms > makespan_limit + 1e-9:  # type: ignore[operator]
+            order, value = None, None  # rounded durations only: not at the makespan asked for
+    if inflight_extra is not None or objective == "area":  # proves nothing about the problem
         return ExactResult(
             analytic_bound, value, order, False, name, time.perf_counter() - began, c.n,
             "restricted model (in-flight limits)", float(solver.response_proto.deterministic_time),
@@ -416,40 +439,66 @@ def low_memory_search(
     compiled: Compiled | None = None,
     makespan: float,
     peak: float,
+    serial_peak: float | None = None,
     time_budget: float = 10.0,
     deterministic_budget: float | None = None,
     seed: int = 0,
-    per_try: float = 0.25,
-    max_tries: int = 10,
+    per_try: float = 0.2,
+    max_tries: int = 8,
 ) -> ExactResult | None:
-    """A schedule with makespan <= `makespan` and peak below `peak`, or None: decisions of the restricted model
-    (at most the 1F1B count + extra micro-batches in flight per stage). Candidate extras are tried in order of
-    the peak they allow, *highest* first (the loosest restrictions are the easiest to meet), each with at most
-    `per_try` of the budget; every success lowers the peak to beat, so the walk descends while the budget
-    lasts. A heuristic: it proves nothing.
+    """A schedule with makespan <= `makespan` and peak below `peak`, or None. A heuristic (it proves nothing):
+    decisions of *restricted* models, each with at most `per_try` of the budget:
+
+    1. the model with the longest critical path held at its 1F1B in-flight count (the structure of the
+       low-memory optimal schedules: the big pipeline runs 1F1B, the other fills its bubbles) under a cap of
+       1.0, 1.15, 1.3, 1.5 x `serial_peak`, tightest first, until one succeeds;
+    2. otherwise in-flight limits alone (1F1B count + extra per model), loosest first, each success lowering
+       the peak to beat.
     """
     c = compiled or compile_problem(problem)
     deterministic = deterministic_budget is not None
     total = float(deterministic_budget) if deterministic_budget is not None else float(time_budget)
-    options = sorted(((_inflight_peak(c, e), e) for e in _extra_grid(problem)), reverse=True)
-    used, best, tries = 0.0, None, 0
-    for allowed, extras in options:
-        if used >= 0.95 * total or tries >= max_tries:
+    paths = lower_bounds_critical(c)
+    protected = int(np.argmax(paths))
+    loose = tuple(0 if i == protected else m.microbatches for i, m in enumerate(problem.models))
+    tries: list[tuple[float | None, tuple[int, ...], bool]] = []
+    if serial_peak is not None:
+        tries += [(f * serial_peak, loose, True) for f in (1.0, 1.15, 1.3, 1.5)]
+    grid = sorted(((_inflight_peak(c, e), e) for e in _extra_grid(problem)), reverse=True)
+    tries += [(None, e, False) for allowed, e in grid if allowed < peak - 1e-9]
+    used, best, n_tries, capped_done = 0.0, None, 0, False
+    for cap, extras, capped in tries:
+        if used >= 0.95 * total or n_tries >= max_tries:
             break
-        if allowed >= peak - 1e-9:
+        if capped and (capped_done or cap is None or cap >= peak - 1e-9):
             continue
-        tries += 1
+        if not capped and _inflight_peak(c, extras) >= peak - 1e-9:
+            continue
+        n_tries += 1
         share = min(total - used, per_try * total)
         r = prove(
             problem, compiled=c, at_most=makespan, inflight_extra=extras, seed=seed, time_budget=share,
-            deterministic_budget=share if deterministic else None,
+            deterministic_budget=share if deterministic else None, cap_override=cap,
         )  # fmt: skip
         used += min(share, r.effort if deterministic else r.seconds)
         if r.order is not None and r.value is not None and r.value <= makespan + 1e-9:
             found = c.peak(r.order)
             if found < peak - 1e-9:
                 best, peak = r, found
+                capped_done = capped_done or capped
     return best
+
+
+def lower_bounds_critical(c: Compiled) -> np.ndarray:
+    """Per model, its longest stage critical path (head + the stage's work + tail), as in `bounds`."""
+    out = np.zeros(len(c.problem.models))
+    for sid in np.nonzero(c.stream_is_b == 0)[0]:
+        group = np.isin(c.stream, np.nonzero(c.stream_limit_group == sid)[0])
+        f_ops = slice(int(c.stream_base[sid]), int(c.stream_base[sid] + c.stream_len[sid]))
+        path = float(c.head[f_ops].min() + c.dur[group].sum() + c.tail[group].min())
+        mi = int(c.model_of_stream[sid])
+        out[mi] = max(out[mi], path)
+    return out
 
 
 def _extra_grid(problem: Problem) -> list[tuple[int, ...]]:

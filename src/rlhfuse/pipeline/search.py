@@ -70,6 +70,9 @@ class SearchConfig:
         exact_effort: CP-SAT deterministic time for the exact step when `max_iterations` is set (one solver
             thread, so the result is still the same on any machine).
         exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
+        exact_memory: after the exact step, try the restricted low-memory decisions of
+            `exact.low_memory_search` before the memory annealing (experimental: on the Table-3 settings it
+            rarely succeeds within a small budget, so it is off by default).
         split_backward: search split-backward schedules (F, I, W per stage; `rlhfuse.pipeline.simulate`)
             instead of F/B ones. Beyond the paper; the runtime lowers and executes plain F/B schedules only.
     """
@@ -87,6 +90,7 @@ class SearchConfig:
     exact_share: float = 0.4
     exact_effort: float = 5.0
     exact_max_ops: int = 20_000
+    exact_memory: bool = False
     split_backward: bool = False
 
     @property
@@ -530,15 +534,15 @@ def _worker(
             cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
         )  # fmt: skip
     mem_goal = max(bounds.memory, config.memory_target * serial)
-    if exact_on and best_peak > mem_goal + 1e-9:
+    if exact_on and config.exact_memory and best_peak > mem_goal + 1e-9:
         # The exact model's schedules are at the optimal makespan but hold much memory, and the annealing
         # rarely repairs that: ask the restricted model (in-flight limits) for a low-memory one first.
         from rlhfuse.pipeline.exact import low_memory_search
 
         seconds = max(0.5, min(config.exact_share * budget / 2, end - time.perf_counter()))
         low = low_memory_search(
-            problem, compiled=c, makespan=best_ms, peak=best_peak, seed=config.seed + worker,
-            time_budget=seconds, deterministic_budget=config.exact_effort / 2 if fixed else None,
+            problem, compiled=c, makespan=best_ms, peak=best_peak, serial_peak=serial, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
         )  # fmt: skip
         if low is not None and low.order is not None:
             ms_low = float(c.evaluate(low.order)[0])
