@@ -237,3 +237,20 @@ def test_low_memory_search_keeps_the_makespan_and_lowers_the_peak():
         p, compiled=c, makespan=r.value, peak=peak + 1.0, serial_peak=serial_peak(p), time_budget=10
     )
     assert low is not None and c.evaluate(low.order)[0] <= r.value and c.peak(low.order) < peak + 1.0
+
+
+def test_capped_memory_search_meets_its_cap_at_the_makespan():
+    from rlhfuse.pipeline.exact import capped_memory_search
+
+    p = make_problem(
+        [{"name": "actor", "stages": 4, "microbatches": 8, "forward": 1, "backward": 2, "activation": 1.0},
+         {"name": "critic", "stages": 2, "microbatches": 4, "forward": 1, "backward": 2, "activation": 1.0}],
+    )  # fmt: skip
+    c = compile_problem(p)
+    r = exact_search(p, compiled=c, analytic_bound=lower_bounds(p, c).makespan, time_budget=10)
+    peak = c.peak(r.order)
+    # The first solution's peak is 10 (forwards as early as possible); the actor's 1F1B needs 4 on rank 0,
+    # and a cap just above that is met at the optimal makespan 39.
+    low = capped_memory_search(p, compiled=c, makespan=r.value, peak=peak, target=4.0, time_budget=20)
+    assert low is not None and c.evaluate(low.order)[0] <= r.value == 39
+    assert c.peak(low.order) <= 4.0 * 1.01 < peak

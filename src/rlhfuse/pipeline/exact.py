@@ -489,6 +489,47 @@ def low_memory_search(
     return best
 
 
+def capped_memory_search(
+    problem: Problem,
+    *,
+    compiled: Compiled | None = None,
+    makespan: float,
+    peak: float,
+    target: float,
+    time_budget: float = 10.0,
+    deterministic_budget: float | None = None,
+    seed: int = 0,
+    tries: int = 3,
+) -> ExactResult | None:
+    """A schedule with makespan <= `makespan` and a lower peak, or None: exact decisions "makespan <= M under
+    a memory cap X?", first with X just above `target` (serial 1F1B's peak), then halving the distance
+    between the best peak and the last cap that was not met. Each try gets an equal share of the budget; an
+    open or refuted try proves nothing about the unrestricted problem's memory.
+    """
+    c = compiled or compile_problem(problem)
+    deterministic = deterministic_budget is not None
+    total = float(deterministic_budget) if deterministic_budget is not None else float(time_budget)
+    lo, best = target * 1.01, None
+    used = 0.0
+    for _ in range(tries):
+        cap = lo if best is None and used == 0.0 else (lo + peak) / 2
+        if cap >= peak - 1e-6 or used >= 0.95 * total:
+            break
+        share = min(total - used, total / tries)
+        r = prove(
+            problem, compiled=c, at_most=makespan, seed=seed, time_budget=share, cap_override=cap,
+            deterministic_budget=share if deterministic else None, analytic_bound=makespan,
+        )  # fmt: skip
+        used += min(share, r.effort if deterministic else r.seconds)
+        if r.order is not None and r.value is not None and r.value <= makespan + 1e-9:
+            found = c.peak(r.order)
+            if found < peak - 1e-9:
+                best, peak = r, found
+        else:
+            lo = cap
+    return best
+
+
 def lower_bounds_critical(c: Compiled) -> np.ndarray:
     """Per model, its longest stage critical path (head + the stage's work + tail), as in `bounds`."""
     out = np.zeros(len(c.problem.models))
