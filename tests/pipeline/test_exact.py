@@ -254,3 +254,17 @@ def test_capped_memory_search_meets_its_cap_at_the_makespan():
     low = capped_memory_search(p, compiled=c, makespan=r.value, peak=peak, target=4.0, time_budget=20)
     assert low is not None and c.evaluate(low.order)[0] <= r.value == 39
     assert c.peak(low.order) <= 4.0 * 1.01 < peak
+
+
+def test_cli_solve_reports_gap_and_split_backward_next_to_the_plain_result(tmp_path, tiny_fused):
+    problem = tmp_path / "p.json"
+    problem.write_text(json.dumps(tiny_fused.to_dict()))
+    out = tmp_path / "r.json"
+    args = ["solve", str(problem), "--max-iterations", "2000", "--split-backward", "--out", str(out)]
+    assert main(args) == 0
+    got = json.loads(out.read_text())
+    assert got["lower_bound"] <= got["makespan"] and got["gap"] == 0 and got["optimal"]
+    split = got["split_backward"]
+    assert split["makespan"] <= got["makespan"] and "runtime executes plain F/B" in split["note"]
+    assert {label.split(":")[1][0] for rank in split["ranks"] for label in rank} == {"F", "I", "W"}
+    assert {label.split(":")[1][0] for rank in got["ranks"] for label in rank} == {"F", "B"}

@@ -92,7 +92,7 @@ class SearchConfig:
     max_starts: int = 4000
     exact: bool = True
     exact_share: float = 0.4
-    exact_effort: float = 5.0
+    exact_effort: float = 12.0
     exact_max_ops: int = 20_000
     exact_memory: bool = False
     exact_memory_ops: int = 3000
