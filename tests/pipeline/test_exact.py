@@ -247,9 +247,11 @@ def test_capped_memory_search_meets_its_cap_at_the_makespan():
          {"name": "critic", "stages": 2, "microbatches": 4, "forward": 1, "backward": 2, "activation": 1.0}],
     )  # fmt: skip
     c = compile_problem(p)
-    r = exact_search(p, compiled=c, analytic_bound=lower_bounds(p, c).makespan, time_budget=10)
+    bound = lower_bounds(p, c).makespan
+    r = prove(p, compiled=c, analytic_bound=bound, at_most=bound, time_budget=10)  # the solver's own order
     peak = c.peak(r.order)
-    # The first solution's peak is 10 (forwards as early as possible); the actor's 1F1B needs 4 on rank 0,
+    assert r.optimal and peak == 10
+    # The solver's first solution has peak 10 (forwards as early as possible); the actor's 1F1B needs 4 on rank 0,
     # and a cap just above that is met at the optimal makespan 39.
     low = capped_memory_search(p, compiled=c, makespan=r.value, peak=peak, target=4.0, time_budget=20)
     assert low is not None and c.evaluate(low.order)[0] <= r.value == 39
@@ -268,3 +270,19 @@ def test_cli_solve_reports_gap_and_split_backward_next_to_the_plain_result(tmp_p
     assert split["makespan"] <= got["makespan"] and "runtime executes plain F/B" in split["note"]
     assert {label.split(":")[1][0] for rank in split["ranks"] for label in rank} == {"F", "I", "W"}
     assert {label.split(":")[1][0] for rank in got["ranks"] for label in rank} == {"F", "B"}
+
+
+def test_low_memory_search_order_finds_the_optimum_with_less_memory():
+    # Branching B early / F late (what exact_search tries first) gives the 1F1B-like peak here.
+    p = make_problem(
+        [{"name": "actor", "stages": 4, "microbatches": 8, "forward": 1, "backward": 2, "activation": 1.0},
+         {"name": "critic", "stages": 2, "microbatches": 4, "forward": 1, "backward": 2, "activation": 1.0}],
+    )  # fmt: skip
+    c = compile_problem(p)
+    bound = lower_bounds(p, c).makespan
+    plain = prove(p, compiled=c, analytic_bound=bound, at_most=bound, time_budget=10)
+    low = prove(
+        p, compiled=c, analytic_bound=bound, at_most=bound, time_budget=10, low_memory_search_order=True
+    )
+    assert plain.optimal and low.optimal and low.value == plain.value == 39
+    assert c.peak(low.order) < c.peak(plain.order)

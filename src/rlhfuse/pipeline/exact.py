@@ -102,6 +102,7 @@ def prove(
     at_most: float | None = None,
     inflight_extra: tuple[int, ...] | None = None,
     cap_override: float | None = None,
+    low_memory_search_order: bool = False,
 ) -> ExactResult:
     """Solve (or bound) `problem` exactly with CP-SAT, warm-started from `upper_order`.
 
@@ -122,6 +123,9 @@ def prove(
         on each stage: a *restriction* that steers the solver to low-memory schedules (the bound is then not
         a bound for the problem and is not reported: `lower_bound` stays `analytic_bound`).
     cap_override: a memory cap tighter than the problem's (heuristic use only, with `inflight_extra`).
+    low_memory_search_order: branch in a fixed order, every B as early as possible, then every F as late as
+        possible: the first schedule found holds little activation (F's are started just in time). The search
+        is still complete, so INFEASIBLE still proves the bound.
     """
     began = time.perf_counter()
     c = compiled or compile_problem(problem)
@@ -252,6 +256,11 @@ def prove(
                 for f, b in zip(fwd, frees)
             )
         )
+    if low_memory_search_order:
+        backward = [start[op] for op in range(c.n) if c.is_b[op]]
+        forward = [start[op] for op in range(c.n) if not c.is_b[op]]
+        model.add_decision_strategy(backward, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
+        model.add_decision_strategy(forward, cp_model.CHOOSE_HIGHEST_MAX, cp_model.SELECT_MAX_VALUE)
     if hint_start is not None:
         for op in range(c.n):
             model.add_hint(start[op], int(hint_start[op]))
@@ -260,6 +269,8 @@ def prove(
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = max(1, int(workers))
     solver.parameters.random_seed = int(seed)
+    if low_memory_search_order:
+        solver.parameters.search_branching = cp_model.FIXED_SEARCH
     if deterministic_budget is not None:
         solver.parameters.max_deterministic_time = float(deterministic_budget)
         # A safety net only (CP-SAT's deterministic time can run far slower than the clock on some models);
@@ -382,11 +393,17 @@ def exact_search(
         return total - used
 
     # Decisions at the bound: each is much easier than the optimisation (tight time windows for every op).
+    # The first one branches in the low-memory order (B early, F late); if it stays open, the solver's own
+    # search takes over.
+    tries = 0
     while best > lower + 1e-9 and left() > 0.05 * total:
-        share = left() * 0.6
+        low_order = tries == 0
+        share = left() * (0.7 if low_order else 0.6)
+        tries += 1
         r = prove(
             problem, compiled=c, analytic_bound=lower, at_most=lower, workers=workers, seed=seed,
             time_budget=share, deterministic_budget=share if deterministic else None, max_ops=max_ops,
+            low_memory_search_order=low_order,
         )  # fmt: skip
         used += _spent(r, deterministic, share)
         last = r
@@ -398,7 +415,9 @@ def exact_search(
             continue
         if r.value is not None and r.value <= lower + 1e-9:
             status, note = "OPTIMAL", "a schedule at the proven bound (optimal)"
-        break
+            break
+        if not low_order:
+            break
     if best > lower + 1e-9 and left() > 0.05 * total and best_order is not None:
         share = left()
         r = prove(

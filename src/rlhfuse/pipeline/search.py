@@ -92,7 +92,7 @@ class SearchConfig:
     max_starts: int = 4000
     exact: bool = True
     exact_share: float = 0.4
-    exact_effort: float = 12.0
+    exact_effort: float = 16.0
     exact_max_ops: int = 20_000
     exact_memory: bool = False
     exact_memory_ops: int = 3000
@@ -449,7 +449,9 @@ def _worker(
 
     if fixed:
         end, stop, shared = math.inf, None, None
-    sweep = {"max_configs": config.max_starts} if fixed else {}
+    # With the exact step to close the gap, a quarter of the start sweep is enough.
+    exact_on = config.exact and worker == 0 and c.n <= config.exact_max_ops
+    sweep = {"max_configs": config.max_starts // 4 if exact_on else config.max_starts} if fixed else {}
     bounds = lower_bounds(problem, c)
     target = bounds.makespan
     serial = serial_peak(problem)
@@ -477,7 +479,6 @@ def _worker(
 
     # Phase 1 (latency). Some rounds also charge memory above the serial 1F1B peak: the latency moves alone
     # drift to high-memory schedules, which the memory phase can rarely repair at the optimal makespan.
-    exact_on = config.exact and worker == 0 and c.n <= config.exact_max_ops
     # With the exact step to follow, the annealing only needs to get close (the exact model closes the gap).
     latency_end = by(0.2 if exact_on else 1.0 - config.memory_share, t0)
     latency_cap = cap_iters // 4 if exact_on else cap_iters
