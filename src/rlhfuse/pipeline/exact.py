@@ -394,11 +394,11 @@ def exact_search(
 
     # Decisions at the bound: each is much easier than the optimisation (tight time windows for every op).
     # The first one branches in the low-memory order (B early, F late); if it stays open, the solver's own
-    # search takes over.
+    # search takes over. Under a cap the memory is bounded anyway, so the fixed order gets less of the budget.
     tries = 0
     while best > lower + 1e-9 and left() > 0.05 * total:
         low_order = tries == 0
-        share = left() * (0.7 if low_order else 0.6)
+        share = left() * ((0.7 if problem.memory_cap is None else 0.35) if low_order else 0.6)
         tries += 1
         r = prove(
             problem, compiled=c, analytic_bound=lower, at_most=lower, workers=workers, seed=seed,
@@ -416,7 +416,9 @@ def exact_search(
         if r.value is not None and r.value <= lower + 1e-9:
             status, note = "OPTIMAL", "a schedule at the proven bound (optimal)"
             break
-        if not low_order:
+        if not low_order or problem.memory_cap is not None:
+            # Under a cap the cap-blind bound is often far below the optimum: improving the schedule from the
+            # warm start (below) does more with the budget than more decisions at the bound.
             break
     if best > lower + 1e-9 and left() > 0.05 * total and best_order is not None:
         share = left()
