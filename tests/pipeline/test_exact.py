@@ -286,3 +286,18 @@ def test_low_memory_search_order_finds_the_optimum_with_less_memory():
     )
     assert plain.optimal and low.optimal and low.value == plain.value == 39
     assert c.peak(low.order) < c.peak(plain.order)
+
+
+def test_memory_ladder_meets_the_tightest_cap_it_can_at_the_makespan():
+    from rlhfuse.pipeline.exact import memory_ladder
+
+    p = make_problem(
+        [{"name": "actor", "stages": 4, "microbatches": 8, "forward": 1, "backward": 2, "activation": 1.0},
+         {"name": "critic", "stages": 2, "microbatches": 4, "forward": 1, "backward": 2, "activation": 1.0}],
+    )  # fmt: skip
+    c = compile_problem(p)
+    bound = lower_bounds(p, c).makespan
+    r = prove(p, compiled=c, analytic_bound=bound, at_most=bound, time_budget=10)
+    assert c.peak(r.order) == 10
+    low = memory_ladder(p, compiled=c, makespan=r.value, peak=10.0, target=4.0, time_budget=20)
+    assert low is not None and c.evaluate(low.order)[0] <= 39 and c.peak(low.order) <= 4.0 * 1.01

@@ -510,6 +510,45 @@ def low_memory_search(
     return best
 
 
+def memory_ladder(
+    problem: Problem,
+    *,
+    compiled: Compiled | None = None,
+    makespan: float,
+    peak: float,
+    target: float,
+    factors: tuple[float, ...] = (1.01, 1.1, 1.2, 1.35),
+    time_budget: float = 4.0,
+    deterministic_budget: float | None = None,
+    seed: int = 0,
+) -> ExactResult | None:
+    """A schedule with makespan <= `makespan` and a lower peak, or None: decisions "makespan <= M under a memory
+    cap of f x `target`?" (`target`: serial 1F1B's peak) for the factors below the current peak, tightest
+    first, each with an equal share of the budget and the low-memory branching order. The first "yes" is the
+    lowest cap met. A heuristic: an open or refuted decision proves nothing about the problem's memory.
+    """
+    c = compiled or compile_problem(problem)
+    caps = [f * target for f in factors if f * target < peak - 1e-6]
+    if not caps:
+        return None
+    total = float(deterministic_budget) if deterministic_budget is not None else float(time_budget)
+    share = total / len(caps)
+    for cap in caps:
+        r = prove(
+            problem, compiled=c, at_most=makespan, seed=seed, time_budget=share, cap_override=cap,
+            deterministic_budget=share if deterministic_budget is not None else None, analytic_bound=makespan,
+            low_memory_search_order=True,
+        )  # fmt: skip
+        if (
+            r.order is not None
+            and r.value is not None
+            and r.value <= makespan + 1e-9
+            and c.peak(r.order) < peak
+        ):
+            return r
+    return None
+
+
 def capped_memory_search(
     problem: Problem,
     *,

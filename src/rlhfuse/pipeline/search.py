@@ -70,6 +70,9 @@ class SearchConfig:
         exact_effort: CP-SAT deterministic time for the exact step when `max_iterations` is set (one solver
             thread, so the result is still the same on any machine).
         exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
+        exact_memory_ladder: before the memory annealing (worker 0, problems the exact model takes), exact
+            decisions at the best makespan under caps of 1.01, 1.1, 1.2, 1.35 x serial 1F1B's peak, tightest
+            first, in the low-memory branching order (`exact.memory_ladder`; a quarter of the exact budget).
         exact_memory: experimental, off by default: exact decisions for memory at the best makespan, i.e. the
             restricted decisions of `exact.low_memory_search` before the memory annealing and, for problems
             of at most `exact_memory_ops` ops, decisions under a memory cap (`exact.capped_memory_search`,
@@ -94,6 +97,7 @@ class SearchConfig:
     exact_share: float = 0.4
     exact_effort: float = 16.0
     exact_max_ops: int = 20_000
+    exact_memory_ladder: bool = True
     exact_memory: bool = False
     exact_memory_ops: int = 3000
     split_backward: bool = False
@@ -540,6 +544,19 @@ def _worker(
             cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
         )  # fmt: skip
     mem_goal = max(bounds.memory, config.memory_target * serial)
+    if exact_on and config.exact_memory_ladder and best_peak > mem_goal + 1e-9:
+        from rlhfuse.pipeline.exact import memory_ladder
+
+        seconds = max(0.5, min(config.exact_share * budget / 4, end - time.perf_counter()))
+        laddered = memory_ladder(
+            problem, compiled=c, makespan=best_ms, peak=best_peak, target=mem_goal, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort / 4 if fixed else None,
+        )  # fmt: skip
+        if laddered is not None and laddered.order is not None:
+            ms_lad = float(c.evaluate(laddered.order)[0])
+            if better(ms_lad, c.peak(laddered.order)):
+                best_ms, best_peak, best = ms_lad, c.peak(laddered.order), laddered.order
+                stats["exact_memory_ladder"] = round(best_peak, 4)
     if exact_on and config.exact_memory and best_peak > mem_goal + 1e-9:
         # The exact model's schedules are at the optimal makespan but hold much memory, and the annealing
         # rarely repairs that: ask the restricted model (in-flight limits) for a low-memory one first.
