@@ -70,7 +70,7 @@ class SearchConfig:
         exact_effort: CP-SAT deterministic time for the exact step when `max_iterations` is set (one solver
             thread, so the result is still the same on any machine).
         exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
-        exact_memory_ladder: before the memory annealing (worker 0, problems the exact model takes), exact
+        exact_memory_ladder: before the memory annealing (worker 0, at most `exact_memory_ops` ops), exact
             decisions at the best makespan under caps of 1.01, 1.1, 1.2, 1.35 x serial 1F1B's peak, tightest
             first, in the low-memory branching order (`exact.memory_ladder`; a quarter of the exact budget).
         exact_memory: experimental, off by default: exact decisions for memory at the best makespan, i.e. the
@@ -79,7 +79,8 @@ class SearchConfig:
             3 x `exact_effort`) after it. CP-SAT finds such schedules erratically (e.g. 10 at 318 with peak
             27.96 in one run, nothing in the next with another cap), so on the Table-3 settings they mostly
             cost time.
-        exact_memory_ops: see `exact_memory`.
+        exact_memory_ops: the memory decisions (`exact_memory_ladder`, `exact_memory`) run on problems of at
+            most this many ops (the 64-rank dry run, 12 288 ops, would spend its budget building models).
         split_backward: search split-backward schedules (F, I, W per stage; `rlhfuse.pipeline.simulate`)
             instead of F/B ones. Beyond the paper; the runtime lowers and executes plain F/B schedules only.
     """
@@ -99,7 +100,7 @@ class SearchConfig:
     exact_max_ops: int = 20_000
     exact_memory_ladder: bool = True
     exact_memory: bool = False
-    exact_memory_ops: int = 3000
+    exact_memory_ops: int = 5000
     split_backward: bool = False
 
     @property
@@ -544,7 +545,12 @@ def _worker(
             cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
         )  # fmt: skip
     mem_goal = max(bounds.memory, config.memory_target * serial)
-    if exact_on and config.exact_memory_ladder and best_peak > mem_goal + 1e-9:
+    if (
+        exact_on
+        and config.exact_memory_ladder
+        and c.n <= config.exact_memory_ops
+        and best_peak > mem_goal + 1e-9
+    ):
         from rlhfuse.pipeline.exact import memory_ladder
 
         seconds = max(0.5, min(config.exact_share * budget / 4, end - time.perf_counter()))
