@@ -301,3 +301,29 @@ def test_memory_ladder_meets_the_tightest_cap_it_can_at_the_makespan():
     assert c.peak(r.order) == 10
     low = memory_ladder(p, compiled=c, makespan=r.value, peak=10.0, target=4.0, time_budget=20)
     assert low is not None and c.evaluate(low.order)[0] <= 39 and c.peak(low.order) <= 4.0 * 1.01
+
+
+def test_peak_objective_and_window_relaxation_on_the_enumerated_problem():
+    p = make_problem(
+        [
+            {"name": "actor", "stages": 2, "microbatches": 2, "forward": 2, "backward": 3, "activation": 1.5},
+            {
+                "name": "critic",
+                "stages": 2,
+                "microbatches": 1,
+                "forward": 1,
+                "backward": 2,
+                "activation": 1.0,
+            },
+        ],
+    )
+    c = compile_problem(p)
+    best = exact_search(p, compiled=c, analytic_bound=15.0, time_budget=10)
+    assert best.optimal and best.value == 15
+    # Least peak at the optimal makespan: never below the memory bound, never above the schedule it started from.
+    low = prove(p, compiled=c, objective="peak", upper_order=best.order, makespan_limit=15.0, time_budget=10)
+    assert low.order is not None and c.evaluate(low.order)[0] <= 15
+    assert lower_bounds(p, c).memory <= low.lower_bound <= c.peak(low.order) <= c.peak(best.order)
+    # No-overlap on rank 0 only is a relaxation: its optimum is a valid bound, at most the true optimum 15.
+    window = prove(p, compiled=c, resource_ranks=(0,), time_budget=10)
+    assert window.order is None and window.lower_bound <= 15

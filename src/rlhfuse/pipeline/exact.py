@@ -129,9 +129,9 @@ def prove(
     """
     began = time.perf_counter()
     c = compiled or compile_problem(problem)
-    if objective not in ("makespan", "peak", "area"):
-        raise ValueError(f"objective must be 'makespan', 'peak' or 'area' (got {objective!r})")
-    if objective in ("peak", "area") and (upper_order is None or makespan_limit is None):
+    if objective not in ("makespan", "peak"):
+        raise ValueError(f"objective must be 'makespan' or 'peak' (got {objective!r})")
+    if objective == "peak" and (upper_order is None or makespan_limit is None):
         raise ValueError("objective='peak' needs upper_order and makespan_limit (the makespan to keep)")
     if c.n > max_ops:
         return ExactResult(
@@ -180,7 +180,7 @@ def prove(
         int_c_finish = _retime(c, upper_order, dur, lat_i)
         hint_start = int_c_finish - dur
     horizon = int((hint_start + dur).max()) if hint_start is not None else int(dur.sum())
-    if objective in ("peak", "area"):
+    if objective == "peak":
         assert makespan_limit is not None
         horizon = min(horizon, math.floor(makespan_limit * t_scale + 1e-6)) if t_exact else horizon
     lb_scaled = (
@@ -246,16 +246,6 @@ def prove(
         assert peak is not None
         model.add(makespan <= horizon)
         model.minimize(peak)
-    else:  # activation held x time, summed: a smooth proxy of the peaks that the solver improves steadily
-        model.add(makespan <= horizon)
-        frees = c.free_op[c.is_b == 0]
-        fwd = np.nonzero(c.is_b == 0)[0]
-        model.minimize(
-            sum(
-                int(demand[f]) * (start[int(b)] + int(dur[int(b)]) - start[int(f)])
-                for f, b in zip(fwd, frees)
-            )
-        )
     if low_memory_search_order:
         backward = [start[op] for op in range(c.n) if c.is_b[op]]
         forward = [start[op] for op in range(c.n) if not c.is_b[op]]
@@ -288,9 +278,7 @@ def prove(
         order = _order_from_starts(c, starts)
         ms, _ = c.evaluate(order)
         value = float(ms) if objective == "makespan" else c.peak(order)
-        if objective == "area" and ms > makespan_limit + 1e-9:  # type: ignore[operator]
-            order, value = None, None  # rounded durations only: not at the makespan asked for
-    if inflight_extra is not None or objective == "area":  # proves nothing about the problem
+    if inflight_extra is not None or cap_override is not None:  # a restriction proves nothing
         return ExactResult(
             analytic_bound, value, order, False, name, time.perf_counter() - began, c.n,
             "restricted model (in-flight limits)", float(solver.response_proto.deterministic_time),
