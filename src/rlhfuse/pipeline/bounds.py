@@ -42,12 +42,11 @@ class Bounds:
 def lower_bounds(problem: Problem, compiled: Compiled | None = None) -> Bounds:
     c = compiled or compile_problem(problem)
     crit: dict[str, float] = {}
-    n_streams = len(c.stream_base)
-    for sid in range(0, n_streams, 2):  # F stream sid, its B stream sid + 1
+    for sid in np.nonzero(c.stream_is_b == 0)[0]:  # each F stream with its B (or I and W) streams
         f_ops = slice(c.stream_base[sid], c.stream_base[sid] + c.stream_len[sid])
-        b_ops = slice(c.stream_base[sid + 1], c.stream_base[sid + 1] + c.stream_len[sid + 1])
-        work = float(c.dur[f_ops].sum() + c.dur[b_ops].sum())
-        path = float(c.head[f_ops].min()) + work + float(c.tail[b_ops].min())
+        group = np.isin(c.stream, np.nonzero(c.stream_limit_group == sid)[0])
+        work = float(c.dur[group].sum())
+        path = float(c.head[f_ops].min()) + work + float(c.tail[group].min())
         name = c.problem.models[int(c.model_of_stream[sid])].name
         crit[name] = max(crit.get(name, 0.0), path)
     average = float(c.dur.sum()) / problem.ranks

@@ -1,20 +1,29 @@
 """`rlhfuse-schedule`: solve fused pipeline problems and print the Table-3 comparison.
 
 rlhfuse-schedule solve PROBLEM.json --time-budget SECONDS --out RESULT.json [--plot TIMELINE.png]
-rlhfuse-schedule bench [TABLE.json] [--time-budget SECONDS] [--workers N]
+rlhfuse-schedule solve PROBLEM.json --max-iterations N      # deterministic effort: same result on any machine
+rlhfuse-schedule bound PROBLEM.json --time-budget SECONDS --out BOUND.json
+rlhfuse-schedule bench [TABLE.json] [--max-iterations N | --time-budget SECONDS] [--workers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlhfuse.pipeline.bounds import lower_bounds
+from rlhfuse.pipeline.compiled import compile_problem
+from rlhfuse.pipeline.exact import DEFAULT_MAX_OPS, exact_search
 from rlhfuse.pipeline.problem import load_problem, load_problems
 from rlhfuse.pipeline.search import SearchConfig, Solution, solve
+
+BENCH_ITERATIONS = 1_000_000
 
 TABLE_ENV = "RLHFUSE_TABLE3"
 
@@ -31,7 +40,7 @@ def default_table_path() -> Path:
 def format_table(solutions: Sequence[Solution]) -> str:
     """A Table-3-like comparison: makespans, speedups over serial 1F1B, memory relative to serial 1F1B."""
     head = (
-        f"{'setting':34s} {'serial':>6s} {'greedy':>6s} {'ours':>6s} {'bound':>6s} {'paper':>6s} "
+        f"{'setting':34s} {'serial':>6s} {'greedy':>6s} {'ours':>6s} {'bound':>6s} {'gap':>6s} {'paper':>6s} "
         f"{'x greedy':>8s} {'x ours':>7s} {'x paper':>7s} {'mem greedy':>10s} {'mem ours':>8s} {'mem paper':>9s} "
         f"{'peak':>7s} {'p.peak':>7s} {'sec':>6s}"
     )
@@ -45,7 +54,7 @@ def format_table(solutions: Sequence[Solution]) -> str:
         hits += s.makespan <= s.lower_bound + 1e-9
         lines.append(
             f"{s.problem.name:34s} {s.serial_makespan:6g} {s.greedy_makespan:6g} {s.makespan:6g} "
-            f"{s.lower_bound:6g} {paper_ms if paper_ms is not None else '-':>6} "
+            f"{s.lower_bound:6g} {100 * s.gap:5.2f}% {paper_ms if paper_ms is not None else '-':>6} "
             f"{s.serial_makespan / s.greedy_makespan:8.2f} {s.speedup:7.2f} "
             f"{s.serial_makespan / paper_ms if paper_ms else float('nan'):7.2f} "
             f"{s.greedy_peak / s.serial_peak:10.2f} {s.memory_ratio:8.2f} "
@@ -53,17 +62,37 @@ def format_table(solutions: Sequence[Solution]) -> str:
             f"{paper_peak if paper_peak is not None else '-':>7} {s.seconds:6.1f}"
         )
     lines.append(
-        f"lower bound reached in {hits} of {len(solutions)}; speedups (x) are over serial 1F1B; memory is the peak "
+        f"proven optimal (makespan = proven lower bound) in {hits} of {len(solutions)}; speedups (x) are over serial 1F1B; memory is the peak "
         "activation relative to serial 1F1B (per rank the larger of the two models' 1F1B peaks, max over ranks)"
     )
     return "\n".join(lines)
 
 
+def _config(args: argparse.Namespace) -> SearchConfig:
+    iterations = args.max_iterations if args.max_iterations else None
+    return SearchConfig(
+        time_budget=args.time_budget, seed=args.seed, workers=args.workers, max_iterations=iterations
+    )
+
+
 def _solve(args: argparse.Namespace) -> int:
     problem = load_problem(args.problem)
-    config = SearchConfig(time_budget=args.time_budget, seed=args.seed, workers=args.workers)
+    config = _config(args)
     solution = solve(problem, config)
     result = solution.to_result()
+    if args.split_backward:
+        # Reported next to the plain F/B result, which stays the schedule (the runtime runs F/B only).
+        split = solve(problem, dataclasses.replace(config, split_backward=True))
+        result["split_backward"] = {
+            "makespan": split.to_result()["makespan"],
+            "lower_bound": split.to_result()["lower_bound"],
+            "gap": round(split.gap, 6),
+            "peak_activation": round(split.peak, 6),
+            "search_seconds": round(split.seconds, 3),
+            "ranks": split.schedule.labels(),
+            "note": "F/I/W schedule (I: input gradient, W: weight gradient, each half of B); analysis only: "
+            "the runtime executes plain F/B schedules",
+        }
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +104,8 @@ def _solve(args: argparse.Namespace) -> int:
 
         plot_timeline(problem, solution.schedule, args.plot, reference_memory=solution.serial_peak)
     print(
-        f"{problem.name}: makespan {solution.makespan:g} (lower bound {solution.lower_bound:g}, greedy "
+        f"{problem.name}: makespan {solution.makespan:g} (proven lower bound {solution.lower_bound:g}, gap "
+        f"{100 * solution.gap:.2f}%, greedy "
         f"{solution.greedy_makespan:g}, serial 1F1B {solution.serial_makespan:g}), peak activation "
         f"{solution.peak:.2f} ({solution.memory_ratio:.2f}x serial 1F1B), {solution.seconds:.1f}s",
         file=sys.stderr,
@@ -83,10 +113,72 @@ def _solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def bound(
+    problem_path: Path, time_budget: float = 60.0, seed: int = 0, max_ops: int = DEFAULT_MAX_OPS
+) -> dict:
+    """The proven lower bound of one problem and, if the exact model finds one, an optimal schedule.
+
+    A short deterministic annealing run gives the warm start; the exact model then decides "makespan <=
+    bound?" upwards from the analytic bound and, if a decision stays open, minimises from the warm start.
+    """
+    problem = load_problem(problem_path)
+    began = time.perf_counter()
+    c = compile_problem(problem)
+    analytic = lower_bounds(problem, c).makespan
+    warm = solve(problem, SearchConfig(seed=seed, max_iterations=100_000, max_starts=200, exact=False))
+    order = c.from_schedule(warm.schedule)
+    r = exact_search(
+        problem, compiled=c, upper_order=order, analytic_bound=analytic, time_budget=time_budget, seed=seed,
+        max_ops=max_ops,
+    )  # fmt: skip
+    best = r.order if r.order is not None else order
+    ms = float(c.evaluate(best)[0])
+    lower = max(analytic, r.lower_bound)
+    out = {
+        "problem": problem.name,
+        "lower_bound": int(lower) if float(lower).is_integer() else round(lower, 6),
+        "lower_bound_analytic": int(analytic) if float(analytic).is_integer() else round(analytic, 6),
+        "makespan": int(ms) if ms.is_integer() else round(ms, 6),
+        "gap": round(max(0.0, ms - lower) / lower, 6) if lower else 0.0,
+        "optimal": ms <= lower + 1e-9,
+        "status": "TOO_LARGE" if c.n > max_ops else r.status,
+        "note": r.note,
+        "ops": c.n,
+        "seconds": round(time.perf_counter() - began, 3),
+        "peak_activation": round(c.peak(best), 6),
+        "ranks": c.to_schedule(best).labels(),
+    }
+    return out
+
+
+def _bound(args: argparse.Namespace) -> int:
+    out = bound(args.problem, args.time_budget, args.seed, args.max_ops)
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(
+        f"{out['problem']}: proven lower bound {out['lower_bound']:g} (analytic {out['lower_bound_analytic']:g}), "
+        f"best schedule {out['makespan']:g}, gap {100 * out['gap']:.2f}%"
+        + (" (optimal)" if out["optimal"] else "")
+        + f"; {out['status']}: {out['note']}; {out['seconds']:.1f}s"
+    )
+    return 0
+
+
 def bench(
-    path: Path | None = None, time_budget: float = 60.0, workers: int = 1, seed: int = 0
+    path: Path | None = None,
+    time_budget: float = 60.0,
+    workers: int = 1,
+    seed: int = 0,
+    max_iterations: int | None = BENCH_ITERATIONS,
 ) -> list[Solution]:
-    """Solve every problem of a table3.json-style file, printing each row as it is found, then the table."""
+    """Solve every problem of a table3.json-style file, printing each row as it is found, then the table.
+
+    By default the effort is `max_iterations` annealing iterations per phase (and a fixed CP-SAT
+    deterministic time), so the figures do not depend on the machine's load; `max_iterations=None` uses the
+    wall-clock `time_budget` instead.
+    """
     path = path or default_table_path()
     if not path.is_file():
         raise FileNotFoundError(
@@ -95,9 +187,13 @@ def bench(
         )
     solutions = []
     for problem in load_problems(path):
-        s = solve(problem, SearchConfig(time_budget=time_budget, seed=seed, workers=workers))
+        config = SearchConfig(
+            time_budget=time_budget, seed=seed, workers=workers, max_iterations=max_iterations
+        )
+        s = solve(problem, config)
         print(
-            f"  {problem.name}: {s.makespan:g} / bound {s.lower_bound:g}, peak {s.peak:.2f}, {s.seconds:.1f}s",
+            f"  {problem.name}: {s.makespan:g} / proven bound {s.lower_bound:g} (gap {100 * s.gap:.2f}%), "
+            f"peak {s.peak:.2f}, {s.seconds:.1f}s",
             flush=True,
         )
         solutions.append(s)
@@ -118,20 +214,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_solve.add_argument("--plot", type=Path, help="timeline PNG (Figure 10 style)")
     p_solve.add_argument("--workers", type=int, default=1, help="local processes running seeds in parallel")
     p_solve.add_argument("--seed", type=int, default=0)
+    p_solve.add_argument(
+        "--max-iterations", type=int, default=0,
+        help="deterministic effort: annealing iterations per phase (the clock is then ignored); 0: time budget",
+    )  # fmt: skip
+    p_solve.add_argument(
+        "--split-backward", action="store_true",
+        help="also search split-backward (F/I/W) schedules and report them next to the F/B result",
+    )  # fmt: skip
+    p_bound = sub.add_parser("bound", help="prove a lower bound (and, if found, an optimal schedule)")
+    p_bound.add_argument("problem", type=Path)
+    p_bound.add_argument("--time-budget", type=float, default=60.0, help="seconds for the exact model")
+    p_bound.add_argument("--out", type=Path, help="bound JSON (default: only print the summary)")
+    p_bound.add_argument("--seed", type=int, default=0)
+    p_bound.add_argument(
+        "--max-ops", type=int, default=DEFAULT_MAX_OPS, help="larger problems keep the analytic bound"
+    )
     p_bench = sub.add_parser(
         "bench", help="solve every problem of a table3.json-style file and print Table 3"
     )
     p_bench.add_argument(
         "table", type=Path, nargs="?", help=f"default: ${TABLE_ENV} or ../shared/bench/table3.json"
     )
-    p_bench.add_argument("--time-budget", type=float, default=60.0, help="seconds per problem (default 60)")
+    p_bench.add_argument(
+        "--time-budget", type=float, default=60.0, help="seconds per problem, with --max-iterations 0"
+    )
+    p_bench.add_argument(
+        "--max-iterations", type=int, default=BENCH_ITERATIONS,
+        help=f"deterministic effort per problem (default {BENCH_ITERATIONS}); 0: use --time-budget",
+    )  # fmt: skip
     p_bench.add_argument("--workers", type=int, default=1)
     p_bench.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         if args.command == "solve":
             return _solve(args)
-        bench(args.table, args.time_budget, args.workers, args.seed)
+        if args.command == "bound":
+            return _bound(args)
+        bench(args.table, args.time_budget, args.workers, args.seed, args.max_iterations or None)
         return 0
     except (ValueError, FileNotFoundError) as err:
         print(f"rlhfuse-schedule: error: {err}", file=sys.stderr)

@@ -57,6 +57,9 @@ class Compiled:
     stream_rank: np.ndarray
     stream_is_b: np.ndarray
     stream_limit_group: np.ndarray  # int64 [n_streams]: the F stream id of the same (model, replica, stage)
+    free_op: np.ndarray  # int64 [N]: for an F, the op whose end frees its activation (B, or W); else -1
+    stream_frees: np.ndarray  # int64 [n_streams]: 1 for the streams that free activations (B, or W)
+    split_backward: bool
     rank_ptr: np.ndarray  # int64 [R+1]: ops of rank k are order[rank_ptr[k]:rank_ptr[k+1]]
     rank_streams_ptr: np.ndarray  # int64 [R+1]
     rank_streams: np.ndarray  # int64: stream ids per rank
@@ -121,8 +124,17 @@ class Compiled:
         return float(rank_peaks(order, self.rank_ptr, self.mem).max())
 
 
-def compile_problem(problem: Problem, durations: Callable[[Action], float] | None = None) -> Compiled:
-    """Number the ops of `problem` by stream and precompute dependencies, heads and tails."""
+def compile_problem(
+    problem: Problem, durations: Callable[[Action], float] | None = None, split_backward: bool = False
+) -> Compiled:
+    """Number the ops of `problem` by stream and precompute dependencies, heads and tails.
+
+    `split_backward`: each stage's B becomes I then W (`rlhfuse.pipeline.simulate`, split backward): streams
+    F, I, W per stage; I carries the backward chain between stages, W frees the activation.
+    """
+    from rlhfuse.pipeline.simulate import stage_duration, stage_kinds
+
+    kinds = stage_kinds(split_backward)
     actions: list[Action] = []
     rank: list[int] = []
     dur: list[float] = []
@@ -134,6 +146,7 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
     s_rank: list[int] = []
     s_is_b: list[int] = []
     s_group: list[int] = []
+    s_frees: list[int] = []
     s_model: list[int] = []
     s_stage: list[int] = []
     s_stages: list[int] = []
@@ -143,13 +156,14 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
         for r in range(m.replicas):
             for s in range(m.stages):
                 f_stream = len(s_base)
-                for kind in (Kind.F, Kind.B):
+                for ki, kind in enumerate(kinds):
                     sid = len(s_base)
-                    ids[(mi, r, s, 0 if kind is Kind.F else 1)] = sid
+                    ids[(mi, r, s, ki)] = sid
                     s_base.append(len(actions))
                     s_len.append(m.microbatches)
                     s_rank.append(m.placement[r][s])
-                    s_is_b.append(int(kind is Kind.B))
+                    s_is_b.append(int(kind is not Kind.F))
+                    s_frees.append(int(kind in (Kind.B, Kind.W)))
                     s_group.append(f_stream)
                     s_model.append(mi)
                     s_stage.append(s)
@@ -159,25 +173,33 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
                         a = Action(m.name, r, s, kind, i)
                         actions.append(a)
                         rank.append(m.placement[r][s])
-                        d = durations(a) if durations else (m.forward[s] if kind is Kind.F else m.backward[s])
+                        d = durations(a) if durations else stage_duration(problem, m.name, s, kind)
                         dur.append(float(d))
-                        mem.append(m.activation[s] if kind is Kind.F else -m.activation[s])
-                        is_b.append(int(kind is Kind.B))
+                        held = {Kind.F: m.activation[s], Kind.I: 0.0}.get(kind, -m.activation[s])
+                        mem.append(held)
+                        is_b.append(int(kind is not Kind.F))
                         stream.append(sid)
     n = len(actions)
     pred1 = np.full(n, -1, dtype=np.int64)
     pred2 = np.full(n, -1, dtype=np.int64)
     succ1 = np.full(n, -1, dtype=np.int64)
     succ2 = np.full(n, -1, dtype=np.int64)
+    free_op = np.full(n, -1, dtype=np.int64)
     for mi, m in enumerate(problem.models):
         for r in range(m.replicas):
             for s in range(m.stages):
                 f0 = s_base[ids[(mi, r, s, 0)]]
-                b0 = s_base[ids[(mi, r, s, 1)]]
+                b0 = s_base[ids[(mi, r, s, 1)]]  # B, or I when split
                 for i in range(m.microbatches):
                     f, b = f0 + i, b0 + i
                     pred1[b] = f  # B(s) after F(s)
                     succ2[f] = b
+                    free_op[f] = b
+                    if split_backward:
+                        w = s_base[ids[(mi, r, s, 2)]] + i
+                        pred1[w] = b  # W(s) after I(s); nothing waits for W
+                        succ2[b] = w
+                        free_op[f] = w
                     if s > 0:
                         fp = s_base[ids[(mi, r, s - 1, 0)]] + i
                         pred1[f] = fp
@@ -240,6 +262,9 @@ def compile_problem(problem: Problem, durations: Callable[[Action], float] | Non
         stream_rank=as_int(s_rank),
         stream_is_b=as_int(s_is_b),
         stream_limit_group=as_int(s_group),
+        free_op=free_op,
+        stream_frees=as_int(s_frees),
+        split_backward=split_backward,
         rank_ptr=rank_ptr,
         rank_streams_ptr=rs_ptr,
         rank_streams=rank_streams,
@@ -428,6 +453,8 @@ def list_schedule(  # type: ignore[no-untyped-def]
     noise,
     seed,
     planned,
+    stream_group,
+    stream_frees,
 ):
     """Greedy list schedule over streams; returns the per-rank order (op ids) or an empty array if stuck.
 
@@ -517,10 +544,10 @@ def list_schedule(  # type: ignore[no-untyped-def]
         t = st + dur[op]
         free[k] = t
         level[k] += mem[op]
-        g = sid if stream_is_b[sid] == 0 else sid - 1
+        g = stream_group[sid]
         if stream_is_b[sid] == 0:
             inflight[g] += 1
-        else:
+        elif stream_frees[sid] == 1:
             inflight[g] -= 1
         order[fill[k]] = op
         fill[k] += 1

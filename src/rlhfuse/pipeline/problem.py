@@ -197,6 +197,7 @@ def problem_from_dict(raw: Mapping[str, Any]) -> Problem:
                 f"(got {placement_raw!r})"
             )
         else:
+            used_by: dict[int, int] = {}
             for r, row in enumerate(placement_raw):
                 if not isinstance(row, list) or len(row) != stages:
                     problems.append(f"{where}.placement[{r}] must be a list of {stages} ranks (got {row!r})")
@@ -208,11 +209,15 @@ def problem_from_dict(raw: Mapping[str, Any]) -> Problem:
                             "raise problem.ranks or fix the placement"
                         )
                     else:
-                        key = (mname, r, rank)
-                        if key in seen:
-                            # Two stages of one replica on one rank is interleaved 1F1B: allowed.
-                            pass
-                        seen[key] = s
+                        # Two stages of one replica on one rank is interleaved 1F1B: allowed; two replicas of
+                        # one model on one rank contradict the data-parallel layout (one block per replica).
+                        other = used_by.setdefault(rank, r)
+                        if other != r:
+                            problems.append(
+                                f"{where}.placement[{r}][{s}] puts replica {r} on rank {rank}, which replica "
+                                f"{other} already uses: give each replica its own ranks"
+                            )
+                        seen[(mname, r, rank)] = s
                 placement.append(tuple(int(x) if isinstance(x, int) else 0 for x in row))
         if any(m2.name == mname for m2 in models):
             problems.append(f"{where}.name {mname!r} is used twice: give each model its own name")
@@ -241,15 +246,34 @@ def problem_from_dict(raw: Mapping[str, Any]) -> Problem:
     return problem
 
 
+def min_feasible_cap(problem: Problem) -> float:
+    """The least memory cap some schedule meets: the largest activation one micro-batch holds on one rank.
+
+    A micro-batch's F on stage s holds its activation until its B on stage s, and every later stage's F and B
+    of that micro-batch run in between; so a rank running several stages of one replica holds all of them at
+    once, whatever the schedule. Running every micro-batch alone (all F, then all B, one micro-batch at a
+    time) holds nothing more, so this is also enough.
+    """
+    need = 0.0
+    for m in problem.models:
+        for row in m.placement:
+            per_rank: dict[int, float] = {}
+            for s, rank in enumerate(row):
+                per_rank[rank] = per_rank.get(rank, 0.0) + m.activation[s]
+            need = max(need, max(per_rank.values(), default=0.0))
+    return need
+
+
 def _check_cap(problem: Problem) -> None:
-    """A cap below one micro-batch's activation on some stage can never be met: say so now."""
+    """A cap below what one micro-batch holds on some rank can never be met: say so before any search."""
     if problem.memory_cap is None:
         return
-    worst = max(max(m.activation) for m in problem.models)
-    if worst > problem.memory_cap:
+    need = min_feasible_cap(problem)
+    if need > problem.memory_cap + 1e-9:
         raise ValueError(
-            f"invalid problem {problem.name!r}: memory_cap={problem.memory_cap} is below the activation of a "
-            f"single micro-batch ({worst}); raise memory_cap or set it to null"
+            f"invalid problem {problem.name!r}: memory_cap={problem.memory_cap} is below {need:g}, the "
+            "activation one micro-batch holds on one rank (all the stages of one replica placed there), so no "
+            f"schedule can meet it; raise memory_cap to at least {need:g} or set it to null"
         )
 
 

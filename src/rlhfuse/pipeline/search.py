@@ -37,7 +37,7 @@ from rlhfuse.pipeline.compiled import (
     compile_problem,
     list_schedule,
 )
-from rlhfuse.pipeline.ir import Schedule, schedule_to_result
+from rlhfuse.pipeline.ir import Action, Kind, Schedule, schedule_to_result
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.pipeline.simulate import DurationFn, dependencies, simulate
 
@@ -63,6 +63,26 @@ class SearchConfig:
             sized by time).
         max_starts: list schedules per start sweep when `max_iterations` is set (the time-bounded search
             sweeps until its share of the budget is spent).
+        exact: after the latency phase, if the makespan is above the bound, let the exact model
+            (`rlhfuse.pipeline.exact`, CP-SAT) decide "makespan <= bound?" (raising the proven bound on each
+            "no") and, if left open, minimise the makespan from the annealing result. Worker 0 only.
+        exact_share: share of `time_budget` the exact step may use (wall-clock runs).
+        exact_effort: CP-SAT deterministic time for the exact step when `max_iterations` is set (one solver
+            thread, so the result is still the same on any machine).
+        exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
+        exact_memory_ladder: before the memory annealing (worker 0, at most `exact_memory_ops` ops), exact
+            decisions at the best makespan under caps of 1.01, 1.1, 1.2, 1.35 x serial 1F1B's peak, tightest
+            first, in the low-memory branching order (`exact.memory_ladder`; a quarter of the exact budget).
+        exact_memory: experimental, off by default: exact decisions for memory at the best makespan, i.e. the
+            restricted decisions of `exact.low_memory_search` before the memory annealing and, for problems
+            of at most `exact_memory_ops` ops, decisions under a memory cap (`exact.capped_memory_search`,
+            3 x `exact_effort`) after it. CP-SAT finds such schedules erratically (e.g. 10 at 318 with peak
+            27.96 in one run, nothing in the next with another cap), so on the Table-3 settings they mostly
+            cost time.
+        exact_memory_ops: the memory decisions (`exact_memory_ladder`, `exact_memory`) run on problems of at
+            most this many ops (the 64-rank dry run, 12 288 ops, would spend its budget building models).
+        split_backward: search split-backward schedules (F, I, W per stage; `rlhfuse.pipeline.simulate`)
+            instead of F/B ones. Beyond the paper; the runtime lowers and executes plain F/B schedules only.
     """
 
     time_budget: float = 60.0
@@ -74,6 +94,14 @@ class SearchConfig:
     max_iterations: int | None = None
     round_iterations: int = 200_000
     max_starts: int = 4000
+    exact: bool = True
+    exact_share: float = 0.4
+    exact_effort: float = 16.0
+    exact_max_ops: int = 20_000
+    exact_memory_ladder: bool = True
+    exact_memory: bool = False
+    exact_memory_ops: int = 5000
+    split_backward: bool = False
 
     @property
     def deterministic(self) -> bool:
@@ -95,10 +123,21 @@ class Solution:
     greedy_peak: float
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    proven_bound: float = 0.0
 
     @property
     def lower_bound(self) -> float:
-        return self.bounds.makespan
+        """The best proven lower bound: the analytic one (`bounds.makespan`) or the exact model's."""
+        return max(self.bounds.makespan, self.proven_bound)
+
+    @property
+    def gap(self) -> float:
+        """(makespan - lower bound) / lower bound: 0 when the schedule is proven optimal."""
+        return max(0.0, self.makespan - self.lower_bound) / self.lower_bound if self.lower_bound else 0.0
+
+    @property
+    def optimal(self) -> bool:
+        return self.makespan <= self.lower_bound + 1e-9
 
     @property
     def schedule_size(self) -> int:
@@ -130,6 +169,10 @@ class Solution:
                 "speedup_over_serial_1f1b": round(self.speedup, 4),
                 "memory_ratio_to_serial_1f1b": round(self.memory_ratio, 4),
                 "lower_bound_paper": _plain(self.bounds.paper),
+                "lower_bound_analytic": _plain(self.bounds.makespan),
+                "gap": round(self.gap, 6),
+                "optimal": self.optimal,
+                "exact_status": self.stats.get("exact_status", "not run"),
             },
         )
 
@@ -166,7 +209,7 @@ def run_list_schedule(
         c.stream_len.copy() if limit is None else limit,
         np.zeros(c.n) if prio is None else (prio[c.stream] if len(prio) == n_streams else prio),
         float(slack), _cap(c.problem) if cap is None else min(cap, _cap(c.problem)), float(noise), int(seed),
-        np.full(c.n, -1.0) if planned is None else planned,
+        np.full(c.n, -1.0) if planned is None else planned, c.stream_limit_group, c.stream_frees,
     )  # fmt: skip
     return order if len(order) else None
 
@@ -178,11 +221,28 @@ def greedy_order(c: Compiled) -> np.ndarray:
         # Unbounded forwards can fill the cap before any backward is possible: fall back to 1F1B limits.
         order = run_list_schedule(c, limit=_limits(c, [0] * len(c.problem.models)))
     if order is None:
-        raise ValueError(
-            f"memory_cap={c.problem.memory_cap} of problem {c.problem.name!r} leaves no valid schedule for the "
-            "greedy list scheduler: raise memory_cap or set it to null"
-        )
+        # Under a tight cap: every micro-batch alone (valid whenever the problem's cap passed validation).
+        order = serial_order(c)
     return order
+
+
+def serial_order(c: Compiled) -> np.ndarray:
+    """Each micro-batch alone, model after model: all its F (stage 0 up), then all its B (top stage down).
+
+    Valid under any cap that `problem.min_feasible_cap` allows (a rank holds one micro-batch of one replica at
+    a time): the constructive start of last resort for memory-capped problems.
+    """
+    lists: list[list[int]] = [[] for _ in range(c.ranks)]
+    idx = c.index()
+    for m in c.problem.models:
+        for r in range(m.replicas):
+            for i in range(m.microbatches):
+                seq = [Action(m.name, r, s, Kind.F, i) for s in range(m.stages)]
+                back = (Kind.I, Kind.W) if c.split_backward else (Kind.B,)
+                seq += [Action(m.name, r, s, k, i) for s in reversed(range(m.stages)) for k in back]
+                for a in seq:
+                    lists[m.placement[r][a.stage]].append(idx[a])
+    return np.array([op for ops in lists for op in ops], dtype=np.int64)
 
 
 def greedy(problem: Problem, durations: DurationFn | None = None) -> Schedule:
@@ -263,6 +323,8 @@ def constructive_starts(
     target = lower_bounds(problem, c).makespan
     protect_options: list[tuple[int, float | None] | None] = [None, (by_path[0], None), (by_path[0], target)]
     protect_options += [(i, target) for i in by_path[1:]]
+    if c.split_backward:  # the protected timing is the plain 1F1B one
+        protect_options = [None]
     planned_cache = {} if planned_cache is None else planned_cache
     max_extra = [min(m.stages, m.microbatches) for m in problem.models]
     configs = []
@@ -378,7 +440,7 @@ def _worker(
     its schedule in `shared` and sets `stop`; the others then run their memory phase from that schedule (with
     their own seeds), so that every worker spends the rest of the budget on memory at the optimal makespan.
     """
-    c = compile_problem(problem, durations)
+    c = compile_problem(problem, durations, config.split_backward)
     rng = np.random.default_rng(config.seed + worker)
     budget = config.time_budget
     # Leave a little for what follows the search (collecting workers, the oracle check, baselines).
@@ -392,7 +454,9 @@ def _worker(
 
     if fixed:
         end, stop, shared = math.inf, None, None
-    sweep = {"max_configs": config.max_starts} if fixed else {}
+    # With the exact step to close the gap, a quarter of the start sweep is enough.
+    exact_on = config.exact and worker == 0 and c.n <= config.exact_max_ops
+    sweep = {"max_configs": config.max_starts // 4 if exact_on else config.max_starts} if fixed else {}
     bounds = lower_bounds(problem, c)
     target = bounds.makespan
     serial = serial_peak(problem)
@@ -420,14 +484,18 @@ def _worker(
 
     # Phase 1 (latency). Some rounds also charge memory above the serial 1F1B peak: the latency moves alone
     # drift to high-memory schedules, which the memory phase can rarely repair at the optimal makespan.
-    latency_end = by(1.0 - config.memory_share, t0)
+    # With the exact step to follow, the annealing only needs to get close (the exact model closes the gap).
+    latency_end = by(0.2 if exact_on else 1.0 - config.memory_share, t0)
+    latency_cap = cap_iters // 4 if exact_on else cap_iters
     rounds = 0
-    while best_ms > target + 1e-9 and stats["latency_iters"] < cap_iters:
+    while best_ms > target + 1e-9 and stats["latency_iters"] < latency_cap:
         now = time.perf_counter()
         if now >= latency_end or (stop is not None and stop.is_set()):
             break
         iters = _round_iters(
-            rate * min(latency_end - now, max(0.5, 0.3 * budget)), cap_iters - stats["latency_iters"], config
+            rate * min(latency_end - now, max(0.5, 0.3 * budget)),
+            latency_cap - stats["latency_iters"],
+            config,
         )
         start = best if rng.random() < 0.7 else starts[int(rng.integers(0, len(starts)))][2]
         tried = rounds < 1
@@ -439,6 +507,21 @@ def _worker(
         stats["latency_iters"] += done
         if better(ms, peak):
             best_ms, best_peak, best = ms, peak, order
+    if exact_on and best_ms > target + 1e-9:
+        from rlhfuse.pipeline.exact import exact_search
+
+        seconds = max(0.5, min(config.exact_share * budget, end - time.perf_counter()))
+        r = exact_search(
+            problem, compiled=c, upper_order=best, analytic_bound=target, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
+            max_ops=config.exact_max_ops,
+        )  # fmt: skip
+        stats.update(exact_status=r.status, proven_bound=r.lower_bound, exact_seconds=round(r.seconds, 3))
+        if r.order is not None and better(float(r.value or -1), c.peak(r.order)):
+            best_ms, best_peak, best = float(c.evaluate(r.order)[0]), c.peak(r.order), r.order
+        target = max(target, r.lower_bound)
+    elif best_ms <= target + 1e-9:
+        stats.update(exact_status="OPTIMAL", proven_bound=target)
     if stop is not None and best_ms <= target + 1e-9:
         if shared is not None and "order" not in shared:
             shared.update(order=best, makespan=best_ms, peak=best_peak)
@@ -462,6 +545,39 @@ def _worker(
             cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
         )  # fmt: skip
     mem_goal = max(bounds.memory, config.memory_target * serial)
+    if (
+        exact_on
+        and config.exact_memory_ladder
+        and c.n <= config.exact_memory_ops
+        and best_peak > mem_goal + 1e-9
+    ):
+        from rlhfuse.pipeline.exact import memory_ladder
+
+        seconds = max(0.5, min(config.exact_share * budget / 4, end - time.perf_counter()))
+        laddered = memory_ladder(
+            problem, compiled=c, makespan=best_ms, peak=best_peak, target=mem_goal, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort / 4 if fixed else None,
+        )  # fmt: skip
+        if laddered is not None and laddered.order is not None:
+            ms_lad = float(c.evaluate(laddered.order)[0])
+            if better(ms_lad, c.peak(laddered.order)):
+                best_ms, best_peak, best = ms_lad, c.peak(laddered.order), laddered.order
+                stats["exact_memory_ladder"] = round(best_peak, 4)
+    if exact_on and config.exact_memory and best_peak > mem_goal + 1e-9:
+        # The exact model's schedules are at the optimal makespan but hold much memory, and the annealing
+        # rarely repairs that: ask the restricted model (in-flight limits) for a low-memory one first.
+        from rlhfuse.pipeline.exact import low_memory_search
+
+        seconds = max(0.5, min(config.exact_share * budget / 2, end - time.perf_counter()))
+        low = low_memory_search(
+            problem, compiled=c, makespan=best_ms, peak=best_peak, serial_peak=serial, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
+        )  # fmt: skip
+        if low is not None and low.order is not None:
+            ms_low = float(c.evaluate(low.order)[0])
+            if better(ms_low, c.peak(low.order)):
+                best_ms, best_peak, best = ms_low, c.peak(low.order), low.order
+                stats["exact_low_memory"] = round(best_peak, 4)
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= max(bounds.memory, config.memory_target * serial) + 1e-9:
@@ -495,6 +611,21 @@ def _worker(
             )
         else:
             stale += 1
+    if exact_on and config.exact_memory and c.n <= config.exact_memory_ops and best_peak > mem_goal + 1e-9:
+        from rlhfuse.pipeline.exact import capped_memory_search
+
+        seconds = max(
+            0.5, min(config.exact_share * budget, end + min(2.0, 0.04 * budget) - time.perf_counter())
+        )
+        capped = capped_memory_search(
+            problem, compiled=c, makespan=best_ms, peak=best_peak, target=mem_goal, seed=config.seed + worker,
+            time_budget=seconds, deterministic_budget=3 * config.exact_effort if fixed else None,
+        )  # fmt: skip
+        if capped is not None and capped.order is not None:
+            ms_cap = float(c.evaluate(capped.order)[0])
+            if better(ms_cap, c.peak(capped.order)):
+                best_ms, best_peak, best = ms_cap, c.peak(capped.order), capped.order
+                stats["exact_capped_memory"] = round(best_peak, 4)
     return {"worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats}
 
 
@@ -504,7 +635,7 @@ def solve(
     """Search a fused schedule for `problem` within `config.time_budget` seconds."""
     config = config or SearchConfig()
     t0 = time.perf_counter()
-    c = compile_problem(problem, durations)
+    c = compile_problem(problem, durations, config.split_backward)
     g_order = greedy_order(c)
     g_ms, _ = c.evaluate(g_order)
     workers = max(1, config.workers)
@@ -522,6 +653,7 @@ def solve(
                 ]
                 results = [f.result() for f in futures]
     win = min(results, key=lambda r: (r["makespan"], r["peak"], r["worker"]))
+    proven = max(float(r["stats"].get("proven_bound", 0.0)) for r in results)
     schedule = c.to_schedule(win["order"])
     checked = simulate(problem, schedule, durations)  # the readable oracle has the last word
     seconds = time.perf_counter() - t0
@@ -539,4 +671,5 @@ def solve(
         greedy_peak=c.peak(g_order),
         seconds=seconds,
         stats=stats,
+        proven_bound=proven,
     )

@@ -5,6 +5,12 @@ Semantics (`../shared/bench/FORMAT.md`): a rank runs its list in order; F of sta
 two different ranks costs `comm_latency` (0 in the FORMAT). Activation memory of a micro-batch is held on a
 stage from the start of its F to the end of its B.
 
+Split backward (beyond the paper; zero-bubble style): B of a stage split into I (input gradient: waits for F
+of stage s and I of stage s+1; stage s-1 waits for it) and W (weight gradient: waits for I of the same stage;
+nothing waits for it). Each takes `SPLIT_INPUT_SHARE` / the rest of the stage's backward time, and the
+activation is held until the end of W (conservative: the weight gradient still reads the stored inputs). A
+schedule is either plain (F/B) or split (F/I/W); `simulate` tells which from its kinds.
+
 This is the readable oracle; `rlhfuse.pipeline.compiled` is the fast evaluator the search uses, and the two are
 tested to agree.
 """
@@ -19,6 +25,8 @@ from rlhfuse.pipeline.ir import Action, Kind, Placement, Schedule
 from rlhfuse.pipeline.problem import Problem
 
 DurationFn = Callable[[Action], float]
+
+SPLIT_INPUT_SHARE = 0.5  # share of a stage's backward time taken by I (input gradient); W takes the rest
 
 
 class ScheduleError(ValueError):
@@ -53,35 +61,56 @@ class SimResult:
         return sum(self.bubble_ratio) / max(len(self.bubble_ratio), 1)
 
 
-def all_actions(problem: Problem) -> list[Action]:
-    """Every F and B the problem needs, in a canonical order."""
+def stage_kinds(split_backward: bool = False) -> tuple[Kind, ...]:
+    """The compute kinds of one stage, in stream order: F, B or (split) F, I, W."""
+    return (Kind.F, Kind.I, Kind.W) if split_backward else (Kind.F, Kind.B)
+
+
+def all_actions(problem: Problem, split_backward: bool = False) -> list[Action]:
+    """Every F and B (or F, I, W) the problem needs, in a canonical order."""
     out: list[Action] = []
     for m in problem.models:
         for r in range(m.replicas):
             for s in range(m.stages):
-                for kind in (Kind.F, Kind.B):
+                for kind in stage_kinds(split_backward):
                     out.extend(Action(m.name, r, s, kind, i) for i in range(m.microbatches))
     return out
 
 
 def dependencies(problem: Problem, a: Action) -> list[Action]:
-    """The actions `a` waits for (FORMAT.md execution semantics)."""
+    """The actions `a` waits for (FORMAT.md execution semantics; I/W as in the module docstring)."""
     if a.kind is Kind.F:
         return [Action(a.model, a.replica, a.stage - 1, Kind.F, a.microbatch)] if a.stage > 0 else []
+    if a.kind is Kind.W:
+        return [Action(a.model, a.replica, a.stage, Kind.I, a.microbatch)]
     deps = [Action(a.model, a.replica, a.stage, Kind.F, a.microbatch)]
     if a.stage < problem.model(a.model).stages - 1:
-        deps.append(Action(a.model, a.replica, a.stage + 1, Kind.B, a.microbatch))
+        deps.append(Action(a.model, a.replica, a.stage + 1, a.kind, a.microbatch))
     return deps
 
 
-def default_durations(problem: Problem) -> DurationFn:
-    specs = {m.name: m for m in problem.models}
+def stage_duration(problem: Problem, model: str, stage: int, kind: Kind) -> float:
+    """The problem's time for one op (I and W split the backward time, `SPLIT_INPUT_SHARE`)."""
+    m = problem.model(model)
+    if kind is Kind.F:
+        return m.forward[stage]
+    if kind is Kind.I:
+        return m.backward[stage] * SPLIT_INPUT_SHARE
+    if kind is Kind.W:
+        return m.backward[stage] * (1.0 - SPLIT_INPUT_SHARE)
+    return m.backward[stage]
 
+
+def default_durations(problem: Problem) -> DurationFn:
     def duration(a: Action) -> float:
-        m = specs[a.model]
-        return m.forward[a.stage] if a.kind is Kind.F else m.backward[a.stage]
+        return stage_duration(problem, a.model, a.stage, a.kind)
 
     return duration
+
+
+def is_split(schedule: Schedule) -> bool:
+    """True when the schedule uses split backward (I/W) instead of B."""
+    return any(a.kind in (Kind.I, Kind.W) for rank in schedule.ranks for a in rank)
 
 
 def profile_durations(problem: Problem, measured: Mapping[tuple[str, int, str], float]) -> DurationFn:
@@ -101,15 +130,18 @@ def validate(problem: Problem, schedule: Schedule) -> None:
         raise ScheduleError(
             f"schedule has {len(schedule.ranks)} rank lists but the problem has {problem.ranks} ranks"
         )
-    expected = set(all_actions(problem))
+    split = is_split(schedule)
+    expected = set(all_actions(problem, split))
+    kinds = stage_kinds(split)
     seen: dict[Action, int] = {}
     problems: list[str] = []
     for k, rank in enumerate(schedule.ranks):
         forwards_here: set[Action] = set()
         for a in rank:
-            if a.kind not in (Kind.F, Kind.B):
+            if a.kind not in kinds:
                 problems.append(
-                    f"rank {k}: {a} has kind {a.kind.value}; the simulator evaluates F/B schedules only"
+                    f"rank {k}: {a} has kind {a.kind.value}; a schedule holds F/B or (split backward) F/I/W "
+                    "compute ops only, not both B and I/W"
                 )
                 continue
             if a not in expected:
@@ -196,7 +228,7 @@ def simulate(
             size = activation[a.model][a.stage]
             if a.kind is Kind.F:
                 events[k].append((start[a], 1, size))
-            else:
+            elif a.kind is not Kind.I:  # B, or W when split: the stored activation is freed at its end
                 events[k].append((end[a], 0, -size))  # frees first at equal times: a later F may reuse it
     memory = []
     peaks = []
