@@ -1,0 +1,199 @@
+"""Lossless speculative decoding of the tail (DESIGN §8): n-gram drafts from a sample's prompt group, verified in
+one forward pass of k+1 positions over the engine's KV slots.
+
+Legend: B running samples, K draft tokens per row of one verify step (<= `speculative_tokens`).
+
+- **Drafts** (`GroupIndex`): an n-gram index over the prompt and every response the engine has generated (or is
+  generating) for the same prompt group: the sibling samples of one prompt repeat each other's phrases, and
+  long responses repeat themselves. A sample's draft is what followed the most recent earlier occurrence of
+  its longest suffix (n = `max_ngram` down to 1) in any of the group's sequences, up to k tokens.
+- **Verification** (`GenerationEngine._verify`): row b feeds [last token, d_1..d_K] into its slot, the model
+  gives K+1 distributions, and position t of the sample is sampled from the verified distribution with the
+  sample's own uniform u(s, t) exactly as plain decoding samples it; drafts are accepted while the sampled token
+  equals the draft, the first mismatch keeps the sampled token and stops. So the tokens are plain decoding's,
+  token for token (up to floating-point ties), not only in distribution. The rejected positions are trimmed
+  off the slot, which again holds prompt + tokens[:-1].
+- **When** (`SpeculationCosts`): `ngram` verifies whenever some running sample has a draft; `auto` only when
+  the predicted tokens per second of a verify step beat a plain decode step's, from costs the engine measures
+  as it runs (below). Neither choice changes a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from rlhfuse.models import MULTI_POSITION_BACKENDS
+
+SpeculativeMode = Literal["off", "ngram", "auto"]
+SPECULATIVE_MODES: tuple[str, ...] = ("off", "ngram", "auto")
+
+
+def speculation_problems(
+    mode: str, tokens: int, max_new_tokens: int, attention_backend: str | None = None
+) -> list[str]:
+    """What is wrong with `generator.speculative=mode generator.speculative_tokens=tokens` (checked by the config
+    and again when an engine is built, before any generation)."""
+    problems = []
+    if mode not in SPECULATIVE_MODES:
+        problems.append(f"generator.speculative={mode!r} is unknown: use one of {list(SPECULATIVE_MODES)}")
+        return problems
+    if mode == "off":
+        return problems
+    if tokens < 1:
+        problems.append(
+            f"generator.speculative_tokens={tokens} must be >= 1 with generator.speculative={mode} (draft tokens "
+            "verified per step): set it to e.g. 4, or generator.speculative=off"
+        )
+    elif tokens >= max_new_tokens:
+        problems.append(
+            f"generator.speculative_tokens={tokens} leaves no slot room: a verify step samples up to "
+            f"speculative_tokens+1={tokens + 1} tokens but a response has at most generator.max_new_tokens="
+            f"{max_new_tokens}; set generator.speculative_tokens <= {max_new_tokens - 1}"
+        )
+    if attention_backend is not None and attention_backend not in MULTI_POSITION_BACKENDS:
+        problems.append(
+            f"generator.speculative={mode} verifies several positions per slot in one cached forward pass, which "
+            f"attention_backend={attention_backend!r} cannot do (backends that can: "
+            f"{sorted(MULTI_POSITION_BACKENDS)}): use one of them or generator.speculative=off"
+        )
+    return problems
+
+
+@dataclass
+class GroupIndex:
+    """The n-gram index of one prompt group: sequences (the prompt, then prompt + response of each sample seen)
+    and, for every n-gram of length 1..max_ngram that has a successor, its latest (sequence, end) occurrence."""
+
+    max_ngram: int
+    sequences: list[list[int]] = field(default_factory=list)
+    # ngram -> (sequence, end): sequences[sequence][end] is the token that followed it
+    latest: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
+
+    def add_sequence(self, tokens: Sequence[int], start: int = 0) -> int:
+        """Index a new sequence (n-grams ending at or after `start` only: a sample's prompt is indexed once,
+        as the group's first sequence); returns its id for `extend`."""
+        self.sequences.append([])
+        seq = len(self.sequences) - 1
+        self.extend(seq, tokens, start)
+        return seq
+
+    def extend(self, seq: int, tokens: Sequence[int], start: int = 0) -> None:
+        """Append `tokens` to sequence `seq`, indexing every n-gram that now has a successor."""
+        stored = self.sequences[seq]
+        for token in tokens:
+            stored.append(token)
+            end = len(stored) - 1  # position of the successor just appended
+            if end < max(start, 1):
+                continue
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.latest[tuple(stored[end - n : end])] = (seq, end)
+
+    def draft(self, seq: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `seq`."""
+        stored = self.sequences[seq]
+        for n in range(min(self.max_ngram, len(stored)), 0, -1):
+            hit = self.latest.get(tuple(stored[len(stored) - n :]))
+            if hit is not None:
+                other, end = hit
+                return self.sequences[other][end : end + k]
+        return []
+
+
+class Drafter:
+    """Every prompt group's `GroupIndex` on one engine, and which sequence each sample writes."""
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+        self.groups: dict[int, GroupIndex] = {}
+        self.sample_seq: dict[int, tuple[int, int]] = {}  # row -> (group, sequence)
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self.sample_seq.clear()
+
+    def track(self, row: int, group: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
+        """Start indexing a sample (admitted fresh, or migrated in with the tokens it already has)."""
+        if row in self.sample_seq:
+            return
+        index = self.groups.get(group)
+        if index is None:
+            index = self.groups[group] = GroupIndex(self.max_ngram)
+            index.add_sequence(prompt)
+        self.sample_seq[row] = (group, index.add_sequence([*prompt, *tokens], start=len(prompt)))
+
+    def append(self, row: int, tokens: Sequence[int]) -> None:
+        group, seq = self.sample_seq[row]
+        self.groups[group].extend(seq, tokens)
+
+    def draft(self, row: int, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        group, seq = self.sample_seq[row]
+        return self.groups[group].draft(seq, k)
+
+
+@dataclass
+class SpeculationCosts:
+    """What `auto` decides from, all measured by the engine as it runs.
+
+    A forward pass of n new positions costs about `a + b * n` seconds, fitted (least squares) on the plain decode
+    steps (n = running batch); a verify step of B rows x (K+1) positions is predicted as `a + b * B (K+1)` times
+    the ratio of measured to predicted verify seconds seen so far, and yields `tokens_per_row` tokens per row
+    (measured over the verify steps so far, from an optimistic prior so that speculation is tried). Verify when
+    `verify(B, K) / (B * tokens_per_row) < decode(B) / B`: a plain step makes one token per row.
+    """
+
+    prior_tokens_per_row: float = 2.0
+    prior_weight: float = 4.0
+    decode_rows: list[int] = field(default_factory=list)
+    decode_seconds: list[float] = field(default_factory=list)
+    verify_ratio_sum: float = 0.0
+    verify_steps: int = 0
+    verify_rows: int = 0
+    verify_tokens: int = 0
+    _fit: tuple[float, float] | None = None
+
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        self.decode_rows.append(rows)
+        self.decode_seconds.append(seconds)
+        self._fit = None
+
+    def observe_verify(self, rows: int, positions: int, seconds: float, tokens: int) -> None:
+        fit = self.fit()
+        if fit is not None:
+            predicted = fit[0] + fit[1] * rows * positions
+            self.verify_ratio_sum += seconds / predicted if predicted > 0 else 1.0
+            self.verify_steps += 1
+        self.verify_rows += rows
+        self.verify_tokens += tokens
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of `a + b * positions` from the decode steps; None before two distinct batch sizes."""
+        if self._fit is None and len(set(self.decode_rows[-256:])) >= 2:
+            slope, base = np.polyfit(
+                np.array(self.decode_rows[-256:], dtype=np.float64),
+                np.array(self.decode_seconds[-256:], dtype=np.float64),
+                1,
+            )
+            self._fit = (max(float(base), 0.0), max(float(slope), 1e-12))
+        return self._fit
+
+    @property
+    def tokens_per_row(self) -> float:
+        return (self.verify_tokens + self.prior_tokens_per_row * self.prior_weight) / (
+            self.verify_rows + self.prior_weight
+        )
+
+    def pays(self, rows: int, draft_tokens: int) -> bool:
+        """Whether a verify step of `rows` x (draft_tokens + 1) positions is predicted to beat a decode step."""
+        fit = self.fit()
+        if fit is None:
+            return False
+        a, b = fit
+        ratio = self.verify_ratio_sum / self.verify_steps if self.verify_steps else 1.0
+        verify_s = ratio * (a + b * rows * (draft_tokens + 1))
+        return verify_s / self.tokens_per_row < a + b * rows
