@@ -18,10 +18,13 @@ import os
 import socket
 import statistics
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from rlhfuse.generation.engine import EngineStats
 
 
 def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...]) -> None:
@@ -141,7 +144,93 @@ def _simulated() -> None:
     print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
 
 
+def _tail_rate(stats: EngineStats, rt: int) -> tuple[float, int, float]:
+    """Decode tokens/s over the tail (steps with at most `rt` running samples): (rate, tokens, seconds)."""
+    tail = [(n, t) for b, n, t in zip(stats.batch_sizes, stats.step_tokens, stats.step_seconds, strict=True)
+            if b <= rt]  # fmt: skip
+    tokens, seconds = sum(n for n, _ in tail), sum(t for _, t in tail)
+    return (tokens / seconds if seconds > 0 else 0.0), tokens, seconds
+
+
+def _speculative(quick: bool) -> None:
+    """Speculation on the tail of experiment=longtail, one instance: the warm-started Actor decodes the first
+    batch with generator.speculative=off, auto (and ngram), rounds alternating; the tail = steps with at most 20%
+    of the batch running."""
+    from rlhfuse.data.prompts import PromptLoader, load_prompts
+    from rlhfuse.data.synthetic import SyntheticTask
+    from rlhfuse.data.tokenizer import Tokenizer
+    from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
+    from rlhfuse.models import from_pretrained
+    from rlhfuse.trainer import compose_config
+    from rlhfuse.trainer.trainer import collate_prompts
+    from rlhfuse.trainer.warmstart import warm_start
+
+    torch.set_num_threads(1)
+    cfg = compose_config(["experiment=longtail"])
+    task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.sampling.max_new_tokens,
+                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma)  # fmt: skip
+    sft, _ = warm_start(cfg.model, task, seed=cfg.seed, log=print)
+    actor = from_pretrained(sft, head="lm").eval().requires_grad_(False)
+    tok = Tokenizer.from_dir(sft)
+    prompts = collate_prompts(
+        PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
+        .next_batch(), tok.pad_id)  # fmt: skip
+    k = cfg.generator.engine.speculative_tokens
+    rounds = 1 if quick else 3
+    for label, temperature in (("sampled (temperature 1, the job's)", 1.0), ("greedy", 0.0)):
+        params = SamplingParams.of(cfg.generator.sampling, tok.eos_id)
+        params = SamplingParams(params.max_new_tokens, temperature, stop_token_ids=params.stop_token_ids)
+        runs: dict[str, list[tuple[float, float, float, float]]] = {}
+        identical: dict[str, list[bool]] = {}
+        off_tokens: dict[int, list[int]] = {}
+        lengths: list[int] = []
+        for r in range(rounds):
+            for mode in ("off", "auto", "ngram"):
+                requests = requests_for(prompts, samples_per_prompt=cfg.data.samples_per_prompt, seed=cfg.seed,
+                                        iteration=r)  # fmt: skip
+                rt = round(0.2 * len(requests))
+                engine = GenerationEngine(actor, params, num_slots=len(requests),
+                                          max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens,
+                                          speculative=mode, speculative_tokens=k)  # fmt: skip
+                engine.add(requests)
+                start = time.perf_counter()
+                while engine.has_work():
+                    engine.step()
+                wall = time.perf_counter() - start
+                st = engine.stats
+                rate, _, _ = _tail_rate(st, rt)
+                accept = st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0
+                per_step = sum(st.step_tokens) / max(sum(st.batch_sizes), 1)
+                runs.setdefault(mode, []).append((rate, wall, accept, per_step))
+                tokens = {q.row: q.tokens for q in requests}
+                if mode == "off":  # the first of each round
+                    off_tokens = tokens
+                    lengths = sorted(len(t) for t in tokens.values())
+                else:
+                    identical.setdefault(mode, []).append(tokens == off_tokens)
+        n = len(lengths)
+        print(f"speculation on the tail of experiment=longtail, {label}: one instance, {n} samples, lengths p50 "
+              f"{lengths[n // 2]}, p90 {lengths[int(0.9 * n)]}, p99 {lengths[min(n - 1, int(0.99 * n))]}, max "
+              f"{lengths[-1]}; k={k}, {rounds} round(s), tail = steps with <= 20% of the batch running")  # fmt: skip
+        off = runs["off"]
+        for mode in ("off", "auto", "ngram"):
+            got = runs[mode]
+            tail = statistics.median(g[0] for g in got)
+            wall = statistics.median(g[1] for g in got)
+            line = f"  {mode:>5}: tail decode {tail:7.0f} tokens/s, whole batch {wall:6.2f} s"
+            if mode != "off":
+                ratios = [g[0] / o[0] for g, o in zip(got, off, strict=True)]
+                walls = [o[1] / g[1] for g, o in zip(got, off, strict=True)]
+                same = all(identical[mode])
+                line += (f" | tail speedup paired median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x), "
+                         f"whole batch {statistics.median(walls):.2f}x | accept rate "
+                         f"{statistics.median(g[2] for g in got):.2f}, tokens/step "
+                         f"{statistics.median(g[3] for g in got):.2f} | tokens identical to off: {same}")  # fmt: skip
+            print(line)
+
+
 def run(quick: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _speculative(quick)
     _measured(quick)
     _simulated()
