@@ -168,7 +168,8 @@ def _speculative(quick: bool) -> None:
     torch.set_num_threads(1)
     cfg = compose_config(["experiment=longtail"])
     task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.sampling.max_new_tokens,
-                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma)  # fmt: skip
+                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma,
+                         phrase_length=cfg.data.phrase_length)  # fmt: skip
     sft, _ = warm_start(cfg.model, task, seed=cfg.seed, log=print)
     actor = from_pretrained(sft, head="lm").eval().requires_grad_(False)
     tok = Tokenizer.from_dir(sft)

@@ -20,6 +20,7 @@ def test_longtail_sft_lengths_are_long_tailed_and_the_reward_model_is_larger():
         max_new_tokens=cap,
         length_median=cfg.data.length_median,
         length_sigma=cfg.data.length_sigma,
+        phrase_length=cfg.data.phrase_length,
     )
     # tokens = words + EOS, as the warm start encodes them
     lengths = torch.tensor(
@@ -33,3 +34,9 @@ def test_longtail_sft_lengths_are_long_tailed_and_the_reward_model_is_larger():
     m = cfg.model
     assert m.reward_hidden_size > m.hidden_size and m.reward_num_layers > m.num_layers
     assert m.reward_intermediate_size > m.intermediate_size
+    # responses are repeated phrases from the topic's phrase book
+    prompt, response = task.sft_examples(1)[0]
+    on_topic, off_topic = task.phrase_book(prompt.split()[-2])
+    phrases = {" ".join(p) for p in on_topic + off_topic}
+    words = response.split()
+    assert all(" ".join(words[i : i + 6]) in phrases for i in range(0, len(words) - 5, 6))

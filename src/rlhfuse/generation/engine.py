@@ -329,7 +329,7 @@ class GenerationEngine:
         """Each running sample's draft, all cut to one width K (the verify step's k+1 positions must fit every
         slot and stay within max_new_tokens); [] = decode plainly this step."""
         k = self.speculative_tokens
-        if self.speculative == "off" or (self.speculative == "auto" and not self.costs.pays(len(slots), 1)):
+        if self.speculative == "off" or (self.speculative == "auto" and not self.costs.decide(len(slots), k)):
             return []
         n = self.params.max_new_tokens
         drafts = [self.drafter.draft(r.row, min(k, n - len(r.tokens) - 1)) for r in requests]
@@ -338,7 +338,7 @@ class GenerationEngine:
             return []
         lengths = self.cache.lengths_S[torch.tensor(list(slots), device=self.device)].tolist()
         width = min(width, self.cache.max_len - 1 - max(lengths))
-        if width <= 0 or (self.speculative == "auto" and not self.costs.pays(len(slots), width)):
+        if width <= 0:
             return []
         return [d[:width] for d in drafts]
 

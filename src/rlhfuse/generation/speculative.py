@@ -140,60 +140,75 @@ class Drafter:
 class SpeculationCosts:
     """What `auto` decides from, all measured by the engine as it runs.
 
-    A forward pass of n new positions costs about `a + b * n` seconds, fitted (least squares) on the plain decode
-    steps (n = running batch); a verify step of B rows x (K+1) positions is predicted as `a + b * B (K+1)` times
-    the ratio of measured to predicted verify seconds seen so far, and yields `tokens_per_row` tokens per row
-    (measured over the verify steps so far, from an optimistic prior so that speculation is tried). Verify when
-    `verify(B, K) / (B * tokens_per_row) < decode(B) / B`: a plain step makes one token per row.
+    A plain decode step of B rows costs `decode(B) = a + b B` seconds and a verify step `verify(B) = c + d B`,
+    each a least-squares fit of the engine's own steps (drafting and acceptance included). Before verify steps
+    of two batch sizes have been measured, `verify(B)` is the mean measured/predicted ratio times `decode` of
+    B (K+1) positions (the first guess: a forward pass costs what its positions cost). A verify step yields
+    `tokens_per_row` tokens per row (measured, from an optimistic prior so that speculation is tried). Verify
+    when `verify(B) / tokens_per_row < decode(B)`: a plain step makes one token per row. After `explore_every`
+    plain steps in a row one verify step is tried anyway, so a changed acceptance is noticed.
     """
 
     prior_tokens_per_row: float = 2.0
     prior_weight: float = 4.0
+    explore_every: int = 64
+    window: int = 256
     decode_rows: list[int] = field(default_factory=list)
     decode_seconds: list[float] = field(default_factory=list)
-    verify_ratio_sum: float = 0.0
-    verify_steps: int = 0
-    verify_rows: int = 0
-    verify_tokens: int = 0
-    _fit: tuple[float, float] | None = None
+    verify_rows: list[int] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    verify_guess_ratio: list[float] = field(default_factory=list)
+    rows_verified: int = 0
+    tokens_verified: int = 0
+    plain_since_verify: int = 0
 
     def observe_decode(self, rows: int, seconds: float) -> None:
         self.decode_rows.append(rows)
         self.decode_seconds.append(seconds)
-        self._fit = None
+        self.plain_since_verify += 1
 
     def observe_verify(self, rows: int, positions: int, seconds: float, tokens: int) -> None:
-        fit = self.fit()
-        if fit is not None:
-            predicted = fit[0] + fit[1] * rows * positions
-            self.verify_ratio_sum += seconds / predicted if predicted > 0 else 1.0
-            self.verify_steps += 1
-        self.verify_rows += rows
-        self.verify_tokens += tokens
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b) of `a + b * positions` from the decode steps; None before two distinct batch sizes."""
-        if self._fit is None and len(set(self.decode_rows[-256:])) >= 2:
-            slope, base = np.polyfit(
-                np.array(self.decode_rows[-256:], dtype=np.float64),
-                np.array(self.decode_seconds[-256:], dtype=np.float64),
-                1,
-            )
-            self._fit = (max(float(base), 0.0), max(float(slope), 1e-12))
-        return self._fit
+        decode = _fit(self.decode_rows[-self.window :], self.decode_seconds[-self.window :])
+        if decode is not None:
+            guess = decode[0] + decode[1] * rows * positions
+            self.verify_guess_ratio.append(seconds / guess if guess > 0 else 1.0)
+        self.verify_rows.append(rows)
+        self.verify_seconds.append(seconds)
+        self.rows_verified += rows
+        self.tokens_verified += tokens
+        self.plain_since_verify = 0
 
     @property
     def tokens_per_row(self) -> float:
-        return (self.verify_tokens + self.prior_tokens_per_row * self.prior_weight) / (
-            self.verify_rows + self.prior_weight
+        return (self.tokens_verified + self.prior_tokens_per_row * self.prior_weight) / (
+            self.rows_verified + self.prior_weight
         )
 
     def pays(self, rows: int, draft_tokens: int) -> bool:
         """Whether a verify step of `rows` x (draft_tokens + 1) positions is predicted to beat a decode step."""
-        fit = self.fit()
-        if fit is None:
+        decode = _fit(self.decode_rows[-self.window :], self.decode_seconds[-self.window :])
+        if decode is None:
             return False
-        a, b = fit
-        ratio = self.verify_ratio_sum / self.verify_steps if self.verify_steps else 1.0
-        verify_s = ratio * (a + b * rows * (draft_tokens + 1))
+        a, b = decode
+        verify = _fit(self.verify_rows[-self.window :], self.verify_seconds[-self.window :])
+        if verify is not None:
+            verify_s = verify[0] + verify[1] * rows
+        else:
+            ratios = self.verify_guess_ratio[-self.window :]
+            ratio = sum(ratios) / len(ratios) if ratios else 1.0
+            verify_s = ratio * (a + b * rows * (draft_tokens + 1))
         return verify_s / self.tokens_per_row < a + b * rows
+
+    def decide(self, rows: int, draft_tokens: int) -> bool:
+        """`pays`, or an exploring verify step after `explore_every` plain ones."""
+        if self.pays(rows, draft_tokens):
+            return True
+        return bool(self.decode_rows) and self.plain_since_verify >= self.explore_every
+
+
+def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float] | None:
+    """(base, per-row slope) of a least-squares line, clipped at 0; None before two distinct batch sizes."""
+    if len(set(rows)) < 2:
+        return None
+    slope, base = np.polyfit(np.array(rows, dtype=np.float64), np.array(seconds, dtype=np.float64), 1)
+    return max(float(base), 0.0), max(float(slope), 0.0)

@@ -111,6 +111,7 @@ def build_trainer(
             max_new_tokens=config.generator.sampling.max_new_tokens,
             length_median=config.data.length_median,
             length_sigma=config.data.length_sigma,
+            phrase_length=config.data.phrase_length,
         )
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
         models = load_models(m, sft_path=str(sft_path), reward_path=str(reward_path), device=device)

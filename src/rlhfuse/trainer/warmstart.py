@@ -64,9 +64,12 @@ def warm_start(
     for name in ("reward_hidden_size", "reward_intermediate_size", "reward_num_layers"):
         if not models[name]:
             del models[name]  # unset: the key (and so the cache) of setups from before these fields
+    task_key = dataclasses.asdict(task)
+    if not task_key["phrase_length"]:
+        del task_key["phrase_length"]  # off: the key of tasks from before the field
     key_source = {
         "models": models,
-        "task": dataclasses.asdict(task),
+        "task": task_key,
         "seed": seed,
         "version": 5,  # bump when the task or the training recipe changes
     }
