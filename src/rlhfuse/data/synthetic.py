@@ -103,7 +103,7 @@ class SyntheticTask:
         count = self.response_length(rng) if length is None else length
         if self.phrase_length > 0:
             on_topic, off_topic = self.phrase_book(topic)
-            words = []
+            words: list[str] = []
             while len(words) < count:
                 words.extend(rng.choice(on_topic if rng.random() < on_topic_rate else off_topic))
             return " ".join(words[:count])
