@@ -120,27 +120,25 @@ def test_auto_speculates_when_the_batch_is_small_from_measured_costs():
     assert not costs.pays(1, 4)  # nothing measured yet: no speculation
     for rows in (1, 2, 4, 8, 16, 32):  # a step costs 10 ms + 0.1 ms per position
         costs.observe_decode(rows, 0.01 + 1e-4 * rows)
-    # prior 2 tokens per row: verify(B, 4) = 0.01 + 5e-4 B vs 2 x decode(B) = 0.02 + 2e-4 B -> pays below B = 33
+    # first guess, prior 2 tokens per row: verify(B, 4) = 0.01 + 5e-4 B vs 2 x decode(B) = 0.02 + 2e-4 B -> pays
+    # below B = 33
     assert costs.pays(1, 4) and costs.pays(32, 4) and not costs.pays(34, 4)
-    # verify steps that turn out slower than predicted (ratio 2) and yield 1.2 tokens per row stop it
-    # verify steps of one batch size, 2x slower than guessed and yielding 1.2 tokens per row, stop it
+    # measured verify steps of batch 4-7 (band 3): 2x a decode step and 1.2 tokens per row: stop there ...
     for _ in range(40):
-        costs.observe_verify(5, 5, seconds=2 * (0.01 + 1e-4 * 25), tokens=6)
-    assert not costs.pays(1, 4) and not costs.decide(1, 4)
-    # with verify steps of two sizes their own fit is used: 11 ms + 0.1 ms per row, 3 tokens per row pay
-    costs = SpeculationCosts()
-    for rows in (1, 2, 4, 8):
-        costs.observe_decode(rows, 0.01 + 1e-4 * rows)
-    for rows in (1, 2):
-        costs.observe_verify(rows, 5, seconds=0.011 + 1e-4 * rows, tokens=3 * rows)
-    assert costs.pays(8, 4)
-    costs.observe_verify(1, 5, seconds=0.1, tokens=1)  # a slow step with no accepted draft ...
-    for _ in range(200):
-        costs.observe_verify(1, 5, seconds=0.1, tokens=1)
-    assert not costs.pays(8, 4) and not costs.decide(8, 4)
-    for _ in range(costs.explore_every):  # ... until enough plain steps have passed to try again
-        costs.observe_decode(8, 0.0108)
-    assert not costs.pays(8, 4) and costs.decide(8, 4)
+        costs.observe_verify(5, 5, seconds=2 * (0.01 + 1e-4 * 5), tokens=6)
+    assert not costs.pays(5, 4) and not costs.decide(6, 4)
+    # ... but not where verify steps were not measured and the first guess still pays (tokens per row ~1.22)
+    assert costs.pays(1, 4) is ((0.01 + 5e-4) / costs.tokens_per_row < 0.0101)
+    # verify steps as cheap as decode steps with 1.2 tokens per row pay
+    for _ in range(40):
+        costs.observe_verify(5, 5, seconds=0.0105, tokens=6)
+    assert costs.pays(5, 4)
+    for _ in range(40):
+        costs.observe_verify(5, 5, seconds=0.05, tokens=6)
+    assert not costs.pays(5, 4) and not costs.decide(5, 4)
+    for _ in range(costs.explore_every):  # plain steps in a row: try a verify step again
+        costs.observe_decode(5, 0.0105)
+    assert not costs.pays(5, 4) and costs.decide(5, 4)
 
 
 def test_bad_speculation_settings_fail_before_generation_naming_the_key(monkeypatch):

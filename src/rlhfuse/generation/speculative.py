@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
 from rlhfuse.models import MULTI_POSITION_BACKENDS
 
 SpeculativeMode = Literal["off", "ngram", "auto"]
@@ -137,43 +135,73 @@ class Drafter:
 
 
 @dataclass
+class LineFit:
+    """Least-squares line `seconds = base + slope * rows` kept as running sums (O(1) per step: `auto` decides
+    before every decode step, and refitting a window with numpy cost more than it saves on a tiny model)."""
+
+    n: int = 0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+    sizes: set[int] = field(default_factory=set)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.n += 1
+        self.sum_x += rows
+        self.sum_y += seconds
+        self.sum_xx += rows * rows
+        self.sum_xy += rows * seconds
+        if len(self.sizes) < 2:
+            self.sizes.add(rows)
+
+    def line(self) -> tuple[float, float] | None:
+        """(base, slope), each clipped at 0; None before two distinct batch sizes."""
+        if len(self.sizes) < 2:
+            return None
+        var = self.n * self.sum_xx - self.sum_x**2
+        slope = (self.n * self.sum_xy - self.sum_x * self.sum_y) / var
+        base = (self.sum_y - slope * self.sum_x) / self.n
+        return max(base, 0.0), max(slope, 0.0)
+
+
+@dataclass
 class SpeculationCosts:
     """What `auto` decides from, all measured by the engine as it runs.
 
-    A plain decode step of B rows costs `decode(B) = a + b B` seconds and a verify step `verify(B) = c + d B`,
-    each a least-squares fit of the engine's own steps (drafting and acceptance included). Before verify steps
-    of two batch sizes have been measured, `verify(B)` is the mean measured/predicted ratio times `decode` of
-    B (K+1) positions (the first guess: a forward pass costs what its positions cost). A verify step yields
-    `tokens_per_row` tokens per row (measured, from an optimistic prior so that speculation is tried). Verify
-    when `verify(B) / tokens_per_row < decode(B)`: a plain step makes one token per row. After `explore_every`
-    plain steps in a row one verify step is tried anyway, so a changed acceptance is noticed.
+    Step seconds are kept per batch-size band (B in [2^j, 2^(j+1)): 1, 2-3, 4-7, ...) as moving averages, for
+    plain decode steps and verify steps separately (drafting and acceptance included). At batch B, when both
+    are measured for B's band, verify when `verify / tokens_per_row < decode` (a plain step makes one token per
+    row; `tokens_per_row` is measured over the verify steps, from an optimistic prior so that speculation is
+    tried). Before a verify step of that band has been measured the first guess prices a forward pass by its
+    positions: `a + b B (K+1)` against `a + b B` (the line fitted on the plain steps, None before two batch
+    sizes: then no speculation). After `explore_every` plain steps in a row one verify step is tried anyway,
+    so a changed acceptance is noticed.
     """
 
     prior_tokens_per_row: float = 2.0
     prior_weight: float = 4.0
     explore_every: int = 64
-    window: int = 256
-    decode_rows: list[int] = field(default_factory=list)
-    decode_seconds: list[float] = field(default_factory=list)
-    verify_rows: list[int] = field(default_factory=list)
-    verify_seconds: list[float] = field(default_factory=list)
-    verify_guess_ratio: list[float] = field(default_factory=list)
+    smoothing: float = 0.2
+    decode: LineFit = field(default_factory=LineFit)
+    decode_s: dict[int, float] = field(default_factory=dict)
+    verify_s: dict[int, float] = field(default_factory=dict)
     rows_verified: int = 0
     tokens_verified: int = 0
     plain_since_verify: int = 0
 
+    def _average(self, table: dict[int, float], rows: int, seconds: float) -> None:
+        band = rows.bit_length()
+        old = table.get(band)
+        table[band] = seconds if old is None else old + self.smoothing * (seconds - old)
+
     def observe_decode(self, rows: int, seconds: float) -> None:
-        self.decode_rows.append(rows)
-        self.decode_seconds.append(seconds)
+        self.decode.add(rows, seconds)
+        self._average(self.decode_s, rows, seconds)
         self.plain_since_verify += 1
 
     def observe_verify(self, rows: int, positions: int, seconds: float, tokens: int) -> None:
-        decode = _fit(self.decode_rows[-self.window :], self.decode_seconds[-self.window :])
-        if decode is not None:
-            guess = decode[0] + decode[1] * rows * positions
-            self.verify_guess_ratio.append(seconds / guess if guess > 0 else 1.0)
-        self.verify_rows.append(rows)
-        self.verify_seconds.append(seconds)
+        self._average(self.verify_s, rows, seconds)
         self.rows_verified += rows
         self.tokens_verified += tokens
         self.plain_since_verify = 0
@@ -186,29 +214,17 @@ class SpeculationCosts:
 
     def pays(self, rows: int, draft_tokens: int) -> bool:
         """Whether a verify step of `rows` x (draft_tokens + 1) positions is predicted to beat a decode step."""
-        decode = _fit(self.decode_rows[-self.window :], self.decode_seconds[-self.window :])
-        if decode is None:
+        band = rows.bit_length()
+        if band in self.verify_s and band in self.decode_s:
+            return self.verify_s[band] / self.tokens_per_row < self.decode_s[band]
+        line = self.decode.line()
+        if line is None:
             return False
-        a, b = decode
-        verify = _fit(self.verify_rows[-self.window :], self.verify_seconds[-self.window :])
-        if verify is not None:
-            verify_s = verify[0] + verify[1] * rows
-        else:
-            ratios = self.verify_guess_ratio[-self.window :]
-            ratio = sum(ratios) / len(ratios) if ratios else 1.0
-            verify_s = ratio * (a + b * rows * (draft_tokens + 1))
-        return verify_s / self.tokens_per_row < a + b * rows
+        a, b = line
+        return (a + b * rows * (draft_tokens + 1)) / self.tokens_per_row < a + b * rows
 
     def decide(self, rows: int, draft_tokens: int) -> bool:
         """`pays`, or an exploring verify step after `explore_every` plain ones."""
         if self.pays(rows, draft_tokens):
             return True
-        return bool(self.decode_rows) and self.plain_since_verify >= self.explore_every
-
-
-def _fit(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float] | None:
-    """(base, per-row slope) of a least-squares line, clipped at 0; None before two distinct batch sizes."""
-    if len(set(rows)) < 2:
-        return None
-    slope, base = np.polyfit(np.array(rows, dtype=np.float64), np.array(seconds, dtype=np.float64), 1)
-    return max(float(base), 0.0), max(float(slope), 0.0)
+        return self.decode.n > 0 and self.plain_since_verify >= self.explore_every
