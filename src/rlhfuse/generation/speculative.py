@@ -64,34 +64,38 @@ def speculation_problems(
 @dataclass
 class GroupIndex:
     """The n-gram index of one prompt group: sequences (the prompt, then prompt + response of each sample seen)
-    and, for every n-gram of length 1..max_ngram that has a successor, its latest (sequence, end) occurrence."""
+    and, for every n-gram of length 1..max_ngram that has a successor, its latest indexed (sequence, end)
+    occurrence. Tokens are only stored as they arrive; n-grams are indexed when a draft is asked for, so an
+    engine that does not speculate (auto, at a large batch) pays a list append per token."""
 
     max_ngram: int
     sequences: list[list[int]] = field(default_factory=list)
+    indexed: list[int] = field(
+        default_factory=list
+    )  # per sequence: successors at positions < this are indexed
     # ngram -> (sequence, end): sequences[sequence][end] is the token that followed it
     latest: dict[tuple[int, ...], tuple[int, int]] = field(default_factory=dict)
 
     def add_sequence(self, tokens: Sequence[int], start: int = 0) -> int:
-        """Index a new sequence (n-grams ending at or after `start` only: a sample's prompt is indexed once,
-        as the group's first sequence); returns its id for `extend`."""
-        self.sequences.append([])
-        seq = len(self.sequences) - 1
-        self.extend(seq, tokens, start)
-        return seq
+        """A new sequence, of which only n-grams with a successor at or after `start` will be indexed (a
+        sample's prompt is indexed once, as the group's first sequence); returns its id for `extend`."""
+        self.sequences.append(list(tokens))
+        self.indexed.append(max(start, 1))
+        return len(self.sequences) - 1
 
-    def extend(self, seq: int, tokens: Sequence[int], start: int = 0) -> None:
-        """Append `tokens` to sequence `seq`, indexing every n-gram that now has a successor."""
-        stored = self.sequences[seq]
-        for token in tokens:
-            stored.append(token)
-            end = len(stored) - 1  # position of the successor just appended
-            if end < max(start, 1):
-                continue
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self.latest[tuple(stored[end - n : end])] = (seq, end)
+    def extend(self, seq: int, tokens: Sequence[int]) -> None:
+        self.sequences[seq].extend(tokens)
+
+    def _catch_up(self) -> None:
+        for seq, stored in enumerate(self.sequences):
+            for end in range(self.indexed[seq], len(stored)):
+                for n in range(1, min(self.max_ngram, end) + 1):
+                    self.latest[tuple(stored[end - n : end])] = (seq, end)
+            self.indexed[seq] = max(self.indexed[seq], len(stored))
 
     def draft(self, seq: int, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `seq`."""
+        self._catch_up()
         stored = self.sequences[seq]
         for n in range(min(self.max_ngram, len(stored)), 0, -1):
             hit = self.latest.get(tuple(stored[len(stored) - n :]))
