@@ -5,9 +5,9 @@ costs; bad settings fail before generation with the key named."""
 
 import pytest
 import torch
+from test_generation_migration import _prompts  # the same 6 prompts, vocabulary 24
 
 from rlhfuse.core.stats import GenerationStats
-from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import Coordinator, GenerationConfig, GenerationEngine, SamplingParams, requests_for
 from rlhfuse.generation.speculative import GroupIndex, SpeculationCosts, speculation_problems
 from rlhfuse.models import ModelConfig, Transformer
@@ -24,19 +24,6 @@ def _model(seed=0, sharpen=1.0):
     with torch.no_grad():  # peakier next-token laws: a random model then repeats itself, as a warm one does
         model.lm_head.weight.mul_(sharpen)
     return model
-
-
-def _prompts(count=6):
-    g = torch.Generator().manual_seed(1)
-    rows = [[1, *torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()]
-            for _ in range(count)]  # fmt: skip
-    width = max(map(len, rows))
-    ids = torch.full((count, width), PAD)
-    mask = torch.zeros((count, width), dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row) :] = torch.tensor(row)
-        mask[b, width - len(row) :] = 1
-    return PromptBatch(ids, mask, torch.arange(100, 100 + count))
 
 
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, stop_token_ids=(EOS, 6))
