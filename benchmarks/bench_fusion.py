@@ -27,7 +27,27 @@ import torch
 from rlhfuse.generation.engine import EngineStats
 
 
-def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...]) -> None:
+class _TimedInferencer:
+    """An Inferencer that adds up the seconds its `infer` calls take (where the time goes, per rank)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def infer(self, rollout: object) -> object:
+        start = time.perf_counter()
+        out = self.inner.infer(rollout)  # type: ignore[attr-defined]
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _worker(
+    rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...], overrides: tuple[str, ...]
+) -> None:
     import torch.distributed as dist
 
     from rlhfuse.data.prompts import PromptLoader, load_prompts
@@ -41,23 +61,26 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
     from rlhfuse.trainer.warmstart import warm_start
 
     torch.set_num_threads(1)
-    cfg = compose_config()
+    cfg = compose_config(list(overrides))
     task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.sampling.max_new_tokens,
-                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma)  # fmt: skip
+                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma,
+                         phrase_length=cfg.data.phrase_length)  # fmt: skip
     sft, reward = warm_start(cfg.model, task, seed=cfg.seed, log=lambda _: None)
     models = load_models(cfg.model, sft_path=str(sft), reward_path=str(reward), device=torch.device("cpu"))
     tok = models.tokenizer
     prompts = collate_prompts(
         PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
         .next_batch(), tok.pad_id)  # fmt: skip
-    inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
-                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
+    inferencer = _TimedInferencer(ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
+                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0))  # fmt: skip
     params = SamplingParams(
         max_new_tokens=cfg.generator.sampling.max_new_tokens, stop_token_ids=(tok.eos_id,)
     )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     results: dict[str, list[float]] = {}
+    # per round: (this rank's generation end, its inference seconds, Gen+Inf) from the start
+    breakdown: dict[str, list[tuple[float, float, float]]] = {}
     lengths: list[int] = []
     for r in range(rounds + 1):  # round 0 warms up
         for name, fraction in (("serial", 0.0), *((f"fused Rt {f:.0%}", f) for f in fractions)):
@@ -68,18 +91,19 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
                                       max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens)  # fmt: skip
             threshold = round(fraction * len(requests))
             dist.barrier()
+            inferencer.take()
             res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
                                        mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id, sync_every=4)  # fmt: skip
             if r > 0:
                 results.setdefault(name, []).append(res.gen_inf_s)
+                breakdown.setdefault(name, []).append((res.generation_s, inferencer.take(), res.gen_inf_s))
             if r == 1 and name == "serial":
                 lengths = res.experience.rollout.response_lengths_B.tolist()
-    if rank == 0:
-        torch.save({"results": results, "lengths": lengths}, out)
+    torch.save({"results": results, "lengths": lengths, "breakdown": breakdown}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def _measured(quick: bool) -> None:
+def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "default job") -> None:
     rounds = 2 if quick else 5
     fractions = (0.1, 0.2, 0.4)
     with socket.socket() as s:
@@ -88,7 +112,9 @@ def _measured(quick: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "fusion.pt")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, port, out, rounds, fractions)) for r in range(2)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, port, out, rounds, fractions, overrides)) for r in range(2)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -98,9 +124,9 @@ def _measured(quick: bool) -> None:
                 if p.is_alive():
                     p.kill()
             raise RuntimeError(f"fusion benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
-        data = torch.load(out)
+        data, peer = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     lengths = sorted(data["lengths"])
-    print(f"default job, first batch: {len(lengths)} samples, response length p50 {lengths[len(lengths) // 2]}, "
+    print(f"{label}, first batch: {len(lengths)} samples, response length p50 {lengths[len(lengths) // 2]}, "
           f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = 2 gloo processes, "
           f"{rounds} rounds")  # fmt: skip
     serial = data["results"]["serial"]
@@ -111,6 +137,15 @@ def _measured(quick: bool) -> None:
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
         print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
               f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x")  # fmt: skip
+    print("  where the time goes, per rank (medians over the rounds, ms): generation = to this rank's last decode "
+          "step; inference = its infer calls; waiting = the rest of Gen+Inf (lockstep all-gathers, migration, "
+          "receiving the tail, the final all-gather)")  # fmt: skip
+    for name in data["breakdown"]:
+        parts = []
+        for rank, d in enumerate((data, peer)):
+            gen, inf, total = (statistics.median(x[i] for x in d["breakdown"][name]) * 1e3 for i in range(3))
+            parts.append(f"rank {rank}: gen {gen:6.1f} inf {inf:6.1f} wait {total - gen - inf:6.1f}")
+        print(f"  {name:>14}: " + " | ".join(parts))
 
 
 def _simulated() -> None:
@@ -234,4 +269,5 @@ def run(quick: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _speculative(quick)
     _measured(quick)
+    _measured(quick, ("experiment=longtail",), "experiment=longtail")
     _simulated()
