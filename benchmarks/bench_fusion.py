@@ -18,13 +18,36 @@ import os
 import socket
 import statistics
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+from rlhfuse.generation.engine import EngineStats
 
-def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...]) -> None:
+
+class _TimedInferencer:
+    """An Inferencer that adds up the seconds its `infer` calls take (where the time goes, per rank)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def infer(self, rollout: object) -> object:
+        start = time.perf_counter()
+        out = self.inner.infer(rollout)  # type: ignore[attr-defined]
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _worker(
+    rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...], overrides: tuple[str, ...]
+) -> None:
     import torch.distributed as dist
 
     from rlhfuse.data.prompts import PromptLoader, load_prompts
@@ -38,23 +61,26 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
     from rlhfuse.trainer.warmstart import warm_start
 
     torch.set_num_threads(1)
-    cfg = compose_config()
+    cfg = compose_config(list(overrides))
     task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.sampling.max_new_tokens,
-                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma)  # fmt: skip
+                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma,
+                         phrase_length=cfg.data.phrase_length)  # fmt: skip
     sft, reward = warm_start(cfg.model, task, seed=cfg.seed, log=lambda _: None)
     models = load_models(cfg.model, sft_path=str(sft), reward_path=str(reward), device=torch.device("cpu"))
     tok = models.tokenizer
     prompts = collate_prompts(
         PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
         .next_batch(), tok.pad_id)  # fmt: skip
-    inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
-                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
+    inferencer = _TimedInferencer(ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
+                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0))  # fmt: skip
     params = SamplingParams(
         max_new_tokens=cfg.generator.sampling.max_new_tokens, stop_token_ids=(tok.eos_id,)
     )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     results: dict[str, list[float]] = {}
+    # per round: (this rank's generation end, its inference seconds, Gen+Inf) from the start
+    breakdown: dict[str, list[tuple[float, float, float]]] = {}
     lengths: list[int] = []
     for r in range(rounds + 1):  # round 0 warms up
         for name, fraction in (("serial", 0.0), *((f"fused Rt {f:.0%}", f) for f in fractions)):
@@ -65,18 +91,19 @@ def _worker(rank: int, port: int, out: str, rounds: int, fractions: tuple[float,
                                       max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens)  # fmt: skip
             threshold = round(fraction * len(requests))
             dist.barrier()
+            inferencer.take()
             res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
                                        mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id, sync_every=4)  # fmt: skip
             if r > 0:
                 results.setdefault(name, []).append(res.gen_inf_s)
+                breakdown.setdefault(name, []).append((res.generation_s, inferencer.take(), res.gen_inf_s))
             if r == 1 and name == "serial":
                 lengths = res.experience.rollout.response_lengths_B.tolist()
-    if rank == 0:
-        torch.save({"results": results, "lengths": lengths}, out)
+    torch.save({"results": results, "lengths": lengths, "breakdown": breakdown}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def _measured(quick: bool) -> None:
+def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "default job") -> None:
     rounds = 2 if quick else 5
     fractions = (0.1, 0.2, 0.4)
     with socket.socket() as s:
@@ -85,7 +112,9 @@ def _measured(quick: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "fusion.pt")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, port, out, rounds, fractions)) for r in range(2)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, port, out, rounds, fractions, overrides)) for r in range(2)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -95,9 +124,9 @@ def _measured(quick: bool) -> None:
                 if p.is_alive():
                     p.kill()
             raise RuntimeError(f"fusion benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
-        data = torch.load(out)
+        data, peer = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     lengths = sorted(data["lengths"])
-    print(f"default job, first batch: {len(lengths)} samples, response length p50 {lengths[len(lengths) // 2]}, "
+    print(f"{label}, first batch: {len(lengths)} samples, response length p50 {lengths[len(lengths) // 2]}, "
           f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = 2 gloo processes, "
           f"{rounds} rounds")  # fmt: skip
     serial = data["results"]["serial"]
@@ -108,6 +137,15 @@ def _measured(quick: bool) -> None:
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
         print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
               f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x")  # fmt: skip
+    print("  where the time goes, per rank (medians over the rounds, ms): generation = to this rank's last decode "
+          "step; inference = its infer calls; waiting = the rest of Gen+Inf (lockstep all-gathers, migration, "
+          "receiving the tail, the final all-gather)")  # fmt: skip
+    for name in data["breakdown"]:
+        parts = []
+        for rank, d in enumerate((data, peer)):
+            gen, inf, total = (statistics.median(x[i] for x in d["breakdown"][name]) * 1e3 for i in range(3))
+            parts.append(f"rank {rank}: gen {gen:6.1f} inf {inf:6.1f} wait {total - gen - inf:6.1f}")
+        print(f"  {name:>14}: " + " | ".join(parts))
 
 
 def _simulated() -> None:
@@ -141,7 +179,95 @@ def _simulated() -> None:
     print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
 
 
+def _tail_rate(stats: EngineStats, rt: int) -> tuple[float, int, float]:
+    """Decode tokens/s over the tail (steps with at most `rt` running samples): (rate, tokens, seconds)."""
+    tail = [(n, t) for b, n, t in zip(stats.batch_sizes, stats.step_tokens, stats.step_seconds, strict=True)
+            if b <= rt]  # fmt: skip
+    tokens, seconds = sum(n for n, _ in tail), sum(t for _, t in tail)
+    return (tokens / seconds if seconds > 0 else 0.0), tokens, seconds
+
+
+def _speculative(quick: bool) -> None:
+    """Speculation on the tail of experiment=longtail, one instance: the warm-started Actor decodes the first
+    batch with generator.speculative=off, auto (and ngram), rounds alternating; the tail = steps with at most 20%
+    of the batch running."""
+    from rlhfuse.data.prompts import PromptLoader, load_prompts
+    from rlhfuse.data.synthetic import SyntheticTask
+    from rlhfuse.data.tokenizer import Tokenizer
+    from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
+    from rlhfuse.models import from_pretrained
+    from rlhfuse.trainer import compose_config
+    from rlhfuse.trainer.trainer import collate_prompts
+    from rlhfuse.trainer.warmstart import warm_start
+
+    torch.set_num_threads(1)
+    cfg = compose_config(["experiment=longtail"])
+    task = SyntheticTask(seed=cfg.seed, max_new_tokens=cfg.generator.sampling.max_new_tokens,
+                         length_median=cfg.data.length_median, length_sigma=cfg.data.length_sigma,
+                         phrase_length=cfg.data.phrase_length)  # fmt: skip
+    sft, _ = warm_start(cfg.model, task, seed=cfg.seed, log=print)
+    actor = from_pretrained(sft, head="lm").eval().requires_grad_(False)
+    tok = Tokenizer.from_dir(sft)
+    prompts = collate_prompts(
+        PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
+        .next_batch(), tok.pad_id)  # fmt: skip
+    k = cfg.generator.engine.speculative_tokens
+    rounds = 1 if quick else 5
+    # sampled, as the job samples (greedy decoding of this Actor runs every sample to the cap: no tail)
+    for label in ("sampled (temperature 1)",):
+        params = SamplingParams.of(cfg.generator.sampling, tok.eos_id)
+        runs: dict[str, list[tuple[float, float, float, float]]] = {}
+        identical: dict[str, list[bool]] = {}
+        off_tokens: dict[int, list[int]] = {}
+        lengths: list[int] = []
+        for r in range(rounds):
+            for mode in ("off", "auto", "ngram"):
+                requests = requests_for(prompts, samples_per_prompt=cfg.data.samples_per_prompt, seed=cfg.seed,
+                                        iteration=r)  # fmt: skip
+                rt = round(0.2 * len(requests))
+                engine = GenerationEngine(actor, params, num_slots=len(requests),
+                                          max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens,
+                                          speculative=mode, speculative_tokens=k)  # fmt: skip
+                engine.add(requests)
+                start = time.perf_counter()
+                while engine.has_work():
+                    engine.step()
+                wall = time.perf_counter() - start
+                st = engine.stats
+                rate, _, _ = _tail_rate(st, rt)
+                accept = st.spec_accepted / st.spec_proposed if st.spec_proposed else 0.0
+                per_step = sum(st.step_tokens) / max(sum(st.batch_sizes), 1)
+                runs.setdefault(mode, []).append((rate, wall, accept, per_step))
+                tokens = {q.row: q.tokens for q in requests}
+                if mode == "off":  # the first of each round
+                    off_tokens = tokens
+                    lengths = sorted(len(t) for t in tokens.values())
+                else:
+                    identical.setdefault(mode, []).append(tokens == off_tokens)
+        n = len(lengths)
+        print(f"speculation on the tail of experiment=longtail, {label}: one instance, {n} samples, lengths p50 "
+              f"{lengths[n // 2]}, p90 {lengths[int(0.9 * n)]}, p99 {lengths[min(n - 1, int(0.99 * n))]}, max "
+              f"{lengths[-1]}; k={k}, {rounds} round(s), tail = steps with <= 20% of the batch running")  # fmt: skip
+        off = runs["off"]
+        for mode in ("off", "auto", "ngram"):
+            got = runs[mode]
+            tail = statistics.median(g[0] for g in got)
+            wall = statistics.median(g[1] for g in got)
+            line = f"  {mode:>5}: tail decode {tail:7.0f} tokens/s, whole batch {wall:6.2f} s"
+            if mode != "off":
+                ratios = [g[0] / o[0] for g, o in zip(got, off, strict=True)]
+                walls = [o[1] / g[1] for g, o in zip(got, off, strict=True)]
+                same = all(identical[mode])
+                line += (f" | tail speedup paired median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x), "
+                         f"whole batch {statistics.median(walls):.2f}x | accept rate "
+                         f"{statistics.median(g[2] for g in got):.2f}, tokens/step "
+                         f"{statistics.median(g[3] for g in got):.2f} | tokens identical to off: {same}")  # fmt: skip
+            print(line)
+
+
 def run(quick: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _speculative(quick)
     _measured(quick)
+    _measured(quick, ("experiment=longtail",), "experiment=longtail")
     _simulated()

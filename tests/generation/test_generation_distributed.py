@@ -1,5 +1,6 @@
 """Instances as processes (gloo, 2 ranks): migration over point-to-point sends gives exactly the tokens of one
-instance without migration (KV transfer and re-prefill in one run each); a dying instance gives its peer a
+instance without migration (KV transfer and re-prefill in one run each, and KV transfer with speculative
+decoding); a dying instance gives its peer a
 clear InstanceFailure within the group's timeout, never a hang."""
 
 import multiprocessing as mp
@@ -53,8 +54,11 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
     )
     try:
-        for mechanism in mechanisms:  # one process group for both runs: process start-up dominates the test
-            engine = GenerationEngine(_model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW)
+        for run in mechanisms:  # one process group for every run: process start-up dominates the test
+            mechanism, _, speculative = run.partition("+")  # "kv+ngram": KV migration, speculative decoding
+            engine = GenerationEngine(
+                _model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW, speculative=speculative or "off"
+            )
             # the re-prefill run also syncs the counts only every 3 steps
             sync = 3 if mechanism == "reprefill" else 1
             coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism, sync_every=sync)
@@ -71,8 +75,9 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
                     "moved": report.samples_moved,
                     "mechanism": report.mechanism,
                     "destinations": report.destinations,
+                    "accepted": engine.stats.spec_accepted,
                 },
-                os.path.join(out_dir, f"{mechanism}-rank{rank}.pt"),
+                os.path.join(out_dir, f"{run}-rank{rank}.pt"),
             )
     except InstanceFailure as err:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
@@ -113,14 +118,17 @@ def _serial_tokens():
 
 @pytest.mark.timeout(180)
 def test_two_processes_migrate_and_keep_every_token(tmp_path):
-    procs = _launch(tmp_path, ("kv", "reprefill"), threshold=6)
+    procs = _launch(tmp_path, ("kv", "reprefill", "kv+ngram"), threshold=6)
     assert [p.exitcode for p in procs] == [0, 0]
     expected = _serial_tokens()
-    for mechanism in ("kv", "reprefill"):
+    for run in ("kv", "reprefill", "kv+ngram"):
+        mechanism = run.partition("+")[0]
         for rank in range(2):
-            result = torch.load(tmp_path / f"{mechanism}-rank{rank}.pt")
+            result = torch.load(tmp_path / f"{run}-rank{rank}.pt")
             assert result["tokens"] == expected
             assert result["mechanism"] == mechanism and result["moved"] > 0 and result["destinations"] == 1
+    # speculative decoding with migration between processes: drafts were accepted, the tokens are the same
+    assert sum(torch.load(tmp_path / f"kv+ngram-rank{rank}.pt")["accepted"] for rank in range(2)) > 0
 
 
 @pytest.mark.timeout(120)

@@ -92,6 +92,25 @@ def test_auto_migration_retunes_rt_and_keeps_results(cache_dir, tmp_path):
     assert rows[2]["migration/threshold"] in (0, *range(1, 8))
 
 
+def test_speculative_decoding_in_the_trainer_changes_no_result_and_logs_its_metrics(cache_dir, tmp_path):
+    _, sampling, _ = _fit(cache_dir, tmp_path / "sampling", STOPS)
+    trainer, spec, rows = _fit(
+        cache_dir,
+        tmp_path / "spec",
+        "generator.instances=2",
+        "migration=fixed",
+        "migration.threshold=5",
+        "generator.speculative=ngram",
+        "generator.speculative_tokens=3",
+        STOPS,
+    )
+    _same_results(spec, sampling)
+    assert all(e.speculative == "ngram" and e.speculative_tokens == 3 for e in trainer.generator.engines)
+    for row in rows:
+        assert 0 <= row["generation/spec_accept_rate"] <= 1 and row["generation/spec_tokens_per_step"] >= 1
+        assert row["migration/samples_moved"] > 0
+
+
 def test_invalid_migration_settings_name_the_fix():
     cfg = compose_config(["migration=fixed", "migration.mechanism=teleport", "generator.num_slots=-1"])
     with pytest.raises(ValueError) as err:

@@ -1,4 +1,4 @@
-"""KVCache slot operations: prefix sharing, export/import (migration), reset, overflow.
+"""KVCache slot operations: prefix sharing, export/import (migration), reset, truncate (speculation), overflow.
 
 Legend: B batch rows, T tokens, V vocabulary, S cache slots.
 """
@@ -94,6 +94,20 @@ def test_reset_empties_slots(model):
     with torch.no_grad():
         model(PROMPT, cache=cache, cache_slots_B=torch.tensor([0]))
     torch.testing.assert_close(decode(model, cache, 0, CONTINUATION), reference_TV, atol=0, rtol=0)
+
+
+def test_truncate_drops_rejected_positions_and_decoding_continues_as_if_never_written(model):
+    reference_TV = decode(model, prefilled(model, slot=1), 1, CONTINUATION)
+    cache = prefilled(model, slot=1)
+    with torch.no_grad():  # a verify step of 4 positions of which only the first is kept
+        model(torch.tensor([[CONTINUATION[0], 30, 31, 32]]), cache=cache, cache_slots_B=torch.tensor([1]))
+    cache.truncate(torch.tensor([1]), torch.tensor([6]))
+    assert cache.lengths_S[1] == 6 and cache.valid_ST[1].sum() == 6
+    torch.testing.assert_close(
+        decode(model, cache, 1, CONTINUATION[1:]), reference_TV[1:], atol=1e-6, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="truncate only shortens"):
+        cache.truncate(torch.tensor([1]), torch.tensor([11]))
 
 
 def test_overflow_names_slot_length_and_max_len(model):

@@ -107,8 +107,10 @@ class TrainStats(NamedTuple):
 
 class GenerationStats(NamedTuple):
     """What a multi-instance generator measured in its last rollout: the migration it did (Rt, samples moved,
-    destination instances), the running decode batch size and token rate over every instance, and what
-    migration=auto predicted for this batch before generating it (None for other policies)."""
+    destination instances), the running decode batch size and token rate over every instance, what
+    migration=auto predicted for this batch before generating it (None for other policies), and with
+    generator.speculative=ngram|auto (None when off, so not logged): the fraction of drafted tokens accepted
+    and the tokens a running sample gained per decode step (1.0 = no gain)."""
 
     threshold: float
     samples_moved: float
@@ -117,6 +119,8 @@ class GenerationStats(NamedTuple):
     tokens_per_s: float
     predicted_gen_inf_s: float | None = None
     predicted_serial_s: float | None = None
+    spec_accept_rate: float | None = None
+    spec_tokens_per_step: float | None = None
 
     def metrics(self) -> dict[str, float]:
         predicted = {}
@@ -125,8 +129,15 @@ class GenerationStats(NamedTuple):
                 "migration/predicted_gen_inf_s": self.predicted_gen_inf_s,
                 "migration/predicted_serial_s": self.predicted_serial_s,
             }
+        speculative = {}
+        if self.spec_accept_rate is not None and self.spec_tokens_per_step is not None:
+            speculative = {
+                "generation/spec_accept_rate": self.spec_accept_rate,
+                "generation/spec_tokens_per_step": self.spec_tokens_per_step,
+            }
         return {
             **predicted,
+            **speculative,
             "migration/threshold": self.threshold,
             "migration/samples_moved": self.samples_moved,
             "migration/destinations": self.destinations,

@@ -26,6 +26,10 @@ class DataConfig:
     length_sigma: float = 0.8
     # Arithmetic task only: operands are drawn from 0..max_operand (answers from -max_operand to 2*max_operand).
     max_operand: int = 9
+    # Synthetic task only: 0 = response words drawn one by one; n > 0 = responses are made of n-word phrases
+    # from a fixed per-topic phrase book (repetitive text, as reasoning rollouts are: what n-gram drafts of
+    # speculative decoding exploit).
+    phrase_length: int = 0
     # Longest prompt, in tokens (BOS included). Longer prompts are an error unless `truncate` is left|right.
     max_prompt_length: int = 16
     # What to do with a prompt longer than max_prompt_length: error | left (keep the end) | right (keep the start).
@@ -43,6 +47,11 @@ class DataConfig:
 
     def problems(self) -> list[str]:
         problems = choice_problems(self, "data")
+        need(
+            problems,
+            self.phrase_length >= 0,
+            f"data.phrase_length={self.phrase_length} must be >= 0 (0 = off)",
+        )
         for key in ("prompts_per_iteration", "samples_per_prompt", "mini_batch_size", "micro_batch_size"):
             positive(problems, f"data.{key}", getattr(self, key))
         samples = self.prompts_per_iteration * self.samples_per_prompt

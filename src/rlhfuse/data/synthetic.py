@@ -8,6 +8,9 @@ generated deterministically from a seed, nothing is downloaded:
   scores ~0.25 and PPO has room to improve it;
 - response lengths follow a log-normal law clipped to `max_new_tokens - 1` (median ~6 words, a few near the
   limit): the long tail that generation fusion targets;
+- with `phrase_length` n > 0 a response is a sequence of n-word phrases from a fixed phrase book per topic (8
+  on-topic phrases of topic words, 8 off-topic ones; an on-topic phrase with the on-topic rate), cut to its
+  length: repetitive text, where the sibling samples of a prompt share phrases;
 - preference pairs rank two responses of one prompt by the hidden rule, with on-topic rates spread over
   [0, 1] so that a Bradley–Terry reward model learns the rule over its whole range.
 """
@@ -75,6 +78,7 @@ class SyntheticTask:
     max_new_tokens: int = 48
     length_median: float = 6.0  # words; the log-normal's median
     length_sigma: float = 0.8  # log-normal sigma: larger = heavier tail
+    phrase_length: int = 0  # 0 = words drawn one by one; n = responses made of n-word phrases
 
     def prompt(self, index: int) -> str:
         # "<context words> <topic> :" -- the context words are the topic's own (plus filler), so the topic shows all
@@ -99,11 +103,27 @@ class SyntheticTask:
     ) -> str:
         topic = prompt_topic(prompt)
         others = [w for name, words in TOPICS.items() if name != topic for w in words] + list(FILLER)
+        count = self.response_length(rng) if length is None else length
+        if self.phrase_length > 0:
+            on_topic, off_topic = self.phrase_book(topic)
+            words: list[str] = []
+            while len(words) < count:
+                words.extend(rng.choice(on_topic if rng.random() < on_topic_rate else off_topic))
+            return " ".join(words[:count])
         words = [
             rng.choice(TOPICS[topic]) if rng.random() < on_topic_rate else rng.choice(others)
-            for _ in range(self.response_length(rng) if length is None else length)
+            for _ in range(count)
         ]
         return " ".join(words)
+
+    def phrase_book(self, topic: str) -> tuple[list[list[str]], list[list[str]]]:
+        """The topic's 8 on-topic phrases (topic words) and 8 off-topic ones (other topics' words and filler)."""
+        rng = random.Random(f"phrases-{self.seed}-{topic}")
+        others = [w for name, words in TOPICS.items() if name != topic for w in words] + list(FILLER)
+        n = self.phrase_length
+        on_topic = [[rng.choice(TOPICS[topic]) for _ in range(n)] for _ in range(8)]
+        off_topic = [[rng.choice(others) for _ in range(n)] for _ in range(8)]
+        return on_topic, off_topic
 
     def sft_examples(self, count: int) -> list[tuple[str, str]]:
         """(prompt, response) pairs whose responses are mostly off-topic, lengths long-tailed."""

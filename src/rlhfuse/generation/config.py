@@ -8,9 +8,11 @@ generator=vllm). The composed parts are flat in YAML: `generator.num_slots` is `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rlhfuse.core.config import flat_field, need, non_negative
 from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.generation.speculative import speculation_problems
 
 
 @dataclass
@@ -22,6 +24,14 @@ class EngineOptions:
     num_slots: int = 0
     # Prefill each prompt once and copy its KV cache to the slots of its n samples.
     prefix_sharing: bool = True
+    # Lossless speculative decoding (rlhfuse.generation.speculative): off | ngram (verify drafts from the prompt
+    # group's n-gram index whenever a running sample has one) | auto (only when the measured step costs say a
+    # verify step of k+1 positions makes more tokens per second than a plain decode step: the small tail batch).
+    # The tokens are the same in every mode.
+    speculative: Literal["off", "ngram", "auto"] = "off"
+    # k: draft tokens verified per step (>= 1, < generator.max_new_tokens); each verify step computes k+1
+    # positions per running sample.
+    speculative_tokens: int = 4
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -56,5 +66,14 @@ class GenerationConfig:
 
     def problems(self) -> list[str]:
         problems = self.sampling.problems() + self.engine.problems()
+        e = self.engine
+        problems += speculation_problems(e.speculative, e.speculative_tokens, self.sampling.max_new_tokens)
+        if e.speculative != "off":
+            need(
+                problems,
+                self.name == "engine",
+                f"generator.speculative={e.speculative} runs in the generation engine, not generator={self.name}: "
+                "set generator=engine or generator.speculative=off",
+            )
         need(problems, self.instances >= 1, f"generator.instances={self.instances} must be >= 1")
         return problems

@@ -11,6 +11,9 @@ state migration moves (`evict` / `admit`), by KV transfer or by re-prefilling pr
 Token t of a sample is drawn with uniform t of the sample's own stream, seeded by (run seed, iteration, prompt
 id, sample index) exactly as `rlhfuse.trainer.generator.SamplingGenerator` does, with the same filtering and
 inverse-CDF sampling: a sample's tokens do not depend on its batch, its slot, its instance or a migration.
+
+With `speculative="ngram"|"auto"` a decode step may instead verify k drafted tokens per sample in one forward
+pass of k+1 positions (`rlhfuse.generation.speculative`): the same uniforms, the same tokens, fewer steps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
 from rlhfuse.models import KVCache, SlotState, Transformer
 
 
@@ -91,15 +95,22 @@ class MigratingSample:
 @dataclass
 class EngineStats:
     """Per-engine counters. batch_sizes / step_times / step_seconds: running samples of each decode step, when
-    it ended (perf_counter seconds) and how long it took; tokens: generated tokens; prefill_tokens: prompt (and re-prefill) tokens computed."""
+    it ended (perf_counter seconds) and how long it took; step_positions: positions per row it computed (1, or
+    k+1 for a speculative verify step); step_tokens: tokens it generated; tokens: generated tokens;
+    prefill_tokens: prompt (and re-prefill) tokens computed; spec_proposed / spec_accepted: draft tokens verified
+    and accepted."""
 
     batch_sizes: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    step_positions: list[int] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
     tokens: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     busy_seconds: float = 0.0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     def tokens_per_second(self) -> float:
         return self.tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0
@@ -170,12 +181,23 @@ class GenerationEngine:
         num_slots: int,
         max_len: int,
         prefix_sharing: bool = True,
+        speculative: str = "off",
+        speculative_tokens: int = 4,
     ) -> None:
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} must be >= 1")
+        problems = speculation_problems(
+            speculative, speculative_tokens, params.max_new_tokens, model.config.attention_backend
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
         self.model = model
         self.params = params
         self.prefix_sharing = prefix_sharing
+        self.speculative = speculative
+        self.speculative_tokens = speculative_tokens
+        self.drafter = Drafter()
+        self.costs = SpeculationCosts()  # kept across batches: `auto` learns this machine's step costs
         parameter = next(model.parameters())
         self.device = parameter.device
         self.cache = KVCache.allocate(
@@ -198,6 +220,8 @@ class GenerationEngine:
 
     def add(self, requests: Iterable[SampleRequest]) -> None:
         """Queue samples; they are admitted in order as slots free up."""
+        if not self.has_work():
+            self.drafter.clear()  # a new batch: its prompt groups are new
         for request in requests:
             longest = len(request.prompt_P) + self.params.max_new_tokens
             if longest > self.cache.max_len:
@@ -247,6 +271,7 @@ class GenerationEngine:
         finished = []
         for request, slot, token in zip(take, slots, first_B.tolist(), strict=True):
             self.running[slot] = request
+            self._track(request)
             if self._append(request, token):
                 finished.append(self._release(slot))
         return finished
@@ -276,17 +301,90 @@ class GenerationEngine:
         start = time.perf_counter()
         slots = sorted(self.running)
         requests = [self.running[s] for s in slots]
+        drafts = self._drafts(slots, requests)
+        if drafts:
+            return self._verify(start, slots, requests, drafts)
         last_B1 = torch.tensor([[r.tokens[-1]] for r in requests], dtype=torch.long, device=self.device)
         slots_B = torch.tensor(slots, dtype=torch.long, device=self.device)
         logits_BV = self.model(last_B1, cache=self.cache, cache_slots_B=slots_B)[:, -1]
         tokens_B = self._sample(logits_BV, requests)
-        self.stats.batch_sizes.append(len(slots))
-        self.stats.step_times.append(time.perf_counter())
-        self.stats.step_seconds.append(self.stats.step_times[-1] - start)
         finished = []
         for slot, request, token in zip(slots, requests, tokens_B.tolist(), strict=True):
             if self._append(request, token):
                 finished.append(self._release(slot))
+        seconds = self._record_step(start, len(slots), 1, len(slots))
+        if self.speculative == "auto":
+            self.costs.observe_decode(len(slots), seconds)
+        return finished
+
+    def _record_step(self, start: float, rows: int, positions: int, tokens: int) -> float:
+        self.stats.batch_sizes.append(rows)
+        self.stats.step_times.append(time.perf_counter())
+        self.stats.step_seconds.append(self.stats.step_times[-1] - start)
+        self.stats.step_positions.append(positions)
+        self.stats.step_tokens.append(tokens)
+        return self.stats.step_seconds[-1]
+
+    def _drafts(self, slots: Sequence[int], requests: Sequence[SampleRequest]) -> list[list[int]]:
+        """Each running sample's draft, all cut to one width K (the verify step's k+1 positions must fit every
+        slot and stay within max_new_tokens); [] = decode plainly this step."""
+        k = self.speculative_tokens
+        if self.speculative == "off" or (self.speculative == "auto" and not self.costs.decide(len(slots), k)):
+            return []
+        n = self.params.max_new_tokens
+        drafts = [self.drafter.draft(r.row, min(k, n - len(r.tokens) - 1)) for r in requests]
+        width = max(len(d) for d in drafts)
+        if width == 0:
+            return []
+        lengths = self.cache.lengths_S[torch.tensor(list(slots), device=self.device)].tolist()
+        width = min(width, self.cache.max_len - 1 - max(lengths))
+        if width <= 0:
+            return []
+        return [d[:width] for d in drafts]
+
+    def _verify(
+        self,
+        start: float,
+        slots: Sequence[int],
+        requests: Sequence[SampleRequest],
+        drafts: Sequence[Sequence[int]],
+    ) -> list[SampleRequest]:
+        """One forward pass of [last token, draft...] per running sample; accept drafts while the token sampled
+        with the sample's own uniform equals the draft, keep the first mismatch, trim the rejected positions."""
+        width = 1 + max(len(d) for d in drafts)
+        ids_BT = torch.zeros((len(slots), width), dtype=torch.long)
+        mask_BT = torch.zeros((len(slots), width), dtype=torch.long)
+        for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+            ids_BT[b, : 1 + len(draft)] = torch.tensor([request.tokens[-1], *draft], dtype=torch.long)
+            mask_BT[b, : 1 + len(draft)] = 1
+        slots_B = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        lengths_B = self.cache.lengths_S[slots_B].clone()
+        logits_BTV = self.model(
+            ids_BT.to(self.device),
+            attention_mask_BT=mask_BT.to(self.device),
+            cache=self.cache,
+            cache_slots_B=slots_B,
+        )
+        tokens_BT = self._sample_positions(logits_BTV, requests, width)
+        kept_B = torch.zeros(len(slots), dtype=torch.long)
+        done: list[int] = []
+        for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
+            self.stats.spec_proposed += len(draft)
+            for j, token in enumerate(tokens_BT[b, : 1 + len(draft)].tolist()):
+                kept_B[b] += 1
+                if self._append(request, token):
+                    done.append(b)
+                    break
+                if j == len(draft) or token != draft[j]:
+                    break
+                self.stats.spec_accepted += 1
+        # the slot keeps [last token, accepted drafts]: again prompt + tokens[:-1]
+        self.cache.truncate(slots_B, lengths_B + kept_B.to(self.device))
+        finished = [self._release(slots[b]) for b in done]
+        tokens = int(kept_B.sum())
+        seconds = self._record_step(start, len(slots), width, tokens)
+        if self.speculative == "auto":
+            self.costs.observe_verify(len(slots), width, seconds, tokens)
         return finished
 
     def _sample(self, logits_BV: Tensor, requests: Sequence[SampleRequest]) -> Tensor:
@@ -298,9 +396,34 @@ class GenerationEngine:
         probs_BV = filter_logits(logits_BV.float(), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
         return sample_from(probs_BV, uniforms_B.to(probs_BV.device)).cpu()
 
+    def _sample_positions(self, logits_BTV: Tensor, requests: Sequence[SampleRequest], width: int) -> Tensor:
+        """Token t + j of each row sampled from position j's distribution with uniform u(s, t + j): what plain
+        decoding samples for that position when the row's earlier tokens are the drafts (long [B, width])."""
+        p = self.params
+        if p.temperature == 0:
+            return logits_BTV.argmax(dim=-1).cpu()
+        n = p.max_new_tokens
+        # positions past max_new_tokens are never kept: any uniform will do for them
+        uniforms_BT = torch.stack(
+            [
+                r.uniforms(n)[torch.arange(len(r.tokens), len(r.tokens) + width).clamp(max=n - 1)]
+                for r in requests
+            ]
+        )
+        logits_NV = logits_BTV.flatten(0, 1).float()
+        probs_NV = filter_logits(logits_NV, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        tokens_N = sample_from(probs_NV, uniforms_BT.flatten().to(probs_NV.device))
+        return tokens_N.view(len(requests), width).cpu()
+
+    def _track(self, request: SampleRequest) -> None:
+        if self.speculative != "off":
+            self.drafter.track(request.row, request.group, request.prompt_P.tolist(), request.tokens)
+
     def _append(self, request: SampleRequest, token: int) -> bool:
         """Record a sampled token; True when the sample is done."""
         request.tokens.append(token)
+        if self.speculative != "off":
+            self.drafter.append(request.row, (token,))
         self.stats.tokens += 1
         request.stopped = bool((self.stop_ids == token).any())
         return request.stopped or len(request.tokens) >= self.params.max_new_tokens
@@ -332,6 +455,8 @@ class GenerationEngine:
         """Take over migrated samples. Started ones wait (ahead of the queue) for a free slot, where the next
         `step()` imports their KV (transfer) or re-prefills prompt + tokens[:-1] (no KV sent); samples not started
         yet join the front of the waiting queue."""
+        if not self.has_work():
+            self.drafter.clear()  # an idle instance taking migrated samples: a new batch
         self.arrived.extend(s for s in samples if s.request.tokens)
         self.waiting.extendleft(reversed([s.request for s in samples if not s.request.tokens]))
 
@@ -341,6 +466,7 @@ class GenerationEngine:
             sample = self.arrived.popleft()
             slot = self.free_slots.pop(0)
             self.running[slot] = sample.request
+            self._track(sample.request)
             if sample.kv is not None:
                 self.cache.import_slot(slot, sample.kv)
             else:

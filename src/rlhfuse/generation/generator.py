@@ -124,6 +124,8 @@ class EngineGenerator:
                     num_slots=slots,
                     max_len=max_len,
                     prefix_sharing=self.config.engine.prefix_sharing,
+                    speculative=self.config.engine.speculative,
+                    speculative_tokens=self.config.engine.speculative_tokens,
                 )
                 for model in self.models[:count]
             ]
@@ -219,14 +221,27 @@ class EngineGenerator:
         stats = [e.stats for e in self.engines]
         sizes = [b for s in stats for b in s.batch_sizes]
         busy = sum(s.busy_seconds for s in stats)
-        tokens = sum(s.tokens for s in stats)
-        if self.distributed is not None:  # every instance's decode batch sizes, busy seconds and tokens
-            mine = pack_tensors([tokens, *sizes], [torch.tensor([busy], dtype=torch.float64)])
+        # generated tokens; draft tokens proposed and accepted; tokens made by decode (and verify) steps
+        counts = [
+            sum(s.tokens for s in stats),
+            sum(s.spec_proposed for s in stats),
+            sum(s.spec_accepted for s in stats),
+            sum(sum(s.step_tokens) for s in stats),
+        ]
+        if self.distributed is not None:  # every instance's counts, decode batch sizes and busy seconds
+            mine = pack_tensors([*counts, *sizes], [torch.tensor([busy], dtype=torch.float64)])
             parts = [unpack_tensors(p) for p in self.distributed.transport.all_gather(mine)]
-            sizes = [b for ints, _ in parts for b in ints[1:]]
+            sizes = [b for ints, _ in parts for b in ints[len(counts) :]]
             busy = sum(float(t[0]) for _, (t,) in parts)
-            tokens = sum(ints[0] for ints, _ in parts)
-        return generation_stats(sizes, busy, tokens, self.migration, self._predicted)
+            counts = [sum(ints[i] for ints, _ in parts) for i in range(len(counts))]
+        tokens, proposed, accepted, step_tokens = counts
+        speculation = None
+        if self.config.engine.speculative != "off":
+            speculation = (
+                accepted / proposed if proposed else 0.0,
+                step_tokens / sum(sizes) if sizes else 0.0,
+            )
+        return generation_stats(sizes, busy, tokens, self.migration, self._predicted, speculation)
 
 
 def predictions(policy: MigrationPolicy) -> tuple[object, object] | None:
@@ -253,9 +268,11 @@ def generation_stats(
     tokens: int,
     report: MigrationReport,
     predicted: tuple[object, object] | None,
+    speculation: tuple[float, float] | None = None,
 ) -> GenerationStats:
     """One batch's generation statistics: running batch sizes of every decode step, busy seconds and generated
-    tokens summed over the instances, the migration report and the auto-tuner's predictions."""
+    tokens summed over the instances, the migration report, the auto-tuner's predictions and, with speculative
+    decoding on, (acceptance rate, tokens per sample per decode step)."""
     fused = serial = None
     if predicted is not None and all(isinstance(p, SimResult) for p in predicted):
         fused, serial = (p.gen_inf_s for p in predicted)  # type: ignore[attr-defined]
@@ -267,4 +284,6 @@ def generation_stats(
         tokens_per_s=tokens / busy if busy > 0 else math.nan,
         predicted_gen_inf_s=fused,
         predicted_serial_s=serial,
+        spec_accept_rate=None if speculation is None else speculation[0],
+        spec_tokens_per_step=None if speculation is None else speculation[1],
     )

@@ -54,8 +54,15 @@ class CostProfile:
     @classmethod
     def fit(cls, stats: Sequence[EngineStats], *, inference_passes: float = 4.0) -> CostProfile | None:
         """From engine counters (None until there are decode steps of at least two batch sizes)."""
-        sizes = np.array([b for s in stats for b in s.batch_sizes], dtype=np.float64)
-        seconds = np.array([t for s in stats for t in s.step_seconds], dtype=np.float64)
+        # plain decode steps only (a speculative verify step computes several positions per sample)
+        plain = [
+            (b, t)
+            for s in stats
+            for b, t, n in zip(s.batch_sizes, s.step_seconds, s.step_positions or [1] * len(s.batch_sizes))
+            if n == 1
+        ]
+        sizes = np.array([b for b, _ in plain], dtype=np.float64)
+        seconds = np.array([t for _, t in plain], dtype=np.float64)
         prefill_tokens = sum(s.prefill_tokens for s in stats)
         if len(np.unique(sizes)) < 2 or prefill_tokens == 0:
             return None

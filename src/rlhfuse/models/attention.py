@@ -83,6 +83,12 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {
 }
 
 
+# Backends whose calls with a KV cache take several new positions per row under an arbitrary [T, S] mask (what a
+# speculative verify step of k+1 positions needs): flash and te hand masked calls to sdpa. A backend added to
+# ATTENTION_BACKENDS that handles one cached position per row only must stay out of this set.
+MULTI_POSITION_BACKENDS: frozenset[str] = frozenset({"sdpa", "flash", "te"})
+
+
 def get_attention(name: str) -> AttentionFn:
     try:
         return ATTENTION_BACKENDS[name]

@@ -140,6 +140,20 @@ class KVCache:
         self.valid_ST[slot, :length] = state.valid_T.to(self.device)
         self.lengths_S[slot] = length
 
+    def truncate(self, slots_B: Tensor, lengths_B: Tensor) -> None:
+        """Cut each slot back to `lengths_B` stored positions (speculative decoding drops the positions of
+        rejected draft tokens; the k/v stay in memory, unreachable, and are overwritten by the next append)."""
+        slots_B = torch.as_tensor(slots_B, dtype=torch.int64, device=self.device)
+        lengths_B = torch.as_tensor(lengths_B, dtype=torch.int64, device=self.device)
+        if bool((lengths_B > self.lengths_S[slots_B]).any()) or bool((lengths_B < 0).any()):
+            raise ValueError(
+                f"truncate: lengths {lengths_B.tolist()} must be within 0..the stored "
+                f"{self.lengths_S[slots_B].tolist()} of slots {slots_B.tolist()} (truncate only shortens)"
+            )
+        keep_BT = torch.arange(self.max_len, device=self.device)[None, :] < lengths_B[:, None]
+        self.valid_ST[slots_B] = self.valid_ST[slots_B] & keep_BT
+        self.lengths_S[slots_B] = lengths_B
+
     def check_room(self, slots_B: Tensor, num_new: int) -> None:
         """Raise if appending `num_new` positions to any of `slots_B` would pass max_len."""
         new_lengths_B = self.lengths_S[slots_B] + num_new

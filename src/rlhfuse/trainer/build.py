@@ -50,7 +50,11 @@ def embedded_task(config: RLHFConfig) -> WarmStartTask:
     if d.source == "arithmetic":
         return ArithmeticTask(seed=config.seed, max_operand=d.max_operand, max_new_tokens=max_new)
     return SyntheticTask(
-        seed=config.seed, max_new_tokens=max_new, length_median=d.length_median, length_sigma=d.length_sigma
+        seed=config.seed,
+        max_new_tokens=max_new,
+        length_median=d.length_median,
+        length_sigma=d.length_sigma,
+        phrase_length=d.phrase_length,
     )
 
 

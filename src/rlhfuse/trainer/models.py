@@ -54,12 +54,20 @@ class ModelsConfig:
     num_heads: int = 2
     num_kv_heads: int = 2
     head_dim: int = 32
+    # The embedded Reward model's (and so the Critic's) own size, larger than the Actor as in the paper's
+    # settings; 0 = the Actor's value.
+    reward_hidden_size: int = 0
+    reward_intermediate_size: int = 0
+    reward_num_layers: int = 0
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
     def problems(self) -> list[str]:
         """This config's own problems; whether model.sft_path also needs model.reward_path depends on the
         algorithm and the inferencer (`rlhfuse.trainer.validate`)."""
         problems = choice_problems(self, "model")
+        for key in ("reward_hidden_size", "reward_intermediate_size", "reward_num_layers"):
+            value = getattr(self, key)
+            need(problems, value >= 0, f"model.{key}={value} must be >= 0 (0 = the Actor's)")
         need(problems, self.sft_path is not None or self.reward_path is None, self.paths_problem())
         return problems
 

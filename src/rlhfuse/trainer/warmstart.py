@@ -48,13 +48,16 @@ def cache_root(config: ModelsConfig) -> Path:
     return Path(os.environ.get("RLHFUSE_CACHE", Path.home() / ".cache" / "rlhfuse")).expanduser()
 
 
-def tiny_model_config(config: ModelsConfig, tokenizer: Tokenizer, max_positions: int) -> ModelConfig:
+def tiny_model_config(
+    config: ModelsConfig, tokenizer: Tokenizer, max_positions: int, *, reward: bool = False
+) -> ModelConfig:
+    """The embedded Actor's shape, or with `reward` the Reward model's (model.reward_* where set)."""
     return ModelConfig.tiny(
         architecture=config.architecture,
         vocab_size=tokenizer.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_layers,
+        hidden_size=(reward and config.reward_hidden_size) or config.hidden_size,
+        intermediate_size=(reward and config.reward_intermediate_size) or config.intermediate_size,
+        num_layers=(reward and config.reward_num_layers) or config.num_layers,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
@@ -69,10 +72,18 @@ def warm_start(
     config: ModelsConfig, task: WarmStartTask, *, seed: int, log: Callable[[str], None] = print
 ) -> tuple[Path, Path]:
     """Return (sft_path, reward_path), training and caching them on first use."""
+    models = dataclasses.asdict(config) | {
+        "warmstart": dataclasses.asdict(config.warmstart) | {"cache_dir": None}
+    }
+    for name in ("reward_hidden_size", "reward_intermediate_size", "reward_num_layers"):
+        if not models[name]:
+            del models[name]  # unset: the key (and so the cache) of setups from before these fields
+    task_key = dataclasses.asdict(task)  # type: ignore[call-overload]
+    if not task_key.get("phrase_length", 1):
+        del task_key["phrase_length"]  # off: the key of tasks from before the field
     key_source: dict[str, Any] = {
-        "models": dataclasses.asdict(config)
-        | {"warmstart": dataclasses.asdict(config.warmstart) | {"cache_dir": None}},
-        "task": dataclasses.asdict(task),  # type: ignore[call-overload]
+        "models": models,
+        "task": task_key,
         "seed": seed,
         "version": 5,  # bump when the task or the training recipe changes
     }
@@ -116,6 +127,12 @@ def _train_and_save(
         (tokenizer.encode(p), [*tokenizer.encode(r, add_bos=False), tokenizer.eos_id])
         for p, r in task.sft_examples(ws.sft_examples)
     ]
+    lengths = torch.tensor([len(r) for _, r in sft_data], dtype=torch.float64)
+    p50, p90, p99 = (float(torch.quantile(lengths, q)) for q in (0.5, 0.9, 0.99))
+    log(
+        f"warm start: SFT response lengths (tokens, EOS included) p50 {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, "
+        f"max {int(lengths.max())} over {len(sft_data)} examples"
+    )
     loss = _train(
         actor,
         ws.sft_steps,
@@ -133,7 +150,7 @@ def _train_and_save(
 
     start = time.perf_counter()
     torch.manual_seed(seed + 1)
-    reward = Transformer(model_config, head="value")
+    reward = Transformer(tiny_model_config(config, tokenizer, max_positions, reward=True), head="value")
     pairs = [
         (
             tokenizer.encode(p),
