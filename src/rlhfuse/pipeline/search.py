@@ -24,7 +24,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from rlhfuse.pipeline.compiled import (
 from rlhfuse.pipeline.ir import Action, Kind, Schedule, schedule_to_result
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.pipeline.simulate import DurationFn, dependencies, simulate
+
+if TYPE_CHECKING:
+    from rlhfuse.pipeline.exact import ExactResult
 
 
 @dataclass(frozen=True)
@@ -482,6 +485,16 @@ def _worker(
     def better(ms: float, peak: float) -> bool:
         return ms >= 0 and (ms < best_ms - 1e-9 or (ms <= best_ms + 1e-9 and peak < best_peak - 1e-9))
 
+    def adopt(found: ExactResult | None, stat: str) -> None:
+        """Take a memory step's schedule when it beats the best (makespan first, then peak)."""
+        nonlocal best_ms, best_peak, best
+        if found is None or found.order is None:
+            return
+        ms, peak = float(c.evaluate(found.order)[0]), c.peak(found.order)
+        if better(ms, peak):
+            best_ms, best_peak, best = ms, peak, found.order
+            stats[stat] = round(best_peak, 4)
+
     # Phase 1 (latency). Some rounds also charge memory above the serial 1F1B peak: the latency moves alone
     # drift to high-memory schedules, which the memory phase can rarely repair at the optimal makespan.
     # With the exact step to follow, the annealing only needs to get close (the exact model closes the gap).
@@ -558,11 +571,7 @@ def _worker(
             problem, compiled=c, makespan=best_ms, peak=best_peak, target=mem_goal, seed=config.seed + worker,
             time_budget=seconds, deterministic_budget=config.exact_effort / 4 if fixed else None,
         )  # fmt: skip
-        if laddered is not None and laddered.order is not None:
-            ms_lad = float(c.evaluate(laddered.order)[0])
-            if better(ms_lad, c.peak(laddered.order)):
-                best_ms, best_peak, best = ms_lad, c.peak(laddered.order), laddered.order
-                stats["exact_memory_ladder"] = round(best_peak, 4)
+        adopt(laddered, "exact_memory_ladder")
     if exact_on and config.exact_memory and best_peak > mem_goal + 1e-9:
         # The exact model's schedules are at the optimal makespan but hold much memory, and the annealing
         # rarely repairs that: ask the restricted model (in-flight limits) for a low-memory one first.
@@ -573,14 +582,10 @@ def _worker(
             problem, compiled=c, makespan=best_ms, peak=best_peak, serial_peak=serial, seed=config.seed + worker,
             time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
         )  # fmt: skip
-        if low is not None and low.order is not None:
-            ms_low = float(c.evaluate(low.order)[0])
-            if better(ms_low, c.peak(low.order)):
-                best_ms, best_peak, best = ms_low, c.peak(low.order), low.order
-                stats["exact_low_memory"] = round(best_peak, 4)
+        adopt(low, "exact_low_memory")
     while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
         now = time.perf_counter()
-        if now >= end or best_peak <= max(bounds.memory, config.memory_target * serial) + 1e-9:
+        if now >= end or best_peak <= mem_goal + 1e-9:
             break
         kind = rounds % 2
         iters = _round_iters(
@@ -621,11 +626,7 @@ def _worker(
             problem, compiled=c, makespan=best_ms, peak=best_peak, target=mem_goal, seed=config.seed + worker,
             time_budget=seconds, deterministic_budget=3 * config.exact_effort if fixed else None,
         )  # fmt: skip
-        if capped is not None and capped.order is not None:
-            ms_cap = float(c.evaluate(capped.order)[0])
-            if better(ms_cap, c.peak(capped.order)):
-                best_ms, best_peak, best = ms_cap, c.peak(capped.order), capped.order
-                stats["exact_capped_memory"] = round(best_peak, 4)
+        adopt(capped, "exact_capped_memory")
     return {"worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats}
 
 
