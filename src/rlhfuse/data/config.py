@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 from rlhfuse.core.config import choice_problems, need, positive
 
 TruncateMode = Literal["error", "left", "right"]
-TRUNCATE_MODES = get_args(TruncateMode)
 
 
 @dataclass
