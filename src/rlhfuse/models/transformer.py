@@ -16,9 +16,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from rlhfuse.models.attention import get_attention
+from rlhfuse.models.attention import get_attention, get_packed_attention
 from rlhfuse.models.cache import KVCache
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.packing import PackedSequences
 
 
 class RMSNorm(nn.Module):
@@ -81,6 +82,13 @@ class AttentionContext:
     """Positions of each slot read back from the cache (max over rows of length + T)."""
     first_slot: int | None = None
     """Set when slots_B is first_slot, first_slot + 1, ...: the cache is then read as a view, not gathered."""
+    packed: PackedSequences | None = None
+    """Set for packed sequences: the call's one row [1, N] is the stream of N tokens of packed.batch sequences."""
+
+
+def packed_context(config: ModelConfig, packed: PackedSequences, dtype: torch.dtype) -> AttentionContext:
+    """Rotary tables of the stream's per-sequence positions (restarting at 0 for every sequence), no mask."""
+    return AttentionContext(*_rope_tables(config, packed.position_ids_N[None], dtype), None, packed=packed)
 
 
 def build_context(
@@ -207,6 +215,7 @@ class Attention(nn.Module):
         # LLaMA's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
         self.o_proj = nn.Linear(self.num_heads * e, d, bias=bias and config.architecture == "llama")
         self.attend = get_attention(config.attention_backend)
+        self.backend = config.attention_backend
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
         b, t, _ = x_BTD.shape
@@ -216,6 +225,10 @@ class Attention(nn.Module):
         cos_BT1e, sin_BT1e = ctx.cos_BTe[:, :, None], ctx.sin_BTe[:, :, None]
         q_BTHE = apply_rope(q_BTHE, cos_BT1e, sin_BT1e)
         k_BTKE = apply_rope(k_BTKE, cos_BT1e, sin_BT1e)
+        if ctx.packed is not None:
+            # packed stream: B = 1 row of N tokens, attention per sequence of the stream
+            out_NHE = get_packed_attention(self.backend)(q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
+            return self.o_proj(out_NHE.reshape(b, t, self.num_heads * self.head_dim))
         q_BHTE = q_BTHE.transpose(1, 2)
         if ctx.cache is None:
             k_BKSE, v_BKSE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
@@ -348,6 +361,18 @@ class Transformer(nn.Module):
             cache.valid_ST[ctx.slots_B[:, None], ctx.write_pos_BT] = ctx.valid_BT
             cache.lengths_S[ctx.slots_B] += t
         return self.norm(x_BTD)
+
+    def packed_hidden_states(self, input_ids_N: Tensor, packed: PackedSequences) -> Tensor:
+        """Final-norm output hidden_ND of packed sequences (`rlhfuse.models.packing`): each of the
+        packed.batch sequences attends causally within itself, with positions restarting at 0."""
+        if input_ids_N.shape != (packed.num_tokens,):
+            raise ValueError(
+                f"input_ids_N must hold the {packed.num_tokens} packed tokens, got shape {tuple(input_ids_N.shape)}"
+            )
+        x_1ND = self.embed_tokens(input_ids_N)[None]
+        ctx = packed_context(self.config, packed.to(x_1ND.device), x_1ND.dtype)
+        x_1ND = run_layers(self.layers, x_1ND, ctx, checkpointed=self.activation_checkpointing)
+        return self.norm(x_1ND)[0]
 
     def forward(
         self,

@@ -97,6 +97,7 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
         temperature=ctx.config.generator.sampling.temperature,
         autocast=ctx.fabric.autocast,
         rows=ctx.rows,
+        packing=ctx.config.data.packing,
     )
 
 
@@ -142,6 +143,7 @@ def plain_strategy(ctx: BuildContext) -> PlainStrategy:
         micro_batch_tokens=ctx.config.data.micro_batch_tokens,
         temperature=ctx.config.generator.sampling.temperature,
         group=dist.group.WORLD if ctx.fabric.world_size > 1 else None,  # data-parallel: one rank per instance
+        packing=ctx.config.data.packing,
     )
 
 

@@ -27,6 +27,7 @@ from rlhfuse.core.rewards import RuleReward
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
+from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.offload import OffloadedModel
 
 
@@ -46,6 +47,7 @@ class ModelInferencer:
         temperature: float,
         autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
         rows: Sequence[Mapping[str, Any]] = (),
+        packing: bool = False,
     ) -> None:
         if reward_model is None and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
@@ -57,6 +59,10 @@ class ModelInferencer:
         self.tokenizer = tokenizer
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast = autocast
+        # packed forward passes (rlhfuse.models.packing): the models run on real tokens only
+        self.packing = packing
+        if packing:
+            check_packing([actor, ref, critic, reward_model])
         device = next(actor.parameters()).device
         frozen = (ref, reward_model) if config.offload_frozen else ()
         self.offloaded = [OffloadedModel(m, device) for m in frozen if m is not None]
@@ -97,14 +103,19 @@ class ModelInferencer:
         for model in self.offloaded:
             model.acquire()
         with self.autocast():
-            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature)
-            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature)
+            packing = self.packing
+            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature, packing=packing)
+            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, packing=packing)
             values_BR = (
                 torch.zeros_like(logprobs_BR)
                 if self.critic is None
-                else response_values(self.critic, rollout)
+                else response_values(self.critic, rollout, packing=packing)
             )
-            rm_scores_B = None if self.reward_model is None else sequence_scores(self.reward_model, rollout)
+            rm_scores_B = (
+                None
+                if self.reward_model is None
+                else sequence_scores(self.reward_model, rollout, packing=packing)
+            )
         scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)
