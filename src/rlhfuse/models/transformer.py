@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,19 @@ from rlhfuse.models.attention import get_attention, get_packed_attention
 from rlhfuse.models.cache import KVCache
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.packing import PackedSequences
+
+CheckpointingMode = Literal["none", "full", "selective"]
+"""What a training forward keeps for backward: none = every activation; full = each layer's input only (the
+layer is recomputed in backward, activations ~1/L); selective = recompute the attention kernel and the MLP (their
+score-matrix- and intermediate_size-wide activations), keep the projections' and norms' outputs."""
+
+CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full", "selective")
+
+
+def _recompute(fn: nn.Module | object, *args: object) -> Tensor:
+    out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)  # type: ignore[arg-type]
+    assert isinstance(out, Tensor)
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +92,8 @@ class AttentionContext:
     """Cache positions the new tokens are stored at (slot length + t)."""
     valid_BT: Tensor | None = None
     """Which new tokens are real (recorded in the cache once every layer has run)."""
+    selective: bool = False
+    """Recompute the attention kernel and the MLP in backward (activation_checkpointing="selective")."""
     num_keys: int = 0
     """Positions of each slot read back from the cache (max over rows of length + T)."""
     first_slot: int | None = None
@@ -227,7 +243,11 @@ class Attention(nn.Module):
         k_BTKE = apply_rope(k_BTKE, cos_BT1e, sin_BT1e)
         if ctx.packed is not None:
             # packed stream: B = 1 row of N tokens, attention per sequence of the stream
-            out_NHE = get_packed_attention(self.backend)(q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
+            attend_packed = get_packed_attention(self.backend)
+            if ctx.selective:
+                out_NHE = _recompute(attend_packed, q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
+            else:
+                out_NHE = attend_packed(q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
             return self.o_proj(out_NHE.reshape(b, t, self.num_heads * self.head_dim))
         q_BHTE = q_BTHE.transpose(1, 2)
         if ctx.cache is None:
@@ -246,7 +266,10 @@ class Attention(nn.Module):
             else:
                 k_BKSE = layer_k_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
                 v_BKSE = layer_v_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
-        out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+        if ctx.selective:
+            out_BHTE = _recompute(self.attend, q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+        else:
+            out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
         return self.o_proj(out_BHTE.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -272,14 +295,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), ctx)
-        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+        normed_BTD = self.post_attention_layernorm(x_BTD)
+        return x_BTD + (_recompute(self.mlp, normed_BTD) if ctx.selective else self.mlp(normed_BTD))
 
 
-def run_layers(layers: nn.ModuleList, x_BTD: Tensor, ctx: AttentionContext, *, checkpointed: bool) -> Tensor:
-    recompute = checkpointed and torch.is_grad_enabled() and ctx.cache is None
+def run_layers(
+    layers: nn.ModuleList, x_BTD: Tensor, ctx: AttentionContext, *, checkpointed: bool | CheckpointingMode
+) -> Tensor:
+    """Run `layers`; checkpointed = the model's activation_checkpointing mode (True = "full"), applied only
+    when autograd records (training) and no KV cache is written."""
+    mode = "full" if checkpointed is True else "none" if checkpointed is False else checkpointed
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is unknown: use one of {', '.join(CHECKPOINTING_MODES)} "
+            "(pipeline.activation_checkpointing)"
+        )
+    active = torch.is_grad_enabled() and ctx.cache is None
+    ctx.selective = active and mode == "selective"
     for layer in layers:
-        if recompute:
-            x_BTD = torch.utils.checkpoint.checkpoint(layer, x_BTD, ctx, use_reentrant=False)
+        if active and mode == "full":
+            x_BTD = _recompute(layer, x_BTD, ctx)
         else:
             x_BTD = layer(x_BTD, ctx)
     return x_BTD
@@ -303,8 +338,9 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
             self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
-        self.activation_checkpointing = False
-        """Recompute each layer's activations in backward instead of storing them (training memory ~1/L)."""
+        self.activation_checkpointing: bool | CheckpointingMode = "none"
+        """What training keeps for backward: "none" | "full" (recompute each layer, memory ~1/L) | "selective"
+        (recompute attention kernels and MLPs); True means "full" (`CheckpointingMode`)."""
         self.apply(self._init_weights)
         if head == "lm" and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

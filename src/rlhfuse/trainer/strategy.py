@@ -63,6 +63,9 @@ class PlainStrategy:
         self.packing = packing
         if packing:
             check_packing([actor, critic])
+        for trained in (actor, critic):
+            if trained is not None:
+                trained.activation_checkpointing = config.activation_checkpointing
         self.actor_optim, self.actor_sched = build_optimizer(
             actor.parameters(), config.actor_lr, config, total_steps
         )
