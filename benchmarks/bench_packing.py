@@ -182,7 +182,7 @@ def _compare(
                 fn(packing)
                 sync()
                 times[packing].append(time.perf_counter() - start)
-        memory = {packing: _peak_bytes(lambda p=packing: fn(p), device) for packing in (False, True)}
+        memory = {packing: _peak_bytes(lambda p=packing, f=fn: f(p), device) for packing in (False, True)}
         speedup = min(times[False]) / min(times[True])
         paired = statistics.median(a / b for a, b in zip(times[False], times[True], strict=True))
         mem_ratio = memory[False] / max(memory[True], 1)
