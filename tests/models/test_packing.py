@@ -18,7 +18,7 @@ from rlhfuse.core.advantages import AlgorithmConfig, algorithm_of
 from rlhfuse.core.inference import response_logprobs, response_values, sequence_scores
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import Rollout, TrainBatch
-from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.models import ModelConfig, Transformer, split_stages
 from rlhfuse.models.packing import pack_rows, packed_forward, packed_last_token
 from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -211,3 +211,59 @@ def test_packing_with_a_backend_that_cannot_pack_names_the_fix():
 def test_an_empty_row_cannot_be_packed():
     with pytest.raises(ValueError, match="at least one real token"):
         pack_rows(torch.tensor([[1, 1], [0, 0]]))
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_packed_pipeline_stages_equal_the_padded_model_outputs_and_gradients(head):
+    ids, mask = _rows("both")
+    model = _model(head)
+    expected = model(ids, attention_mask_BT=mask)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    valid = mask.bool().view(*mask.shape, *([1] * (expected.dim() - 2)))
+    (expected * weight * valid).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.packing = True  # what data.packing sets under a pipeline strategy
+    x = ids
+    for stage in split_stages(model, 2):
+        x = stage(x, attention_mask_BT=mask)
+        assert x.shape[:2] == ids.shape  # messages keep the padded layout, 0 at padding
+    torch.testing.assert_close(x * valid, expected * valid, atol=1e-12, rtol=0)
+    (x * weight * valid).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], atol=1e-12, rtol=0, msg=name)
+
+
+def test_flash_varlen_call_follows_the_flash_attn_interface(monkeypatch):
+    """No CUDA here: a stand-in module with flash-attn's documented `flash_attn_varlen_func` signature (q/k/v
+    [N, heads, E], int32 cu_seqlens, causal per sequence, grouped kv heads) checks the call the flash backend
+    makes; the kernel itself runs only on a GPU (docs/packing.md)."""
+    import sys
+    import types
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
+        assert cu_seqlens_q.dtype == torch.int32 and causal and torch.equal(cu_seqlens_q, cu_seqlens_k)
+        assert q.dim() == 3 and q.shape[0] == int(cu_seqlens_q[-1]) and max_seqlen_q == max_seqlen_k
+        calls.append(max_seqlen_q)
+        out = []
+        for start, stop in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), strict=True):
+            qs, ks, vs = (t[start:stop].transpose(0, 1) for t in (q, k, v))
+            out.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, enable_gqa=True
+                ).transpose(0, 1)
+            )
+        return torch.cat(out)
+
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+    )
+    ids, mask = _rows("left")
+    model = _model()
+    expected = packed_forward(model, ids, mask)
+    for layer in model.layers:
+        layer.self_attn.backend = "flash"
+    torch.testing.assert_close(packed_forward(model, ids, mask), expected, atol=1e-12, rtol=0)
+    assert calls == [7, 7]  # one call per layer, the longest sequence

@@ -341,6 +341,8 @@ class Transformer(nn.Module):
         self.activation_checkpointing: bool | CheckpointingMode = "none"
         """What training keeps for backward: "none" | "full" (recompute each layer, memory ~1/L) | "selective"
         (recompute attention kernels and MLPs); True means "full" (`CheckpointingMode`)."""
+        self.packing = False
+        """Pipeline stages of this model (`Stage`) run packed sequences between padded edges (data.packing)."""
         self.apply(self._init_weights)
         if head == "lm" and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
