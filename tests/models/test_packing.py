@@ -267,3 +267,29 @@ def test_flash_varlen_call_follows_the_flash_attn_interface(monkeypatch):
         layer.self_attn.backend = "flash"
     torch.testing.assert_close(packed_forward(model, ids, mask), expected, atol=1e-12, rtol=0)
     assert calls == [7, 7]  # one call per layer, the longest sequence
+
+
+def test_a_token_budget_fills_the_fewest_micro_batches_that_fit():
+    from rlhfuse.core.optim import token_groups
+
+    rng = torch.Generator().manual_seed(8)
+    lengths = torch.randint(3, 46, (64,), generator=rng).tolist()
+    groups = token_groups(lengths, 160)
+    assert sorted(i for g in groups for i in g) == list(range(64))
+    assert all(sum(lengths[i] for i in g) <= 160 for g in groups)
+    assert len(groups) == -(-sum(lengths) // 160)  # the lower bound itself, here
+    assert token_groups([5, 5, 5], 5) == [[0], [1], [2]]
+
+
+def test_a_token_budget_below_the_longest_sequence_names_the_key():
+    from rlhfuse.core.optim import token_groups
+
+    with pytest.raises(ValueError, match=r"data\.micro_batch_tokens=8 cannot hold a sequence of 9 tokens.*>= 9"):
+        token_groups([3, 9, 2], 8)
+
+
+def test_the_trainer_config_refuses_a_budget_below_the_longest_sample():
+    from rlhfuse.trainer import compose_config, validate
+
+    with pytest.raises(ValueError, match=r"data\.micro_batch_tokens=10 cannot hold one full sample"):
+        validate(compose_config(["data.micro_batch_tokens=10"]))

@@ -167,18 +167,39 @@ def build_optimizer(
 
 
 def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
-    """Split a mini-batch by sample count, or greedily pack consecutive samples up to a token budget."""
+    """Split a mini-batch by sample count, or, with a token budget (`data.micro_batch_tokens`), into the fewest
+    micro-batches that each hold at most `tokens` real tokens: sequences dealt by Karmarkar-Karp over their
+    lengths (`rlhfuse.core.balance`) into ceil(total / budget) parts of near-equal tokens, one part more while
+    some part overflows (consecutive greedy filling is the fallback that always fits)."""
     if tokens <= 0:
         return [
             batch.select(torch.arange(s, min(s + samples, len(batch)))) for s in range(0, len(batch), samples)
         ]
-    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    groups: list[list[int]] = [[]]
+    return [
+        batch.select(torch.tensor(g))
+        for g in token_groups(batch.attention_mask_BT.sum(dim=1).tolist(), tokens)
+    ]
+
+
+def token_groups(lengths: list[int], tokens: int) -> list[list[int]]:
+    """Index groups of `lengths` with at most `tokens` in each, as few as found (see `micro_batches`)."""
+    from rlhfuse.core.balance import karmarkar_karp
+
+    if lengths and max(lengths) > tokens:
+        raise ValueError(
+            f"data.micro_batch_tokens={tokens} cannot hold a sequence of {max(lengths)} tokens: raise "
+            f"data.micro_batch_tokens to >= {max(lengths)} (or 0 for micro-batches of data.micro_batch_size samples)"
+        )
+    greedy: list[list[int]] = [[]]
     used = 0
     for i, n in enumerate(lengths):
-        if groups[-1] and used + n > tokens:
-            groups.append([])
+        if greedy[-1] and used + n > tokens:
+            greedy.append([])
             used = 0
-        groups[-1].append(i)
+        greedy[-1].append(i)
         used += n
-    return [batch.select(torch.tensor(g)) for g in groups]
+    for parts in range(max(1, math.ceil(sum(lengths) / tokens)), len(greedy)):
+        groups = karmarkar_karp([float(n) for n in lengths], parts)
+        if all(sum(lengths[i] for i in g) <= tokens for g in groups):
+            return groups
+    return greedy
