@@ -284,7 +284,9 @@ def test_a_token_budget_fills_the_fewest_micro_batches_that_fit():
 def test_a_token_budget_below_the_longest_sequence_names_the_key():
     from rlhfuse.core.optim import token_groups
 
-    with pytest.raises(ValueError, match=r"data\.micro_batch_tokens=8 cannot hold a sequence of 9 tokens.*>= 9"):
+    with pytest.raises(
+        ValueError, match=r"data\.micro_batch_tokens=8 cannot hold a sequence of 9 tokens.*>= 9"
+    ):
         token_groups([3, 9, 2], 8)
 
 
