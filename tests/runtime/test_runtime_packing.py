@@ -1,5 +1,6 @@
 """Pipeline strategies with data.packing (stages run packed sequences) and activation checkpointing: gradients,
-losses and updates equal the padded single-process ones (gloo, 2 ranks, float64)."""
+losses and updates equal the padded single-process ones, and so do pipelined inference's log-probs, values and
+scores (gloo, 2 ranks, float64)."""
 
 from __future__ import annotations
 
@@ -103,10 +104,48 @@ def _strategy_check(rank: int, world: int) -> None:
                 assert math.isfinite(err) and err < 2e-5, (step, name, err)
 
 
+def _inference_check(rank: int, world: int) -> None:
+    """PipelineInferencer over packed stages vs the padded ModelInferencer: log-probs, values, scores."""
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.core.types import Rollout
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    torch.manual_seed(3)
+    cfg = ModelConfig.tiny(num_layers=2)
+    heads = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "value"}
+    models = {name: Transformer(cfg, head=head).double() for name, head in heads.items()}
+    batch = random_batch(7, seed=5)
+    prompt = 5  # random_batch's prompt width: left-padded prompts, right-padded responses
+    rollout = Rollout(
+        batch.input_ids_BT[:, :prompt], batch.attention_mask_BT[:, :prompt], batch.input_ids_BT[:, prompt:],
+        batch.attention_mask_BT[:, prompt:], torch.arange(7), torch.zeros(7, dtype=torch.long),
+        torch.ones(7, dtype=torch.bool),
+    )  # fmt: skip
+    config, tokenizer = InferencerConfig(truncated_score=None), build_tokenizer()
+    oracle = ModelInferencer(
+        config, actor=models["actor"], ref=models["ref"], critic=models["critic"], reward_model=models["reward"],
+        reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+    ).infer(rollout)  # fmt: skip
+    for model in models.values():
+        model.packing = True
+    layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, world, 2)
+    got = PipelineInferencer(
+        config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+        log=lambda _: None,
+    ).infer(rollout)  # fmt: skip
+    for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+        torch.testing.assert_close(
+            getattr(got, name), getattr(oracle, name), rtol=1e-10, atol=1e-12, msg=name
+        )
+
+
 def _worker(rank: int, world: int) -> None:
     for checkpointing in ("none", "selective"):
         _executor_check(rank, world, checkpointing)
     _strategy_check(rank, world)
+    _inference_check(rank, world)
 
 
 @pytest.mark.timeout(300)
