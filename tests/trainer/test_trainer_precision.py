@@ -93,7 +93,10 @@ def test_bf16_smoke_run_end_to_end_on_cpu(tmp_path_factory, precision):
         cfg = compose_config(
             ["experiment=smoke", f"model.warmstart.cache_dir={cache}", f"pipeline.precision={p}"]
         )
-        build_trainer(cfg, run_dir=run_dir, log=lambda _: None).fit()
+        trainer = build_trainer(cfg, run_dir=run_dir, log=lambda _: None)
+        actor = trainer.strategy.actor  # type: ignore[attr-defined]
+        assert next(actor.parameters()).dtype == (torch.bfloat16 if p == "bf16-true" else torch.float32)
+        trainer.fit()
         runs[p] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trainer_models = runs[precision]
     assert len(trainer_models) == len(runs["32-true"])
