@@ -34,3 +34,15 @@ def test_the_pipeline_peak_follows_the_mode():
     none = activation_peak(CostModel(spec), llama, lay, 16, 1024.0)
     full = activation_peak(CostModel(spec, activation_checkpointing="full"), llama, lay, 16, 1024.0)
     assert full == pytest.approx(none * 2 / 34)
+
+
+def test_plan_for_passes_the_mode_to_the_training_memory():
+    from rlhfuse.planner import plan_for
+    from rlhfuse.planner.simulate import Workload
+
+    workload = Workload(global_batch=64, mini_batch=16, max_len=256)
+    plans = {
+        mode: plan_for("7b", "7b", nodes=2, workload=workload, activation_checkpointing=mode)
+        for mode in ("none", "full")
+    }
+    assert plans["full"].train.memory < plans["none"].train.memory
