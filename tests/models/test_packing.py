@@ -295,3 +295,22 @@ def test_the_trainer_config_refuses_a_budget_below_the_longest_sample():
 
     with pytest.raises(ValueError, match=r"data\.micro_batch_tokens=10 cannot hold one full sample"):
         validate(compose_config(["data.micro_batch_tokens=10"]))
+
+
+def test_the_inferencer_under_a_token_budget_equals_one_pass():
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    rollout = _rollout()  # 6, 6, 4 and 3 real tokens
+    actor, ref, critic, reward = (_model(h, seed=s) for s, h in enumerate(("lm", "lm", "value", "value")))
+    results = []
+    for tokens in (0, 8):
+        inferencer = ModelInferencer(
+            InferencerConfig(truncated_score=None), actor=actor, ref=ref, critic=critic, reward_model=reward,
+            reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0, packing=True, micro_batch_tokens=tokens,
+        )  # fmt: skip
+        results.append(inferencer.infer(rollout))
+    for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+        torch.testing.assert_close(getattr(results[1], name), getattr(results[0], name), atol=1e-6, rtol=0)
+        assert bool(getattr(results[1], name).abs().sum() > 0), name

@@ -100,6 +100,7 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
         autocast=ctx.fabric.autocast,
         rows=ctx.rows,
         packing=ctx.config.data.packing,
+        micro_batch_tokens=ctx.config.data.micro_batch_tokens,
     )
 
 

@@ -23,6 +23,7 @@ from rlhfuse.core.inference import (
     rule_scores,
     sequence_scores,
 )
+from rlhfuse.core.optim import token_groups
 from rlhfuse.core.rewards import RuleReward
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
@@ -48,6 +49,7 @@ class ModelInferencer:
         autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
         rows: Sequence[Mapping[str, Any]] = (),
         packing: bool = False,
+        micro_batch_tokens: int = 0,
     ) -> None:
         if reward_model is None and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
@@ -61,6 +63,8 @@ class ModelInferencer:
         self.autocast = autocast
         # packed forward passes (rlhfuse.models.packing): the models run on real tokens only
         self.packing = packing
+        # a token budget per forward (data.micro_batch_tokens), used unless inferencer.micro_batch_size is set
+        self.micro_batch_tokens = micro_batch_tokens
         if packing:
             check_packing([actor, ref, critic, reward_model])
         device = next(actor.parameters()).device
@@ -79,6 +83,8 @@ class ModelInferencer:
 
     @torch.no_grad()
     def infer(self, rollout: Rollout) -> Experience:
+        if self.micro_batch_tokens > 0 and self.config.micro_batch_size == 0:
+            return self._infer_by_tokens(rollout)
         size = self.config.micro_batch_size or len(rollout)
         parts = [self._infer(self._rows(rollout, start, size)) for start in range(0, len(rollout), size)]
         return Experience(
@@ -88,6 +94,20 @@ class ModelInferencer:
             values_BR=torch.cat([p[2] for p in parts]),
             scores_B=torch.cat([p[3] for p in parts]),
         )
+
+    def _infer_by_tokens(self, rollout: Rollout) -> Experience:
+        """Forward passes over groups of rows of at most `micro_batch_tokens` real tokens (`token_groups`), the
+        results put back in row order."""
+        groups = token_groups(rollout.attention_mask_BT.sum(dim=1).tolist(), self.micro_batch_tokens)
+        out: list[Tensor] = []
+        for g in groups:
+            index = torch.tensor(g)
+            part = self._infer(Rollout(**{k: v[index] for k, v in vars(rollout).items()}))
+            if not out:
+                out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype) for p in part]
+            for whole, piece in zip(out, part, strict=True):
+                whole[index] = piece
+        return Experience(rollout, *out)
 
     @staticmethod
     def _rows(rollout: Rollout, start: int, size: int) -> Rollout:
