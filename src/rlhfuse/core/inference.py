@@ -18,6 +18,7 @@ from rlhfuse.core.config import need, non_negative
 from rlhfuse.core.rewards import Decoder, RuleReward, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.models import Transformer
+from rlhfuse.models.packing import packed_forward, packed_last_token
 
 
 @dataclass
@@ -74,22 +75,43 @@ def scores_from_output(values_BT: Tensor, rollout: Rollout) -> Tensor:
     return values_BT[torch.arange(len(rollout), device=values_BT.device), last_B].float()
 
 
-def response_logprobs(model: Transformer, rollout: Rollout, temperature: float) -> Tensor:
-    """Log-probs [B, R] of the response tokens under `model` (float32)."""
-    logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
-    return logprobs_from_output(logits_BTV, rollout, temperature)
+def response_logprobs(
+    model: Transformer, rollout: Rollout, temperature: float, *, packing: bool = False
+) -> Tensor:
+    """Log-probs [B, R] of the response tokens under `model` (float32); packing=True runs the model on the
+    packed real tokens (`rlhfuse.models.packing`) and the LM head on the response-predicting ones only."""
+    if not packing:
+        logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+        return logprobs_from_output(logits_BTV, rollout, temperature)
+    logits_BRV = _response_window(model, rollout).float()
+    return logprobs_from_logits(logits_BRV, rollout.response_ids_BR, temperature=temperature)
 
 
-def response_values(critic: Transformer, rollout: Rollout) -> Tensor:
+def response_values(critic: Transformer, rollout: Rollout, *, packing: bool = False) -> Tensor:
     """Critic values [B, R]: V of the state before each response token (float32)."""
-    values_BT = critic(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
-    return values_from_output(values_BT, rollout)
+    if not packing:
+        values_BT = critic(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+        return values_from_output(values_BT, rollout)
+    return _response_window(critic, rollout).float()
 
 
-def sequence_scores(reward_model: Transformer, rollout: Rollout) -> Tensor:
+def sequence_scores(reward_model: Transformer, rollout: Rollout, *, packing: bool = False) -> Tensor:
     """Reward-model score [B] read at each sample's last valid token."""
-    values_BT = reward_model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
-    return scores_from_output(values_BT, rollout)
+    if not packing:
+        values_BT = reward_model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+        return scores_from_output(values_BT, rollout)
+    return packed_last_token(reward_model, rollout.input_ids_BT, rollout.attention_mask_BT).float()
+
+
+def _response_window(model: Transformer, rollout: Rollout) -> Tensor:
+    """The model's outputs at positions [P - 1, T - 1), packed: those predicting / valuing the R response tokens."""
+    prompt_len, width = (
+        rollout.prompt_ids_BP.shape[1],
+        rollout.prompt_ids_BP.shape[1] + rollout.response_ids_BR.shape[1],
+    )
+    return packed_forward(
+        model, rollout.input_ids_BT, rollout.attention_mask_BT, start=prompt_len - 1, stop=width - 1
+    )
 
 
 def rule_scores(

@@ -24,13 +24,35 @@ from rlhfuse.algorithms import (
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import LossStats
 from rlhfuse.core.types import TrainBatch
+from rlhfuse.models import Transformer
+from rlhfuse.models.packing import packed_forward
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def response_outputs(out_BT_: Tensor, micro: TrainBatch) -> Tensor:
     """The outputs at the positions that predict (logits) or value (values) the response tokens, in ≥ fp32."""
     start = micro.input_ids_BT.shape[1] - micro.response_length - 1
-    sliced = out_BT_[:, start:-1]
-    return sliced.to(torch.promote_types(sliced.dtype, torch.float32))
+    return _at_least_fp32(out_BT_[:, start:-1])
+
+
+def model_response_outputs(model: Transformer, micro: TrainBatch, *, packing: bool) -> Tensor:
+    """`response_outputs(model(micro), micro)`: logits_BRV or values_BR at the response-predicting positions.
+    packing=True runs the model on the micro-batch's packed real tokens (and the head on those of the
+    response window only); padded entries are then 0 instead of the padded forward's meaningless values."""
+    if not packing:
+        return response_outputs(model(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT), micro)
+    width = micro.input_ids_BT.shape[1]
+    out = packed_forward(
+        model,
+        micro.input_ids_BT,
+        micro.attention_mask_BT,
+        start=width - micro.response_length - 1,
+        stop=width - 1,
+    )
+    return _at_least_fp32(out)
 
 
 def actor_loss(
@@ -39,7 +61,14 @@ def actor_loss(
     """Clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`, + β·KL(π_θ ‖ π_ref) when
     `algorithm.kl_loss_coef` = β > 0, the KL estimated per token and reduced like the policy loss) and its
     statistics."""
-    logits_BRV = response_outputs(logits_BTV, micro)
+    return response_actor_loss(response_outputs(logits_BTV, micro), micro, algorithm, temperature)
+
+
+def response_actor_loss(
+    logits_BRV: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig, temperature: float = 1.0
+) -> tuple[Tensor, LossStats]:
+    """`actor_loss` from the response-predicting logits [B, R, V] alone (`model_response_outputs`)."""
+    logits_BRV = _at_least_fp32(logits_BRV)
     response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
     logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
     loss, pstats = ppo_policy_loss(
@@ -83,8 +112,15 @@ def actor_loss(
 
 def critic_loss(values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig) -> tuple[Tensor, LossStats]:
     """Clipped value loss on the response positions."""
+    return response_critic_loss(response_outputs(values_BT, micro), micro, algorithm)
+
+
+def response_critic_loss(
+    values_BR: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig
+) -> tuple[Tensor, LossStats]:
+    """`critic_loss` from the values at the response positions [B, R] alone (`model_response_outputs`)."""
     loss, _ = value_loss(
-        response_outputs(values_BT, micro),
+        _at_least_fp32(values_BR),
         micro.old_values_BR,
         micro.returns_BR,
         micro.response_mask_BR,

@@ -29,8 +29,13 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     # Clip each model's gradient norm to this value (0 = off).
     grad_clip: float = 1.0
-    # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed.
-    precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
+    # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed (fp32 weights and optimizer states,
+    # bf16 autocast of training and inference compute) | bf16-true (bf16 weights in every model, the generator's
+    # too; the optimizer steps fp32 master copies with fp32 states and writes the rounded weights back).
+    precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = "auto"
+    # What a training forward keeps for backward: none | full (each layer recomputed in backward: activation
+    # memory ~1/layers) | selective (attention kernels and MLPs recomputed; projections and norms kept).
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
 
     def problems(self) -> list[str]:
         problems = choice_problems(self, "pipeline")
@@ -78,13 +83,76 @@ def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
     return min_ratio + (1.0 - min_ratio) * decay
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of low-precision (bf16) parameters (precision=bf16-true).
+
+    `step` reads each parameter's gradient into its master (as fp32), steps the masters (fp32 moments) and
+    writes the rounded weights back into the parameters; updates smaller than a bf16 ulp accumulate in the
+    masters instead of being lost. The masters are part of the state dict (`master_weights`), so a resume
+    continues from the same fp32 values.
+    """
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        self.model_params: list[torch.nn.Parameter] = list(params)
+        masters = [p.detach().float().clone() for p in self.model_params]
+        super().__init__(masters, **kwargs)
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return list(self.param_groups[0]["params"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for p, master in zip(self.model_params, self.masters, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+        loss = super().step(closure)
+        for p, master in zip(self.model_params, self.masters, strict=True):
+            p.copy_(master)
+            master.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.model_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["master_weights"] = [m.detach().clone() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        saved = state.pop("master_weights", None)
+        super().load_state_dict(state)
+        with torch.no_grad():
+            for p, master, value in zip(
+                self.model_params, self.masters, saved or [None] * len(self.model_params), strict=True
+            ):
+                # without saved masters (a checkpoint of another precision): start from the loaded weights
+                master.copy_(p.float() if value is None else value)
+                p.copy_(master)
+
+
 def build_optimizer(
     params: Any, lr: float, config: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `params` at peak `lr`, with the config's warmup + decay schedule over `total_steps`."""
-    optim = torch.optim.AdamW(
-        params, lr=lr, betas=(config.betas[0], config.betas[1]), weight_decay=config.weight_decay
+    """AdamW over `params` at peak `lr`, with the config's warmup + decay schedule over `total_steps`; over
+    bf16/fp16 parameters, `MasterWeightAdamW` (fp32 master weights and optimizer states)."""
+    params = list(params)
+    kwargs: dict[str, Any] = dict(
+        lr=lr, betas=(config.betas[0], config.betas[1]), weight_decay=config.weight_decay
     )
+    if any(p.dtype in LOW_PRECISION for p in params):
+        optim: torch.optim.AdamW = MasterWeightAdamW(params, **kwargs)
+    else:
+        optim = torch.optim.AdamW(params, **kwargs)
 
     def schedule(step: int) -> float:
         return lr_lambda(
@@ -99,18 +167,39 @@ def build_optimizer(
 
 
 def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
-    """Split a mini-batch by sample count, or greedily pack consecutive samples up to a token budget."""
+    """Split a mini-batch by sample count, or, with a token budget (`data.micro_batch_tokens`), into the fewest
+    micro-batches that each hold at most `tokens` real tokens: sequences dealt by Karmarkar-Karp over their
+    lengths (`rlhfuse.core.balance`) into ceil(total / budget) parts of near-equal tokens, one part more while
+    some part overflows (consecutive greedy filling is the fallback that always fits)."""
     if tokens <= 0:
         return [
             batch.select(torch.arange(s, min(s + samples, len(batch)))) for s in range(0, len(batch), samples)
         ]
-    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    groups: list[list[int]] = [[]]
+    return [
+        batch.select(torch.tensor(g))
+        for g in token_groups(batch.attention_mask_BT.sum(dim=1).tolist(), tokens)
+    ]
+
+
+def token_groups(lengths: list[int], tokens: int) -> list[list[int]]:
+    """Index groups of `lengths` with at most `tokens` in each, as few as found (see `micro_batches`)."""
+    from rlhfuse.core.balance import karmarkar_karp
+
+    if lengths and max(lengths) > tokens:
+        raise ValueError(
+            f"data.micro_batch_tokens={tokens} cannot hold a sequence of {max(lengths)} tokens: raise "
+            f"data.micro_batch_tokens to >= {max(lengths)} (or 0 for micro-batches of data.micro_batch_size samples)"
+        )
+    greedy: list[list[int]] = [[]]
     used = 0
     for i, n in enumerate(lengths):
-        if groups[-1] and used + n > tokens:
-            groups.append([])
+        if greedy[-1] and used + n > tokens:
+            greedy.append([])
             used = 0
-        groups[-1].append(i)
+        greedy[-1].append(i)
         used += n
-    return [batch.select(torch.tensor(g)) for g in groups]
+    for parts in range(max(1, math.ceil(sum(lengths) / tokens)), len(greedy)):
+        groups = karmarkar_karp([float(n) for n in lengths], parts)
+        if all(sum(lengths[i] for i in g) <= tokens for g in groups):
+            return groups
+    return greedy

@@ -43,6 +43,9 @@ class DataConfig:
     micro_batch_size: int = 32
     # Optional token budget per micro-batch instead (0 = off): micro-batches are packed greedily up to it.
     micro_batch_tokens: int = 0
+    # Run training and inference micro-batches as packed sequences (real tokens end to end, no padding computed;
+    # docs/packing.md); false = padded [B, T] micro-batches. Exact: the same losses and gradients up to rounding.
+    packing: bool = True
 
     def problems(self) -> list[str]:
         problems = choice_problems(self, "data")

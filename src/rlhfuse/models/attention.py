@@ -5,18 +5,26 @@ Legend: B batch, H query heads, T query tokens, S key tokens, D head channels.
 Every backend takes q_BHTD, k_BHSD, v_BHSD (k/v with H_kv <= H heads; grouped-query attention shares each kv
 head among H // H_kv consecutive query heads, as in LLaMA) and either `allowed_B1TS` (bool, True = may attend)
 or None, which means plain causal attention over T == S tokens with no padding: the fast path.
+
+Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, no padding) go through
+`PACKED_ATTENTION_BACKENDS[config.attention_backend]`: q_NHE, k_NKE, v_NKE (K kv heads, E head channels) and the
+`PackedSequences`, causal inside each sequence, nothing across sequences.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from rlhfuse._optional import require
+
+if TYPE_CHECKING:
+    from rlhfuse.models.packing import PackedSequences
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,63 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {
 # speculative verify step of k+1 positions needs): flash and te hand masked calls to sdpa. A backend added to
 # ATTENTION_BACKENDS that handles one cached position per row only must stay out of this set.
 MULTI_POSITION_BACKENDS: frozenset[str] = frozenset({"sdpa", "flash", "te"})
+
+
+PackedAttentionFn = Callable[[Tensor, Tensor, Tensor, "PackedSequences"], Tensor]
+
+
+def sdpa_packed_attention(q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences) -> Tensor:
+    """Packed attention as one batched per-sequence call: each sequence moved to its own row of a right-padded
+    [B, L] layout, where plain causal SDPA is exact (a real query never reaches the pad keys after it)."""
+    batch, longest = packed.batch, packed.max_seqlen
+
+    def dense_BHLE(x_NHE: Tensor) -> Tensor:
+        flat = x_NHE.new_zeros(batch * longest, *x_NHE.shape[1:]).index_copy(0, packed.dense_N, x_NHE)
+        return flat.view(batch, longest, *x_NHE.shape[1:]).transpose(1, 2)
+
+    out_BHLE = sdpa_attention(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None)
+    return out_BHLE.transpose(1, 2).reshape(batch * longest, *q_NHE.shape[1:])[packed.dense_N]
+
+
+def flash_packed_attention(q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences) -> Tensor:
+    """flash-attn's varlen kernel (CUDA, fp16/bf16): causal per sequence of the stream, no padding computed."""
+    flash_attn = require("flash_attn")
+    cu_seqlens = packed.cu_seqlens_B1.to(device=q_NHE.device, dtype=torch.int32)
+    return flash_attn.flash_attn_varlen_func(
+        q_NHE,
+        k_NKE,
+        v_NKE,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_k=packed.max_seqlen,
+        causal=True,
+    )
+
+
+# Backends that run packed sequences. te is absent: its THD format is not wired (untested without a GPU here),
+# so packing with attention_backend=te is refused with `packing_problem`'s fix rather than run untested.
+PACKED_ATTENTION_BACKENDS: dict[str, PackedAttentionFn] = {
+    "sdpa": sdpa_packed_attention,
+    "flash": flash_packed_attention,
+}
+
+
+def packing_problem(name: str) -> str | None:
+    """Why attention_backend=`name` cannot run packed sequences (with the fix), or None when it can."""
+    if name in PACKED_ATTENTION_BACKENDS:
+        return None
+    return (
+        f"attention_backend={name!r} cannot run packed sequences (data.packing=true): set data.packing=false to "
+        f"keep padded micro-batches, or use an attention backend that packs ({', '.join(sorted(PACKED_ATTENTION_BACKENDS))})"
+    )
+
+
+def get_packed_attention(name: str) -> PackedAttentionFn:
+    problem = packing_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return PACKED_ATTENTION_BACKENDS[name]
 
 
 def get_attention(name: str) -> AttentionFn:

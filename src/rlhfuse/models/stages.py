@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
-from rlhfuse.models.transformer import Transformer, build_context, run_layers
+from rlhfuse.models.packing import pack_rows
+from rlhfuse.models.transformer import Transformer, build_context, packed_context, run_layers
 
 
 class Stage(nn.Module):
@@ -42,14 +44,35 @@ class Stage(nn.Module):
     ) -> Tensor:
         """x: input_ids_BT on stage 0, else the previous stage's hidden_BTD. Returns hidden_BTD, or on the
         last stage logits_BTV / values_BT like `Transformer.forward`."""
+        model = self._model[0]
+        if model.packing:
+            return self._packed(x, attention_mask_BT)
         x_BTD = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, t = x_BTD.shape[:2]
         ctx = build_context(self.config, b, t, x_BTD.device, x_BTD.dtype, attention_mask_BT, position_ids_BT)
-        model = self._model[0]
         x_BTD = run_layers(self.layers, x_BTD, ctx, checkpointed=model.activation_checkpointing)
         if self.norm is None:
             return x_BTD
         return model.apply_head(self.norm(x_BTD))
+
+    def _packed(self, x: Tensor, attention_mask_BT: Tensor | None) -> Tensor:
+        """`forward` computed on the real tokens only (`rlhfuse.models.packing`): the padded [B, T(, D)] input
+        is packed, the layers run on the stream, and the output is unpacked to the padded layout (0 at padding),
+        so the messages between stages and the last stage's output keep their shapes."""
+        model = self._model[0]
+        mask_BT = (
+            torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+            if attention_mask_BT is None
+            else attention_mask_BT
+        )
+        packed = pack_rows(mask_BT.to(x.device))
+        x_N_ = packed.pack(x)
+        x_1ND = (self.embed_tokens(x_N_) if self.embed_tokens is not None else x_N_)[None]
+        ctx = packed_context(self.config, packed, x_1ND.dtype)
+        x_1ND = run_layers(self.layers, x_1ND, ctx, checkpointed=model.activation_checkpointing)
+        if self.norm is None:
+            return packed.unpack(x_1ND[0])
+        return packed.unpack(model.apply_head(self.norm(x_1ND))[0])
 
     def extra_repr(self) -> str:
         return f"stage {self.index}/{self.num_stages}, layers [{self.layer_range[0]}, {self.layer_range[1]})"

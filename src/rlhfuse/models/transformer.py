@@ -10,15 +10,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from rlhfuse.models.attention import get_attention
+from rlhfuse.models.attention import get_attention, get_packed_attention
 from rlhfuse.models.cache import KVCache
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.packing import PackedSequences
+
+CheckpointingMode = Literal["none", "full", "selective"]
+"""What a training forward keeps for backward: none = every activation; full = each layer's input only (the
+layer is recomputed in backward, activations ~1/L); selective = recompute the attention kernel and the MLP (their
+score-matrix- and intermediate_size-wide activations), keep the projections' and norms' outputs."""
+
+CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full", "selective")
+
+
+def _recompute(fn: nn.Module | object, *args: object) -> Tensor:
+    out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)  # type: ignore[arg-type]
+    assert isinstance(out, Tensor)
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -77,10 +92,19 @@ class AttentionContext:
     """Cache positions the new tokens are stored at (slot length + t)."""
     valid_BT: Tensor | None = None
     """Which new tokens are real (recorded in the cache once every layer has run)."""
+    selective: bool = False
+    """Recompute the attention kernel and the MLP in backward (activation_checkpointing="selective")."""
     num_keys: int = 0
     """Positions of each slot read back from the cache (max over rows of length + T)."""
     first_slot: int | None = None
     """Set when slots_B is first_slot, first_slot + 1, ...: the cache is then read as a view, not gathered."""
+    packed: PackedSequences | None = None
+    """Set for packed sequences: the call's one row [1, N] is the stream of N tokens of packed.batch sequences."""
+
+
+def packed_context(config: ModelConfig, packed: PackedSequences, dtype: torch.dtype) -> AttentionContext:
+    """Rotary tables of the stream's per-sequence positions (restarting at 0 for every sequence), no mask."""
+    return AttentionContext(*_rope_tables(config, packed.position_ids_N[None], dtype), None, packed=packed)
 
 
 def build_context(
@@ -207,6 +231,7 @@ class Attention(nn.Module):
         # LLaMA's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
         self.o_proj = nn.Linear(self.num_heads * e, d, bias=bias and config.architecture == "llama")
         self.attend = get_attention(config.attention_backend)
+        self.backend = config.attention_backend
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
         b, t, _ = x_BTD.shape
@@ -216,6 +241,14 @@ class Attention(nn.Module):
         cos_BT1e, sin_BT1e = ctx.cos_BTe[:, :, None], ctx.sin_BTe[:, :, None]
         q_BTHE = apply_rope(q_BTHE, cos_BT1e, sin_BT1e)
         k_BTKE = apply_rope(k_BTKE, cos_BT1e, sin_BT1e)
+        if ctx.packed is not None:
+            # packed stream: B = 1 row of N tokens, attention per sequence of the stream
+            attend_packed = get_packed_attention(self.backend)
+            if ctx.selective:
+                out_NHE = _recompute(attend_packed, q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
+            else:
+                out_NHE = attend_packed(q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
+            return self.o_proj(out_NHE.reshape(b, t, self.num_heads * self.head_dim))
         q_BHTE = q_BTHE.transpose(1, 2)
         if ctx.cache is None:
             k_BKSE, v_BKSE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
@@ -233,7 +266,10 @@ class Attention(nn.Module):
             else:
                 k_BKSE = layer_k_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
                 v_BKSE = layer_v_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
-        out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+        if ctx.selective:
+            out_BHTE = _recompute(self.attend, q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+        else:
+            out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
         return self.o_proj(out_BHTE.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -259,14 +295,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), ctx)
-        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+        normed_BTD = self.post_attention_layernorm(x_BTD)
+        return x_BTD + (_recompute(self.mlp, normed_BTD) if ctx.selective else self.mlp(normed_BTD))
 
 
-def run_layers(layers: nn.ModuleList, x_BTD: Tensor, ctx: AttentionContext, *, checkpointed: bool) -> Tensor:
-    recompute = checkpointed and torch.is_grad_enabled() and ctx.cache is None
+def run_layers(
+    layers: nn.ModuleList, x_BTD: Tensor, ctx: AttentionContext, *, checkpointed: bool | CheckpointingMode
+) -> Tensor:
+    """Run `layers`; checkpointed = the model's activation_checkpointing mode (True = "full"), applied only
+    when autograd records (training) and no KV cache is written."""
+    mode = "full" if checkpointed is True else "none" if checkpointed is False else checkpointed
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is unknown: use one of {', '.join(CHECKPOINTING_MODES)} "
+            "(pipeline.activation_checkpointing)"
+        )
+    active = torch.is_grad_enabled() and ctx.cache is None
+    ctx.selective = active and mode == "selective"
     for layer in layers:
-        if recompute:
-            x_BTD = torch.utils.checkpoint.checkpoint(layer, x_BTD, ctx, use_reentrant=False)
+        if active and mode == "full":
+            x_BTD = _recompute(layer, x_BTD, ctx)
         else:
             x_BTD = layer(x_BTD, ctx)
     return x_BTD
@@ -290,8 +338,11 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
             self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
-        self.activation_checkpointing = False
-        """Recompute each layer's activations in backward instead of storing them (training memory ~1/L)."""
+        self.activation_checkpointing: bool | CheckpointingMode = "none"
+        """What training keeps for backward: "none" | "full" (recompute each layer, memory ~1/L) | "selective"
+        (recompute attention kernels and MLPs); True means "full" (`CheckpointingMode`)."""
+        self.packing = False
+        """Pipeline stages of this model (`Stage`) run packed sequences between padded edges (data.packing)."""
         self.apply(self._init_weights)
         if head == "lm" and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -348,6 +399,18 @@ class Transformer(nn.Module):
             cache.valid_ST[ctx.slots_B[:, None], ctx.write_pos_BT] = ctx.valid_BT
             cache.lengths_S[ctx.slots_B] += t
         return self.norm(x_BTD)
+
+    def packed_hidden_states(self, input_ids_N: Tensor, packed: PackedSequences) -> Tensor:
+        """Final-norm output hidden_ND of packed sequences (`rlhfuse.models.packing`): each of the
+        packed.batch sequences attends causally within itself, with positions restarting at 0."""
+        if input_ids_N.shape != (packed.num_tokens,):
+            raise ValueError(
+                f"input_ids_N must hold the {packed.num_tokens} packed tokens, got shape {tuple(input_ids_N.shape)}"
+            )
+        x_1ND = self.embed_tokens(input_ids_N)[None]
+        ctx = packed_context(self.config, packed.to(x_1ND.device), x_1ND.dtype)
+        x_1ND = run_layers(self.layers, x_1ND, ctx, checkpointed=self.activation_checkpointing)
+        return self.norm(x_1ND)[0]
 
     def forward(
         self,

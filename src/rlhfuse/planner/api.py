@@ -31,13 +31,16 @@ def plan_for(
     eff: Efficiency = DEFAULT_EFFICIENCY,
     even_pp: bool = True,
     max_tp: int | None = None,
+    activation_checkpointing: str = "none",
 ) -> Plan:
     """The least-iteration-time execution plan for an Actor / Critic pair on a cluster.
 
     `plan.layout_rows()` / `plan.to_dict()` give per task (dp, pp, tp), the training schedule (fused or serial)
     and the migration threshold (`plan.rt_fraction`); `plan.breakdown` the predicted iteration. `max_tp` caps
-    tensor parallelism (generation, inference groups and training) for a runtime that cannot run more.
+    tensor parallelism (generation, inference groups and training) for a runtime that cannot run more;
+    `activation_checkpointing` (none | full | selective) sets the activation memory a training micro-batch keeps.
     """
     spec = cluster(device, nodes, gpus_per_node, max_tp)
     models = RLHFModels(as_model_spec(actor, "actor"), as_model_spec(critic, "critic"))
-    return search_plan(CostModel(spec, eff), models, workload or Workload(), fused=fused, even_pp=even_pp)
+    cost = CostModel(spec, eff, activation_checkpointing=activation_checkpointing)
+    return search_plan(cost, models, workload or Workload(), fused=fused, even_pp=even_pp)

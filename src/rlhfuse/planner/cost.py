@@ -6,7 +6,9 @@
 - Communication: ring all-reduce 2(n-1)/n x bytes / bandwidth + latency; point-to-point bytes / bandwidth.
 - Memory: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight and gradient, fp32 master copy, Adam
   m and v); activations follow Korthikanti et al. 2022 with sequence parallelism and flash attention
-  (34 x tokens x hidden bytes per layer, divided by tp).
+  (34 x tokens x hidden bytes per layer, divided by tp); with activation checkpointing
+  (`pipeline.activation_checkpointing`) selective recomputation of the attention kernel and the MLP keeps 17
+  (the MLP's 19 replaced by its 2-byte input) and full recomputation keeps each layer's input alone: 2.
 
 FLOPs of one token: 2 x (matmul weights) + 4 x layers x hidden x context (QK^T and AV), the standard count
 (Kaplan et al. 2020; Narayanan et al. 2021). Training = 3 x forward (backward is twice the forward).
@@ -23,6 +25,8 @@ from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, DeviceSpec, E
 
 TRAIN_STATE_BYTES_PER_PARAM = 16
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+# bytes per token x hidden x layer (bf16) kept for backward under each activation_checkpointing mode
+ACTIVATION_BYTES_BY_CHECKPOINTING = {"none": 34.0, "selective": 17.0, "full": 2.0}
 
 
 def stage_fraction(model: ModelSpec, pp: int) -> float:
@@ -37,6 +41,8 @@ class CostModel:
 
     cluster: ClusterSpec
     eff: Efficiency = DEFAULT_EFFICIENCY
+    activation_checkpointing: str = "none"
+    """none | full | selective: what a training micro-batch keeps for backward (`activation_bytes`)."""
 
     @property
     def device(self) -> DeviceSpec:
@@ -69,15 +75,14 @@ class CostModel:
 
     def activation_bytes(self, model: ModelSpec, tokens: float, tp: int, layers: float) -> float:
         """Activations one micro-batch of `tokens` keeps for backward on `layers` layers of one device."""
-        return (
-            ACTIVATION_BYTES_PER_TOKEN_HIDDEN
-            * tokens
-            * model.hidden
-            * layers
-            / tp
-            * self.device.dtype_bytes
-            / 2
-        )
+        try:
+            per_token_hidden = ACTIVATION_BYTES_BY_CHECKPOINTING[self.activation_checkpointing]
+        except KeyError:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is unknown: use one of "
+                f"{', '.join(ACTIVATION_BYTES_BY_CHECKPOINTING)} (pipeline.activation_checkpointing)"
+            ) from None
+        return per_token_hidden * tokens * model.hidden * layers / tp * self.device.dtype_bytes / 2
 
     def usable_memory(self) -> float:
         return self.device.memory * (1.0 - self.eff.memory_reserve)

@@ -77,6 +77,8 @@ class FusedPipelineStrategy:
                 "(or torchrun), or use pipeline=plain"
             )
         self.models = {"actor": actor, "critic": critic}
+        for model in self.models.values():
+            model.activation_checkpointing = config.optim.activation_checkpointing
         self.config, self.algorithm, self.log = config, algorithm, log
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dp = max(self.world // max(config.actor_pp, config.critic_pp), 1)

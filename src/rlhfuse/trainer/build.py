@@ -25,7 +25,7 @@ from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, Buil
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
-from rlhfuse.trainer.models import load_models
+from rlhfuse.trainer.models import Models, load_models
 from rlhfuse.trainer.registry import rule_reward
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
@@ -70,6 +70,10 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
     precision = config.pipeline.optim.precision
     if precision == "auto":
         precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    if precision == "bf16-true":
+        # the models themselves hold bf16 weights (`cast_models`) and compute in them: no autocast, and
+        # MasterWeightAdamW keeps fp32 masters (Fabric's own bf16-true would keep bf16 optimizer states)
+        precision = "32-true"
     accelerator = "cuda" if device.type == "cuda" else "cpu"
     if config.pipeline.name in PIPELINE_STRATEGIES:
         world = launched_world_size(config.distributed.nproc_per_node)
@@ -85,6 +89,14 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
         )
     devices: Any = [device.index or 0] if device.type == "cuda" else 1
     return Fabric(accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
+
+
+def cast_models(models: Models, dtype: torch.dtype) -> None:
+    """precision=bf16-true: every model's weights in `dtype` (generation, inference and training compute in it;
+    the optimizers keep fp32 masters of the trained ones)."""
+    for model in (models.actor, models.ref, models.critic, models.reward):
+        if model is not None:
+            model.to(dtype)
 
 
 def build_trainer(
@@ -154,6 +166,8 @@ def build_trainer(
             critic=critic,
             reward=config.inferencer.use_reward_model,
         )
+    if config.pipeline.optim.precision == "bf16-true":
+        cast_models(models, torch.bfloat16)
     fabric.seed_everything(config.seed, verbose=False)
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows)

@@ -7,7 +7,7 @@ component. Your own builder can be named as `package.module:function` in your co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,8 @@ from rlhfuse.core.registry import Registry
 from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
+from rlhfuse.models import Transformer
+from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
@@ -97,6 +99,8 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
         temperature=ctx.config.generator.sampling.temperature,
         autocast=ctx.fabric.autocast,
         rows=ctx.rows,
+        packing=ctx.config.data.packing,
+        micro_batch_tokens=ctx.config.data.micro_batch_tokens,
     )
 
 
@@ -116,6 +120,7 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
     if cfg.use_reward_model:
         assert models.reward is not None, "loaded: inferencer.use_reward_model=true"
         named["reward"] = models.reward
+    pack_stages(named.values(), ctx.config.data.packing)
     return PipelineInferencer(
         cfg,
         ctx.strategy.layout,
@@ -130,6 +135,16 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
     )
 
 
+def pack_stages(models: Iterable[Transformer], packing: bool) -> None:
+    """data.packing under a pipeline strategy: the models' stages run packed sequences (`Stage`), the messages
+    between stages keep the padded layout."""
+    models = list(models)
+    if packing:
+        check_packing(models)
+    for model in models:
+        model.packing = packing
+
+
 def plain_strategy(ctx: BuildContext) -> PlainStrategy:
     return PlainStrategy(
         ctx.models.actor,
@@ -142,6 +157,7 @@ def plain_strategy(ctx: BuildContext) -> PlainStrategy:
         micro_batch_tokens=ctx.config.data.micro_batch_tokens,
         temperature=ctx.config.generator.sampling.temperature,
         group=dist.group.WORLD if ctx.fabric.world_size > 1 else None,  # data-parallel: one rank per instance
+        packing=ctx.config.data.packing,
     )
 
 
@@ -158,6 +174,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
 
     cfg = ctx.config
     assert ctx.models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
+    pack_stages([ctx.models.actor, ctx.models.critic], cfg.data.packing)
     return FusedPipelineStrategy(
         ctx.models.actor,
         ctx.models.critic,

@@ -23,10 +23,12 @@ from rlhfuse.core.inference import (
     rule_scores,
     sequence_scores,
 )
+from rlhfuse.core.optim import token_groups
 from rlhfuse.core.rewards import RuleReward
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
+from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.offload import OffloadedModel
 
 
@@ -46,6 +48,8 @@ class ModelInferencer:
         temperature: float,
         autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
         rows: Sequence[Mapping[str, Any]] = (),
+        packing: bool = False,
+        micro_batch_tokens: int = 0,
     ) -> None:
         if reward_model is None and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
@@ -57,6 +61,12 @@ class ModelInferencer:
         self.tokenizer = tokenizer
         self.temperature = temperature if temperature > 0 else 1.0
         self.autocast = autocast
+        # packed forward passes (rlhfuse.models.packing): the models run on real tokens only
+        self.packing = packing
+        # a token budget per forward (data.micro_batch_tokens), used unless inferencer.micro_batch_size is set
+        self.micro_batch_tokens = micro_batch_tokens
+        if packing:
+            check_packing([actor, ref, critic, reward_model])
         device = next(actor.parameters()).device
         frozen = (ref, reward_model) if config.offload_frozen else ()
         self.offloaded = [OffloadedModel(m, device) for m in frozen if m is not None]
@@ -73,6 +83,8 @@ class ModelInferencer:
 
     @torch.no_grad()
     def infer(self, rollout: Rollout) -> Experience:
+        if self.micro_batch_tokens > 0 and self.config.micro_batch_size == 0:
+            return self._infer_by_tokens(rollout)
         size = self.config.micro_batch_size or len(rollout)
         parts = [self._infer(self._rows(rollout, start, size)) for start in range(0, len(rollout), size)]
         return Experience(
@@ -82,6 +94,20 @@ class ModelInferencer:
             values_BR=torch.cat([p[2] for p in parts]),
             scores_B=torch.cat([p[3] for p in parts]),
         )
+
+    def _infer_by_tokens(self, rollout: Rollout) -> Experience:
+        """Forward passes over groups of rows of at most `micro_batch_tokens` real tokens (`token_groups`), the
+        results put back in row order."""
+        groups = token_groups(rollout.attention_mask_BT.sum(dim=1).tolist(), self.micro_batch_tokens)
+        out: list[Tensor] = []
+        for g in groups:
+            index = torch.tensor(g)
+            part = self._infer(Rollout(**{k: v[index] for k, v in vars(rollout).items()}))
+            if not out:
+                out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype) for p in part]
+            for whole, piece in zip(out, part, strict=True):
+                whole[index] = piece
+        return Experience(rollout, *out)
 
     @staticmethod
     def _rows(rollout: Rollout, start: int, size: int) -> Rollout:
@@ -97,14 +123,19 @@ class ModelInferencer:
         for model in self.offloaded:
             model.acquire()
         with self.autocast():
-            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature)
-            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature)
+            packing = self.packing
+            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature, packing=packing)
+            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, packing=packing)
             values_BR = (
                 torch.zeros_like(logprobs_BR)
                 if self.critic is None
-                else response_values(self.critic, rollout)
+                else response_values(self.critic, rollout, packing=packing)
             )
-            rm_scores_B = None if self.reward_model is None else sequence_scores(self.reward_model, rollout)
+            rm_scores_B = (
+                None
+                if self.reward_model is None
+                else sequence_scores(self.reward_model, rollout, packing=packing)
+            )
         scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)

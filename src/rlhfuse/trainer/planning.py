@@ -196,7 +196,14 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
     def search(n: int, g: int) -> Plan:
         try:
             return plan_for(
-                actor.spec, critic.spec, device=device, nodes=n, gpus_per_node=g, workload=workload, max_tp=1
+                actor.spec,
+                critic.spec,
+                device=device,
+                nodes=n,
+                gpus_per_node=g,
+                workload=workload,
+                max_tp=1,
+                activation_checkpointing=cfg.pipeline.optim.activation_checkpointing,
             )
         except ValueError as err:
             raise ValueError(

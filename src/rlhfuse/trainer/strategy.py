@@ -33,6 +33,7 @@ from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
 from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
+from rlhfuse.models.packing import check_packing
 
 
 class PlainStrategy:
@@ -49,6 +50,7 @@ class PlainStrategy:
         micro_batch_tokens: int = 0,
         temperature: float = 1.0,
         group: dist.ProcessGroup | None = None,
+        packing: bool = False,
     ) -> None:
         self.actor, self.critic = actor, critic
         # data-parallel ranks (None = this process alone trains on every sample)
@@ -57,6 +59,13 @@ class PlainStrategy:
         self.fabric = fabric
         self.micro_batch_size, self.micro_batch_tokens = micro_batch_size, micro_batch_tokens
         self.temperature = temperature if temperature > 0 else 1.0
+        # packed micro-batches (rlhfuse.models.packing): the models run on real tokens only
+        self.packing = packing
+        if packing:
+            check_packing([actor, critic])
+        for trained in (actor, critic):
+            if trained is not None:
+                trained.activation_checkpointing = config.activation_checkpointing
         self.actor_optim, self.actor_sched = build_optimizer(
             actor.parameters(), config.actor_lr, config, total_steps
         )
@@ -166,16 +175,18 @@ class PlainStrategy:
         device = next(self.actor.parameters()).device
         micro = micro.to(device)
         with self.fabric.autocast():
-            logits_BTV = self.actor(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
-            values_BT = (
+            logits_BRV = losses.model_response_outputs(self.actor, micro, packing=self.packing)
+            values_BR = (
                 None
                 if self.critic is None
-                else self.critic(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT)
+                else losses.model_response_outputs(self.critic, micro, packing=self.packing)
             )
-        policy_loss, policy_stats = losses.actor_loss(logits_BTV, micro, self.algorithm, self.temperature)
+        policy_loss, policy_stats = losses.response_actor_loss(
+            logits_BRV, micro, self.algorithm, self.temperature
+        )
         named = [("loss/policy", policy_loss, policy_stats)]
-        if values_BT is not None:
-            named.append(("loss/value", *losses.critic_loss(values_BT, micro, self.algorithm)))
+        if values_BR is not None:
+            named.append(("loss/value", *losses.response_critic_loss(values_BR, micro, self.algorithm)))
         for name, value, _ in named:
             if not torch.isfinite(value):
                 return LossStats(), f"{name} is {float(value.detach())}"
