@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm
+.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,3 +68,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) dist build .pytest_cache .mypy_cache .ruff_cache
+
+## On a machine with a CUDA GPU: kernels, engine, collectives and the default job on the device, as one table
+## (recipes/gpu_check.py). It uses that machine's own python and torch (GPU_PYTHON), not .venv's CPU build; where
+## there is no CUDA device it prints one line and exits with status 3.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) recipes/gpu_check.py
