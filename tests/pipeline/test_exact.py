@@ -327,3 +327,46 @@ def test_peak_objective_and_window_relaxation_on_the_enumerated_problem():
     # No-overlap on rank 0 only is a relaxation: its optimum is a valid bound, at most the true optimum 15.
     window = prove(p, compiled=c, resource_ranks=(0,), time_budget=10)
     assert window.order is None and window.lower_bound <= 15
+
+
+def _spec(name, stages, micro, f, b, act):
+    return {
+        "name": name,
+        "stages": stages,
+        "microbatches": micro,
+        "forward": f,
+        "backward": b,
+        "activation": act,
+    }
+
+
+@pytest.mark.parametrize(
+    ("models", "cap_factor", "latency"),
+    [
+        # other stage counts, micro-batch counts that are not multiples of the stages, unequal stage times
+        (
+            [_spec("actor", 5, 7, [2, 3, 2, 3, 2], [4, 6, 4, 6, 4], 1.2), _spec("critic", 5, 6, 1, 2, 1.0)],
+            None,
+            0.0,
+        ),
+        ([_spec("actor", 6, 8, 3, 6, 1.5), _spec("critic", 3, 5, 2, 4, 1.0)], 1.1, 0.0),
+        ([_spec("actor", 4, 9, 2, 4, 2.0), _spec("critic", 2, 7, [1, 2], [2, 4], 1.0)], 1.0, 1.0),
+        ([_spec("actor", 6, 6, 2, 5, 1.0), _spec("critic", 2, 4, 1, 3, 3.0)], 1.25, 0.0),
+    ],
+    ids=["5/5-unequal", "6/3-cap1.1", "4/2-unequal-cap1.0-latency", "6/2x3-cap1.25"],
+)
+def test_unseen_problems_within_5_percent_of_the_proven_bound_and_never_over_the_cap(
+    models, cap_factor, latency
+):
+    from rlhfuse.pipeline.baselines import serial_peak
+
+    plain = make_problem(models, comm_latency=latency)
+    cap = None if cap_factor is None else round(cap_factor * serial_peak(plain), 6)
+    p = make_problem(models, comm_latency=latency, memory_cap=cap)
+    s = solve(p, SearchConfig(max_iterations=20_000, max_starts=100, exact_effort=1.0))
+    sim = simulate(p, s.schedule)
+    assert sim.makespan == pytest.approx(s.makespan)
+    assert s.makespan <= 1.05 * s.lower_bound
+    assert s.lower_bound >= lower_bounds(p, compile_problem(p)).makespan
+    if cap is not None:
+        assert sim.peak <= cap + 1e-9

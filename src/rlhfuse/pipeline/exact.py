@@ -268,6 +268,12 @@ def prove(
         solver.parameters.max_time_in_seconds = SAFETY_SECONDS_PER_UNIT * float(deterministic_budget) + 5.0
     else:
         solver.parameters.max_time_in_seconds = max(0.01, float(time_budget))
+    if low_memory_search_order and peak is None:
+        # The fixed search of an uncapped decision mostly propagates: without the LP relaxation and the
+        # precedence reasoning of the no-overlaps it finds the same schedule with less work (09 at 606: 36 s
+        # instead of 62 s on a loaded machine, 0.5 instead of 8.9 units of deterministic time).
+        solver.parameters.linearization_level = 0
+        solver.parameters.use_precedences_in_disjunctive_constraint = False
     status = solver.solve(model)
     name = solver.status_name(status)
     order = None

@@ -62,6 +62,10 @@ class SearchConfig:
             wall clock is not consulted at all (`time_budget` is ignored, start sweeps stop after
             `max_starts` list schedules, workers do not signal each other), so the result depends only on
             the problem and the config, never on the machine's speed or load.
+        memory_effort: with `max_iterations`, the memory phase may run `memory_effort` x `max_iterations`
+            iterations (it stops earlier at `memory_target` or after `memory_patience` rounds without
+            progress): at the optimal makespan most memory moves are rejected, and the last steps down to
+            serial 1F1B's peak come late (setting 01: 17.6 after 1M iterations, 15.75 after 2.8M).
         round_iterations: annealing iterations per round when `max_iterations` is set (otherwise rounds are
             sized by time).
         max_starts: list schedules per start sweep when `max_iterations` is set (the time-bounded search
@@ -76,6 +80,8 @@ class SearchConfig:
         exact_memory_ladder: before the memory annealing (worker 0, at most `exact_memory_ops` ops), exact
             decisions at the best makespan under caps of 1.01, 1.1, 1.2, 1.35 x serial 1F1B's peak, tightest
             first, in the low-memory branching order (`exact.memory_ladder`; a quarter of the exact budget).
+            Skipped when the schedule is the exact step's own (its low-memory decision already chose the
+            memory; on 03, 09 and 10 no cap of the ladder was met from there).
         exact_memory: experimental, off by default: exact decisions for memory at the best makespan, i.e. the
             restricted decisions of `exact.low_memory_search` before the memory annealing and, for problems
             of at most `exact_memory_ops` ops, decisions under a memory cap (`exact.capped_memory_search`,
@@ -95,6 +101,7 @@ class SearchConfig:
     memory_patience: int = 8
     memory_target: float = 1.0
     max_iterations: int | None = None
+    memory_effort: float = 4.0
     round_iterations: int = 200_000
     max_starts: int = 4000
     exact: bool = True
@@ -520,6 +527,7 @@ def _worker(
         stats["latency_iters"] += done
         if better(ms, peak):
             best_ms, best_peak, best = ms, peak, order
+    decided = False  # the best schedule is the exact step's
     if exact_on and best_ms > target + 1e-9:
         from rlhfuse.pipeline.exact import exact_search
 
@@ -532,6 +540,7 @@ def _worker(
         stats.update(exact_status=r.status, proven_bound=r.lower_bound, exact_seconds=round(r.seconds, 3))
         if r.order is not None and better(float(r.value or -1), c.peak(r.order)):
             best_ms, best_peak, best = float(c.evaluate(r.order)[0]), c.peak(r.order), r.order
+            decided = True
         target = max(target, r.lower_bound)
     elif best_ms <= target + 1e-9:
         stats.update(exact_status="OPTIMAL", proven_bound=target)
@@ -548,6 +557,7 @@ def _worker(
     # makespan, plus moves aimed at the peak) with latency annealing that charges memory heavily and may
     # leave the makespan for a while, keeping only results at the best makespan.
     stale, rounds = 0, 0
+    memory_cap_iters = int(config.memory_effort * cap_iters) if fixed else cap_iters
     rates = [rate, rate]  # the two kinds of rounds run at different speeds
     # Low-memory starts (list schedules under the serial 1F1B peak): slower, but annealing them with memory
     # charged keeps their memory while it brings the makespan down.
@@ -561,6 +571,7 @@ def _worker(
     if (
         exact_on
         and config.exact_memory_ladder
+        and not decided
         and c.n <= config.exact_memory_ops
         and best_peak > mem_goal + 1e-9
     ):
@@ -583,13 +594,15 @@ def _worker(
             time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
         )  # fmt: skip
         adopt(low, "exact_low_memory")
-    while stale < config.memory_patience and stats["memory_iters"] < cap_iters:
+    while stale < config.memory_patience and stats["memory_iters"] < memory_cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= mem_goal + 1e-9:
             break
         kind = rounds % 2
         iters = _round_iters(
-            rates[kind] * min(end - now, max(0.5, 0.1 * budget)), cap_iters - stats["memory_iters"], config
+            rates[kind] * min(end - now, max(0.5, 0.1 * budget)),
+            memory_cap_iters - stats["memory_iters"],
+            config,
         )
         began = time.perf_counter()
         if kind == 0:
