@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlhfuse import distributed
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.runtime.layout import MODELS, ParallelLayout
 
@@ -89,7 +89,7 @@ class RankStages:
                 owner = self.layout.rank(m, 0, 0, s)
                 params = list(stage.parameters())
                 flat = torch.cat([p.detach().reshape(-1) for p in params])
-                dist.broadcast(flat, src=owner)  # NCCL: the stage's device; gloo: CPU
+                distributed.broadcast(flat, owner)  # on the stage's device (the layout's)
                 if self.rank != owner:
                     offset = 0
                     with torch.no_grad():

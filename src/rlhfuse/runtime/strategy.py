@@ -18,9 +18,9 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
@@ -71,18 +71,32 @@ class FusedPipelineStrategy:
         log: Callable[[str], None] = print,
     ) -> None:
         self.planner = planner_for(schedule)
-        if not dist.is_initialized():
+        if not distributed.is_initialized():
             raise ValueError(
                 f"pipeline={schedule} needs torch.distributed: launch with distributed.nproc_per_node=N "
                 "(or torchrun), or use pipeline=plain"
             )
         self.models = {"actor": actor, "critic": critic}
         self.config, self.algorithm, self.log = config, algorithm, log
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        self.device = distributed.rank_device()
+        for name, model in self.models.items():
+            where = next(model.parameters()).device
+            if where != self.device:
+                raise ValueError(
+                    f"the {name} is on {where} but this rank's collectives run on {self.device} (backend "
+                    f"{distributed.backend()}): use distributed.backend=nccl with device=cuda, or gloo with "
+                    "device=cpu"
+                )
         dp = max(self.world // max(config.actor_pp, config.critic_pp), 1)
         micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
         self.layout = ParallelLayout(
-            ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, self.world, micro
+            ModelParallel(config.actor_pp),
+            ModelParallel(config.critic_pp),
+            dp,
+            self.world,
+            micro,
+            device=str(self.device),
         )
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
@@ -211,15 +225,11 @@ class FusedPipelineStrategy:
 
     def _from_rank0(self, search: Callable[[], Schedule]) -> Schedule:
         """Rank 0 searches, every rank receives its schedule."""
-        box: list[Any] = [search().to_json() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return Schedule.from_json(box[0])
+        text = search().to_json() if self.rank == 0 else None
+        return Schedule.from_json(distributed.broadcast_json(text, 0, self.device))
 
     def _broadcast_batch(self, batch: TrainBatch) -> TrainBatch:
-        box: list[Any] = [batch if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        out = box[0]
-        assert isinstance(out, TrainBatch)
+        out: TrainBatch = distributed.broadcast_dataclass(batch, TrainBatch, 0, self.device)
         return out
 
     # --- the shard's state besides the stage weights (ShardedCheckpointer) ----------------------------------------
