@@ -312,13 +312,14 @@ class ShardedCheckpointer:
         )
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        """Check the manifest against this layout, restore this rank's shard, then bring every rank's full
-        model copies in sync; returns the shard's state."""
+        """Check the manifest against this layout, restore this rank's shard (and, with full copies on
+        every rank, bring them in sync); returns the shard's state."""
         weights, state, _ = load_sharded(path, self.layout_record())
         try:
             self.stages.load_shard(weights)
             self.restore(state)
         except (RuntimeError, ValueError, KeyError) as err:
             raise mismatch_error(path, err) from None
-        self.stages.gather()
+        if not self.stages.sharded:  # full copies on every rank: bring them in sync
+            self.stages.gather()
         return state

@@ -146,6 +146,13 @@ class ParallelLayout:
             if k == local
         ]
 
+    def held_stages(self, rank: int) -> dict[str, set[int]]:
+        """model -> the stages of it that `rank` holds (any replica): what sharded construction materialises."""
+        held: dict[str, set[int]] = {m: set() for m in MODELS}
+        for model, _, stage in self.stages_on(rank):
+            held[model].add(stage)
+        return held
+
     def group_of(self, rank: int) -> int:
         return rank // self.group_size
 

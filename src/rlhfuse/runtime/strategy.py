@@ -1,7 +1,8 @@
 """`FusedPipelineStrategy`: the `Strategy` of `RLHFTrainer` over the distributed runtime.
 
-Every rank holds full copies of the Actor and the Critic (same checkpoint, same seed) and trains only the
-stages the layout places on it. One `train_step`: rank 0's mini-batch is broadcast, split over data-parallel
+Each rank materialises only the stages the layout places on it (sharded construction, the default: the other
+stages' tensors are meta) and trains them; with full copies on every rank (a per-rank inferencer reads whole
+models) it still trains only its stages and brings the copies back in sync after each update. One `train_step`: rank 0's mini-batch is broadcast, split over data-parallel
 groups and micro-batches by token cost, and the rank's instruction stream runs it (compute, async p2p,
 gradient reduction, one optimizer step per model).
 
@@ -18,6 +19,7 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from rlhfuse import distributed
@@ -42,6 +44,26 @@ from rlhfuse.runtime.plan import (
     replay,
     unprofiled_plan,
 )
+
+
+def pipeline_layout(
+    config: PipelineConfig,
+    world: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    device: torch.device | str = "cpu",
+) -> ParallelLayout:
+    """The layout of `config` on `world` ranks (pure: the builder computes it before any model is built, to load
+    only this rank's stages; the strategy computes the same one)."""
+    dp = max(world // max(config.actor_pp, config.critic_pp), 1)
+    micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
+    return ParallelLayout(
+        ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, world, micro, device=str(device)
+    )
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 class FusedPipelineStrategy:
@@ -81,23 +103,15 @@ class FusedPipelineStrategy:
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self.device = distributed.rank_device()
         for name, model in self.models.items():
-            where = next(model.parameters()).device
+            where = next(p for p in model.parameters() if not p.is_meta).device
             if where != self.device:
                 raise ValueError(
                     f"the {name} is on {where} but this rank's collectives run on {self.device} (backend "
                     f"{distributed.backend()}): use distributed.backend=nccl with device=cuda, or gloo with "
                     "device=cpu"
                 )
-        dp = max(self.world // max(config.actor_pp, config.critic_pp), 1)
-        micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
-        self.layout = ParallelLayout(
-            ModelParallel(config.actor_pp),
-            ModelParallel(config.critic_pp),
-            dp,
-            self.world,
-            micro,
-            device=str(self.device),
-        )
+        self.layout = pipeline_layout(config, self.world, mini_batch_size, micro_batch_size, self.device)
+        micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
         self.shards = RankStages(self.layout, self.rank, self.models)
@@ -120,6 +134,7 @@ class FusedPipelineStrategy:
         self.plans: dict[int, PipelinePlan] = {}
         self.plan = unprofiled_plan(self.layout, micro, prefetch=config.prefetch)
         self.steps = 0
+        self.weight_sync_bytes = 0.0
         self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
@@ -170,16 +185,29 @@ class FusedPipelineStrategy:
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """The Actor's full weights on every rank (each stage broadcast from its first owner). The Critic is
-        gathered too: a per-rank inferencer (fused generation) reads both full models."""
-        self.shards.gather()
-        return self.models["actor"].state_dict()
+        """Collective: the Actor's full weights for this rank's generation copy. Sharded models: each stage is
+        broadcast once from its owner (the stage owners keep theirs; `weight_sync_bytes` is the most any rank
+        received). Full copies: every stage of both models is broadcast into them (a per-rank inferencer, fused
+        generation, reads the whole Critic too)."""
+        if not self.shards.sharded:
+            self.shards.gather()
+            self.weight_sync_bytes = float(sum(_nbytes(self.models[m]) for m in MODELS))
+            return self.models["actor"].state_dict()
+        weights = self.shards.full_state("actor")
+        received = torch.tensor([float(self.shards.received_bytes)], dtype=torch.float64, device=self.device)
+        distributed.all_reduce(received, op="max")
+        self.weight_sync_bytes = float(received)
+        return weights
 
     def state_dict(self) -> dict[str, Any]:
-        self.shards.gather()
+        if self.shards.sharded:
+            full = {m: self.shards.full_state(m) for m in MODELS}
+        else:
+            self.shards.gather()
+            full = {m: self.models[m].state_dict() for m in MODELS}
         return {
-            "actor": self.models["actor"].state_dict(),
-            "critic": self.models["critic"].state_dict(),
+            "actor": full["actor"],
+            "critic": full["critic"],
             "rank": self.rank,
             "world_size": self.world,
             **self.optimizers.state_dict(),
@@ -192,7 +220,7 @@ class FusedPipelineStrategy:
                 f"this is rank {self.rank} of {self.world}: resume with the same layout"
             )
         for m in MODELS:
-            self.models[m].load_state_dict(state[m])
+            self.shards.load_resident(m, state[m])
         self.optimizers.load_state_dict(state)
 
     def replay_makespan(self) -> float:
