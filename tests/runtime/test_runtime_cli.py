@@ -51,6 +51,9 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
         ):
             assert math.isfinite(r[key]) and r[key] >= 0 if key != "loss/value" else math.isfinite(r[key])
         assert 0 <= r["train/bubble_ratio"] < 1
+        # sharded construction: each rank holds its stages + the generation copy; the sync moves one stage
+        assert r["memory/param_bytes"] > 0 and r["memory/optimizer_bytes"] > 0
+        assert r["weight_sync/bytes_per_rank"] > 0 and r["time/weight_sync"] >= 0
 
 
 def test_pipeline_config_errors_name_the_fix() -> None:
