@@ -11,6 +11,7 @@ It sits just above `rlhfuse.core` (it uses the tensor codec `rlhfuse.core.wire`)
 package.
 """
 
+from rlhfuse.distributed.autograd import copy_to_group, max_over_group, reduce_from_group
 from rlhfuse.distributed.collectives import (
     ReduceOp,
     Work,
@@ -61,15 +62,18 @@ __all__ = [
     "broadcast_packed",
     "broadcast_tensors",
     "check_device",
+    "copy_to_group",
     "group_device",
     "irecv",
     "is_initialized",
     "isend",
     "local_rank",
+    "max_over_group",
     "new_group",
     "rank",
     "rank_device",
     "recv",
+    "reduce_from_group",
     "shutdown",
     "wait_all",
     "world_size",
