@@ -1,7 +1,7 @@
 """Sharded construction under the pipeline strategies (2 gloo ranks, pp=2): each rank materialises only its
 stages of the Actor, Ref, Critic and Reward (read from safetensors with `safe_open`, the rest meta), trains
 exactly like whole models, syncs the generation copy by per-stage broadcasts from the owners, and saves / resumes
-its shard bit-identically."""
+its shard bit-identically; pipeline inference over the shards equals whole-model inference."""
 
 from __future__ import annotations
 
@@ -70,6 +70,30 @@ def _worker(rank: int, world: int, folder: str) -> None:
     total = sum(resident_bytes(m) for m in sharded.values())
     bound = sum(resident_bytes(m) / 2 + _edge_bytes(m) for m in whole.values())
     assert total <= bound, (rank, total, bound)
+
+    # pipeline inference over the sharded four models equals whole-model inference in this process
+    from test_runtime_inference import _rollout
+
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    config, tokenizer, rollout = (
+        InferencerConfig(truncated_score=-5.0),
+        build_tokenizer(),
+        _rollout(9, seed=5),
+    )
+    got = PipelineInferencer(
+        config, layout, sharded, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+        log=lambda _: None,
+    ).infer(rollout)  # fmt: skip
+    want = ModelInferencer(
+        config, actor=whole["actor"], ref=whole["ref"], critic=whole["critic"], reward_model=whole["reward"],
+        reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+    ).infer(rollout)  # fmt: skip
+    for field in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-9, atol=1e-9)
 
     algo = AlgorithmConfig()
     fused = FusedPipelineStrategy(
