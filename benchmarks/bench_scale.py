@@ -1,5 +1,5 @@
-"""Per-rank weight memory under sharded construction, and weight-sync traffic, for pp = 1, 2, 4 (tp = 1: tensor
-parallelism is not built yet).
+"""Per-rank weight memory under sharded construction, and weight-sync traffic, for pp = 1, 2, 4; per-rank weight
+memory with the tensor-parallel shard (pp x tp = 1/2 x 1/2) and its step time at width 512.
 
 Each rank of each layout loads the four models exactly as `rlhfuse-train` does under pipeline=fused
 (`rlhfuse.models.from_pretrained(stages=...)`: meta init, only its stages read from the safetensors files) plus
@@ -8,12 +8,21 @@ rank's shard). Printed per layout: the most parameter bytes a rank holds (`memor
 single process's four whole models + generation copy, the same without the generation copy (the trained and
 frozen models only), and the most bytes a rank receives for one weight sync (`weight_sync/bytes_per_rank`:
 the Actor stages it does not own) vs the former sync (every stage of both models broadcast to every rank).
+
+Tensor parallelism (`rlhfuse.runtime.tensor_parallel.shard_transformer`, not wired into the trainer yet): the
+most bytes a rank of a pp x tp grid holds of the four models (pp stages, then each stage's tp shard), as a ratio
+of one process; and the forward + backward time of a log-prob loss on 2 gloo ranks with tp=2 vs tp=1 (the whole
+model in each process), median of interleaved rounds (no gain is expected on a 2-core CPU: the ratio shows the
+cost of the collectives).
 """
 
 from __future__ import annotations
 
 import pathlib
+import statistics
 import tempfile
+import time
+from typing import Any
 
 import torch
 
@@ -73,3 +82,71 @@ def run(quick: bool = False) -> None:
                 f"{models_only / 2**20:>10.1f}Mi {models_only / single_models:>6.3f} {sync / 2**20:>8.2f}Mi "
                 f"{sync / former if former else 0.0:>14.3f}"
             )
+        run_tp(root, quick)
+
+
+def _tp_bytes(root: pathlib.Path, pp: int, tp: int) -> int:
+    """The most bytes of the four models one rank of a pp x tp grid holds."""
+    from rlhfuse.runtime.tensor_parallel import shard_transformer
+
+    layout = pipeline_layout(PipelineConfig(actor_pp=pp, critic_pp=pp, microbatches=pp), pp, 8, 4)
+    most = 0
+    for rank in range(pp):
+        held = layout.held_stages(rank)
+        parts = [
+            from_pretrained(root / "sft", stages=(pp, held["actor"])),
+            from_pretrained(root / "sft", stages=(pp, held["actor"])),
+            from_pretrained(root / "rm", head="value", stages=(pp, held["critic"])),
+            from_pretrained(root / "rm", head="value", stages=(pp, held["critic"])),
+        ]
+        for t in range(tp):
+            shards = [shard_transformer(m, t, tp) if tp > 1 else m for m in parts]
+            most = max(most, resident_bytes(*shards))
+    return most
+
+
+def _tp_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
+    import torch.nn.functional as F
+
+    from benchmarks.two_ranks import SHAPES, init_worker
+    from rlhfuse.runtime.tensor_parallel import shard_transformer, vocab_parallel_logprobs
+
+    init_worker(rank, world, init)
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=4096, **SHAPES[shape])
+    full = Transformer(cfg)
+    tp = shard_transformer(full, rank, world)
+    ids = torch.randint(0, cfg.vocab_size, (4, 128))
+
+    def step_full() -> None:
+        F.log_softmax(full(ids), -1).gather(-1, ids[..., None]).sum().backward()
+
+    def step_tp() -> None:
+        vocab_parallel_logprobs(tp(ids), ids, tp.vocab_shard).sum().backward()
+
+    times: dict[str, list[float]] = {"tp1": [], "tp2": []}
+    for _ in range(rounds):
+        for name, fn in (("tp1", step_full), ("tp2", step_tp)):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put({k: statistics.median(v) for k, v in times.items()})
+
+
+def run_tp(root: pathlib.Path, quick: bool) -> None:
+    from benchmarks.two_ranks import run_two_ranks
+
+    single = _tp_bytes(root, 1, 1)
+    print(f"{'pp':>3} {'tp':>3} {'param_bytes/rank':>17} {'vs one process':>15}")
+    for pp in (1, 2):
+        for tp in (1, 2):
+            most = _tp_bytes(root, pp, tp)
+            print(f"{pp:>3} {tp:>3} {most / 2**20:>15.1f}Mi {most / single:>15.3f}")
+    shape = "wide256" if quick else "wide512"
+    t = run_two_ranks(_tp_worker, shape, 3 if quick else 7)
+    print(
+        f"forward + backward of a log-prob loss, {shape}, 4 x 128 tokens, vocab 4096, 2 gloo ranks: "
+        f"tp=1 {t['tp1'] * 1e3:.0f} ms, tp=2 {t['tp2'] * 1e3:.0f} ms (tp2 / tp1 = {t['tp2'] / t['tp1']:.2f})"
+    )
