@@ -45,17 +45,23 @@ def _shard_of(
 
 
 def _worker(rank: int, world: int) -> None:
+    # biases: column and row split; kv heads split (2 of 2), then replicated (1 kv head for 2 ranks)
+    _check(rank, world, ModelConfig.tiny(num_layers=2, vocab_size=VOCAB, attention_bias=True))
+    _check(rank, world, ModelConfig.tiny(num_layers=2, vocab_size=VOCAB, num_kv_heads=1, attention_bias=True))
+
+
+def _check(rank: int, world: int, cfg: ModelConfig) -> None:
+    from rlhfuse.core.sampling import sample_from
     from rlhfuse.runtime.tensor_parallel import (
         shard_transformer,
+        sync_replicated_grads,
         vocab_parallel_argmax,
         vocab_parallel_entropy,
         vocab_parallel_logprobs,
+        vocab_parallel_sample,
     )
 
     torch.manual_seed(0)
-    cfg = ModelConfig.tiny(
-        num_layers=2, vocab_size=VOCAB, attention_bias=True
-    )  # biases: column and row split
     full = Transformer(cfg, head="lm").double()
     critic = Transformer(cfg, head="value").double()
     g = torch.Generator().manual_seed(1)
@@ -88,6 +94,13 @@ def _worker(rank: int, world: int) -> None:
     torch.testing.assert_close(values, values_full, rtol=1e-12, atol=1e-12)
     # greedy tokens, ties to the lowest id, from the slices
     assert torch.equal(vocab_parallel_argmax(local[:, -1], shard), logits_full[:, -1].argmax(-1))
+    # sampled tokens: inverse CDF over the slices equals `sample_from` over the whole softmax
+    flat_local, flat_full = local.detach().reshape(-1, 64), logits_full.detach().reshape(27, VOCAB)
+    u = torch.rand(27, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    want_tokens = sample_from((flat_full / 0.7).softmax(-1), u)
+    assert torch.equal(vocab_parallel_sample(flat_local, u, shard, temperature=0.7), want_tokens)
+    assert len(set(want_tokens.tolist())) > 5  # varied tokens, on both ranks' slices
+    assert (want_tokens >= 64).any() and (want_tokens < 64).any()
 
     # gradients of every shard, then one AdamW step
     opt, opt_full = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (tp, full))
@@ -95,6 +108,8 @@ def _worker(rank: int, world: int) -> None:
     ((lp_full * weights).sum() + 0.01 * ent_full.sum()).backward()
     (values * weights).sum().backward()
     (values_full * weights).sum().backward()
+    sync_replicated_grads(tp)
+    sync_replicated_grads(tp_critic)
     for model, ref in ((tp, full), (tp_critic, critic)):
         names = [n for n, _ in model.named_parameters()]
         assert names and all(p.grad is not None for p in model.parameters())
@@ -126,11 +141,14 @@ def test_split_arithmetic_names_the_key() -> None:
     cfg = ModelConfig.tiny(num_heads=6, num_kv_heads=3, head_dim=16, intermediate_size=128)
     problems = tp_problems(cfg, 4, "pipeline.actor_tp")
     assert problems == [
+        "pipeline.actor_tp=4 neither divides the model's num_kv_heads=3 (3 % 4 = 3: split) nor is a multiple of "
+        "it (4 % 3 = 1: replicated): set pipeline.actor_tp to a divisor or a multiple of 3",
         "pipeline.actor_tp=4 does not divide the model's num_heads=6 (6 % 4 = 2): set pipeline.actor_tp to a "
         "divisor of 6",
-        "pipeline.actor_tp=4 does not divide the model's num_kv_heads=3 (3 % 4 = 3): set pipeline.actor_tp to a "
-        "divisor of 3",
     ]
+    assert tp_problems(cfg, 6, "pipeline.critic_tp")[0].startswith(
+        "pipeline.critic_tp=6 does not divide the model's intermediate_size=128"
+    )  # kv replicated: fine
     assert tp_problems(cfg, 3, "generator.tp") == [
         "generator.tp=3 does not divide the model's intermediate_size=128 (128 % 3 = 2): set generator.tp to a "
         "divisor of 128"

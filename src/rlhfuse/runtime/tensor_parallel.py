@@ -3,7 +3,9 @@ sliced in place, so the forward code is the one of `rlhfuse.models`).
 
 `shard_transformer(model, rank, tp, group)` returns a copy of `model` holding rank `rank`'s shard:
 
-- attention: q / k / v column-parallel by heads (kv heads split: tp must divide them), o row-parallel;
+- attention: q / k / v column-parallel by heads, o row-parallel; kv heads are split when tp divides them and
+  replicated otherwise (tp a multiple of them: each rank holds the one kv head its query heads read, and
+  `sync_replicated_grads` sums that head's weight gradients over the ranks sharing it);
 - MLP: gate / up column-parallel over the intermediate size, down row-parallel;
 - embedding and LM head vocabulary-parallel: rank r holds rows [r * V_p / tp, (r + 1) * V_p / tp) of the
   vocabulary padded to V_p, a multiple of tp (padded rows are zero and their logits are masked to -inf, so they
@@ -35,9 +37,14 @@ def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
     problems: list[str] = []
     if tp < 1:
         return [f"{key}={tp} must be >= 1"]
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(
+            f"{key}={tp} neither divides the model's num_kv_heads={kv} ({kv} % {tp} = {kv % tp}: split) nor is a "
+            f"multiple of it ({tp} % {kv} = {tp % kv}: replicated): set {key} to a divisor or a multiple of {kv}"
+        )
     for name, value in (
         ("num_heads", config.num_heads),
-        ("num_kv_heads", config.num_kv_heads),
         ("intermediate_size", config.intermediate_size),
     ):
         if value % tp:
@@ -71,6 +78,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, lo: int, hi: int, group: Any, rows: int | None = None) -> None:
         super().__init__()
         self.group, self.lo, self.hi = group, lo, hi
+        self.replicated: tuple[int, int] | None = None
+        """(kv head, kv heads) when this slice is a kv head other ranks hold too (`sync_replicated_grads`)."""
         weight = full.weight.detach()[lo:hi]
         if rows is not None and rows > weight.shape[0]:  # vocabulary padding: zero rows
             weight = torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
@@ -79,6 +88,22 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(distributed.copy_to_group(x, self.group), self.weight, self.bias)
+
+
+def sync_replicated_grads(model: nn.Module, group: Any = None) -> None:
+    """Sum the gradients of replicated kv heads over the ranks sharing each head (one all-reduce per tensor:
+    every rank writes its gradient into its head's slot of a zero buffer). Call after backward, before the
+    optimizer step; a no-op when every kv head is split."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and module.replicated is not None:
+            head, heads = module.replicated
+            for p in (module.weight, module.bias):
+                if p is None or p.grad is None:
+                    continue
+                buf = p.grad.new_zeros((heads, *p.grad.shape))
+                buf[head] = p.grad
+                distributed.all_reduce(buf, group=group)
+                p.grad.copy_(buf[head])
 
 
 class RowParallelLinear(nn.Module):
@@ -125,12 +150,19 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
         raise ValueError("a tied embedding / LM head is not split tensor-parallel yet: untie it or use tp=1")
     out = copy.deepcopy(model)
     e = cfg.resolved_head_dim
-    h, k, f = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
+    h, f = cfg.num_heads // tp, cfg.intermediate_size // tp
+    split_kv = cfg.num_kv_heads % tp == 0
+    k = cfg.num_kv_heads // tp if split_kv else 1
+    # the first kv head this rank holds (replicated: the one its query heads read)
+    first_kv = rank * k if split_kv else rank * h // (cfg.num_heads // cfg.num_kv_heads)
     for layer in out.layers:
         attn: Any = layer.self_attn
         attn.q_proj = ColumnParallelLinear(attn.q_proj, rank * h * e, (rank + 1) * h * e, group)
-        attn.k_proj = ColumnParallelLinear(attn.k_proj, rank * k * e, (rank + 1) * k * e, group)
-        attn.v_proj = ColumnParallelLinear(attn.v_proj, rank * k * e, (rank + 1) * k * e, group)
+        attn.k_proj = ColumnParallelLinear(attn.k_proj, first_kv * e, (first_kv + k) * e, group)
+        attn.v_proj = ColumnParallelLinear(attn.v_proj, first_kv * e, (first_kv + k) * e, group)
+        if not split_kv:
+            for proj in (attn.k_proj, attn.v_proj):
+                proj.replicated = (first_kv, cfg.num_kv_heads)
         attn.o_proj = RowParallelLinear(attn.o_proj, rank * h * e, (rank + 1) * h * e, group)
         attn.num_heads, attn.num_kv_heads = h, k
         mlp: Any = layer.mlp
@@ -198,3 +230,28 @@ def vocab_parallel_argmax(logits_BV: Tensor, shard: VocabShard, group: Any = Non
     mine_B = torch.where(masked == best_B.unsqueeze(-1), ids, torch.full_like(ids, big)).min(dim=-1).values
     distributed.all_reduce(mine_B, op="min", group=group)
     return mine_B
+
+
+def vocab_parallel_sample(
+    logits_BV: Tensor, uniforms_B: Tensor, shard: VocabShard, group: Any = None, temperature: float = 1.0
+) -> Tensor:
+    """Inverse-CDF sampling (as `rlhfuse.core.sampling.sample_from` over softmax(logits / temperature)) from each
+    rank's slice: the slices' probability sums are all-gathered (rank order = vocabulary order), every rank
+    searches its own slice for the row's target and the lowest hit wins; padded rows carry no probability."""
+    masked = _masked(logits_BV.detach() / temperature, shard).double()
+    m_B = distributed.max_over_group(masked.max(dim=-1).values, group)
+    p_BV = (masked - m_B.unsqueeze(-1)).exp()
+    sums = distributed.all_gather(p_BV.sum(dim=-1), group=group)  # [B] per rank
+    rank = distributed.rank(group)
+    offset_B = sum((sums[r] for r in range(rank)), torch.zeros_like(sums[0]))
+    total_B = sum(sums[1:], sums[0])
+    target_B1 = (uniforms_B.double().to(p_BV.device) * total_B).unsqueeze(1)
+    cdf_BV = offset_B.unsqueeze(1) + torch.cumsum(p_BV, dim=-1)
+    local_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    here_B = (target_B1.squeeze(1) >= offset_B) & (local_B < shard.valid)
+    big = torch.iinfo(torch.int64).max
+    pick_B = torch.where(here_B, local_B + shard.start, torch.full_like(local_B, big))
+    distributed.all_reduce(pick_B, op="min", group=group)
+    last = shard.start + shard.valid - 1 if shard.valid else -1  # the vocabulary's last real token
+    distributed.all_reduce(last_B := torch.full_like(pick_B, last), op="max", group=group)
+    return torch.where(pick_B == big, last_B, pick_B)
