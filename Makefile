@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm
+.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,11 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m benchmarks.run vllm
 
 ## Benchmarks: speed/memory targets, printed as ratios measured side by side in one run.
+## What only a CUDA device can check (collectives on NCCL, Triton kernels, engine, default job in bf16, vLLM): one
+## table; without CUDA one line and nothing checked. The Triton interpreter is off here: the kernels run compiled.
+gpu-check: $(STAMP)
+	TRITON_INTERPRET=0 $(PY) -m benchmarks.gpu_check $(ARGS)
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(BENCH)
 
