@@ -130,6 +130,19 @@ def _worker(rank: int, world: int, folder: str) -> None:
         distributed.all_reduce(most, op="max")
         assert fused.weight_sync_bytes == float(most) > 0
 
+    # data parallelism only (pp=1, dp=2): every rank holds every stage, so the sync moves nothing
+    dp_cfg = PipelineConfig(name="fused", optim=cfg.optim, actor_pp=1, critic_pp=1, microbatches=1)
+    dp_models = _load(root, None)
+    dp = FusedPipelineStrategy(
+        dp_models["actor"], dp_models["critic"], dp_cfg, algo,
+        total_steps=4, mini_batch_size=8, micro_batch_size=4, schedule="fused", timeout_s=120,
+        log=lambda _: None,
+    )  # fmt: skip
+    dp.train_step(random_batch(8, seed=21, vocab=whole["actor"].config.vocab_size))
+    synced = dp.actor_weights()
+    assert dp.weight_sync_bytes == 0.0
+    assert all(torch.equal(synced[n], p) for n, p in dp_models["actor"].named_parameters())
+
     # sharded save, then a fresh sharded strategy resumes bit-identically (weights and the next step)
     ckpt = root / "ckpt"
     path = fused.checkpointer.save(ckpt, 2, {"trainer": {"iteration": 2}})

@@ -62,10 +62,6 @@ def pipeline_layout(
     )
 
 
-def _nbytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 class FusedPipelineStrategy:
     """The trainer's `Strategy` over the pipeline runtime. `schedule` names the planning function in `PLANNERS`
     (fused | serial_1f1b); the rest is the layout (from `config` and the world size) and the update's settings.
@@ -185,15 +181,16 @@ class FusedPipelineStrategy:
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: the Actor's full weights for this rank's generation copy. Sharded models: each stage is
-        broadcast once from its owner (the stage owners keep theirs; `weight_sync_bytes` is the most any rank
-        received). Full copies: every stage of both models is broadcast into them (a per-rank inferencer, fused
-        generation, reads the whole Critic too)."""
-        if not self.shards.sharded:
+        """Collective: the Actor's full weights for this rank's generation copy; each rank receives only the
+        stages it does not hold, once, from a holder of that stage (`RankStages.senders`: point to point, the
+        holders taken in turn). Sharded models: the received stages are fresh tensors. Full copies: both models'
+        copies are brought up to date in place (a per-rank inferencer, fused generation, reads the whole Critic
+        too). `weight_sync_bytes`: the most bytes any rank received."""
+        if self.shards.sharded:
+            weights: Mapping[str, Tensor] = self.shards.full_state("actor")
+        else:
             self.shards.gather()
-            self.weight_sync_bytes = float(sum(_nbytes(self.models[m]) for m in MODELS))
-            return self.models["actor"].state_dict()
-        weights = self.shards.full_state("actor")
+            weights = self.models["actor"].state_dict()
         received = torch.tensor([float(self.shards.received_bytes)], dtype=torch.float64, device=self.device)
         distributed.all_reduce(received, op="max")
         self.weight_sync_bytes = float(received)
