@@ -63,15 +63,16 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m benchmarks.run vllm
 
 ## Benchmarks: speed/memory targets, printed as ratios measured side by side in one run.
+## What only a CUDA device can check (collectives on NCCL, Triton kernels, engine, default job in bf16, vLLM): one
+## table; without CUDA one line and nothing checked. The Triton interpreter is off here: the kernels run compiled.
+## It runs with the machine's own CUDA build of torch (GPU_PYTHON; .venv here holds a CPU build), set up nothing.
+GPU_PYTHON ?= python3
+gpu-check:
+	TRITON_INTERPRET=0 PYTHONPATH=src:. $(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(BENCH)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) dist build .pytest_cache .mypy_cache .ruff_cache
 
-## On a machine with a CUDA GPU: kernels, engine, collectives and the default job on the device, as one table
-## (recipes/gpu_check.py). It uses that machine's own python and torch (GPU_PYTHON), not .venv's CPU build; where
-## there is no CUDA device it prints one line and exits with status 3.
-GPU_PYTHON ?= python3
-gpu-check:
-	PYTHONPATH=src $(GPU_PYTHON) recipes/gpu_check.py

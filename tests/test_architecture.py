@@ -88,3 +88,11 @@ def test_the_graph_reader_sees_nested_and_relative_imports(tmp_path: pathlib.Pat
     names = [n for node in ast.walk(tree) for n in _imported(node, ["rlhfuse", "runtime", "strategy"])]
     assert names == ["rlhfuse.trainer", "rlhfuse.ops"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_distributed_sits_just_above_core() -> None:
+    """rlhfuse.distributed (the only caller of torch.distributed collectives) may use core, nothing above it;
+    core does not import it back."""
+    graph = package_graph()
+    assert graph["distributed"] <= {"core"}, graph["distributed"] - {"core"}
+    assert "distributed" not in graph["core"]

@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from rlhfuse.models import from_pretrained
 from rlhfuse.trainer import compose_config, validate
 
 pytestmark = pytest.mark.distributed
@@ -29,6 +31,7 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
         "pipeline.search_budget_s=0.5",
         "distributed.nproc_per_node=2",
         "distributed.timeout_s=60",
+        "checkpoint.export_hf=true",  # the sharded Actor is exported from the generation copy
         f"model.warmstart.cache_dir={tmp_path / 'cache'}",
         f"hydra.run.dir={run_dir}",
     ]
@@ -51,6 +54,13 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
         ):
             assert math.isfinite(r[key]) and r[key] >= 0 if key != "loss/value" else math.isfinite(r[key])
         assert 0 <= r["train/bubble_ratio"] < 1
+        # sharded construction: each rank holds its stages + the generation copy; the sync moves one stage
+        assert r["memory/param_bytes"] > 0 and r["memory/optimizer_bytes"] > 0
+        assert r["weight_sync/bytes_per_rank"] > 0 and r["time/weight_sync"] >= 0
+    exported = from_pretrained(run_dir / "actor_hf")  # whole (no meta tensor) and trained (not the start)
+    start = from_pretrained(next((tmp_path / "cache").glob("*/sft")), head="lm")
+    assert not any(p.is_meta for p in exported.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), start.parameters(), strict=True))
 
 
 def test_pipeline_config_errors_name_the_fix() -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core.protocols import Inferencer
 from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
@@ -101,9 +101,8 @@ class EngineGenerator:
         """One instance per rank: a torch.distributed world of exactly `generator.instances` ranks."""
         return (
             self.config.instances > 1
-            and dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() == self.config.instances
+            and distributed.is_initialized()
+            and distributed.world_size() == self.config.instances
         )
 
     def _engines_for(self, prompt_width: int, batch: int, count: int) -> list[GenerationEngine]:
@@ -147,13 +146,13 @@ class EngineGenerator:
             return
         # every rank must use the same Rt (policies tune on rank-local timings): rank 0's
         agreed = torch.tensor([threshold], dtype=torch.int64, device=collective_device(None, self.device))
-        dist.broadcast(agreed, 0)
+        distributed.broadcast(agreed, 0)
         (engine,) = self._engines_for(width, len(requests), 1)
         c = self.coordinator
         self.distributed = DistributedCoordinator(
             engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
         )
-        rank = dist.get_rank()
+        rank = distributed.rank()
         for sample in self.distributed.run(requests, threshold=int(agreed)):
             yield rank, sample
 
@@ -174,7 +173,7 @@ class EngineGenerator:
             raise RuntimeError(
                 f"fused generation + inference needs one generation instance per rank: generator.instances="
                 f"{self.config.instances} on a world of "
-                f"{dist.get_world_size() if dist.is_initialized() else 1} process(es)"
+                f"{distributed.world_size()} process(es)"
             )
         requests = requests_for(
             prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
@@ -185,7 +184,7 @@ class EngineGenerator:
             dtype=torch.int64,
             device=collective_device(None, self.device),
         )
-        dist.broadcast(agreed, 0)
+        distributed.broadcast(agreed, 0)
         width = max(len(r.prompt_P) for r in requests)
         (engine,) = self._engines_for(width, len(requests), 1)
         c = self.coordinator
@@ -194,7 +193,8 @@ class EngineGenerator:
             micro_batch=micro_batch, pad_token_id=self.pad_token_id,
         )  # fmt: skip
         self.distributed = DistributedCoordinator(engine, bs_max=c.bs_max, report=result.report)
-        rollout = result.experience.rollout
+        experience = result.experience.to(self.device)  # rewards, KL and GAE run on the device
+        rollout = experience.rollout
         self.policy.observe(
             BatchObservation(
                 response_lengths=rollout.response_lengths_B.tolist(),
@@ -204,7 +204,7 @@ class EngineGenerator:
                 profile=CostProfile.fit([engine.stats]),
             )
         )
-        return result.experience, RolloutStats(
+        return experience, RolloutStats(
             generation_s=result.generation_s,
             inference_s=result.gen_inf_s - result.generation_s,
             generation_inference_s=result.gen_inf_s,

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from rlhfuse import distributed
 from rlhfuse.core.wire import Packed
 from rlhfuse.generation.engine import MigratingSample
 from rlhfuse.generation.wire import SampleBatch
@@ -62,25 +62,20 @@ class InProcess:
 
 
 def collective_device(group: dist.ProcessGroup | None, data: torch.device | None = None) -> torch.device:
-    """Where tensors for `group`'s collectives live: the data's device (gloo: the CPU; NCCL: this rank's
-    current GPU when the data is on the CPU)."""
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    if data is None or data.type == "cpu":
-        return torch.device("cuda", torch.cuda.current_device())
-    return data
+    """Where tensors for `group`'s collectives live (`rlhfuse.distributed.group_device`): the CPU for gloo; for
+    NCCL the data's CUDA device, else this rank's current GPU."""
+    return distributed.group_device(group, data)
 
 
 @dataclass
 class Sending:
     """Non-blocking sends in flight and the tensors they read (kept alive until `wait`)."""
 
-    works: list[dist.Work]
+    works: list[distributed.Work]
     tensors: tuple[torch.Tensor, ...]
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        distributed.wait_all(self.works)
 
 
 @dataclass
@@ -94,11 +89,11 @@ class PointToPoint:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return distributed.rank(self.group)
 
     @property
     def world(self) -> int:
-        return dist.get_world_size(self.group)
+        return distributed.world_size(self.group)
 
     def fail(self, what: str, err: Exception) -> InstanceFailure:
         return InstanceFailure(
@@ -127,46 +122,34 @@ class PointToPoint:
         packed = packed.to(self.device)
         frame = torch.tensor(packed.frame, dtype=torch.int64, device=self.device)
         tensors = (frame, packed.header_H, packed.payload_N)
-        works = [dist.isend(t, dst, group=self.group) for t in tensors]
+        works = [distributed.isend(t, dst, group=self.group) for t in tensors]
         return Sending([w for w in works if w is not None], tensors)
 
     def recv_packed(self, src: int | None = None) -> tuple[int, Packed]:
         """(sender, message); `src=None` receives the next message from any rank."""
         frame = torch.empty(2, dtype=torch.int64, device=self.device)
-        sender = dist.recv(frame, src, group=self.group)
+        sender = distributed.recv(frame, src, group=self.group)
         packed = Packed.empty(frame.tolist(), self.device)
-        dist.recv(packed.header_H, sender, group=self.group)
-        dist.recv(packed.payload_N, sender, group=self.group)
+        distributed.recv(packed.header_H, sender, group=self.group)
+        distributed.recv(packed.payload_N, sender, group=self.group)
         return sender, packed
 
     def all_gather(self, packed: Packed) -> list[Packed]:
         """Every rank's message, in rank order (messages padded to the longest for the collective)."""
-        packed = packed.to(self.device)
-        frame = torch.tensor(packed.frame, dtype=torch.int64, device=self.device)
-        frames = [torch.empty_like(frame) for _ in range(self.world)]
-        dist.all_gather(frames, frame, group=self.group)
-        sizes = [tuple(f.tolist()) for f in frames]
-        longest = [max(s[k] for s in sizes) for k in (0, 1)]
-        gathered = []
-        for k, mine in enumerate((packed.header_H, packed.payload_N)):
-            out = [torch.empty(longest[k], dtype=mine.dtype, device=self.device) for _ in sizes]
-            dist.all_gather(out, F.pad(mine, (0, longest[k] - mine.numel())), group=self.group)
-            gathered.append(out)
-        return [Packed(h[: s[0]], p[: s[1]]) for h, p, s in zip(*gathered, sizes, strict=True)]
+        return distributed.all_gather_packed(packed, self.device, group=self.group)
 
     def all_sum(self, values: Sequence[float]) -> list[float]:
         sums = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         try:
-            dist.all_reduce(sums, group=self.group)
+            distributed.all_reduce(sums, group=self.group)
         except RuntimeError as err:
             raise self.fail("agreeing on the migration mechanism", err) from err
         return [float(v) for v in sums.tolist()]
 
     def all_gather_counts(self, count: int) -> list[int]:
         mine = torch.tensor([count], dtype=torch.int64, device=self.device)
-        out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
         try:
-            dist.all_gather(out, mine, group=self.group)
+            out = distributed.all_gather(mine, group=self.group)
         except RuntimeError as err:
             raise self.fail("all-gathering the unfinished counts", err) from err
         return [int(t) for t in out]

@@ -4,7 +4,7 @@ from rlhfuse.models.attention import ATTENTION_BACKENDS, MULTI_POSITION_BACKENDS
 from rlhfuse.models.cache import KVCache, SlotState
 from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from rlhfuse.models.config import ModelConfig
-from rlhfuse.models.stages import Stage, split_stages
+from rlhfuse.models.stages import Stage, resident_bytes, split_stages, stage_of, stage_ranges, to_device
 from rlhfuse.models.transformer import Transformer
 
 __all__ = [
@@ -18,6 +18,10 @@ __all__ = [
     "Transformer",
     "from_pretrained",
     "get_attention",
+    "resident_bytes",
     "save_pretrained",
     "split_stages",
+    "stage_of",
+    "stage_ranges",
+    "to_device",
 ]

@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from rlhfuse._resources import read_json
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.stages import stage_of
 from rlhfuse.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -128,9 +129,18 @@ def _open_safetensors(file: Path) -> Any:
 
 
 def from_pretrained(
-    path: str | os.PathLike, head: str = "lm", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike,
+    head: str = "lm",
+    dtype: torch.dtype = torch.float32,
+    *,
+    stages: tuple[int, Collection[int]] | None = None,
 ) -> Transformer:
-    """Load a Hugging Face checkpoint directory as a `Transformer` with the given head, in `dtype`."""
+    """Load a Hugging Face checkpoint directory as a `Transformer` with the given head, in `dtype`.
+
+    `stages=(num_stages, held)`: sharded construction for a pipeline rank: the model is built on the meta device
+    and only the tensors of the `held` stages (of `num_stages` equal-cost stages, `rlhfuse.models.stage_of`)
+    are read from the safetensors files (`safe_open`, one tensor at a time) and materialised on the CPU; every
+    other parameter stays a meta tensor (shape and dtype only, no memory)."""
     if head not in SUPPORTED_HEADS:
         raise ValueError(f"head={head!r} is unknown: use one of {SUPPORTED_HEADS}")
     path = Path(path)
@@ -172,6 +182,20 @@ def from_pretrained(
             "tie_word_embeddings) and that the checkpoint is complete"
         )
 
+    held_names: set[str] | None = None
+    if stages is not None:
+        num_stages, held = stages
+        if num_stages > 1 and config.tie_word_embeddings and head == "lm":
+            raise ValueError(
+                f"{path} ties its embedding and LM head, which a {num_stages}-stage pipeline places on different "
+                "ranks: untie them (tie_word_embeddings=false) or use pp=1 for this model"
+            )
+        held_names = {
+            name
+            for name, _ in model.named_parameters()
+            if stage_of(name, config.num_layers, num_stages) in held
+        }
+        expected = {key: name for key, name in expected.items() if name in held_names}
     shapes = {name: p.shape for name, p in model.named_parameters()}
     state: dict[str, Tensor] = {}
     by_file: dict[Path, list[str]] = {}
@@ -194,10 +218,14 @@ def from_pretrained(
                         f"{tuple(shapes[name])}; the config and the weights disagree (wrong config.json?)"
                     )
                 state[name] = tensor.to(dtype)
-    model = model.to_empty(device="cpu").to(dtype)
-    if fresh_value_head:
-        torch.nn.init.normal_(model.value_head.weight, std=config.initializer_range)
-        state["value_head.weight"] = model.value_head.weight.detach().clone()
+    if held_names is None:
+        model = model.to_empty(device="cpu").to(dtype)
+    else:
+        model = model.to(dtype)  # meta -> meta of `dtype`: shapes and dtypes for the stages held elsewhere
+    if fresh_value_head and (held_names is None or "value_head.weight" in held_names):
+        weight = torch.empty(model.value_head.weight.shape, dtype=dtype)
+        torch.nn.init.normal_(weight, std=config.initializer_range)
+        state["value_head.weight"] = weight
         log.warning(
             "%s is a %s checkpoint without a value head: value_head initialised fresh (normal, std %s)",
             path,
@@ -207,7 +235,11 @@ def from_pretrained(
     model.load_state_dict(state, strict=False, assign=True)
     if head == "lm" and config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    unset = [n for n, p in model.named_parameters() if n not in state and not model._is_tied(n)]
+    unset = [
+        n
+        for n, p in model.named_parameters()
+        if n not in state and not model._is_tied(n) and (held_names is None or n in held_names)
+    ]
     assert not unset, f"parameters left uninitialised: {unset}"
     return model
 

@@ -122,3 +122,52 @@ def split_stages(
         )
     ranges = balanced_ranges(costs, num_stages)
     return [Stage(model, r, i, num_stages) for i, r in enumerate(ranges)]
+
+
+# --- which tensors a stage holds (sharded construction: a rank materialises only its stages) -----------------
+def stage_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """The layer ranges `split_stages` gives equal-cost layers (the runtime's split)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(
+            f"num_stages={num_stages} must be between 1 and the model's num_layers={num_layers} "
+            "(every stage holds at least one layer)"
+        )
+    return balanced_ranges([1.0] * num_layers, num_stages)
+
+
+def stage_of(name: str, num_layers: int, num_stages: int) -> int:
+    """The stage holding parameter `name` of a `Transformer` split into `num_stages` equal-cost stages: the
+    embedding on the first, decoder layer i on the stage whose range holds i, final norm and head on the last."""
+    if name.startswith("embed_tokens."):
+        return 0
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        for s, (start, stop) in enumerate(stage_ranges(num_layers, num_stages)):
+            if start <= layer < stop:
+                return s
+    if name.startswith(("norm.", "lm_head.", "value_head.")):
+        return num_stages - 1
+    raise ValueError(f"parameter {name!r} belongs to no pipeline stage")
+
+
+def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """`model.to(device)` for a model whose unmaterialised (meta) tensors stay meta (another rank holds them)."""
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def resident_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the parameters and buffers materialised on this rank (meta tensors hold none), each storage
+    counted once over all `modules` (tied weights, a stage and its model, shared copies)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for module in modules:
+        if module is None:
+            continue
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_meta:
+                continue
+            key = (str(t.device), t.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total

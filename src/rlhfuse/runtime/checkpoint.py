@@ -34,9 +34,9 @@ from typing import Any
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core.checkpoint import (
     fsync,
     mismatch_error,
@@ -159,8 +159,7 @@ def check_resume(cfg: Any, checkpoint_dir: str | Path, run_dir: str | Path | Non
 
 def _all_ok(error: str | None, what: str) -> None:
     """Collective: raise the same CheckpointError on every rank if any rank reports an error."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error)
+    gathered = distributed.all_gather_json(error, distributed.group_device())
     failed = [(rank, e) for rank, e in enumerate(gathered) if e is not None]
     if failed:
         raise CheckpointError(f"{what}: " + "; ".join(f"rank {rank}: {e}" for rank, e in failed))
@@ -179,7 +178,7 @@ def save_sharded(
     """Collective: every rank writes its shard (`weights`, weights-only loadable `state`), rank 0 seals the
     checkpoint with the manifest. Returns the final folder on every rank; raises CheckpointError on every rank
     (previous checkpoints untouched) if any rank could not write its shard."""
-    rank = dist.get_rank()
+    rank = distributed.rank()
     root = Path(directory)
     final = root / f"iter_{iteration:08d}"
     tmp = root / f".tmp-{final.name}-sharded"
@@ -203,8 +202,7 @@ def save_sharded(
             hashes[f"{shard.name}/{name}"] = sha256(shard / name)
     except Exception as err:  # reported to every rank below
         error = f"{type(err).__name__}: {err}"
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (error, hashes))
+    parts = distributed.all_gather_json([error, hashes], distributed.group_device())
     failed = [(r, e) for r, (e, _) in enumerate(parts) if e is not None]
     if failed:
         if rank == 0:
@@ -239,10 +237,9 @@ def load_sharded(
 ) -> tuple[dict[str, Tensor], dict[str, Any], int]:
     """Collective: check the manifest against `current` (the layout record), verify and load this rank's shard.
     Returns (weights, state, iteration); every rank raises the same CheckpointError if any rank cannot load."""
-    rank = dist.get_rank()
+    rank = distributed.rank()
     path = Path(path)
-    names: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, str(path.resolve()))
+    names = distributed.all_gather_json(str(path.resolve()), distributed.group_device())
     if len(set(names)) != 1:
         raise CheckpointError(f"ranks would resume from different checkpoints: {names} (use a shared folder)")
     error: str | None = None
@@ -267,8 +264,7 @@ def load_sharded(
         out = (weights, state, int(meta["iteration"]))
     except CheckpointError as err:
         error = str(err)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, error)
+    gathered = distributed.all_gather_json(error, distributed.group_device())
     if error is not None:
         raise CheckpointError(error)
     failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
@@ -316,13 +312,14 @@ class ShardedCheckpointer:
         )
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        """Check the manifest against this layout, restore this rank's shard, then bring every rank's full
-        model copies in sync; returns the shard's state."""
+        """Check the manifest against this layout, restore this rank's shard (and, with full copies on
+        every rank, bring them in sync); returns the shard's state."""
         weights, state, _ = load_sharded(path, self.layout_record())
         try:
             self.stages.load_shard(weights)
             self.restore(state)
         except (RuntimeError, ValueError, KeyError) as err:
             raise mismatch_error(path, err) from None
-        self.stages.gather()
+        if not self.stages.sharded:  # full copies on every rank: bring them in sync
+            self.stages.gather()
         return state

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.losses import actor_loss, critic_loss
@@ -212,7 +212,7 @@ class PipelineExecutor:
                     buf = torch.empty(
                         self._message_shape(work, ins.message), dtype=self.dtype, device=self.device
                     )
-                    handle = dist.irecv(buf, src=ins.peer, group=self.p2p.get(ins.model))
+                    handle = distributed.irecv(buf, ins.peer, group=self.p2p.get(ins.model))
                     pending_recv[ins.message] = (buf, handle)
                 else:
                     buf, handle = pending_recv.pop(ins.message)
@@ -221,7 +221,7 @@ class PipelineExecutor:
             elif ins.kind is Kind.SEND:
                 assert ins.message is not None
                 tensor = inbox.pop(ins.message)
-                handle = dist.isend(tensor, dst=ins.peer, group=self.p2p.get(ins.model))
+                handle = distributed.isend(tensor, ins.peer, group=self.p2p.get(ins.model))
                 sends[ins.model].append((handle, tensor))
             elif ins.kind in (Kind.F, Kind.B):
                 assert ins.action is not None
@@ -239,7 +239,7 @@ class PipelineExecutor:
                 flat = torch.cat(
                     [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                 )
-                handle = dist.all_reduce(
+                handle = distributed.all_reduce(
                     flat, group=self.grad_groups.get((ins.model, ins.stage)), async_op=True
                 )
                 reduces[ins.model].append((handle, flat, params, len(ins.peers)))
@@ -359,7 +359,7 @@ class PipelineExecutor:
     def _grad_norm(self, model: str) -> float:
         """The whole model's gradient norm: every stage's squared norm, counted once over its copies."""
         spec = self.problem.model(model)
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for (m, _, s), mod in self.stages.items():
             if m != model:
                 continue
@@ -368,15 +368,15 @@ class PipelineExecutor:
                 if p.grad is not None:
                     sq += p.grad.detach().double().pow(2).sum() / copies
         del spec
-        if dist.is_initialized():
-            dist.all_reduce(sq)
+        distributed.all_reduce(sq)
         return math.sqrt(float(sq))
 
     def _all_stats(self, parts: Sequence[LossStats]) -> LossStats:
         """The mini-batch's loss statistics: this rank's weighted micro-batch statistics summed over all ranks."""
-        vec = torch.tensor(sum_stats(parts) if parts else LossStats(), dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(vec)
+        vec = torch.tensor(
+            sum_stats(parts) if parts else LossStats(), dtype=torch.float64, device=self.device
+        )
+        distributed.all_reduce(vec)
         return LossStats(*vec.tolist())
 
 
@@ -412,10 +412,15 @@ class PlanExecutor:
         self.stages, self.groups, self.losses = stages, groups, losses
         self.timeout_s, self.autocast = timeout_s, autocast
 
+    @property
+    def device(self) -> torch.device:
+        """The stages' device: where the step's data and every collective's tensors live."""
+        return next(next(iter(self.stages.values())).parameters()).device
+
     def run(
         self, plan: PipelinePlan, work: StepWork, optimizer_step: Callable[[str, float], None]
     ) -> StepMeasurement:
-        device = next(next(iter(self.stages.values())).parameters()).device
+        device = self.device
         if device.type != "cpu":
             work = StepWork([[m.to(device) for m in g] for g in work.micro], work.weight)
         for module in self.stages.values():
@@ -431,12 +436,12 @@ class PlanExecutor:
             timeout_s=self.timeout_s,
             autocast=self.autocast,
         )
-        dist.barrier()
+        distributed.barrier(device)
         result = executor.run(work, optimizer_step=optimizer_step)
-        timing = torch.tensor([result.seconds, result.compute_seconds], dtype=torch.float64)
+        timing = torch.tensor([result.seconds, result.compute_seconds], dtype=torch.float64, device=device)
         longest = timing[:1].clone()
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        dist.all_reduce(timing)
+        distributed.all_reduce(longest, op="max")
+        distributed.all_reduce(timing)
         measured = float(longest)
         bubble = 1.0 - float(timing[1]) / (self.world * measured) if measured > 0 else 0.0
         return StepMeasurement(result, measured, bubble)
@@ -444,22 +449,27 @@ class PlanExecutor:
     def profile(self, result: StepResult, layout: ParallelLayout, microbatches: int) -> StageProfile:
         """Collective: each stage's mean forward / backward seconds over every rank's ops of `result`."""
         keys = [(m, s, k) for m in MODELS for s in range(layout.stages(m)) for k in ("F", "B")]
-        sums = torch.zeros(len(keys), dtype=torch.float64)
-        counts = torch.zeros(len(keys), dtype=torch.float64)
-        for i, key in enumerate(keys):
-            times = result.op_seconds.get(key, [])
-            sums[i], counts[i] = sum(times), len(times)
-        dist.all_reduce(sums)
-        dist.all_reduce(counts)
+        device = self.device
+        sums = torch.tensor(
+            [sum(result.op_seconds.get(key, [])) for key in keys], dtype=torch.float64, device=device
+        )
+        counts = torch.tensor(
+            [len(result.op_seconds.get(key, [])) for key in keys], dtype=torch.float64, device=device
+        )
+        distributed.all_reduce(sums)
+        distributed.all_reduce(counts)
         mean = {key: float(sums[i] / counts[i].clamp(min=1)) for i, key in enumerate(keys)}
         return StageProfile.from_means(layout, microbatches, mean)
 
     def action_seconds(self, result: StepResult) -> dict[Action, float]:
         """Collective: the seconds of every op of fused group 0 in `result`, gathered from every rank."""
-        gathered: list[Any] = [None] * self.world
-        mine = {a: t for (a, g), t in result.action_seconds.items() if g == 0}
-        dist.all_gather_object(gathered, mine)
+        mine = [
+            [a.model, a.replica, a.stage, a.kind.value, a.microbatch, t]
+            for (a, g), t in result.action_seconds.items()
+            if g == 0
+        ]
         times: dict[Action, float] = {}
-        for part in gathered:
-            times.update(part or {})
+        for part in distributed.all_gather_json(mine, self.device):  # a tensor message: NCCL carries it
+            for model, replica, stage, kind, mb, t in part:
+                times[Action(model, int(replica), int(stage), Kind(kind), int(mb))] = float(t)
         return times

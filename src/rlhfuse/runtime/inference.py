@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from rlhfuse import distributed
 from rlhfuse.core.balance import assign_rows
 from rlhfuse.core.balance import split_rows as split_rows  # re-exported: tests and callers import it here
 from rlhfuse.core.inference import (
@@ -172,7 +172,7 @@ class ForwardExecutor:
                     rows = micro[m.group][self._index(m.model, m.replica, m.microbatch)]
                     shape = (len(rows), rows.input_ids_BT.shape[1], self.width[m.model])
                     buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-                    pending[m] = (buf, dist.irecv(buf, src=ins.peer, group=self.p2p.get(ins.model)))
+                    pending[m] = (buf, distributed.irecv(buf, ins.peer, group=self.p2p.get(ins.model)))
                 else:
                     buf, handle = pending.pop(ins.message)
                     wait_for(handle, str(ins), self.rank, self.timeout_s)
@@ -180,7 +180,9 @@ class ForwardExecutor:
             elif ins.kind is Kind.SEND:
                 assert ins.message is not None
                 tensor = inbox.pop(ins.message).contiguous()
-                sends.append((dist.isend(tensor, dst=ins.peer, group=self.p2p.get(ins.model)), tensor, ins))
+                sends.append(
+                    (distributed.isend(tensor, ins.peer, group=self.p2p.get(ins.model)), tensor, ins)
+                )
             elif ins.kind is Kind.F:
                 a = ins.action
                 assert a is not None
@@ -254,7 +256,7 @@ class PipelineInferencer:
     ) -> None:
         if ModelRole.REWARD not in models and reward_fn is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
-        if not dist.is_initialized():
+        if not distributed.is_initialized():
             raise ValueError(
                 "PipelineInferencer needs torch.distributed: launch with distributed.nproc_per_node=N and "
                 "pipeline=fused or serial_1f1b, or use pipeline=plain (whole-model inference in one process)"
@@ -266,11 +268,11 @@ class PipelineInferencer:
         self.rows = rows  # the dataset rows' fields by prompt id, for the reward function's records
         self.temperature = temperature if temperature > 0 else 1.0
         self.timeout_s, self.prefetch, self.autocast = timeout_s, prefetch, autocast
-        self.rank = dist.get_rank()
+        self.rank = distributed.rank()
         # collective, same order on every rank: one point-to-point group per inference model (its messages
         # never match another model's, nor the training's)
         world = list(range(layout.world_size))
-        self.p2p = {m: dist.new_group(world) for m in self.names}
+        self.p2p = {m: distributed.new_group(world) for m in self.names}
         self.stages: dict[StageKey, nn.Module] = {}
         for m in self.names:
             split = split_stages(self.models[m], layout.stages(PLACED_AS[m]))
@@ -304,12 +306,9 @@ class PipelineInferencer:
         return self.programs[microbatches]
 
     def infer(self, rollout: Rollout) -> Experience:
-        box: list[Any] = [rollout if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        rollout = box[0]
-        assert isinstance(rollout, Rollout)
         device = next(iter(self.stages.values())).parameters().__next__().device
-        local = rollout.to(device)
+        # rank 0's rows on every rank, as one tensor message on the stages' device (NCCL carries it)
+        local = rollout = distributed.broadcast_dataclass(rollout, Rollout, 0, device)
         n, r = len(local), local.response_ids_BR.shape[1]
         dp = self.layout.dp
         m = self.microbatches(n)
@@ -356,7 +355,7 @@ class PipelineInferencer:
             ].float()  # [b, own response width] or [b, 1]
             out[name][idx[keep].to(device), : v.shape[1]] = v
         flat = torch.cat([out[name].reshape(-1) for name in self.names])
-        dist.all_reduce(flat)
+        distributed.all_reduce(flat)
         offset = 0
         for name in self.names:
             size = out[name].numel()
@@ -367,8 +366,8 @@ class PipelineInferencer:
         mask_BR = local.response_mask_BR.float()
         return Experience(
             rollout=rollout,
-            logprobs_BR=(out[ModelRole.ACTOR] * mask_BR).cpu(),
-            ref_logprobs_BR=(out[ModelRole.REF] * mask_BR).cpu(),
-            values_BR=(out[ModelRole.CRITIC] * mask_BR).cpu(),
-            scores_B=scores_B.cpu(),
+            logprobs_BR=out[ModelRole.ACTOR] * mask_BR,  # on the device: rewards and GAE run there
+            ref_logprobs_BR=out[ModelRole.REF] * mask_BR,
+            values_BR=out[ModelRole.CRITIC] * mask_BR,
+            scores_B=scores_B.to(device),
         )

@@ -103,12 +103,11 @@ class Watchdog:
 
     def joined(self, fabric: Any) -> None:
         """The process group is up: learn every rank's host and pid (same-host ranks are watched)."""
-        import torch.distributed as dist
+        from rlhfuse import distributed
 
-        self.rank = dist.get_rank()
+        self.rank = distributed.rank()
         here = socket.gethostname()
-        found: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(found, (here, os.getpid()))
+        found = distributed.all_gather_json([here, os.getpid()], distributed.group_device())
         self.peers = {r: pid for r, (host, pid) in enumerate(found) if host == here and r != self.rank}
         self.ready = True
 

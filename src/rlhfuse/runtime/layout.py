@@ -5,8 +5,8 @@ in order; the other model is split into K = N / its stages replicas, each revers
 (e.g. actor 4 stages on ranks 0..3, critic 2 stages as replicas on 1,0 and 3,2). The fused group is replicated
 `dp` times (data parallelism); world size = N * dp.
 
-This module is pure except `build_process_groups`, which calls `torch.distributed.new_group` on every rank in
-the same order (as torch requires).
+This module is pure except `build_process_groups`, which creates the groups (`rlhfuse.distributed.new_group`)
+on every rank in the same order (as torch requires).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class ParallelLayout:
         world_size: number of ranks (processes).
         microbatches: micro-batches of the larger model per fused group and mini-batch; each replica of the
             smaller model runs microbatches / K of them.
+        device: this rank's device ("cuda:LOCAL_RANK" under NCCL, "cpu" under gloo:
+            `rlhfuse.distributed.rank_device`), the one source of truth for placement: every stage this rank
+            holds, and every tensor handed to a collective or point-to-point call, lives there.
 
     Rank numbering: fused group g holds ranks g*N .. g*N + N - 1 (N = max(actor.pp, critic.pp)).
     """
@@ -54,6 +57,7 @@ class ParallelLayout:
     dp: int
     world_size: int
     microbatches: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -142,6 +146,13 @@ class ParallelLayout:
             if k == local
         ]
 
+    def held_stages(self, rank: int) -> dict[str, set[int]]:
+        """model -> the stages of it that `rank` holds (any replica): what sharded construction materialises."""
+        held: dict[str, set[int]] = {m: set() for m in MODELS}
+        for model, _, stage in self.stages_on(rank):
+            held[model].add(stage)
+        return held
+
     def group_of(self, rank: int) -> int:
         return rank // self.group_size
 
@@ -220,20 +231,15 @@ class ProcessGroups:
 
 def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None) -> ProcessGroups:
     """Create every group (collective: all ranks must call this, in the same order)."""
-    import datetime
+    from rlhfuse import distributed
 
-    import torch.distributed as dist
-
-    kwargs: dict[str, Any] = {}
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     world = list(range(layout.world_size))
 
     def group(ranks: tuple[int, ...] | list[int]) -> Any:
-        return dist.new_group(list(ranks), **kwargs)
+        return distributed.new_group(ranks, timeout_s)
 
     p2p = {m: group(world) for m in MODELS}
     grad = {key: (group(ranks) if len(ranks) > 1 else None) for key, ranks in layout.grad_groups.items()}
     pipeline = {key: group(ranks) for key, ranks in layout.pipeline_groups.items()}
     dp = tuple(group(ranks) for ranks in layout.data_parallel_groups)
-    return ProcessGroups(p2p, grad, pipeline, dp, dist.group.WORLD)
+    return ProcessGroups(p2p, grad, pipeline, dp, None)  # None: the default (world) group

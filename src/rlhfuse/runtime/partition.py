@@ -1,5 +1,9 @@
-"""Stage partitioning glue: the modules a rank runs, cut from the full Actor and Critic by `split_stages`, and
-`RankStages`, a rank's share of both models (its stages, their checkpoint shard, weight gathering).
+"""Stage partitioning glue: the modules a rank runs, cut from the Actor and Critic by `split_stages`, and
+`RankStages`, a rank's share of both models (its stages, their checkpoint shard, weight sync).
+
+The models are either sharded (built on the meta device with only this rank's stages materialised:
+`rlhfuse.models.from_pretrained(stages=...)`, the default under the pipeline strategies) or full copies on every
+rank (a per-rank inferencer reads whole models); `RankStages.sharded` says which.
 
 Layers are split into contiguous ranges balanced by `layer_costs` (equal by default); the embedding sits on
 the first stage, final norm and head on the last (see `rlhfuse.models.stages`).
@@ -10,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlhfuse.models import Transformer, split_stages
+from rlhfuse import distributed
+from rlhfuse.models import Transformer, split_stages, stage_of
 from rlhfuse.runtime.layout import MODELS, ParallelLayout
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
@@ -52,8 +56,90 @@ class RankStages:
 
     def __init__(self, layout: ParallelLayout, rank: int, models: Mapping[str, Transformer]) -> None:
         self.layout, self.rank = layout, rank
+        self.models = dict(models)
         self.local = stages_for_rank(layout, rank, models)
         self.every = {m: split_stages(models[m], layout.stages(m)) for m in MODELS}
+        # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory)
+        self.sharded = any(p.is_meta for m in MODELS for p in models[m].parameters())
+        missing = [k for k, mod in self.local.items() if any(p.is_meta for p in mod.parameters())]
+        if missing:
+            raise ValueError(
+                f"rank {rank} runs stages {missing} but their weights were not loaded here: build the models with "
+                "the layout's stages of this rank (rlhfuse.models.from_pretrained(stages=...))"
+            )
+        self.received_bytes = 0
+        """Bytes this rank received in the last `full_state`."""
+
+    def senders(self, model: str, stage: int) -> dict[int, int]:
+        """rank -> the rank that sends it `stage` of `model`, for every rank not holding that stage: the holders
+        (every replica and data-parallel copy of the stage, identical weights) taken in turn, so the traffic is
+        spread over them and a rank that holds the stage receives nothing."""
+        holders = sorted(set(self.layout.grad_groups[(model, stage)]))
+        needers = [r for r in range(self.layout.world_size) if r not in holders]
+        return {r: holders[i % len(holders)] for i, r in enumerate(needers)}
+
+    def _exchange(self, model: str) -> list[tuple[list[list[str]], list[Tensor], bool]]:
+        """Collective: every stage of `model` to the ranks that lack it (point to point, holders -> needers,
+        one flat buffer per stage and dtype on the layout's device). Per (stage, dtype): the state-dict names of
+        each distinct tensor, this rank's values (its own tensors, or views of the received buffer) and whether
+        they were received. Counts `received_bytes`."""
+        module = self.models[model]
+        n, layers = self.layout.stages(model), module.config.num_layers
+        state = module.state_dict(keep_vars=True)  # tied weights appear under both names, once in memory
+        device = torch.device(self.layout.device)
+        works: list[distributed.Work] = []
+        keep: list[Tensor] = []
+        out: list[tuple[list[list[str]], list[Tensor], bool]] = []
+        self.received_bytes = 0
+        for s in range(n):
+            plan = self.senders(model, s)
+            unique: dict[int, list[str]] = {}
+            for k in state:
+                if stage_of(k, layers, n) == s:
+                    unique.setdefault(id(state[k]), []).append(k)
+            groups: dict[torch.dtype, list[list[str]]] = {}
+            for keys in unique.values():
+                groups.setdefault(state[keys[0]].dtype, []).append(keys)
+            for dtype, entries in sorted(groups.items(), key=lambda kv: str(kv[0])):
+                tensors = [state[keys[0]] for keys in entries]
+                if self.rank in plan:  # this rank lacks the stage: receive it
+                    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+                    works.append(distributed.irecv(flat, plan[self.rank]))
+                    self.received_bytes += flat.numel() * flat.element_size()
+                    views, offset = [], 0
+                    for t in tensors:
+                        views.append(flat[offset : offset + t.numel()].view(t.shape))
+                        offset += t.numel()
+                    out.append((entries, views, True))
+                    continue
+                mine = [dst for dst, src in sorted(plan.items()) if src == self.rank]
+                if mine:
+                    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+                    keep.append(flat)
+                    works += [distributed.isend(flat, dst) for dst in mine]
+                out.append((entries, [t.detach() for t in tensors], False))
+        distributed.wait_all(works)
+        return out
+
+    def full_state(self, model: str) -> dict[str, Tensor]:
+        """Collective: `model`'s whole state dict on every rank (every rank is a generation instance under the
+        pipeline strategies): each rank receives only the stages it does not hold, each once, from a holder
+        (`senders`), into buffers allocated on the layout's device from the shapes the meta tensors keep; its own
+        stages are its live tensors (detached, no copy)."""
+        out: dict[str, Tensor] = {}
+        for entries, values, _ in self._exchange(model):
+            for keys, value in zip(entries, values, strict=True):
+                for k in keys:
+                    out[k] = value
+        return out
+
+    def load_resident(self, model: str, state: Mapping[str, Tensor]) -> None:
+        """Copy `state`'s entries into the tensors materialised on this rank (meta ones are held elsewhere)."""
+        params = self.models[model].state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, target in params.items():
+                if not target.is_meta:
+                    target.copy_(state[name])
 
     def parameters(self, model: str) -> list[nn.Parameter]:
         """The parameters of this rank's stages of `model`, each once, in stage order."""
@@ -82,17 +168,20 @@ class RankStages:
             module.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
 
     def gather(self) -> None:
-        """Collective: every stage of both models broadcast from its first owner, so that every rank's full
-        copies hold the trained weights."""
+        """Collective: every rank's full copies of both models brought up to the trained weights: each rank
+        receives the stages it does not hold (`senders`) into them in place (full copies only: sharded models
+        sync with `full_state`). `received_bytes` counts both models."""
+        if self.sharded:
+            raise RuntimeError(
+                "RankStages.gather syncs full copies; these models are sharded: use full_state"
+            )
+        total = 0
         for m in MODELS:
-            for s, stage in enumerate(self.every[m]):
-                owner = self.layout.rank(m, 0, 0, s)
-                params = list(stage.parameters())
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-                dist.broadcast(flat, src=owner)  # NCCL: the stage's device; gloo: CPU
-                if self.rank != owner:
-                    offset = 0
+            state = self.models[m].state_dict(keep_vars=True)
+            for entries, values, received in self._exchange(m):
+                if received:
                     with torch.no_grad():
-                        for p in params:
-                            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                            offset += p.numel()
+                        for keys, value in zip(entries, values, strict=True):
+                            state[keys[0]].copy_(value)
+            total += self.received_bytes
+        self.received_bytes = total

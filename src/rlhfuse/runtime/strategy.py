@@ -1,7 +1,8 @@
 """`FusedPipelineStrategy`: the `Strategy` of `RLHFTrainer` over the distributed runtime.
 
-Every rank holds full copies of the Actor and the Critic (same checkpoint, same seed) and trains only the
-stages the layout places on it. One `train_step`: rank 0's mini-batch is broadcast, split over data-parallel
+Each rank materialises only the stages the layout places on it (sharded construction, the default: the other
+stages' tensors are meta) and trains them; with full copies on every rank (a per-rank inferencer reads whole
+models) it still trains only its stages and brings the copies back in sync after each update. One `train_step`: rank 0's mini-batch is broadcast, split over data-parallel
 groups and micro-batches by token cost, and the rank's instruction stream runs it (compute, async p2p,
 gradient reduction, one optimizer step per model).
 
@@ -18,9 +19,10 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch.distributed as dist
+import torch
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
@@ -42,6 +44,22 @@ from rlhfuse.runtime.plan import (
     replay,
     unprofiled_plan,
 )
+
+
+def pipeline_layout(
+    config: PipelineConfig,
+    world: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    device: torch.device | str = "cpu",
+) -> ParallelLayout:
+    """The layout of `config` on `world` ranks (pure: the builder computes it before any model is built, to load
+    only this rank's stages; the strategy computes the same one)."""
+    dp = max(world // max(config.actor_pp, config.critic_pp), 1)
+    micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
+    return ParallelLayout(
+        ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, world, micro, device=str(device)
+    )
 
 
 class FusedPipelineStrategy:
@@ -71,7 +89,7 @@ class FusedPipelineStrategy:
         log: Callable[[str], None] = print,
     ) -> None:
         self.planner = planner_for(schedule)
-        if not dist.is_initialized():
+        if not distributed.is_initialized():
             raise ValueError(
                 f"pipeline={schedule} needs torch.distributed: launch with distributed.nproc_per_node=N "
                 "(or torchrun), or use pipeline=plain"
@@ -80,12 +98,18 @@ class FusedPipelineStrategy:
         for model in self.models.values():
             model.activation_checkpointing = config.optim.activation_checkpointing
         self.config, self.algorithm, self.log = config, algorithm, log
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        dp = max(self.world // max(config.actor_pp, config.critic_pp), 1)
-        micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
-        self.layout = ParallelLayout(
-            ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, self.world, micro
-        )
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        self.device = distributed.rank_device()
+        for name, model in self.models.items():
+            where = next(p for p in model.parameters() if not p.is_meta).device
+            if where != self.device:
+                raise ValueError(
+                    f"the {name} is on {where} but this rank's collectives run on {self.device} (backend "
+                    f"{distributed.backend()}): use distributed.backend=nccl with device=cuda, or gloo with "
+                    "device=cpu"
+                )
+        self.layout = pipeline_layout(config, self.world, mini_batch_size, micro_batch_size, self.device)
+        micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
         self.shards = RankStages(self.layout, self.rank, self.models)
@@ -108,6 +132,7 @@ class FusedPipelineStrategy:
         self.plans: dict[int, PipelinePlan] = {}
         self.plan = unprofiled_plan(self.layout, micro, prefetch=config.prefetch)
         self.steps = 0
+        self.weight_sync_bytes = 0.0
         self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
@@ -158,16 +183,30 @@ class FusedPipelineStrategy:
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """The Actor's full weights on every rank (each stage broadcast from its first owner). The Critic is
-        gathered too: a per-rank inferencer (fused generation) reads both full models."""
-        self.shards.gather()
-        return self.models["actor"].state_dict()
+        """Collective: the Actor's full weights for this rank's generation copy; each rank receives only the
+        stages it does not hold, once, from a holder of that stage (`RankStages.senders`: point to point, the
+        holders taken in turn). Sharded models: the received stages are fresh tensors. Full copies: both models'
+        copies are brought up to date in place (a per-rank inferencer, fused generation, reads the whole Critic
+        too). `weight_sync_bytes`: the most bytes any rank received."""
+        if self.shards.sharded:
+            weights: Mapping[str, Tensor] = self.shards.full_state("actor")
+        else:
+            self.shards.gather()
+            weights = self.models["actor"].state_dict()
+        received = torch.tensor([float(self.shards.received_bytes)], dtype=torch.float64, device=self.device)
+        distributed.all_reduce(received, op="max")
+        self.weight_sync_bytes = float(received)
+        return weights
 
     def state_dict(self) -> dict[str, Any]:
-        self.shards.gather()
+        if self.shards.sharded:
+            full = {m: self.shards.full_state(m) for m in MODELS}
+        else:
+            self.shards.gather()
+            full = {m: self.models[m].state_dict() for m in MODELS}
         return {
-            "actor": self.models["actor"].state_dict(),
-            "critic": self.models["critic"].state_dict(),
+            "actor": full["actor"],
+            "critic": full["critic"],
             "rank": self.rank,
             "world_size": self.world,
             **self.optimizers.state_dict(),
@@ -180,7 +219,7 @@ class FusedPipelineStrategy:
                 f"this is rank {self.rank} of {self.world}: resume with the same layout"
             )
         for m in MODELS:
-            self.models[m].load_state_dict(state[m])
+            self.shards.load_resident(m, state[m])
         self.optimizers.load_state_dict(state)
 
     def replay_makespan(self) -> float:
@@ -213,15 +252,11 @@ class FusedPipelineStrategy:
 
     def _from_rank0(self, search: Callable[[], Schedule]) -> Schedule:
         """Rank 0 searches, every rank receives its schedule."""
-        box: list[Any] = [search().to_json() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return Schedule.from_json(box[0])
+        text = search().to_json() if self.rank == 0 else None
+        return Schedule.from_json(distributed.broadcast_json(text, 0, self.device))
 
     def _broadcast_batch(self, batch: TrainBatch) -> TrainBatch:
-        box: list[Any] = [batch if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        out = box[0]
-        assert isinstance(out, TrainBatch)
+        out: TrainBatch = distributed.broadcast_dataclass(batch, TrainBatch, 0, self.device)
         return out
 
     # --- the shard's state besides the stage weights (ShardedCheckpointer) ----------------------------------------

@@ -20,7 +20,7 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
-from rlhfuse.trainer.callbacks import ExportActor, SampleTable, TaskScore
+from rlhfuse.trainer.callbacks import ExportActor, MemoryMetrics, SampleTable, TaskScore
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
@@ -56,6 +56,52 @@ def embedded_task(config: RLHFConfig) -> WarmStartTask:
         length_sigma=d.length_sigma,
         phrase_length=d.phrase_length,
     )
+
+
+def sharded_construction(config: RLHFConfig, fabric: Fabric) -> dict[str, tuple[int, set[int]]] | None:
+    """Under pipeline=fused|serial_1f1b with the pipeline inferencer: role -> (stages, the stages this rank
+    holds), so that each rank materialises only its stages of the four models (Ref placed like the Actor, Reward
+    like the Critic). None (whole models on every rank) otherwise, e.g. when each rank is one generation instance
+    that infers its own samples with whole models."""
+    if config.pipeline.name not in PIPELINE_STRATEGIES or config.inferencer.name != "pipeline":
+        return None
+    from rlhfuse.runtime.strategy import pipeline_layout
+
+    d = config.data
+    layout = pipeline_layout(config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size)
+    held = layout.held_stages(fabric.global_rank)
+    actor, critic = (layout.stages("actor"), held["actor"]), (layout.stages("critic"), held["critic"])
+    return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
+
+
+def generation_modules(generator: Any) -> list[Any]:
+    """The Actor copies a generator generates with (engine: one per in-process instance; sampling: one)."""
+    if hasattr(generator, "models"):
+        return list(generator.models)
+    model = getattr(generator, "model", None)
+    return [model] if model is not None else []
+
+
+def generation_copy(generator: Any, config: RLHFConfig) -> Any:
+    """The generator's full Actor copy (kept in sync after every update): what is exported when the trained
+    Actor is sharded over the pipeline ranks."""
+    found = generation_modules(generator)
+    if not found:
+        raise ValueError(
+            f"checkpoint.export_hf=true with the Actor sharded over pipeline={config.pipeline.name} exports the "
+            f"generator's Actor copy, which generator={config.generator.name} does not expose: use "
+            "generator=engine or generator=sampling, or checkpoint.export_hf=false"
+        )
+    return found[0]
+
+
+def strategy_optimizers(strategy: Any) -> list[Any]:
+    """The optimizers a strategy steps (pipeline: this rank's stages of each model)."""
+    optims = getattr(strategy, "optimizers", None)
+    if optims is None:
+        return []
+    inner = getattr(optims, "optims", None)  # StageOptimizers
+    return list(inner.values()) if isinstance(inner, dict) else list(optims)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -146,6 +192,7 @@ def build_trainer(
         device = fabric.device  # one device per rank
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
+    shard = sharded_construction(config, fabric)
     if warm:
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
         models = load_models(
@@ -155,6 +202,7 @@ def build_trainer(
             device=device,
             critic=critic,
             reward=config.inferencer.use_reward_model,
+            shard=shard,
         )
     else:
         assert m.sft_path is not None
@@ -165,6 +213,7 @@ def build_trainer(
             device=device,
             critic=critic,
             reward=config.inferencer.use_reward_model,
+            shard=shard,
         )
     if config.pipeline.optim.precision == "bf16-true":
         cast_models(models, torch.bfloat16)
@@ -175,6 +224,9 @@ def build_trainer(
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
     rollout = rollout_stage(ctx, generator, inferencer)
+    export = config.checkpoint.export_hf and rank0 and models.generation is not None
+    actor_export = generation_copy(generator, config) if export else models.actor
+    models.generation = None  # the generator holds its own copy now
 
     all_callbacks: list[object] = [
         RichProgress(
@@ -189,7 +241,7 @@ def build_trainer(
         rule = rule_reward("numeric_match", "task/accuracy")
         all_callbacks.append(TaskScore(rule, models.tokenizer, key="task/accuracy", rows=rows))
     if config.checkpoint.export_hf and rank0:
-        all_callbacks.append(ExportActor(models.actor, models.tokenizer, run_dir / "actor_hf"))
+        all_callbacks.append(ExportActor(actor_export, models.tokenizer, run_dir / "actor_hf"))
     if Watchdog.current is not None and fabric.world_size > 1:
         all_callbacks.append(Watchdog.current)  # keeps the last step for its dead-rank message
     loggers = build_loggers(config.logger, run_dir) if rank0 else []
@@ -203,6 +255,12 @@ def build_trainer(
                 sinks=table_sinks(config.logger, loggers),
             )
         )
+    all_callbacks.append(
+        MemoryMetrics(
+            lambda: [models.actor, models.ref, models.critic, models.reward, *generation_modules(generator)],
+            lambda: strategy_optimizers(strategy),
+        )
+    )
     all_callbacks.extend(callbacks or [])
     for logger in loggers:
         try:

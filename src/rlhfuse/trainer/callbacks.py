@@ -4,14 +4,16 @@ trained Actor."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.models import Transformer, save_pretrained
+from rlhfuse.models import Transformer, resident_bytes, save_pretrained
 
 
 class TaskScore:
@@ -42,6 +44,34 @@ class ExportActor:
     def on_fit_end(self, trainer: Any) -> None:
         save_pretrained(self.actor, self.path)
         self.tokenizer.save(self.path)
+
+
+class MemoryMetrics:
+    """Adds `memory/param_bytes` (the most parameter + buffer bytes any rank holds: the four models, only their
+    materialised stages, and the generation copies) and `memory/optimizer_bytes` (the same for optimizer
+    states). Collective under torch.distributed: every rank must have this callback."""
+
+    def __init__(self, modules: Callable[[], Sequence[Any]], optimizers: Callable[[], Sequence[Any]]) -> None:
+        self.modules, self.optimizers = modules, optimizers
+
+    def on_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
+        from rlhfuse import distributed
+
+        mods = [m for m in self.modules() if m is not None]
+        param = resident_bytes(*mods)
+        optim = sum(
+            t.numel() * t.element_size()
+            for o in self.optimizers()
+            for state in o.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+        device = next((p.device for m in mods for p in m.parameters() if not p.is_meta), torch.device("cpu"))
+        figures = torch.tensor([float(param), float(optim)], dtype=torch.float64, device=device)
+        if distributed.is_initialized():
+            figures = figures.to(distributed.group_device(None, device))
+            distributed.all_reduce(figures, op="max")
+        metrics["memory/param_bytes"], metrics["memory/optimizer_bytes"] = figures.tolist()
 
 
 class TableSink(Protocol):

@@ -104,12 +104,11 @@ def run(cfg: DictConfig) -> None:
 def _shutdown_process_group() -> None:
     """Multi-process runs: every rank done, then an orderly teardown (left to interpreter exit, gloo's
     background threads can abort a finished process)."""
-    import torch.distributed as dist
+    from rlhfuse import distributed
 
-    if dist.is_available() and dist.is_initialized():
+    if distributed.is_initialized():
         _disarm()  # peers now exit on their own; the barrier below is bounded by distributed.timeout_s
-        dist.barrier()
-        dist.destroy_process_group()
+        distributed.shutdown()
 
 
 def _disarm() -> None:

@@ -41,7 +41,7 @@ class BuildContext:
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
     return SamplingGenerator(
-        ctx.models.actor,
+        ctx.models.for_generation(),
         ctx.config.generator.sampling,
         eos_token_id=ctx.models.tokenizer.eos_id,
         pad_token_id=ctx.models.tokenizer.pad_id,
@@ -66,7 +66,7 @@ def instance_setup(ctx: BuildContext) -> InstanceSetup:
 def engine_generator(ctx: BuildContext) -> EngineGenerator:
     mig = ctx.config.migration
     return EngineGenerator(
-        ctx.models.actor,
+        ctx.models.for_generation(),
         ctx.config.generator,
         instance_setup(ctx),
         mechanism=mig.mechanism,
@@ -77,12 +77,13 @@ def engine_generator(ctx: BuildContext) -> EngineGenerator:
 def vllm_generator(ctx: BuildContext) -> Any:
     from rlhfuse.generation.vllm_engine import VLLMGenerator  # vLLM is an optional extra
 
+    actor = ctx.models.for_generation()
     return VLLMGenerator(
-        ctx.models.actor,
+        actor,
         ctx.config.generator,
         instance_setup(ctx),
         max_prompt_len=ctx.config.data.max_prompt_length,
-        device=next(ctx.models.actor.parameters()).device,
+        device=next(actor.parameters()).device,
     )
 
 

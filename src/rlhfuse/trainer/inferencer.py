@@ -87,8 +87,9 @@ class ModelInferencer:
             return self._infer_by_tokens(rollout)
         size = self.config.micro_batch_size or len(rollout)
         parts = [self._infer(self._rows(rollout, start, size)) for start in range(0, len(rollout), size)]
+        # on the models' device: rewards, KL and GAE (the Triton kernel on CUDA) run there
         return Experience(
-            rollout=rollout,
+            rollout=rollout.to(next(self.actor.parameters()).device),
             logprobs_BR=torch.cat([p[0] for p in parts]),
             ref_logprobs_BR=torch.cat([p[1] for p in parts]),
             values_BR=torch.cat([p[2] for p in parts]),
@@ -140,12 +141,7 @@ class ModelInferencer:
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)
         mask_BR = rollout.response_mask_BR.float()
-        return (
-            (logprobs_BR * mask_BR).cpu(),
-            (ref_logprobs_BR * mask_BR).cpu(),
-            (values_BR * mask_BR).cpu(),
-            scores_B.cpu(),
-        )
+        return logprobs_BR * mask_BR, ref_logprobs_BR * mask_BR, values_BR * mask_BR, scores_B.to(device)
 
     def rule_scores(self, rollout: Rollout) -> Tensor:
         assert self.reward_fn is not None

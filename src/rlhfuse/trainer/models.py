@@ -9,6 +9,7 @@ model on its preference pairs) and cached.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -17,7 +18,7 @@ import torch
 
 from rlhfuse.core.config import choice_problems, need
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.models import Transformer, from_pretrained
+from rlhfuse.models import Transformer, from_pretrained, to_device
 
 
 @dataclass
@@ -88,6 +89,13 @@ class Models:
     critic: Transformer | None
     tokenizer: Tokenizer
     sft_path: Path
+    # sharded construction only: the full Actor the generator starts from (the trained `actor` holds only
+    # this rank's stages); None when every model is whole
+    generation: Transformer | None = None
+
+    def for_generation(self) -> Transformer:
+        """The full Actor a generator copies: the generation copy when the trained Actor is sharded."""
+        return self.generation if self.generation is not None else self.actor
 
 
 def _require_checkpoint(path: str, key: str) -> Path:
@@ -112,9 +120,14 @@ def load_models(
     device: torch.device,
     critic: bool = True,
     reward: bool = True,
+    shard: Mapping[str, tuple[int, Collection[int]]] | None = None,
 ) -> Models:
     """Actor, Ref, and on `device` the Reward model (when `reward`: the score uses it) and the Critic (when
-    `critic`, i.e. the algorithm trains one; from model.critic_path, else from the reward checkpoint)."""
+    `critic`, i.e. the algorithm trains one; from model.critic_path, else from the reward checkpoint).
+
+    `shard`: role ("actor", "ref", "critic", "reward") -> (pipeline stages, stages held here): sharded
+    construction (meta-device init, only the held stages' tensors read from the safetensors files); a full
+    Actor for generation is loaded too (`Models.generation`)."""
     sft = _require_checkpoint(sft_path, "model.sft_path")
     reward_dir = _require_checkpoint(reward_path, "model.reward_path") if reward_path is not None else None
     if reward and reward_dir is None:
@@ -127,13 +140,18 @@ def load_models(
         if critic_dir is None:
             raise FileNotFoundError("the Critic needs model.critic_path or model.reward_path: set one")
     tokenizer = Tokenizer.from_dir(Path(config.tokenizer_path).expanduser() if config.tokenizer_path else sft)
+    shard = shard or {}
+
+    def load(path: Path, head: str, role: str) -> Transformer:
+        model = from_pretrained(path, head=head, stages=shard.get(role))
+        return model.to(device) if role not in shard else to_device(model, device)  # type: ignore[return-value]
+
     return Models(
-        actor=from_pretrained(sft, head="lm").to(device),
-        ref=_frozen(from_pretrained(sft, head="lm").to(device)),
-        reward=_frozen(from_pretrained(reward_dir, head="value").to(device))
-        if reward and reward_dir
-        else None,
-        critic=None if critic_dir is None else from_pretrained(critic_dir, head="value").to(device),
+        actor=load(sft, "lm", "actor"),
+        ref=_frozen(load(sft, "lm", "ref")),
+        reward=_frozen(load(reward_dir, "value", "reward")) if reward and reward_dir else None,
+        critic=None if critic_dir is None else load(critic_dir, "value", "critic"),
         tokenizer=tokenizer,
         sft_path=sft,
+        generation=_frozen(from_pretrained(sft, head="lm").to(device)) if shard else None,
     )

@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # the ProcessGroup type only: collectives go through rlhfuse.distributed
 from lightning.fabric import Fabric
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core import losses
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
@@ -138,7 +139,7 @@ class PlainStrategy:
         partition on every rank; the whole batch in a single process."""
         if self.group is None:
             return batch
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        world, rank = distributed.world_size(self.group), distributed.rank(self.group)
         if len(batch) < world:
             raise ValueError(
                 f"a mini-batch of {len(batch)} samples cannot give each of {world} data-parallel ranks a "
@@ -152,7 +153,7 @@ class PlainStrategy:
         # the gradients' device: the one the group's backend reduces on
         device = next(self.actor.parameters()).device
         failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
-        dist.all_reduce(failed, group=self.group)
+        distributed.all_reduce(failed, group=self.group)
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
         params = [p for model in self.models for p in model.parameters() if p.requires_grad]
@@ -162,12 +163,12 @@ class PlainStrategy:
         for dtype in sorted({p.dtype for p in params}, key=str):  # one flat buffer per dtype
             same = [p for p in params if p.dtype == dtype]
             flat = torch.cat([p.grad.reshape(-1) for p in same if p.grad is not None])
-            dist.all_reduce(flat, group=self.group)
+            distributed.all_reduce(flat, group=self.group)
             for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
                 assert p.grad is not None
                 p.grad.copy_(chunk.view_as(p))
         values = torch.tensor(sums, dtype=torch.float64, device=device)
-        dist.all_reduce(values, group=self.group)
+        distributed.all_reduce(values, group=self.group)
         return LossStats(*values.tolist()), None
 
     def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[LossStats, str | None]:

@@ -132,9 +132,11 @@ class RLHFTrainer:
         train_stats = self.train(batch, it)
         training_s = time.perf_counter() - t0
         # 4. weight sync to the generator
+        t0 = time.perf_counter()
         self.generator.load_weights(self.strategy.actor_weights())
+        sync_s = time.perf_counter() - t0
         # 5. callbacks, logging, checkpoint
-        timings = {**rollout_stats.metrics(), "time/training": training_s}
+        timings = {**rollout_stats.metrics(), "time/training": training_s, "time/weight_sync": sync_s}
         timings["time/iteration"] = time.perf_counter() - start
         metrics = {
             "iteration": it,
@@ -142,8 +144,11 @@ class RLHFTrainer:
             **train_stats.metrics(),
             **self._kl_loss_metric(train_stats),
             **self._rollout_metrics(experience, timings),
+            # the most bytes any rank received for the sync (0: the copies were already in sync)
+            "weight_sync/bytes_per_rank": float(getattr(self.strategy, "weight_sync_bytes", 0.0)),
             **metrics,
         }
+        self._call("on_metrics", metrics)  # last additions before logging (every rank calls it)
         self.iteration = it
         self.history.append(metrics)
         for logger in self.loggers:

@@ -1,0 +1,152 @@
+"""Per-rank weight memory under sharded construction, and weight-sync traffic, for pp = 1, 2, 4; per-rank weight
+memory with the tensor-parallel shard (pp x tp = 1/2 x 1/2) and its step time at width 512.
+
+Each rank of each layout loads the four models exactly as `rlhfuse-train` does under pipeline=fused
+(`rlhfuse.models.from_pretrained(stages=...)`: meta init, only its stages read from the safetensors files) plus
+the full generation copy, in this one process one rank after the other (no process group is needed to build a
+rank's shard). Printed per layout: the most parameter bytes a rank holds (`memory/param_bytes`) as a ratio of a
+single process's four whole models + generation copy, the same without the generation copy (the trained and
+frozen models only), and the most bytes a rank receives for one weight sync (`weight_sync/bytes_per_rank`:
+the Actor stages it does not own) vs the former sync (every stage of both models broadcast to every rank).
+
+Tensor parallelism (`rlhfuse.runtime.tensor_parallel.shard_transformer`, not wired into the trainer yet): the
+most bytes a rank of a pp x tp grid holds of the four models (pp stages, then each stage's tp shard), as a ratio
+of one process; and the forward + backward time of a log-prob loss on 2 gloo ranks with tp=2 vs tp=1 (the whole
+model in each process), median of interleaved rounds (no gain is expected on a 2-core CPU: the ratio shows the
+cost of the collectives).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from rlhfuse.models import ModelConfig, Transformer, from_pretrained, resident_bytes, save_pretrained
+from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.strategy import pipeline_layout
+
+
+def _rank_bytes(root: pathlib.Path, pp: int, rank: int) -> tuple[int, int, int, int]:
+    """(trained + frozen bytes, generation copy bytes, bytes received by a sync, bytes the former sync received:
+    every Actor and Critic stage this rank does not own) of one rank."""
+    layout = pipeline_layout(PipelineConfig(actor_pp=pp, critic_pp=pp, microbatches=pp), pp, 8, 4)
+    held = layout.held_stages(rank)
+    actor = from_pretrained(root / "sft", stages=(pp, held["actor"]))
+    models = [
+        actor,
+        from_pretrained(root / "sft", stages=(pp, held["actor"])),
+        from_pretrained(root / "rm", head="value", stages=(pp, held["critic"])),
+        from_pretrained(root / "rm", head="value", stages=(pp, held["critic"])),
+    ]
+    generation = from_pretrained(root / "sft")
+
+    def elsewhere(model: Transformer) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
+
+    received = elsewhere(actor)
+    return resident_bytes(*models), resident_bytes(generation), received, received + elsewhere(models[2])
+
+
+def run(quick: bool = False) -> None:
+    layers = 4 if quick else 8
+    cfg = ModelConfig.tiny(
+        vocab_size=512, hidden_size=128 if quick else 512, intermediate_size=256 if quick else 1536,
+        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=32 if quick else 128,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        torch.manual_seed(0)
+        save_pretrained(Transformer(cfg, head="lm"), root / "sft")
+        save_pretrained(Transformer(cfg, head="value"), root / "rm")
+        single_models, single_gen, _, _ = _rank_bytes(root, 1, 0)
+        print(
+            f"width {cfg.hidden_size}, {layers} layers, vocab {cfg.vocab_size}: one process holds "
+            f"{single_models / 2**20:.1f} MiB of trained + frozen weights + {single_gen / 2**20:.1f} MiB "
+            "generation copy"
+        )
+        print(f"{'pp':>3} {'param_bytes':>12} {'ratio':>6} {'models only':>12} {'ratio':>6} {'sync/rank':>10} "
+              f"{'vs full gather':>14}")  # fmt: skip
+        for pp in (1, 2, 4):
+            per_rank = [_rank_bytes(root, pp, r) for r in range(pp)]
+            most = max(m + g for m, g, _, _ in per_rank)
+            models_only = max(m for m, _, _, _ in per_rank)
+            sync = max(s for _, _, s, _ in per_rank)
+            former = max(f for _, _, _, f in per_rank)
+            print(
+                f"{pp:>3} {most / 2**20:>10.1f}Mi {most / (single_models + single_gen):>6.3f} "
+                f"{models_only / 2**20:>10.1f}Mi {models_only / single_models:>6.3f} {sync / 2**20:>8.2f}Mi "
+                f"{sync / former if former else 0.0:>14.3f}"
+            )
+        run_tp(root, quick)
+
+
+def _tp_bytes(root: pathlib.Path, pp: int, tp: int) -> int:
+    """The most bytes of the four models one rank of a pp x tp grid holds."""
+    from rlhfuse.runtime.tensor_parallel import shard_transformer
+
+    layout = pipeline_layout(PipelineConfig(actor_pp=pp, critic_pp=pp, microbatches=pp), pp, 8, 4)
+    most = 0
+    for rank in range(pp):
+        held = layout.held_stages(rank)
+        parts = [
+            from_pretrained(root / "sft", stages=(pp, held["actor"])),
+            from_pretrained(root / "sft", stages=(pp, held["actor"])),
+            from_pretrained(root / "rm", head="value", stages=(pp, held["critic"])),
+            from_pretrained(root / "rm", head="value", stages=(pp, held["critic"])),
+        ]
+        for t in range(tp):
+            shards = [shard_transformer(m, t, tp) if tp > 1 else m for m in parts]
+            most = max(most, resident_bytes(*shards))
+    return most
+
+
+def _tp_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
+    import torch.nn.functional as F
+
+    from benchmarks.two_ranks import SHAPES, init_worker
+    from rlhfuse.runtime.tensor_parallel import shard_transformer, vocab_parallel_logprobs
+
+    init_worker(rank, world, init)
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=4096, **SHAPES[shape])
+    full = Transformer(cfg)
+    tp = shard_transformer(full, rank, world)
+    ids = torch.randint(0, cfg.vocab_size, (4, 128))
+
+    def step_full() -> None:
+        F.log_softmax(full(ids), -1).gather(-1, ids[..., None]).sum().backward()
+
+    def step_tp() -> None:
+        vocab_parallel_logprobs(tp(ids), ids, tp.vocab_shard).sum().backward()
+
+    times: dict[str, list[float]] = {"tp1": [], "tp2": []}
+    for _ in range(rounds):
+        for name, fn in (("tp1", step_full), ("tp2", step_tp)):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put({k: statistics.median(v) for k, v in times.items()})
+
+
+def run_tp(root: pathlib.Path, quick: bool) -> None:
+    from benchmarks.two_ranks import run_two_ranks
+
+    single = _tp_bytes(root, 1, 1)
+    print(f"{'pp':>3} {'tp':>3} {'param_bytes/rank':>17} {'vs one process':>15}")
+    for pp in (1, 2):
+        for tp in (1, 2):
+            most = _tp_bytes(root, pp, tp)
+            print(f"{pp:>3} {tp:>3} {most / 2**20:>15.1f}Mi {most / single:>15.3f}")
+    shape = "wide256" if quick else "wide512"
+    t = run_two_ranks(_tp_worker, shape, 3 if quick else 7)
+    print(
+        f"forward + backward of a log-prob loss, {shape}, 4 x 128 tokens, vocab 4096, 2 gloo ranks: "
+        f"tp=1 {t['tp1'] * 1e3:.0f} ms, tp=2 {t['tp2'] * 1e3:.0f} ms (tp2 / tp1 = {t['tp2'] / t['tp1']:.2f})"
+    )

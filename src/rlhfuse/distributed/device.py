@@ -1,0 +1,81 @@
+"""Process-group facts and the device rule: which device a rank's collectives use.
+
+`rank_device(backend)`: `cuda:LOCAL_RANK` when the backend is NCCL (or, with no backend named, when CUDA is
+available and the process group, if any, is not gloo), the CPU otherwise. `group_device(group)`: the device an
+existing group's collectives need (gloo: CPU; NCCL: this rank's current CUDA device).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_initialized() -> bool:
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in `group` (0 without a process group)."""
+    return int(dist.get_rank(group)) if is_initialized() else 0
+
+
+def world_size(group: Any = None) -> int:
+    """Ranks of `group` (1 without a process group)."""
+    return int(dist.get_world_size(group)) if is_initialized() else 1
+
+
+def local_rank() -> int:
+    """This process's index on its node (LOCAL_RANK as torchrun and Fabric's launcher set it; 0 otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def backend(group: Any = None) -> str:
+    """The group's backend name ("gloo", "nccl"); "none" without a process group."""
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def rank_device(backend_name: str | None = None) -> torch.device:
+    """The device this rank's collective tensors live on: `cuda:LOCAL_RANK` under NCCL, else the CPU.
+
+    With `backend_name=None`, the initialised process group's backend decides; without one, CUDA's availability.
+    """
+    name = backend_name if backend_name is not None else backend()
+    if name == "none":
+        name = "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in name and torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def group_device(group: Any = None, data: torch.device | None = None) -> torch.device:
+    """Where tensors for `group`'s collectives live: the CPU for gloo; for NCCL the data's CUDA device, else this
+    rank's current CUDA device."""
+    if not is_initialized() or backend(group) == "gloo":
+        return torch.device("cpu")
+    if data is not None and data.type == "cuda":
+        return data
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def new_group(ranks: Sequence[int], timeout_s: float | None = None) -> Any:
+    """Collective over the world (every rank calls it, same order): a process group of `ranks`."""
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    return dist.new_group(list(ranks), **kwargs)
+
+
+def shutdown(device: torch.device | None = None) -> None:
+    """Every rank done (a barrier on the collective device), then the process group torn down."""
+    if not is_initialized():
+        return
+    from rlhfuse.distributed.collectives import barrier
+
+    barrier(device if device is not None else group_device())
+    dist.destroy_process_group()

@@ -1,0 +1,257 @@
+"""Megatron-style tensor parallelism of the project's `Transformer` (no DTensor: the model's own modules are
+sliced in place, so the forward code is the one of `rlhfuse.models`).
+
+`shard_transformer(model, rank, tp, group)` returns a copy of `model` holding rank `rank`'s shard:
+
+- attention: q / k / v column-parallel by heads, o row-parallel; kv heads are split when tp divides them and
+  replicated otherwise (tp a multiple of them: each rank holds the one kv head its query heads read, and
+  `sync_replicated_grads` sums that head's weight gradients over the ranks sharing it);
+- MLP: gate / up column-parallel over the intermediate size, down row-parallel;
+- embedding and LM head vocabulary-parallel: rank r holds rows [r * V_p / tp, (r + 1) * V_p / tp) of the
+  vocabulary padded to V_p, a multiple of tp (padded rows are zero and their logits are masked to -inf, so they
+  are never sampled and carry no probability); the LM head returns this rank's slice of the logits only;
+- norms and the value head replicated (the value head reads the replicated final hidden state).
+
+The vocabulary-parallel read-outs (`vocab_parallel_logprobs`, `vocab_parallel_entropy`, `vocab_parallel_argmax`)
+never gather the full logits: one max, one sum and one chosen-logit reduction over the group.
+
+Legend: B batch rows, T tokens, D width, V vocabulary (Vl: this rank's slice).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlhfuse import distributed
+from rlhfuse.models import ModelConfig, Transformer
+
+
+def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
+    """What stops `config` from being split `tp` ways (each with the arithmetic and the key to change)."""
+    problems: list[str] = []
+    if tp < 1:
+        return [f"{key}={tp} must be >= 1"]
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(
+            f"{key}={tp} neither divides the model's num_kv_heads={kv} ({kv} % {tp} = {kv % tp}: split) nor is a "
+            f"multiple of it ({tp} % {kv} = {tp % kv}: replicated): set {key} to a divisor or a multiple of {kv}"
+        )
+    for name, value in (
+        ("num_heads", config.num_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if value % tp:
+            problems.append(
+                f"{key}={tp} does not divide the model's {name}={value} ({value} % {tp} = {value % tp}): "
+                f"set {key} to a divisor of {value}"
+            )
+    return problems
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rank `rank`'s rows [start, start + size) of the padded vocabulary; `valid` of them are real tokens."""
+
+    start: int
+    size: int
+    valid: int
+
+    @staticmethod
+    def of(vocab: int, rank: int, tp: int) -> VocabShard:
+        padded = -(-vocab // tp) * tp
+        size = padded // tp
+        start = rank * size
+        return VocabShard(start, size, max(0, min(vocab, start + size) - start))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T (+ b_local): the output features [lo, hi) of a linear layer; the input's gradient is
+    summed over the group."""
+
+    def __init__(self, full: nn.Linear, lo: int, hi: int, group: Any, rows: int | None = None) -> None:
+        super().__init__()
+        self.group, self.lo, self.hi = group, lo, hi
+        self.replicated: tuple[int, int] | None = None
+        """(kv head, kv heads) when this slice is a kv head other ranks hold too (`sync_replicated_grads`)."""
+        weight = full.weight.detach()[lo:hi]
+        if rows is not None and rows > weight.shape[0]:  # vocabulary padding: zero rows
+            weight = torch.cat([weight, weight.new_zeros(rows - weight.shape[0], weight.shape[1])])
+        self.weight = nn.Parameter(weight.clone(), requires_grad=full.weight.requires_grad)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[lo:hi].clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(distributed.copy_to_group(x, self.group), self.weight, self.bias)
+
+
+def sync_replicated_grads(model: nn.Module, group: Any = None) -> None:
+    """Sum the gradients of replicated kv heads over the ranks sharing each head (one all-reduce per tensor:
+    every rank writes its gradient into its head's slot of a zero buffer). Call after backward, before the
+    optimizer step; a no-op when every kv head is split."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and module.replicated is not None:
+            head, heads = module.replicated
+            for p in (module.weight, module.bias):
+                if p is None or p.grad is None:
+                    continue
+                buf = p.grad.new_zeros((heads, *p.grad.shape))
+                buf[head] = p.grad
+                distributed.all_reduce(buf, group=group)
+                p.grad.copy_(buf[head])
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local W[:, lo:hi]^T, then the (replicated) bias."""
+
+    def __init__(self, full: nn.Linear, lo: int, hi: int, group: Any) -> None:
+        super().__init__()
+        self.group, self.lo, self.hi = group, lo, hi
+        self.weight = nn.Parameter(
+            full.weight.detach()[:, lo:hi].clone(), requires_grad=full.weight.requires_grad
+        )
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = distributed.reduce_from_group(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + size) of the (padded) table; ids elsewhere look up zeros, summed over the group."""
+
+    def __init__(self, full: nn.Embedding, shard: VocabShard, group: Any) -> None:
+        super().__init__()
+        self.shard, self.group = shard, group
+        rows = full.weight.detach()[shard.start : shard.start + shard.valid]
+        pad = rows.new_zeros(shard.size - shard.valid, rows.shape[1])
+        self.weight = nn.Parameter(torch.cat([rows, pad]).clone(), requires_grad=full.weight.requires_grad)
+
+    def forward(self, ids_BT: Tensor) -> Tensor:
+        local_BT = ids_BT - self.shard.start
+        outside_BT = (local_BT < 0) | (local_BT >= self.shard.size)
+        x_BTD = F.embedding(local_BT.clamp(0, self.shard.size - 1), self.weight)
+        x_BTD = x_BTD * (~outside_BT).unsqueeze(-1).to(x_BTD.dtype)
+        return distributed.reduce_from_group(x_BTD, self.group)
+
+
+def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None) -> Transformer:
+    """A copy of `model` holding rank `rank`'s tensor-parallel shard (see the module docstring)."""
+    cfg = model.config
+    problems = tp_problems(cfg, tp, "tp")
+    if problems:
+        raise ValueError("cannot split the model tensor-parallel:\n  - " + "\n  - ".join(problems))
+    if model.head == "lm" and cfg.tie_word_embeddings and tp > 1:
+        raise ValueError("a tied embedding / LM head is not split tensor-parallel yet: untie it or use tp=1")
+    out = copy.deepcopy(model)
+    e = cfg.resolved_head_dim
+    h, f = cfg.num_heads // tp, cfg.intermediate_size // tp
+    split_kv = cfg.num_kv_heads % tp == 0
+    k = cfg.num_kv_heads // tp if split_kv else 1
+    # the first kv head this rank holds (replicated: the one its query heads read)
+    first_kv = rank * k if split_kv else rank * h // (cfg.num_heads // cfg.num_kv_heads)
+    for layer in out.layers:
+        attn: Any = layer.self_attn
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, rank * h * e, (rank + 1) * h * e, group)
+        attn.k_proj = ColumnParallelLinear(attn.k_proj, first_kv * e, (first_kv + k) * e, group)
+        attn.v_proj = ColumnParallelLinear(attn.v_proj, first_kv * e, (first_kv + k) * e, group)
+        if not split_kv:
+            for proj in (attn.k_proj, attn.v_proj):
+                proj.replicated = (first_kv, cfg.num_kv_heads)
+        attn.o_proj = RowParallelLinear(attn.o_proj, rank * h * e, (rank + 1) * h * e, group)
+        attn.num_heads, attn.num_kv_heads = h, k
+        mlp: Any = layer.mlp
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, rank * f, (rank + 1) * f, group)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, rank * f, (rank + 1) * f, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * f, (rank + 1) * f, group)
+    shard = VocabShard.of(cfg.vocab_size, rank, tp)
+    out.embed_tokens = VocabParallelEmbedding(model.embed_tokens, shard, group)  # type: ignore[assignment]
+    if model.head == "lm":
+        head = ColumnParallelLinear(
+            model.lm_head, shard.start, shard.start + shard.valid, group, rows=shard.size
+        )
+        out.lm_head = head  # type: ignore[assignment]
+    out.vocab_shard = shard  # type: ignore[assignment]
+    out.tp_group = group  # type: ignore[assignment]
+    return out
+
+
+def _masked(logits_BTV: Tensor, shard: VocabShard) -> Tensor:
+    """This rank's logits with the padded rows at -inf."""
+    if shard.valid == shard.size:
+        return logits_BTV
+    keep = torch.arange(shard.size, device=logits_BTV.device) < shard.valid
+    return logits_BTV.masked_fill(~keep, float("-inf"))
+
+
+def vocab_parallel_logsumexp(logits_BTV: Tensor, shard: VocabShard, group: Any = None) -> Tensor:
+    """log sum_v exp(logit_v) over the whole vocabulary, from each rank's slice (differentiable)."""
+    logits_BTV = _masked(logits_BTV, shard)
+    m_BT = distributed.max_over_group(logits_BTV.max(dim=-1).values, group)
+    local_BT = (logits_BTV - m_BT.unsqueeze(-1)).exp().sum(dim=-1)
+    return m_BT + distributed.reduce_from_group(local_BT, group).log()
+
+
+def vocab_parallel_logprobs(
+    logits_BTV: Tensor, ids_BT: Tensor, shard: VocabShard, group: Any = None, temperature: float = 1.0
+) -> Tensor:
+    """log softmax(logits / temperature)[ids]: the chosen tokens' log-probs, never gathering the logits."""
+    logits_BTV = logits_BTV / temperature
+    local_BT = ids_BT - shard.start
+    inside_BT = (local_BT >= 0) & (local_BT < shard.valid)
+    chosen_BT = logits_BTV.gather(-1, local_BT.clamp(0, shard.size - 1).unsqueeze(-1)).squeeze(-1)
+    chosen_BT = distributed.reduce_from_group(chosen_BT * inside_BT.to(chosen_BT.dtype), group)
+    return chosen_BT - vocab_parallel_logsumexp(logits_BTV, shard, group)
+
+
+def vocab_parallel_entropy(logits_BTV: Tensor, shard: VocabShard, group: Any = None) -> Tensor:
+    """Entropy of softmax(logits) per position, m + log S - N / S with S = sum_v exp(l_v - m) and
+    N = sum_v exp(l_v - m) l_v: both sums reduced over the group before they are combined, so that every
+    rank's gradient of the replicated result reaches its own slice exactly (padded rows carry no probability)."""
+    masked = _masked(logits_BTV, shard)
+    m_BT = distributed.max_over_group(masked.max(dim=-1).values, group)
+    e_BTV = (masked - m_BT.unsqueeze(-1)).exp()
+    s_BT = distributed.reduce_from_group(e_BTV.sum(dim=-1), group)
+    n_BT = distributed.reduce_from_group((e_BTV * masked.masked_fill(e_BTV == 0, 0.0)).sum(dim=-1), group)
+    return m_BT + s_BT.log() - n_BT / s_BT
+
+
+def vocab_parallel_argmax(logits_BV: Tensor, shard: VocabShard, group: Any = None) -> Tensor:
+    """Greedy tokens (global ids; ties to the lowest id) from each rank's slice: one max and one min reduction."""
+    masked = _masked(logits_BV.detach(), shard)
+    best_B = distributed.max_over_group(masked.max(dim=-1).values, group)
+    ids = torch.arange(shard.size, device=masked.device) + shard.start
+    big = torch.iinfo(torch.int64).max
+    mine_B = torch.where(masked == best_B.unsqueeze(-1), ids, torch.full_like(ids, big)).min(dim=-1).values
+    distributed.all_reduce(mine_B, op="min", group=group)
+    return mine_B
+
+
+def vocab_parallel_sample(
+    logits_BV: Tensor, uniforms_B: Tensor, shard: VocabShard, group: Any = None, temperature: float = 1.0
+) -> Tensor:
+    """Inverse-CDF sampling (as `rlhfuse.core.sampling.sample_from` over softmax(logits / temperature)) from each
+    rank's slice: the slices' probability sums are all-gathered (rank order = vocabulary order), every rank
+    searches its own slice for the row's target and the lowest hit wins; padded rows carry no probability."""
+    masked = _masked(logits_BV.detach() / temperature, shard).double()
+    m_B = distributed.max_over_group(masked.max(dim=-1).values, group)
+    p_BV = (masked - m_B.unsqueeze(-1)).exp()
+    sums = distributed.all_gather(p_BV.sum(dim=-1), group=group)  # [B] per rank
+    rank = distributed.rank(group)
+    offset_B = sum((sums[r] for r in range(rank)), torch.zeros_like(sums[0]))
+    total_B = sum(sums[1:], sums[0])
+    target_B1 = (uniforms_B.double().to(p_BV.device) * total_B).unsqueeze(1)
+    cdf_BV = offset_B.unsqueeze(1) + torch.cumsum(p_BV, dim=-1)
+    local_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    here_B = (target_B1.squeeze(1) >= offset_B) & (local_B < shard.valid)
+    big = torch.iinfo(torch.int64).max
+    pick_B = torch.where(here_B, local_B + shard.start, torch.full_like(local_B, big))
+    distributed.all_reduce(pick_B, op="min", group=group)
+    last = shard.start + shard.valid - 1 if shard.valid else -1  # the vocabulary's last real token
+    distributed.all_reduce(last_B := torch.full_like(pick_B, last), op="max", group=group)
+    return torch.where(pick_B == big, last_B, pick_B)
