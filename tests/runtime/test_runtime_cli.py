@@ -68,7 +68,7 @@ def test_pipeline_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError) as err:
         validate(cfg)
     msg = str(err.value)
-    assert "actor.pp * dp = 2 * 1 = 2 != world size 3" in msg
+    assert "actor.pp * tp * dp = 2 * 1 * 1 = 2 != world size 3" in msg
     assert "checkpoint" not in msg  # pipeline strategies write sharded checkpoints (test_runtime_checkpoint)
     cfg = compose_config(["distributed.nproc_per_node=2"])
     with pytest.raises(ValueError, match="pipeline=plain runs in one process"):
@@ -77,3 +77,40 @@ def test_pipeline_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match=r"pipeline.actor_pp=4 exceeds model.num_layers=2"):
         validate(cfg)
     validate(compose_config(["pipeline=fused", "distributed.nproc_per_node=2"]))
+
+
+def test_tensor_parallel_config_errors_list_every_problem() -> None:
+    """pipeline.actor_tp / critic_tp / generator.tp: every problem in one error, each with its arithmetic and
+    key, before any model is built; a valid pp=2 x tp=2 layout on 4 ranks passes."""
+    cfg = compose_config(
+        [
+            "pipeline=fused",
+            "distributed.nproc_per_node=6",
+            "pipeline.actor_tp=3",
+            "pipeline.critic_tp=2",
+            "generator.tp=4",
+            "model.intermediate_size=190",
+        ]
+    )
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    msg = str(err.value)
+    # the model: 2 heads, 2 kv heads, intermediate 190
+    assert "pipeline.actor_tp=3 does not divide the model's num_heads=2 (2 % 3 = 2)" in msg
+    assert "pipeline.actor_tp=3 neither divides the model's num_kv_heads=2" in msg
+    assert "pipeline.actor_tp=3 does not divide the model's intermediate_size=190 (190 % 3 = 1)" in msg
+    assert "pipeline.critic_tp=2 does not divide the model's intermediate_size=190 (190 % 2 = 0)" not in msg
+    assert "actor.tp=3 != critic.tp=2" in msg and "set critic.tp=3" in msg
+    assert "actor.pp * tp * dp = 2 * 3 * 1 = 6" not in msg  # 6 ranks = 2 stages x tp 3: the world fits
+    assert "generator.tp=4 does not divide the world size 6 (6 % 4 = 2" in msg
+    cfg = compose_config(["pipeline=fused", "distributed.nproc_per_node=6", "pipeline.actor_tp=2"])
+    cfg.pipeline.critic_tp = 2
+    with pytest.raises(ValueError, match=r"actor.pp \* tp \* dp = 2 \* 2 \* 1 = 4 != world size 6"):
+        validate(cfg)
+    with pytest.raises(ValueError, match=r"pipeline.actor_tp=2 splits the model over ranks"):
+        validate(compose_config(["pipeline.actor_tp=2"]))
+    validate(
+        compose_config(
+            ["pipeline=fused", "distributed.nproc_per_node=4", "pipeline.actor_tp=2", "pipeline.critic_tp=2"]
+        )
+    )

@@ -55,10 +55,15 @@ def pipeline_layout(
 ) -> ParallelLayout:
     """The layout of `config` on `world` ranks (pure: the builder computes it before any model is built, to load
     only this rank's stages; the strategy computes the same one)."""
-    dp = max(world // max(config.actor_pp, config.critic_pp), 1)
+    dp = max(world // (max(config.actor_pp, config.critic_pp) * max(config.actor_tp, 1)), 1)
     micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
     return ParallelLayout(
-        ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, world, micro, device=str(device)
+        ModelParallel(config.actor_pp, config.actor_tp),
+        ModelParallel(config.critic_pp, config.critic_tp),
+        dp,
+        world,
+        micro,
+        device=str(device),
     )
 
 
