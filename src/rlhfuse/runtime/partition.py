@@ -12,6 +12,7 @@ the first stage, final norm and head on the last (see `rlhfuse.models.stages`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -54,13 +55,20 @@ class RankStages:
     stages of each model (the same split on every rank), to bring the full copies back in sync (`gather`).
     """
 
-    def __init__(self, layout: ParallelLayout, rank: int, models: Mapping[str, Transformer]) -> None:
-        self.layout, self.rank = layout, rank
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        rank: int,
+        models: Mapping[str, Transformer],
+        tp_group: Any = None,
+    ) -> None:
+        self.layout, self.rank, self.tp_group = layout, rank, tp_group
         self.models = dict(models)
         self.local = stages_for_rank(layout, rank, models)
         self.every = {m: split_stages(models[m], layout.stages(m)) for m in MODELS}
-        # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory)
-        self.sharded = any(p.is_meta for m in MODELS for p in models[m].parameters())
+        # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory),
+        # or the models are tensor-parallel shards (`rlhfuse.runtime.tensor_parallel.shard_transformer`)
+        self.sharded = layout.tp > 1 or any(p.is_meta for m in MODELS for p in models[m].parameters())
         missing = [k for k, mod in self.local.items() if any(p.is_meta for p in mod.parameters())]
         if missing:
             raise ValueError(
@@ -69,6 +77,16 @@ class RankStages:
             )
         self.received_bytes = 0
         """Bytes this rank received in the last `full_state`."""
+
+    def _whole_state(self, model: str) -> dict[str, Tensor]:
+        """`model`'s state dict as whole tensors (tp > 1: the held stages' shards reassembled over the tp group,
+        `unshard_state`; meta tensors of the whole shape for the stages held elsewhere)."""
+        module = self.models[model]
+        if self.layout.tp == 1:
+            return module.state_dict(keep_vars=True)
+        from rlhfuse.runtime.tensor_parallel import unshard_state
+
+        return unshard_state(module, self.tp_group)
 
     def senders(self, model: str, stage: int) -> dict[int, int]:
         """rank -> the rank that sends it `stage` of `model`, for every rank not holding that stage: the holders
@@ -85,7 +103,7 @@ class RankStages:
         they were received. Counts `received_bytes`."""
         module = self.models[model]
         n, layers = self.layout.stages(model), module.config.num_layers
-        state = module.state_dict(keep_vars=True)  # tied weights appear under both names, once in memory
+        state = self._whole_state(model)  # tied weights appear under both names, once in memory
         device = torch.device(self.layout.device)
         works: list[distributed.Work] = []
         keep: list[Tensor] = []
@@ -134,8 +152,13 @@ class RankStages:
         return out
 
     def load_resident(self, model: str, state: Mapping[str, Tensor]) -> None:
-        """Copy `state`'s entries into the tensors materialised on this rank (meta ones are held elsewhere)."""
+        """Copy `state`'s entries (whole tensors) into the tensors materialised on this rank (meta ones are held
+        elsewhere; tp > 1: this rank's slice of each, `shard_state`)."""
         params = self.models[model].state_dict(keep_vars=True)
+        if self.layout.tp > 1:
+            from rlhfuse.runtime.tensor_parallel import shard_state
+
+            state = shard_state(self.models[model], self.layout.tp_rank(self.rank), state)
         with torch.no_grad():
             for name, target in params.items():
                 if not target.is_meta:

@@ -44,6 +44,7 @@ from rlhfuse.runtime.plan import (
     replay,
     unprofiled_plan,
 )
+from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 
 def pipeline_layout(
@@ -117,15 +118,24 @@ class FusedPipelineStrategy:
         micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
-        self.shards = RankStages(self.layout, self.rank, self.models)
+        self.groups = build_process_groups(self.layout, timeout_s)
+        vocab = None
+        if self.layout.tp > 1:  # this rank's tensor-parallel shard of its stages (Megatron-style)
+            tp_rank = self.layout.tp_rank(self.rank)
+            self.models = {
+                m: shard_transformer(model, tp_rank, self.layout.tp, self.groups.tp)
+                for m, model in self.models.items()
+            }
+            vocab = self.models["actor"].vocab_shard
+        self.shards = RankStages(self.layout, self.rank, self.models, self.groups.tp)
         self.stages = self.shards.local
         self.optimizers = StageOptimizers(self.shards, config.optim, total_steps)
         self.executor = PlanExecutor(
             self.rank,
             self.world,
             self.stages,
-            build_process_groups(self.layout, timeout_s),
-            losses=ppo_losses(algorithm, temperature if temperature > 0 else 1.0),
+            self.groups,
+            losses=ppo_losses(algorithm, temperature if temperature > 0 else 1.0, vocab, self.groups.tp),
             timeout_s=timeout_s,
             autocast=autocast,
         )
