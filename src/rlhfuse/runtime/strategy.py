@@ -121,11 +121,7 @@ class FusedPipelineStrategy:
         self.groups = build_process_groups(self.layout, timeout_s)
         vocab = None
         if self.layout.tp > 1:  # this rank's tensor-parallel shard of its stages (Megatron-style)
-            tp_rank = self.layout.tp_rank(self.rank)
-            self.models = {
-                m: shard_transformer(model, tp_rank, self.layout.tp, self.groups.tp)
-                for m, model in self.models.items()
-            }
+            self.models = {m: self.tp_shard(model) for m, model in self.models.items()}
             vocab = self.models["actor"].vocab_shard
         self.shards = RankStages(self.layout, self.rank, self.models, self.groups.tp)
         self.stages = self.shards.local
@@ -151,6 +147,13 @@ class FusedPipelineStrategy:
         self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
+
+    def tp_shard(self, model: Transformer) -> Transformer:
+        """This rank's tensor-parallel shard of `model` over the layout's tp group (`shard_transformer`; the
+        model itself when tp = 1): the trainer shards the Ref and the Reward with it for pipeline inference."""
+        if self.layout.tp == 1:
+            return model
+        return shard_transformer(model, self.layout.tp_rank(self.rank), self.layout.tp, self.groups.tp)
 
     @property
     def schedule(self) -> Schedule:

@@ -117,6 +117,10 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
     assert models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
+    if ctx.strategy.layout.tp > 1:  # the Ref and the Reward sharded like the trained models
+        models.ref = ctx.strategy.tp_shard(models.ref)
+        if models.reward is not None:
+            models.reward = ctx.strategy.tp_shard(models.reward)
     named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
     if cfg.use_reward_model:
         assert models.reward is not None, "loaded: inferencer.use_reward_model=true"
@@ -176,7 +180,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     cfg = ctx.config
     assert ctx.models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     pack_stages([ctx.models.actor, ctx.models.critic], cfg.data.packing)
-    return FusedPipelineStrategy(
+    strategy = FusedPipelineStrategy(
         ctx.models.actor,
         ctx.models.critic,
         cfg.pipeline,
@@ -190,6 +194,10 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         timeout_s=cfg.distributed.timeout_s,
         autocast=ctx.fabric.autocast,
     )
+    # tp > 1: the strategy trains tensor-parallel shards of the models; the rest of the job (inference,
+    # memory metrics) reads those, and the whole models it was given are dropped
+    ctx.models.actor, ctx.models.critic = strategy.models["actor"], strategy.models["critic"]
+    return strategy
 
 
 def migration_off(ctx: BuildContext) -> NoMigration:
