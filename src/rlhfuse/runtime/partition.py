@@ -96,21 +96,34 @@ class RankStages:
         needers = [r for r in range(self.layout.world_size) if r not in holders]
         return {r: holders[i % len(holders)] for i, r in enumerate(needers)}
 
-    def _exchange(self, model: str) -> list[tuple[list[list[str]], list[Tensor], bool]]:
+    def shard_senders(self, model: str, stage: int) -> dict[int, int]:
+        """`senders` per tp position: rank -> the rank that sends it its tp shard of `stage`, a holder of the same
+        shard (same tp position), for every rank of that position not holding the stage."""
+        out: dict[int, int] = {}
+        layout = self.layout
+        for t in range(layout.tp):
+            holders = sorted(set(layout.tp_grad_groups[(model, stage, t)]))
+            needers = [r for r in range(layout.world_size) if layout.tp_rank(r) == t and r not in holders]
+            out.update({r: holders[i % len(holders)] for i, r in enumerate(needers)})
+        return out
+
+    def _exchange(self, model: str, shards: bool = False) -> list[tuple[list[list[str]], list[Tensor], bool]]:
         """Collective: every stage of `model` to the ranks that lack it (point to point, holders -> needers,
-        one flat buffer per stage and dtype on the layout's device). Per (stage, dtype): the state-dict names of
+        one flat buffer per stage and dtype on the layout's device; shards=True: each rank's tensor-parallel shard
+        of the stage, from a holder of the same shard, `shard_senders`). Per (stage, dtype): the state-dict names of
         each distinct tensor, this rank's values (its own tensors, or views of the received buffer) and whether
         they were received. Counts `received_bytes`."""
         module = self.models[model]
         n, layers = self.layout.stages(model), module.config.num_layers
-        state = self._whole_state(model)  # tied weights appear under both names, once in memory
+        # tied weights appear under both names, once in memory
+        state = module.state_dict(keep_vars=True) if shards else self._whole_state(model)
         device = torch.device(self.layout.device)
         works: list[distributed.Work] = []
         keep: list[Tensor] = []
         out: list[tuple[list[list[str]], list[Tensor], bool]] = []
         self.received_bytes = 0
         for s in range(n):
-            plan = self.senders(model, s)
+            plan = self.shard_senders(model, s) if shards else self.senders(model, s)
             unique: dict[int, list[str]] = {}
             for k in state:
                 if stage_of(k, layers, n) == s:
@@ -146,6 +159,17 @@ class RankStages:
         stages are its live tensors (detached, no copy)."""
         out: dict[str, Tensor] = {}
         for entries, values, _ in self._exchange(model):
+            for keys, value in zip(entries, values, strict=True):
+                for k in keys:
+                    out[k] = value
+        return out
+
+    def shard_state(self, model: str) -> dict[str, Tensor]:
+        """Collective: this rank's tensor-parallel shard of every stage of `model` (a generation instance of the
+        training tp degree over the same consecutive ranks): each rank receives only the shards of the stages it
+        does not hold, from a holder of the same shard, never a whole tensor (`shard_senders`)."""
+        out: dict[str, Tensor] = {}
+        for entries, values, _ in self._exchange(model, shards=True):
             for keys, value in zip(entries, values, strict=True):
                 for k in keys:
                     out[k] = value

@@ -93,8 +93,10 @@ class FusedPipelineStrategy:
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
+        generation_tp: int = 1,
     ) -> None:
         self.planner = planner_for(schedule)
+        self.generation_tp = generation_tp
         if not distributed.is_initialized():
             raise ValueError(
                 f"pipeline={schedule} needs torch.distributed: launch with distributed.nproc_per_node=N "
@@ -201,13 +203,22 @@ class FusedPipelineStrategy:
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: the Actor's full weights for this rank's generation copy; each rank receives only the
+        """Collective: the Actor's weights for this rank's generation copy; each rank receives only the
         stages it does not hold, once, from a holder of that stage (`RankStages.senders`: point to point, the
-        holders taken in turn). Sharded models: the received stages are fresh tensors. Full copies: both models'
+        holders taken in turn). generation_tp = the training tp > 1: this rank's tp shard of every stage, each
+        missing shard from a holder of the same shard (`RankStages.shard_state`); tp > 1 with a whole generation
+        copy (generation_tp = 1): whole tensors, each held stage reassembled over its tp group first. Sharded models: the received stages are fresh tensors. Full copies: both models'
         copies are brought up to date in place (a per-rank inferencer, fused generation, reads the whole Critic
         too). `weight_sync_bytes`: the most bytes any rank received."""
-        if self.shards.sharded:
-            weights: Mapping[str, Tensor] = self.shards.full_state("actor")
+        if self.generation_tp > 1:  # a tensor-parallel generation instance on the training's tp groups
+            if self.generation_tp != self.layout.tp:
+                raise ValueError(
+                    f"generator.tp={self.generation_tp} differs from pipeline.actor_tp={self.layout.tp}: "
+                    "resharding between tp degrees is not built; set generator.tp to pipeline.actor_tp or 1"
+                )
+            weights: Mapping[str, Tensor] = self.shards.shard_state("actor")
+        elif self.shards.sharded:
+            weights = self.shards.full_state("actor")
         else:
             self.shards.gather()
             weights = self.models["actor"].state_dict()

@@ -40,6 +40,25 @@ class BuildContext:
 
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
+    g = ctx.config.generator
+    if (
+        g.tp > 1
+    ):  # instances of generator.tp ranks on the training's tp groups (validated: = pipeline.actor_tp)
+        from rlhfuse import distributed
+        from rlhfuse.trainer.generator import TensorParallelGenerator
+
+        return TensorParallelGenerator(
+            ctx.models.for_generation(),
+            g.sampling,
+            tp=g.tp,
+            rank=distributed.rank(),
+            world=distributed.world_size(),
+            group=ctx.strategy.groups.tp,
+            eos_token_id=ctx.models.tokenizer.eos_id,
+            pad_token_id=ctx.models.tokenizer.pad_id,
+            samples_per_prompt=ctx.config.data.samples_per_prompt,
+            seed=ctx.config.seed,
+        )
     return SamplingGenerator(
         ctx.models.for_generation(),
         ctx.config.generator.sampling,
@@ -193,6 +212,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         schedule=schedule,
         timeout_s=cfg.distributed.timeout_s,
         autocast=ctx.fabric.autocast,
+        generation_tp=cfg.generator.tp,
     )
     # tp > 1: the strategy trains tensor-parallel shards of the models; the rest of the job (inference,
     # memory metrics) reads those, and the whole models it was given are dropped
