@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import pathlib
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -146,6 +147,9 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
             assert err < 2e-5, (rank, schedule, step, name, err)
         assert fused.weight_sync_bytes > 0
 
+    if schedule == "fused":
+        _check_generation(rank, world, fused, plain.actor)
+
     # sharded save (one shard per stage and tp rank), a fresh strategy resumes bit-identically
     ckpt = root / f"ckpt-{schedule}"
     path = fused.checkpointer.save(ckpt, 2, {"trainer": {"iteration": 2}})
@@ -173,6 +177,58 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
     for name in ("actor", "critic"):
         for p, q in zip(fused.models[name].parameters(), resumed.models[name].parameters(), strict=True):
             assert p.is_meta or torch.equal(p, q), name
+
+
+def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -> None:
+    """generator.tp = 2: each instance (2 ranks) receives exactly its tp shard of the stage it lacks, equal to
+    the trained weights' shard on every instance, and the two instances' rollouts equal one whole-model
+    generator's (greedy and sampled)."""
+    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.types import PromptBatch
+    from rlhfuse.runtime.tensor_parallel import shard_transformer
+    from rlhfuse.trainer.generator import SamplingGenerator, TensorParallelGenerator
+
+    shard = fused.shards.shard_state("actor")
+    mine = fused.models["actor"]
+    want = shard_transformer(trained, rank % 2, 2, fused.groups.tp).state_dict()
+    assert shard.keys() == want.keys()
+    for name, value in shard.items():
+        err = float((value - want[name]).abs().max())
+        assert err < 2e-5, (rank, name, err)  # the trained weights' shard (PlainStrategy: float32 losses)
+    live = mine.state_dict(keep_vars=True)
+    lacking = sum(t.numel() * t.element_size() for t in live.values() if t.is_meta)
+    assert fused.shards.received_bytes == lacking > 0  # its shard of the missing stage, no whole tensor
+    for name, t in live.items():
+        if not t.is_meta:
+            assert torch.equal(shard[name], t), name  # held stages: its own live shard
+    whole = fused.actor_weights()  # generation_tp = 1: whole tensors
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, trained.config.vocab_size, (3, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    prompts = PromptBatch(ids * mask, mask, torch.tensor([4, 9, 2]))
+    for temperature in (0.0, 0.8):
+        cfg = GeneratorConfig(max_new_tokens=6, temperature=temperature)
+        args: dict[str, Any] = dict(eos_token_id=1, pad_token_id=0, samples_per_prompt=2, seed=3)
+        tp_gen = TensorParallelGenerator(
+            trained, cfg, tp=2, rank=rank, world=world, group=fused.groups.tp, **args
+        )
+        tp_gen.load_weights(shard)
+        one = SamplingGenerator(trained, cfg, **args)
+        one.load_weights(whole)
+        chunks = list(tp_gen.generate(prompts, iteration=1))
+        assert len(chunks) == 2  # world / generator.tp instances, 3 samples each
+        (ref,) = list(one.generate(prompts, iteration=1))
+        offset = 0
+        for chunk in chunks:  # each instance's rows, in order; its own response width
+            for row in range(len(chunk)):
+                i, length = offset + row, int(chunk.response_mask_BR[row].sum())
+                assert length == int(ref.response_mask_BR[i].sum()), (rank, temperature, i)
+                got, exp = chunk.response_ids_BR[row, :length], ref.response_ids_BR[i, :length]
+                assert torch.equal(got, exp), (rank, temperature, i)
+            offset += len(chunk)
+        assert offset == len(ref)
+        assert torch.equal(torch.cat([c.prompt_index_B for c in chunks]), ref.prompt_index_B)
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
