@@ -63,6 +63,32 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), start.parameters(), strict=True))
 
 
+@pytest.mark.timeout(300)
+def test_pp2_tp2_generator_tp2_trains_with_four_processes(tmp_path: Path) -> None:
+    """The issue's command shape on the smoke job: pp=2 x tp=2 on 4 ranks with generation instances of 2 ranks;
+    the Actor exported from the tp-shard generation copies is whole and trained."""
+    exe = Path(sys.executable).with_name("rlhfuse-train")
+    run_dir = tmp_path / "run"
+    cmd = [
+        str(exe), "experiment=smoke", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
+        "pipeline=fused", "distributed.nproc_per_node=4", "pipeline.actor_tp=2", "pipeline.critic_tp=2",
+        "generator.tp=2", "iterations=1", "distributed.timeout_s=60", "checkpoint.export_hf=true",
+        f"model.warmstart.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 ranks = 1 fused group(s) x 2 pipeline ranks x tp=2" in proc.stdout + proc.stderr
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["memory/param_bytes"] > 0 and row["weight_sync/bytes_per_rank"] > 0
+    assert math.isfinite(row["loss/policy"]) and math.isfinite(row["loss/value"])
+    exported = from_pretrained(run_dir / "actor_hf")
+    start = from_pretrained(next((tmp_path / "cache").glob("*/sft")), head="lm")
+    assert exported.lm_head.weight.shape == start.lm_head.weight.shape  # whole, padding dropped
+    assert not any(p.is_meta for p in exported.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), start.parameters(), strict=True))
+
+
 def test_pipeline_config_errors_name_the_fix() -> None:
     cfg = compose_config(["pipeline=fused", "distributed.nproc_per_node=3", "checkpoint.every=5"])
     with pytest.raises(ValueError) as err:
