@@ -106,13 +106,6 @@ def validate_runtime(cfg: Any) -> list[str]:
                 f"pipeline.{key}={value} exceeds model.num_layers={layers} (every stage holds a layer): "
                 f"set pipeline.{key}<={layers}"
             )
-    if max(p.actor_tp, p.critic_tp) > 1 and cfg.inferencer.name != "pipeline":
-        problems.append(
-            f"pipeline.actor_tp={p.actor_tp} / critic_tp={p.critic_tp} shard every model tensor-parallel, but "
-            f"inferencer={cfg.inferencer.name} (each rank a generation instance inferring its own samples) needs "
-            "whole models on every rank: use generator.instances=1 (inference then runs over the training layout, "
-            "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
-        )
     if p.prefetch < 0:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:

@@ -96,6 +96,21 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
     problems += generation_tp_problems(cfg)
+    # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
+    # rank is one generation instance inferring its own samples)
+    pipe = cfg.pipeline
+    if (
+        pipe.name in PIPELINE_STRATEGIES
+        and max(pipe.actor_tp, pipe.critic_tp) > 1
+        and cfg.inferencer.name != "pipeline"
+    ):
+        problems.append(
+            f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
+            "but "
+            f"inferencer={cfg.inferencer.name} (each rank a generation instance inferring its own samples) needs "
+            "whole models on every rank: use generator.instances=1 (inference then runs over the training layout, "
+            "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
+        )
     if cfg.pipeline.name not in PIPELINE_STRATEGIES:
         for key in ("actor_tp", "critic_tp"):
             if getattr(cfg.pipeline, key) != 1:
