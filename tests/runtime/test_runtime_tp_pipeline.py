@@ -208,16 +208,19 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
     mask[0, :2] = 0
     prompts = PromptBatch(ids * mask, mask, torch.tensor([4, 9, 2]))
     for temperature in (0.0, 0.8):
-        cfg = GeneratorConfig(max_new_tokens=6, temperature=temperature)
+        # sampled: generator.max_batch_size=2 splits each instance's 3 samples into chunks of 2 and 1
+        cfg = GeneratorConfig(
+            max_new_tokens=6, temperature=temperature, max_batch_size=2 if temperature else 0
+        )
         args: dict[str, Any] = dict(eos_token_id=1, pad_token_id=0, samples_per_prompt=2, seed=3)
         tp_gen = TensorParallelGenerator(
             trained, cfg, tp=2, rank=rank, world=world, group=fused.groups.tp, **args
         )
         tp_gen.load_weights(shard)
-        one = SamplingGenerator(trained, cfg, **args)
+        one = SamplingGenerator(trained, GeneratorConfig(max_new_tokens=6, temperature=temperature), **args)
         one.load_weights(whole)
         chunks = list(tp_gen.generate(prompts, iteration=1))
-        assert len(chunks) == 2  # world / generator.tp instances, 3 samples each
+        assert len(chunks) == (4 if temperature else 2)  # world / generator.tp instances, 3 samples each
         (ref,) = list(one.generate(prompts, iteration=1))
         offset = 0
         for chunk in chunks:  # each instance's rows, in order; its own response width

@@ -209,16 +209,17 @@ class TensorParallelGenerator(SamplingGenerator):
         prompt_index_B = prompts.prompt_ids_B.repeat_interleave(n)
         sample_index_B = torch.arange(n).repeat(len(prompts))
         shares = torch.tensor_split(torch.arange(len(ids_BP)), self.instances)
-        mine = self.rank // self.tp
-        rollout: Rollout | None = None
-        rows = shares[mine]
-        if len(rows):
-            rollout = self._generate_chunk(
+        size = self.config.max_batch_size or len(ids_BP)
+        chunks = [[rows[i : i + size] for i in range(0, len(rows), size)] for rows in shares]
+        mine: list[Rollout] = [  # this instance's share, generated before any instance's result is sent
+            self._generate_chunk(
                 ids_BP[rows].to(device), mask_BP[rows].to(device), prompt_index_B[rows], sample_index_B[rows],
                 iteration,
-            )  # fmt: skip
-        for instance, share in enumerate(shares):
-            if len(share) == 0:
-                continue
-            got = distributed.broadcast_dataclass(rollout, Rollout, instance * self.tp, device)
-            yield Rollout(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in vars(got).items()})
+            )
+            for rows in chunks[self.rank // self.tp]
+        ]  # fmt: skip
+        for instance, parts in enumerate(chunks):
+            for j in range(len(parts)):
+                own = mine[j] if instance == self.rank // self.tp else None
+                got = distributed.broadcast_dataclass(own, Rollout, instance * self.tp, device)
+                yield Rollout(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in vars(got).items()})
