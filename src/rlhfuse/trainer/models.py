@@ -100,6 +100,13 @@ def _require_checkpoint(path: str, key: str) -> Path:
     return folder
 
 
+def load_tokenizer(tokenizer_path: str | None, sft_path: str | Path) -> Tokenizer:
+    """The tokenizer of model.tokenizer_path (default model.sft_path), with the special and stop ids of the SFT
+    checkpoint's config.json / generation_config.json."""
+    sft = Path(sft_path).expanduser()
+    return Tokenizer.from_dir(Path(tokenizer_path).expanduser() if tokenizer_path else sft, model_dir=sft)
+
+
 def _frozen(model: Transformer) -> Transformer:
     return model.eval().requires_grad_(False)
 
@@ -126,7 +133,7 @@ def load_models(
         )
         if critic_dir is None:
             raise FileNotFoundError("the Critic needs model.critic_path or model.reward_path: set one")
-    tokenizer = Tokenizer.from_dir(Path(config.tokenizer_path).expanduser() if config.tokenizer_path else sft)
+    tokenizer = load_tokenizer(config.tokenizer_path, sft)
     return Models(
         actor=from_pretrained(sft, head="lm").to(device),
         ref=_frozen(from_pretrained(sft, head="lm").to(device)),
