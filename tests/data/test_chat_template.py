@@ -111,3 +111,20 @@ def test_special_tokens_from_tokenizer_config_when_config_json_has_none(tmp_path
     loaded = Tokenizer.from_dir(tmp_path)
     assert (loaded.pad_id, loaded.bos_id, loaded.eos_id) == (0, 1, tok.token_to_id("<|im_end|>"))
     assert loaded.chat_template is None
+
+
+def test_prompt_template_rewrites_text_prompts_with_row_fields_before_the_chat_template(tmp_path):
+    tok = _checkpoint_tokenizer(tmp_path / "ckpt")
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "7 + 5 =", "a": 7, "answer": "12"}) + "\n")
+    config = DataConfig(source="file", path=str(path), max_prompt_length=32, prompt_template="{a} + {prompt}")
+    (prompt,) = load_prompts(config, tok, seed=0)
+    assert prompt.token_ids == tuple(tok.encode_chat([{"role": "user", "content": "7 + 7 + 5 ="}]))
+    arithmetic = DataConfig(source="arithmetic", num_prompts=3, prompt_template="{a} {op} {b} ?")
+    first = load_prompts(arithmetic, Tokenizer.from_words(WORDS), seed=0)[0]
+    assert first.text.endswith("?") and first.fields["answer"]
+    config.prompt_template = "What is {x}?"
+    with pytest.raises(
+        DatasetError, match=r"names \{x\} but row 0 of .*p\.jsonl has only \['a', 'answer', 'prompt'\]"
+    ):
+        load_prompts(config, tok, seed=0)

@@ -143,6 +143,32 @@ def _messages_of(value: object, where: str) -> list[dict[str, Any]]:
     return [dict(m) for m in value]
 
 
+def apply_prompt_template(
+    texts: list[PromptInput], rows: list[dict[str, Any]] | None, template: str, source: str
+) -> list[PromptInput]:
+    """Each text prompt rewritten as `template.format(prompt=text, **row)` (chat messages are left as they are);
+    a placeholder the row lacks is a DatasetError naming the row and `data.prompt_template`."""
+    out: list[PromptInput] = []
+    for i, text in enumerate(texts):
+        if isinstance(text, list):
+            out.append(text)
+            continue
+        fields = rows[i] if rows else {}
+        try:
+            out.append(template.format(**{**fields, "prompt": text}))
+        except KeyError as err:
+            raise DatasetError(
+                f"data.prompt_template={template!r} names {{{err.args[0]}}} but row {i} of {source} has only "
+                f"{sorted(['prompt', *fields])}: use {{prompt}} or one of the row's fields"
+            ) from None
+        except (IndexError, ValueError) as err:
+            raise DatasetError(
+                f"data.prompt_template={template!r} is not a valid format string ({err}): write fields as "
+                "{name} and literal braces as {{ }}"
+            ) from None
+    return out
+
+
 def uses_chat_template(config: DataConfig, tokenizer: Tokenizer) -> bool:
     """Whether prompts are rendered with the tokenizer's chat template (data.chat_template=auto and it has one)."""
     return config.chat_template == "auto" and tokenizer.chat_template is not None
@@ -208,6 +234,10 @@ def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int) -> list
         assert config.path is not None, "validated: data.source=file needs data.path"
         pairs = read_prompt_rows(config.path, config.prompt_key)
         texts, rows = [text for text, _ in pairs], [fields for _, fields in pairs]
+    if config.prompt_template is not None:
+        texts = apply_prompt_template(
+            texts, rows, config.prompt_template, config.path or f"data.source={config.source}"
+        )
     return tokenize_prompts(
         texts,
         tokenizer,
