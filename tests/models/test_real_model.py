@@ -86,3 +86,40 @@ def test_smollm2_logits_and_chat_prompt_equal_transformers():
         got = ours(batch, attention_mask_BT=mask)
     torch.testing.assert_close(got[0], theirs[0], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(got[1, :-5], theirs[1, :-5], atol=2e-4, rtol=1e-4)
+
+
+@needs_model
+@pytest.mark.slow
+def test_smollm2_greedy_generation_with_the_kv_cache_equals_transformers():
+    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.types import PromptBatch
+    from rlhfuse.data import Tokenizer
+    from rlhfuse.models import from_pretrained
+    from rlhfuse.trainer.generator import SamplingGenerator
+
+    folder = real_model_dir()
+    tokenizer = Tokenizer.from_dir(folder)
+    prompts = [
+        tokenizer.encode_chat([{"role": "user", "content": "What is 7 + 5? Answer with just the number."}]),
+        tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}]),
+    ]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    greedy = GeneratorConfig(max_new_tokens=8, temperature=0.0)
+    generator = SamplingGenerator(
+        from_pretrained(folder),
+        greedy,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        samples_per_prompt=1,
+        seed=0,
+    )
+    (rollout,) = generator.generate(PromptBatch(ids, mask, torch.arange(2)), iteration=0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = reference.generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_id
+    )[:, width:]
+    for b in range(2):
+        n = int(rollout.response_mask_BR[b].sum())
+        assert rollout.response_ids_BR[b, :n].tolist() == expected[b, :n].tolist()
