@@ -123,3 +123,23 @@ def test_smollm2_greedy_generation_with_the_kv_cache_equals_transformers():
     for b in range(2):
         n = int(rollout.response_mask_BR[b].sum())
         assert rollout.response_ids_BR[b, :n].tolist() == expected[b, :n].tolist()
+
+
+@needs_model
+def test_smollm2_tokenizer_re_export_loads_in_transformers_with_template_and_stops(tmp_path, capsys):
+    from rlhfuse.data import Tokenizer
+
+    assert convert.main([]) == 0  # already converted: kept, and its path printed
+    assert capsys.readouterr().out.strip() == str(real_model_dir())
+    tokenizer = Tokenizer.from_dir(real_model_dir())
+    tokenizer.save(tmp_path)
+    tokenizer.save_generation_config(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "is_local" not in config
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (hf.eos_token, hf.pad_token, hf.bos_token) == ("<|im_end|>", "<|im_end|>", "<|im_start|>")
+    messages = [{"role": "user", "content": "hi"}]
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert tokenizer.encode_chat(messages) == list(expected)
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id == hf.eos_token_id

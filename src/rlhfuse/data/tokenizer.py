@@ -36,6 +36,9 @@ TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG = "generation_config.json"
 
 Message = Mapping[str, Any]
+# tokenizer_config.json keys not copied on export: the template and added tokens are written from this object,
+# the others describe how transformers loaded the source, not the tokenizer
+_NOT_EXPORTED = ("chat_template", "added_tokens_decoder", "backend", "is_local", "local_files_only")
 
 
 class ChatTemplateError(ValueError):
@@ -156,10 +159,13 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path))
         config: dict[str, Any] = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": False,
-            **{k: v for k, v in self.hf_config.items() if k not in ("chat_template", "added_tokens_decoder")},
+            **{k: v for k, v in self.hf_config.items() if k not in _NOT_EXPORTED},
         }
+        if config.get("tokenizer_class") in (None, "TokenizersBackend"):
+            # the class every transformers version loads a bare tokenizer.json with (5.x's TokenizersBackend is
+            # the same thing under a name 4.x does not know)
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
         for key, token_id in (
             ("bos_token", self.bos_id),
             ("eos_token", self.eos_id),
