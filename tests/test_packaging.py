@@ -45,4 +45,3 @@ def test_wheel_ships_conf_and_kernels(tmp_path):
     )
     out = subprocess.run([str(py), "-c", script], check=True, capture_output=True, text=True, cwd=tmp_path)
     assert "site-packages" in out.stdout
-
