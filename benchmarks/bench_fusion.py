@@ -27,24 +27,6 @@ import torch
 from rlhfuse.generation.engine import EngineStats
 
 
-class _TimedInferencer:
-    """An Inferencer that adds up the seconds its `infer` calls take (where the time goes, per rank)."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
-        self.seconds = 0.0
-
-    def infer(self, rollout: object) -> object:
-        start = time.perf_counter()
-        out = self.inner.infer(rollout)  # type: ignore[attr-defined]
-        self.seconds += time.perf_counter() - start
-        return out
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-
 def _worker(
     rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...], overrides: tuple[str, ...]
 ) -> None:
@@ -71,18 +53,20 @@ def _worker(
     prompts = collate_prompts(
         PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
         .next_batch(), tok.pad_id)  # fmt: skip
-    inferencer = _TimedInferencer(ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
-                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0))  # fmt: skip
+    inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
+                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
     params = SamplingParams(
         max_new_tokens=cfg.generator.sampling.max_new_tokens, stop_token_ids=(tok.eos_id,)
     )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     results: dict[str, list[float]] = {}
-    # per round: (this rank's generation end, its inference seconds, Gen+Inf) from the start
-    breakdown: dict[str, list[tuple[float, float, float]]] = {}
+    # per round: (this rank's generation end, its inference seconds, Gen+Inf, samples it stole) from the start
+    breakdown: dict[str, list[tuple[float, float, float, int]]] = {}
+    identical: list[bool] = []
     lengths: list[int] = []
     for r in range(rounds + 1):  # round 0 warms up
+        serial_ids = None
         for name, fraction in (("serial", 0.0), *((f"fused Rt {f:.0%}", f) for f in fractions)):
             requests = requests_for(
                 prompts, samples_per_prompt=cfg.data.samples_per_prompt, seed=0, iteration=r
@@ -91,15 +75,23 @@ def _worker(
                                       max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens)  # fmt: skip
             threshold = round(fraction * len(requests))
             dist.barrier()
-            inferencer.take()
             res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
-                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id, sync_every=4)  # fmt: skip
+                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id)  # fmt: skip
+            ids = res.experience.rollout.response_ids_BR
+            if serial_ids is None:
+                serial_ids = ids
+            else:
+                identical.append(torch.equal(ids, serial_ids))
             if r > 0:
                 results.setdefault(name, []).append(res.gen_inf_s)
-                breakdown.setdefault(name, []).append((res.generation_s, inferencer.take(), res.gen_inf_s))
+                breakdown.setdefault(name, []).append((res.generation_s, res.inference_s, res.gen_inf_s,
+                                                       res.stolen))  # fmt: skip
             if r == 1 and name == "serial":
                 lengths = res.experience.rollout.response_lengths_B.tolist()
-    torch.save({"results": results, "lengths": lengths, "breakdown": breakdown}, f"{out}.{rank}")
+    torch.save(
+        {"results": results, "lengths": lengths, "breakdown": breakdown, "identical": identical},
+        f"{out}.{rank}",
+    )
     dist.destroy_process_group()
 
 
@@ -130,22 +122,36 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
           f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = 2 gloo processes, "
           f"{rounds} rounds")  # fmt: skip
     serial = data["results"]["serial"]
-    print(f"  serial generation then inference: median {statistics.median(serial) * 1e3:7.1f} ms")
+    same = all(data["identical"]) and all(peer["identical"])
+    print(f"  serial generation then inference: median {statistics.median(serial) * 1e3:7.1f} ms; fused samples "
+          f"identical to serial in every round: {same}")  # fmt: skip
+    # the ideal-overlap bound of a round, from the serial run's per-rank generation G_r and inference I_r: no
+    # rollout ends before the slowest rank's generation, nor before all the work shared evenly over the ranks
+    serial_rows = list(zip(data["breakdown"]["serial"], peer["breakdown"]["serial"], strict=True))
+    bounds = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2) for a, b in serial_rows]
+    print(f"  ideal-overlap bound max(max_r G_r, sum_r (G_r + I_r) / 2): median {statistics.median(bounds) * 1e3:7.1f}"
+          " ms")  # fmt: skip
     for name, times in data["results"].items():
         if name == "serial":
             continue
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
+        of_bound = [b / f for b, f in zip(bounds, times, strict=True)]
         print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
-              f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x")  # fmt: skip
+              f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x | "
+              f"bound / fused: median {statistics.median(of_bound):.2f}")  # fmt: skip
     print("  where the time goes, per rank (medians over the rounds, ms): generation = to this rank's last decode "
-          "step; inference = its infer calls; waiting = the rest of Gen+Inf (lockstep all-gathers, migration, "
-          "receiving the tail, the final all-gather)")  # fmt: skip
+          "step; inference = its infer calls; waiting = the rest of Gen+Inf (count watch, migration, waiting for "
+          "work, the final all-gather); stolen = samples it inferred for a destination")  # fmt: skip
     for name in data["breakdown"]:
         parts = []
         for rank, d in enumerate((data, peer)):
-            gen, inf, total = (statistics.median(x[i] for x in d["breakdown"][name]) * 1e3 for i in range(3))
-            parts.append(f"rank {rank}: gen {gen:6.1f} inf {inf:6.1f} wait {total - gen - inf:6.1f}")
+            gen, inf, total, stolen = (
+                statistics.median(x[i] for x in d["breakdown"][name]) for i in range(4)
+            )
+            parts.append(f"rank {rank}: gen {gen * 1e3:6.1f} inf {inf * 1e3:6.1f} wait "
+                         f"{(total - gen - inf) * 1e3:6.1f} stolen {stolen:4.0f}")  # fmt: skip
         print(f"  {name:>14}: " + " | ".join(parts))
+    print(f"  1-minute load average after the run: {os.getloadavg()[0]:.2f}")
 
 
 def _simulated() -> None:
