@@ -549,6 +549,39 @@ def gen_inf_sweep(
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """Lossless speculative decoding of the tail (DESIGN §8) in the simulator: `tokens` (k) draft tokens per
+    sample verified in one forward pass of k + 1 positions, each draft token accepted with probability
+    `acceptance` (independently, until the first rejection)."""
+
+    acceptance: float
+    tokens: int = 4
+
+    def validate(self) -> Speculation:
+        if not 0.0 <= self.acceptance <= 1.0 or self.tokens < 1:
+            raise ValueError(
+                f"speculation acceptance={self.acceptance} must be in [0, 1] and tokens={self.tokens} >= 1"
+            )
+        return self
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Expected tokens a sample gains per verify step: sum_{i=0..k} a^i (the first rejected position still
+        yields its sampled token)."""
+        a, k = self.acceptance, self.tokens
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def step_time(self, plain: StepTime, alive: NDArray, ctx: NDArray) -> NDArray:
+        """Seconds per token-step of every sample: a plain decode step, or a verify step (the decode step of
+        `alive` x (k + 1) positions over the same KV entries) over the tokens it yields, whichever is cheaper at
+        that batch (`generator.speculative=auto`'s rule: in practice, the small batches of the tail)."""
+        a = np.asarray(alive, dtype=np.float64)
+        verify = plain(a * (self.tokens + 1), ctx) / self.tokens_per_step
+        out: NDArray = np.minimum(plain(a, ctx), verify)
+        return out
+
+
+@dataclass(frozen=True)
 class ModeledCosts:
     """`RolloutCosts` from the analytical `CostModel`: `cluster.gpus // gen_tp` instances of `actor` on
     `gen_tp` devices each, `resident_bytes` of training state per device; inference (with `models`) on tp
@@ -563,6 +596,8 @@ class ModeledCosts:
     group: int | None = None
     kv_read_slack: float | None = None
     critic_train: tuple[int, int] | None = None
+    speculation: Speculation | None = None
+    """Speculative decoding where it pays (the tail); None = plain decoding."""
 
     @property
     def instances(self) -> int:
@@ -573,6 +608,11 @@ class ModeledCosts:
         return 0.0  # the paper's engine watches the counts asynchronously
 
     def step_time(self, alive: NDArray, ctx: NDArray) -> NDArray:
+        if self.speculation is not None:
+            return self.speculation.step_time(self._decode, alive, ctx)
+        return self._decode(alive, ctx)
+
+    def _decode(self, alive: NDArray, ctx: NDArray) -> NDArray:
         return self.cost.decode_step_time(self.actor, self.gen_tp, alive, ctx)
 
     def prefill_end(self, samples: Samples, instance: NDArray) -> NDArray:
