@@ -7,8 +7,11 @@ Serial = each instance generates its half, then infers it; fused = at Rt unfinis
 transfer) to one instance and the other infers finished samples while the tail streams in. Rounds alternate the
 two, the time is rank 0's start to the last inference output (all-gathered). Same samples, same outputs (tested).
 
-Simulated part: `rlhfuse.generation.tuning.rt_sweep` with a 13B Actor / 33B Critic-shaped cost profile on 32
-instances of 8 H100s (documented below), and the planner's own Figure-9 sweep (`rlhfuse.planner.compare`).
+Simulated part: the planner's Figure-9 sweep (`rlhfuse.planner.compare`, 13B / 33B on 32 x 8 H100), and the Rt
+tuner's sweep on the same batch fed the cost model's profile: one simulator, two sources of costs.
+
+Measured parts report, per Rt, the paired speedup serial / fused of Gen+Inf, whether the samples are identical,
+and fused against the ideal-overlap bound of the same round (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -136,9 +139,14 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
             continue
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
         of_bound = [b / f for b, f in zip(bounds, times, strict=True)]
+        # the same bound from the fused round's own work (its generation includes the migrated tail)
+        own = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2)
+               for a, b in zip(data["breakdown"][name], peer["breakdown"][name], strict=True)]  # fmt: skip
+        of_own = [b / f for b, f in zip(own, times, strict=True)]
         print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
               f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x | "
-              f"bound / fused: median {statistics.median(of_bound):.2f}")  # fmt: skip
+              f"bound / fused: median {statistics.median(of_bound):.2f} (own-work bound "
+              f"{statistics.median(of_own):.2f})")  # fmt: skip
     print("  where the time goes, per rank (medians over the rounds, ms): generation = to this rank's last decode "
           "step; inference = its infer calls; waiting = the rest of Gen+Inf (count watch, migration, waiting for "
           "work, the final all-gather); stolen = samples it inferred for a destination")  # fmt: skip
@@ -155,34 +163,37 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
 
 
 def _simulated() -> None:
-    from rlhfuse.generation.tuning import CostProfile, rt_sweep
-    from rlhfuse.planner import LengthDistribution
+    """The one Gen+Inf simulator at paper scale: the planner's sweep on its cost model (`rlhfuse.planner.compare`),
+    and the Rt tuner's sweep (`rlhfuse.generation.tuning.simulate`, measured-cost path) fed the cost model's
+    profile (`CostProfile.of`) on the same batch: the same timeline code, the cost figures fitted."""
+    import numpy as np
 
-    # 13B Actor (tp 8 per instance, H100): decode step ~2 ms (weights over HBM at 70%) + a KV-read term per
-    # sample; prefill 26 GFLOP/token at 55% of 8 x 989 TFLOP/s; inference = Actor + Ref (13B) + Reward + Critic
-    # (33B) forward passes: 184 GFLOP/token on the same instance. Batch 512, lengths log-normal (median 130,
-    # sigma 1, cap 1024: LMSYS-Chat-1M), 32 instances, BSmax 211 (H100), prompts 128 tokens.
-    peak = 8 * 989e12 * 0.55
-    profile = CostProfile(step_base_s=2.0e-3, step_per_sample_s=2.0e-5, prefill_s_per_token=26e9 / peak,
-                          inference_s_per_token=184e9 / peak)  # fmt: skip
-    sweep, serial = rt_sweep(LengthDistribution(130, 1.0), batch=512, cap=1024, prompt_len=128, instances=32,
-                             profile=profile, bs_max=211, slots=512)  # fmt: skip
-    best_rt, _ = min(sweep, key=lambda x: x[1].gen_inf_s)
-    print(
-        "simulated (rlhfuse.generation.tuning), 13B/33B-shaped costs, 32 instances, batch 512, max len 1024:"
-    )
-    print(f"  serial Gen+Inf {serial.gen_inf_s:.3f} s")
-    for rt, res in sweep:
-        mark = "  <- best" if rt == best_rt else ""
-        print(f"  Rt {rt / 512:4.0%} ({rt:3d})  Gen+Inf {res.gen_inf_s:.3f} s  m={res.destinations:2d}  "
-              f"speedup {serial.gen_inf_s / res.gen_inf_s:.2f}x{mark}")  # fmt: skip
-    from rlhfuse.planner import RLHFModels, Workload, cluster, compare, model
+    from rlhfuse.generation.tuning import CostProfile, simulate
+    from rlhfuse.planner import CostModel, RLHFModels, Workload, cluster, compare, model
+    from rlhfuse.planner.simulate import ModeledCosts, Samples, rt_values
 
-    comp = compare(RLHFModels(model("13b"), model("33b")), cluster("h100", 32, 8), Workload(max_len=1024))
+    models, spec = RLHFModels(model("13b"), model("33b")), cluster("h100", 32, 8)
+    comp = compare(models, spec, Workload(max_len=1024))
     print("planner (rlhfuse.planner.compare, 13B/33B, 32x8 H100, max len 1024): fused Gen+Inf by Rt")
     for frac, seconds in comp.rlhfuse.sweep:
         print(f"  Rt {frac:4.0%}  {seconds:7.3f} s")
     print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
+    cost, tp = CostModel(spec), comp.rlhfuse.gen_tp
+    drawn = Workload(max_len=1024).sample()
+    samples = Samples(np.full(len(drawn), 128, dtype=np.int64), drawn.response)
+    planner = ModeledCosts(cost, models.actor, tp, 128 + 1024, 0.0, models, group=tp)
+    profile = CostProfile.of(planner, samples)
+    lengths, bs_max = samples.response.tolist(), cost.bs_max(models.actor, tp)
+    from rlhfuse.planner import gen_inf_fused, gen_inf_serial
+
+    serial_p = gen_inf_serial(cost, models, samples, tp, tp, max_context=1152, resident_bytes=0.0).end
+    serial_t = simulate(lengths, 128, planner.instances, 0, profile, bs_max=bs_max, slots=10**6).gen_inf_s
+    print(f"tuner vs planner on the same batch (512 samples, prompts 128, gen tp {tp}, {planner.instances} "
+          f"instances, no training state resident): serial {serial_t:.3f} vs {serial_p:.3f} s")  # fmt: skip
+    for frac, rt in rt_values((0.05, 0.1, 0.2, 0.4, 0.6, 0.8), len(lengths)):
+        t = simulate(lengths, 128, planner.instances, rt, profile, bs_max=bs_max, slots=10**6).gen_inf_s
+        p = gen_inf_fused(cost, models, samples, tp, rt, max_context=1152, resident_bytes=0.0).end
+        print(f"  Rt {frac:4.0%}: tuner {t:.3f} s, planner {p:.3f} s ({t / p - 1:+.1%})")
 
 
 def _tail_rate(stats: EngineStats, rt: int) -> tuple[float, int, float]:
