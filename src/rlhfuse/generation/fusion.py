@@ -41,7 +41,7 @@ from rlhfuse.core.types import Experience
 from rlhfuse.generation.coordinator import MigrationReport, balance, migrate
 from rlhfuse.generation.distributed import InstanceFailure
 from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
-from rlhfuse.generation.progress import CountWatch, StealChannel
+from rlhfuse.generation.progress import CountWatch, StealChannel, control_group
 from rlhfuse.generation.transport import PointToPoint, Sending, collective_device
 from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
@@ -132,9 +132,11 @@ def fused_generate_infer(
     finished: list[SampleRequest] = []
     stolen = 0
     engine.add(balance(requests, world)[rank])
+    control, control_device = group, device  # the channels of the count watch and of work stealing
     try:
         if threshold > 0:
-            watch = CountWatch(device, threshold, group)
+            control, control_device = control_group(group)
+            watch = CountWatch(control_device, threshold, control)
             while True:
                 if engine.has_work():
                     finished += engine.step()
@@ -160,9 +162,11 @@ def fused_generate_infer(
         if report.at and rank in report.freed:
             gen_end = time.perf_counter()
             infer.run(finished)
-            stolen = _steal(infer, transport, StealChannel(device, group), report)
+            stolen = _steal(infer, transport, StealChannel(control_device, control), report)
         elif report.at:
-            gen_end = _serve(engine, infer, transport, StealChannel(device, group), report, finished)
+            gen_end = _serve(
+                engine, infer, transport, StealChannel(control_device, control), report, finished
+            )
         else:  # no migration: generate to the end, then infer
             while engine.has_work():
                 finished += engine.step()

@@ -12,7 +12,8 @@ every step. Here no rank waits while it generates:
   with finished, not yet inferred samples (a `SampleBatch` over the `PointToPoint` transport), or with an empty
   batch once it has none left and has finished decoding.
 
-Every tensor handed to a send or receive lives on the given `device` (the transport's: the CPU for gloo).
+Every tensor handed to a send or receive lives on the given `device`; `control_group` gives the group and device
+these messages use (the rollout's group on gloo, a gloo group over the same ranks on other backends).
 """
 
 from __future__ import annotations
@@ -36,6 +37,22 @@ _EMPTY = -(2**62)
 
 def _buffer(device: torch.device) -> torch.Tensor:
     return torch.full((1,), _EMPTY, dtype=torch.int64, device=device)
+
+
+_CONTROL_GROUPS: dict[int, dist.ProcessGroup | None] = {}
+
+
+def control_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, torch.device]:
+    """The group and device of these control messages: `group` itself on gloo (the CPU); otherwise a gloo group
+    over the same ranks, made once (NCCL matches point-to-point messages by order, not by tag, and cannot
+    receive from any rank). Call on every rank of `group` together, as the fused rollout does."""
+    if dist.get_backend(group) == "gloo":
+        return group, torch.device("cpu")
+    key = 0 if group is None else id(group)
+    if key not in _CONTROL_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _CONTROL_GROUPS[key], torch.device("cpu")
 
 
 def _completed(work: dist.Work | None, buf: torch.Tensor | None = None) -> bool:
