@@ -1,11 +1,12 @@
 """Inter-stage fusion: generation + inference, serial vs fused (migration + freed-instance inference), measured
 with 2 generation instances as 2 gloo processes on this machine, and the Rt sweep of the simulator at paper scale.
 
-Measured part: the default job's warm-started models (SFT Actor, Ref, Reward, Critic; long-tailed response
-lengths), its first batch (32 prompts x 4 samples, max_new_tokens 48), one process per instance, one thread each.
-Serial = each instance generates its half, then infers it; fused = at Rt unfinished samples the tail moves (KV
-transfer) to one instance and the other infers finished samples while the tail streams in. Rounds alternate the
-two, the time is rank 0's start to the last inference output (all-gathered). Same samples, same outputs (tested).
+Measured parts: `experiment=longtail`'s and the default job's warm-started models (SFT Actor, Ref, Reward,
+Critic; long-tailed response lengths) and first batch, one process per instance, one thread each. Serial = each
+instance generates its half, then infers it; fused (`fused_generate_infer`) = the ranks watch the unfinished count
+asynchronously, at Rt the tail moves (KV transfer) to one instance, and the other infers its finished samples and
+then steals the destination's finished, not yet inferred ones. Per round serial, then fused at each Rt; the time
+is rank 0's start to the last inference output (all-gathered). Same samples, same outputs (checked per round).
 
 Simulated part: the planner's Figure-9 sweep (`rlhfuse.planner.compare`, 13B / 33B on 32 x 8 H100), and the Rt
 tuner's sweep on the same batch fed the cost model's profile: one simulator, two sources of costs.

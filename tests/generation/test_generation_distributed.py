@@ -166,6 +166,7 @@ def _inferencer():
 def _fusion_worker(rank, port, out_dir):
     import torch.distributed as dist
 
+    from rlhfuse.generation import CostProfile
     from rlhfuse.generation.fusion import fused_generate_infer
 
     torch.set_num_threads(1)
@@ -183,7 +184,8 @@ def _fusion_worker(rank, port, out_dir):
             infer_tokens=40,
         )  # fmt: skip
         torch.save({"experience": result.experience, "freed": result.report.freed, "moved": result.report.samples_moved,
-                    "stolen": result.stolen}, os.path.join(out_dir, f"{name}-rank{rank}.pt"))  # fmt: skip
+                    "stolen": result.stolen, "profile": CostProfile.fit([engine.stats]),
+                    "migrations": engine.stats.migrations}, os.path.join(out_dir, f"{name}-rank{rank}.pt"))  # fmt: skip
     # the trainer's generator on the same world: one instance per rank, the whole rollout on every rank
     from rlhfuse.core.sampling import GeneratorConfig
     from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig, InstanceSetup
@@ -258,10 +260,18 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
     for name in ("fused", "early"):
         runs = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
         assert len(runs[0]["freed"]) <= 1 and runs[0]["freed"] == runs[1]["freed"]
-    # migrating at once: the tail moved, and the freed rank inferred samples the destination finished
+    # migrating at once (the other rank's samples move unless it had already finished them all, when rank 0's
+    # first count arrived late): the freed rank then infers samples the destination finished
     early = [torch.load(tmp_path / f"early-rank{r}.pt", weights_only=False) for r in range(2)]
     (freed,) = early[0]["freed"]
-    assert early[0]["moved"] > 0 and early[freed]["stolen"] > 0 and early[1 - freed]["stolen"] == 0
+    assert early[0]["moved"] == early[1]["moved"]
+    assert early[freed]["stolen"] > 0 and early[1 - freed]["stolen"] == 0
+    # what the Rt tuner reads of a fused run (the destination decoded batches of many sizes): measured
+    # inference, the count watch per step, the migration
+    assert early[0]["migrations"] == early[1]["migrations"] == 1
+    profile = early[1 - freed]["profile"]
+    assert profile.inference_measured and profile.inference_s_per_token > 0
+    assert profile.migration_s > 0 and profile.lockstep_s >= 0
     engine = GenerationEngine(_model(), LONG, num_slots=24, max_len=6 + LONG.max_new_tokens)
     engine.add(_requests())
     done = []

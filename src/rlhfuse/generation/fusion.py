@@ -137,16 +137,21 @@ def fused_generate_infer(
         if threshold > 0:
             control, control_device = control_group(group)
             watch = CountWatch(control_device, threshold, control)
+            steps = (
+                0  # decode steps while watching (idle polls cost nothing the tuner should charge per step)
+            )
             while True:
                 if engine.has_work():
                     finished += engine.step()
+                    steps += 1
                 elif watch.polls:
                     watch.wait_idle()
                 if watch.update(engine.num_unfinished):
                     break
             watch.close()
-            engine.stats.lockstep_seconds += watch.poll_seconds
-            engine.stats.lockstep_steps += watch.polls
+            if steps:
+                engine.stats.lockstep_seconds += watch.poll_seconds
+                engine.stats.lockstep_steps += steps
             migrated = time.perf_counter()
             transport.step = watch.polls
             counts = transport.all_gather_counts(engine.num_unfinished)
