@@ -21,9 +21,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from rlhfuse import distributed
 
 COUNT_TAG, GO_TAG, STEAL_TAG = 11, 12, 13
 _FINAL, _FILLER = -1, -2  # a peer's last count message of a batch, and what fills the receives left posted
@@ -39,23 +41,14 @@ def _buffer(device: torch.device) -> torch.Tensor:
     return torch.full((1,), _EMPTY, dtype=torch.int64, device=device)
 
 
-_CONTROL_GROUPS: dict[int, dist.ProcessGroup | None] = {}
+def control_group(group: Any = None) -> tuple[Any, torch.device]:
+    """The group and device of these control messages: a gloo group over the ranks of `group` (itself on gloo)
+    and the CPU (`rlhfuse.distributed.cpu_group`). Call on every rank of `group` together, as the fused
+    rollout does."""
+    return distributed.cpu_group(group), torch.device("cpu")
 
 
-def control_group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, torch.device]:
-    """The group and device of these control messages: `group` itself on gloo (the CPU); otherwise a gloo group
-    over the same ranks, made once (NCCL matches point-to-point messages by order, not by tag, and cannot
-    receive from any rank). Call on every rank of `group` together, as the fused rollout does."""
-    if dist.get_backend(group) == "gloo":
-        return group, torch.device("cpu")
-    key = 0 if group is None else id(group)
-    if key not in _CONTROL_GROUPS:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _CONTROL_GROUPS[key], torch.device("cpu")
-
-
-def _completed(work: dist.Work | None, buf: torch.Tensor | None = None) -> bool:
+def _completed(work: distributed.Work | None, buf: torch.Tensor | None = None) -> bool:
     """Whether a non-blocking operation finished, without blocking. gloo's receives report completion only
     once waited on, but write the message into the buffer as it arrives: on the CPU a receive is complete when
     its one-int64 buffer no longer holds `_EMPTY` (then `wait` returns at once)."""
@@ -79,20 +72,20 @@ class CountWatch:
 
     device: torch.device
     threshold: int
-    group: dist.ProcessGroup | None = None
+    group: Any | None = None
     window: int = 8
     rank: int = field(init=False)
     world: int = field(init=False)
     counts: list[int] = field(init=False)
     _last: int = -1
-    _sending: list[tuple[dist.Work | None, torch.Tensor]] = field(default_factory=list)
-    _recv: dict[int, deque[tuple[dist.Work | None, torch.Tensor]]] = field(default_factory=dict)
-    _go: tuple[dist.Work | None, torch.Tensor] | None = None
+    _sending: list[tuple[distributed.Work | None, torch.Tensor]] = field(default_factory=list)
+    _recv: dict[int, deque[tuple[distributed.Work | None, torch.Tensor]]] = field(default_factory=dict)
+    _go: tuple[distributed.Work | None, torch.Tensor] | None = None
     polls: int = 0
     poll_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.rank, self.world = distributed.rank(self.group), distributed.world_size(self.group)
         self.counts = [-1] * self.world  # unknown until each rank's first message
         if self.rank == 0:
             for peer in range(1, self.world):
@@ -101,11 +94,11 @@ class CountWatch:
                     self._post(peer)
         else:
             buf = _buffer(self.device)
-            self._go = (dist.irecv(buf, 0, group=self.group, tag=GO_TAG), buf)
+            self._go = (distributed.irecv(buf, 0, group=self.group, tag=GO_TAG), buf)
 
     def _post(self, peer: int) -> None:
         buf = _buffer(self.device)
-        self._recv[peer].append((dist.irecv(buf, peer, group=self.group, tag=COUNT_TAG), buf))
+        self._recv[peer].append((distributed.irecv(buf, peer, group=self.group, tag=COUNT_TAG), buf))
 
     def _drain(self, *, until_final: bool) -> None:
         """Rank 0: read every count message that arrived (with `until_final`: until each peer's final one and
@@ -150,7 +143,9 @@ class CountWatch:
             if min(self.counts) < 0 or sum(self.counts) > self.threshold:
                 return False
             go = torch.ones(1, dtype=torch.int64, device=self.device)
-            works = [dist.isend(go, peer, group=self.group, tag=GO_TAG) for peer in range(1, self.world)]
+            works = [
+                distributed.isend(go, peer, group=self.group, tag=GO_TAG) for peer in range(1, self.world)
+            ]
             self._drain(until_final=True)
             for work in works:
                 if work is not None:
@@ -162,7 +157,7 @@ class CountWatch:
     def _send(self, value: int) -> None:
         self._last = value
         buf = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._sending.append((dist.isend(buf, 0, group=self.group, tag=COUNT_TAG), buf))
+        self._sending.append((distributed.isend(buf, 0, group=self.group, tag=COUNT_TAG), buf))
 
     def close(self) -> None:
         for work, _ in self._sending:
@@ -180,13 +175,13 @@ class StealChannel:
     """Work requests from freed ranks to destinations (the replies travel as `SampleBatch`es)."""
 
     device: torch.device
-    group: dist.ProcessGroup | None = None
-    _incoming: tuple[dist.Work | None, torch.Tensor] | None = None
+    group: Any | None = None
+    _incoming: tuple[distributed.Work | None, torch.Tensor] | None = None
 
-    def request(self, destination: int, rank: int) -> dist.Work | None:
+    def request(self, destination: int, rank: int) -> distributed.Work | None:
         """Ask `destination` for work (non-blocking; its reply is a `SampleBatch`, empty = no more work)."""
         buf = torch.tensor([rank], dtype=torch.int64, device=self.device)
-        work = dist.isend(buf, destination, group=self.group, tag=STEAL_TAG)
+        work = distributed.isend(buf, destination, group=self.group, tag=STEAL_TAG)
         if work is not None:
             work.wait()
         return work
@@ -195,7 +190,7 @@ class StealChannel:
         """A destination: the rank asking for work, if a request has arrived (non-blocking)."""
         if self._incoming is None:
             buf = _buffer(self.device)
-            self._incoming = (dist.irecv(buf, None, group=self.group, tag=STEAL_TAG), buf)
+            self._incoming = (distributed.irecv(buf, None, group=self.group, tag=STEAL_TAG), buf)
         work, buf = self._incoming
         if not _completed(work, buf):
             return None
