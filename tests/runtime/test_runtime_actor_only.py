@@ -1,5 +1,5 @@
 """Critic-free algorithms under the pipeline strategies: the Actor's pipeline alone (1F1B; nothing to fuse it
-with), updates equal to the single-process strategy's, sharded checkpoints without any Critic state."""
+with), updates and inference equal to the single-process ones, sharded checkpoints without any Critic state."""
 
 from __future__ import annotations
 
@@ -139,12 +139,48 @@ def _resume(rank: int, world: int, root: str) -> None:
             assert torch.equal(p, q), (rank, key)
 
 
+def _inference(rank: int, world: int) -> None:
+    """Inference on the Actor-only layouts: Actor/Ref log-probs and Reward scores (the Reward on the critic
+    slot, the Actor's stages reversed) equal the single-process inferencer's; values 0, no Critic forward."""
+    from test_runtime_inference import _rollout
+
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.models import ModelConfig, Transformer
+    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    torch.manual_seed(3)
+    heads = {"actor": "lm", "ref": "lm", "reward": "value"}
+    models = {n: Transformer(ModelConfig.tiny(num_layers=2), head=h).double() for n, h in heads.items()}
+    tokenizer = build_tokenizer()
+    for pp, dp in ((2, 1), (1, 2)):
+        config = InferencerConfig(truncated_score=-5.0)
+        rollout = _rollout(9, seed=pp)
+        oracle = ModelInferencer(
+            config, actor=models["actor"], ref=models["ref"], critic=None, reward_model=models["reward"],
+            reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+        ).infer(rollout)  # fmt: skip
+        layout = actor_only_layout(ModelParallel(pp), dp, world, 2)
+        got = PipelineInferencer(
+            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+            log=lambda _: None,
+        ).infer(rollout)  # fmt: skip
+        for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+            a, b = getattr(got, name), getattr(oracle, name)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"rank {rank} pp={pp}: {name}")
+        assert not bool(got.values_BR.any()) and bool(got.scores_B.abs().sum() > 0)
+
+
 def _worker(rank: int, world: int, root: str) -> None:
     _equivalence(rank, world)
+    _inference(rank, world)
     _resume(rank, world, root)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_critic_free_pipeline_equals_single_process_and_resumes_without_critic(tmp_path: Path) -> None:
+def test_critic_free_pipeline_trains_and_infers_as_single_process_and_resumes_without_critic(
+    tmp_path: Path,
+) -> None:
     run_distributed(_worker, 2, str(tmp_path / "ckpt"), timeout=220)
