@@ -74,7 +74,7 @@ def launched_world_size(nproc_per_node: int) -> int:
 
 def validate_runtime(cfg: Any) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
-    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, actor_only_layout
 
     d = cfg.distributed
     problems: list[str] = []
@@ -87,8 +87,10 @@ def validate_runtime(cfg: Any) -> list[str]:
                 "pipeline=fused or pipeline=serial_1f1b, or distributed.nproc_per_node=1"
             )
         return problems
+    # a critic-free algorithm pipelines the Actor alone (`actor_only_layout`): pipeline.critic_pp is unused
+    critic = _uses_critic(cfg)
     layers = cfg.model.num_layers if cfg.model.sft_path is None else None
-    for key in ("actor_pp", "critic_pp"):
+    for key in ("actor_pp", "critic_pp") if critic else ("actor_pp",):
         value = getattr(p, key)
         if layers is not None and value > layers:
             problems.append(
@@ -99,11 +101,15 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
-    big = max(p.actor_pp, p.critic_pp, 1)
+    critic_pp = p.critic_pp if critic else p.actor_pp
+    big = max(p.actor_pp, critic_pp, 1)
     dp = max(world // big, 1)
     micro = p.microbatches or _derived_microbatches(cfg, dp)
     try:
-        ParallelLayout(ModelParallel(p.actor_pp), ModelParallel(p.critic_pp), dp, world, max(micro, 1))
+        if critic:
+            ParallelLayout(ModelParallel(p.actor_pp), ModelParallel(p.critic_pp), dp, world, max(micro, 1))
+        else:
+            actor_only_layout(ModelParallel(p.actor_pp), dp, world, max(micro, 1))
     except ValueError as err:
         lines = str(err).splitlines()[1:]
         problems += [
@@ -115,6 +121,13 @@ def validate_runtime(cfg: Any) -> list[str]:
             f"= {dp} * {micro}: raise data.mini_batch_size or lower pipeline.microbatches"
         )
     return problems
+
+
+def _uses_critic(cfg: Any) -> bool:
+    """Whether cfg's algorithm trains a Critic (an unknown name: assumed so; AlgorithmConfig names it)."""
+    from rlhfuse.core.advantages import ALGORITHMS, uses_critic
+
+    return cfg.algorithm.name not in ALGORITHMS or uses_critic(cfg.algorithm)
 
 
 def _derived_microbatches(cfg: Any, dp: int) -> int:

@@ -67,9 +67,11 @@ def sharded_construction(config: RLHFConfig, fabric: Fabric) -> dict[str, tuple[
         return None
     from rlhfuse.runtime.strategy import pipeline_layout
 
-    d = config.data
-    layout = pipeline_layout(config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size)
-    held = layout.held_stages(fabric.global_rank)
+    d, with_critic = config.data, uses_critic(config.algorithm)
+    layout = pipeline_layout(
+        config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size, critic=with_critic
+    )
+    held = layout.held_stages(fabric.global_rank)  # critic-free: the critic slot places only the Reward
     actor, critic = (layout.stages("actor"), held["actor"]), (layout.stages("critic"), held["critic"])
     return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
 

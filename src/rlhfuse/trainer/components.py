@@ -116,8 +116,9 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
-    assert models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
-    named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
+    named = {"actor": models.actor, "ref": models.ref}
+    if models.critic is not None:  # none for a critic-free algorithm
+        named["critic"] = models.critic
     if cfg.use_reward_model:
         assert models.reward is not None, "loaded: inferencer.use_reward_model=true"
         named["reward"] = models.reward
@@ -174,11 +175,11 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
     cfg = ctx.config
-    assert ctx.models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
-    pack_stages([ctx.models.actor, ctx.models.critic], cfg.data.packing)
+    critic = ctx.models.critic  # None for a critic-free algorithm: the Actor's pipeline alone
+    pack_stages([ctx.models.actor] + ([] if critic is None else [critic]), cfg.data.packing)
     return FusedPipelineStrategy(
         ctx.models.actor,
-        ctx.models.critic,
+        critic,
         cfg.pipeline,
         cfg.algorithm,
         total_steps=ctx.total_steps,
