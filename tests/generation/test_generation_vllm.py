@@ -64,13 +64,15 @@ def _prompts(count: int, seed: int = 1) -> PromptBatch:
     return PromptBatch(ids, mask, torch.arange(100, 100 + count))
 
 
-def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, bs_max=4):
+def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, bs_max=4, speculative="off"):
     config = GenerationConfig(
         name="vllm",
         sampling=GeneratorConfig(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=STOPS),
         instances=instances,
         vllm=VLLMOptions(vllm_kv_cache_gb=0.25),
     )
+    config.engine.speculative, config.engine.speculative_tokens = speculative, 3
+    assert config.problems() == []
     setup = InstanceSetup(
         EOS, PAD, samples_per_prompt=samples, seed=0, policy=policy or NoMigration(), bs_max=bs_max
     )
@@ -114,6 +116,20 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
     # migration=auto's simulator gets decode-step and prefill costs from vLLM's steps too
     profile = CostProfile.fit([i.stats for i in greedy.instances])
     assert profile is not None and profile.prefill_s_per_token > 0
+
+
+def test_ngram_speculation_is_vllms_own_and_keeps_greedy_tokens(model):
+    """generator.speculative=ngram reaches vLLM as its n-gram speculation (k = generator.speculative_tokens);
+    greedy tokens are those of rlhfuse's engine without speculation."""
+    generator = _generator(model, speculative="ngram")
+    try:
+        prompts = _prompts(6)
+        (rollout,) = generator.generate(prompts, iteration=0)
+        spec = generator.instances[0].engine.vllm_config.speculative_config
+        assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 3
+        assert _rows(rollout) == _engine_tokens(model, prompts, 2)
+    finally:
+        generator.close()
 
 
 def test_weight_sync_reaches_the_engine(model, greedy):

@@ -370,3 +370,18 @@ def test_unseen_problems_within_5_percent_of_the_proven_bound_and_never_over_the
     assert s.lower_bound >= lower_bounds(p, compile_problem(p)).makespan
     if cap is not None:
         assert sim.peak <= cap + 1e-9
+
+
+def test_peak_objective_uses_the_makespan_limit_not_the_hint():
+    # 2 stages, 2 micro-batches, f = b = 1 (activation 1): the optimum 6 needs both micro-batches in flight on
+    # stage 0 (peak 2); with one at a time, stage 0 starts F1 only after B0 ends (at 4), so 8 with peak 1.
+    p = _single(2, 2, 1, 1)
+    c = compile_problem(p)
+    best = exact_search(p, compiled=c, analytic_bound=0.0, time_budget=10)
+    assert best.optimal and best.value == 6 and c.peak(best.order) == 2
+    for limit, peak in ((6.0, 2.0), (7.0, 2.0), (8.0, 1.0)):
+        low = prove(
+            p, compiled=c, objective="peak", upper_order=best.order, makespan_limit=limit, time_budget=10
+        )
+        assert low.optimal and low.value == low.lower_bound == peak
+        assert c.evaluate(low.order)[0] <= limit

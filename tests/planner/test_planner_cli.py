@@ -31,6 +31,12 @@ def test_paper_grid_one_length(tmp_path):
     for c in cells:
         assert GRID_KEYS <= set(c) and c["max_len"] == 512
         assert c["throughput_ratio"] > 0 and c["plan"]["generation"]["tp"] in (1, 2, 4, 8)
+        # the speculative tail, simulated next to migration on the same plans (default k = 4, acceptance 0.4)
+        spec = c["speculation"]
+        assert spec["tokens"] == 4 and spec["acceptance"] == 0.4
+        assert spec["gen_inf_rlhfuse_s"] < c["plan"]["breakdown_s"]["gen_inf"] and spec["spec_gain"] > 1
+    assert main(["paper-grid", "--out", str(out), "--max-lens", "512", "--spec-acceptance", "-1"]) == 0
+    assert all(c["speculation"] is None for c in json.loads(out.read_text()))
 
 
 def test_bad_model_and_bad_batch_are_reported(capsys):

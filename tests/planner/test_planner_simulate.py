@@ -141,3 +141,29 @@ def test_without_a_tail_migration_has_nothing_to_move_and_fusion_gains_nothing()
         assert fused.end == pytest.approx(serial.end)
     with pytest.raises(ValueError, match="rt=64"):
         gen_inf_fused(COST, MODELS, s, 4, 64, max_context=512, resident_bytes=0.0)
+
+
+def test_speculative_tail_pays_in_small_batches_and_never_costs():
+    """The speculative tail in the simulator: sum_{i<=k} a^i tokens per verify step, a verify step priced as the
+    decode step of batch x (k + 1) positions, used only where it beats a plain step (the small tail batches)."""
+    from rlhfuse.planner.simulate import ModeledCosts, Speculation, gen_inf
+
+    assert Speculation(0.5, 3).tokens_per_step == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert Speculation(1.0, 4).tokens_per_step == 5 and Speculation(0.0, 4).tokens_per_step == 1
+    with pytest.raises(ValueError, match=r"acceptance=1\.5"):
+        Speculation(1.5).validate()
+    plain = ModeledCosts(COST, MODELS.actor, 4, 512)
+    spec = ModeledCosts(COST, MODELS.actor, 4, 512, speculation=Speculation(0.6, 4))
+    alive, ctx = np.array([1.0, 4.0, 4096.0]), np.array([300.0, 1200.0, 1.2e6])
+    per_token_plain, per_token_spec = plain.step_time(alive, ctx), spec.step_time(alive, ctx)
+    assert np.all(per_token_spec <= per_token_plain)
+    assert per_token_spec[0] < 0.7 * per_token_plain[0]  # one sample: the step costs what one position costs
+    assert per_token_spec[2] == per_token_plain[2]  # a compute-bound batch: verifying does not pay
+    # a whole batch: fused Gen+Inf faster with the speculative tail, and with acceptance 0 exactly as without
+    s = Workload(global_batch=64, mini_batch=16, max_len=1024).sample()
+    models = dict(models=MODELS, group=4)
+    base = gen_inf(ModeledCosts(COST, MODELS.actor, 4, 1124, **models), s, 13)
+    faster = gen_inf(ModeledCosts(COST, MODELS.actor, 4, 1124, **models, speculation=Speculation(0.6)), s, 13)
+    same = gen_inf(ModeledCosts(COST, MODELS.actor, 4, 1124, **models, speculation=Speculation(0.0)), s, 13)
+    assert faster.end < base.end and faster.generation.end < base.generation.end
+    assert same.end == pytest.approx(base.end)

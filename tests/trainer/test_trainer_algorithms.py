@@ -66,13 +66,28 @@ def test_group_baseline_needs_two_samples_per_prompt():
     )
 
 
-def test_pipeline_strategies_refuse_critic_free_algorithms_saying_what_fusion_remains():
-    cfg = compose_config(["algorithm=grpo", "pipeline=fused"])
-    with pytest.raises(ValueError) as err:
-        validate(cfg)
-    message = str(err.value)
-    assert "pipeline=fused with algorithm=grpo" in message
-    assert "use pipeline=plain" in message and "inter-stage fusion" in message
+def test_pipeline_strategies_run_critic_free_algorithms_actor_only_saying_what_fusion_remains():
+    from rlhfuse.trainer.config import resolve_components
+
+    # critic_pp=3 divides no actor_pp=2 layout: refused with a Critic, unused without one
+    layout = ["distributed.nproc_per_node=2", "pipeline.actor_pp=2", "pipeline.critic_pp=3"]
+    for pipeline in ("fused", "serial_1f1b"):
+        said: list[str] = []
+        cfg = resolve_components(
+            compose_config(["algorithm=grpo", f"pipeline={pipeline}", *layout]), log=said.append
+        )
+        validate(cfg)  # no problem: the Actor's pipeline alone
+        (line,) = [s for s in said if "with algorithm=grpo" in s]
+        assert f"pipeline={pipeline} with algorithm=grpo" in line and "Actor alone with 1F1B" in line
+        assert "inter-stage fusion (migration, early Ref/reward inference) is unchanged" in line
+        assert "pipeline.critic_pp=3 is unused" in line
+        if pipeline == "fused":
+            assert "intra-stage fusion needs two models (Actor and Critic)" in line
+    said = []
+    ppo = resolve_components(compose_config(["algorithm=ppo", "pipeline=fused", *layout]), log=said.append)
+    assert not [s for s in said if "Actor alone" in s]
+    with pytest.raises(ValueError, match=r"pipeline\.critic_pp=3 exceeds model\.num_layers"):
+        validate(ppo)
 
 
 def _experience(scores, groups, logprobs, ref_logprobs, mask):

@@ -33,6 +33,13 @@ class DataConfig:
     max_prompt_length: int = 16
     # What to do with a prompt longer than max_prompt_length: error | left (keep the end) | right (keep the start).
     truncate: TruncateMode = "error"
+    # auto = when the tokenizer has a chat template (tokenizer_config.json or chat_template.jinja), render each
+    # prompt with it (a text prompt as one user turn, a file row's `messages` list as is); none = plain text.
+    chat_template: Literal["auto", "none"] = "auto"
+    # A Python format string each text prompt is rewritten with before tokenising (and before the chat template):
+    # `{prompt}` is the prompt text, `{name}` any field of its row (data=arithmetic: `a`, `op`, `b`, `answer`).
+    # null = the text as is. E.g. "What is {a} {op} {b}? Answer with just the number."
+    prompt_template: str | None = None
     # Batch sizes, by unit. One iteration generates prompts_per_iteration * samples_per_prompt samples.
     prompts_per_iteration: int = 32
     # Responses sampled per prompt (the generator's n).

@@ -35,6 +35,7 @@ from rlhfuse.distributed.collectives import (
 )
 from rlhfuse.distributed.device import (
     backend,
+    cpu_group,
     group_device,
     is_initialized,
     local_rank,
@@ -63,6 +64,7 @@ __all__ = [
     "broadcast_tensors",
     "check_device",
     "copy_to_group",
+    "cpu_group",
     "group_device",
     "irecv",
     "is_initialized",

@@ -77,14 +77,15 @@ def barrier(device: torch.device, group: Any = None) -> None:
 
 
 # ------------------------------------------------------------------ point to point
-def isend(tensor: Tensor, dst: int, *, group: Any = None) -> Work:
+def isend(tensor: Tensor, dst: int, *, group: Any = None, tag: int = 0) -> Work:
     check_device(tensor, "isend", group)
-    return dist.isend(tensor, dst, group=group)
+    return dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: Tensor, src: int | None, *, group: Any = None) -> Work:
+def irecv(tensor: Tensor, src: int | None, *, group: Any = None, tag: int = 0) -> Work:
+    """Non-blocking receive (`src=None`: from any rank, which NCCL cannot do: use a gloo group for that)."""
     check_device(tensor, "irecv", group)
-    return dist.irecv(tensor, src, group=group)
+    return dist.irecv(tensor, src, group=group, tag=tag)
 
 
 def recv(tensor: Tensor, src: int | None = None, *, group: Any = None) -> int:

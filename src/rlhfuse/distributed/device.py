@@ -71,6 +71,22 @@ def new_group(ranks: Sequence[int], timeout_s: float | None = None) -> Any:
     return dist.new_group(list(ranks), **kwargs)
 
 
+_CPU_GROUPS: dict[int, Any] = {}
+
+
+def cpu_group(group: Any = None) -> Any:
+    """A gloo group over the ranks of `group` (the world if None), for small control messages on the CPU:
+    `group` itself when it is gloo, else one made once per group (NCCL matches point-to-point messages by order,
+    not by tag, and cannot receive from any rank). Collective: every rank of `group` calls it together."""
+    if backend(group) == "gloo":
+        return group
+    key = 0 if group is None else id(group)
+    if key not in _CPU_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _CPU_GROUPS[key]
+
+
 def shutdown(device: torch.device | None = None) -> None:
     """Every rank done (a barrier on the collective device), then the process group torn down."""
     if not is_initialized():

@@ -98,7 +98,7 @@ class EngineStats:
     it ended (perf_counter seconds) and how long it took; step_positions: positions per row it computed (1, or
     k+1 for a speculative verify step); step_tokens: tokens it generated; tokens: generated tokens;
     prefill_tokens: prompt (and re-prefill) tokens computed; spec_proposed / spec_accepted: draft tokens verified
-    and accepted."""
+    and accepted; inference_* / lockstep_* / migration*: a fused rollout's measured costs."""
 
     batch_sizes: list[int] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
@@ -111,6 +111,14 @@ class EngineStats:
     busy_seconds: float = 0.0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    # a fused rollout's measured costs (`rlhfuse.generation.fusion`, read by the Rt tuner's `CostProfile.fit`):
+    # inference calls, the count watch per decode step before the migration, the migration itself
+    inference_seconds: float = 0.0
+    inference_tokens: int = 0
+    lockstep_seconds: float = 0.0
+    lockstep_steps: int = 0
+    migration_seconds: float = 0.0
+    migrations: int = 0
 
     def tokens_per_second(self) -> float:
         return self.tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0

@@ -1,24 +1,35 @@
 """Inter-stage fusion across processes (DESIGN §2): generation with migration, then the freed instances run
 inference (Actor/Ref log-probs, Critic values, reward) on finished samples while the destinations finish the
-tail and stream each tail sample to them as it finishes.
+tail, and take (steal) the destinations' finished samples that are not inferred yet.
 
 `fused_generate_infer` runs on every rank of an initialised process group, one generation instance per rank:
 
-1. all ranks generate their share in lockstep until Rt samples remain (`DistributedCoordinator`), then migrate;
-2. freed ranks infer their own finished samples in micro-batches, then receive (point-to-point) the tail samples
-   as the destinations finish them and infer them as they arrive; destinations decode the tail and send
-   (non-blocking, so decoding never waits on inference), then infer their own samples finished before the
-   migration;
+1. every rank generates its share; with Rt > 0 the ranks watch the total unfinished count asynchronously
+   (`rlhfuse.generation.progress.CountWatch`: no lockstep, no per-step collective) and, when Rt samples remain,
+   all run the one `migrate` (`rlhfuse.generation.coordinator`);
+2. freed ranks infer their own finished samples, then ask the destinations for work (`StealChannel`): each
+   answer is a batch of finished, not yet inferred samples of the destination (its samples finished before the
+   migration, then the tail as it finishes), up to the inference token budget; destinations poll for requests
+   between decode steps (decoding never waits on inference), and after the tail infer what is left of their own
+   samples, still serving requests between micro-batches, until none is left;
 3. every rank all-gathers the per-sample results and returns the same `Experience`, rows in canonical order.
 
-With `threshold=0` it is the serial baseline: every rank generates its share to the end, then infers it.
-Results equal the serial ones up to floating-point reassociation (micro-batches pad differently).
+Inference runs in micro-batches by token budget: samples in finishing order, as many per forward as fit in
+`infer_tokens` padded tokens (at most `micro_batch` samples).
+
+With `threshold=0` it is the serial baseline: every rank generates its share to the end, then infers it, and the
+ranks do not communicate until the final all-gather. Results equal the serial ones up to floating-point
+reassociation (micro-batches pad differently).
+
+The rank's `engine.stats` receives the measured fused-run costs the Rt tuner reads (`CostProfile.fit`):
+inference seconds and tokens, the count watch's seconds per decode step, the migration's seconds.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,36 +38,71 @@ from torch import Tensor
 
 from rlhfuse.core.protocols import Inferencer, SwapsWeights
 from rlhfuse.core.types import Experience
-from rlhfuse.generation.coordinator import MigrationReport
-from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure
+from rlhfuse.generation.coordinator import MigrationReport, balance, migrate
+from rlhfuse.generation.distributed import InstanceFailure
 from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
-from rlhfuse.generation.transport import PointToPoint, Sending
+from rlhfuse.generation.progress import CountWatch, StealChannel, control_group
+from rlhfuse.generation.transport import PointToPoint, Sending, collective_device
 from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
 
 @dataclass
 class FusedResult:
     """The batch's Experience (same on every rank), this rank's migration report, and timings in seconds:
-    generation (this rank's last decode step), gen_inf (wall time to the last inference output, all ranks)."""
+    generation (this rank's last decode step), gen_inf (wall time to the last inference output, all ranks),
+    inference (this rank's inference calls) and stolen (samples this rank inferred for a destination)."""
 
     experience: Experience
     report: MigrationReport
     generation_s: float
     gen_inf_s: float
+    inference_s: float = 0.0
+    stolen: int = 0
 
 
-def _infer(inferencer: Inferencer, samples: Sequence[SampleRequest], pad: int) -> list[InferredSample]:
-    if not samples:
-        return []
-    exp = inferencer.infer(to_rollout(samples, pad))
-    out = []
-    for b, r in enumerate(samples):
-        n = len(r.tokens)
-        out.append(
-            InferredSample(r, exp.logprobs_BR[b, :n].clone(), exp.ref_logprobs_BR[b, :n].clone(),
-                           exp.values_BR[b, :n].clone(), float(exp.scores_B[b]))
-        )  # fmt: skip
-    return out
+def token_batches(samples: Sequence[SampleRequest], budget: int, most: int) -> Iterator[list[SampleRequest]]:
+    """`samples` in order, cut into micro-batches of at most `most` samples whose padded size (samples x the
+    longest prompt + response) stays within `budget` tokens (a longer sample alone)."""
+    batch: list[SampleRequest] = []
+    longest = 0
+    for s in samples:
+        n = len(s.prompt_P) + len(s.tokens)
+        if batch and (len(batch) >= most or (len(batch) + 1) * max(longest, n) > budget):
+            yield batch
+            batch, longest = [], 0
+        batch.append(s)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+class _Inference:
+    """This rank's inference calls, timed (seconds and tokens go to the engine's stats)."""
+
+    def __init__(self, inferencer: Inferencer, engine: GenerationEngine, pad: int, budget: int, most: int):
+        self.inferencer, self.engine, self.pad, self.budget, self.most = inferencer, engine, pad, budget, most
+        self.rows: list[InferredSample] = []
+        self.seconds = 0.0
+
+    def run(self, samples: Sequence[SampleRequest]) -> None:
+        for batch in token_batches(samples, self.budget, self.most):
+            self.one(batch)
+
+    def one(self, samples: Sequence[SampleRequest]) -> None:
+        if not samples:
+            return
+        start = time.perf_counter()
+        exp = self.inferencer.infer(to_rollout(samples, self.pad))
+        for b, r in enumerate(samples):
+            n = len(r.tokens)
+            self.rows.append(
+                InferredSample(r, exp.logprobs_BR[b, :n].clone(), exp.ref_logprobs_BR[b, :n].clone(),
+                               exp.values_BR[b, :n].clone(), float(exp.scores_B[b]))
+            )  # fmt: skip
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        self.engine.stats.inference_seconds += seconds
+        self.engine.stats.inference_tokens += sum(len(r.prompt_P) + len(r.tokens) for r in samples)
 
 
 def fused_generate_infer(
@@ -68,64 +114,70 @@ def fused_generate_infer(
     bs_max: int,
     mechanism: str = "auto",
     micro_batch: int = 8,
+    infer_tokens: int = 0,
     pad_token_id: int = 0,
     group: dist.ProcessGroup | None = None,
-    sync_every: int = 1,
+    link_bytes_per_s: float = 1e9,
 ) -> FusedResult:
+    """One batch's generation + inference on this rank (see the module). `micro_batch`: most samples per
+    inference forward; `infer_tokens`: padded tokens per forward (0 = `micro_batch` x the batch's longest
+    possible sequence, i.e. count-bounded)."""
     start = time.perf_counter()
-    coordinator = DistributedCoordinator(
-        engine, bs_max=bs_max, mechanism=mechanism, group=group, sync_every=sync_every
-    )
-    transport: PointToPoint = coordinator.transport
-    rank = coordinator.rank
-    rows: list[InferredSample] = []
+    device = collective_device(group, engine.device)
+    transport = PointToPoint(device, group)
+    rank, world = transport.rank, transport.world
+    width = max(len(r.prompt_P) for r in requests) + engine.params.max_new_tokens
+    infer = _Inference(inferencer, engine, pad_token_id, infer_tokens or micro_batch * width, micro_batch)
+    report = MigrationReport(threshold=threshold)
     finished: list[SampleRequest] = []
-    stream = coordinator.run(requests, threshold=threshold)
-    # generate until this rank is free (migration moved its tail away) or done
-    for sample in stream:
-        finished.append(sample)
-        if coordinator.report.at and rank in coordinator.report.freed:
-            break
-    report = coordinator.report
-    if isinstance(inferencer, SwapsWeights):
-        # the tail starts here (a destination decodes it next; a freed rank infers now; without migration
-        # generation is over): frozen models' weights start moving onto the device
-        inferencer.prefetch()
+    stolen = 0
+    engine.add(balance(requests, world)[rank])
+    control, control_device = group, device  # the channels of the count watch and of work stealing
     try:
+        if threshold > 0:
+            control, control_device = control_group(group)
+            watch = CountWatch(control_device, threshold, control)
+            steps = (
+                0  # decode steps while watching (idle polls cost nothing the tuner should charge per step)
+            )
+            while True:
+                if engine.has_work():
+                    finished += engine.step()
+                    steps += 1
+                elif watch.polls:
+                    watch.wait_idle()
+                if watch.update(engine.num_unfinished):
+                    break
+            watch.close()
+            if steps:
+                engine.stats.lockstep_seconds += watch.poll_seconds
+                engine.stats.lockstep_steps += steps
+            migrated = time.perf_counter()
+            transport.step = watch.polls
+            counts = transport.all_gather_counts(engine.num_unfinished)
+            if sum(counts):
+                migrate({rank: engine}, counts, transport, bs_max=bs_max, mechanism=mechanism,
+                        link_bytes_per_s=link_bytes_per_s, report=report)  # fmt: skip
+                engine.stats.migration_seconds += time.perf_counter() - migrated
+                engine.stats.migrations += 1
+        if isinstance(inferencer, SwapsWeights):
+            # the tail starts here (a destination decodes it next; a freed rank infers now; without migration
+            # generation is over): frozen models' weights start moving onto the device
+            inferencer.prefetch()
         if report.at and rank in report.freed:
             gen_end = time.perf_counter()
-            for k in range(0, len(finished), micro_batch):
-                rows += _infer(inferencer, finished[k : k + micro_batch], pad_token_id)
-            open_streams = set(report.decision.destinations if report.decision else ())
-            batch: list[SampleRequest] = []
-            while open_streams:
-                src, packed = transport.recv_packed()  # from any destination; an empty batch ends its stream
-                arrived = SampleBatch.unpack(packed).requests
-                if not arrived:
-                    open_streams.discard(src)
-                batch += arrived
-                if len(batch) >= micro_batch or (not open_streams and batch):
-                    rows += _infer(inferencer, batch, pad_token_id)
-                    batch = []
+            infer.run(finished)
+            stolen = _steal(infer, transport, StealChannel(control_device, control), report)
         elif report.at:
-            # a destination: stream the tail samples to the freed ranks as they finish (round robin), then infer
-            # its own samples that finished before the migration (as it would have without fusion)
-            freed = list(report.freed)
-            pending: list[Sending] = []
-            for sent, sample in enumerate(stream):
-                pending.append(transport.isend(SampleBatch.of([sample]).pack(), freed[sent % len(freed)]))
-            gen_end = time.perf_counter()
-            pending += [transport.isend(SampleBatch([]).pack(), dst) for dst in freed]
-            for k in range(0, len(finished), micro_batch):
-                rows += _infer(inferencer, finished[k : k + micro_batch], pad_token_id)
-            for sending in pending:
-                sending.wait()
+            gen_end = _serve(
+                engine, infer, transport, StealChannel(control_device, control), report, finished
+            )
         else:  # no migration: generate to the end, then infer
-            finished += list(stream)
+            while engine.has_work():
+                finished += engine.step()
             gen_end = time.perf_counter()
-            for k in range(0, len(finished), micro_batch):
-                rows += _infer(inferencer, finished[k : k + micro_batch], pad_token_id)
-        gathered = transport.all_gather(InferredBatch(rows).pack())
+            infer.run(finished)
+        gathered = transport.all_gather(InferredBatch(infer.rows).pack())
         gen_inf = time.perf_counter() - start
     except RuntimeError as err:
         raise InstanceFailure(f"fused generation+inference on rank {rank} failed: {err}") from err
@@ -136,7 +188,83 @@ def fused_generate_infer(
         raise InstanceFailure(
             f"fused generation+inference lost samples: got rows {[r.request.row for r in all_rows]}"
         )
-    return FusedResult(_assemble(all_rows, pad_token_id), report, gen_end - start, gen_inf)
+    return FusedResult(
+        _assemble(all_rows, pad_token_id), report, gen_end - start, gen_inf, infer.seconds, stolen
+    )
+
+
+def _steal(infer: _Inference, transport: PointToPoint, channel: StealChannel, report: MigrationReport) -> int:
+    """A freed rank: ask the destinations for work in turn and infer each answer, until every one has said it
+    has none left (an empty batch). Returns the samples inferred for them."""
+    open_ = deque(report.decision.destinations if report.decision else ())
+    stolen = 0
+    while open_:
+        destination = open_.popleft()
+        channel.request(destination, transport.rank)
+        _, packed = transport.recv_packed(destination)
+        got = SampleBatch.unpack(packed).requests
+        if not got:
+            continue  # that destination is done
+        open_.append(destination)
+        infer.one(got)
+        stolen += len(got)
+    return stolen
+
+
+def _serve(
+    engine: GenerationEngine,
+    infer: _Inference,
+    transport: PointToPoint,
+    channel: StealChannel,
+    report: MigrationReport,
+    finished: list[SampleRequest],
+) -> float:
+    """A destination: decode the tail, handing finished, not yet inferred samples to the freed ranks that ask
+    (between decode steps, then between its own inference micro-batches), until none is left and each freed
+    rank has been told. Returns when decoding ended."""
+    queue = deque(finished)
+    waiting: deque[int] = deque()  # freed ranks whose request has no answer yet
+    done_told: set[int] = set()
+    freed = set(report.freed)
+    sends: list[Sending] = []
+
+    def take() -> list[SampleRequest]:
+        return next(token_batches(list(queue), infer.budget, infer.most), []) if queue else []
+
+    def expecting() -> bool:
+        """Whether a request can still come: a freed rank not told yet and not waiting for an answer (each
+        asks again only once answered, so no receive is left posted when the batch ends)."""
+        return bool(freed - done_told - set(waiting))
+
+    def answer(decoding: bool) -> None:
+        while expecting() and (asker := channel.poll()) is not None:
+            waiting.append(asker)
+        while waiting and (queue or not decoding):
+            asker = waiting.popleft()
+            batch = take()
+            for _ in batch:
+                queue.popleft()
+            if not batch:
+                done_told.add(asker)
+            sends.append(transport.isend(SampleBatch.of(batch).pack(), asker))
+
+    while engine.has_work():
+        queue.extend(engine.step())
+        answer(decoding=True)
+    gen_end = time.perf_counter()
+    while queue:
+        answer(decoding=False)
+        batch = take()
+        for _ in batch:
+            queue.popleft()
+        infer.one(batch)
+    while done_told != freed:  # tell every freed rank there is no more work here
+        answer(decoding=False)
+        if expecting():
+            waiting.append(channel.wait())
+    for sending in sends:
+        sending.wait()
+    return gen_end
 
 
 def _assemble(rows: list[InferredSample], pad: int) -> Experience:

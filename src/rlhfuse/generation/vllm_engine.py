@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,38 @@ def import_vllm() -> Any:
     return require("vllm")
 
 
+NGRAM_LOOKUP = (1, 3)
+"""vLLM's n-gram proposer window (prompt_lookup_min, prompt_lookup_max): the n = 3 down to 1 of rlhfuse's
+drafter (`rlhfuse.generation.speculative`)."""
+
+
+def _literal_values(tp: Any) -> set[str]:
+    """Every string of a (nested) `Literal` type."""
+    args = typing.get_args(tp)
+    return {a for a in args if isinstance(a, str)} | {v for a in args if not isinstance(a, str)
+                                                      for v in _literal_values(a)}  # fmt: skip
+
+
+def ngram_speculative_config(vllm: Any, tokens: int) -> dict[str, Any]:
+    """`generator.speculative=ngram` as vLLM's own n-gram speculation: `speculative_config` method "ngram",
+    `num_speculative_tokens` = `generator.speculative_tokens`, or a clear error where the installed vllm has
+    no n-gram method."""
+    speculative = getattr(getattr(vllm, "config", None), "speculative", None)
+    methods = _literal_values(getattr(speculative, "SpeculativeMethod", None))
+    if "ngram" not in methods:
+        raise ValueError(
+            f"generator.speculative=ngram with generator=vllm passes through vLLM's n-gram speculation "
+            f"(speculative_config method 'ngram'), which the installed vllm "
+            f"{getattr(vllm, '__version__', '?')} does not offer: install a vllm with it (>= 0.10), or set "
+            "generator.speculative=off, or use generator=engine (rlhfuse's own lossless speculation)"
+        )
+    if tokens < 1:
+        raise ValueError(f"generator.speculative_tokens={tokens} must be >= 1")
+    low, high = NGRAM_LOOKUP
+    return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_min": low,
+            "prompt_lookup_max": high}  # fmt: skip
+
+
 @contextlib.contextmanager
 def _hidden_modules(*names: str) -> Iterator[None]:
     """Take modules out of `sys.modules` for a moment. vLLM 0.32's CPU worker rebinds Triton kernels by
@@ -143,11 +176,20 @@ class VLLMInstance:
         kv_cache_bytes: int = 1 << 30,
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
+        speculative: str = "off",
+        speculative_tokens: int = 4,
     ) -> None:
         vllm = import_vllm()
         check_vllm_supported(model_config, device)
         self.params = params
         kwargs: dict[str, Any] = {}
+        if speculative == "ngram":
+            kwargs["speculative_config"] = ngram_speculative_config(vllm, speculative_tokens)
+        elif speculative != "off":
+            raise ValueError(
+                f"generator.speculative={speculative} with generator=vllm: vLLM's own speculation is passed "
+                "through for ngram only; set generator.speculative=ngram or off"
+            )
         if torch.device(device).type == "cpu":
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
@@ -373,6 +415,8 @@ class VLLMGenerator:
                     kv_cache_bytes=int(self.config.vllm.vllm_kv_cache_gb * (1 << 30)),
                     gpu_memory_utilization=self.config.vllm.vllm_gpu_memory_utilization,
                     seed=self.seed,
+                    speculative=self.config.engine.speculative,
+                    speculative_tokens=self.config.engine.speculative_tokens,
                 )
             )
         for instance in self.instances:

@@ -107,9 +107,10 @@ def prove(
     """Solve (or bound) `problem` exactly with CP-SAT, warm-started from `upper_order`.
 
     objective: "makespan" (minimise the makespan; peak activation under the problem's cap), or "peak"
-        (minimise the largest per-rank peak activation with makespan <= `makespan_limit`).
-    upper_order: a valid order (e.g. the annealing result): its times are the solver's hint and its makespan
-        the horizon (an order is needed for `objective="peak"`).
+        (minimise the largest per-rank peak activation with makespan <= `makespan_limit`, which is then the
+        horizon: a limit above the hint's makespan lets the solver trade makespan for memory).
+    upper_order: a valid order (e.g. the annealing result): its times are the solver's hint and, for the
+        makespan objective, its makespan the horizon (an order is needed for `objective="peak"`).
     analytic_bound: a bound already known (`Bounds.makespan`); the result never reports less.
     time_budget: wall-clock seconds for the solver; `deterministic_budget`, when set, is CP-SAT's deterministic
         time limit instead (with `workers=1` the result then does not depend on the machine's speed or load).
@@ -182,7 +183,9 @@ def prove(
     horizon = int((hint_start + dur).max()) if hint_start is not None else int(dur.sum())
     if objective == "peak":
         assert makespan_limit is not None
-        horizon = min(horizon, math.floor(makespan_limit * t_scale + 1e-6)) if t_exact else horizon
+        # The limit, not the hint's makespan: a schedule up to the limit may hold less activation.
+        # (Rounded-down durations only shorten schedules, so the limit stays valid without exact times.)
+        horizon = math.floor(makespan_limit * t_scale + 1e-6)
     lb_scaled = (
         math.ceil(analytic_bound * t_scale - 1e-6) if t_exact else math.floor(analytic_bound * t_scale)
     )

@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
+from rlhfuse.planner.grid import PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
-from rlhfuse.planner.simulate import RLHFModels, Workload
+from rlhfuse.planner.simulate import RLHFModels, Speculation, Workload
 from rlhfuse.planner.specs import DEVICES, ModelSpec, cluster, model
 
 
@@ -90,6 +90,7 @@ def _rt_cell(fraction: float | None) -> str:
 def grid_table(comps: Sequence[Comparison]) -> str:
     """The grid against the paper's ranges, one row per setting."""
     head = (f"{'actor/critic':<12} {'len':>5} | {'throughput':>10} {'gen+inf':>8} {'train':>6} {'train@LB':>8} | "
+            f"{'spec':>5} {'gi+spec':>7} | "
             f"{'Rt':>4} {'m':>3} {'gen tp':>6} {'train (actor | critic)':<40} {'sched':<6}")  # fmt: skip
     rows = [head, "-" * len(head)]
     for c in comps:
@@ -98,7 +99,8 @@ def grid_table(comps: Sequence[Comparison]) -> str:
         m = p.migration.m if p.migration else 0
         rows.append(
             f"{p.models.name:<12} {p.workload.max_len:>5} | {c.throughput_ratio:>10.2f} {c.gen_inf_ratio:>8.2f} "
-            f"{c.train_ratio:>6.2f} {c.train_ratio_bound:>8.2f} | {_rt_cell(p.rt_fraction):>4} {m:>3} {p.gen_tp:>6} "
+            f"{c.train_ratio:>6.2f} {c.train_ratio_bound:>8.2f} | {c.spec_gain:>5.2f} {c.spec_gen_inf_ratio:>7.2f} | "
+            f"{_rt_cell(p.rt_fraction):>4} {m:>3} {p.gen_tp:>6} "
             f"{f'dp{a.dp} pp{a.pp} tp{a.tp} b{a.micro_batch} | dp{cr.dp} pp{cr.pp} tp{cr.tp} b{cr.micro_batch}':<40} "
             f"{p.train.mode:<6}"
         )
@@ -107,6 +109,13 @@ def grid_table(comps: Sequence[Comparison]) -> str:
     rows.append("-" * len(head))
     rows.append("ours:  " + ", ".join(f"{k} {lo[k]:.2f}-{hi[k]:.2f}" for k in PAPER_RANGES))
     rows.append("paper: " + ", ".join(f"{k} {a}-{b}" for k, (a, b) in PAPER_RANGES.items()))
+    spec = next((c.speculation for c in comps if c.speculation is not None), None)
+    if spec is not None:
+        rows.append(
+            f"spec = RLHFuse Gen+Inf without / with the speculative tail (k={spec.tokens}, acceptance "
+            f"{spec.acceptance:.0%}, {spec.tokens_per_step:.2f} tokens per verify step, verifying where it pays); "
+            "gi+spec = RLHFuse-Base Gen+Inf / RLHFuse's with migration and the speculative tail"
+        )
     return "\n".join(rows)
 
 
@@ -137,6 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_grid.add_argument("--out", type=Path, default=Path("GRID.json"), help="JSON output (default GRID.json)")
     p_grid.add_argument("--png", type=Path, help="bar chart of every cell")
     p_grid.add_argument("--max-lens", type=int, nargs="+", default=[512, 1024, 2048])
+    p_grid.add_argument(
+        "--spec-acceptance", type=float, default=SPECULATION.acceptance,
+        help="speculative tail: probability a draft token is accepted (default %(default)s; < 0: off)",
+    )  # fmt: skip
+    p_grid.add_argument(
+        "--spec-tokens", type=int, default=SPECULATION.tokens,
+        help="speculative tail: draft tokens verified per step (default %(default)s)",
+    )  # fmt: skip
     p_sweep = sub.add_parser("rt-sweep", help="fused Gen+Inf time against the migration threshold (Figure 9)")
     _common(p_sweep)
     p_sweep.add_argument("--png", type=Path, help="line chart of the sweep")
@@ -157,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_lens=tuple(args.max_lens), cluster_spec=spec, global_batch=args.global_batch,
                 mini_batch=args.mini_batch, seed=args.seed, responses=_responses(args), even_pp=not args.uneven_pp,
                 search_seconds=args.search_seconds,
+                speculation=None if args.spec_acceptance < 0 else Speculation(args.spec_acceptance, args.spec_tokens),
             )  # fmt: skip
             seconds = time.perf_counter() - start
             print(grid_table(comps))

@@ -8,8 +8,16 @@ from typing import Any
 
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
-from rlhfuse.planner.search import Plan, PruneStats, search_plan
-from rlhfuse.planner.simulate import RLHFModels, Workload, searched_training
+from rlhfuse.planner.search import Plan, PruneStats, resident_train_bytes, search_plan
+from rlhfuse.planner.simulate import (
+    ModeledCosts,
+    RLHFModels,
+    Samples,
+    Speculation,
+    Workload,
+    gen_inf,
+    searched_training,
+)
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, Efficiency, cluster, model
 
 PAPER_PAIRS = (("13B", "33B"), ("33B", "13B"), ("33B", "65B"), ("65B", "33B"))
@@ -17,6 +25,9 @@ PAPER_PAIRS = (("13B", "33B"), ("33B", "13B"), ("33B", "65B"), ("65B", "33B"))
 PAPER_MAX_LENS = (512, 1024, 2048)
 PAPER_CLUSTER = ("h100", 32, 8)
 """32 nodes x 8 H100-80GB."""
+SPECULATION = Speculation(acceptance=0.4, tokens=4)
+"""The speculative tail `rlhfuse-plan paper-grid` simulates by default: k = 4 draft tokens, 40% of them
+accepted (what `generator.speculative=auto` measured on the tail of `experiment=longtail`, docs/generation.md)."""
 PAPER_RANGES = {"throughput_ratio": (1.2, 1.4), "gen_inf_ratio": (1.2, 1.6), "train_ratio": (1.2, 1.3)}
 """What the paper reports for RLHFuse / RLHFuse-Base (Figures 7 and 8), to compare our predictions against."""
 
@@ -30,6 +41,9 @@ class Comparison:
     prune: PruneStats
     seconds: float
     """Wall time of planning both."""
+    speculation: Speculation | None = None
+    spec_gen_inf: tuple[float, float] | None = None
+    """(RLHFuse-Base, RLHFuse) Gen+Inf seconds with the speculative tail `speculation` (the same plans)."""
 
     @property
     def throughput_ratio(self) -> float:
@@ -44,9 +58,31 @@ class Comparison:
         return self.base.breakdown.training / self.rlhfuse.breakdown.training
 
     @property
+    def spec_gain(self) -> float:
+        """RLHFuse's Gen+Inf without / with the speculative tail (nan without `speculation`)."""
+        return self.rlhfuse.breakdown.gen_inf / self.spec_gen_inf[1] if self.spec_gen_inf else float("nan")
+
+    @property
+    def spec_gen_inf_ratio(self) -> float:
+        """RLHFuse-Base's Gen+Inf over RLHFuse's with migration and the speculative tail (nan without)."""
+        return self.base.breakdown.gen_inf / self.spec_gen_inf[1] if self.spec_gen_inf else float("nan")
+
+    @property
     def train_ratio_bound(self) -> float:
         """Training ratio if the fused schedule reached its lower bound (what annealing reaches on most settings)."""
         return self.base.breakdown.training / min(self.rlhfuse.train_bound, self.rlhfuse.breakdown.training)
+
+    def _speculation_dict(self) -> dict[str, Any] | None:
+        if self.speculation is None or self.spec_gen_inf is None:
+            return None
+        return {
+            "acceptance": self.speculation.acceptance,
+            "tokens": self.speculation.tokens,
+            "gen_inf_base_s": self.spec_gen_inf[0],
+            "gen_inf_rlhfuse_s": self.spec_gen_inf[1],
+            "spec_gain": self.spec_gain,
+            "spec_gen_inf_ratio": self.spec_gen_inf_ratio,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +93,7 @@ class Comparison:
             "gen_inf_ratio": self.gen_inf_ratio,
             "train_ratio": self.train_ratio,
             "train_ratio_bound": self.train_ratio_bound,
+            "speculation": self._speculation_dict(),
             "plan": self.rlhfuse.to_dict(),
             "base_plan": self.base.to_dict(),
             "planner_seconds": self.seconds,
@@ -71,11 +108,13 @@ def compare(
     *,
     even_pp: bool = True,
     search_seconds: float = 0.0,
+    speculation: Speculation | None = None,
 ) -> Comparison:
     """Plan both systems on the same sampled batch (`even_pp`: see `search.train_layouts`).
 
     `search_seconds` > 0 re-schedules RLHFuse's fused training with `rlhfuse.pipeline`'s annealing search
-    (instead of the greedy list schedule) for that long."""
+    (instead of the greedy list schedule) for that long. With `speculation`, both plans' Gen+Inf are also
+    simulated with the speculative tail (`speculative_gen_inf`)."""
     start = time.perf_counter()
     cost = CostModel(cluster_spec, eff)
     samples = workload.validate().sample()
@@ -87,7 +126,32 @@ def compare(
         train = searched_training(cost, models, fused.train, workload, seq, search_seconds)
         b = fused.breakdown
         fused = replace(fused, train=train, breakdown=replace(b, training=train.total))
-    return Comparison(fused, base, stats, time.perf_counter() - start)
+    spec = None
+    if speculation is not None:
+        spec = tuple(speculative_gen_inf(cost, p, samples, speculation.validate()) for p in (base, fused))
+    return Comparison(
+        fused,
+        base,
+        stats,
+        time.perf_counter() - start,
+        speculation,
+        None if spec is None else (spec[0], spec[1]),
+    )
+
+
+def speculative_gen_inf(cost: CostModel, plan: Plan, samples: Samples, speculation: Speculation) -> float:
+    """`plan`'s Gen+Inf seconds with the speculative tail: its generation layout, inference layout and Rt
+    re-simulated on `samples` with and without `speculation`, the difference taken off its Gen+Inf."""
+    fused = plan.rt_fraction is not None
+    costs = ModeledCosts(
+        cost, plan.models.actor, plan.gen_tp, plan.workload.max_context,
+        resident_train_bytes(cost, plan.models, plan.train.actor, plan.train.critic), plan.models,
+        None if fused else plan.inference_tp, critic_train=(plan.train.critic.tp, plan.train.critic.pp),
+    )  # fmt: skip
+    rt = round(plan.rt_fraction * len(samples)) if plan.rt_fraction is not None else None
+    plain = gen_inf(costs, samples, rt).end
+    with_spec = gen_inf(replace(costs, speculation=speculation), samples, rt).end
+    return plan.breakdown.gen_inf - (plain - with_spec)
 
 
 def paper_grid(
@@ -102,6 +166,7 @@ def paper_grid(
     responses: LengthDistribution = RESPONSES,
     even_pp: bool = True,
     search_seconds: float = 0.0,
+    speculation: Speculation | None = SPECULATION,
 ) -> list[Comparison]:
     """The paper's grid: Actor/Critic pairs x max generation lengths on 32 x 8 H100, batch 512, mini-batch 64."""
     spec = cluster_spec or cluster(*PAPER_CLUSTER)
@@ -116,5 +181,8 @@ def paper_grid(
                 responses=responses,
             )
             pair = RLHFModels(model(actor), model(critic))
-            out.append(compare(pair, spec, workload, eff, even_pp=even_pp, search_seconds=search_seconds))
+            out.append(
+                compare(pair, spec, workload, eff, even_pp=even_pp, search_seconds=search_seconds,
+                        speculation=speculation)
+            )  # fmt: skip
     return out

@@ -120,7 +120,8 @@ def train_layouts(
     return out
 
 
-def _states(cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout) -> float:
+def resident_train_bytes(cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout) -> float:
+    """Training states (weights, gradients, optimizer) of both trained models resident on one device."""
     return cost.train_state_bytes(models.actor, "lm", a.tp, a.pp) + cost.train_state_bytes(
         models.critic, "value", c.tp, c.pp
     )
@@ -166,7 +167,7 @@ def search_training(
     fused_pairs: list[tuple[float, float, TrainLayout, TrainLayout]] = []
     for a in la:
         for c in lc:
-            states = _states(cost, models, a, c)
+            states = resident_train_bytes(cost, models, a, c)
             if states + max(act_a[a], act_c[c]) <= usable:
                 serial.append((ta[a] + tc[c], states, a, c))
             else:
@@ -197,7 +198,7 @@ def search_training(
     frontier = [r for _, _, r in _frontier(keyed)]
     out = []
     for r in frontier:
-        states = _states(cost, models, r.actor, r.critic)
+        states = resident_train_bytes(cost, models, r.actor, r.critic)
         bounds = [b for b, st, _, _ in fused_pairs if st <= states] + [r.per_minibatch]
         out.append(replace(r, bound=min(bounds)))
     return out
@@ -379,7 +380,7 @@ def _best_gen_inf(
     stats: PruneStats,
     cache: dict[int, Unmigrated],
 ) -> Plan | None:
-    resident = _states(cost, models, train.actor, train.critic)
+    resident = resident_train_bytes(cost, models, train.actor, train.critic)
     critic_train = (train.critic.tp, train.critic.pp)
     kv_tok = cost.kv_bytes_per_token(models.actor)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -187,12 +187,8 @@ def decode_instances(
 
 
 def generate_unmigrated(cost: CostModel, actor: ModelSpec, samples: Samples, tp: int) -> Unmigrated:
-    n = cost.cluster.gpus // tp
-    inst = np.arange(len(samples)) % n
-    prefill_end = np.array([cost.prefill_time(actor, samples.prompt[inst == i], tp) for i in range(n)])
-    return decode_instances(
-        lambda alive, ctx: cost.decode_step_time(actor, tp, alive, ctx), samples, n, prefill_end, tp
-    )
+    """`unmigrated_generation` on the cost model's figures (`ModeledCosts`)."""
+    return replace(unmigrated_generation(ModeledCosts(cost, actor, tp, max_context=0), samples), tp=tp)
 
 
 @dataclass(frozen=True)
@@ -262,7 +258,8 @@ def simulate_generation(
     unmigrated: Unmigrated | None = None,
     kv_read_slack: float | None = None,
 ) -> GenerationResult:
-    """Generate `samples` on `cluster.gpus // tp` instances (sample i on instance i mod n).
+    """Generate `samples` on `cluster.gpus // tp` instances (sample i on instance i mod n): `generation` on
+    the cost model's figures (`ModeledCosts`).
 
     With `rt`, migrate when `rt` samples remain (DESIGN §2): destinations from `decide_migration`, mechanism
     (KV transfer or re-prefill) by cost, destinations pause for the migration, sources are freed after it.
@@ -270,49 +267,11 @@ def simulate_generation(
     `kv_read_slack` adds the KV-read rule of `decide_migration`, with a budget of that fraction of the
     instance's weight bytes (each destination's step may grow by about that fraction).
     """
-    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, actor, samples, tp)
-    n = cost.cluster.gpus // tp
-    size = len(samples)
-    finish = base.finish
-    if rt is None or rt >= size or size == 0:
-        return GenerationResult(finish, float(finish.max(initial=0.0)), n)
-
-    tail = tail_at(base, samples, rt)
-    t_mig, unfinished, generated = tail.t_mig, tail.unfinished, tail.generated
-    kv_tok = cost.kv_bytes_per_token(actor)
-    tail_kv = float((samples.prompt + generated)[unfinished].sum()) * kv_tok
-    decision = decide_migration(
-        tail.counts,
-        cost.bs_max(actor, tp),
-        kv_tok * max_context,
-        free_kv_bytes(cost, actor, tp, resident_bytes),
-        kv_read_bytes=tail_kv,
-        kv_read_budget=None if kv_read_slack is None else kv_read_slack * cost.weight_bytes(actor),
+    costs = ModeledCosts(
+        cost, actor, tp, max_context=max_context, resident_bytes=resident_bytes, kv_read_slack=kv_read_slack
     )
-    members, incoming = tail.moves(base, decision)
-    ctx_now = samples.prompt + generated
-    kv_seconds = max(
-        (
-            cost.p2p_time(float(ctx_now[m].sum()) * kv_tok / tp, inter_node=True)
-            for m in incoming.values()
-            if m
-        ),
-        default=0.0,
-    )
-    reprefill_seconds = max(
-        (cost.prefill_time(actor, ctx_now[m], tp) for m in incoming.values() if m), default=0.0
-    )
-    mechanism = choose_mechanism(kv_seconds, reprefill_seconds)
-    pause = kv_seconds if mechanism == "kv" else reprefill_seconds
-    finish = finish.copy()
-    for mem in members.values():
-        idx = np.asarray(mem, dtype=np.int64)
-        f, _ = decode_finish_times(
-            cost, actor, tp, ctx_now[idx], samples.response[idx] - generated[idx], t_mig + pause
-        )
-        finish[idx] = f
-    freed_at = t_mig + (kv_seconds if mechanism == "kv" else 0.0)
-    return GenerationResult(finish, float(finish.max()), n, t_mig, decision, mechanism, pause, freed_at)
+    base = unmigrated if unmigrated is not None else unmigrated_generation(costs, samples)
+    return generation(costs, samples, rt, base)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -448,6 +407,275 @@ def prefetch_start(
     return start
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Generation + inference: one simulator, fed by the cost model (paper scale) or by measured costs
+# ---------------------------------------------------------------------------------------------------------
+class RolloutCosts(Protocol):
+    """The figures the Gen+Inf simulator (`generation`, `gen_inf`, `gen_inf_sweep`) reads. Two sources:
+    `ModeledCosts` (the analytical `CostModel` on a paper-scale cluster, what `rlhfuse-plan` uses) and
+    `rlhfuse.planner.measured.MeasuredCosts` (a `CostProfile` measured on the running engine, what
+    `migration=auto` uses): the same timeline code for both."""
+
+    @property
+    def instances(self) -> int:
+        """Generation instances (sample i on instance i mod instances)."""
+        ...
+
+    @property
+    def lockstep_s(self) -> float:
+        """Seconds added to every decode step of every instance while the instances watch for Rt (fused runs
+        only, until the migration): the count synchronisation."""
+        ...
+
+    def step_time(self, alive: NDArray, ctx: NDArray) -> NDArray:
+        """Seconds of each decode step of one instance (`StepTime`)."""
+        ...
+
+    def prefill_end(self, samples: Samples, instance: NDArray) -> NDArray:
+        """When each instance's first decode step starts (its prompts prefilled)."""
+        ...
+
+    def decide(self, samples: Samples, tail: Tail) -> MigrationDecision:
+        """The migration decision at the tail (`decide_migration` with this setting's limits)."""
+        ...
+
+    def move_seconds(self, ctx: Sequence[NDArray]) -> tuple[float, float, Mechanism | None]:
+        """(KV transfer seconds, re-prefill seconds, forced mechanism or None = the cheaper) to move samples
+        holding `ctx[d]` KV entries to destination d (the destinations pause for the slowest)."""
+        ...
+
+    def inference(self, seq: NDArray, *, fused: bool) -> tuple[NDArray, NDArray]:
+        """(server-seconds, latency seconds) of each sample's Ref/RW/Critic passes."""
+        ...
+
+    def inference_tp(self, *, fused: bool) -> int:
+        """Devices of one inference group (reported in `GenInfResult.inference_tp`)."""
+        ...
+
+    def servers(self, freed: Sequence[int] | None) -> int:
+        """Inference servers: those of the `freed` instances (fused), or of every device (None)."""
+        ...
+
+    def weights_ready(
+        self, base: Unmigrated, freed: Sequence[int] | None, freed_at: float | None, hidden_until: float,
+        *, fused: bool,
+    ) -> tuple[float, float]:  # fmt: skip
+        """(swap seconds, when the inference weights are ready) on the `freed` instances (None: all)."""
+        ...
+
+
+def unmigrated_generation(costs: RolloutCosts, samples: Samples, *, lockstep: bool = False) -> Unmigrated:
+    """Generation without migration (with `lockstep`: as the instances of a fused run decode it, paying
+    `costs.lockstep_s` per step while they watch for Rt)."""
+    inst = np.arange(len(samples)) % costs.instances
+    extra = costs.lockstep_s if lockstep else 0.0
+    step: StepTime = (
+        costs.step_time if extra == 0 else (lambda alive, ctx: costs.step_time(alive, ctx) + extra)
+    )
+    return decode_instances(step, samples, costs.instances, costs.prefill_end(samples, inst))
+
+
+def generation(costs: RolloutCosts, samples: Samples, rt: int | None, base: Unmigrated) -> GenerationResult:
+    """Generation from `base` (without migration), migrating the tail when `rt` samples remain (DESIGN §2):
+    destinations from `costs.decide`, mechanism (KV transfer or re-prefill) by cost, destinations pause for the
+    migration and decode the tail without the lockstep cost, sources are freed after it."""
+    n = costs.instances
+    size = len(samples)
+    finish = base.finish
+    if rt is None or rt >= size or size == 0:
+        return GenerationResult(finish, float(finish.max(initial=0.0)), n)
+    tail = tail_at(base, samples, rt)
+    decision = costs.decide(samples, tail)
+    members, incoming = tail.moves(base, decision)
+    ctx_now = samples.prompt + tail.generated
+    kv_seconds, reprefill_seconds, forced = costs.move_seconds([ctx_now[m] for m in incoming.values() if m])
+    mechanism = forced or choose_mechanism(kv_seconds, reprefill_seconds)
+    pause = kv_seconds if mechanism == "kv" else reprefill_seconds
+    finish = finish.copy()
+    for mem in members.values():
+        idx = np.asarray(mem, dtype=np.int64)
+        f, _ = continuous_batching(
+            costs.step_time, ctx_now[idx], samples.response[idx] - tail.generated[idx], tail.t_mig + pause
+        )
+        finish[idx] = f
+    freed_at = tail.t_mig + (kv_seconds if mechanism == "kv" else 0.0)
+    return GenerationResult(finish, float(finish.max()), n, tail.t_mig, decision, mechanism, pause, freed_at)
+
+
+def gen_inf(
+    costs: RolloutCosts, samples: Samples, rt: int | None = None, *, base: Unmigrated | None = None
+) -> GenInfResult:
+    """Generation + inference of one batch. `rt=None`: serial (RLHFuse-Base: generate everything, then infer
+    on every server); `rt`: fused (migrate the tail at `rt` unfinished samples; the freed instances infer the
+    finished samples, the tail streaming in as it finishes). `base`: the matching `unmigrated_generation`."""
+    n = len(samples)
+    if rt is None:
+        base = base if base is not None else unmigrated_generation(costs, samples)
+        gen = generation(costs, samples, None, base)
+        work, latency = costs.inference(samples.seq, fused=False)
+        swap, ready = costs.weights_ready(base, None, None, gen.end, fused=False)
+        end = drain_time(np.full(n, gen.end), work, costs.servers(None), ready, latency)
+        return GenInfResult(gen, end, costs.inference_tp(fused=False), end - gen.end, None, swap)
+    if not 1 <= rt < n:
+        raise ValueError(f"rt={rt} must be in [1, {n - 1}] for a batch of {n} samples")
+    base = base if base is not None else unmigrated_generation(costs, samples, lockstep=True)
+    gen = generation(costs, samples, rt, base)
+    assert gen.decision is not None and gen.freed_at is not None
+    work, latency = costs.inference(samples.seq, fused=True)
+    freed = [i for i in range(gen.instances) if i not in gen.decision.destinations]
+    if not freed:  # nothing freed: every server runs inference after generation, like Base
+        swap, ready = costs.weights_ready(base, None, None, gen.end, fused=True)
+        end = drain_time(np.full(n, gen.end), work, costs.servers(None), ready, latency)
+    else:
+        swap, ready = costs.weights_ready(base, freed, gen.freed_at, gen.freed_at, fused=True)
+        end = drain_time(gen.finish, work, costs.servers(freed), ready, latency)
+    return GenInfResult(gen, end, costs.inference_tp(fused=True), max(0.0, end - gen.end), rt, swap)
+
+
+def gen_inf_sweep(
+    costs: RolloutCosts,
+    samples: Samples,
+    fractions: Sequence[float] = (),
+    *,
+    base: Unmigrated | None = None,
+) -> list[tuple[float, GenInfResult]]:
+    """Fused Gen+Inf for each distinct Rt of `fractions` (default `RT_FRACTIONS`); the first phase is shared."""
+    if base is None:
+        base = unmigrated_generation(costs, samples, lockstep=True)
+    return [
+        (frac, gen_inf(costs, samples, rt, base=base))
+        for frac, rt in rt_values(fractions or RT_FRACTIONS, len(samples))
+    ]
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Lossless speculative decoding of the tail (DESIGN §8) in the simulator: `tokens` (k) draft tokens per
+    sample verified in one forward pass of k + 1 positions, each draft token accepted with probability
+    `acceptance` (independently, until the first rejection)."""
+
+    acceptance: float
+    tokens: int = 4
+
+    def validate(self) -> Speculation:
+        if not 0.0 <= self.acceptance <= 1.0 or self.tokens < 1:
+            raise ValueError(
+                f"speculation acceptance={self.acceptance} must be in [0, 1] and tokens={self.tokens} >= 1"
+            )
+        return self
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Expected tokens a sample gains per verify step: sum_{i=0..k} a^i (the first rejected position still
+        yields its sampled token)."""
+        a, k = self.acceptance, self.tokens
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def step_time(self, plain: StepTime, alive: NDArray, ctx: NDArray) -> NDArray:
+        """Seconds per token-step of every sample: a plain decode step, or a verify step (the decode step of
+        `alive` x (k + 1) positions over the same KV entries) over the tokens it yields, whichever is cheaper at
+        that batch (`generator.speculative=auto`'s rule: in practice, the small batches of the tail)."""
+        a = np.asarray(alive, dtype=np.float64)
+        verify = plain(a * (self.tokens + 1), ctx) / self.tokens_per_step
+        out: NDArray = np.minimum(plain(a, ctx), verify)
+        return out
+
+
+@dataclass(frozen=True)
+class ModeledCosts:
+    """`RolloutCosts` from the analytical `CostModel`: `cluster.gpus // gen_tp` instances of `actor` on
+    `gen_tp` devices each, `resident_bytes` of training state per device; inference (with `models`) on tp
+    groups inside the instances (fused) or on groups of `group` devices over the cluster (serial)."""
+
+    cost: CostModel
+    actor: ModelSpec
+    gen_tp: int
+    max_context: int
+    resident_bytes: float = 0.0
+    models: RLHFModels | None = None
+    group: int | None = None
+    kv_read_slack: float | None = None
+    critic_train: tuple[int, int] | None = None
+    speculation: Speculation | None = None
+    """Speculative decoding where it pays (the tail); None = plain decoding."""
+
+    @property
+    def instances(self) -> int:
+        return self.cost.cluster.gpus // self.gen_tp
+
+    @property
+    def lockstep_s(self) -> float:
+        return 0.0  # the paper's engine watches the counts asynchronously
+
+    def step_time(self, alive: NDArray, ctx: NDArray) -> NDArray:
+        if self.speculation is not None:
+            return self.speculation.step_time(self._decode, alive, ctx)
+        return self._decode(alive, ctx)
+
+    def _decode(self, alive: NDArray, ctx: NDArray) -> NDArray:
+        return self.cost.decode_step_time(self.actor, self.gen_tp, alive, ctx)
+
+    def prefill_end(self, samples: Samples, instance: NDArray) -> NDArray:
+        return np.array(
+            [self.cost.prefill_time(self.actor, samples.prompt[instance == i], self.gen_tp)
+             for i in range(self.instances)]
+        )  # fmt: skip
+
+    def decide(self, samples: Samples, tail: Tail) -> MigrationDecision:
+        cost, actor, tp = self.cost, self.actor, self.gen_tp
+        kv_tok = cost.kv_bytes_per_token(actor)
+        tail_kv = float((samples.prompt + tail.generated)[tail.unfinished].sum()) * kv_tok
+        slack = self.kv_read_slack
+        return decide_migration(
+            tail.counts,
+            cost.bs_max(actor, tp),
+            kv_tok * self.max_context,
+            free_kv_bytes(cost, actor, tp, self.resident_bytes),
+            kv_read_bytes=tail_kv,
+            kv_read_budget=None if slack is None else slack * cost.weight_bytes(actor),
+        )
+
+    def move_seconds(self, ctx: Sequence[NDArray]) -> tuple[float, float, Mechanism | None]:
+        kv_tok = self.cost.kv_bytes_per_token(self.actor)
+        kv = max(
+            (self.cost.p2p_time(float(c.sum()) * kv_tok / self.gen_tp, inter_node=True) for c in ctx),
+            default=0.0,
+        )
+        reprefill = max((self.cost.prefill_time(self.actor, c, self.gen_tp) for c in ctx), default=0.0)
+        return kv, reprefill, None
+
+    def _models(self) -> RLHFModels:
+        if self.models is None:
+            raise ValueError("ModeledCosts without models simulates generation only")
+        return self.models
+
+    def _tps(self, fused: bool) -> tuple[int, ...]:
+        return inference_tps(self._models(), self.inference_tp(fused=fused))
+
+    def inference(self, seq: NDArray, *, fused: bool) -> tuple[NDArray, NDArray]:
+        return inference_seconds(self.cost, self._models().inference(), seq, self._tps(fused))
+
+    def inference_tp(self, *, fused: bool) -> int:
+        return self.gen_tp if fused or self.group is None else self.group
+
+    def servers(self, freed: Sequence[int] | None) -> int:
+        return self.cost.cluster.gpus if freed is None else len(freed) * self.gen_tp
+
+    def weights_ready(
+        self, base: Unmigrated, freed: Sequence[int] | None, freed_at: float | None, hidden_until: float,
+        *, fused: bool,
+    ) -> tuple[float, float]:  # fmt: skip
+        models, tps = self._models(), self._tps(fused)
+        start = prefetch_start(
+            self.cost, models, tps, self.gen_tp, base, range(self.instances) if freed is None else list(freed),
+            resident_bytes=self.resident_bytes, max_context=self.max_context, freed_at=freed_at,
+        )  # fmt: skip
+        return swap_exposed(
+            self.cost, models, tps, start, hidden_until, passes=1 if freed is None else 2,
+            critic_train=self.critic_train,
+        )  # fmt: skip
+
+
 def gen_inf_serial(
     cost: CostModel,
     models: RLHFModels,
@@ -462,26 +690,10 @@ def gen_inf_serial(
 ) -> GenInfResult:
     """RLHFuse-Base: generate everything, then run Ref/RW/Critic over the batch on all devices (groups of
     `group` devices, `inference_tps`), their weights prefetched during generation once memory allows."""
-    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
-    gen = simulate_generation(
-        cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes,
-        unmigrated=base,
-    )  # fmt: skip
-    tps = inference_tps(models, group)
-    work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
-    start = prefetch_start(
-        cost,
-        models,
-        tps,
-        gen_tp,
-        base,
-        range(gen.instances),
-        resident_bytes=resident_bytes,
-        max_context=max_context,
+    costs = ModeledCosts(
+        cost, models.actor, gen_tp, max_context, resident_bytes, models, group, critic_train=critic_train
     )
-    swap, ready = swap_exposed(cost, models, tps, start, gen.end, critic_train=critic_train)
-    end = drain_time(np.full(len(samples), gen.end), work, cost.cluster.gpus, ready, latency)
-    return GenInfResult(gen, end, group, end - gen.end, None, swap)
+    return gen_inf(costs, samples, None, base=unmigrated)
 
 
 def gen_inf_fused(
@@ -499,34 +711,11 @@ def gen_inf_fused(
 ) -> GenInfResult:
     """RLHFuse: migrate the tail at `rt` unfinished samples; freed instances run Ref/RW/Critic (tp groups
     inside the instance) on the finished samples, the tail streaming in as it finishes."""
-    if not 1 <= rt < len(samples):
-        raise ValueError(f"rt={rt} must be in [1, {len(samples) - 1}] for a batch of {len(samples)} samples")
-    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
-    gen = simulate_generation(
-        cost, models.actor, samples, gen_tp, max_context=max_context, resident_bytes=resident_bytes, rt=rt,
-        unmigrated=base, kv_read_slack=kv_read_slack,
+    costs = ModeledCosts(
+        cost, models.actor, gen_tp, max_context, resident_bytes, models, kv_read_slack=kv_read_slack,
+        critic_train=critic_train,
     )  # fmt: skip
-    assert gen.decision is not None and gen.freed_at is not None
-    tps = inference_tps(models, gen_tp)
-    work, latency = inference_seconds(cost, models.inference(), samples.seq, tps)
-    freed = [i for i in range(gen.instances) if i not in gen.decision.destinations]
-    if not freed:  # nothing freed: the whole cluster runs inference after generation, like Base
-        start = prefetch_start(
-            cost, models, tps, gen_tp, base, range(gen.instances), resident_bytes=resident_bytes,
-            max_context=max_context,
-        )  # fmt: skip
-        swap, ready = swap_exposed(cost, models, tps, start, gen.end, critic_train=critic_train)
-        end = drain_time(np.full(len(samples), gen.end), work, cost.cluster.gpus, ready, latency)
-    else:
-        start = prefetch_start(
-            cost, models, tps, gen_tp, base, freed, resident_bytes=resident_bytes, max_context=max_context,
-            freed_at=gen.freed_at,
-        )  # fmt: skip
-        swap, ready = swap_exposed(
-            cost, models, tps, start, gen.freed_at, passes=2, critic_train=critic_train
-        )
-        end = drain_time(gen.finish, work, len(freed) * gen_tp, ready, latency)
-    return GenInfResult(gen, end, gen_tp, max(0.0, end - gen.end), rt, swap)
+    return gen_inf(costs, samples, rt, base=unmigrated)
 
 
 RT_FRACTIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))
@@ -548,24 +737,13 @@ def rt_sweep(
     kv_read_slack: float | None = None,
     critic_train: tuple[int, int] | None = None,
 ) -> list[tuple[float, GenInfResult]]:
-    """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep); the first phase is shared."""
-    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, gen_tp)
-    out = []
-    for frac, rt in rt_values(fractions, len(samples)):
-        res = gen_inf_fused(
-            cost,
-            models,
-            samples,
-            gen_tp,
-            rt,
-            max_context=max_context,
-            resident_bytes=resident_bytes,
-            unmigrated=base,
-            kv_read_slack=kv_read_slack,
-            critic_train=critic_train,
-        )
-        out.append((frac, res))
-    return out
+    """Fused Gen+Inf time for each Rt fraction (the paper's Figure 9 sweep): `gen_inf_sweep` on the cost
+    model's figures."""
+    costs = ModeledCosts(
+        cost, models.actor, gen_tp, max_context, resident_bytes, models, kv_read_slack=kv_read_slack,
+        critic_train=critic_train,
+    )  # fmt: skip
+    return gen_inf_sweep(costs, samples, fractions, base=unmigrated)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from rlhfuse.core.checkpoint import (
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
 from rlhfuse.runtime.config import launched_world_size
-from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout
+from rlhfuse.runtime.layout import MODELS, ParallelLayout
 from rlhfuse.runtime.partition import RankStages
 
 KIND = "pipeline"
@@ -61,15 +61,19 @@ WEIGHTS, STATE = "stages.safetensors", "state.pt"
 def layout_record(
     layout: ParallelLayout, layer_ranges: Mapping[str, list[tuple[int, int]]]
 ) -> dict[str, Any]:
-    """What a shard depends on: world size, data parallelism, micro-batches, each model's stages and layers."""
+    """What a shard depends on: world size, data parallelism, micro-batches, each trained model's stages and
+    layers. An Actor-only layout (a critic-free algorithm) records `trained: ["actor"]` and no critic entry, so a
+    run with a Critic cannot resume its checkpoints, nor the reverse."""
+    only = {} if tuple(layout.trained) == tuple(MODELS) else {"trained": list(layout.trained)}
     return {
         "world_size": layout.world_size,
         "dp": layout.dp,
         **({"tp": layout.tp} if layout.tp > 1 else {}),
         "microbatches": layout.microbatches,
+        **only,
         **{
             m: {"pp": layout.stages(m), "layers": [list(r) for r in layer_ranges[m]]}
-            for m in MODELS
+            for m in layout.trained
             if m in layer_ranges
         },
     }
@@ -79,7 +83,7 @@ def expected_record(layout: ParallelLayout, num_layers: Mapping[str, int] | None
     """The record of `layout` with equal-cost stages over `num_layers` per model (None: layers unknown yet)."""
     ranges = {m: balanced_ranges([1.0] * n, layout.stages(m)) for m, n in (num_layers or {}).items()}
     record = layout_record(layout, ranges)
-    for m in MODELS:
+    for m in layout.trained:
         record.setdefault(m, {"pp": layout.stages(m)})
     return record
 
@@ -126,11 +130,14 @@ def check_layout(path: str | Path, current: Mapping[str, Any]) -> dict[str, Any]
     problems = _mismatches(meta.get("layout", {}), current)
     if problems:
         saved = meta.get("layout", {})
+        critic_free = "trained" in saved  # an Actor-only layout: no critic entry
+        critic_pp = "" if critic_free else f"pipeline.critic_pp={saved.get('critic', {}).get('pp')} "
         hint = (
             f"resume with distributed.nproc_per_node={saved.get('world_size')} "
-            f"pipeline.actor_pp={saved.get('actor', {}).get('pp')} "
-            f"pipeline.critic_pp={saved.get('critic', {}).get('pp')} "
-            f"pipeline.microbatches={saved.get('microbatches')} (and the same model), or resume=never"
+            f"pipeline.actor_pp={saved.get('actor', {}).get('pp')} {critic_pp}"
+            f"pipeline.microbatches={saved.get('microbatches')} (and the same model and "
+            + ("a critic-free algorithm" if critic_free else "an algorithm with a Critic")
+            + "), or resume=never"
         )
         raise CheckpointError(
             f"checkpoint {Path(path) / 'meta.json'} was saved with another pipeline layout:\n  - "
@@ -147,13 +154,15 @@ def check_resume(cfg: Any, checkpoint_dir: str | Path, run_dir: str | Path | Non
     path = resume_path(run_dir or Path(checkpoint_dir).parent, checkpoint_dir, cfg.resume)
     if path is None:
         return None
-    p = cfg.pipeline
+    from rlhfuse.core.advantages import uses_critic
+    from rlhfuse.runtime.strategy import pipeline_layout
+
     world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
-    dp = max(world // max(p.actor_pp, p.critic_pp, 1), 1)
     d = cfg.data
-    micro = p.microbatches or max(1, d.mini_batch_size // max(d.micro_batch_size, 1) // dp)  # as the strategy
-    layout = ParallelLayout(ModelParallel(p.actor_pp), ModelParallel(p.critic_pp), dp, world, micro)
-    layers = None if cfg.model.sft_path is not None else {m: cfg.model.num_layers for m in MODELS}
+    layout = pipeline_layout(  # as the strategy
+        cfg.pipeline, world, d.mini_batch_size, d.micro_batch_size, critic=uses_critic(cfg.algorithm)
+    )
+    layers = None if cfg.model.sft_path is not None else {m: cfg.model.num_layers for m in layout.trained}
     check_layout(path, expected_record(layout, layers))
     return path
 

@@ -80,7 +80,7 @@ def launched_world_size(nproc_per_node: int) -> int:
 
 def validate_runtime(cfg: Any) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
-    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, actor_only_layout
 
     d = cfg.distributed
     problems: list[str] = []
@@ -93,8 +93,11 @@ def validate_runtime(cfg: Any) -> list[str]:
                 "pipeline=fused or pipeline=serial_1f1b, or distributed.nproc_per_node=1"
             )
         return problems
+    # a critic-free algorithm pipelines the Actor alone (`actor_only_layout`): pipeline.critic_pp is unused
+    critic = _uses_critic(cfg)
     layers = cfg.model.num_layers if cfg.model.sft_path is None else None
-    for key in ("actor_pp", "critic_pp", "actor_tp", "critic_tp"):
+    keys = ("actor_pp", "critic_pp", "actor_tp", "critic_tp") if critic else ("actor_pp", "actor_tp")
+    for key in keys:
         value = getattr(p, key)
         if value < 1:
             problems.append(f"pipeline.{key}={value} must be >= 1")
@@ -110,18 +113,18 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
-    big = max(p.actor_pp, p.critic_pp, 1)
+    critic_pp = p.critic_pp if critic else p.actor_pp
+    big = max(p.actor_pp, critic_pp, 1)
     tp = max(p.actor_tp, 1)
     dp = max(world // (big * tp), 1)
     micro = p.microbatches or _derived_microbatches(cfg, dp)
     try:
-        ParallelLayout(
-            ModelParallel(p.actor_pp, max(p.actor_tp, 1)),
-            ModelParallel(p.critic_pp, max(p.critic_tp, 1)),
-            dp,
-            world,
-            max(micro, 1),
-        )
+        actor = ModelParallel(p.actor_pp, tp)
+        if critic:
+            critic_tp = max(p.critic_tp, 1)
+            ParallelLayout(actor, ModelParallel(p.critic_pp, critic_tp), dp, world, max(micro, 1))
+        else:
+            actor_only_layout(actor, dp, world, max(micro, 1))
     except ValueError as err:
         lines = str(err).splitlines()[1:]
         problems += [
@@ -133,6 +136,13 @@ def validate_runtime(cfg: Any) -> list[str]:
             f"= {dp} * {micro}: raise data.mini_batch_size or lower pipeline.microbatches"
         )
     return problems
+
+
+def _uses_critic(cfg: Any) -> bool:
+    """Whether cfg's algorithm trains a Critic (an unknown name: assumed so; AlgorithmConfig names it)."""
+    from rlhfuse.core.advantages import ALGORITHMS, uses_critic
+
+    return cfg.algorithm.name not in ALGORITHMS or uses_critic(cfg.algorithm)
 
 
 def _derived_microbatches(cfg: Any, dp: int) -> int:

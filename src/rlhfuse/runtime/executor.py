@@ -30,7 +30,7 @@ from rlhfuse.core.stats import LossStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
-from rlhfuse.runtime.layout import MODELS, ParallelLayout, ProcessGroups
+from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
 from rlhfuse.runtime.plan import PipelinePlan, StageProfile
 
@@ -491,7 +491,7 @@ class PlanExecutor:
 
     def profile(self, result: StepResult, layout: ParallelLayout, microbatches: int) -> StageProfile:
         """Collective: each stage's mean forward / backward seconds over every rank's ops of `result`."""
-        keys = [(m, s, k) for m in MODELS for s in range(layout.stages(m)) for k in ("F", "B")]
+        keys = [(m, s, k) for m in layout.trained for s in range(layout.stages(m)) for k in ("F", "B")]
         device = self.device
         sums = torch.tensor(
             [sum(result.op_seconds.get(key, [])) for key in keys], dtype=torch.float64, device=device

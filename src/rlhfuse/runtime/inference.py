@@ -1,6 +1,7 @@
 """Inference on the training layout: the rollout's Actor and Ref log-probs, Critic values and Reward scores as
 one forward-only pipeline over the ranks and stages the layout gives the Actor (Actor, Ref) and the Critic
-(Critic, Reward).
+(Critic, Reward). A critic-free algorithm infers no Critic; its Actor-only layout's critic slot (the Actor's
+stages reversed over the same ranks) places the Reward model when one is used.
 
 Planning is pure: `inference_problem` (the four models as a `Problem`: Ref placed like the Actor, Reward like
 the Critic, so both directions of the fused placement run at once), `forward_schedule` (a list schedule of every
@@ -390,6 +391,8 @@ class PipelineInferencer:
             rollout=rollout,
             logprobs_BR=out[ModelRole.ACTOR] * mask_BR,  # on the device: rewards and GAE run there
             ref_logprobs_BR=out[ModelRole.REF] * mask_BR,
-            values_BR=out[ModelRole.CRITIC] * mask_BR,
+            values_BR=(  # no Critic (a critic-free algorithm): zeros, as the single-process inferencer
+                out[ModelRole.CRITIC] * mask_BR if ModelRole.CRITIC in out else torch.zeros_like(mask_BR)
+            ),
             scores_B=scores_B.to(device),
         )

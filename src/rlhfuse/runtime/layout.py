@@ -48,6 +48,9 @@ class ParallelLayout:
         device: this rank's device ("cuda:LOCAL_RANK" under NCCL, "cpu" under gloo:
             `rlhfuse.distributed.rank_device`), the one source of truth for placement: every stage this rank
             holds, and every tensor handed to a collective or point-to-point call, lives there.
+        trained: the models the training plan pipelines (built, trained, checkpointed). Both by default; a
+            critic-free algorithm trains the Actor alone (`actor_only_layout`): the critic slot then trains
+            nothing and only places the Reward model's inference.
 
     Rank numbering: the placement is over *pipeline ranks* (one per tp group); fused group g holds pipeline
     ranks g*N .. g*N + N - 1 (N = max(actor.pp, critic.pp)), and pipeline rank v spans the tp consecutive global
@@ -61,9 +64,12 @@ class ParallelLayout:
     world_size: int
     microbatches: int = 1
     device: str = "cpu"
+    trained: tuple[str, ...] = MODELS
 
     def __post_init__(self) -> None:
         problems: list[str] = []
+        if not self.trained or any(m not in MODELS for m in self.trained) or "actor" not in self.trained:
+            problems.append(f"trained={self.trained} must be a non-empty subset of {MODELS} with the actor")
         for name in MODELS:
             m: ModelParallel = getattr(self, name)
             if m.pp < 1:
@@ -169,7 +175,8 @@ class ParallelLayout:
         return (group * self.group_size + self.local_placement(model)[replica][stage]) * self.tp + tp_rank
 
     def stages_on(self, rank: int) -> list[tuple[str, int, int]]:
-        """(model, replica, stage) held by a global rank (its tp shard of them)."""
+        """(model, replica, stage) placed on a global rank (its tp shard of them), for every slot (the inference of
+        a model placed like an untrained slot uses it too: `held_stages`)."""
         local = self.pipeline_rank(rank) % self.group_size
         return [
             (model, r, s)
@@ -178,6 +185,10 @@ class ParallelLayout:
             for s, k in enumerate(row)
             if k == local
         ]
+
+    def trained_stages_on(self, rank: int) -> list[tuple[str, int, int]]:
+        """(model, replica, stage) of the trained models held by a global rank: what it trains."""
+        return [key for key in self.stages_on(rank) if key[0] in self.trained]
 
     def held_stages(self, rank: int) -> dict[str, set[int]]:
         """model -> the stages of it that `rank` holds (any replica): what sharded construction materialises."""
@@ -210,6 +221,7 @@ class ParallelLayout:
                 "placement": self.local_placement(m),
             }
             for m in (self.larger, self.smaller)
+            if m in self.trained
         ]
         return make_problem(models, ranks=self.group_size, name=name)
 
@@ -226,7 +238,7 @@ class ParallelLayout:
                 for r in range(self.replicas(m))
                 for t in range(self.tp)
             )
-            for m in MODELS
+            for m in self.trained
             for s in range(self.stages(m))
         }
 
@@ -238,7 +250,7 @@ class ParallelLayout:
             (m, s, t): tuple(
                 self.rank(m, g, r, s, t) for g in range(self.dp) for r in range(self.replicas(m))
             )
-            for m in MODELS
+            for m in self.trained
             for s in range(self.stages(m))
             for t in range(self.tp)
         }
@@ -253,7 +265,7 @@ class ParallelLayout:
         """(model, fused group, replica) -> the pipeline ranks of that pipeline, in stage order."""
         return {
             (m, g, r): tuple(self.rank(m, g, r, s) // self.tp for s in range(self.stages(m)))
-            for m in MODELS
+            for m in self.trained
             for g in range(self.dp)
             for r in range(self.replicas(m))
         }
@@ -269,8 +281,20 @@ class ParallelLayout:
         if self.tp > 1:
             parts[0] += f" pipeline ranks x tp={self.tp} (consecutive ranks)"
         for m in (self.larger, self.smaller):
-            parts.append(f"{m}: {self.replicas(m)} x pp={self.stages(m)} on {self.local_placement(m)}")
+            if m in self.trained:
+                parts.append(f"{m}: {self.replicas(m)} x pp={self.stages(m)} on {self.local_placement(m)}")
+        if len(self.trained) == 1:
+            parts.append("no critic (critic-free algorithm: the Actor's pipeline alone)")
         return "; ".join(parts)
+
+
+def actor_only_layout(
+    actor: ModelParallel, dp: int, world_size: int, microbatches: int = 1, device: str = "cpu"
+) -> ParallelLayout:
+    """The layout of a critic-free algorithm: the Actor's pipeline alone (`trained=("actor",)`). The critic
+    slot mirrors the Actor's stages, reversed over the same ranks, and trains nothing: it places the Reward
+    model's inference (`rlhfuse.runtime.inference`: Reward placed like the Critic) when one is used."""
+    return ParallelLayout(actor, actor, dp, world_size, microbatches, device=device, trained=("actor",))
 
 
 @dataclass
@@ -304,7 +328,7 @@ def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None)
     def group(ranks: tuple[int, ...] | list[int]) -> Any:
         return distributed.new_group(ranks, timeout_s)
 
-    p2p = {m: group(world) for m in MODELS}
+    p2p = {m: group(world) for m in layout.trained}
     grad: dict[tuple[str, int], Any] = {}
     for (m, s, t), ranks in layout.tp_grad_groups.items():
         made = group(ranks) if len(ranks) > 1 else None

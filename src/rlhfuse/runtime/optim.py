@@ -11,7 +11,6 @@ import torch
 
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer
-from rlhfuse.runtime.layout import MODELS
 from rlhfuse.runtime.partition import RankStages
 
 
@@ -21,7 +20,8 @@ class StageOptimizers:
         lrs = {"actor": config.actor_lr, "critic": config.critic_lr}
         self.optims: dict[str, torch.optim.Optimizer] = {}
         self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
-        for m in MODELS:
+        self.models = stages.layout.trained  # no Critic optimizer for a critic-free algorithm
+        for m in self.models:
             self.optims[m], self.scheds[m] = build_optimizer(
                 stages.parameters(m), lrs[m], config, total_steps
             )
@@ -50,11 +50,11 @@ class StageOptimizers:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            **{f"{m}_optim": self.optims[m].state_dict() for m in MODELS},
-            **{f"{m}_sched": self.scheds[m].state_dict() for m in MODELS},
+            **{f"{m}_optim": self.optims[m].state_dict() for m in self.models},
+            **{f"{m}_sched": self.scheds[m].state_dict() for m in self.models},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for m in MODELS:
+        for m in self.models:
             self.optims[m].load_state_dict(state[f"{m}_optim"])
             self.scheds[m].load_state_dict(state[f"{m}_sched"])

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from rlhfuse import distributed
 from rlhfuse.models import Transformer, split_stages, stage_of
-from rlhfuse.runtime.layout import MODELS, ParallelLayout
+from rlhfuse.runtime.layout import ParallelLayout
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
 
@@ -36,7 +36,7 @@ def stages_for_rank(
     a rank only runs, and only optimizes, the parameters of its own stages.
     """
     out: dict[StageKey, nn.Module] = {}
-    for model, replica, stage in layout.stages_on(rank):
+    for model, replica, stage in layout.trained_stages_on(rank):
         m = models[model]
         if m.config.tie_word_embeddings and layout.stages(model) > 1:
             raise ValueError(
@@ -49,7 +49,8 @@ def stages_for_rank(
 
 
 class RankStages:
-    """This rank's share of the Actor and the Critic (full copies of both on every rank, same weights).
+    """This rank's share of the trained models (`layout.trained`: the Actor and the Critic, or the Actor alone
+    for a critic-free algorithm), sharded or full copies on every rank (same weights).
 
     local: the stages placed on this rank, the only ones it runs and optimizes (`stages_for_rank`); every: all
     stages of each model (the same split on every rank), to bring the full copies back in sync (`gather`).
@@ -65,10 +66,10 @@ class RankStages:
         self.layout, self.rank, self.tp_group = layout, rank, tp_group
         self.models = dict(models)
         self.local = stages_for_rank(layout, rank, models)
-        self.every = {m: split_stages(models[m], layout.stages(m)) for m in MODELS}
+        self.every = {m: split_stages(models[m], layout.stages(m)) for m in layout.trained}
         # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory),
         # or the models are tensor-parallel shards (`rlhfuse.runtime.tensor_parallel.shard_transformer`)
-        self.sharded = layout.tp > 1 or any(p.is_meta for m in MODELS for p in models[m].parameters())
+        self.sharded = layout.tp > 1 or any(p.is_meta for m in layout.trained for p in models[m].parameters())
         missing = [k for k, mod in self.local.items() if any(p.is_meta for p in mod.parameters())]
         if missing:
             raise ValueError(
@@ -198,7 +199,7 @@ class RankStages:
         return list(seen.values())
 
     def layer_ranges(self) -> dict[str, list[tuple[int, int]]]:
-        return {m: [stage.layer_range for stage in self.every[m]] for m in MODELS}
+        return {m: [stage.layer_range for stage in self.every[m]] for m in self.layout.trained}
 
     def shard(self) -> dict[str, Tensor]:
         """This rank's stage weights, keyed `<model>.r<replica>.s<stage>.<parameter>`."""
@@ -223,7 +224,7 @@ class RankStages:
                 "RankStages.gather syncs full copies; these models are sharded: use full_state"
             )
         total = 0
-        for m in MODELS:
+        for m in self.layout.trained:
             state = self.models[m].state_dict(keep_vars=True)
             for entries, values, received in self._exchange(m):
                 if received:

@@ -5,6 +5,8 @@ lowered program and the predicted makespans). Nothing here touches a process gro
 Two planning functions, chosen once from the `pipeline` config name through `PLANNERS`:
     plan_fused        the fused Actor+Critic schedule (the paper's greedy, or annealing within a time budget)
     plan_serial_1f1b  the baseline: both models with 1F1B one after the other on the same ranks
+An Actor-only layout (a critic-free algorithm: `ParallelLayout.trained == ("actor",)`) plans one model: both
+run the Actor's 1F1B (nothing to fuse it with).
 Before the profiling step there are no stage times: `unprofiled_plan` is serial 1F1B on unit durations.
 """
 
@@ -20,7 +22,7 @@ from typing import Protocol
 from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
 from rlhfuse.pipeline.ir import Action, Schedule
 from rlhfuse.pipeline.problem import Problem
-from rlhfuse.runtime.layout import MODELS, ParallelLayout
+from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Program, lower_checked
 
 # Runs a schedule search where it must run (rank 0) and returns the schedule every rank uses.
@@ -53,7 +55,7 @@ class StageProfile:
         def times(kind: str) -> dict[str, tuple[float, ...]]:
             return {
                 m: tuple(max(mean[(m, s, kind)], MIN_STAGE_SECONDS) for s in range(layout.stages(m)))
-                for m in MODELS
+                for m in layout.trained
             }
 
         return StageProfile(microbatches, times("F"), times("B"))
@@ -63,7 +65,7 @@ class StageProfile:
         mini-batch (a micro-batch's time taken as proportional to its share)."""
         scale = self.microbatches / microbatches
         forward, backward = (
-            {m: [t * scale if scale != 1 else t for t in times[m]] for m in MODELS}
+            {m: [t * scale if scale != 1 else t for t in times[m]] for m in layout.trained}
             for times in (self.forward, self.backward)
         )
         layout = dataclasses.replace(layout, microbatches=microbatches)
@@ -73,15 +75,15 @@ class StageProfile:
         return json.dumps(
             {
                 "microbatches": self.microbatches,
-                "forward": {m: list(self.forward[m]) for m in MODELS},
-                "backward": {m: list(self.backward[m]) for m in MODELS},
+                "forward": {m: list(t) for m, t in self.forward.items()},
+                "backward": {m: list(t) for m, t in self.backward.items()},
             }
         )
 
     @staticmethod
     def from_json(text: str) -> StageProfile:
         raw = json.loads(text)
-        forward, backward = ({m: tuple(raw[kind][m]) for m in MODELS} for kind in ("forward", "backward"))
+        forward, backward = ({m: tuple(t) for m, t in raw[kind].items()} for kind in ("forward", "backward"))
         return StageProfile(int(raw["microbatches"]), forward, backward)
 
 
@@ -159,6 +161,13 @@ class Planner(Protocol):
     ) -> PipelinePlan: ...
 
 
+# what pipeline=fused runs with one trained model (logged by the strategy, also the validation's auto-resolution)
+ACTOR_ONLY_NOTE = (
+    "intra-stage fusion needs two models (Actor and Critic); with a critic-free algorithm the pipeline runs the "
+    "Actor alone with 1F1B; inter-stage fusion (migration, early Ref/reward inference) is unchanged"
+)
+
+
 def plan_serial_1f1b(
     layout: ParallelLayout,
     profile: StageProfile,
@@ -186,7 +195,12 @@ def plan_fused(
     agree: Agree = here,
 ) -> PipelinePlan:
     """The fused schedule searched on the profiled stage times (`options.search_budget_s` seconds of annealing,
-    0 = the paper's greedy); `agree` makes every rank use the same one."""
+    0 = the paper's greedy); `agree` makes every rank use the same one. An Actor-only layout (a critic-free
+    algorithm) has no second model to fill the bubbles with: it runs the Actor's 1F1B (`plan_serial_1f1b`)."""
+    if len(layout.trained) == 1:
+        return dataclasses.replace(
+            plan_serial_1f1b(layout, profile, microbatches, options, agree), note=ACTOR_ONLY_NOTE
+        )
     profiled = profile.problem(layout, microbatches)
     serial = _serial_makespan(profiled)
 

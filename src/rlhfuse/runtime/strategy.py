@@ -32,7 +32,12 @@ from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, s
 from rlhfuse.runtime.checkpoint import ShardedCheckpointer
 from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.runtime.executor import PlanExecutor, StepResult, StepWork, ppo_losses
-from rlhfuse.runtime.layout import MODELS, ModelParallel, ParallelLayout, build_process_groups
+from rlhfuse.runtime.layout import (
+    ModelParallel,
+    ParallelLayout,
+    actor_only_layout,
+    build_process_groups,
+)
 from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.plan import (
@@ -53,11 +58,19 @@ def pipeline_layout(
     mini_batch_size: int,
     micro_batch_size: int,
     device: torch.device | str = "cpu",
+    *,
+    critic: bool = True,
 ) -> ParallelLayout:
     """The layout of `config` on `world` ranks (pure: the builder computes it before any model is built, to load
-    only this rank's stages; the strategy computes the same one)."""
-    dp = max(world // (max(config.actor_pp, config.critic_pp) * max(config.actor_tp, 1)), 1)
+    only this rank's stages; the strategy computes the same one). `critic=False` (a critic-free algorithm): the
+    Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
+    critic_pp = config.critic_pp if critic else config.actor_pp
+    dp = max(world // (max(config.actor_pp, critic_pp) * max(config.actor_tp, 1)), 1)
     micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
+    if not critic:
+        return actor_only_layout(
+            ModelParallel(config.actor_pp, config.actor_tp), dp, world, micro, device=str(device)
+        )
     return ParallelLayout(
         ModelParallel(config.actor_pp, config.actor_tp),
         ModelParallel(config.critic_pp, config.critic_tp),
@@ -71,6 +84,8 @@ def pipeline_layout(
 class FusedPipelineStrategy:
     """The trainer's `Strategy` over the pipeline runtime. `schedule` names the planning function in `PLANNERS`
     (fused | serial_1f1b); the rest is the layout (from `config` and the world size) and the update's settings.
+    `critic=None` (a critic-free algorithm): the Actor's pipeline alone, 1F1B under both names (nothing to fuse
+    it with); no Critic stage, optimizer or checkpoint entry.
 
     Parts: `shards` (this rank's stages), `optimizers`, `executor` (runs a plan), `checkpointer` (sharded);
     state: `profile` (None until the profiling step ran), `plans` (one per micro-batch count), `plan` (the
@@ -80,7 +95,7 @@ class FusedPipelineStrategy:
     def __init__(
         self,
         actor: Transformer,
-        critic: Transformer,
+        critic: Transformer | None,
         config: PipelineConfig,
         algorithm: AlgorithmConfig,
         *,
@@ -102,7 +117,7 @@ class FusedPipelineStrategy:
                 f"pipeline={schedule} needs torch.distributed: launch with distributed.nproc_per_node=N "
                 "(or torchrun), or use pipeline=plain"
             )
-        self.models = {"actor": actor, "critic": critic}
+        self.models = {"actor": actor} if critic is None else {"actor": actor, "critic": critic}
         for model in self.models.values():
             model.activation_checkpointing = config.optim.activation_checkpointing
         self.config, self.algorithm, self.log = config, algorithm, log
@@ -116,7 +131,9 @@ class FusedPipelineStrategy:
                     f"{distributed.backend()}): use distributed.backend=nccl with device=cuda, or gloo with "
                     "device=cpu"
                 )
-        self.layout = pipeline_layout(config, self.world, mini_batch_size, micro_batch_size, self.device)
+        self.layout = pipeline_layout(
+            config, self.world, mini_batch_size, micro_batch_size, self.device, critic=critic is not None
+        )
         micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
@@ -190,7 +207,7 @@ class FusedPipelineStrategy:
         return TrainStats(
             loss=step.result.stats,
             actor_grad_norm=step.result.grad_norm["actor"],
-            critic_grad_norm=step.result.grad_norm["critic"],
+            critic_grad_norm=step.result.grad_norm.get("critic"),
             lr=self.optimizers.lr,
             pipeline=PipelineStats(
                 predicted_makespan_s=predicted,
@@ -228,14 +245,14 @@ class FusedPipelineStrategy:
         return weights
 
     def state_dict(self) -> dict[str, Any]:
+        trained = self.layout.trained  # no 'critic' entry for a critic-free algorithm
         if self.shards.sharded:
-            full = {m: self.shards.full_state(m) for m in MODELS}
+            full = {m: self.shards.full_state(m) for m in trained}
         else:
             self.shards.gather()
-            full = {m: self.models[m].state_dict() for m in MODELS}
+            full = {m: self.models[m].state_dict() for m in trained}
         return {
-            "actor": full["actor"],
-            "critic": full["critic"],
+            **full,
             "rank": self.rank,
             "world_size": self.world,
             **self.optimizers.state_dict(),
@@ -247,7 +264,7 @@ class FusedPipelineStrategy:
                 f"this pipeline state was saved by rank {state.get('rank')} of {state.get('world_size')}; "
                 f"this is rank {self.rank} of {self.world}: resume with the same layout"
             )
-        for m in MODELS:
+        for m in self.layout.trained:
             self.shards.load_resident(m, state[m])
         self.optimizers.load_state_dict(state)
 

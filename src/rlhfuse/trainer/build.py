@@ -15,7 +15,7 @@ from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.protocols import FusingGenerator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
-from rlhfuse.data.prompts import PromptLoader, load_prompts
+from rlhfuse.data.prompts import PromptLoader, load_prompts, uses_chat_template
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
@@ -31,7 +31,7 @@ from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, Buil
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
-from rlhfuse.trainer.models import Models, load_models
+from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import rule_reward
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
@@ -73,9 +73,11 @@ def sharded_construction(config: RLHFConfig, fabric: Fabric) -> dict[str, tuple[
         return None
     from rlhfuse.runtime.strategy import pipeline_layout
 
-    d = config.data
-    layout = pipeline_layout(config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size)
-    held = layout.held_stages(fabric.global_rank)
+    d, with_critic = config.data, uses_critic(config.algorithm)
+    layout = pipeline_layout(
+        config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size, critic=with_critic
+    )
+    held = layout.held_stages(fabric.global_rank)  # critic-free: the critic slot places only the Reward
     actor, critic = (layout.stages("actor"), held["actor"]), (layout.stages("critic"), held["critic"])
     return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
 
@@ -108,6 +110,14 @@ def strategy_optimizers(strategy: Any) -> list[Any]:
         return []
     inner = getattr(optims, "optims", None)  # StageOptimizers
     return list(inner.values()) if isinstance(inner, dict) else list(optims)
+
+
+def add_stop_tokens(config: RLHFConfig, tokenizer: Tokenizer) -> None:
+    """The tokenizer's stop ids besides its EOS (generation_config.json's eos list) join generator.stop_token_ids,
+    which every generator stops on."""
+    sampling = config.generator.sampling
+    extra = set(tokenizer.stop_ids) - {tokenizer.eos_id} - set(sampling.stop_token_ids)
+    sampling.stop_token_ids = [*sampling.stop_token_ids, *sorted(extra)]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,7 +193,11 @@ def build_trainer(
     if warm:
         tokenizer = task.tokenizer()
     else:
-        tokenizer = Tokenizer.from_dir(Path(m.tokenizer_path or m.sft_path or "").expanduser())
+        assert m.sft_path is not None
+        tokenizer = load_tokenizer(m.tokenizer_path, m.sft_path)
+    add_stop_tokens(config, tokenizer)
+    if uses_chat_template(config.data, tokenizer):
+        log(f"rlhfuse: prompts rendered with the chat template of {tokenizer.template_source}")
     prompts = load_prompts(config.data, tokenizer, seed=config.seed)
     check_context(config, max(len(p.token_ids) for p in prompts))
     rows = [p.fields for p in prompts]  # by prompt id (= position)

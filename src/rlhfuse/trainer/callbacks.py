@@ -36,14 +36,17 @@ class TaskScore:
 
 
 class ExportActor:
-    """At the end of `fit`, write the trained Actor (and tokenizer.json) as a Hugging Face checkpoint."""
+    """At the end of `fit`, write the trained Actor as a complete Hugging Face checkpoint: config.json and
+    model.safetensors, tokenizer.json, tokenizer_config.json (special tokens, chat template) and
+    generation_config.json (stop tokens), loadable with transformers' AutoTokenizer / AutoModelForCausalLM."""
 
     def __init__(self, actor: Transformer, tokenizer: Tokenizer, path: str | Path) -> None:
         self.actor, self.tokenizer, self.path = actor, tokenizer, Path(path)
 
     def on_fit_end(self, trainer: Any) -> None:
-        save_pretrained(self.actor, self.path)
+        save_pretrained(self.actor, self.path)  # replaces the folder as a whole, then the text files join it
         self.tokenizer.save(self.path)
+        self.tokenizer.save_generation_config(self.path)
 
 
 class ExportShardedActor:

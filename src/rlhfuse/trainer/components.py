@@ -135,12 +135,13 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
-    assert models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
     if ctx.strategy.layout.tp > 1:  # the Ref and the Reward sharded like the trained models
         models.ref = ctx.strategy.tp_shard(models.ref)
         if models.reward is not None:
             models.reward = ctx.strategy.tp_shard(models.reward)
-    named = {"actor": models.actor, "ref": models.ref, "critic": models.critic}
+    named = {"actor": models.actor, "ref": models.ref}
+    if models.critic is not None:  # none for a critic-free algorithm
+        named["critic"] = models.critic
     if cfg.use_reward_model:
         assert models.reward is not None, "loaded: inferencer.use_reward_model=true"
         named["reward"] = models.reward
@@ -197,11 +198,11 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
     cfg = ctx.config
-    assert ctx.models.critic is not None, "validated: the pipeline strategies run an algorithm with a Critic"
-    pack_stages([ctx.models.actor, ctx.models.critic], cfg.data.packing)
+    critic = ctx.models.critic  # None for a critic-free algorithm: the Actor's pipeline alone
+    pack_stages([ctx.models.actor] + ([] if critic is None else [critic]), cfg.data.packing)
     strategy = FusedPipelineStrategy(
         ctx.models.actor,
-        ctx.models.critic,
+        critic,
         cfg.pipeline,
         cfg.algorithm,
         total_steps=ctx.total_steps,
@@ -216,7 +217,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     )
     # tp > 1: the strategy trains tensor-parallel shards of the models; the rest of the job (inference,
     # memory metrics) reads those, and the whole models it was given are dropped
-    ctx.models.actor, ctx.models.critic = strategy.models["actor"], strategy.models["critic"]
+    ctx.models.actor, ctx.models.critic = strategy.models["actor"], strategy.models.get("critic")
     return strategy
 
 

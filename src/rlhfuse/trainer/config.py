@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.advantages import ALGORITHMS, AlgorithmConfig, uses_critic
 from rlhfuse.core.checkpoint import CheckpointConfig
 from rlhfuse.core.config import choice_problems, need, positive
 from rlhfuse.core.inference import InferencerConfig
@@ -155,6 +155,26 @@ def fuses_rollout(cfg: RLHFConfig, world_size: int) -> bool:
     return cfg.generator.name == "engine" and instances > 1 and instances == world_size
 
 
+def actor_only_message(cfg: RLHFConfig) -> str:
+    """What pipeline=fused / serial_1f1b runs with a critic-free algorithm (and what fusion remains)."""
+    p, a = cfg.pipeline, cfg.algorithm.name
+    unused = (
+        f"pipeline.critic_pp={p.critic_pp} is unused (a Reward model, when used, runs on the Actor's stages "
+        "in reverse)"
+    )
+    if p.name == "fused":
+        return (
+            f"rlhfuse: pipeline=fused with algorithm={a}: intra-stage fusion needs two models (Actor and Critic); "
+            f"with algorithm={a} the pipeline runs the Actor alone with 1F1B (pipeline.actor_pp={p.actor_pp}); "
+            f"inter-stage fusion (migration, early Ref/reward inference) is unchanged; {unused}"
+        )
+    return (
+        f"rlhfuse: pipeline={p.name} with algorithm={a}: no Critic, the pipeline runs the Actor alone with 1F1B "
+        f"(pipeline.actor_pp={p.actor_pp}); inter-stage fusion (migration, early Ref/reward inference) is "
+        f"unchanged; {unused}"
+    )
+
+
 def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -> RLHFConfig:
     """The component choices a layout implies, applied before validation and printed with their rule (never a
     silent swap); every other choice is taken as given and validated.
@@ -164,6 +184,9 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
       the training layout), unless each rank is one generation instance and infers its own samples;
     - algorithm.loss_reduction=sequence_sum with algorithm.loss_constant_length=0 -> the constant length is
       generator.max_new_tokens (the documented meaning of 0).
+
+    A critic-free algorithm under pipeline=fused / serial_1f1b is printed too (`actor_only_message`): the
+    pipeline trains the Actor alone with 1F1B.
     """
     g, i = cfg.generator, cfg.inferencer
     if g.name == "sampling" and g.instances > 1:
@@ -181,6 +204,8 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
         )
         i = dataclasses.replace(i, name="pipeline")
     a = cfg.algorithm
+    if cfg.pipeline.name in PIPELINE_STRATEGIES and a.name in ALGORITHMS and not uses_critic(a):
+        log(actor_only_message(cfg))
     if a.loss_reduction == "sequence_sum" and a.loss_constant_length == 0:
         length = g.sampling.max_new_tokens
         log(

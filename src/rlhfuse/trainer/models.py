@@ -19,6 +19,7 @@ import torch
 from rlhfuse.core.config import choice_problems, need
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, from_pretrained, to_device
+from rlhfuse.models.convert import real_model_dir
 
 
 @dataclass
@@ -100,12 +101,26 @@ class Models:
 
 def _require_checkpoint(path: str, key: str) -> Path:
     folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file() and folder == real_model_dir():
+        raise FileNotFoundError(
+            f"{key}={path!r}: the real pretrained model (SmolLM2-135M-Instruct) is not converted yet: run "
+            "`make real-model` (or `python -m rlhfuse.models.convert --install`), which writes this folder"
+        )
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{key}={path!r}: no config.json in {folder} (expected a Hugging Face checkpoint folder with "
             "config.json and model.safetensors); fix the path, or unset it to warm-start the embedded model"
         )
     return folder
+
+
+def load_tokenizer(tokenizer_path: str | None, sft_path: str | Path) -> Tokenizer:
+    """The tokenizer of model.tokenizer_path (default model.sft_path), with the special and stop ids of the SFT
+    checkpoint's config.json / generation_config.json."""
+    sft = Path(sft_path).expanduser()
+    if tokenizer_path is None:
+        _require_checkpoint(str(sft_path), "model.sft_path")
+    return Tokenizer.from_dir(Path(tokenizer_path).expanduser() if tokenizer_path else sft, model_dir=sft)
 
 
 def _frozen(model: Transformer) -> Transformer:
@@ -139,7 +154,7 @@ def load_models(
         )
         if critic_dir is None:
             raise FileNotFoundError("the Critic needs model.critic_path or model.reward_path: set one")
-    tokenizer = Tokenizer.from_dir(Path(config.tokenizer_path).expanduser() if config.tokenizer_path else sft)
+    tokenizer = load_tokenizer(config.tokenizer_path, sft)
     shard = shard or {}
 
     def load(path: Path, head: str, role: str) -> Transformer:

@@ -195,8 +195,8 @@ def generation_tp_problems(cfg: RLHFConfig) -> list[str]:
 
 
 def algorithm_problems(cfg: RLHFConfig) -> list[str]:
-    """The algorithm against the data and the strategy: group baselines need several samples per prompt, and
-    the pipeline strategies fuse an Actor and a Critic pipeline, so they need an algorithm with a Critic."""
+    """The algorithm against the data: group baselines need several samples per prompt. (A critic-free
+    algorithm under the pipeline strategies runs the Actor's pipeline alone: `resolve_components` says so.)"""
     a, problems = cfg.algorithm, list[str]()
     if a.name not in ALGORITHMS:
         return problems  # AlgorithmConfig.problems names the unknown algorithm
@@ -210,14 +210,6 @@ def algorithm_problems(cfg: RLHFConfig) -> list[str]:
         f"data.samples_per_prompt={max(algorithm.min_samples_per_prompt, 4)} (and data.mini_batch_size to divide "
         "data.prompts_per_iteration*data.samples_per_prompt), or algorithm=ppo / reinforce_pp",
     )
-    if not algorithm.uses_critic and cfg.pipeline.name in PIPELINE_STRATEGIES:
-        problems.append(
-            f"pipeline={cfg.pipeline.name} with algorithm={a.name}: the pipeline strategies fuse the Actor's and the "
-            "Critic's training pipelines (intra-stage fusion), and a critic-free algorithm has one model left, so "
-            "there is nothing to fuse and an Actor-only pipeline is not implemented yet: use pipeline=plain "
-            "(data-parallel with generator.instances=N keeps inter-stage fusion: migration, early Ref and reward "
-            "inference), or algorithm=ppo for the fused pipelines"
-        )
     return problems
 
 

@@ -147,6 +147,7 @@ def _train_and_save(
     )
     save_pretrained(actor, out / "sft")
     tokenizer.save(out / "sft")
+    tokenizer.save_generation_config(out / "sft")
 
     start = time.perf_counter()
     torch.manual_seed(seed + 1)
