@@ -63,12 +63,38 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), start.parameters(), strict=True))
 
 
+@pytest.mark.timeout(300)
+def test_pp2_tp2_generator_tp2_trains_with_four_processes(tmp_path: Path) -> None:
+    """The issue's command shape on the smoke job: pp=2 x tp=2 on 4 ranks with generation instances of 2 ranks;
+    the Actor exported from the tp-shard generation copies is whole and trained."""
+    exe = Path(sys.executable).with_name("rlhfuse-train")
+    run_dir = tmp_path / "run"
+    cmd = [
+        str(exe), "experiment=smoke", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=2",
+        "pipeline=fused", "distributed.nproc_per_node=4", "pipeline.actor_tp=2", "pipeline.critic_tp=2",
+        "generator.tp=2", "iterations=1", "distributed.timeout_s=60", "checkpoint.export_hf=true",
+        f"model.warmstart.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 ranks = 1 fused group(s) x 2 pipeline ranks x tp=2" in proc.stdout + proc.stderr
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["memory/param_bytes"] > 0 and row["weight_sync/bytes_per_rank"] > 0
+    assert math.isfinite(row["loss/policy"]) and math.isfinite(row["loss/value"])
+    exported = from_pretrained(run_dir / "actor_hf")
+    start = from_pretrained(next((tmp_path / "cache").glob("*/sft")), head="lm")
+    assert exported.lm_head.weight.shape == start.lm_head.weight.shape  # whole, padding dropped
+    assert not any(p.is_meta for p in exported.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), start.parameters(), strict=True))
+
+
 def test_pipeline_config_errors_name_the_fix() -> None:
     cfg = compose_config(["pipeline=fused", "distributed.nproc_per_node=3", "checkpoint.every=5"])
     with pytest.raises(ValueError) as err:
         validate(cfg)
     msg = str(err.value)
-    assert "actor.pp * dp = 2 * 1 = 2 != world size 3" in msg
+    assert "actor.pp * tp * dp = 2 * 1 * 1 = 2 != world size 3" in msg
     assert "checkpoint" not in msg  # pipeline strategies write sharded checkpoints (test_runtime_checkpoint)
     cfg = compose_config(["distributed.nproc_per_node=2"])
     with pytest.raises(ValueError, match="pipeline=plain runs in one process"):
@@ -77,3 +103,46 @@ def test_pipeline_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match=r"pipeline.actor_pp=4 exceeds model.num_layers=2"):
         validate(cfg)
     validate(compose_config(["pipeline=fused", "distributed.nproc_per_node=2"]))
+
+
+def test_tensor_parallel_config_errors_list_every_problem() -> None:
+    """pipeline.actor_tp / critic_tp / generator.tp: every problem in one error, each with its arithmetic and
+    key, before any model is built; a valid pp=2 x tp=2 layout on 4 ranks passes."""
+    cfg = compose_config(
+        [
+            "pipeline=fused",
+            "distributed.nproc_per_node=6",
+            "pipeline.actor_tp=3",
+            "pipeline.critic_tp=2",
+            "generator.tp=4",
+            "model.intermediate_size=190",
+        ]
+    )
+    with pytest.raises(ValueError) as err:
+        validate(cfg)
+    msg = str(err.value)
+    # the model: 2 heads, 2 kv heads, intermediate 190
+    assert "pipeline.actor_tp=3 does not divide the model's num_heads=2 (2 % 3 = 2)" in msg
+    assert "pipeline.actor_tp=3 neither divides the model's num_kv_heads=2" in msg
+    assert "pipeline.actor_tp=3 does not divide the model's intermediate_size=190 (190 % 3 = 1)" in msg
+    assert "pipeline.critic_tp=2 does not divide the model's intermediate_size=190 (190 % 2 = 0)" not in msg
+    assert "actor.tp=3 != critic.tp=2" in msg and "set critic.tp=3" in msg
+    assert "actor.pp * tp * dp = 2 * 3 * 1 = 6" not in msg  # 6 ranks = 2 stages x tp 3: the world fits
+    assert "generator.tp=4 does not divide the world size 6 (6 % 4 = 2" in msg
+    assert "generator.tp=4 != pipeline.actor_tp=3" in msg
+    cfg = compose_config(["pipeline=fused", "distributed.nproc_per_node=6", "pipeline.actor_tp=2"])
+    cfg.pipeline.critic_tp = 2
+    with pytest.raises(ValueError, match=r"actor.pp \* tp \* dp = 2 \* 2 \* 1 = 4 != world size 6"):
+        validate(cfg)
+    with pytest.raises(ValueError, match=r"pipeline.actor_tp=2 splits the model over ranks"):
+        validate(compose_config(["pipeline.actor_tp=2"]))
+    from rlhfuse.trainer.config import resolve_components
+
+    tp2 = ["pipeline=fused", "distributed.nproc_per_node=4", "pipeline.actor_tp=2", "pipeline.critic_tp=2"]
+    validate(resolve_components(compose_config(tp2), log=lambda _: None))
+    # each rank a generation instance inferring its own samples needs whole models
+    per_rank = resolve_components(
+        compose_config([*tp2, "generator=engine", "generator.instances=4"]), log=lambda _: None
+    )
+    with pytest.raises(ValueError, match=r"inferencer=models .* needs whole models on every rank"):
+        validate(per_rank)

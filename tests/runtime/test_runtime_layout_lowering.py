@@ -32,6 +32,26 @@ def test_fused_placement_paper_example() -> None:
     assert problem.ranks == 16 and [m.name for m in problem.models] == ["actor", "critic"]
 
 
+def test_tensor_parallel_layout_spans_consecutive_ranks() -> None:
+    """pp=2 x tp=2 x dp=2 on 8 ranks: each stage's tp group is consecutive ranks, the pipeline placement runs
+    over tp groups (pipeline ranks), and each tp shard reduces its gradients with the same shard elsewhere."""
+    layout = ParallelLayout(ModelParallel(2, 2), ModelParallel(1, 2), dp=2, world_size=8, microbatches=2)
+    assert layout.tp == 2 and layout.pipeline_ranks == 4
+    assert layout.tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert [layout.rank("actor", 0, 0, s, t) for s in range(2) for t in range(2)] == [0, 1, 2, 3]
+    assert layout.rank("actor", 1, 0, 1, 1) == 7
+    assert sorted(layout.stages_on(3)) == sorted(layout.stages_on(2)) == [("actor", 0, 1), ("critic", 1, 0)]
+    assert layout.held_stages(5) == {"actor": {0}, "critic": {0}}
+    assert layout.tp_grad_groups[("actor", 1, 1)] == (3, 7)
+    # the critic (pp=1) has 2 replicas per fused group: tp shard 0 on ranks 0, 2, 4, 6
+    assert layout.tp_grad_groups[("critic", 0, 0)] == (0, 2, 4, 6)
+    assert layout.grad_groups[("actor", 0)] == (0, 1, 4, 5)
+    assert layout.data_parallel_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert layout.pipeline_groups[("actor", 1, 0)] == (2, 3)  # pipeline ranks
+    assert layout.group_of(5) == 1
+    assert "tp=2" in layout.describe()
+
+
 def test_critic_larger_takes_rank_order() -> None:
     layout = ParallelLayout(ModelParallel(1), ModelParallel(2), dp=1, world_size=2, microbatches=2)
     assert layout.larger == "critic"
@@ -43,12 +63,14 @@ def test_layout_errors_show_the_arithmetic() -> None:
     with pytest.raises(ValueError) as err:
         ParallelLayout(ModelParallel(6), ModelParallel(3), dp=1, world_size=4, microbatches=3)
     msg = str(err.value)
-    assert "actor.pp * dp = 6 * 1 = 6 != world size 4" in msg
+    assert "actor.pp * tp * dp = 6 * 1 * 1 = 6 != world size 4" in msg
     assert "microbatches=3 must be a multiple of the 2 critic replicas" in msg
     with pytest.raises(ValueError, match=r"critic.pp=3 must divide actor.pp=4"):
         ParallelLayout(ModelParallel(4), ModelParallel(3), dp=1, world_size=4)
-    with pytest.raises(ValueError, match=r"tp=2 is reserved"):
-        ParallelLayout(ModelParallel(2, tp=2), ModelParallel(2), dp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"actor.tp=2 != critic.tp=1"):
+        ParallelLayout(ModelParallel(2, tp=2), ModelParallel(2), dp=1, world_size=4)
+    with pytest.raises(ValueError, match=r"actor.pp \* tp \* dp = 2 \* 2 \* 1 = 4 != world size 2"):
+        ParallelLayout(ModelParallel(2, tp=2), ModelParallel(2, tp=2), dp=1, world_size=2)
     with pytest.raises(ValueError, match=r"set dp=2"):
         ParallelLayout(ModelParallel(2), ModelParallel(2), dp=1, world_size=4)
 

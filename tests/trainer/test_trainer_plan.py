@@ -175,3 +175,47 @@ def test_smoke_experiment_runs_end_to_end_with_plan_auto(cache_dir, tmp_path):
     for row, e in zip(rows, expected):
         for key in e:
             assert row[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
+
+
+def _fake_tp_plan(actor_tp, critic_tp, gen_tp, world):
+    def fake(*args, **kwargs):
+        from rlhfuse.planner.api import plan_for as real
+
+        assert kwargs["max_tp"] == world  # tp up to one node's devices
+        plan = real(*args, **kwargs)
+        train = TrainResult(
+            "fused",
+            TrainLayout(actor_tp, 2, world // (2 * actor_tp), 1),
+            TrainLayout(critic_tp, 2, world // (2 * critic_tp), 1),
+            1.0,
+            1.0,
+            0.0,
+            1,
+        )
+        return dataclasses.replace(plan, train=train, gen_tp=gen_tp)
+
+    return fake
+
+
+def test_plan_auto_applies_tensor_parallelism(monkeypatch):
+    """A plan with tp = 2 for both models and the generation sets pipeline.actor_tp / critic_tp and generator.tp
+    and passes the runtime's validation; unequal tp, or a generation tp the runtime cannot reshard to, fails
+    naming the keys."""
+    cfg = compose_config(["plan=auto", "distributed.nproc_per_node=4"])
+    monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(2, 2, 2, 4))
+    result = plan_config(cfg, "cpu", "test")
+    p = result.config.pipeline
+    assert (p.name, p.actor_pp, p.critic_pp, p.actor_tp, p.critic_tp) == ("fused", 2, 2, 2, 2)
+    assert result.config.generator.tp == 2
+    assert ("pipeline.actor_tp", 2) in result.applied and ("generator.tp", 2) in result.applied
+    assert validate_runtime(result.config) == []
+    monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(2, 1, 1, 4))
+    with pytest.raises(
+        ValueError, match=r"Actor tp=2 and Critic tp=1.*pipeline\.actor_tp and pipeline\.critic_tp"
+    ):
+        plan_config(cfg, "cpu", "test")
+    monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(1, 1, 2, 4))
+    with pytest.raises(
+        ValueError, match=r"generation tp=2 with training tp=1.*generator\.tp=2 cannot be applied"
+    ):
+        plan_config(cfg, "cpu", "test")

@@ -9,6 +9,8 @@ Legend: B batch rows, T tokens (prompt + response), R response tokens, V vocabul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -55,22 +57,50 @@ def model_response_outputs(model: Transformer, micro: TrainBatch, *, packing: bo
     return _at_least_fp32(out)
 
 
+LogprobsFn = Callable[[Tensor, Tensor, float], Tensor]  # (logits, ids, temperature) -> log-probs
+EntropyFn = Callable[[Tensor], Tensor]  # logits -> entropy per position
+
+
 def actor_loss(
-    logits_BTV: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig, temperature: float = 1.0
+    logits_BTV: Tensor,
+    micro: TrainBatch,
+    algorithm: AlgorithmConfig,
+    temperature: float = 1.0,
+    *,
+    logprobs_fn: LogprobsFn | None = None,
+    entropy_fn: EntropyFn | None = None,
 ) -> tuple[Tensor, LossStats]:
     """Clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`, + β·KL(π_θ ‖ π_ref) when
     `algorithm.kl_loss_coef` = β > 0, the KL estimated per token and reduced like the policy loss) and its
-    statistics."""
-    return response_actor_loss(response_outputs(logits_BTV, micro), micro, algorithm, temperature)
+    statistics. logprobs_fn / entropy_fn replace the read-outs of the full logits (the tensor-parallel
+    runtime passes vocabulary-parallel ones over its slice of the logits)."""
+    return response_actor_loss(
+        response_outputs(logits_BTV, micro),
+        micro,
+        algorithm,
+        temperature,
+        logprobs_fn=logprobs_fn,
+        entropy_fn=entropy_fn,
+    )
 
 
 def response_actor_loss(
-    logits_BRV: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig, temperature: float = 1.0
+    logits_BRV: Tensor,
+    micro: TrainBatch,
+    algorithm: AlgorithmConfig,
+    temperature: float = 1.0,
+    *,
+    logprobs_fn: LogprobsFn | None = None,
+    entropy_fn: EntropyFn | None = None,
 ) -> tuple[Tensor, LossStats]:
     """`actor_loss` from the response-predicting logits [B, R, V] alone (`model_response_outputs`)."""
     logits_BRV = _at_least_fp32(logits_BRV)
     response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
-    logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
+    entropy_from = entropy_fn or entropy_from_logits
+    if logprobs_fn is None:
+        logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
+    else:
+        logprobs_BR = logprobs_fn(logits_BRV, response_ids_BR, temperature)
     loss, pstats = ppo_policy_loss(
         logprobs_BR,
         micro.old_logprobs_BR,
@@ -96,11 +126,9 @@ def response_actor_loss(
         )
         loss = loss + algorithm.kl_loss_coef * kl_term
         kl_loss = float(kl_term.detach())
-    entropy = masked_mean(entropy_from_logits(logits_BRV.detach()), micro.response_mask_BR)
+    entropy = masked_mean(entropy_from(logits_BRV.detach()), micro.response_mask_BR)
     if algorithm.entropy_coef:
-        loss = loss - algorithm.entropy_coef * masked_mean(
-            entropy_from_logits(logits_BRV), micro.response_mask_BR
-        )
+        loss = loss - algorithm.entropy_coef * masked_mean(entropy_from(logits_BRV), micro.response_mask_BR)
     return loss, LossStats(
         policy_loss=float(loss.detach()),
         clip_fraction=float(pstats.clip_fraction),

@@ -58,6 +58,10 @@ class GenerationConfig:
     # Generation instances (data-parallel copies of the Actor; > 1 selects the engine). With pipeline=plain the
     # job runs one process per instance (rlhfuse.trainer.data_parallel), training data-parallel over them.
     instances: int = 1
+    # Tensor-parallel degree of one generation instance under pipeline=fused|serial_1f1b: each instance spans
+    # generator.tp consecutive ranks and generates its own share of the batch (instances = world size /
+    # generator.tp); it receives exactly its tp shard of the trained Actor after every update.
+    tp: int = 1
     # true = keep every instance in this one process, stepped in turn (no launch, no speed-up: a correctness
     # mode for tests and scripts that cannot re-launch themselves).
     in_process: bool = False

@@ -68,6 +68,7 @@ def layout_record(
     return {
         "world_size": layout.world_size,
         "dp": layout.dp,
+        **({"tp": layout.tp} if layout.tp > 1 else {}),
         "microbatches": layout.microbatches,
         **only,
         **{

@@ -29,6 +29,12 @@ class PipelineConfig:
     # max(actor_pp, critic_pp) * data-parallel groups.
     actor_pp: int = 2
     critic_pp: int = 2
+    # Tensor-parallel degree of the Actor / the Critic, for training and pipeline inference: each stage is split
+    # Megatron-style over tp consecutive ranks (`rlhfuse.runtime.tensor_parallel`). Must divide the heads and
+    # the intermediate size (and the kv heads, or be a multiple of them). World size must be
+    # max(actor_pp, critic_pp) * tp * data-parallel groups; both models use the same tp (actor_tp == critic_tp).
+    actor_tp: int = 1
+    critic_tp: int = 1
     # Micro-batches per mini-batch and data-parallel group (0 = data.mini_batch_size / data.micro_batch_size /
     # data-parallel groups). Must be a multiple of the smaller model's replicas.
     microbatches: int = 0
@@ -90,8 +96,14 @@ def validate_runtime(cfg: Any) -> list[str]:
     # a critic-free algorithm pipelines the Actor alone (`actor_only_layout`): pipeline.critic_pp is unused
     critic = _uses_critic(cfg)
     layers = cfg.model.num_layers if cfg.model.sft_path is None else None
-    for key in ("actor_pp", "critic_pp") if critic else ("actor_pp",):
+    keys = ("actor_pp", "critic_pp", "actor_tp", "critic_tp") if critic else ("actor_pp", "actor_tp")
+    for key in keys:
         value = getattr(p, key)
+        if value < 1:
+            problems.append(f"pipeline.{key}={value} must be >= 1")
+            continue
+        if key.endswith("_tp"):
+            continue
         if layers is not None and value > layers:
             problems.append(
                 f"pipeline.{key}={value} exceeds model.num_layers={layers} (every stage holds a layer): "
@@ -103,13 +115,16 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
     critic_pp = p.critic_pp if critic else p.actor_pp
     big = max(p.actor_pp, critic_pp, 1)
-    dp = max(world // big, 1)
+    tp = max(p.actor_tp, 1)
+    dp = max(world // (big * tp), 1)
     micro = p.microbatches or _derived_microbatches(cfg, dp)
     try:
+        actor = ModelParallel(p.actor_pp, tp)
         if critic:
-            ParallelLayout(ModelParallel(p.actor_pp), ModelParallel(p.critic_pp), dp, world, max(micro, 1))
+            critic_tp = max(p.critic_tp, 1)
+            ParallelLayout(actor, ModelParallel(p.critic_pp, critic_tp), dp, world, max(micro, 1))
         else:
-            actor_only_layout(ModelParallel(p.actor_pp), dp, world, max(micro, 1))
+            actor_only_layout(actor, dp, world, max(micro, 1))
     except ValueError as err:
         lines = str(err).splitlines()[1:]
         problems += [

@@ -42,12 +42,26 @@ class PipelineError(RuntimeError):
     """A rank failed or timed out while running its stream; the message names the rank and the instruction."""
 
 
-def ppo_losses(algorithm: AlgorithmConfig, temperature: float = 1.0) -> dict[str, LossFn]:
+def ppo_losses(
+    algorithm: AlgorithmConfig, temperature: float = 1.0, vocab: Any = None, tp_group: Any = None
+) -> dict[str, LossFn]:
     """Last-stage losses: the Actor's PPO clipped loss (+ entropy bonus), the Critic's clipped value loss, on
-    the response positions of a micro-batch (`rlhfuse.core.losses`, the same functions as `PlainStrategy`)."""
+    the response positions of a micro-batch (`rlhfuse.core.losses`, the same functions as `PlainStrategy`).
+
+    vocab (a `VocabShard`) with tp_group: the Actor's last stage is tensor-parallel and returns its slice of the
+    logits; the chosen-token log-probs and the entropy are then vocabulary-parallel (never gathering the
+    logits)."""
+    read_out: dict[str, Any] = {}
+    if vocab is not None:
+        from rlhfuse.runtime.tensor_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+
+        read_out = {
+            "logprobs_fn": lambda logits, ids, t: vocab_parallel_logprobs(logits, ids, vocab, tp_group, t),
+            "entropy_fn": lambda logits: vocab_parallel_entropy(logits, vocab, tp_group),
+        }
 
     def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, LossStats]:
-        return actor_loss(logits_BTV, micro, algorithm, temperature)
+        return actor_loss(logits_BTV, micro, algorithm, temperature, **read_out)
 
     def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, LossStats]:
         return critic_loss(values_BT, micro, algorithm)
@@ -122,9 +136,15 @@ class PipelineExecutor:
         timeout_s: float = 300.0,
         track_memory: bool = False,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        tp: int = 1,
+        tp_group: Any = None,
     ) -> None:
         self.rank, self.program, self.problem = rank, program, problem
-        self.stream = program.streams[rank]
+        # tensor parallelism: the streams are per pipeline rank (tp group of consecutive ranks); every rank of a
+        # tp group runs its group's stream on its own shards, and exchanges activations with its peer (same tp
+        # position) in the neighbouring stage's tp group
+        self.tp, self.tp_group, self.tp_rank = tp, tp_group, rank % tp
+        self.stream = program.streams[rank // tp]
         self.stages = dict(stages)
         self.losses = losses
         self.p2p = dict(p2p_groups or {})
@@ -132,9 +152,9 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.autocast = autocast
         self.track_memory = track_memory
-        self.group = rank // program.group_size
+        self.group = (rank // tp) // program.group_size
         n = problem.ranks
-        local = rank % n
+        local = (rank // tp) % n
         expected = {
             (m.name, r, s)
             for m in problem.models
@@ -148,6 +168,18 @@ class PipelineExecutor:
             )
         first = next(next(iter(self.stages.values())).parameters())
         self.dtype, self.device = first.dtype, first.device
+        # id(parameter) -> the ranks of this tp group holding an identical copy (replicated parameters are
+        # counted once in the gradient norm)
+        self._tp_copies: dict[int, int] = {}
+        if tp > 1:
+            from rlhfuse.runtime.tensor_parallel import tp_copies
+
+            for module in self.stages.values():
+                self._tp_copies.update(tp_copies(module, tp))
+
+    def _peer(self, pipeline_rank: int) -> int:
+        """The global rank of this rank's peer (same tp position) on pipeline rank `pipeline_rank`."""
+        return pipeline_rank * self.tp + self.tp_rank
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _micro_index(self, model: str, replica: int, mb: int) -> int:
@@ -212,7 +244,7 @@ class PipelineExecutor:
                     buf = torch.empty(
                         self._message_shape(work, ins.message), dtype=self.dtype, device=self.device
                     )
-                    handle = distributed.irecv(buf, ins.peer, group=self.p2p.get(ins.model))
+                    handle = distributed.irecv(buf, self._peer(ins.peer), group=self.p2p.get(ins.model))
                     pending_recv[ins.message] = (buf, handle)
                 else:
                     buf, handle = pending_recv.pop(ins.message)
@@ -221,7 +253,7 @@ class PipelineExecutor:
             elif ins.kind is Kind.SEND:
                 assert ins.message is not None
                 tensor = inbox.pop(ins.message)
-                handle = distributed.isend(tensor, ins.peer, group=self.p2p.get(ins.model))
+                handle = distributed.isend(tensor, self._peer(ins.peer), group=self.p2p.get(ins.model))
                 sends[ins.model].append((handle, tensor))
             elif ins.kind in (Kind.F, Kind.B):
                 assert ins.action is not None
@@ -253,6 +285,12 @@ class PipelineExecutor:
                         n = p.numel()
                         p.grad = flat[offset : offset + n].view_as(p).clone()
                         offset += n
+                if self.tp > 1:  # kv heads replicated over the tp group: their gradients summed over it
+                    from rlhfuse.runtime.tensor_parallel import sync_replicated_grads
+
+                    for (m, _, _), module in sorted(self.stages.items()):
+                        if m == ins.model:
+                            sync_replicated_grads(module, self.tp_group)
                 norms[ins.model] = self._grad_norm(ins.model)
         if pending_recv:
             raise PipelineError(
@@ -366,7 +404,8 @@ class PipelineExecutor:
             copies = len(grad_peers(self.problem, self.program.dp, model, s))
             for p in mod.parameters():
                 if p.grad is not None:
-                    sq += p.grad.detach().double().pow(2).sum() / copies
+                    share = copies * self._tp_copies.get(id(p), 1)
+                    sq += p.grad.detach().double().pow(2).sum() / share
         del spec
         distributed.all_reduce(sq)
         return math.sqrt(float(sq))
@@ -377,6 +416,8 @@ class PipelineExecutor:
             sum_stats(parts) if parts else LossStats(), dtype=torch.float64, device=self.device
         )
         distributed.all_reduce(vec)
+        if self.tp > 1:  # every rank of a tp group computed the same statistics
+            vec /= self.tp
         return LossStats(*vec.tolist())
 
 
@@ -435,6 +476,8 @@ class PlanExecutor:
             grad_groups=self.groups.grad,
             timeout_s=self.timeout_s,
             autocast=self.autocast,
+            tp=self.groups.tp_size,
+            tp_group=self.groups.tp,
         )
         distributed.barrier(device)
         result = executor.run(work, optimizer_step=optimizer_step)

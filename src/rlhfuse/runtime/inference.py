@@ -144,9 +144,13 @@ class ForwardExecutor:
         p2p_groups: Mapping[str, Any] | None = None,
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        tp: int = 1,
     ) -> None:
         self.rank, self.program, self.problem = rank, program, problem
-        self.stream = program.streams[rank]
+        # tensor parallelism: every rank of a tp group runs its group's stream on its shards and exchanges
+        # activations with its peer (same tp position) in the neighbouring stage's group
+        self.tp = tp
+        self.stream = program.streams[rank // tp]
         self.stages, self.heads = dict(stages), dict(heads)
         self.p2p = dict(p2p_groups or {})
         self.timeout_s, self.autocast = timeout_s, autocast
@@ -173,7 +177,8 @@ class ForwardExecutor:
                     rows = micro[m.group][self._index(m.model, m.replica, m.microbatch)]
                     shape = (len(rows), rows.input_ids_BT.shape[1], self.width[m.model])
                     buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-                    pending[m] = (buf, distributed.irecv(buf, ins.peer, group=self.p2p.get(ins.model)))
+                    peer = ins.peer * self.tp + self.rank % self.tp
+                    pending[m] = (buf, distributed.irecv(buf, peer, group=self.p2p.get(ins.model)))
                 else:
                     buf, handle = pending.pop(ins.message)
                     wait_for(handle, str(ins), self.rank, self.timeout_s)
@@ -181,9 +186,8 @@ class ForwardExecutor:
             elif ins.kind is Kind.SEND:
                 assert ins.message is not None
                 tensor = inbox.pop(ins.message).contiguous()
-                sends.append(
-                    (distributed.isend(tensor, ins.peer, group=self.p2p.get(ins.model)), tensor, ins)
-                )
+                peer = ins.peer * self.tp + self.rank % self.tp
+                sends.append((distributed.isend(tensor, peer, group=self.p2p.get(ins.model)), tensor, ins))
             elif ins.kind is Kind.F:
                 a = ins.action
                 assert a is not None
@@ -280,9 +284,12 @@ class PipelineInferencer:
             for model, replica, stage in layout.stages_on(self.rank):
                 if model == PLACED_AS[m]:
                     self.stages[(m, replica, stage)] = split[stage]
+        logprobs: Head = lambda out, rows: logprobs_from_output(out, rows, self.temperature)  # noqa: E731
+        if layout.tp > 1:  # tensor-parallel shards: the LM heads give vocabulary slices
+            logprobs = self._vocab_parallel_logprobs
         self.heads: dict[str, Head] = {
-            ModelRole.ACTOR: lambda out, rows: logprobs_from_output(out, rows, self.temperature),
-            ModelRole.REF: lambda out, rows: logprobs_from_output(out, rows, self.temperature),
+            ModelRole.ACTOR: logprobs,
+            ModelRole.REF: logprobs,
             ModelRole.CRITIC: values_from_output,
             ModelRole.REWARD: scores_from_output,
         }
@@ -292,6 +299,18 @@ class PipelineInferencer:
                 "rlhfuse: inference over the pipeline layout: "
                 + "; ".join(f"{m} on {layout.local_placement(PLACED_AS[m])}" for m in self.names)
             )
+
+    def _vocab_parallel_logprobs(self, logits_BTV: Tensor, rollout: Rollout) -> Tensor:
+        """`logprobs_from_output` from this rank's slice of the logits (`vocab_parallel_logprobs`: the full
+        logits are never gathered; the shard's vocabulary and tp group are the Actor's and the Ref's alike)."""
+        from rlhfuse.runtime.tensor_parallel import vocab_parallel_logprobs
+
+        model: Any = self.models[ModelRole.ACTOR]
+        prompt_len = rollout.prompt_ids_BP.shape[1]
+        logits_BRV = logits_BTV[:, prompt_len - 1 : -1].float()
+        return vocab_parallel_logprobs(
+            logits_BRV, rollout.response_ids_BR, model.vocab_shard, model.tp_group, self.temperature
+        )
 
     def microbatches(self, rows: int) -> int:
         k = self.layout.replicas(self.layout.smaller)
@@ -336,8 +355,11 @@ class PipelineInferencer:
                 p2p_groups=self.p2p,
                 timeout_s=self.timeout_s,
                 autocast=self.autocast,
+                tp=self.layout.tp,
             )
             results = executor.run(micro)
+            if self.layout.tp_rank(self.rank) != 0:  # each tp group's rows once: its first rank's
+                results = {}
         finally:
             for k, mod in modules.items():
                 mod.train(training[k])

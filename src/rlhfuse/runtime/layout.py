@@ -28,7 +28,7 @@ class ModelParallel:
 
     Attributes:
         pp: pipeline stages of one replica (1 = no pipeline).
-        tp: tensor-parallel degree (reserved: only 1 is supported today).
+        tp: tensor-parallel degree: each stage is split over tp consecutive ranks (its tp group).
     """
 
     pp: int = 1
@@ -52,7 +52,10 @@ class ParallelLayout:
             critic-free algorithm trains the Actor alone (`actor_only_layout`): the critic slot then trains
             nothing and only places the Reward model's inference.
 
-    Rank numbering: fused group g holds ranks g*N .. g*N + N - 1 (N = max(actor.pp, critic.pp)).
+    Rank numbering: the placement is over *pipeline ranks* (one per tp group); fused group g holds pipeline
+    ranks g*N .. g*N + N - 1 (N = max(actor.pp, critic.pp)), and pipeline rank v spans the tp consecutive global
+    ranks v*tp .. v*tp + tp - 1 (its tp group: the ranks of one stage's tp group are consecutive). tp = 1: the
+    two numberings coincide.
     """
 
     actor: ModelParallel
@@ -71,8 +74,14 @@ class ParallelLayout:
             m: ModelParallel = getattr(self, name)
             if m.pp < 1:
                 problems.append(f"{name}.pp={m.pp} must be >= 1")
-            if m.tp != 1:
-                problems.append(f"{name}.tp={m.tp} is reserved: only tp=1 is supported; set {name}.tp=1")
+            if m.tp < 1:
+                problems.append(f"{name}.tp={m.tp} must be >= 1")
+        if self.actor.tp != self.critic.tp and self.actor.tp >= 1 and self.critic.tp >= 1:
+            problems.append(
+                f"actor.tp={self.actor.tp} != critic.tp={self.critic.tp}: both models' stages share the same "
+                f"tp groups of ranks (merging a smaller-tp model's consecutive stages onto a larger-tp group is "
+                f"not built): set critic.tp={self.actor.tp}"
+            )
         if self.dp < 1:
             problems.append(f"dp={self.dp} must be >= 1")
         if self.microbatches < 1:
@@ -91,15 +100,17 @@ class ParallelLayout:
                     f"microbatches={self.microbatches} must be a multiple of the {k} {small} replicas "
                     f"({big}.pp / {small}.pp = {n_big} / {n_small} = {k}): use a multiple of {k}"
                 )
-            if n_big * self.dp != self.world_size:
+            tp = self.actor.tp
+            if n_big * tp * self.dp != self.world_size:
+                span = n_big * tp
                 hint = (
-                    f"set dp={self.world_size // n_big}"
-                    if self.world_size % n_big == 0
-                    else f"use {n_big * self.dp} processes or a {big}.pp dividing {self.world_size}"
+                    f"set dp={self.world_size // span}"
+                    if self.world_size % span == 0
+                    else f"use {span * self.dp} processes, or an {big}.pp * tp dividing {self.world_size}"
                 )
                 problems.append(
-                    f"{big}.pp * dp = {n_big} * {self.dp} = {n_big * self.dp} != world size {self.world_size}: "
-                    + hint
+                    f"{big}.pp * tp * dp = {n_big} * {tp} * {self.dp} = {span * self.dp} != world size "
+                    f"{self.world_size}: " + hint
                 )
         if problems:
             raise ValueError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
@@ -113,6 +124,27 @@ class ParallelLayout:
     @property
     def smaller(self) -> str:
         return "critic" if self.larger == "actor" else "actor"
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree of both models (validated equal)."""
+        return self.actor.tp
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline ranks (tp groups): world size / tp; the instruction streams are per pipeline rank."""
+        return self.world_size // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        """A global rank's position in its tp group."""
+        return rank % self.tp
+
+    def pipeline_rank(self, rank: int) -> int:
+        """A global rank's pipeline rank (its tp group)."""
+        return rank // self.tp
+
+    def global_rank(self, pipeline_rank: int, tp_rank: int = 0) -> int:
+        return pipeline_rank * self.tp + tp_rank
 
     @property
     def group_size(self) -> int:
@@ -137,14 +169,15 @@ class ParallelLayout:
             return [list(range(n))]
         return reversed_blocks(n, self.stages(model))
 
-    def rank(self, model: str, group: int, replica: int, stage: int) -> int:
-        """Global rank of `stage` of `replica` of `model` in data-parallel fused group `group`."""
-        return group * self.group_size + self.local_placement(model)[replica][stage]
+    def rank(self, model: str, group: int, replica: int, stage: int, tp_rank: int = 0) -> int:
+        """Global rank of tp shard `tp_rank` of `stage` of `replica` of `model` in data-parallel fused group
+        `group`."""
+        return (group * self.group_size + self.local_placement(model)[replica][stage]) * self.tp + tp_rank
 
     def stages_on(self, rank: int) -> list[tuple[str, int, int]]:
-        """(model, replica, stage) placed on a global rank, for every slot (the inference of a model placed
-        like an untrained slot uses it too: `held_stages`)."""
-        local = rank % self.group_size
+        """(model, replica, stage) placed on a global rank (its tp shard of them), for every slot (the inference of
+        a model placed like an untrained slot uses it too: `held_stages`)."""
+        local = self.pipeline_rank(rank) % self.group_size
         return [
             (model, r, s)
             for model in MODELS
@@ -165,7 +198,7 @@ class ParallelLayout:
         return held
 
     def group_of(self, rank: int) -> int:
-        return rank // self.group_size
+        return self.pipeline_rank(rank) // self.group_size
 
     def problem(
         self,
@@ -195,19 +228,43 @@ class ParallelLayout:
     # --- process groups by purpose (pure: which ranks) -------------------------------------------------------
     @cached_property
     def grad_groups(self) -> dict[tuple[str, int], tuple[int, ...]]:
-        """(model, stage) -> every rank holding that stage: the critic replicas of all fused groups (or the
-        data-parallel copies of the larger model). Gradients of a stage are summed over these ranks."""
+        """(model, stage) -> every rank holding (a tp shard of) that stage: the critic replicas of all fused
+        groups (or the data-parallel copies of the larger model). tp = 1: gradients of a stage are summed over
+        these ranks (tp > 1: over `tp_grad_groups`)."""
         return {
-            (m, s): tuple(self.rank(m, g, r, s) for g in range(self.dp) for r in range(self.replicas(m)))
+            (m, s): tuple(
+                self.rank(m, g, r, s, t)
+                for g in range(self.dp)
+                for r in range(self.replicas(m))
+                for t in range(self.tp)
+            )
             for m in self.trained
             for s in range(self.stages(m))
         }
 
     @cached_property
-    def pipeline_groups(self) -> dict[tuple[str, int, int], tuple[int, ...]]:
-        """(model, fused group, replica) -> the ranks of that pipeline, in stage order."""
+    def tp_grad_groups(self) -> dict[tuple[str, int, int], tuple[int, ...]]:
+        """(model, stage, tp rank) -> every rank holding that tp shard of the stage: the shard's gradients are
+        summed over these ranks (replicas and data parallelism; tp = 1: `grad_groups`)."""
         return {
-            (m, g, r): tuple(self.rank(m, g, r, s) for s in range(self.stages(m)))
+            (m, s, t): tuple(
+                self.rank(m, g, r, s, t) for g in range(self.dp) for r in range(self.replicas(m))
+            )
+            for m in self.trained
+            for s in range(self.stages(m))
+            for t in range(self.tp)
+        }
+
+    @cached_property
+    def tp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The tp groups: consecutive ranks v*tp .. v*tp + tp - 1 per pipeline rank v."""
+        return tuple(tuple(range(v * self.tp, (v + 1) * self.tp)) for v in range(self.pipeline_ranks))
+
+    @cached_property
+    def pipeline_groups(self) -> dict[tuple[str, int, int], tuple[int, ...]]:
+        """(model, fused group, replica) -> the pipeline ranks of that pipeline, in stage order."""
+        return {
+            (m, g, r): tuple(self.rank(m, g, r, s) // self.tp for s in range(self.stages(m)))
             for m in self.trained
             for g in range(self.dp)
             for r in range(self.replicas(m))
@@ -215,11 +272,14 @@ class ParallelLayout:
 
     @cached_property
     def data_parallel_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Ranks with the same position in every fused group (same stages of both models)."""
-        return tuple(tuple(g * self.group_size + k for g in range(self.dp)) for k in range(self.group_size))
+        """Ranks with the same position in every fused group (same stages and tp shard of both models)."""
+        n, tp = self.group_size, self.tp
+        return tuple(tuple((g * n + k) * tp + t for g in range(self.dp)) for k in range(n) for t in range(tp))
 
     def describe(self) -> str:
         parts = [f"{self.world_size} ranks = {self.dp} fused group(s) x {self.group_size}"]
+        if self.tp > 1:
+            parts[0] += f" pipeline ranks x tp={self.tp} (consecutive ranks)"
         for m in (self.larger, self.smaller):
             if m in self.trained:
                 parts.append(f"{m}: {self.replicas(m)} x pp={self.stages(m)} on {self.local_placement(m)}")
@@ -242,8 +302,10 @@ class ProcessGroups:
     """torch.distributed groups by purpose, built identically on every rank.
 
     p2p[model]: the whole world, one group per model, so the two models' point-to-point messages never match
-    each other's; grad[(model, stage)]: gradient reduction over replicas and data parallelism (None when a
-    single rank holds the stage); world: the default group (norms, statistics, weight gathering).
+    each other's; grad[(model, stage)]: gradient reduction over replicas and data parallelism of this rank's tp
+    shard of the stage (None when a single rank holds it); pipeline[(model, fused group, replica)]: the ranks of
+    that pipeline with this rank's tp position; tp: this rank's tp group (None when tp = 1: the vocabulary- and
+    tensor-parallel collectives then do nothing); world: the default group (norms, statistics, weight sync).
     """
 
     p2p: dict[str, Any]
@@ -251,19 +313,38 @@ class ProcessGroups:
     pipeline: dict[tuple[str, int, int], Any]
     data_parallel: tuple[Any, ...]
     world: Any
+    tp: Any = None
+    tp_size: int = 1
 
 
 def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None) -> ProcessGroups:
-    """Create every group (collective: all ranks must call this, in the same order)."""
+    """Create every group (collective: all ranks must call this, in the same order); keep this rank's."""
     from rlhfuse import distributed
 
     world = list(range(layout.world_size))
+    me = distributed.rank()
+    mine = layout.tp_rank(me)
 
     def group(ranks: tuple[int, ...] | list[int]) -> Any:
         return distributed.new_group(ranks, timeout_s)
 
     p2p = {m: group(world) for m in layout.trained}
-    grad = {key: (group(ranks) if len(ranks) > 1 else None) for key, ranks in layout.grad_groups.items()}
-    pipeline = {key: group(ranks) for key, ranks in layout.pipeline_groups.items()}
+    grad: dict[tuple[str, int], Any] = {}
+    for (m, s, t), ranks in layout.tp_grad_groups.items():
+        made = group(ranks) if len(ranks) > 1 else None
+        if t == mine:
+            grad[(m, s)] = made
+    pipeline: dict[tuple[str, int, int], Any] = {}
+    for key, ranks in layout.pipeline_groups.items():
+        for t in range(layout.tp):
+            made = group([layout.global_rank(v, t) for v in ranks])
+            if t == mine:
+                pipeline[key] = made
     dp = tuple(group(ranks) for ranks in layout.data_parallel_groups)
-    return ProcessGroups(p2p, grad, pipeline, dp, None)  # None: the default (world) group
+    tp_group = None
+    if layout.tp > 1:
+        for ranks in layout.tp_groups:
+            made = group(ranks)
+            if me in ranks:
+                tp_group = made
+    return ProcessGroups(p2p, grad, pipeline, dp, None, tp_group, layout.tp)  # world None: the default group

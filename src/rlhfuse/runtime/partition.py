@@ -12,6 +12,7 @@ the first stage, final norm and head on the last (see `rlhfuse.models.stages`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -55,13 +56,20 @@ class RankStages:
     stages of each model (the same split on every rank), to bring the full copies back in sync (`gather`).
     """
 
-    def __init__(self, layout: ParallelLayout, rank: int, models: Mapping[str, Transformer]) -> None:
-        self.layout, self.rank = layout, rank
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        rank: int,
+        models: Mapping[str, Transformer],
+        tp_group: Any = None,
+    ) -> None:
+        self.layout, self.rank, self.tp_group = layout, rank, tp_group
         self.models = dict(models)
         self.local = stages_for_rank(layout, rank, models)
         self.every = {m: split_stages(models[m], layout.stages(m)) for m in layout.trained}
-        # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory)
-        self.sharded = any(p.is_meta for m in layout.trained for p in models[m].parameters())
+        # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory),
+        # or the models are tensor-parallel shards (`rlhfuse.runtime.tensor_parallel.shard_transformer`)
+        self.sharded = layout.tp > 1 or any(p.is_meta for m in layout.trained for p in models[m].parameters())
         missing = [k for k, mod in self.local.items() if any(p.is_meta for p in mod.parameters())]
         if missing:
             raise ValueError(
@@ -71,6 +79,16 @@ class RankStages:
         self.received_bytes = 0
         """Bytes this rank received in the last `full_state`."""
 
+    def _whole_state(self, model: str) -> dict[str, Tensor]:
+        """`model`'s state dict as whole tensors (tp > 1: the held stages' shards reassembled over the tp group,
+        `unshard_state`; meta tensors of the whole shape for the stages held elsewhere)."""
+        module = self.models[model]
+        if self.layout.tp == 1:
+            return module.state_dict(keep_vars=True)
+        from rlhfuse.runtime.tensor_parallel import unshard_state
+
+        return unshard_state(module, self.tp_group)
+
     def senders(self, model: str, stage: int) -> dict[int, int]:
         """rank -> the rank that sends it `stage` of `model`, for every rank not holding that stage: the holders
         (every replica and data-parallel copy of the stage, identical weights) taken in turn, so the traffic is
@@ -79,21 +97,34 @@ class RankStages:
         needers = [r for r in range(self.layout.world_size) if r not in holders]
         return {r: holders[i % len(holders)] for i, r in enumerate(needers)}
 
-    def _exchange(self, model: str) -> list[tuple[list[list[str]], list[Tensor], bool]]:
+    def shard_senders(self, model: str, stage: int) -> dict[int, int]:
+        """`senders` per tp position: rank -> the rank that sends it its tp shard of `stage`, a holder of the same
+        shard (same tp position), for every rank of that position not holding the stage."""
+        out: dict[int, int] = {}
+        layout = self.layout
+        for t in range(layout.tp):
+            holders = sorted(set(layout.tp_grad_groups[(model, stage, t)]))
+            needers = [r for r in range(layout.world_size) if layout.tp_rank(r) == t and r not in holders]
+            out.update({r: holders[i % len(holders)] for i, r in enumerate(needers)})
+        return out
+
+    def _exchange(self, model: str, shards: bool = False) -> list[tuple[list[list[str]], list[Tensor], bool]]:
         """Collective: every stage of `model` to the ranks that lack it (point to point, holders -> needers,
-        one flat buffer per stage and dtype on the layout's device). Per (stage, dtype): the state-dict names of
+        one flat buffer per stage and dtype on the layout's device; shards=True: each rank's tensor-parallel shard
+        of the stage, from a holder of the same shard, `shard_senders`). Per (stage, dtype): the state-dict names of
         each distinct tensor, this rank's values (its own tensors, or views of the received buffer) and whether
         they were received. Counts `received_bytes`."""
         module = self.models[model]
         n, layers = self.layout.stages(model), module.config.num_layers
-        state = module.state_dict(keep_vars=True)  # tied weights appear under both names, once in memory
+        # tied weights appear under both names, once in memory
+        state = module.state_dict(keep_vars=True) if shards else self._whole_state(model)
         device = torch.device(self.layout.device)
         works: list[distributed.Work] = []
         keep: list[Tensor] = []
         out: list[tuple[list[list[str]], list[Tensor], bool]] = []
         self.received_bytes = 0
         for s in range(n):
-            plan = self.senders(model, s)
+            plan = self.shard_senders(model, s) if shards else self.senders(model, s)
             unique: dict[int, list[str]] = {}
             for k in state:
                 if stage_of(k, layers, n) == s:
@@ -134,9 +165,25 @@ class RankStages:
                     out[k] = value
         return out
 
+    def shard_state(self, model: str) -> dict[str, Tensor]:
+        """Collective: this rank's tensor-parallel shard of every stage of `model` (a generation instance of the
+        training tp degree over the same consecutive ranks): each rank receives only the shards of the stages it
+        does not hold, from a holder of the same shard, never a whole tensor (`shard_senders`)."""
+        out: dict[str, Tensor] = {}
+        for entries, values, _ in self._exchange(model, shards=True):
+            for keys, value in zip(entries, values, strict=True):
+                for k in keys:
+                    out[k] = value
+        return out
+
     def load_resident(self, model: str, state: Mapping[str, Tensor]) -> None:
-        """Copy `state`'s entries into the tensors materialised on this rank (meta ones are held elsewhere)."""
+        """Copy `state`'s entries (whole tensors) into the tensors materialised on this rank (meta ones are held
+        elsewhere; tp > 1: this rank's slice of each, `shard_state`)."""
         params = self.models[model].state_dict(keep_vars=True)
+        if self.layout.tp > 1:
+            from rlhfuse.runtime.tensor_parallel import shard_state
+
+            state = shard_state(self.models[model], self.layout.tp_rank(self.rank), state)
         with torch.no_grad():
             for name, target in params.items():
                 if not target.is_meta:

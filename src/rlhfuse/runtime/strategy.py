@@ -49,6 +49,7 @@ from rlhfuse.runtime.plan import (
     replay,
     unprofiled_plan,
 )
+from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 
 def pipeline_layout(
@@ -64,12 +65,19 @@ def pipeline_layout(
     only this rank's stages; the strategy computes the same one). `critic=False` (a critic-free algorithm): the
     Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
     critic_pp = config.critic_pp if critic else config.actor_pp
-    dp = max(world // max(config.actor_pp, critic_pp), 1)
+    dp = max(world // (max(config.actor_pp, critic_pp) * max(config.actor_tp, 1)), 1)
     micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
     if not critic:
-        return actor_only_layout(ModelParallel(config.actor_pp), dp, world, micro, device=str(device))
+        return actor_only_layout(
+            ModelParallel(config.actor_pp, config.actor_tp), dp, world, micro, device=str(device)
+        )
     return ParallelLayout(
-        ModelParallel(config.actor_pp), ModelParallel(config.critic_pp), dp, world, micro, device=str(device)
+        ModelParallel(config.actor_pp, config.actor_tp),
+        ModelParallel(config.critic_pp, config.critic_tp),
+        dp,
+        world,
+        micro,
+        device=str(device),
     )
 
 
@@ -100,8 +108,10 @@ class FusedPipelineStrategy:
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
+        generation_tp: int = 1,
     ) -> None:
         self.planner = planner_for(schedule)
+        self.generation_tp = generation_tp
         if not distributed.is_initialized():
             raise ValueError(
                 f"pipeline={schedule} needs torch.distributed: launch with distributed.nproc_per_node=N "
@@ -127,15 +137,20 @@ class FusedPipelineStrategy:
         micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
-        self.shards = RankStages(self.layout, self.rank, self.models)
+        self.groups = build_process_groups(self.layout, timeout_s)
+        vocab = None
+        if self.layout.tp > 1:  # this rank's tensor-parallel shard of its stages (Megatron-style)
+            self.models = {m: self.tp_shard(model) for m, model in self.models.items()}
+            vocab = self.models["actor"].vocab_shard
+        self.shards = RankStages(self.layout, self.rank, self.models, self.groups.tp)
         self.stages = self.shards.local
         self.optimizers = StageOptimizers(self.shards, config.optim, total_steps)
         self.executor = PlanExecutor(
             self.rank,
             self.world,
             self.stages,
-            build_process_groups(self.layout, timeout_s),
-            losses=ppo_losses(algorithm, temperature if temperature > 0 else 1.0),
+            self.groups,
+            losses=ppo_losses(algorithm, temperature if temperature > 0 else 1.0, vocab, self.groups.tp),
             timeout_s=timeout_s,
             autocast=autocast,
         )
@@ -151,6 +166,13 @@ class FusedPipelineStrategy:
         self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
+
+    def tp_shard(self, model: Transformer) -> Transformer:
+        """This rank's tensor-parallel shard of `model` over the layout's tp group (`shard_transformer`; the
+        model itself when tp = 1): the trainer shards the Ref and the Reward with it for pipeline inference."""
+        if self.layout.tp == 1:
+            return model
+        return shard_transformer(model, self.layout.tp_rank(self.rank), self.layout.tp, self.groups.tp)
 
     @property
     def schedule(self) -> Schedule:
@@ -198,13 +220,22 @@ class FusedPipelineStrategy:
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: the Actor's full weights for this rank's generation copy; each rank receives only the
+        """Collective: the Actor's weights for this rank's generation copy; each rank receives only the
         stages it does not hold, once, from a holder of that stage (`RankStages.senders`: point to point, the
-        holders taken in turn). Sharded models: the received stages are fresh tensors. Full copies: both models'
+        holders taken in turn). generation_tp = the training tp > 1: this rank's tp shard of every stage, each
+        missing shard from a holder of the same shard (`RankStages.shard_state`); tp > 1 with a whole generation
+        copy (generation_tp = 1): whole tensors, each held stage reassembled over its tp group first. Sharded models: the received stages are fresh tensors. Full copies: both models'
         copies are brought up to date in place (a per-rank inferencer, fused generation, reads the whole Critic
         too). `weight_sync_bytes`: the most bytes any rank received."""
-        if self.shards.sharded:
-            weights: Mapping[str, Tensor] = self.shards.full_state("actor")
+        if self.generation_tp > 1:  # a tensor-parallel generation instance on the training's tp groups
+            if self.generation_tp != self.layout.tp:
+                raise ValueError(
+                    f"generator.tp={self.generation_tp} differs from pipeline.actor_tp={self.layout.tp}: "
+                    "resharding between tp degrees is not built; set generator.tp to pipeline.actor_tp or 1"
+                )
+            weights: Mapping[str, Tensor] = self.shards.shard_state("actor")
+        elif self.shards.sharded:
+            weights = self.shards.full_state("actor")
         else:
             self.shards.gather()
             weights = self.models["actor"].state_dict()

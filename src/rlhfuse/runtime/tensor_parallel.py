@@ -21,6 +21,7 @@ Legend: B batch rows, T tokens, D width, V vocabulary (Vl: this rank's slice).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, lo: int, hi: int, group: Any, rows: int | None = None) -> None:
         super().__init__()
         self.group, self.lo, self.hi = group, lo, hi
+        self.full_rows = int(full.weight.shape[0])
+        self.bounds: list[tuple[int, int]] = [(lo, hi)]
+        """Every rank's [lo, hi) of the full rows (set by `shard_transformer`): what `unshard_state` reassembles."""
         self.replicated: tuple[int, int] | None = None
         """(kv head, kv heads) when this slice is a kv head other ranks hold too (`sync_replicated_grads`)."""
         weight = full.weight.detach()[lo:hi]
@@ -106,12 +110,31 @@ def sync_replicated_grads(model: nn.Module, group: Any = None) -> None:
                 p.grad.copy_(buf[head])
 
 
+def tp_copies(module: nn.Module, tp: int) -> dict[int, int]:
+    """id(parameter) -> how many ranks of the tp group hold an identical copy of it: 1 for the split weights,
+    tp / kv heads for a replicated kv head, tp for everything replicated (norms, row-parallel biases, the value
+    head). A gradient norm over the group divides each parameter's squared norm by it."""
+    out = {id(p): tp for p in module.parameters()}
+    for sub in module.modules():
+        if isinstance(sub, ColumnParallelLinear):
+            copies = 1 if sub.replicated is None else tp // sub.replicated[1]
+            for p in (sub.weight, sub.bias):
+                if p is not None:
+                    out[id(p)] = copies
+        elif isinstance(sub, RowParallelLinear | VocabParallelEmbedding):
+            out[id(sub.weight)] = 1
+    return out
+
+
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_local W[:, lo:hi]^T, then the (replicated) bias."""
 
     def __init__(self, full: nn.Linear, lo: int, hi: int, group: Any) -> None:
         super().__init__()
         self.group, self.lo, self.hi = group, lo, hi
+        self.full_cols = int(full.weight.shape[1])
+        self.bounds: list[tuple[int, int]] = [(lo, hi)]
+        """Every rank's [lo, hi) of the full columns (set by `shard_transformer`)."""
         self.weight = nn.Parameter(
             full.weight.detach()[:, lo:hi].clone(), requires_grad=full.weight.requires_grad
         )
@@ -128,6 +151,8 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, full: nn.Embedding, shard: VocabShard, group: Any) -> None:
         super().__init__()
         self.shard, self.group = shard, group
+        self.full_rows = int(full.weight.shape[0])
+        self.bounds: list[tuple[int, int]] = [(shard.start, shard.start + shard.valid)]
         rows = full.weight.detach()[shard.start : shard.start + shard.valid]
         pad = rows.new_zeros(shard.size - shard.valid, rows.shape[1])
         self.weight = nn.Parameter(torch.cat([rows, pad]).clone(), requires_grad=full.weight.requires_grad)
@@ -153,31 +178,124 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
     h, f = cfg.num_heads // tp, cfg.intermediate_size // tp
     split_kv = cfg.num_kv_heads % tp == 0
     k = cfg.num_kv_heads // tp if split_kv else 1
-    # the first kv head this rank holds (replicated: the one its query heads read)
-    first_kv = rank * k if split_kv else rank * h // (cfg.num_heads // cfg.num_kv_heads)
+
+    def first_kv(r: int) -> int:
+        """The first kv head rank r holds (replicated: the one its query heads read)."""
+        return r * k if split_kv else r * h // (cfg.num_heads // cfg.num_kv_heads)
+
+    def spans(width: int, start: Any = None) -> list[tuple[int, int]]:
+        starts = [start(r) if start else r * width for r in range(tp)]
+        return [(lo, lo + width) for lo in starts]
+
+    q_spans, f_spans = spans(h * e), spans(f)
+    kv_spans = spans(k * e, lambda r: first_kv(r) * e)
+
+    def column(full: nn.Linear, bounds: list[tuple[int, int]]) -> ColumnParallelLinear:
+        mod = ColumnParallelLinear(full, *bounds[rank], group)
+        mod.bounds = bounds
+        return mod
+
+    def row(full: nn.Linear, bounds: list[tuple[int, int]]) -> RowParallelLinear:
+        mod = RowParallelLinear(full, *bounds[rank], group)
+        mod.bounds = bounds
+        return mod
+
     for layer in out.layers:
         attn: Any = layer.self_attn
-        attn.q_proj = ColumnParallelLinear(attn.q_proj, rank * h * e, (rank + 1) * h * e, group)
-        attn.k_proj = ColumnParallelLinear(attn.k_proj, first_kv * e, (first_kv + k) * e, group)
-        attn.v_proj = ColumnParallelLinear(attn.v_proj, first_kv * e, (first_kv + k) * e, group)
+        attn.q_proj = column(attn.q_proj, q_spans)
+        attn.k_proj = column(attn.k_proj, kv_spans)
+        attn.v_proj = column(attn.v_proj, kv_spans)
         if not split_kv:
             for proj in (attn.k_proj, attn.v_proj):
-                proj.replicated = (first_kv, cfg.num_kv_heads)
-        attn.o_proj = RowParallelLinear(attn.o_proj, rank * h * e, (rank + 1) * h * e, group)
+                proj.replicated = (first_kv(rank), cfg.num_kv_heads)
+        attn.o_proj = row(attn.o_proj, q_spans)
         attn.num_heads, attn.num_kv_heads = h, k
         mlp: Any = layer.mlp
-        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, rank * f, (rank + 1) * f, group)
-        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, rank * f, (rank + 1) * f, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * f, (rank + 1) * f, group)
-    shard = VocabShard.of(cfg.vocab_size, rank, tp)
-    out.embed_tokens = VocabParallelEmbedding(model.embed_tokens, shard, group)  # type: ignore[assignment]
+        mlp.gate_proj = column(mlp.gate_proj, f_spans)
+        mlp.up_proj = column(mlp.up_proj, f_spans)
+        mlp.down_proj = row(mlp.down_proj, f_spans)
+    shards = [VocabShard.of(cfg.vocab_size, r, tp) for r in range(tp)]
+    vocab_spans = [(sh.start, sh.start + sh.valid) for sh in shards]
+    shard = shards[rank]
+    embed = VocabParallelEmbedding(model.embed_tokens, shard, group)
+    embed.bounds = vocab_spans
+    out.embed_tokens = embed  # type: ignore[assignment]
     if model.head == "lm":
         head = ColumnParallelLinear(
             model.lm_head, shard.start, shard.start + shard.valid, group, rows=shard.size
         )
+        head.bounds = vocab_spans
         out.lm_head = head  # type: ignore[assignment]
     out.vocab_shard = shard  # type: ignore[assignment]
     out.tp_group = group  # type: ignore[assignment]
+    return out
+
+
+def _split(module: nn.Module) -> dict[str, tuple[int, list[tuple[int, int]], int]]:
+    """state-dict name -> (split dim, every rank's [lo, hi) along it, full size) of the split tensors of a
+    shard (`shard_transformer`); tensors not listed are replicated."""
+    out: dict[str, tuple[int, list[tuple[int, int]], int]] = {}
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(sub, ColumnParallelLinear | VocabParallelEmbedding):
+            out[prefix + "weight"] = (0, sub.bounds, sub.full_rows)
+            if getattr(sub, "bias", None) is not None:
+                out[prefix + "bias"] = (0, sub.bounds, sub.full_rows)
+        elif isinstance(sub, RowParallelLinear):
+            out[prefix + "weight"] = (1, sub.bounds, sub.full_cols)
+    return out
+
+
+def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """state-dict name -> the whole model's shape of every tensor of a shard (meta ones included)."""
+    split = _split(module)
+    out: dict[str, torch.Size] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        shape = list(t.shape)
+        if name in split:
+            dim, _, size = split[name]
+            shape[dim] = size
+        out[name] = torch.Size(shape)
+    return out
+
+
+def unshard_state(module: nn.Module, group: Any = None) -> dict[str, Tensor]:
+    """Collective over the tp group: the whole tensors of the shard's materialised entries (split ones
+    all-gathered and reassembled, padded vocabulary rows dropped; replicated ones this rank's own), and meta
+    tensors of the whole shape for the entries held elsewhere (other pipeline stages)."""
+    split, shapes = _split(module), full_shapes(module)
+    out: dict[str, Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t.is_meta:
+            out[name] = torch.empty(shapes[name], dtype=t.dtype, device="meta")
+        elif name not in split:
+            out[name] = t.detach()
+        else:
+            dim, bounds, _ = split[name]
+            parts = distributed.all_gather(t.detach().contiguous(), group=group)
+            whole = t.new_empty(shapes[name])
+            for (lo, hi), part in zip(bounds, parts, strict=True):
+                whole.narrow(dim, lo, hi - lo).copy_(part.narrow(dim, 0, hi - lo))
+            out[name] = whole
+    return out
+
+
+def shard_state(module: nn.Module, rank: int, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The inverse of `unshard_state` for rank `rank`: this rank's slice of every whole tensor in `state` (padded
+    vocabulary rows zero), for the entries materialised in `module`."""
+    split = _split(module)
+    out: dict[str, Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t.is_meta:
+            continue
+        if name not in split:
+            out[name] = state[name]
+            continue
+        dim, bounds, _ = split[name]
+        lo, hi = bounds[rank]
+        mine = torch.zeros_like(t)
+        mine.narrow(dim, 0, hi - lo).copy_(state[name].narrow(dim, lo, hi - lo))
+        out[name] = mine
     return out
 
 

@@ -20,7 +20,13 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
-from rlhfuse.trainer.callbacks import ExportActor, MemoryMetrics, SampleTable, TaskScore
+from rlhfuse.trainer.callbacks import (
+    ExportActor,
+    ExportShardedActor,
+    MemoryMetrics,
+    SampleTable,
+    TaskScore,
+)
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
@@ -238,7 +244,9 @@ def build_trainer(
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
     rollout = rollout_stage(ctx, generator, inferencer)
-    export = config.checkpoint.export_hf and rank0 and models.generation is not None
+    # generator.tp > 1: the generation copy is a tp shard; the export reassembles the whole Actor (collective)
+    shard_export = config.checkpoint.export_hf and config.generator.tp > 1
+    export = config.checkpoint.export_hf and rank0 and models.generation is not None and not shard_export
     actor_export = generation_copy(generator, config) if export else models.actor
     models.generation = None  # the generator holds its own copy now
 
@@ -254,7 +262,17 @@ def build_trainer(
     elif config.data.source == "arithmetic":  # the share of right answers, whatever reward the run optimises
         rule = rule_reward("numeric_match", "task/accuracy")
         all_callbacks.append(TaskScore(rule, models.tokenizer, key="task/accuracy", rows=rows))
-    if config.checkpoint.export_hf and rank0:
+    if shard_export:
+        all_callbacks.append(
+            ExportShardedActor(
+                lambda: strategy.shards.full_state("actor"),
+                strategy.models["actor"].config,
+                models.tokenizer,
+                run_dir / "actor_hf",
+                write=rank0,
+            )
+        )
+    elif config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(actor_export, models.tokenizer, run_dir / "actor_hf"))
     if Watchdog.current is not None and fabric.world_size > 1:
         all_callbacks.append(Watchdog.current)  # keeps the last step for its dead-rank message

@@ -13,7 +13,7 @@ import torch
 from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.models import Transformer, resident_bytes, save_pretrained
+from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretrained
 
 
 class TaskScore:
@@ -47,6 +47,34 @@ class ExportActor:
         save_pretrained(self.actor, self.path)  # replaces the folder as a whole, then the text files join it
         self.tokenizer.save(self.path)
         self.tokenizer.save_generation_config(self.path)
+
+
+class ExportShardedActor:
+    """`ExportActor` when the generation copy is a tensor-parallel shard (generator.tp > 1): at the end of `fit`
+    every rank joins the collective that reassembles the Actor's whole tensors (`whole_state`), and the writing
+    rank (rank 0) saves them as one Hugging Face checkpoint. Every rank must have this callback."""
+
+    def __init__(
+        self,
+        whole_state: Callable[[], Mapping[str, torch.Tensor]],
+        config: ModelConfig,
+        tokenizer: Tokenizer,
+        path: str | Path,
+        *,
+        write: bool,
+    ) -> None:
+        self.whole_state, self.config, self.tokenizer = whole_state, config, tokenizer
+        self.path, self.write = Path(path), write
+
+    def on_fit_end(self, trainer: Any) -> None:
+        state = self.whole_state()
+        if not self.write:
+            return
+        dtype = next(iter(state.values())).dtype
+        model = Transformer(self.config, head="lm").to(dtype)
+        model.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, strict=True)
+        save_pretrained(model, self.path)
+        self.tokenizer.save(self.path)
 
 
 class MemoryMetrics:

@@ -40,6 +40,25 @@ class BuildContext:
 
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
+    g = ctx.config.generator
+    if (
+        g.tp > 1
+    ):  # instances of generator.tp ranks on the training's tp groups (validated: = pipeline.actor_tp)
+        from rlhfuse import distributed
+        from rlhfuse.trainer.generator import TensorParallelGenerator
+
+        return TensorParallelGenerator(
+            ctx.models.for_generation(),
+            g.sampling,
+            tp=g.tp,
+            rank=distributed.rank(),
+            world=distributed.world_size(),
+            group=ctx.strategy.groups.tp,
+            eos_token_id=ctx.models.tokenizer.eos_id,
+            pad_token_id=ctx.models.tokenizer.pad_id,
+            samples_per_prompt=ctx.config.data.samples_per_prompt,
+            seed=ctx.config.seed,
+        )
     return SamplingGenerator(
         ctx.models.for_generation(),
         ctx.config.generator.sampling,
@@ -116,6 +135,10 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
+    if ctx.strategy.layout.tp > 1:  # the Ref and the Reward sharded like the trained models
+        models.ref = ctx.strategy.tp_shard(models.ref)
+        if models.reward is not None:
+            models.reward = ctx.strategy.tp_shard(models.reward)
     named = {"actor": models.actor, "ref": models.ref}
     if models.critic is not None:  # none for a critic-free algorithm
         named["critic"] = models.critic
@@ -177,7 +200,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
     cfg = ctx.config
     critic = ctx.models.critic  # None for a critic-free algorithm: the Actor's pipeline alone
     pack_stages([ctx.models.actor] + ([] if critic is None else [critic]), cfg.data.packing)
-    return FusedPipelineStrategy(
+    strategy = FusedPipelineStrategy(
         ctx.models.actor,
         critic,
         cfg.pipeline,
@@ -190,7 +213,12 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         schedule=schedule,
         timeout_s=cfg.distributed.timeout_s,
         autocast=ctx.fabric.autocast,
+        generation_tp=cfg.generator.tp,
     )
+    # tp > 1: the strategy trains tensor-parallel shards of the models; the rest of the job (inference,
+    # memory metrics) reads those, and the whole models it was given are dropped
+    ctx.models.actor, ctx.models.critic = strategy.models["actor"], strategy.models.get("critic")
+    return strategy
 
 
 def migration_off(ctx: BuildContext) -> NoMigration:

@@ -8,14 +8,16 @@ depend on which other samples share its batch, nor on the batch size or order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
-from rlhfuse.models import KVCache, Transformer
+from rlhfuse.models import KVCache, ModelConfig, Transformer
 
 
 class SamplingGenerator:
@@ -61,6 +63,10 @@ class SamplingGenerator:
                 ids_BP[rows], mask_BP[rows], prompt_index_B[rows], sample_index_B[rows], iteration
             )
 
+    def _cache_config(self) -> ModelConfig:
+        """The shape the KV cache is allocated for (a tensor-parallel shard caches only its kv heads)."""
+        return self.model.config
+
     def _uniforms(self, prompt_index_B: Tensor, sample_index_B: Tensor, iteration: int) -> Tensor:
         streams = []
         for prompt_id, sample_index in zip(prompt_index_B.tolist(), sample_index_B.tolist()):
@@ -89,7 +95,7 @@ class SamplingGenerator:
         device = ids_BP.device
         uniforms_BN = self._uniforms(prompt_index_B, sample_index_B, iteration)
         cache = KVCache.allocate(
-            self.model.config,
+            self._cache_config(),
             batch,
             prompt_len + max_new,
             dtype=next(self.model.parameters()).dtype,
@@ -134,3 +140,86 @@ class SamplingGenerator:
             sample_index_B=sample_index_B.cpu(),
             finished_B=finished_B.cpu(),
         )
+
+
+class TensorParallelGenerator(SamplingGenerator):
+    """generator.tp > 1 under the pipeline strategies: each generation instance spans `tp` consecutive ranks and
+    holds a tensor-parallel shard of the Actor (`rlhfuse.runtime.tensor_parallel.shard_transformer`; its KV cache
+    holds the shard's kv heads only); the world / tp instances each generate their own contiguous share of the
+    samples (tokens sampled vocabulary-parallel from the logit slices: `vocab_parallel_sample` /
+    `vocab_parallel_argmax`, the same inverse-CDF draw from each sample's own uniforms as `SamplingGenerator`),
+    and each instance's rollout is broadcast from its first rank, so every rank streams every instance's chunk
+    and no rank generates a rollout that is thrown away. `load_weights` takes this rank's shard
+    (`FusedPipelineStrategy.actor_weights` with generation_tp = tp)."""
+
+    def __init__(
+        self,
+        actor: Transformer,
+        config: GeneratorConfig,
+        *,
+        tp: int,
+        rank: int,
+        world: int,
+        group: Any,
+        eos_token_id: int,
+        pad_token_id: int,
+        samples_per_prompt: int,
+        seed: int,
+    ) -> None:
+        from rlhfuse.runtime.tensor_parallel import shard_transformer
+
+        if config.top_k or config.top_p < 1.0:
+            raise ValueError(
+                f"generator.tp={tp} samples from vocabulary slices without top-k / top-p filtering (not built): "
+                "set generator.top_k=0 generator.top_p=1.0, or generator.tp=1"
+            )
+        super().__init__(
+            actor,
+            config,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            samples_per_prompt=samples_per_prompt,
+            seed=seed,
+        )
+        # the shard replaces the whole copy (a module holding a process group cannot be deep-copied)
+        self.model = shard_transformer(self.model, rank % tp, tp, group).eval().requires_grad_(False)
+        self.tp, self.rank, self.world, self.group = tp, rank, world, group
+        self.instances = world // tp
+
+    def _cache_config(self) -> ModelConfig:
+        attn: Any = self.model.layers[0].self_attn
+        return dataclasses.replace(self.model.config, num_kv_heads=int(attn.num_kv_heads))
+
+    def _next_tokens(self, logits_BV: Tensor, uniforms_B: Tensor, rows_B: Tensor) -> Tensor:
+        from rlhfuse.runtime.tensor_parallel import vocab_parallel_argmax, vocab_parallel_sample
+
+        shard: Any = self.model.vocab_shard
+        if self.config.temperature == 0:
+            return vocab_parallel_argmax(logits_BV, shard, self.group)
+        return vocab_parallel_sample(logits_BV, uniforms_B, shard, self.group, self.config.temperature)
+
+    @torch.no_grad()
+    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+        from rlhfuse import distributed
+
+        n = self.samples_per_prompt
+        device = next(self.model.parameters()).device
+        ids_BP = prompts.input_ids_BP.repeat_interleave(n, dim=0)
+        mask_BP = prompts.attention_mask_BP.repeat_interleave(n, dim=0)
+        prompt_index_B = prompts.prompt_ids_B.repeat_interleave(n)
+        sample_index_B = torch.arange(n).repeat(len(prompts))
+        shares = torch.tensor_split(torch.arange(len(ids_BP)), self.instances)
+        size = self.config.max_batch_size or len(ids_BP)
+        chunks = [[rows[i : i + size] for i in range(0, len(rows), size)] for rows in shares]
+        mine: list[Rollout] = [  # this instance's share, generated before any instance's result is sent
+            self._generate_chunk(
+                ids_BP[rows].to(device), mask_BP[rows].to(device), prompt_index_B[rows], sample_index_B[rows],
+                iteration,
+            )
+            for rows in chunks[self.rank // self.tp]
+        ]  # fmt: skip
+        for instance, parts in enumerate(chunks):
+            for j in range(len(parts)):
+                own = mine[j] if instance == self.rank // self.tp else None
+                got = distributed.broadcast_dataclass(own, Rollout, instance * self.tp, device)
+                yield Rollout(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in vars(got).items()})

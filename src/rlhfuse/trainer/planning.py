@@ -9,9 +9,11 @@ plan into the configuration the run uses:
 - `migration.threshold` (a fraction of the batch, `migration=fixed`, or `migration=auto` starting from it) or
   `migration=off` when `generator.instances > 1`.
 
-The planner is asked for tensor-parallel degree 1 (`max_tp=1`: rlhfuse.runtime has no tensor parallelism) on
-`nodes` x `gpus_per_node` = WORLD_SIZE / LOCAL_WORLD_SIZE x LOCAL_WORLD_SIZE (torchrun) or 1 x
-nproc_per_node. A choice the runtime cannot run raises a ValueError naming the key; nothing falls back.
+- `pipeline.actor_tp`, `pipeline.critic_tp` and `generator.tp` when the planner chose tensor parallelism.
+
+The planner may choose tp up to the devices of one node (`max_tp=gpus_per_node`), on `nodes` x `gpus_per_node` = WORLD_SIZE / LOCAL_WORLD_SIZE x LOCAL_WORLD_SIZE (torchrun) or 1 x
+nproc_per_node. A choice the runtime cannot run (different Actor and Critic tp, a generation tp other than 1
+or the training tp) raises a ValueError naming the key; nothing falls back.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
                 nodes=n,
                 gpus_per_node=g,
                 workload=workload,
-                max_tp=1,
+                max_tp=g,
                 activation_checkpointing=cfg.pipeline.optim.activation_checkpointing,
             )
         except ValueError as err:
@@ -220,12 +222,18 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             applied.append(("pipeline", "plain"))
         pipeline = dataclasses.replace(pipeline, name="plain")
     else:
-        for key, lay in (("pipeline.actor_pp", a), ("pipeline.critic_pp", c)):
-            if lay.tp != 1:
-                raise ValueError(
-                    f"plan=auto: the planner chose tp={lay.tp} for {key.split('_')[0]}; rlhfuse.runtime runs "
-                    f"tp=1 only, so {key} cannot express it"
-                )
+        if a.tp != c.tp:
+            raise ValueError(
+                f"plan=auto: the planner chose Actor tp={a.tp} and Critic tp={c.tp}; rlhfuse.runtime co-locates "
+                "both on the same tp groups, so pipeline.actor_tp and pipeline.critic_tp must be equal: use "
+                "plan=manual"
+            )
+        if plan.gen_tp not in (1, a.tp):
+            raise ValueError(
+                f"plan=auto: the planner chose generation tp={plan.gen_tp} with training tp={a.tp}; "
+                "rlhfuse.runtime generates on the training tp groups (generator.tp = 1 or pipeline.actor_tp), so "
+                f"generator.tp={plan.gen_tp} cannot be applied: use plan=manual"
+            )
         big, small = (a, c) if a.pp >= c.pp else (c, a)
         if big.pp % small.pp:
             key = "pipeline.actor_pp" if small is a else "pipeline.critic_pp"
@@ -242,13 +250,23 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
                 )
         name = "fused" if plan.train.mode == "fused" else "serial_1f1b"
         micro = big.microbatches(workload.mini_batch)
-        pipeline = dataclasses.replace(pipeline, name=name, actor_pp=a.pp, critic_pp=c.pp, microbatches=micro)
+        pipeline = dataclasses.replace(
+            pipeline,
+            name=name,
+            actor_pp=a.pp,
+            critic_pp=c.pp,
+            actor_tp=a.tp,
+            critic_tp=c.tp,
+            microbatches=micro,
+        )
         applied += [
             ("pipeline", name),
             ("pipeline.actor_pp", a.pp),
             ("pipeline.critic_pp", c.pp),
             ("pipeline.microbatches", micro),
         ]
+        if a.tp > 1:
+            applied += [("pipeline.actor_tp", a.tp), ("pipeline.critic_tp", c.tp)]
     migration = cfg.migration
     migration_plan: Plan | None = None
     instances = cfg.generator.instances
@@ -267,7 +285,11 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             name = "auto" if migration.name == "auto" else "fixed"
             migration = dataclasses.replace(migration, name=name, threshold=float(rt))
             applied += [("migration", name), ("migration.threshold", float(rt))]
-    planned = dataclasses.replace(cfg, pipeline=pipeline, migration=migration)
+    generator = cfg.generator
+    if world > 1 and plan.gen_tp > 1 and plan.gen_tp != generator.tp:
+        generator = dataclasses.replace(generator, tp=plan.gen_tp)
+        applied.append(("generator.tp", plan.gen_tp))
+    planned = dataclasses.replace(cfg, pipeline=pipeline, migration=migration, generator=generator)
     problems = validate_runtime(planned)
     if problems:
         raise ValueError(

@@ -7,6 +7,7 @@ against instances, registered names, the distributed layout, the vLLM backend).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -93,8 +94,103 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     model, where = _model_shape(cfg, problems)
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
+        problems += tensor_parallel_problems(cfg, model, where)
+    problems += generation_tp_problems(cfg)
+    # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
+    # rank is one generation instance inferring its own samples)
+    pipe = cfg.pipeline
+    if (
+        pipe.name in PIPELINE_STRATEGIES
+        and max(pipe.actor_tp, pipe.critic_tp) > 1
+        and cfg.inferencer.name != "pipeline"
+    ):
+        problems.append(
+            f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
+            "but "
+            f"inferencer={cfg.inferencer.name} (each rank a generation instance inferring its own samples) needs "
+            "whole models on every rank: use generator.instances=1 (inference then runs over the training layout, "
+            "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
+        )
+    if cfg.pipeline.name not in PIPELINE_STRATEGIES:
+        for key in ("actor_tp", "critic_tp"):
+            if getattr(cfg.pipeline, key) != 1:
+                problems.append(
+                    f"pipeline.{key}={getattr(cfg.pipeline, key)} splits the model over ranks, which "
+                    f"pipeline={cfg.pipeline.name} does not: use pipeline=fused or pipeline=serial_1f1b, or "
+                    f"pipeline.{key}=1"
+                )
     if g.name == "vllm":
         problems += _vllm_problems(cfg, model)
+    return problems
+
+
+def tensor_parallel_problems(cfg: RLHFConfig, model: ModelConfig, where: str) -> list[str]:
+    """pipeline.actor_tp / critic_tp / generator.tp against the model's heads, kv heads and intermediate size
+    (`rlhfuse.runtime.tensor_parallel.tp_problems`: each with the arithmetic and the key to change)."""
+    from rlhfuse.runtime.tensor_parallel import tp_problems
+
+    problems: list[str] = []
+    m = cfg.model
+    critic = model
+    if m.sft_path is None and m.reward_intermediate_size:  # the embedded Critic's own size
+        critic = dataclasses.replace(model, intermediate_size=m.reward_intermediate_size)
+    keys = [
+        ("pipeline.actor_tp", cfg.pipeline.actor_tp, model),
+        ("pipeline.critic_tp", cfg.pipeline.critic_tp, critic),
+        ("generator.tp", cfg.generator.tp, model),
+    ]
+    for key, tp, shape in keys:
+        if tp <= 1:
+            continue
+        problems += [f"{p} ({where})" for p in tp_problems(shape, tp, key)]
+        if model.tie_word_embeddings:
+            problems.append(
+                f"{key}={tp}: {where} ties its embedding and LM head, which are not split tensor-parallel: "
+                f"untie them or set {key}=1"
+            )
+    return problems
+
+
+def generation_tp_problems(cfg: RLHFConfig) -> list[str]:
+    """generator.tp: each generation instance spans generator.tp ranks, so it must divide the world."""
+    g, problems = cfg.generator, list[str]()
+    if g.tp < 1:
+        return [f"generator.tp={g.tp} must be >= 1"]
+    if g.tp == 1:
+        return problems
+    world = (
+        launched_world_size(cfg.distributed.nproc_per_node)
+        if cfg.pipeline.name in PIPELINE_STRATEGIES
+        else g.instances
+    )
+    if world % g.tp:
+        problems.append(
+            f"generator.tp={g.tp} does not divide the world size {world} ({world} % {g.tp} = {world % g.tp}; "
+            f"generation instances = world size / generator.tp): set generator.tp to a divisor of {world}"
+        )
+    if g.name != "sampling":
+        problems.append(
+            f"generator.tp={g.tp}: tensor-parallel generation instances run generator=sampling (the engine's and "
+            f"vLLM's tensor parallelism is not built): set generator=sampling or generator.tp=1"
+        )
+    actor_tp = cfg.pipeline.actor_tp
+    if g.tp != actor_tp:
+        problems.append(
+            f"generator.tp={g.tp} != pipeline.actor_tp={actor_tp}: a generation instance receives its tp shard "
+            f"from the training tp group over the same ranks (resharding between tp degrees is not built): set "
+            f"generator.tp={actor_tp} or generator.tp=1"
+        )
+    s_cfg = g.sampling
+    if s_cfg.top_k or s_cfg.top_p < 1.0:
+        problems.append(
+            f"generator.tp={g.tp} samples from vocabulary slices without top-k / top-p filtering (not built): "
+            f"set generator.top_k=0 generator.top_p=1.0 (got {s_cfg.top_k}, {s_cfg.top_p}) or generator.tp=1"
+        )
+    if cfg.pipeline.name not in PIPELINE_STRATEGIES:
+        problems.append(
+            f"generator.tp={g.tp} spans ranks of the pipeline strategies; pipeline={cfg.pipeline.name} runs one "
+            "process per generation instance: use pipeline=fused or pipeline=serial_1f1b, or generator.tp=1"
+        )
     return problems
 
 
@@ -134,6 +230,7 @@ def _model_shape(cfg: RLHFConfig, problems: list[str]) -> tuple[ModelConfig | No
             num_heads=m.num_heads,
             num_kv_heads=m.num_kv_heads,
             head_dim=m.head_dim,
+            intermediate_size=m.intermediate_size,
             max_position_embeddings=positions,
         )
         return shape, "the embedded model"
