@@ -7,10 +7,11 @@ pipeline strategy) implement the same Protocols.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from rlhfuse.core.stats import GenerationStats, RolloutStats, TrainStats
@@ -33,6 +34,12 @@ class Generator(Protocol):
     def generation_stats(self) -> GenerationStats | None:
         """What the last `generate` measured (migration, decode batch sizes, tokens/s); None for a generator
         that measures nothing beyond the stage's own timings. With one instance per rank, every rank calls it."""
+        ...
+
+    def actor_copies(self) -> Sequence[torch.nn.Module]:
+        """The Actor copies this process generates with, kept in sync by `load_weights` (counted in
+        `memory/param_bytes`; exported when the trained Actor is sharded). Empty where the weights live outside
+        this process's modules (vLLM's engine)."""
         ...
 
 
@@ -110,6 +117,13 @@ class Strategy(Protocol):
         ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def optimizers_in_use(self) -> Sequence[torch.optim.Optimizer]:
+        """The optimizers this rank steps (a pipeline: those of its own stages), for `memory/optimizer_bytes`."""
+        ...
+
+    weight_sync_bytes: float
+    """The most bytes any rank received in the last `actor_weights()` (0: nothing moved, e.g. one process)."""
 
     @property
     def checkpointer(self) -> Checkpointer:

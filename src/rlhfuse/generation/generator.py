@@ -92,6 +92,10 @@ class EngineGenerator:
             for model in self.models:
                 model.load_state_dict(dict(named_tensors), strict=True)
 
+    def actor_copies(self) -> list[torch.nn.Module]:
+        """One Actor copy per in-process instance."""
+        return list(self.models)
+
     @property
     def device(self) -> torch.device:
         """Where this rank's Actor copy (and so its collectives' tensors under NCCL) lives."""

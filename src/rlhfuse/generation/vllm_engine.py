@@ -430,6 +430,10 @@ class VLLMGenerator:
         self.instances = []
         self._tmp.cleanup()
 
+    def actor_copies(self) -> list[torch.nn.Module]:
+        """None in this process: the weights live in vLLM's engine (not counted in memory/param_bytes)."""
+        return []
+
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         named = hf_named_tensors(named_tensors, tie_word_embeddings=self.actor_config.tie_word_embeddings)
         for instance in self.instances:

@@ -219,6 +219,10 @@ class FusedPipelineStrategy:
             ),
         )
 
+    def optimizers_in_use(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of this rank's stages, one per trained model."""
+        return list(self.optimizers.optims.values())
+
     def actor_weights(self) -> Mapping[str, Tensor]:
         """Collective: the Actor's weights for this rank's generation copy; each rank receives only the
         stages it does not hold, once, from a holder of that stage (`RankStages.senders`: point to point, the

@@ -13,11 +13,12 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
-from rlhfuse.core.protocols import FusingGenerator, RolloutStage
+from rlhfuse.core.protocols import FusingGenerator, Generator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import PromptLoader, load_prompts, uses_chat_template
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.models import Transformer
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import (
@@ -82,34 +83,19 @@ def sharded_construction(config: RLHFConfig, fabric: Fabric) -> dict[str, tuple[
     return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
 
 
-def generation_modules(generator: Any) -> list[Any]:
-    """The Actor copies a generator generates with (engine: one per in-process instance; sampling: one)."""
-    if hasattr(generator, "models"):
-        return list(generator.models)
-    model = getattr(generator, "model", None)
-    return [model] if model is not None else []
-
-
-def generation_copy(generator: Any, config: RLHFConfig) -> Any:
+def generation_copy(generator: Generator, config: RLHFConfig) -> Transformer:
     """The generator's full Actor copy (kept in sync after every update): what is exported when the trained
     Actor is sharded over the pipeline ranks."""
-    found = generation_modules(generator)
+    found = generator.actor_copies()
     if not found:
         raise ValueError(
             f"checkpoint.export_hf=true with the Actor sharded over pipeline={config.pipeline.name} exports the "
             f"generator's Actor copy, which generator={config.generator.name} does not expose: use "
             "generator=engine or generator=sampling, or checkpoint.export_hf=false"
         )
-    return found[0]
-
-
-def strategy_optimizers(strategy: Any) -> list[Any]:
-    """The optimizers a strategy steps (pipeline: this rank's stages of each model)."""
-    optims = getattr(strategy, "optimizers", None)
-    if optims is None:
-        return []
-    inner = getattr(optims, "optims", None)  # StageOptimizers
-    return list(inner.values()) if isinstance(inner, dict) else list(optims)
+    copy = found[0]
+    assert isinstance(copy, Transformer), type(copy)  # the in-process generators copy the Actor itself
+    return copy
 
 
 def add_stop_tokens(config: RLHFConfig, tokenizer: Tokenizer) -> None:
@@ -289,8 +275,8 @@ def build_trainer(
         )
     all_callbacks.append(
         MemoryMetrics(
-            lambda: [models.actor, models.ref, models.critic, models.reward, *generation_modules(generator)],
-            lambda: strategy_optimizers(strategy),
+            lambda: [models.actor, models.ref, models.critic, models.reward, *generator.actor_copies()],
+            lambda: list(strategy.optimizers_in_use()),
         )
     )
     all_callbacks.extend(callbacks or [])

@@ -48,6 +48,9 @@ class SamplingGenerator:
         """One batched decode, no instances: nothing to report beyond the stage's timings."""
         return None
 
+    def actor_copies(self) -> list[torch.nn.Module]:
+        return [self.model]
+
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
         n = self.samples_per_prompt

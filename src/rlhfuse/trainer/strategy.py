@@ -81,6 +81,7 @@ class PlainStrategy:
         self.checkpointer = PlainCheckpointer(
             self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
         )
+        self.weight_sync_bytes = 0.0  # the generator copies the Actor in process: nothing crosses ranks
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         return self.actor.state_dict()
@@ -93,6 +94,9 @@ class PlainStrategy:
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.actor_optim] if self.critic_optim is None else [self.actor_optim, self.critic_optim]
+
+    def optimizers_in_use(self) -> list[torch.optim.Optimizer]:
+        return self.optimizers
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
         for model in self.models:

@@ -145,7 +145,7 @@ class RLHFTrainer:
             **self._kl_loss_metric(train_stats),
             **self._rollout_metrics(experience, timings),
             # the most bytes any rank received for the sync (0: the copies were already in sync)
-            "weight_sync/bytes_per_rank": float(getattr(self.strategy, "weight_sync_bytes", 0.0)),
+            "weight_sync/bytes_per_rank": self.strategy.weight_sync_bytes,
             **metrics,
         }
         self._call("on_metrics", metrics)  # last additions before logging (every rank calls it)
