@@ -150,6 +150,14 @@ class ModelSpec:
     vocab: int = 32000
     kv_heads: int | None = None
     """None means multi-head attention (kv_heads = heads)."""
+    head_size: int | None = None
+    """Channels per head; None means hidden // heads (ModelConfig.head_dim)."""
+    qkv_bias: bool = False
+    """Biases on q / k / v (Qwen2, or LLaMA with attention_bias)."""
+    o_bias: bool = False
+    """A bias on the output projection (LLaMA with attention_bias)."""
+    tied: bool = False
+    """The LM head shares the embedding's weight (tie_word_embeddings)."""
 
     @property
     def n_kv_heads(self) -> int:
@@ -157,13 +165,15 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     @property
     def layer_params(self) -> int:
-        """Weights of one decoder block: q, o (h x h), k, v (h x kv), gate/up/down (h x ffn); norms ignored."""
+        """Matmul weights of one decoder block: q, o (h x heads x head_dim), k, v (h x kv), gate/up/down (h x ffn);
+        norms and biases left out (the FLOP count; `rlhfuse.planner.memory.shard_count` counts every tensor)."""
+        q = self.heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn
+        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.ffn
 
     def params(self, head: str = "lm") -> int:
         """Total weights: embeddings + blocks + head (`lm`: vocab x hidden; `value`: hidden x 1)."""
@@ -181,6 +191,10 @@ class ModelSpec:
             ffn=config.intermediate_size,
             vocab=config.vocab_size,
             kv_heads=config.num_kv_heads,
+            head_size=config.resolved_head_dim,
+            qkv_bias=bool(config.attention_bias),
+            o_bias=bool(config.attention_bias) and config.architecture == "llama",
+            tied=bool(config.tie_word_embeddings),
         )
 
     @classmethod
@@ -193,6 +207,8 @@ class ModelSpec:
         ]
         if missing:
             raise ValueError(f"config.json lacks {missing}: rlhfuse-plan reads LLaMA-style configs")
+        qwen2 = d.get("model_type") == "qwen2"
+        bias = bool(d.get("attention_bias", False))
         return cls(
             name=name or str(d.get("_name_or_path") or d.get("model_type") or "hf"),
             layers=int(d["num_hidden_layers"]),
@@ -201,6 +217,10 @@ class ModelSpec:
             ffn=int(d["intermediate_size"]),
             vocab=int(d.get("vocab_size", 32000)),
             kv_heads=d.get("num_key_value_heads"),
+            head_size=d.get("head_dim"),
+            qkv_bias=qwen2 or bias,
+            o_bias=bias and not qwen2,
+            tied=bool(d.get("tie_word_embeddings", False)),
         )
 
 
