@@ -36,6 +36,7 @@ from rlhfuse.planner.simulate import (
     model_step_time,
     rt_sweep,
     serial_training,
+    train_state_bytes,
 )
 from rlhfuse.planner.specs import ClusterSpec, ModelSpec
 
@@ -121,10 +122,10 @@ def train_layouts(
 
 
 def resident_train_bytes(cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout) -> float:
-    """Training states (weights, gradients, optimizer) of both trained models resident on one device."""
-    return cost.train_state_bytes(models.actor, "lm", a.tp, a.pp) + cost.train_state_bytes(
-        models.critic, "value", c.tp, c.pp
-    )
+    """What stays on the busiest device of a training layout outside training (`CostModel.rank_memory`): both
+    trained models' weights, master copies and optimizer states, and the Ref / Reward unless offloaded (the
+    gradients are freed after each optimizer step; the generation copy is counted by `free_kv_bytes`)."""
+    return cost.rank_memory(models.actor, models.critic, (a.tp, a.pp), (c.tp, c.pp)).resident
 
 
 TRAIN_FRONTIER = 4
@@ -168,7 +169,8 @@ def search_training(
     for a in la:
         for c in lc:
             states = resident_train_bytes(cost, models, a, c)
-            if states + max(act_a[a], act_c[c]) <= usable:
+            training = train_state_bytes(cost, models, a, c)
+            if training + max(act_a[a], act_c[c]) <= usable:
                 serial.append((ta[a] + tc[c], states, a, c))
             else:
                 stats.removed["memory (both models resident)"] += 1
@@ -178,7 +180,7 @@ def search_training(
             if big.pp % small.pp or max(a.tp, c.tp) % min(a.tp, c.tp):
                 stats.removed["fused: stages or tp do not nest"] += 1
                 continue
-            if states + act_a[a] + act_c[c] > usable:
+            if training + act_a[a] + act_c[c] > usable:
                 stats.removed["fused: memory"] += 1
                 continue
             fused_pairs.append((fused_bound(cost, models, a, c, workload, seq), states, a, c))
@@ -385,6 +387,10 @@ def _best_gen_inf(
     kv_tok = cost.kv_bytes_per_token(models.actor)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
+        # the generation copy stays on the device while training too (the runtime keeps it between updates)
+        if train.memory + cost.generation_weight_bytes(models.actor, gen_tp) > cost.usable_memory():
+            stats.removed["generation copy does not fit beside training"] += 1
+            continue
         per_instance = -(-len(samples) // (cost.cluster.gpus // gen_tp))
         if free_kv_bytes(cost, models.actor, gen_tp, resident) < per_instance * kv_tok * workload.max_context:
             stats.removed["generation: KV cache does not fit"] += 1

@@ -69,7 +69,7 @@ class ClusterSpec:
     gpus_per_node: int
     max_tp: int | None = None
     """Largest tensor-parallel degree a runtime can run (None = any that fits a node); the trainer's plan=auto
-    passes 1, since rlhfuse.runtime has no tensor parallelism yet."""
+    passes its devices per node (rlhfuse.runtime runs tp up to the node for every task)."""
 
     @property
     def gpus(self) -> int:
@@ -182,7 +182,9 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
-        """From an `rlhfuse.models.ModelConfig` (read by attribute, so no torch import is needed here)."""
+        """From an `rlhfuse.models.ModelConfig` (read by attribute, so no torch import is needed here; the fields
+        past the shape, head_dim, biases and ties, are optional)."""
+        bias = bool(getattr(config, "attention_bias", False))
         return cls(
             name=name or f"{config.num_layers}L-{config.hidden_size}",
             layers=config.num_layers,
@@ -191,10 +193,10 @@ class ModelSpec:
             ffn=config.intermediate_size,
             vocab=config.vocab_size,
             kv_heads=config.num_kv_heads,
-            head_size=config.resolved_head_dim,
-            qkv_bias=bool(config.attention_bias),
-            o_bias=bool(config.attention_bias) and config.architecture == "llama",
-            tied=bool(config.tie_word_embeddings),
+            head_size=getattr(config, "resolved_head_dim", None),
+            qkv_bias=bias or getattr(config, "architecture", "llama") == "qwen2",
+            o_bias=bias and getattr(config, "architecture", "llama") == "llama",
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
     @classmethod
