@@ -142,6 +142,7 @@ def search_training(
     fused: bool,
     stats: PruneStats | None = None,
     even_pp: bool = True,
+    runtime: bool = False,
 ) -> list[TrainResult]:
     """Training plans on the (time, resident memory) frontier, fastest first.
 
@@ -149,6 +150,8 @@ def search_training(
     co-locatable pair as a fused pipeline: all are bounded, the best few by bound get a greedy schedule, whose
     makespan is the time used (RLHFuse falls back to serial where fusion does not pay). Each result's `bound`
     is the best fused lower bound among layouts with no more resident memory (for the report's bound column).
+    `runtime=True` keeps only pairs `rlhfuse.runtime` runs: both models on one tp degree, and the larger pp a
+    multiple of the smaller (it co-locates both on one layout for either schedule).
     """
     stats = stats if stats is not None else PruneStats()
     mb = workload.mini_batch
@@ -168,6 +171,9 @@ def search_training(
     fused_pairs: list[tuple[float, float, TrainLayout, TrainLayout]] = []
     for a in la:
         for c in lc:
+            if runtime and (a.tp != c.tp or max(a.pp, c.pp) % min(a.pp, c.pp)):
+                stats.removed["runtime: Actor and Critic tp differ or their stages do not nest"] += 1
+                continue
             states = resident_train_bytes(cost, models, a, c)
             training = train_state_bytes(cost, models, a, c)
             if training + max(act_a[a], act_c[c]) <= usable:
@@ -349,18 +355,25 @@ def search_plan(
     samples: Samples | None = None,
     stats: PruneStats | None = None,
     even_pp: bool = True,
+    runtime: bool = False,
 ) -> Plan:
     """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`).
 
-    `even_pp=False` admits uneven pipeline stages (see `train_layouts`)."""
+    `even_pp=False` admits uneven pipeline stages (see `train_layouts`); `runtime=True` only plans that
+    `rlhfuse.runtime` can run (`search_training`; the generation tp 1 or the training tp)."""
     workload.validate()
     samples = samples if samples is not None else workload.sample()
     stats = stats if stats is not None else PruneStats()
     seq = float(samples.seq.mean())
     best: Plan | None = None
     cache: dict[int, Unmigrated] = {}
-    for train in search_training(cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp):
-        plan = _best_gen_inf(cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache)
+    trains = search_training(
+        cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp, runtime=runtime
+    )
+    for train in trains:
+        plan = _best_gen_inf(
+            cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache, runtime=runtime
+        )
         if plan is not None and (best is None or plan.breakdown.total < best.breakdown.total):
             best = plan
     if best is None:
@@ -381,12 +394,16 @@ def _best_gen_inf(
     fused: bool,
     stats: PruneStats,
     cache: dict[int, Unmigrated],
+    runtime: bool = False,
 ) -> Plan | None:
     resident = resident_train_bytes(cost, models, train.actor, train.critic)
     critic_train = (train.critic.tp, train.critic.pp)
     kv_tok = cost.kv_bytes_per_token(models.actor)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
+        if runtime and gen_tp not in (1, train.actor.tp):  # rlhfuse.runtime reshards to these only
+            stats.removed["runtime: generation tp neither 1 nor the training tp"] += 1
+            continue
         # the generation copy stays on the device while training too (the runtime keeps it between updates)
         if train.memory + cost.generation_weight_bytes(models.actor, gen_tp) > cost.usable_memory():
             stats.removed["generation copy does not fit beside training"] += 1

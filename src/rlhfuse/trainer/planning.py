@@ -223,6 +223,7 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
                 workload=workload,
                 max_tp=g,
                 activation_checkpointing=cfg.pipeline.optim.activation_checkpointing,
+                runtime=True,
                 **memory_facts(cfg, device),
             )
         except ValueError as err:
