@@ -20,6 +20,7 @@ FLOPs of one token: 2 x (matmul weights) + 4 x layers x hidden x context (QK^T a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,31 +114,11 @@ class CostModel:
     ) -> RankMemory:
         """The busiest device of a training layout (a, c = (tp, pp) of the Actor and the Critic), by component:
         both trained models, the Ref (like the Actor) and the Reward (like the Critic, the Critic's shape), and with
-        `gen_tp` the generation copy. Where the pipelines nest (the larger pp a multiple of the smaller) the
-        runtime's co-located placement is walked rank by rank (`memory.local_stages`); otherwise each model's
-        busiest stage is assumed on one device."""
-        (a_tp, a_pp), (c_tp, c_pp) = a, c
-        la, lc = ModelLayout(actor, "lm", a_pp, a_tp), ModelLayout(critic, "value", c_pp, c_tp)
-        gen = (
-            RankMemory(generation_weights=self.generation_weight_bytes(actor, gen_tp))
-            if gen_tp
-            else RankMemory()
-        )
-
-        def on_rank(sa: int, sc: int) -> RankMemory:
-            return (
-                trained_bytes(la, sa, self.precision)
-                + trained_bytes(lc, sc, self.precision)
-                + frozen_bytes(la, sa, self.precision, self.offload_frozen)
-                + frozen_bytes(lc, sc, self.precision, self.offload_frozen)
-                + gen
-            )
-
-        if max(a_pp, c_pp) % min(a_pp, c_pp) == 0:
-            return max((on_rank(sa, sc) for sa, sc in local_stages(a_pp, c_pp)), key=lambda m: m.peak)
-        busiest_a = max(range(a_pp), key=lambda s: on_rank(s, 0).peak)
-        busiest_c = max(range(c_pp), key=lambda s: on_rank(0, s).peak)
-        return on_rank(busiest_a, busiest_c)
+        `gen_tp` the generation copy (`busiest_rank`, cached: the search asks for the same layouts many times)."""
+        out = busiest_rank(self.precision, self.offload_frozen, actor, critic, a, c)
+        if gen_tp:
+            out += RankMemory(generation_weights=self.generation_weight_bytes(actor, gen_tp))
+        return out
 
     def activation_bytes(self, model: ModelSpec, tokens: float, tp: int, layers: float) -> float:
         """Activations one micro-batch of `tokens` keeps for backward on `layers` layers of one device."""
@@ -283,3 +264,28 @@ class CostModel:
     def swap_in_time(self, models: list[tuple[ModelSpec, str]], tp: int) -> float:
         """Load the bf16 weights of `models` from CPU memory onto a tp group (each device its shard)."""
         return self.host_copy_time(sum(self.weight_bytes(m, h) for m, h in models) / tp)
+
+
+@functools.lru_cache(maxsize=65536)
+def busiest_rank(
+    precision: str, offload: bool, actor: ModelSpec, critic: ModelSpec, a: tuple[int, int], c: tuple[int, int]
+) -> RankMemory:
+    """The device of a training layout holding most (`RankMemory.peak`), generation copy aside. Where the
+    pipelines nest (the larger pp a multiple of the smaller) the runtime's co-located placement is walked rank by
+    rank (`memory.local_stages`); otherwise each model's busiest stage is assumed on one device."""
+    (a_tp, a_pp), (c_tp, c_pp) = a, c
+    la, lc = ModelLayout(actor, "lm", a_pp, a_tp), ModelLayout(critic, "value", c_pp, c_tp)
+
+    def on_rank(sa: int, sc: int) -> RankMemory:
+        return (
+            trained_bytes(la, sa, precision)
+            + trained_bytes(lc, sc, precision)
+            + frozen_bytes(la, sa, precision, offload)
+            + frozen_bytes(lc, sc, precision, offload)
+        )
+
+    if max(a_pp, c_pp) % min(a_pp, c_pp) == 0:
+        return max((on_rank(sa, sc) for sa, sc in local_stages(a_pp, c_pp)), key=lambda m: m.peak)
+    busiest_a = max(range(a_pp), key=lambda s: on_rank(s, 0).peak)
+    busiest_c = max(range(c_pp), key=lambda s: on_rank(0, s).peak)
+    return on_rank(busiest_a, busiest_c)

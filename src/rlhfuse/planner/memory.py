@@ -36,6 +36,7 @@ builds, exactly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -84,6 +85,11 @@ def layer_ranges(layers: int, pp: int) -> list[tuple[int, int]]:
     """The runtime's split of `layers` equal-cost layers into `pp` contiguous stages
     (`rlhfuse.models.stage_ranges`): the balanced split whose cuts are as late as possible, built from the last
     stage back (each takes as few layers as keeps the busiest stage at ceil(layers / pp))."""
+    return list(_layer_ranges(layers, pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_ranges(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
     if not 1 <= pp <= layers:
         raise ValueError(
             f"pp={pp} must be between 1 and the model's layers={layers} (a stage holds >= 1 layer)"
@@ -94,7 +100,7 @@ def layer_ranges(layers: int, pp: int) -> list[tuple[int, int]]:
         start = 0 if k == 1 else min(stop - 1, (k - 1) * -(-stop // k))
         out.append((start, stop))
         stop = start
-    return out[::-1]
+    return tuple(out[::-1])
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
     raise ValueError(f"tp={tp} neither divides kv_heads={kv} nor is a multiple of it")
 
 
+@functools.lru_cache(maxsize=65536)
 def shard_count(
     model: ModelSpec, head: str, *, pp: int = 1, stage: int | None = None, tp: int = 1
 ) -> ShardCount:
@@ -131,7 +138,7 @@ def shard_count(
         h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h + qkv_bias + (h if model.o_bias else 0),
         9 + (3 if model.qkv_bias else 0) + (1 if model.o_bias else 0),
     )
-    ranges = layer_ranges(model.layers, pp)
+    ranges = _layer_ranges(model.layers, pp)
     stages = range(pp) if stage is None else [stage]
     vocab_rows = -(-model.vocab // tp) if tp > 1 else model.vocab
     out = ShardCount()
