@@ -24,6 +24,7 @@ from rlhfuse.planner.migration import (
     should_migrate,
     threshold_from_fraction,
 )
+from rlhfuse.planner.memory import RankMemory, rank_memories, rank_memory, shard_count
 from rlhfuse.planner.schedule import (
     PipeModel,
     fused_lower_bound,
@@ -76,6 +77,7 @@ __all__ = [
     "Plan",
     "PruneStats",
     "RLHFModels",
+    "RankMemory",
     "Samples",
     "TrainLayout",
     "Workload",
@@ -93,10 +95,13 @@ __all__ = [
     "one_f_one_b",
     "paper_grid",
     "plan_for",
+    "rank_memories",
+    "rank_memory",
     "rt_sweep",
     "search_plan",
     "search_training",
     "serial_makespan",
+    "shard_count",
     "should_migrate",
     "simulate_generation",
     "threshold_from_fraction",
