@@ -16,6 +16,7 @@ from rlhfuse.planner.api import as_model_spec, plan_for
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import LengthDistribution
+from rlhfuse.planner.memory import RankMemory, rank_memories, rank_memory, shard_count
 from rlhfuse.planner.migration import (
     MigrationDecision,
     choose_mechanism,
@@ -24,7 +25,6 @@ from rlhfuse.planner.migration import (
     should_migrate,
     threshold_from_fraction,
 )
-from rlhfuse.planner.memory import RankMemory, rank_memories, rank_memory, shard_count
 from rlhfuse.planner.schedule import (
     PipeModel,
     fused_lower_bound,
