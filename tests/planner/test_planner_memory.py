@@ -198,3 +198,29 @@ def test_edge_stages_vocab_padding_and_the_generation_copy_show_in_the_busiest_r
     off = rank_memories(spec, spec, offload=True, reward=spec)[0]
     assert off.frozen_weights == 0 and off.frozen_offloaded == one.frozen_weights
     assert off.resident == one.resident - one.frozen_weights
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(2, 1), (2, 2), (1, 2)])
+def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: int, tp: int) -> None:
+    """The KV cache of `slots x max_len` positions on one rank of a generation instance of tp ranks: the K and V
+    buffers `TensorParallelGenerator` allocates for its shard (its kv heads; one replicated head when tp is a
+    multiple of them), fp32 like the generation copy (the per-slot lengths and validity flags aside)."""
+    from types import SimpleNamespace
+
+    from rlhfuse.models.cache import KVCache
+    from rlhfuse.planner.memory import GENERATION_COPY_BYTES, kv_cache_bytes
+    from rlhfuse.trainer.generator import TensorParallelGenerator
+
+    cfg = default_config(num_heads=4, num_kv_heads=kv_heads, head_dim=16)
+    model = Transformer(cfg, head="lm")
+    shard = shard_transformer(model, tp - 1, tp) if tp > 1 else model
+    cache_cfg = (
+        TensorParallelGenerator._cache_config(SimpleNamespace(model=shard))  # type: ignore[arg-type]
+        if tp > 1
+        else cfg
+    )
+    slots, max_len = 3, 40
+    cache = KVCache.allocate(cache_cfg, slots, max_len, dtype=next(shard.parameters()).dtype)
+    built = sum(t.numel() * t.element_size() for t in (cache.k_LSHTD, cache.v_LSHTD))
+    spec = ModelSpec.from_config(cfg)
+    assert kv_cache_bytes(spec, slots * max_len, tp, GENERATION_COPY_BYTES) == built
