@@ -31,6 +31,7 @@ from rlhfuse.planner.memory import (
     RankMemory,
     bytes_per_param,
     frozen_bytes,
+    kv_cache_bytes,
     local_stages,
     shard_count,
     trained_bytes,
@@ -103,6 +104,12 @@ class CostModel:
         """One device's share of a generation instance's Actor copy (its tp shard, padded vocabulary)."""
         per = self.generation_bytes or bytes_per_param(self.precision).weight
         return float(shard_count(actor, "lm", tp=gen_tp).params * per)
+
+    def instance_kv_bytes_per_token(self, actor: ModelSpec, gen_tp: int) -> float:
+        """K and V of one token over all ranks of a generation instance of `gen_tp` ranks, in the generation copy's
+        dtype: each rank caches its kv heads (one replicated head per rank when gen_tp is a multiple of them)."""
+        per = self.generation_bytes or bytes_per_param(self.precision).weight
+        return gen_tp * kv_cache_bytes(actor, 1, gen_tp, per)
 
     def rank_memory(
         self,

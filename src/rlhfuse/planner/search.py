@@ -398,7 +398,6 @@ def _best_gen_inf(
 ) -> Plan | None:
     resident = resident_train_bytes(cost, models, train.actor, train.critic)
     critic_train = (train.critic.tp, train.critic.pp)
-    kv_tok = cost.kv_bytes_per_token(models.actor)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
         if runtime and gen_tp not in (1, train.actor.tp):  # rlhfuse.runtime reshards to these only
@@ -409,6 +408,7 @@ def _best_gen_inf(
             stats.removed["generation copy does not fit beside training"] += 1
             continue
         per_instance = -(-len(samples) // (cost.cluster.gpus // gen_tp))
+        kv_tok = cost.instance_kv_bytes_per_token(models.actor, gen_tp)
         if free_kv_bytes(cost, models.actor, gen_tp, resident) < per_instance * kv_tok * workload.max_context:
             stats.removed["generation: KV cache does not fit"] += 1
             continue
