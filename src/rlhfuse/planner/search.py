@@ -432,8 +432,9 @@ def _best_gen_inf(
         # no migration (RLHFuse-Base; for RLHFuse, the fallback where no Rt pays: the planner turns it off)
         for group in node_group_sizes(cost.cluster):
             tps = inference_tps(models, group)
+            # offloaded Ref / Reward come onto the device for inference; resident ones are in `resident` already
             biggest = max(cost.weight_bytes(m, h) / tp for (m, h), tp in zip(models.inference(), tps))
-            if resident + biggest > cost.usable_memory():
+            if cost.offload_frozen and resident + biggest > cost.usable_memory():
                 stats.removed["inference: weights do not fit"] += 1
                 continue
             res = gen_inf_serial(
