@@ -9,11 +9,14 @@ single process's four whole models + generation copy, the same without the gener
 frozen models only), and the most bytes a rank receives for one weight sync (`weight_sync/bytes_per_rank`:
 the Actor stages it does not own) vs the former sync (every stage of both models broadcast to every rank).
 
-Tensor parallelism (`rlhfuse.runtime.tensor_parallel.shard_transformer`, not wired into the trainer yet): the
-most bytes a rank of a pp x tp grid holds of the four models (pp stages, then each stage's tp shard), as a ratio
-of one process; and the forward + backward time of a log-prob loss on 2 gloo ranks with tp=2 vs tp=1 (the whole
-model in each process), median of interleaved rounds (no gain is expected on a 2-core CPU: the ratio shows the
-cost of the collectives).
+Tensor parallelism (`rlhfuse.runtime.tensor_parallel.shard_transformer`): the most bytes a rank of a pp x tp
+grid holds of the four models (pp stages, then each stage's tp shard), as a ratio of one process, next to the
+planner's prediction for the same layout (`rlhfuse.planner.memory`, which the trainer's plan=auto uses); the
+forward + backward time of a log-prob loss on 2 gloo ranks with tp=2 vs tp=1 (the whole model in each process);
+and the runtime's training step at width 512: one PPO optimizer step of the Actor and the Critic through
+`FusedPipelineStrategy` on the same 2 gloo ranks with pipeline.actor_tp = critic_tp = 2 (pp=1) vs tp=1 with
+pp=2 and with dp=2, the three strategies stepping in alternation on the same mini-batches, median wall time of
+a step (barrier to barrier). No gain is expected on a 2-core CPU: the ratios show the cost of the collectives.
 """
 
 from __future__ import annotations
@@ -82,7 +85,18 @@ def run(quick: bool = False) -> None:
                 f"{models_only / 2**20:>10.1f}Mi {models_only / single_models:>6.3f} {sync / 2**20:>8.2f}Mi "
                 f"{sync / former if former else 0.0:>14.3f}"
             )
-        run_tp(root, quick)
+        run_tp(root, quick, cfg)
+    run_runtime_step(quick)
+
+
+def _predicted_bytes(cfg: ModelConfig, pp: int, tp: int) -> float:
+    """The planner's most bytes of the four models on one rank of a pp x tp grid (no generation copy)."""
+    from rlhfuse.planner.memory import rank_memories
+    from rlhfuse.planner.specs import ModelSpec
+
+    spec = ModelSpec.from_config(cfg)
+    ranks = rank_memories(spec, spec, actor_pp=pp, critic_pp=pp, actor_tp=tp, reward=spec)
+    return max(m.param_bytes - m.generation_weights for m in ranks)
 
 
 def _tp_bytes(root: pathlib.Path, pp: int, tp: int) -> int:
@@ -135,18 +149,86 @@ def _tp_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue:
         queue.put({k: statistics.median(v) for k, v in times.items()})
 
 
-def run_tp(root: pathlib.Path, quick: bool) -> None:
+def run_tp(root: pathlib.Path, quick: bool, cfg: ModelConfig) -> None:
     from benchmarks.two_ranks import run_two_ranks
 
     single = _tp_bytes(root, 1, 1)
-    print(f"{'pp':>3} {'tp':>3} {'param_bytes/rank':>17} {'vs one process':>15}")
+    print(f"{'pp':>3} {'tp':>3} {'param_bytes/rank':>17} {'vs one process':>15} {'planner predicts':>17}")
     for pp in (1, 2):
         for tp in (1, 2):
             most = _tp_bytes(root, pp, tp)
-            print(f"{pp:>3} {tp:>3} {most / 2**20:>15.1f}Mi {most / single:>15.3f}")
+            predicted = _predicted_bytes(cfg, pp, tp)
+            print(
+                f"{pp:>3} {tp:>3} {most / 2**20:>15.1f}Mi {most / single:>15.3f} {predicted / 2**20:>15.1f}Mi"
+                f"{'' if predicted == most else '  (differs)'}"
+            )
     shape = "wide256" if quick else "wide512"
     t = run_two_ranks(_tp_worker, shape, 3 if quick else 7)
     print(
         f"forward + backward of a log-prob loss, {shape}, 4 x 128 tokens, vocab 4096, 2 gloo ranks: "
         f"tp=1 {t['tp1'] * 1e3:.0f} ms, tp=2 {t['tp2'] * 1e3:.0f} ms (tp2 / tp1 = {t['tp2'] / t['tp1']:.2f})"
     )
+
+
+RUNTIME_LAYOUTS = {
+    # name: (actor_pp = critic_pp, tp, micro-batches per group)
+    "tp=2 (pp=1)": (1, 2, 4),
+    "tp=1 pp=2": (2, 1, 4),
+    "tp=1 dp=2": (1, 1, 2),
+}
+
+
+def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
+    """One PPO optimizer step per layout in alternation on the same mini-batches (16 samples, micro-batches of
+    4); rank 0 reports each layout's step wall times (barrier to barrier: the slowest rank's step)."""
+    import torch.distributed as dist
+
+    from benchmarks.bench_fused_training import _batch
+    from benchmarks.two_ranks import SHAPES, init_worker
+    from rlhfuse.core.advantages import AlgorithmConfig
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+
+    init_worker(rank, world, init)
+    cfg = ModelConfig.tiny(vocab_size=4096, **SHAPES[shape])
+    strategies = {}
+    for name, (pp, tp, micro) in RUNTIME_LAYOUTS.items():
+        torch.manual_seed(0)
+        actor, critic = Transformer(cfg, head="lm"), Transformer(cfg, head="value")
+        pcfg = PipelineConfig(
+            name="fused", actor_pp=pp, critic_pp=pp, actor_tp=tp, critic_tp=tp, microbatches=micro,
+            search_budget_s=0.5,
+        )  # fmt: skip
+        strategies[name] = FusedPipelineStrategy(
+            actor, critic, pcfg, AlgorithmConfig(), total_steps=10_000, mini_batch_size=16, micro_batch_size=4,
+            schedule="fused", timeout_s=300, log=lambda msg: None,
+        )  # fmt: skip
+    times: dict[str, list[float]] = {n: [] for n in strategies}
+    for step in range(rounds + 1):
+        batch = _batch(16, step, cfg.vocab_size)
+        order = list(strategies) if step % 2 == 0 else list(reversed(strategies))
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            strategies[name].train_step(batch)
+            dist.barrier()
+            if step > 0:  # step 0 is each strategy's profiling step
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put({n: statistics.median(v) for n, v in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_runtime_step(quick: bool) -> None:
+    from benchmarks.two_ranks import run_two_ranks
+
+    shape = "wide256" if quick else "wide512"
+    t = run_two_ranks(_step_worker, shape, 2 if quick else 4)
+    tp2 = t["tp=2 (pp=1)"]
+    print(
+        f"runtime training step (FusedPipelineStrategy, Actor + Critic, one PPO optimizer step of 16 samples of "
+        f"<= 64 tokens, micro-batches of 4), {shape}, vocab 4096, 2 gloo ranks, median wall time:"
+    )
+    for name, seconds in t.items():
+        print(f"  {name:<12} {seconds * 1e3:8.0f} ms   tp=2 / this = {tp2 / seconds:.2f}")

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from rlhfuse.planner.cli import main
 
 GRID_KEYS = {"actor", "critic", "max_len", "throughput_ratio", "gen_inf_ratio", "train_ratio", "plan"}
@@ -42,3 +44,18 @@ def test_paper_grid_one_length(tmp_path):
 def test_bad_model_and_bad_batch_are_reported(capsys):
     assert main(["plan", "--nodes", "1", "--actor", "7b", "--critic", "7b", "--global-batch", "100"]) == 2
     assert "multiple of mini_batch" in capsys.readouterr().err
+
+
+def test_memory_prints_each_rank_by_component(capsys):
+    assert main(["memory", "--actor", "7b", "--critic", "7b", "--actor-pp", "2", "--critic-pp", "2", "--tp", "2",
+                 "--gen-tp", "2", "--precision", "bf16-true"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert "master_weights" in lines[1] and "generation_weights" in lines[1]
+    rank0, rank1 = (list(map(float, line.split()[1:])) for line in lines[2:4])
+    # the Actor's LM head and the Critic's embedding on rank 1: two vocabulary tables, rank 0 one (+ value head)
+    assert rank1[0] > rank0[0]
+    # bf16 weights and gradients; fp32 masters and moments (printed to 1 MiB)
+    assert rank0[1] == rank0[0] and rank0[2] == pytest.approx(2 * rank0[0], abs=2e-3)
+    assert rank0[3] == pytest.approx(4 * rank0[0], abs=2e-3)
+    with pytest.raises(SystemExit):  # argparse refuses a precision the runtime does not have
+        main(["memory", "--precision", "fp16"])

@@ -24,9 +24,17 @@ def test_kv_bytes_per_token_hand_derived():
 
 def test_train_state_bytes_shard_over_tp_and_pp():
     m = model("13b")
-    full = CostModel.train_state_bytes(m, "lm", 1, 1)
-    assert full == TRAIN_STATE_BYTES_PER_PARAM * m.params()
-    assert CostModel.train_state_bytes(m, "lm", 4, 2) == pytest.approx(full / 8)
+    cost = CostModel(cluster("h100", 1))
+    full = cost.train_state_bytes(m, "lm", 1, 1)
+    # 16 bytes per matmul weight, plus the norms' and AdamW's step counters (a few per million)
+    assert full == pytest.approx(TRAIN_STATE_BYTES_PER_PARAM * m.params(), rel=1e-4)
+    # 20 layers per stage, one vocabulary table on each edge stage: an even split
+    assert cost.train_state_bytes(m, "lm", 4, 2) == pytest.approx(full / 8, rel=1e-3)
+    # a value head: the last stage holds no vocabulary table, the first stage is the busiest
+    value = cost.train_state_bytes(m, "value", 1, 2)
+    assert value == pytest.approx(
+        TRAIN_STATE_BYTES_PER_PARAM * (m.vocab * m.hidden + 20 * m.layer_params), rel=1e-4
+    )
 
 
 def test_decode_step_is_flat_below_bs_max_and_grows_above():

@@ -219,3 +219,17 @@ def test_plan_auto_applies_tensor_parallelism(monkeypatch):
         ValueError, match=r"generation tp=2 with training tp=1.*generator\.tp=2 cannot be applied"
     ):
         plan_config(cfg, "cpu", "test")
+
+
+def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
+    """A LLaMA-7B-shaped model on 8 H100s (fp32 weights under bf16-mixed, Ref / Reward resident, an fp32
+    generation copy: what the runtime holds): the real planner chooses tp > 1 for training and generation, and
+    the plan applies and passes the runtime's validation."""
+    shape = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.num_kv_heads=32",
+             "model.head_dim=128", "model.intermediate_size=11008"]  # fmt: skip
+    result = plan_config(
+        compose_config(["plan=auto", "distributed.nproc_per_node=8", *shape]), "h100", "test"
+    )
+    p = result.config.pipeline
+    assert p.actor_tp == p.critic_tp > 1 and result.config.generator.tp == p.actor_tp
+    assert validate_runtime(result.config) == []

@@ -16,6 +16,7 @@ from rlhfuse.planner.api import as_model_spec, plan_for
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import LengthDistribution
+from rlhfuse.planner.memory import RankMemory, rank_memories, rank_memory, shard_count
 from rlhfuse.planner.migration import (
     MigrationDecision,
     choose_mechanism,
@@ -76,6 +77,7 @@ __all__ = [
     "Plan",
     "PruneStats",
     "RLHFModels",
+    "RankMemory",
     "Samples",
     "TrainLayout",
     "Workload",
@@ -93,10 +95,13 @@ __all__ = [
     "one_f_one_b",
     "paper_grid",
     "plan_for",
+    "rank_memories",
+    "rank_memory",
     "rt_sweep",
     "search_plan",
     "search_training",
     "serial_makespan",
+    "shard_count",
     "should_migrate",
     "simulate_generation",
     "threshold_from_fraction",

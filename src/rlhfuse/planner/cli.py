@@ -3,6 +3,7 @@
 rlhfuse-plan plan --device h100 --nodes 32 --actor 13b --critic 33b --max-len 1024 --json plan.json --png plan.png
 rlhfuse-plan paper-grid --out GRID.json --png grid.png
 rlhfuse-plan rt-sweep --actor 33b --critic 65b --max-len 1024 --png rt.png
+rlhfuse-plan memory --actor 7b --critic 7b --actor-pp 2 --critic-pp 2 --tp 2 --gen-tp 2 --precision bf16-true
 rlhfuse-plan calibrate            # CPU spec vs measured tiny-model runs (needs torch)
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from rlhfuse.planner.grid import PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
+from rlhfuse.planner.memory import PRECISIONS, rank_memories
 from rlhfuse.planner.simulate import RLHFModels, Speculation, Workload
 from rlhfuse.planner.specs import DEVICES, ModelSpec, cluster, model
 
@@ -119,6 +121,32 @@ def grid_table(comps: Sequence[Comparison]) -> str:
     return "\n".join(rows)
 
 
+def memory_table(args: argparse.Namespace) -> str:
+    """`rlhfuse-plan memory`: one row per pipeline rank of a fused group (every tp rank of it holds the same)."""
+    critic = None if args.critic_free else args.critic
+    ranks = rank_memories(
+        args.actor, critic, actor_pp=args.actor_pp, critic_pp=args.critic_pp, actor_tp=args.tp,
+        gen_tp=args.gen_tp, precision=args.precision, offload=args.offload_frozen, reward=args.critic,
+    )  # fmt: skip
+    cols = list(ranks[0].components())[:-2]  # KV cache and activations depend on the workload
+    gib = 2**30
+    rows = [
+        f"{args.actor.name}/{'-' if critic is None else critic.name}: actor_pp={args.actor_pp} "
+        f"critic_pp={args.critic_pp} tp={args.tp} generator.tp={args.gen_tp} {args.precision}"
+        f"{' offload_frozen' if args.offload_frozen else ''} (GiB per device; KV cache and activations not included)",
+        f"{'rank':>4} "
+        + " ".join(f"{c:>18}" for c in cols)
+        + f" {'param_bytes':>12} {'optimizer_bytes':>16}",
+    ]
+    for r, m in enumerate(ranks):
+        comp = m.components()
+        rows.append(
+            f"{r:>4} " + " ".join(f"{comp[c] / gib:>18.3f}" for c in cols)
+            + f" {m.param_bytes / gib:>12.3f} {m.optimizer_bytes / gib:>16.3f}"
+        )  # fmt: skip
+    return "\n".join(rows)
+
+
 def _responses(args: argparse.Namespace) -> LengthDistribution:
     return LengthDistribution(median=args.len_median, sigma=args.len_sigma)
 
@@ -157,6 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_sweep = sub.add_parser("rt-sweep", help="fused Gen+Inf time against the migration threshold (Figure 9)")
     _common(p_sweep)
     p_sweep.add_argument("--png", type=Path, help="line chart of the sweep")
+    p_mem = sub.add_parser(
+        "memory", help="what each device of one fused group holds under rlhfuse.runtime, by component"
+    )
+    p_mem.add_argument("--actor", type=_model_arg, default=model("13b"), help="preset or config.json")
+    p_mem.add_argument("--critic", type=_model_arg, default=model("33b"), help="preset or config.json")
+    p_mem.add_argument("--critic-free", action="store_true", help="no Critic is trained (grpo, rloo, ...)")
+    p_mem.add_argument("--actor-pp", type=int, default=1, help="pipeline.actor_pp")
+    p_mem.add_argument("--critic-pp", type=int, default=1, help="pipeline.critic_pp")
+    p_mem.add_argument("--tp", type=int, default=1, help="pipeline.actor_tp = pipeline.critic_tp")
+    p_mem.add_argument("--gen-tp", type=int, default=1, help="generator.tp")
+    p_mem.add_argument("--precision", default="32-true", choices=PRECISIONS, help="pipeline.optim.precision")
+    p_mem.add_argument("--offload-frozen", action="store_true", help="inferencer.offload_frozen=true")
     p_cal = sub.add_parser("calibrate", help="calibrate the CPU spec on tiny-model runs (needs torch)")
     p_cal.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -167,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(calibrate_cpu(repeats=args.repeats).report())
         return 0
     try:
+        if args.command == "memory":
+            print(memory_table(args))
+            return 0
         spec = cluster(args.device, args.nodes, args.gpus_per_node)
         if args.command == "paper-grid":
             start = time.perf_counter()

@@ -4,8 +4,12 @@
 - A decode step is memory-bound: it reads every weight shard and the KV cache of the batch, so its time is flat
   in the batch size until the GEMMs become compute-bound at `bs_max` (the paper's BSmax), then grows linearly.
 - Communication: ring all-reduce 2(n-1)/n x bytes / bandwidth + latency; point-to-point bytes / bandwidth.
-- Memory: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight and gradient, fp32 master copy, Adam
-  m and v); activations follow Korthikanti et al. 2022 with sequence parallelism and flash attention
+- Memory: what a rank of `rlhfuse.runtime` holds, counted tensor by tensor (`rlhfuse.planner.memory`): the
+  busiest pipeline stage's tp shard (embedding / head on the edge stages, vocabulary padded to a multiple of tp,
+  kv heads replicated when tp does not divide them), per `precision` (bf16-true, the paper's Megatron mixed
+  precision: bf16 weight and gradient, fp32 master copy, Adam m and v = 16 bytes per parameter; 32-true /
+  bf16-mixed: fp32 weight, gradient, m and v = 16 too), the Ref and Reward resident unless `offload_frozen`,
+  the generation copy of its tp; gradients only while training; activations follow Korthikanti et al. 2022 with sequence parallelism and flash attention
   (34 x tokens x hidden bytes per layer, divided by tp); with activation checkpointing
   (`pipeline.activation_checkpointing`) selective recomputation of the attention kernel and the MLP keeps 17
   (the MLP's 19 replaced by its 2-byte input) and full recomputation keeps each layer's input alone: 2.
@@ -16,14 +20,27 @@ FLOPs of one token: 2 x (matmul weights) + 4 x layers x hidden x context (QK^T a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from rlhfuse.planner.memory import (
+    ModelLayout,
+    RankMemory,
+    bytes_per_param,
+    frozen_bytes,
+    kv_cache_bytes,
+    local_stages,
+    shard_count,
+    trained_bytes,
+)
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, DeviceSpec, Efficiency, ModelSpec
 
 TRAIN_STATE_BYTES_PER_PARAM = 16
+"""Bytes of training state per parameter in every precision the runtime has (see `rlhfuse.planner.memory`); the
+optimizer step's memory traffic reads and writes them once."""
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 # bytes per token x hidden x layer (bf16) kept for backward under each activation_checkpointing mode
 ACTIVATION_BYTES_BY_CHECKPOINTING = {"none": 34.0, "selective": 17.0, "full": 2.0}
@@ -43,6 +60,15 @@ class CostModel:
     eff: Efficiency = DEFAULT_EFFICIENCY
     activation_checkpointing: str = "none"
     """none | full | selective: what a training micro-batch keeps for backward (`activation_bytes`)."""
+    precision: str = "bf16-true"
+    """32-true | bf16-mixed | bf16-true (`pipeline.optim.precision`): bytes of weights, gradients, master copies
+    and optimizer states (`rlhfuse.planner.memory.bytes_per_param`)."""
+    offload_frozen: bool = True
+    """Ref and Reward weights in host memory, swapped in for inference (the paper; `inferencer.offload_frozen`);
+    False: resident on the device beside the trained models, sharded like them."""
+    generation_bytes: int | None = None
+    """Bytes per element of the generation copy; None: the precision's weight bytes (the runtime keeps it in
+    fp32: `rlhfuse.planner.memory.GENERATION_COPY_BYTES`, which the trainer's plan=auto passes)."""
 
     @property
     def device(self) -> DeviceSpec:
@@ -68,10 +94,38 @@ class CostModel:
         """K and V of every layer for one token."""
         return 2.0 * model.layers * model.n_kv_heads * model.head_dim * self.device.dtype_bytes
 
-    @staticmethod
-    def train_state_bytes(model: ModelSpec, head: str, tp: int, pp: int) -> float:
-        """Weights, gradients and Adam states on one device of a (tp, pp) shard (no distributed optimizer)."""
-        return TRAIN_STATE_BYTES_PER_PARAM * model.params(head) * stage_fraction(model, pp) / tp
+    def train_state_bytes(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
+        """Weights, gradients, master copies and Adam states of the busiest stage's tp shard (no distributed
+        optimizer): `rlhfuse.planner.memory.trained_bytes`."""
+        lay = ModelLayout(model, head, pp, tp)
+        return max(trained_bytes(lay, s, self.precision).train_state for s in range(pp))
+
+    def generation_weight_bytes(self, actor: ModelSpec, gen_tp: int) -> float:
+        """One device's share of a generation instance's Actor copy (its tp shard, padded vocabulary)."""
+        per = self.generation_bytes or bytes_per_param(self.precision).weight
+        return float(shard_count(actor, "lm", tp=gen_tp).params * per)
+
+    def instance_kv_bytes_per_token(self, actor: ModelSpec, gen_tp: int) -> float:
+        """K and V of one token over all ranks of a generation instance of `gen_tp` ranks, in the generation copy's
+        dtype: each rank caches its kv heads (one replicated head per rank when gen_tp is a multiple of them)."""
+        per = self.generation_bytes or bytes_per_param(self.precision).weight
+        return gen_tp * kv_cache_bytes(actor, 1, gen_tp, per)
+
+    def rank_memory(
+        self,
+        actor: ModelSpec,
+        critic: ModelSpec,
+        a: tuple[int, int],
+        c: tuple[int, int],
+        gen_tp: int | None = None,
+    ) -> RankMemory:
+        """The busiest device of a training layout (a, c = (tp, pp) of the Actor and the Critic), by component:
+        both trained models, the Ref (like the Actor) and the Reward (like the Critic, the Critic's shape), and with
+        `gen_tp` the generation copy (`busiest_rank`, cached: the search asks for the same layouts many times)."""
+        out = busiest_rank(self.precision, self.offload_frozen, actor, critic, a, c)
+        if gen_tp:
+            out += RankMemory(generation_weights=self.generation_weight_bytes(actor, gen_tp))
+        return out
 
     def activation_bytes(self, model: ModelSpec, tokens: float, tp: int, layers: float) -> float:
         """Activations one micro-batch of `tokens` keeps for backward on `layers` layers of one device."""
@@ -196,7 +250,7 @@ class CostModel:
         return self.allreduce_time(nbytes, dp, self.group_inter_node(tp, dp))
 
     def optimizer_step_time(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
-        """Adam step: read and write the 16 bytes/param of state once (memory-bound)."""
+        """Adam step: read and write the 16 bytes/param of training state once (memory-bound)."""
         nbytes = 2 * TRAIN_STATE_BYTES_PER_PARAM * model.params(head) * stage_fraction(model, pp) / tp
         return nbytes / (self.device.hbm_bw * self.eff.decode_mbu)
 
@@ -217,3 +271,28 @@ class CostModel:
     def swap_in_time(self, models: list[tuple[ModelSpec, str]], tp: int) -> float:
         """Load the bf16 weights of `models` from CPU memory onto a tp group (each device its shard)."""
         return self.host_copy_time(sum(self.weight_bytes(m, h) for m, h in models) / tp)
+
+
+@functools.lru_cache(maxsize=65536)
+def busiest_rank(
+    precision: str, offload: bool, actor: ModelSpec, critic: ModelSpec, a: tuple[int, int], c: tuple[int, int]
+) -> RankMemory:
+    """The device of a training layout holding most (`RankMemory.peak`), generation copy aside. Where the
+    pipelines nest (the larger pp a multiple of the smaller) the runtime's co-located placement is walked rank by
+    rank (`memory.local_stages`); otherwise each model's busiest stage is assumed on one device."""
+    (a_tp, a_pp), (c_tp, c_pp) = a, c
+    la, lc = ModelLayout(actor, "lm", a_pp, a_tp), ModelLayout(critic, "value", c_pp, c_tp)
+
+    def on_rank(sa: int, sc: int) -> RankMemory:
+        return (
+            trained_bytes(la, sa, precision)
+            + trained_bytes(lc, sc, precision)
+            + frozen_bytes(la, sa, precision, offload)
+            + frozen_bytes(lc, sc, precision, offload)
+        )
+
+    if max(a_pp, c_pp) % min(a_pp, c_pp) == 0:
+        return max((on_rank(sa, sc) for sa, sc in local_stages(a_pp, c_pp)), key=lambda m: m.peak)
+    busiest_a = max(range(a_pp), key=lambda s: on_rank(s, 0).peak)
+    busiest_c = max(range(c_pp), key=lambda s: on_rank(0, s).peak)
+    return on_rank(busiest_a, busiest_c)

@@ -36,6 +36,7 @@ from rlhfuse.planner.simulate import (
     model_step_time,
     rt_sweep,
     serial_training,
+    train_state_bytes,
 )
 from rlhfuse.planner.specs import ClusterSpec, ModelSpec
 
@@ -121,10 +122,10 @@ def train_layouts(
 
 
 def resident_train_bytes(cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout) -> float:
-    """Training states (weights, gradients, optimizer) of both trained models resident on one device."""
-    return cost.train_state_bytes(models.actor, "lm", a.tp, a.pp) + cost.train_state_bytes(
-        models.critic, "value", c.tp, c.pp
-    )
+    """What stays on the busiest device of a training layout outside training (`CostModel.rank_memory`): both
+    trained models' weights, master copies and optimizer states, and the Ref / Reward unless offloaded (the
+    gradients are freed after each optimizer step; the generation copy is counted by `free_kv_bytes`)."""
+    return cost.rank_memory(models.actor, models.critic, (a.tp, a.pp), (c.tp, c.pp)).resident
 
 
 TRAIN_FRONTIER = 4
@@ -141,6 +142,7 @@ def search_training(
     fused: bool,
     stats: PruneStats | None = None,
     even_pp: bool = True,
+    runtime: bool = False,
 ) -> list[TrainResult]:
     """Training plans on the (time, resident memory) frontier, fastest first.
 
@@ -148,6 +150,8 @@ def search_training(
     co-locatable pair as a fused pipeline: all are bounded, the best few by bound get a greedy schedule, whose
     makespan is the time used (RLHFuse falls back to serial where fusion does not pay). Each result's `bound`
     is the best fused lower bound among layouts with no more resident memory (for the report's bound column).
+    `runtime=True` keeps only pairs `rlhfuse.runtime` runs: both models on one tp degree, and the larger pp a
+    multiple of the smaller (it co-locates both on one layout for either schedule).
     """
     stats = stats if stats is not None else PruneStats()
     mb = workload.mini_batch
@@ -167,8 +171,12 @@ def search_training(
     fused_pairs: list[tuple[float, float, TrainLayout, TrainLayout]] = []
     for a in la:
         for c in lc:
+            if runtime and (a.tp != c.tp or max(a.pp, c.pp) % min(a.pp, c.pp)):
+                stats.removed["runtime: Actor and Critic tp differ or their stages do not nest"] += 1
+                continue
             states = resident_train_bytes(cost, models, a, c)
-            if states + max(act_a[a], act_c[c]) <= usable:
+            training = train_state_bytes(cost, models, a, c)
+            if training + max(act_a[a], act_c[c]) <= usable:
                 serial.append((ta[a] + tc[c], states, a, c))
             else:
                 stats.removed["memory (both models resident)"] += 1
@@ -178,7 +186,7 @@ def search_training(
             if big.pp % small.pp or max(a.tp, c.tp) % min(a.tp, c.tp):
                 stats.removed["fused: stages or tp do not nest"] += 1
                 continue
-            if states + act_a[a] + act_c[c] > usable:
+            if training + act_a[a] + act_c[c] > usable:
                 stats.removed["fused: memory"] += 1
                 continue
             fused_pairs.append((fused_bound(cost, models, a, c, workload, seq), states, a, c))
@@ -347,18 +355,25 @@ def search_plan(
     samples: Samples | None = None,
     stats: PruneStats | None = None,
     even_pp: bool = True,
+    runtime: bool = False,
 ) -> Plan:
     """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`).
 
-    `even_pp=False` admits uneven pipeline stages (see `train_layouts`)."""
+    `even_pp=False` admits uneven pipeline stages (see `train_layouts`); `runtime=True` only plans that
+    `rlhfuse.runtime` can run (`search_training`; the generation tp 1 or the training tp)."""
     workload.validate()
     samples = samples if samples is not None else workload.sample()
     stats = stats if stats is not None else PruneStats()
     seq = float(samples.seq.mean())
     best: Plan | None = None
     cache: dict[int, Unmigrated] = {}
-    for train in search_training(cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp):
-        plan = _best_gen_inf(cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache)
+    trains = search_training(
+        cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp, runtime=runtime
+    )
+    for train in trains:
+        plan = _best_gen_inf(
+            cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache, runtime=runtime
+        )
         if plan is not None and (best is None or plan.breakdown.total < best.breakdown.total):
             best = plan
     if best is None:
@@ -379,13 +394,21 @@ def _best_gen_inf(
     fused: bool,
     stats: PruneStats,
     cache: dict[int, Unmigrated],
+    runtime: bool = False,
 ) -> Plan | None:
     resident = resident_train_bytes(cost, models, train.actor, train.critic)
     critic_train = (train.critic.tp, train.critic.pp)
-    kv_tok = cost.kv_bytes_per_token(models.actor)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
+        if runtime and gen_tp not in (1, train.actor.tp):  # rlhfuse.runtime reshards to these only
+            stats.removed["runtime: generation tp neither 1 nor the training tp"] += 1
+            continue
+        # the generation copy stays on the device while training too (the runtime keeps it between updates)
+        if train.memory + cost.generation_weight_bytes(models.actor, gen_tp) > cost.usable_memory():
+            stats.removed["generation copy does not fit beside training"] += 1
+            continue
         per_instance = -(-len(samples) // (cost.cluster.gpus // gen_tp))
+        kv_tok = cost.instance_kv_bytes_per_token(models.actor, gen_tp)
         if free_kv_bytes(cost, models.actor, gen_tp, resident) < per_instance * kv_tok * workload.max_context:
             stats.removed["generation: KV cache does not fit"] += 1
             continue
@@ -409,8 +432,9 @@ def _best_gen_inf(
         # no migration (RLHFuse-Base; for RLHFuse, the fallback where no Rt pays: the planner turns it off)
         for group in node_group_sizes(cost.cluster):
             tps = inference_tps(models, group)
+            # offloaded Ref / Reward come onto the device for inference; resident ones are in `resident` already
             biggest = max(cost.weight_bytes(m, h) / tp for (m, h), tp in zip(models.inference(), tps))
-            if resident + biggest > cost.usable_memory():
+            if cost.offload_frozen and resident + biggest > cost.usable_memory():
                 stats.removed["inference: weights do not fit"] += 1
                 continue
             res = gen_inf_serial(

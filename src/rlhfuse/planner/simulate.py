@@ -153,8 +153,10 @@ class GenerationResult:
 
 
 def free_kv_bytes(cost: CostModel, actor: ModelSpec, tp: int, resident_bytes: float) -> float:
-    """KV-cache memory of one generation instance: usable memory - resident training states - weights."""
-    per_device = cost.usable_memory() - resident_bytes - cost.weight_bytes(actor) / tp
+    """KV-cache memory of one generation instance: usable memory - what stays resident from training (weights,
+    master copies, optimizer states, resident frozen models: `search.resident_train_bytes`) - the generation
+    copy's shard (`CostModel.generation_weight_bytes`), on each of its tp devices."""
+    per_device = cost.usable_memory() - resident_bytes - cost.generation_weight_bytes(actor, tp)
     return per_device * tp
 
 
@@ -817,10 +819,11 @@ def model_step_time(
 
 
 def train_state_bytes(cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout) -> float:
-    """Weights, gradients and optimizer state of both trained models on one device of their layouts."""
-    return cost.train_state_bytes(models.actor, "lm", actor.tp, actor.pp) + cost.train_state_bytes(
-        models.critic, "value", critic.tp, critic.pp
-    )
+    """What the busiest device holds while training, activations and the generation copy aside: both trained
+    models' weights, gradients, master copies and optimizer states and the resident frozen models
+    (`CostModel.rank_memory`)."""
+    rm = cost.rank_memory(models.actor, models.critic, (actor.tp, actor.pp), (critic.tp, critic.pp))
+    return rm.resident + rm.gradients
 
 
 def serial_training(

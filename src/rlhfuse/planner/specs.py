@@ -69,7 +69,7 @@ class ClusterSpec:
     gpus_per_node: int
     max_tp: int | None = None
     """Largest tensor-parallel degree a runtime can run (None = any that fits a node); the trainer's plan=auto
-    passes 1, since rlhfuse.runtime has no tensor parallelism yet."""
+    passes its devices per node (rlhfuse.runtime runs tp up to the node for every task)."""
 
     @property
     def gpus(self) -> int:
@@ -150,6 +150,14 @@ class ModelSpec:
     vocab: int = 32000
     kv_heads: int | None = None
     """None means multi-head attention (kv_heads = heads)."""
+    head_size: int | None = None
+    """Channels per head; None means hidden // heads (ModelConfig.head_dim)."""
+    qkv_bias: bool = False
+    """Biases on q / k / v (Qwen2, or LLaMA with attention_bias)."""
+    o_bias: bool = False
+    """A bias on the output projection (LLaMA with attention_bias)."""
+    tied: bool = False
+    """The LM head shares the embedding's weight (tie_word_embeddings)."""
 
     @property
     def n_kv_heads(self) -> int:
@@ -157,13 +165,15 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     @property
     def layer_params(self) -> int:
-        """Weights of one decoder block: q, o (h x h), k, v (h x kv), gate/up/down (h x ffn); norms ignored."""
+        """Matmul weights of one decoder block: q, o (h x heads x head_dim), k, v (h x kv), gate/up/down (h x ffn);
+        norms and biases left out (the FLOP count; `rlhfuse.planner.memory.shard_count` counts every tensor)."""
+        q = self.heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
-        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv + 3 * self.hidden * self.ffn
+        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.ffn
 
     def params(self, head: str = "lm") -> int:
         """Total weights: embeddings + blocks + head (`lm`: vocab x hidden; `value`: hidden x 1)."""
@@ -172,7 +182,9 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
-        """From an `rlhfuse.models.ModelConfig` (read by attribute, so no torch import is needed here)."""
+        """From an `rlhfuse.models.ModelConfig` (read by attribute, so no torch import is needed here; the fields
+        past the shape, head_dim, biases and ties, are optional)."""
+        bias = bool(getattr(config, "attention_bias", False))
         return cls(
             name=name or f"{config.num_layers}L-{config.hidden_size}",
             layers=config.num_layers,
@@ -181,6 +193,10 @@ class ModelSpec:
             ffn=config.intermediate_size,
             vocab=config.vocab_size,
             kv_heads=config.num_kv_heads,
+            head_size=getattr(config, "resolved_head_dim", None),
+            qkv_bias=bias or getattr(config, "architecture", "llama") == "qwen2",
+            o_bias=bias and getattr(config, "architecture", "llama") == "llama",
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
     @classmethod
@@ -193,6 +209,8 @@ class ModelSpec:
         ]
         if missing:
             raise ValueError(f"config.json lacks {missing}: rlhfuse-plan reads LLaMA-style configs")
+        qwen2 = d.get("model_type") == "qwen2"
+        bias = bool(d.get("attention_bias", False))
         return cls(
             name=name or str(d.get("_name_or_path") or d.get("model_type") or "hf"),
             layers=int(d["num_hidden_layers"]),
@@ -201,6 +219,10 @@ class ModelSpec:
             ffn=int(d["intermediate_size"]),
             vocab=int(d.get("vocab_size", 32000)),
             kv_heads=d.get("num_key_value_heads"),
+            head_size=d.get("head_dim"),
+            qkv_bias=qwen2 or bias,
+            o_bias=bias and not qwen2,
+            tied=bool(d.get("tie_word_embeddings", False)),
         )
 
 

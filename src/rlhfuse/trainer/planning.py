@@ -28,6 +28,7 @@ from typing import Any
 
 from rlhfuse.planner.api import plan_for
 from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
+from rlhfuse.planner.memory import GENERATION_COPY_BYTES
 from rlhfuse.planner.search import Plan
 from rlhfuse.planner.simulate import Workload
 from rlhfuse.planner.specs import DEVICES, ModelSpec
@@ -187,6 +188,22 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def memory_facts(cfg: RLHFConfig, device: str) -> dict[str, Any]:
+    """What the run's devices hold, for the planner's memory model (`rlhfuse.planner.memory`): the precision
+    (auto: bf16-mixed on a GPU, 32-true on the CPU; both keep fp32 weights), whether the Ref and Reward are kept
+    in host memory (`inferencer.offload_frozen`), and the in-process generation copy's fp32 elements (vLLM's
+    copy is not measured here: counted in the precision's weight dtype)."""
+    precision = cfg.pipeline.optim.precision
+    if precision == "auto":
+        precision = "32-true" if device == "cpu" else "bf16-mixed"
+    in_process = cfg.generator.name != "vllm"
+    return {
+        "precision": precision,
+        "offload_frozen": bool(cfg.inferencer.offload_frozen),
+        "generation_bytes": GENERATION_COPY_BYTES if in_process else None,
+    }
+
+
 def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -> TrainerPlan:
     """Run the planner for `cfg` on devices of preset `device` and return the configuration with its plan
     applied (the input is not modified). Raises ValueError naming the key when the plan cannot be applied."""
@@ -206,6 +223,8 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
                 workload=workload,
                 max_tp=g,
                 activation_checkpointing=cfg.pipeline.optim.activation_checkpointing,
+                runtime=True,
+                **memory_facts(cfg, device),
             )
         except ValueError as err:
             raise ValueError(

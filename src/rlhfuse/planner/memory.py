@@ -1,0 +1,310 @@
+"""What one rank holds under `rlhfuse.runtime`'s layouts, counted by component (bytes): the planner's memory model.
+
+It counts the tensors the runtime builds (docs/distributed.md), not an average per parameter:
+
+- **Pipeline stages.** Layers are split into contiguous ranges the way `rlhfuse.models.split_stages` splits
+  equal-cost layers (`layer_ranges`: the earlier stages take the extra layer); the embedding sits on the first
+  stage, the final norm and the head (LM head: vocab x hidden; value head: hidden) on the last. In a fused group of
+  max(pp) ranks the model with more stages (the Actor on ties) is placed in rank order and the other's replicas
+  reversed over blocks of its pp (`rlhfuse.runtime.ParallelLayout.local_placement`), so rank 0 holds the Actor's
+  embedding and the Critic's last stage: the busiest rank is found by walking the group (`rank_memories`).
+  The Ref is placed like the Actor and the Reward like the Critic (both frozen, no optimizer).
+- **Tensor parallelism** (`rlhfuse.runtime.tensor_parallel.shard_transformer`): q / k / v / gate / up split by
+  rows, o / down by columns; kv heads split when tp divides them, otherwise one kv head per rank (replicated);
+  the embedding and LM head hold ceil(vocab / tp) rows each (the vocabulary padded to a multiple of tp); norms,
+  the value head and the o bias are replicated. Every decoder block also holds its two RMSNorm weights.
+- **The generation copy**: the whole Actor with `gen_tp = 1`, its `gen_tp` shard (all layers, padded vocabulary)
+  otherwise; frozen; fp32 in every precision today (`GENERATION_COPY_BYTES`).
+- **Precision** (`pipeline.optim.precision`): `32-true` / `bf16-mixed` keep fp32 weights (4 bytes), fp32
+  gradients (4) and AdamW's two fp32 moments (8); `bf16-true` keeps bf16 weights (2) and gradients (2), an fp32
+  master copy (4, `MasterWeightAdamW`) and two fp32 moments (8). AdamW also keeps one fp32 step counter per
+  parameter tensor (4 bytes), which `memory/optimizer_bytes` counts. Frozen models and the generation copy hold
+  weights only, in the weights' dtype.
+- **Offload** (`inferencer.offload_frozen`): the Ref and the Reward live in host memory and come onto the device
+  for inference only.
+- **Phases.** Gradients exist from the first backward to the optimizer step (`zero_grad(set_to_none=True)`),
+  activations during training, the KV cache during generation, offloaded frozen weights during inference; the
+  weights, the master copies and the optimizer moments stay resident throughout. `RankMemory.peak` is the
+  resident bytes plus the largest phase.
+
+`memory/param_bytes` of the runtime is `RankMemory.param_bytes` (weights of the four models and the generation
+copy materialised on the rank; offloaded frozen weights are host tensors, which the metric counts too: see
+`param_bytes`) and `memory/optimizer_bytes` is `RankMemory.optimizer_bytes` (moments and step counters; the
+masters are not optimizer state). `tests/planner/test_planner_memory.py` checks both against modules the runtime
+builds, exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from rlhfuse.planner.specs import ModelSpec
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
+
+ADAM_STEP_BYTES = 4
+"""AdamW's `step` counter: one fp32 scalar per parameter tensor."""
+
+GENERATION_COPY_BYTES = 4
+"""Bytes per element of the generation copy (and so of its KV cache) under sharded construction, whatever the
+precision: `load_models` loads it in fp32 and `rlhfuse.trainer.build.cast_models` casts the Actor, Ref, Critic
+and Reward only, so under bf16-true the copy stays fp32 (measured: `tests/planner/test_planner_memory.py`).
+When the runtime casts it too, that test fails and this becomes the precision's weight bytes."""
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter element of a trained model under one precision (frozen models hold `weight` only)."""
+
+    weight: int
+    grad: int
+    master: int
+    moments: int = 8
+    """AdamW's exp_avg and exp_avg_sq, fp32."""
+
+    @property
+    def train_state(self) -> int:
+        return self.weight + self.grad + self.master + self.moments
+
+
+def bytes_per_param(precision: str) -> BytesPerParam:
+    if precision in ("32-true", "bf16-mixed"):
+        return BytesPerParam(weight=4, grad=4, master=0)
+    if precision == "bf16-true":
+        return BytesPerParam(weight=2, grad=2, master=4)
+    raise ValueError(
+        f"precision={precision!r} is unknown: use one of {', '.join(PRECISIONS)} (pipeline.optim.precision; "
+        "auto is bf16-mixed on CUDA, 32-true on the CPU)"
+    )
+
+
+def layer_ranges(layers: int, pp: int) -> list[tuple[int, int]]:
+    """The runtime's split of `layers` equal-cost layers into `pp` contiguous stages
+    (`rlhfuse.models.stage_ranges`): the balanced split whose cuts are as late as possible, built from the last
+    stage back (each takes as few layers as keeps the busiest stage at ceil(layers / pp))."""
+    return list(_layer_ranges(layers, pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_ranges(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    if not 1 <= pp <= layers:
+        raise ValueError(
+            f"pp={pp} must be between 1 and the model's layers={layers} (a stage holds >= 1 layer)"
+        )
+    out: list[tuple[int, int]] = []
+    stop = layers
+    for k in range(pp, 0, -1):
+        start = 0 if k == 1 else min(stop - 1, (k - 1) * -(-stop // k))
+        out.append((start, stop))
+        stop = start
+    return tuple(out[::-1])
+
+
+@dataclass(frozen=True)
+class ShardCount:
+    """Parameter elements and parameter tensors of one (stage, tp rank) shard of a model."""
+
+    params: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: ShardCount) -> ShardCount:
+        return ShardCount(self.params + other.params, self.tensors + other.tensors)
+
+
+def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
+    """kv heads one tp rank holds: split when tp divides them, one (replicated) when tp is a multiple of them."""
+    kv = model.n_kv_heads
+    if kv % tp == 0:
+        return kv // tp
+    if tp % kv == 0:
+        return 1
+    raise ValueError(f"tp={tp} neither divides kv_heads={kv} nor is a multiple of it")
+
+
+@functools.lru_cache(maxsize=65536)
+def shard_count(
+    model: ModelSpec, head: str, *, pp: int = 1, stage: int | None = None, tp: int = 1
+) -> ShardCount:
+    """Elements and tensors of stage `stage` of `pp` (None: every stage) of `model`'s tp-rank shard (`tp = 1`:
+    the whole stage). Every tp rank of a stage holds the same count (uneven splits are refused by the runtime)."""
+    h, e = model.hidden, model.head_dim
+    q, kv = model.heads // tp * e, kv_heads_per_rank(model, tp) * e
+    f = model.ffn // tp
+    qkv_bias = q + 2 * kv if model.qkv_bias else 0
+    layer = ShardCount(
+        h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h + qkv_bias + (h if model.o_bias else 0),
+        9 + (3 if model.qkv_bias else 0) + (1 if model.o_bias else 0),
+    )
+    ranges = _layer_ranges(model.layers, pp)
+    stages = range(pp) if stage is None else [stage]
+    vocab_rows = -(-model.vocab // tp) if tp > 1 else model.vocab
+    out = ShardCount()
+    for s in stages:
+        start, stop = ranges[s]
+        out += ShardCount(layer.params * (stop - start), layer.tensors * (stop - start))
+        if s == 0:
+            out += ShardCount(vocab_rows * h, 1)
+        if s == pp - 1:
+            out += ShardCount(h, 1)  # final norm
+            if head == "lm" and not model.tied:
+                out += ShardCount(vocab_rows * h, 1)
+            elif head != "lm":
+                out += ShardCount(h, 1)  # value head, replicated
+    return out
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One model's pipeline stages and tensor-parallel degree on the runtime's layout."""
+
+    model: ModelSpec
+    head: str
+    pp: int = 1
+    tp: int = 1
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds, by component (see the module docstring for what each counts)."""
+
+    trained_weights: float = 0.0
+    gradients: float = 0.0
+    master_weights: float = 0.0
+    optimizer_states: float = 0.0
+    """AdamW's moments and step counters of the trained stages."""
+    frozen_weights: float = 0.0
+    """Ref + Reward stages resident on the device (0 with offload)."""
+    frozen_offloaded: float = 0.0
+    """Ref + Reward stages kept in host memory, on the device only for inference."""
+    generation_weights: float = 0.0
+    kv_cache: float = 0.0
+    activations: float = 0.0
+
+    @property
+    def param_bytes(self) -> float:
+        """What the runtime's `memory/param_bytes` counts on this rank: the four models' materialised weights
+        (offloaded ones too: the metric reads the modules, wherever their tensors live) and the generation copy."""
+        return self.trained_weights + self.frozen_weights + self.frozen_offloaded + self.generation_weights
+
+    @property
+    def optimizer_bytes(self) -> float:
+        """What the runtime's `memory/optimizer_bytes` counts: the optimizer states (masters excluded)."""
+        return self.optimizer_states
+
+    @property
+    def resident(self) -> float:
+        """Device bytes held through the whole iteration: weights, masters and optimizer states."""
+        return (
+            self.trained_weights
+            + self.master_weights
+            + self.optimizer_states
+            + self.frozen_weights
+            + self.generation_weights
+        )
+
+    @property
+    def train_state(self) -> float:
+        """The trained models' weights, gradients, masters and optimizer states."""
+        return self.trained_weights + self.gradients + self.master_weights + self.optimizer_states
+
+    @property
+    def peak(self) -> float:
+        """Device peak: resident bytes + the largest phase (training: gradients + activations; generation: the
+        KV cache; inference: the offloaded frozen weights swapped in)."""
+        return self.resident + max(self.gradients + self.activations, self.kv_cache, self.frozen_offloaded)
+
+    def components(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+    def __add__(self, other: RankMemory) -> RankMemory:
+        return RankMemory(**{k: v + getattr(other, k) for k, v in self.components().items()})
+
+
+def trained_bytes(lay: ModelLayout, stage: int, precision: str) -> RankMemory:
+    """One trained model's stage `stage` on one tp rank: weights, gradients, masters, optimizer states."""
+    b = bytes_per_param(precision)
+    n = shard_count(lay.model, lay.head, pp=lay.pp, stage=stage, tp=lay.tp)
+    return RankMemory(
+        trained_weights=n.params * b.weight,
+        gradients=n.params * b.grad,
+        master_weights=n.params * b.master,
+        optimizer_states=n.params * b.moments + n.tensors * ADAM_STEP_BYTES,
+    )
+
+
+def frozen_bytes(lay: ModelLayout, stage: int | None, precision: str, offload: bool) -> RankMemory:
+    """One frozen model's stage (None: the whole model) on one tp rank: weights only."""
+    nbytes = shard_count(lay.model, lay.head, pp=lay.pp, stage=stage, tp=lay.tp).params
+    nbytes *= bytes_per_param(precision).weight
+    return RankMemory(frozen_offloaded=nbytes) if offload else RankMemory(frozen_weights=nbytes)
+
+
+def local_stages(actor_pp: int, critic_pp: int) -> list[tuple[int, int]]:
+    """(Actor stage, Critic-slot stage) on each rank of a fused group of max(pp) ranks: the model with more stages
+    (the Actor on ties) in rank order, the other's replicas reversed over blocks of its pp."""
+    n = max(actor_pp, critic_pp)
+    if n % min(actor_pp, critic_pp):
+        raise ValueError(
+            f"actor_pp={actor_pp} and critic_pp={critic_pp}: the larger must be a multiple of the smaller"
+        )
+    if actor_pp >= critic_pp:
+        return [(r, critic_pp - 1 - r % critic_pp) for r in range(n)]
+    return [(actor_pp - 1 - r % actor_pp, r) for r in range(n)]
+
+
+def kv_cache_bytes(model: ModelSpec, tokens: float, tp: int, dtype_bytes: int) -> float:
+    """K and V of `tokens` cached positions on one rank of a generation instance of `tp` ranks (its kv heads)."""
+    return 2.0 * model.layers * kv_heads_per_rank(model, tp) * model.head_dim * dtype_bytes * tokens
+
+
+def rank_memories(
+    actor: ModelSpec,
+    critic: ModelSpec | None,
+    *,
+    actor_pp: int = 1,
+    critic_pp: int = 1,
+    actor_tp: int = 1,
+    critic_tp: int | None = None,
+    gen_tp: int = 1,
+    precision: str = "32-true",
+    offload: bool = False,
+    reward: ModelSpec | None = None,
+    ref: bool = True,
+    kv_tokens: float = 0.0,
+    activations: float = 0.0,
+) -> list[RankMemory]:
+    """Each rank of one fused group (max(actor_pp, critic_pp) pipeline ranks; every tp rank of a stage holds the
+    same): the Actor and (when `critic`) the Critic trained, the Ref placed like the Actor (when `ref`), the
+    Reward (`reward`, e.g. the Critic's shape; None: no reward model) like the Critic with `critic_pp` stages,
+    the generation copy of `gen_tp` (one whole Actor at 1), `kv_tokens` cached positions of its instance and
+    `activations` bytes of training activations per rank (estimates: the planner's cost model gives them)."""
+    critic_tp = actor_tp if critic_tp is None else critic_tp
+    a = ModelLayout(actor, "lm", actor_pp, actor_tp)
+    gen = ModelLayout(actor, "lm", 1, gen_tp)
+    generation = shard_count(actor, "lm", tp=gen_tp).params * GENERATION_COPY_BYTES
+    out = []
+    for sa, sc in local_stages(actor_pp, critic_pp):
+        mem = trained_bytes(a, sa, precision)
+        if critic is not None:
+            mem += trained_bytes(ModelLayout(critic, "value", critic_pp, critic_tp), sc, precision)
+        if ref:
+            mem += frozen_bytes(a, sa, precision, offload)
+        if reward is not None:
+            mem += frozen_bytes(ModelLayout(reward, "value", critic_pp, critic_tp), sc, precision, offload)
+        mem += RankMemory(
+            generation_weights=generation,
+            kv_cache=kv_cache_bytes(actor, kv_tokens, gen.tp, GENERATION_COPY_BYTES),
+            activations=activations,
+        )
+        out.append(mem)
+    return out
+
+
+def rank_memory(
+    actor: ModelSpec, critic: ModelSpec | None, **kwargs: float | int | str | bool | None
+) -> RankMemory:
+    """The busiest rank of `rank_memories` (largest `peak`)."""
+    return max(rank_memories(actor, critic, **kwargs), key=lambda m: m.peak)  # type: ignore[arg-type]

@@ -1,0 +1,226 @@
+"""The planner's per-rank memory model (`rlhfuse.planner.memory`) against what the runtime builds.
+
+Each rank's modules are built in this one process with the runtime's own pieces, the way `rlhfuse-train` builds
+them under pipeline=fused (`rlhfuse.trainer.build`): the layout's held stages (`pipeline_layout(...).held_stages`,
+as `sharded_construction`), `from_pretrained(stages=...)` for the Actor, Ref, Critic and Reward (as
+`load_models`) and a whole generation copy, `cast_models` for bf16-true, `shard_transformer` for tp (as
+`FusedPipelineStrategy.tp_shard`, the pipeline inferencer's Ref / Reward and `TensorParallelGenerator`),
+`RankStages` + `StageOptimizers` (one step, so AdamW's states exist) and the `MemoryMetrics` callback that logs
+`memory/param_bytes` and `memory/optimizer_bytes`. No process group is needed to build a rank's shard.
+The predicted bytes must equal the built ones exactly, per rank and per component.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from rlhfuse.core.optim import MasterWeightAdamW, OptimConfig
+from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained, stage_ranges
+from rlhfuse.planner.memory import layer_ranges, rank_memories, rank_memory, shard_count
+from rlhfuse.planner.specs import ModelSpec
+from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.optim import StageOptimizers
+from rlhfuse.runtime.partition import RankStages
+from rlhfuse.runtime.strategy import pipeline_layout
+from rlhfuse.runtime.tensor_parallel import shard_transformer
+from rlhfuse.trainer.build import cast_models
+from rlhfuse.trainer.callbacks import MemoryMetrics
+from rlhfuse.trainer.models import Models, ModelsConfig
+
+
+def default_config(**overrides: object) -> ModelConfig:
+    """The default job's embedded tiny model (conf/model/tiny.yaml, the synthetic task's vocabulary)."""
+    from rlhfuse.data.synthetic import build_tokenizer
+
+    m = ModelsConfig()
+    base = dict(
+        vocab_size=build_tokenizer().vocab_size, hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+    )  # fmt: skip
+    base.update(overrides)
+    return ModelConfig.tiny(**base)  # type: ignore[arg-type]
+
+
+def build_rank(
+    root: pathlib.Path, rank: int, world: int, pp: tuple[int, int], tp: int, gen_tp: int, precision: str
+) -> dict[str, float]:
+    """What one rank of the runtime holds, measured on the modules it builds."""
+    layout = pipeline_layout(
+        PipelineConfig(actor_pp=pp[0], critic_pp=pp[1], actor_tp=tp, critic_tp=tp), world, 4, 1
+    )
+    held = layout.held_stages(rank)
+    actor_s, critic_s = (layout.stages("actor"), held["actor"]), (layout.stages("critic"), held["critic"])
+    models = Models(
+        actor=from_pretrained(root / "sft", stages=actor_s),
+        ref=from_pretrained(root / "sft", stages=actor_s).requires_grad_(False),
+        reward=from_pretrained(root / "rm", head="value", stages=critic_s).requires_grad_(False),
+        critic=from_pretrained(root / "rm", head="value", stages=critic_s),
+        tokenizer=None,  # type: ignore[arg-type]
+        sft_path=root / "sft",
+        generation=from_pretrained(root / "sft").requires_grad_(False),
+    )
+    if precision == "bf16-true":
+        cast_models(models, torch.bfloat16)
+    t = layout.tp_rank(rank)
+
+    def shard(m: Transformer) -> Transformer:
+        return shard_transformer(m, t, tp) if tp > 1 else m
+
+    actor, critic, ref, reward = (shard(m) for m in (models.actor, models.critic, models.ref, models.reward))
+    generation = models.generation
+    assert generation is not None
+    if gen_tp > 1:
+        generation = shard_transformer(generation, rank % gen_tp, gen_tp)
+    stages = RankStages(layout, rank, {"actor": actor, "critic": critic})
+    optims = StageOptimizers(stages, OptimConfig(precision=precision), total_steps=4)  # type: ignore[arg-type]
+    grads = 0
+    for m in ("actor", "critic"):
+        for p in stages.parameters(m):
+            p.grad = torch.zeros_like(p)
+            grads += p.numel() * p.element_size()
+        optims.optims[m].step()
+    metrics: dict[str, float] = {}
+    MemoryMetrics(
+        lambda: [actor, critic, ref, reward, generation], lambda: list(optims.optims.values())
+    ).on_metrics(None, metrics)
+    masters = sum(
+        t.numel() * t.element_size()
+        for o in optims.optims.values()
+        if isinstance(o, MasterWeightAdamW)
+        for t in o.masters
+    )
+    metrics.update(gradients=float(grads), master_weights=float(masters))
+    metrics["local"] = float(layout.pipeline_rank(rank) % layout.group_size)
+    return metrics
+
+
+LAYOUTS = [
+    # (actor_pp, critic_pp), tp, generator.tp, precision, model overrides
+    ((1, 1), 1, 1, "32-true", {}),
+    ((2, 2), 1, 1, "32-true", {}),
+    ((2, 2), 2, 2, "32-true", {}),
+    ((2, 1), 2, 1, "bf16-true", {}),
+    # grouped-query attention with kv heads replicated over tp=2, q/k/v biases, an odd vocabulary (padded rows),
+    # 3 layers on 2 stages (the first stage takes the extra layer)
+    (
+        (2, 2),
+        2,
+        2,
+        "bf16-true",
+        dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3),
+    ),
+]
+
+
+@pytest.mark.parametrize(("pp", "tp", "gen_tp", "precision", "overrides"), LAYOUTS)
+def test_predicted_bytes_per_rank_equal_what_the_runtime_builds(
+    tmp_path: pathlib.Path, pp: tuple[int, int], tp: int, gen_tp: int, precision: str, overrides: dict
+) -> None:
+    cfg = default_config(**overrides)
+    torch.manual_seed(0)
+    save_pretrained(Transformer(cfg, head="lm"), tmp_path / "sft")
+    save_pretrained(Transformer(cfg, head="value"), tmp_path / "rm")
+    spec = ModelSpec.from_config(cfg)
+    predicted = rank_memories(
+        spec,
+        spec,
+        actor_pp=pp[0],
+        critic_pp=pp[1],
+        actor_tp=tp,
+        gen_tp=gen_tp,
+        precision=precision,
+        reward=spec,
+    )
+    world = max(pp) * tp
+    for rank in range(world):
+        built = build_rank(tmp_path, rank, world, pp, tp, gen_tp, precision)
+        want = predicted[int(built["local"])]
+        got = {
+            "param_bytes": built["memory/param_bytes"],
+            "optimizer_bytes": built["memory/optimizer_bytes"],
+            "gradients": built["gradients"],
+            "master_weights": built["master_weights"],
+        }
+        assert got == {
+            "param_bytes": want.param_bytes,
+            "optimizer_bytes": want.optimizer_bytes,
+            "gradients": want.gradients,
+            "master_weights": want.master_weights,
+        }, f"rank {rank} of pp={pp} tp={tp} generator.tp={gen_tp} {precision}"
+
+
+def test_layer_ranges_are_the_runtime_split() -> None:
+    for layers in range(1, 25):
+        for pp in range(1, layers + 1):
+            assert layer_ranges(layers, pp) == stage_ranges(layers, pp), (layers, pp)
+
+
+def test_shard_count_counts_every_tensor_of_a_whole_model() -> None:
+    for overrides in (
+        {},
+        dict(architecture="qwen2"),
+        dict(attention_bias=True),
+        dict(tie_word_embeddings=True),
+    ):
+        cfg = default_config(**overrides)
+        for head in ("lm", "value"):
+            model = Transformer(cfg, head=head)
+            unique = {id(p): p for p in model.parameters()}.values()
+            n = shard_count(ModelSpec.from_config(cfg), head)
+            assert (n.params, n.tensors) == (sum(p.numel() for p in unique), len(unique)), (overrides, head)
+
+
+def test_edge_stages_vocab_padding_and_the_generation_copy_show_in_the_busiest_rank() -> None:
+    spec = ModelSpec("m", layers=4, hidden=64, heads=4, ffn=128, vocab=1001, kv_heads=2)
+    one = rank_memories(spec, spec, precision="32-true", reward=spec)[0]
+    pp2 = rank_memories(spec, spec, actor_pp=2, critic_pp=2, precision="32-true", reward=spec)
+    # the stages partition the models; rank 0 holds the Actor's embedding and the Critic's last stage (a value
+    # head), rank 1 the Actor's LM head and the Critic's embedding: two vocabulary tables, the busiest rank
+    assert pp2[0].trained_weights + pp2[1].trained_weights == one.trained_weights
+    assert pp2[1].trained_weights - pp2[0].trained_weights == 4 * 1001 * 64 - 4 * 64
+    assert rank_memory(spec, spec, actor_pp=2, critic_pp=2, reward=spec) == pp2[1]
+    # vocabulary padded to a multiple of tp: 1001 rows -> 501 per rank
+    tp2 = shard_count(spec, "lm", tp=2)
+    assert (
+        tp2.params - shard_count(ModelSpec("m", 4, 64, 4, 128, vocab=1002, kv_heads=2), "lm", tp=2).params
+        == 0
+    )
+    # the whole generation copy does not shrink with training tp; generator.tp = 2 halves it (padded vocab)
+    whole = rank_memories(spec, spec, actor_tp=2, gen_tp=1, reward=spec)[0]
+    half = rank_memories(spec, spec, actor_tp=2, gen_tp=2, reward=spec)[0]
+    assert whole.generation_weights == 4 * shard_count(spec, "lm").params
+    assert half.generation_weights == 4 * tp2.params
+    # offload moves the frozen weights out of the resident bytes, into the inference phase
+    off = rank_memories(spec, spec, offload=True, reward=spec)[0]
+    assert off.frozen_weights == 0 and off.frozen_offloaded == one.frozen_weights
+    assert off.resident == one.resident - one.frozen_weights
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(2, 1), (2, 2), (1, 2)])
+def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: int, tp: int) -> None:
+    """The KV cache of `slots x max_len` positions on one rank of a generation instance of tp ranks: the K and V
+    buffers `TensorParallelGenerator` allocates for its shard (its kv heads; one replicated head when tp is a
+    multiple of them), fp32 like the generation copy (the per-slot lengths and validity flags aside)."""
+    from types import SimpleNamespace
+
+    from rlhfuse.models.cache import KVCache
+    from rlhfuse.planner.memory import GENERATION_COPY_BYTES, kv_cache_bytes
+    from rlhfuse.trainer.generator import TensorParallelGenerator
+
+    cfg = default_config(num_heads=4, num_kv_heads=kv_heads, head_dim=16)
+    model = Transformer(cfg, head="lm")
+    shard = shard_transformer(model, tp - 1, tp) if tp > 1 else model
+    cache_cfg = (
+        TensorParallelGenerator._cache_config(SimpleNamespace(model=shard))  # type: ignore[arg-type]
+        if tp > 1
+        else cfg
+    )
+    slots, max_len = 3, 40
+    cache = KVCache.allocate(cache_cfg, slots, max_len, dtype=next(shard.parameters()).dtype)
+    built = sum(t.numel() * t.element_size() for t in (cache.k_LSHTD, cache.v_LSHTD))
+    spec = ModelSpec.from_config(cfg)
+    assert kv_cache_bytes(spec, slots * max_len, tp, GENERATION_COPY_BYTES) == built
