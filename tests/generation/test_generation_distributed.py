@@ -60,9 +60,7 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
             engine = GenerationEngine(
                 _model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW, speculative=speculative or "off"
             )
-            # the re-prefill run also syncs the counts only every 3 steps
-            sync = 3 if mechanism == "reprefill" else 1
-            coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism, sync_every=sync)
+            coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism, timeout_s=10)
             done = []
             for sample in coordinator.run(_requests(), threshold=threshold):
                 done.append(sample)

@@ -5,8 +5,8 @@ tail, and take (steal) the destinations' finished samples that are not inferred 
 `fused_generate_infer` runs on every rank of an initialised process group, one generation instance per rank:
 
 1. every rank generates its share; with Rt > 0 the ranks watch the total unfinished count asynchronously
-   (`rlhfuse.generation.progress.CountWatch`: no lockstep, no per-step collective) and, when Rt samples remain,
-   all run the one `migrate` (`rlhfuse.generation.coordinator`);
+   (`rlhfuse.generation.distributed.decode_until_migration`, the one trigger: no lockstep, no per-step
+   collective) and, when Rt samples remain, all run the one `migrate` (`rlhfuse.generation.coordinator`);
 2. freed ranks infer their own finished samples, then ask the destinations for work (`StealChannel`): each
    answer is a batch of finished, not yet inferred samples of the destination (its samples finished before the
    migration, then the tail as it finishes), up to the inference token budget; destinations poll for requests
@@ -38,10 +38,10 @@ from torch import Tensor
 
 from rlhfuse.core.protocols import Inferencer, SwapsWeights
 from rlhfuse.core.types import Experience
-from rlhfuse.generation.coordinator import MigrationReport, balance, migrate
-from rlhfuse.generation.distributed import InstanceFailure
+from rlhfuse.generation.coordinator import MigrationReport, balance
+from rlhfuse.generation.distributed import InstanceFailure, decode_until_migration
 from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
-from rlhfuse.generation.progress import CountWatch, StealChannel, control_group
+from rlhfuse.generation.progress import StealChannel, control_group
 from rlhfuse.generation.transport import PointToPoint, Sending, collective_device
 from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
@@ -136,30 +136,9 @@ def fused_generate_infer(
     try:
         if threshold > 0:
             control, control_device = control_group(group)
-            watch = CountWatch(control_device, threshold, control)
-            steps = (
-                0  # decode steps while watching (idle polls cost nothing the tuner should charge per step)
-            )
-            while True:
-                if engine.has_work():
-                    finished += engine.step()
-                    steps += 1
-                elif watch.polls:
-                    watch.wait_idle()
-                if watch.update(engine.num_unfinished):
-                    break
-            watch.close()
-            if steps:
-                engine.stats.lockstep_seconds += watch.poll_seconds
-                engine.stats.lockstep_steps += steps
-            migrated = time.perf_counter()
-            transport.step = watch.polls
-            counts = transport.all_gather_counts(engine.num_unfinished)
-            if sum(counts):
-                migrate({rank: engine}, counts, transport, bs_max=bs_max, mechanism=mechanism,
-                        link_bytes_per_s=link_bytes_per_s, report=report)  # fmt: skip
-                engine.stats.migration_seconds += time.perf_counter() - migrated
-                engine.stats.migrations += 1
+            finished += decode_until_migration(engine, transport, threshold=threshold, bs_max=bs_max,
+                                               mechanism=mechanism, link_bytes_per_s=link_bytes_per_s,
+                                               report=report, group=group)  # fmt: skip
         if isinstance(inferencer, SwapsWeights):
             # the tail starts here (a destination decodes it next; a freed rank infers now; without migration
             # generation is over): frozen models' weights start moving onto the device

@@ -68,12 +68,17 @@ class CountWatch:
 
     Rank 0 keeps `window` receives posted per peer, so counts flow in without a round trip each (a peer's
     newest count is read as soon as it lands); a peer ends its stream with a final message and `window - 1`
-    fillers for the receives still posted, so none is left when the batch ends."""
+    fillers for the receives still posted, so none is left when the batch ends.
+
+    `timeout_s`: a rank waiting idle (`wait_idle`) that has heard nothing new for that long (rank 0: no count
+    from a peer; a peer: no signal) raises RuntimeError (a dead peer sends nothing, and a receive posted to it
+    never completes); None waits without limit (a caller with its own watchdog)."""
 
     device: torch.device
     threshold: int
     group: Any | None = None
     window: int = 8
+    timeout_s: float | None = None
     rank: int = field(init=False)
     world: int = field(init=False)
     counts: list[int] = field(init=False)
@@ -83,6 +88,7 @@ class CountWatch:
     _go: tuple[distributed.Work | None, torch.Tensor] | None = None
     polls: int = 0
     poll_seconds: float = 0.0
+    _news_at: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         self.rank, self.world = distributed.rank(self.group), distributed.world_size(self.group)
@@ -109,6 +115,7 @@ class CountWatch:
                 posted = self._recv[peer]
                 while posted and _completed(*posted[0]):
                     value = int(posted.popleft()[1].item())
+                    self._news_at = time.perf_counter()
                     if value == _FINAL:  # the peer's last count message: the fillers follow
                         for work, _ in posted:
                             if work is not None:
@@ -129,6 +136,8 @@ class CountWatch:
         start = time.perf_counter()
         self.polls += 1
         try:
+            if unfinished != self._last:
+                self._news_at = time.perf_counter()  # this rank's own progress
             if self.rank != 0:
                 if unfinished != self._last:
                     self._send(unfinished)
@@ -138,7 +147,7 @@ class CountWatch:
                 for value in (_FINAL, *[_FILLER] * (self.window - 1)):
                     self._send(value)
                 return True
-            self.counts[0] = unfinished
+            self.counts[0] = self._last = unfinished
             self._drain(until_final=False)
             if min(self.counts) < 0 or sum(self.counts) > self.threshold:
                 return False
@@ -166,7 +175,13 @@ class CountWatch:
         self._sending = []
 
     def wait_idle(self) -> None:
-        """An idle rank (no samples left) between two `update`s: let the others run."""
+        """An idle rank (no samples left) between two `update`s: let the others run (see `timeout_s`)."""
+        quiet = time.perf_counter() - self._news_at
+        if self.timeout_s is not None and quiet > self.timeout_s:
+            silent = [p for p, c in enumerate(self.counts) if p and c != 0] if self.rank == 0 else [0]
+            raise RuntimeError(
+                f"rank {self.rank} heard nothing from rank(s) {silent} for {quiet:.0f} s (timeout {self.timeout_s:g} s)"
+            )
         time.sleep(_POLL_SLEEP_S)
 
 

@@ -162,9 +162,12 @@ class Planner(Protocol):
 
 
 # what pipeline=fused runs with one trained model (logged by the strategy, also the validation's auto-resolution)
+ACTOR_ONLY_RUN = (
+    "the pipeline runs the Actor alone with 1F1B; inter-stage fusion (migration, early Ref/reward inference) is "
+    "unchanged"
+)
 ACTOR_ONLY_NOTE = (
-    "intra-stage fusion needs two models (Actor and Critic); with a critic-free algorithm the pipeline runs the "
-    "Actor alone with 1F1B; inter-stage fusion (migration, early Ref/reward inference) is unchanged"
+    f"intra-stage fusion needs two models (Actor and Critic); with a critic-free algorithm {ACTOR_ONLY_RUN}"
 )
 
 

@@ -23,6 +23,7 @@ from rlhfuse.runtime.config import (
     PipelineConfig,
     launched_world_size,
 )
+from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, ACTOR_ONLY_RUN
 from rlhfuse.trainer.logging import LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig
 
@@ -156,22 +157,13 @@ def fuses_rollout(cfg: RLHFConfig, world_size: int) -> bool:
 
 
 def actor_only_message(cfg: RLHFConfig) -> str:
-    """What pipeline=fused / serial_1f1b runs with a critic-free algorithm (and what fusion remains)."""
+    """What pipeline=fused / serial_1f1b runs with a critic-free algorithm (the plan's own note, with the keys)."""
     p, a = cfg.pipeline, cfg.algorithm.name
-    unused = (
-        f"pipeline.critic_pp={p.critic_pp} is unused (a Reward model, when used, runs on the Actor's stages "
-        "in reverse)"
-    )
-    if p.name == "fused":
-        return (
-            f"rlhfuse: pipeline=fused with algorithm={a}: intra-stage fusion needs two models (Actor and Critic); "
-            f"with algorithm={a} the pipeline runs the Actor alone with 1F1B (pipeline.actor_pp={p.actor_pp}); "
-            f"inter-stage fusion (migration, early Ref/reward inference) is unchanged; {unused}"
-        )
+    what = ACTOR_ONLY_NOTE if p.name == "fused" else f"no Critic, {ACTOR_ONLY_RUN}"
     return (
-        f"rlhfuse: pipeline={p.name} with algorithm={a}: no Critic, the pipeline runs the Actor alone with 1F1B "
-        f"(pipeline.actor_pp={p.actor_pp}); inter-stage fusion (migration, early Ref/reward inference) is "
-        f"unchanged; {unused}"
+        f"rlhfuse: pipeline={p.name} with algorithm={a}: {what} (pipeline.actor_pp={p.actor_pp}); "
+        f"pipeline.critic_pp={p.critic_pp} is unused (a Reward model, when used, runs on the Actor's stages in "
+        "reverse)"
     )
 
 
