@@ -34,7 +34,6 @@ def plan_for(
     activation_checkpointing: str = "none",
     precision: str = "bf16-true",
     offload_frozen: bool = True,
-    generation_bytes: int | None = None,
     runtime: bool = False,
 ) -> Plan:
     """The least-iteration-time execution plan for an Actor / Critic pair on a cluster.
@@ -43,7 +42,7 @@ def plan_for(
     and the migration threshold (`plan.rt_fraction`); `plan.breakdown` the predicted iteration. `max_tp` caps
     tensor parallelism (generation, inference groups and training) for a runtime that cannot run more;
     `activation_checkpointing` (none | full | selective) sets the activation memory a training micro-batch keeps;
-    `precision`, `offload_frozen` and `generation_bytes` what each device holds (`rlhfuse.planner.memory`: the
+    `precision` and `offload_frozen` what each device holds (`rlhfuse.planner.memory`: the
     defaults are the paper's bf16 training with Ref / Reward in host memory; the trainer passes the run's);
     `runtime=True` (the trainer's) only plans that `rlhfuse.runtime` runs: one tp for both trained models, nested
     pipelines, generation tp 1 or the training tp.
@@ -56,6 +55,5 @@ def plan_for(
         activation_checkpointing=activation_checkpointing,
         precision=precision,
         offload_frozen=offload_frozen,
-        generation_bytes=generation_bytes,
     )
     return search_plan(cost, models, workload or Workload(), fused=fused, even_pp=even_pp, runtime=runtime)

@@ -66,9 +66,6 @@ class CostModel:
     offload_frozen: bool = True
     """Ref and Reward weights in host memory, swapped in for inference (the paper; `inferencer.offload_frozen`);
     False: resident on the device beside the trained models, sharded like them."""
-    generation_bytes: int | None = None
-    """Bytes per element of the generation copy; None: the precision's weight bytes (the runtime keeps it in
-    fp32: `rlhfuse.planner.memory.GENERATION_COPY_BYTES`, which the trainer's plan=auto passes)."""
 
     @property
     def device(self) -> DeviceSpec:
@@ -102,13 +99,13 @@ class CostModel:
 
     def generation_weight_bytes(self, actor: ModelSpec, gen_tp: int) -> float:
         """One device's share of a generation instance's Actor copy (its tp shard, padded vocabulary)."""
-        per = self.generation_bytes or bytes_per_param(self.precision).weight
+        per = bytes_per_param(self.precision).weight  # the generation copy is in the weights' dtype
         return float(shard_count(actor, "lm", tp=gen_tp).params * per)
 
     def instance_kv_bytes_per_token(self, actor: ModelSpec, gen_tp: int) -> float:
         """K and V of one token over all ranks of a generation instance of `gen_tp` ranks, in the generation copy's
         dtype: each rank caches its kv heads (one replicated head per rank when gen_tp is a multiple of them)."""
-        per = self.generation_bytes or bytes_per_param(self.precision).weight
+        per = bytes_per_param(self.precision).weight
         return gen_tp * kv_cache_bytes(actor, 1, gen_tp, per)
 
     def rank_memory(

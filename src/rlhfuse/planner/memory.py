@@ -14,7 +14,8 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
   the embedding and LM head hold ceil(vocab / tp) rows each (the vocabulary padded to a multiple of tp); norms,
   the value head and the o bias are replicated. Every decoder block also holds its two RMSNorm weights.
 - **The generation copy**: the whole Actor with `gen_tp = 1`, its `gen_tp` shard (all layers, padded vocabulary)
-  otherwise; frozen; fp32 in every precision today (`GENERATION_COPY_BYTES`).
+  otherwise; frozen; in the precision's weight dtype (`rlhfuse.trainer.build.cast_models` casts it with the
+  others under bf16-true).
 - **Precision** (`pipeline.optim.precision`): `32-true` / `bf16-mixed` keep fp32 weights (4 bytes), fp32
   gradients (4) and AdamW's two fp32 moments (8); `bf16-true` keeps bf16 weights (2) and gradients (2), an fp32
   master copy (4, `MasterWeightAdamW`) and two fp32 moments (8). AdamW also keeps one fp32 step counter per
@@ -47,13 +48,6 @@ PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 
 ADAM_STEP_BYTES = 4
 """AdamW's `step` counter: one fp32 scalar per parameter tensor."""
-
-GENERATION_COPY_BYTES = 4
-"""Bytes per element of the generation copy (and so of its KV cache) under sharded construction, whatever the
-precision: `load_models` loads it in fp32 and `rlhfuse.trainer.build.cast_models` casts the Actor, Ref, Critic
-and Reward only, so under bf16-true the copy stays fp32 (measured: `tests/planner/test_planner_memory.py`).
-When the runtime casts it too, that test fails and this becomes the precision's weight bytes."""
-
 
 @dataclass(frozen=True)
 class BytesPerParam:
@@ -284,7 +278,8 @@ def rank_memories(
     critic_tp = actor_tp if critic_tp is None else critic_tp
     a = ModelLayout(actor, "lm", actor_pp, actor_tp)
     gen = ModelLayout(actor, "lm", 1, gen_tp)
-    generation = shard_count(actor, "lm", tp=gen_tp).params * GENERATION_COPY_BYTES
+    weight = bytes_per_param(precision).weight  # the generation copy is in the weights' dtype
+    generation = shard_count(actor, "lm", tp=gen_tp).params * weight
     out = []
     for sa, sc in local_stages(actor_pp, critic_pp):
         mem = trained_bytes(a, sa, precision)
@@ -296,7 +291,7 @@ def rank_memories(
             mem += frozen_bytes(ModelLayout(reward, "value", critic_pp, critic_tp), sc, precision, offload)
         mem += RankMemory(
             generation_weights=generation,
-            kv_cache=kv_cache_bytes(actor, kv_tokens, gen.tp, GENERATION_COPY_BYTES),
+            kv_cache=kv_cache_bytes(actor, kv_tokens, gen.tp, weight),
             activations=activations,
         )
         out.append(mem)

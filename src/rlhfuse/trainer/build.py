@@ -140,9 +140,9 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
 
 
 def cast_models(models: Models, dtype: torch.dtype) -> None:
-    """precision=bf16-true: every model's weights in `dtype` (generation, inference and training compute in it;
-    the optimizers keep fp32 masters of the trained ones)."""
-    for model in (models.actor, models.ref, models.critic, models.reward):
+    """precision=bf16-true: every model's weights in `dtype`, the generation copy of a sharded Actor included
+    (generation, inference and training compute in it; the optimizers keep fp32 masters of the trained ones)."""
+    for model in (models.actor, models.ref, models.critic, models.reward, models.generation):
         if model is not None:
             model.to(dtype)
 

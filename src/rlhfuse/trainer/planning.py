@@ -28,7 +28,6 @@ from typing import Any
 
 from rlhfuse.planner.api import plan_for
 from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
-from rlhfuse.planner.memory import GENERATION_COPY_BYTES
 from rlhfuse.planner.search import Plan
 from rlhfuse.planner.simulate import Workload
 from rlhfuse.planner.specs import DEVICES, ModelSpec
@@ -191,17 +190,11 @@ def _fmt(value: Any) -> str:
 def memory_facts(cfg: RLHFConfig, device: str) -> dict[str, Any]:
     """What the run's devices hold, for the planner's memory model (`rlhfuse.planner.memory`): the precision
     (auto: bf16-mixed on a GPU, 32-true on the CPU; both keep fp32 weights), whether the Ref and Reward are kept
-    in host memory (`inferencer.offload_frozen`), and the in-process generation copy's fp32 elements (vLLM's
-    copy is not measured here: counted in the precision's weight dtype)."""
+    in host memory (`inferencer.offload_frozen`); the generation copy is in the weights' dtype."""
     precision = cfg.pipeline.optim.precision
     if precision == "auto":
         precision = "32-true" if device == "cpu" else "bf16-mixed"
-    in_process = cfg.generator.name != "vllm"
-    return {
-        "precision": precision,
-        "offload_frozen": bool(cfg.inferencer.offload_frozen),
-        "generation_bytes": GENERATION_COPY_BYTES if in_process else None,
-    }
+    return {"precision": precision, "offload_frozen": bool(cfg.inferencer.offload_frozen)}
 
 
 def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -> TrainerPlan:
