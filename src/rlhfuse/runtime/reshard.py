@@ -8,8 +8,8 @@ padded rows zero; a kv head replicated when g exceeds the kv heads). Any T and a
 
 Planning is pure (`plan_reshard`): every tensor is cut along its split dimension into the intervals where one
 training shard's range meets one generation shard's range; each piece a rank lacks comes point to point from a
-holder of that training shard (the holders of a piece taken by the fewest bytes sent so far, so that the traffic
-spreads over the data-parallel and replica copies), and a piece the rank itself holds is copied locally. Nobody
+holder of that training shard (among the holders of a piece, i.e. the data-parallel and replica copies, one on the receiver's node first,
+then the one that has sent the fewest bytes so far, so that traffic stays inside nodes and spreads), and a piece the rank itself holds is copied locally. Nobody
 receives a whole tensor it does not need and no rank gathers the whole model: g = 1 receives the whole Actor
 (its generation copy is whole), g = T over the training tp groups receives only the shards of the stages it
 lacks. `Resharder.run` executes the plan: per (sender, receiver, dtype) one flat buffer on the layout's device,
@@ -20,6 +20,7 @@ Legend: T training tp degree, g generation tp degree; a range [lo, hi) is in the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -100,10 +101,13 @@ def plan_reshard(
     world: int,
     holders: Callable[[int, int], Sequence[int]],
     element_size: Callable[[int], int] = lambda _: 1,
+    ranks_per_node: int = 0,
 ) -> ReshardPlan:
     """Pure: every piece every rank of `world` needs for its generation shard (position r % gen_tp), and who
     sends it. `holders(stage, t)`: the ranks holding training shard t of `stage` (a receiver that is one of them
-    copies locally)."""
+    copies locally); among several holders, one on the receiver's node (`ranks_per_node` consecutive ranks per
+    node; 0 = one node) first, then the one that has sent the fewest bytes so far, then the lowest rank."""
+    per_node = ranks_per_node if ranks_per_node > 0 else world
     sent: dict[int, int] = {}
     pieces: list[Piece] = []
     for i, e in enumerate(entries):
@@ -134,7 +138,10 @@ def plan_reshard(
                     t, src = local[0], dst
                 else:
                     candidates = sorted({(r, t) for t in options for r in holders(e.stage, t)})
-                    src, t = min(candidates, key=lambda rt: (sent.get(rt[0], 0), rt[0]))
+                    src, t = min(
+                        candidates,
+                        key=lambda rt: (rt[0] // per_node != dst // per_node, sent.get(rt[0], 0), rt[0]),
+                    )
                 piece = Piece(i, src, dst, dim, cursor, end, *train_bounds[t], dst_start)
                 pieces.append(piece)
                 if src != dst:
@@ -173,10 +180,18 @@ class Resharder:
 
     `model`: this rank's trained model (its stages materialised, the others meta; a tp shard when T > 1).
     `everywhere`: every rank holds every stage (full copies brought in sync by `RankStages.gather`), so every
-    piece is local."""
+    piece is local. `ranks_per_node`: consecutive ranks per node, to prefer a sender on the receiver's node
+    (default: torchrun's LOCAL_WORLD_SIZE, else one node)."""
 
     def __init__(
-        self, layout: ParallelLayout, rank: int, model: Transformer, gen_tp: int, *, everywhere: bool = False
+        self,
+        layout: ParallelLayout,
+        rank: int,
+        model: Transformer,
+        gen_tp: int,
+        *,
+        everywhere: bool = False,
+        ranks_per_node: int | None = None,
     ) -> None:
         world = layout.world_size
         if gen_tp < 1 or world % gen_tp:
@@ -207,7 +222,11 @@ class Resharder:
                 return range(world)
             return layout.tp_grad_groups[("actor", stage, t)]
 
-        self.plan = plan_reshard(entries, train_tp, gen_tp, world, holders, lambda i: sizes[i])
+        if ranks_per_node is None:
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self.plan = plan_reshard(
+            entries, train_tp, gen_tp, world, holders, lambda i: sizes[i], ranks_per_node
+        )
         self.element_size = dict(enumerate(sizes))
         self.received_bytes = 0
         """Bytes this rank received in the last `run` (its generation shard minus what it held)."""

@@ -24,8 +24,8 @@ from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, s
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.models import KVCache, ModelConfig, Transformer
 
-PickTokens = Callable[[Tensor, Tensor], Tensor]
-"""(logits_AV of the active rows, their uniforms_A for this step) -> next tokens_A."""
+PickTokens = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""(logits_AV of the active rows, their uniforms_A for this step, their rows_A in the chunk) -> next tokens_A."""
 
 
 def expand_prompts(prompts: PromptBatch, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -52,7 +52,7 @@ def sample_uniforms(
 def single_process_pick(config: GeneratorConfig) -> PickTokens:
     """Greedy argmax, or `filter_logits` + `sample_from` over whole logits."""
 
-    def pick(logits_AV: Tensor, uniforms_A: Tensor) -> Tensor:
+    def pick(logits_AV: Tensor, uniforms_A: Tensor, rows_A: Tensor) -> Tensor:
         if config.temperature == 0:
             return logits_AV.argmax(dim=-1)
         probs_AV = filter_logits(
@@ -97,7 +97,7 @@ def decode_chunk(
     active_A = torch.arange(batch, device=device)  # rows still decoding; A <= B
     stop_ids = stop_ids.to(device)
     for step in range(max_new):
-        tokens_A = pick(logits_BV, uniforms_BN[active_A.cpu(), step])
+        tokens_A = pick(logits_BV, uniforms_BN[active_A.cpu(), step], active_A)
         response_BN[active_A, step] = tokens_A
         lengths_B[active_A] = step + 1
         stopped_A = torch.isin(tokens_A, stop_ids)
@@ -238,7 +238,7 @@ class InstanceGenerator:
         self.decoded_rows = torch.zeros(0, dtype=torch.long)
         """The sample rows (indices into the iteration's prompt-major samples) this rank decoded last."""
 
-    def _vocab_parallel_pick(self, logits_AV: Tensor, uniforms_A: Tensor) -> Tensor:
+    def _vocab_parallel_pick(self, logits_AV: Tensor, uniforms_A: Tensor, rows_A: Tensor) -> Tensor:
         from rlhfuse.runtime.tensor_parallel import vocab_parallel_argmax
         from rlhfuse.runtime.vocab_sampling import vocab_parallel_filtered_sample
 
