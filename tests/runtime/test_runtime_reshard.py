@@ -134,7 +134,14 @@ def _check_reshard(rank: int, fused: Any, trained: Transformer, gen_tps: tuple[i
     model = fused.models["actor"]
     for g in gen_tps:
         resharder = Resharder(fused.layout, rank, model, g)
-        _check_shard(rank, resharder.run(), trained, g)
+        got = resharder.run()
+        _check_shard(rank, got, trained, g)
+        if (
+            g == fused.layout.tp
+        ):  # the tensors of its own stages are its generation shard: handed over, no copy
+            live = model.state_dict(keep_vars=True)
+            held = [n for n, t in live.items() if not t.is_meta]
+            assert held and all(got[n].data_ptr() == live[n].data_ptr() for n in held), rank
         want = _expected_received(model, fused.layout, rank, g)
         assert resharder.received_bytes == want, (rank, g, resharder.received_bytes, want)
         # at most its own generation shard, never a whole model (g > 1)

@@ -228,6 +228,23 @@ class Resharder:
             entries, train_tp, gen_tp, world, holders, lambda i: sizes[i], ranks_per_node
         )
         self.element_size = dict(enumerate(sizes))
+        # this rank's side of the plan, fixed: its local copies, and its messages per (sender, receiver, dtype)
+        mine = [p for p in self.plan.pieces if p.dst == rank]
+        self.local = [p for p in mine if p.src == rank]
+        self.aliased = set[int]()
+        """Entries whose generation shard is exactly this rank's own trained tensor (handed over, no copy)."""
+        for i, e in enumerate(entries):
+            own = [p for p in mine if p.entry == i]
+            if len(own) != 1 or state[e.names[0]].shape != self.local_shapes[e.names[0]]:
+                continue
+            p = own[0]
+            if p.src == rank and p.src_start == p.lo == p.dst_start and p.src_stop == p.hi:
+                self.aliased.add(i)
+        messages: dict[tuple[int, int, str], list[Piece]] = {}
+        for p in self.plan.pieces:
+            if p.src != p.dst and rank in (p.src, p.dst):
+                messages.setdefault((p.src, p.dst, str(self.dtypes[p.entry])), []).append(p)
+        self.messages = sorted(messages.items())
         self.received_bytes = 0
         """Bytes this rank received in the last `run` (its generation shard minus what it held)."""
 
@@ -235,56 +252,39 @@ class Resharder:
         """Collective (every rank): this rank's generation shard of every Actor tensor, keyed like the state dict
         of `shard_transformer(actor, rank % g, g)` (g = 1: the whole Actor's). A tensor whose shard is exactly one
         of this rank's own trained tensors is returned as it (detached, no copy)."""
-        plan, rank = self.plan, self.rank
+        entries, rank = self.plan.entries, self.rank
         state = self.model.state_dict(keep_vars=True)
-        entries = plan.entries
-        mine = [p for p in plan.pieces if p.dst == rank]
-        out: dict[int, Tensor] = {}
-        for i, e in enumerate(entries):
-            own = [p for p in mine if p.entry == i]
-            src = state[e.names[0]]
-            shape = self.local_shapes[e.names[0]]
-            whole = len(own) == 1 and own[0].src == rank and src.shape == shape
-            if whole and own[0].src_start == own[0].lo == own[0].dst_start and own[0].src_stop == own[0].hi:
-                out[i] = src.detach()  # this rank's own tensor is its generation shard
-            else:
-                out[i] = torch.zeros(shape, dtype=self.dtypes[i], device=self.device)
+        trained = [state[e.names[0]].detach() for e in entries]
+        out = [
+            trained[i]
+            if i in self.aliased
+            else torch.zeros(self.local_shapes[e.names[0]], dtype=self.dtypes[i], device=self.device)
+            for i, e in enumerate(entries)
+        ]
 
         def piece_of(tensor: Tensor, p: Piece, start: int) -> Tensor:
             return tensor.narrow(p.dim, p.lo - start, p.hi - p.lo)
 
         works: list[distributed.Work] = []
-        keep: list[Tensor] = []
+        keep: list[Tensor] = []  # send buffers stay alive until every send completed
         inbox: list[tuple[Tensor, list[Piece]]] = []
-        by_pair: dict[tuple[int, int, torch.dtype], list[Piece]] = {}
-        for p in plan.pieces:
-            if p.src == p.dst:
-                if p.dst == rank and out[p.entry] is not state[entries[p.entry].names[0]]:
-                    with torch.no_grad():
-                        piece_of(out[p.entry], p, p.dst_start).copy_(
-                            piece_of(state[entries[p.entry].names[0]].detach(), p, p.src_start)
-                        )
-                continue
-            if rank in (p.src, p.dst):
-                by_pair.setdefault((p.src, p.dst, self.dtypes[p.entry]), []).append(p)
         received = 0
-        for (src, dst, dtype), pieces in sorted(
-            by_pair.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))
-        ):
+        for (src, dst, _), pieces in self.messages:
             if src == rank:
-                flat = torch.cat(
-                    [
-                        piece_of(state[entries[p.entry].names[0]].detach(), p, p.src_start).reshape(-1)
-                        for p in pieces
-                    ]
-                )
+                flat = torch.cat([piece_of(trained[p.entry], p, p.src_start).reshape(-1) for p in pieces])
                 keep.append(flat)
                 works.append(distributed.isend(flat, dst))
             else:
-                flat = torch.empty(sum(plan.piece_numel(p) for p in pieces), dtype=dtype, device=self.device)
+                dtype = self.dtypes[pieces[0].entry]
+                numel = sum(self.plan.piece_numel(p) for p in pieces)
+                flat = torch.empty(numel, dtype=dtype, device=self.device)
                 works.append(distributed.irecv(flat, src))
                 inbox.append((flat, pieces))
                 received += flat.numel() * flat.element_size()
+        with torch.no_grad():
+            for p in self.local:  # overlapped with the messages in flight
+                if p.entry not in self.aliased:
+                    piece_of(out[p.entry], p, p.dst_start).copy_(piece_of(trained[p.entry], p, p.src_start))
         distributed.wait_all(works)
         with torch.no_grad():
             for flat, pieces in inbox:
