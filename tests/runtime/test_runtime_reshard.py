@@ -6,8 +6,9 @@ Two runs (each spawn costs seconds on this machine):
   the trained weights' slice, each rank receiving exactly what it lacks; with generator.tp = 1 each rank decodes
   only its half of the samples and the tokens equal the single-process generator's (greedy and sampled with
   top-k / top-p), and so do those of one instance over both ranks (generator.tp = 2).
-- 4 ranks, pp=2 x tp=2 (T=2): the same for g = 1, 2 and 4 (g = 4 replicates the 2 kv heads and pads the
-  vocabulary of 130 to 132, whose quarters straddle the training halves), and generation with generator.tp = 4.
+- 4 ranks, pp=2 x tp=2 (T=2): the vocabulary-parallel filter over 4 slices; the resharding for g = 1, 2 and 4
+  (g = 4 replicates the 2 kv heads and pads the vocabulary of 130 to 132, whose quarters straddle the training
+  halves), and generation with generator.tp = 4.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ pytestmark = pytest.mark.distributed
 VOCAB = 130
 
 
-def _check_vocab_parallel_filter(rank: int) -> None:
-    """This rank's slice of the filtered probabilities and the sampled tokens equal the single-process ones."""
+def _check_vocab_parallel_filter(rank: int, world: int) -> None:
+    """This rank's slice (of `world`) of the filtered probabilities and the sampled tokens equal the
+    single-process ones."""
     from rlhfuse import distributed
     from rlhfuse.core.sampling import filter_logits, sample_from
     from rlhfuse.runtime.tensor_parallel import VocabShard
     from rlhfuse.runtime.vocab_sampling import vocab_parallel_filter, vocab_parallel_filtered_sample
 
     g = torch.Generator().manual_seed(8)
-    vocab = 37  # odd: the second slice has a padded row
+    vocab = 37  # padded to a multiple of 2 and 4: the last slice has padded rows
     logits = torch.randn(64, vocab, generator=g, dtype=torch.float64) * 3
     logits[:8] *= 8  # peaked rows: the nucleus is one or two tokens
     uniforms = torch.rand(64, generator=g, dtype=torch.float64)
-    shard = VocabShard.of(vocab, rank, 2)
+    shard = VocabShard.of(vocab, rank, world)
     local = torch.full((64, shard.size), 123.0, dtype=torch.float64)  # padded rows hold garbage
     local[:, : shard.valid] = logits[:, shard.start : shard.start + shard.valid]
     for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9), (7, 0.8), (0, 0.3), (40, 0.99), (1, 1.0)):
@@ -53,7 +55,7 @@ def _check_vocab_parallel_filter(rank: int) -> None:
         tokens = vocab_parallel_filtered_sample(local, uniforms, shard, None, vocab_size=vocab, **args)
         assert torch.equal(tokens, sample_from(want, uniforms)), (rank, top_k, top_p)
         same = torch.stack(distributed.all_gather(tokens))
-        assert torch.equal(same[0], same[1])
+        assert all(torch.equal(same[0], other) for other in same)
 
 
 def _expected_received(model: Transformer, layout: Any, rank: int, gen_tp: int) -> int:
@@ -201,7 +203,7 @@ def _check_generation(rank: int, world: int, trained: Transformer, weights: dict
 
 
 def _worker_two(rank: int, world: int, folder: str) -> None:
-    _check_vocab_parallel_filter(rank)
+    _check_vocab_parallel_filter(rank, world)
     fused, trained = _trained_strategy(rank, world, pathlib.Path(folder), tp=1, gen_tp=2)
     shard = dict(fused.actor_weights())  # the strategy's own path: T=1 pp=2 -> g=2
     _check_shard(rank, shard, trained, 2)
@@ -214,6 +216,7 @@ def _worker_two(rank: int, world: int, folder: str) -> None:
 
 
 def _worker_four(rank: int, world: int, folder: str) -> None:
+    _check_vocab_parallel_filter(rank, world)
     fused, trained = _trained_strategy(rank, world, pathlib.Path(folder), tp=2, gen_tp=4)
     shard = dict(fused.actor_weights())
     _check_shard(rank, shard, trained, 4)
