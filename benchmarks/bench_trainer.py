@@ -34,13 +34,14 @@ class _ForcedLengths(SamplingGenerator):
     def __init__(self, *args: object, lengths_B: Tensor, multinomial: bool, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.lengths_B, self.multinomial, self.step = lengths_B, multinomial, 0
+        self.shipped_pick, self.pick = self.pick, self._forced_pick
 
-    def _next_tokens(self, logits_BV: Tensor, uniforms_B: Tensor, rows_B: Tensor) -> Tensor:
+    def _forced_pick(self, logits_BV: Tensor, uniforms_B: Tensor, rows_B: Tensor) -> Tensor:
         if self.multinomial:
             probs_BV = filter_logits(logits_BV.float(), temperature=1.0, top_k=0, top_p=1.0)
             tokens_B = torch.multinomial(probs_BV.float(), 1).squeeze(1)
         else:
-            tokens_B = super()._next_tokens(logits_BV, uniforms_B, rows_B)
+            tokens_B = self.shipped_pick(logits_BV, uniforms_B, rows_B)
         done_B = self.lengths_B[rows_B] <= self.step + 1
         self.step += 1
         return torch.where(done_B, torch.full_like(tokens_B, EOS), tokens_B.clamp(min=EOS + 1))

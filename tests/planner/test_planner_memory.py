@@ -4,7 +4,7 @@ Each rank's modules are built in this one process with the runtime's own pieces,
 them under pipeline=fused (`rlhfuse.trainer.build`): the layout's held stages (`pipeline_layout(...).held_stages`,
 as `sharded_construction`), `from_pretrained(stages=...)` for the Actor, Ref, Critic and Reward (as
 `load_models`) and a whole generation copy, `cast_models` for bf16-true, `shard_transformer` for tp (as
-`FusedPipelineStrategy.tp_shard`, the pipeline inferencer's Ref / Reward and `TensorParallelGenerator`),
+`FusedPipelineStrategy.tp_shard`, the pipeline inferencer's Ref / Reward and `InstanceGenerator`),
 `RankStages` + `StageOptimizers` (one step, so AdamW's states exist) and the `MemoryMetrics` callback that logs
 `memory/param_bytes` and `memory/optimizer_bytes`. No process group is needed to build a rank's shard.
 The predicted bytes must equal the built ones exactly, per rank and per component.
@@ -203,22 +203,16 @@ def test_edge_stages_vocab_padding_and_the_generation_copy_show_in_the_busiest_r
 @pytest.mark.parametrize(("kv_heads", "tp"), [(2, 1), (2, 2), (1, 2)])
 def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: int, tp: int) -> None:
     """The KV cache of `slots x max_len` positions on one rank of a generation instance of tp ranks: the K and V
-    buffers `TensorParallelGenerator` allocates for its shard (its kv heads; one replicated head when tp is a
+    buffers `InstanceGenerator` allocates for its shard (its kv heads; one replicated head when tp is a
     multiple of them), fp32 like the generation copy (the per-slot lengths and validity flags aside)."""
-    from types import SimpleNamespace
-
     from rlhfuse.models.cache import KVCache
     from rlhfuse.planner.memory import kv_cache_bytes
-    from rlhfuse.trainer.generator import TensorParallelGenerator
+    from rlhfuse.trainer.generator import shard_cache_config
 
     cfg = default_config(num_heads=4, num_kv_heads=kv_heads, head_dim=16)
     model = Transformer(cfg, head="lm")
     shard = shard_transformer(model, tp - 1, tp) if tp > 1 else model
-    cache_cfg = (
-        TensorParallelGenerator._cache_config(SimpleNamespace(model=shard))  # type: ignore[arg-type]
-        if tp > 1
-        else cfg
-    )
+    cache_cfg = shard_cache_config(shard) if tp > 1 else cfg
     slots, max_len = 3, 40
     cache = KVCache.allocate(cache_cfg, slots, max_len, dtype=next(shard.parameters()).dtype)
     built = sum(t.numel() * t.element_size() for t in (cache.k_LSHTD, cache.v_LSHTD))

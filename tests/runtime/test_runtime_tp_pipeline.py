@@ -186,7 +186,7 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
     from rlhfuse.core.sampling import GeneratorConfig
     from rlhfuse.core.types import PromptBatch
     from rlhfuse.runtime.tensor_parallel import shard_transformer
-    from rlhfuse.trainer.generator import SamplingGenerator, TensorParallelGenerator
+    from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 
     shard = fused.shards.shard_state("actor")
     mine = fused.models["actor"]
@@ -213,9 +213,7 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
             max_new_tokens=6, temperature=temperature, max_batch_size=2 if temperature else 0
         )
         args: dict[str, Any] = dict(eos_token_id=1, pad_token_id=0, samples_per_prompt=2, seed=3)
-        tp_gen = TensorParallelGenerator(
-            trained, cfg, tp=2, rank=rank, world=world, group=fused.groups.tp, **args
-        )
+        tp_gen = InstanceGenerator(trained, cfg, tp=2, group=fused.groups.tp, **args)
         tp_gen.load_weights(shard)
         one = SamplingGenerator(trained, GeneratorConfig(max_new_tokens=6, temperature=temperature), **args)
         one.load_weights(whole)

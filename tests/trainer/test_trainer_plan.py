@@ -199,8 +199,8 @@ def _fake_tp_plan(actor_tp, critic_tp, gen_tp, world):
 
 def test_plan_auto_applies_tensor_parallelism(monkeypatch):
     """A plan with tp = 2 for both models and the generation sets pipeline.actor_tp / critic_tp and generator.tp
-    and passes the runtime's validation; unequal tp, or a generation tp the runtime cannot reshard to, fails
-    naming the keys."""
+    and passes the runtime's validation; unequal tp fails naming the keys; a generation tp other than the
+    training tp is applied."""
     cfg = compose_config(["plan=auto", "distributed.nproc_per_node=4"])
     monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(2, 2, 2, 4))
     result = plan_config(cfg, "cpu", "test")
@@ -214,11 +214,11 @@ def test_plan_auto_applies_tensor_parallelism(monkeypatch):
         ValueError, match=r"Actor tp=2 and Critic tp=1.*pipeline\.actor_tp and pipeline\.critic_tp"
     ):
         plan_config(cfg, "cpu", "test")
+    # a generation tp other than the training tp is resharded to (rlhfuse.runtime.reshard): applied
     monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(1, 1, 2, 4))
-    with pytest.raises(
-        ValueError, match=r"generation tp=2 with training tp=1.*generator\.tp=2 cannot be applied"
-    ):
-        plan_config(cfg, "cpu", "test")
+    result = plan_config(cfg, "cpu", "test")
+    assert (result.config.pipeline.actor_tp, result.config.generator.tp) == (1, 2)
+    assert ("generator.tp", 2) in result.applied and validate_runtime(result.config) == []
 
 
 def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
@@ -231,5 +231,5 @@ def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
         compose_config(["plan=auto", "distributed.nproc_per_node=8", *shape]), "h100", "test"
     )
     p = result.config.pipeline
-    assert p.actor_tp == p.critic_tp > 1 and result.config.generator.tp == p.actor_tp
+    assert p.actor_tp == p.critic_tp > 1 and result.config.generator.tp > 1
     assert validate_runtime(result.config) == []

@@ -60,7 +60,8 @@ class GenerationConfig:
     instances: int = 1
     # Tensor-parallel degree of one generation instance under pipeline=fused|serial_1f1b: each instance spans
     # generator.tp consecutive ranks and generates its own share of the batch (instances = world size /
-    # generator.tp); it receives exactly its tp shard of the trained Actor after every update.
+    # generator.tp; any divisor of the world size, whatever pipeline.actor_tp); it receives exactly its tp shard
+    # of the trained Actor after every update (rlhfuse.runtime.reshard). 1 = a whole copy per rank.
     tp: int = 1
     # true = keep every instance in this one process, stepped in turn (no launch, no speed-up: a correctness
     # mode for tests and scripts that cannot re-launch themselves).

@@ -45,7 +45,7 @@ def plan_for(
     `precision` and `offload_frozen` what each device holds (`rlhfuse.planner.memory`: the
     defaults are the paper's bf16 training with Ref / Reward in host memory; the trainer passes the run's);
     `runtime=True` (the trainer's) only plans that `rlhfuse.runtime` runs: one tp for both trained models, nested
-    pipelines, generation tp 1 or the training tp.
+    pipelines (any generation tp: the runtime reshards to it).
     """
     spec = cluster(device, nodes, gpus_per_node, max_tp)
     models = RLHFModels(as_model_spec(actor, "actor"), as_model_spec(critic, "critic"))

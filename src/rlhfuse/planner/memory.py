@@ -49,6 +49,7 @@ PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 ADAM_STEP_BYTES = 4
 """AdamW's `step` counter: one fp32 scalar per parameter tensor."""
 
+
 @dataclass(frozen=True)
 class BytesPerParam:
     """Bytes per parameter element of a trained model under one precision (frozen models hold `weight` only)."""

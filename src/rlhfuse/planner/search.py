@@ -360,7 +360,7 @@ def search_plan(
     """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`).
 
     `even_pp=False` admits uneven pipeline stages (see `train_layouts`); `runtime=True` only plans that
-    `rlhfuse.runtime` can run (`search_training`; the generation tp 1 or the training tp)."""
+    `rlhfuse.runtime` can run (`search_training`; any generation tp: `rlhfuse.runtime.reshard`)."""
     workload.validate()
     samples = samples if samples is not None else workload.sample()
     stats = stats if stats is not None else PruneStats()
@@ -400,9 +400,6 @@ def _best_gen_inf(
     critic_train = (train.critic.tp, train.critic.pp)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
-        if runtime and gen_tp not in (1, train.actor.tp):  # rlhfuse.runtime reshards to these only
-            stats.removed["runtime: generation tp neither 1 nor the training tp"] += 1
-            continue
         # the generation copy stays on the device while training too (the runtime keeps it between updates)
         if train.memory + cost.generation_weight_bytes(models.actor, gen_tp) > cost.usable_memory():
             stats.removed["generation copy does not fit beside training"] += 1

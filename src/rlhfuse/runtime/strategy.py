@@ -16,6 +16,7 @@ searches the fused schedule and broadcasts it) and cached in `plans`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ from rlhfuse.runtime.plan import (
     replay,
     unprofiled_plan,
 )
+from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 
@@ -224,29 +226,35 @@ class FusedPipelineStrategy:
         return list(self.optimizers.optims.values())
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: the Actor's weights for this rank's generation copy; each rank receives only the
-        stages it does not hold, once, from a holder of that stage (`RankStages.senders`: point to point, the
-        holders taken in turn). generation_tp = the training tp > 1: this rank's tp shard of every stage, each
-        missing shard from a holder of the same shard (`RankStages.shard_state`); tp > 1 with a whole generation
-        copy (generation_tp = 1): whole tensors, each held stage reassembled over its tp group first. Sharded models: the received stages are fresh tensors. Full copies: both models'
-        copies are brought up to date in place (a per-rank inferencer, fused generation, reads the whole Critic
-        too). `weight_sync_bytes`: the most bytes any rank received."""
-        if self.generation_tp > 1:  # a tensor-parallel generation instance on the training's tp groups
-            if self.generation_tp != self.layout.tp:
-                raise ValueError(
-                    f"generator.tp={self.generation_tp} differs from pipeline.actor_tp={self.layout.tp}: "
-                    "resharding between tp degrees is not built; set generator.tp to pipeline.actor_tp or 1"
-                )
-            weights: Mapping[str, Tensor] = self.shards.shard_state("actor")
-        elif self.shards.sharded:
-            weights = self.shards.full_state("actor")
+        """Collective: this rank's generation shard of the Actor (generator.tp = g: position rank % g of
+        instance rank // g; g = 1: the whole Actor), resharded from the training layout by `resharder`
+        (`rlhfuse.runtime.reshard`): each rank receives, point to point from the stage owners, exactly the parts
+        of its shard it does not hold, for any training tp and any g dividing the world. Full copies on every
+        rank (a per-rank inferencer reads whole models): both models' copies are first brought up to date in
+        place (`RankStages.gather`), then the shard is cut locally. `weight_sync_bytes`: the most bytes any rank
+        received."""
+        if self.shards.sharded:
+            weights: Mapping[str, Tensor] = self.resharder.run()
+            received = self.resharder.received_bytes
         else:
             self.shards.gather()
-            weights = self.models["actor"].state_dict()
-        received = torch.tensor([float(self.shards.received_bytes)], dtype=torch.float64, device=self.device)
-        distributed.all_reduce(received, op="max")
-        self.weight_sync_bytes = float(received)
+            received = self.shards.received_bytes
+            weights = self.models["actor"].state_dict() if self.generation_tp == 1 else self.resharder.run()
+        total = torch.tensor([float(received)], dtype=torch.float64, device=self.device)
+        distributed.all_reduce(total, op="max")
+        self.weight_sync_bytes = float(total)
         return weights
+
+    @functools.cached_property
+    def resharder(self) -> Resharder:
+        """The Actor's resharding to generation instances of generator.tp ranks (planned once)."""
+        return Resharder(
+            self.layout,
+            self.rank,
+            self.models["actor"],
+            self.generation_tp,
+            everywhere=not self.shards.sharded,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         trained = self.layout.trained  # no 'critic' entry for a critic-free algorithm

@@ -21,7 +21,7 @@ from rlhfuse.generation.tuning import AutoThreshold
 from rlhfuse.models import Transformer
 from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.config import RLHFConfig
-from rlhfuse.trainer.generator import SamplingGenerator
+from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
 from rlhfuse.trainer.registry import rule_reward
@@ -39,34 +39,24 @@ class BuildContext:
     rows: Sequence[Mapping[str, Any]] = field(default_factory=list)
 
 
-def sampling_generator(ctx: BuildContext) -> SamplingGenerator:
-    g = ctx.config.generator
-    if (
-        g.tp > 1
-    ):  # instances of generator.tp ranks on the training's tp groups (validated: = pipeline.actor_tp)
-        from rlhfuse import distributed
-        from rlhfuse.trainer.generator import TensorParallelGenerator
+def sampling_generator(ctx: BuildContext) -> SamplingGenerator | InstanceGenerator:
+    """Under pipeline=fused|serial_1f1b: world / generator.tp generation instances over consecutive ranks, each
+    decoding its own share of the samples (`InstanceGenerator`; generator.tp = 1 included); one process: a
+    whole Actor copy (`SamplingGenerator`)."""
+    from rlhfuse.runtime.config import PIPELINE_STRATEGIES
 
-        return TensorParallelGenerator(
-            ctx.models.for_generation(),
-            g.sampling,
-            tp=g.tp,
-            rank=distributed.rank(),
-            world=distributed.world_size(),
-            group=ctx.strategy.groups.tp,
-            eos_token_id=ctx.models.tokenizer.eos_id,
-            pad_token_id=ctx.models.tokenizer.pad_id,
-            samples_per_prompt=ctx.config.data.samples_per_prompt,
-            seed=ctx.config.seed,
-        )
-    return SamplingGenerator(
-        ctx.models.for_generation(),
-        ctx.config.generator.sampling,
+    cfg = ctx.config
+    args: dict[str, Any] = dict(
         eos_token_id=ctx.models.tokenizer.eos_id,
         pad_token_id=ctx.models.tokenizer.pad_id,
-        samples_per_prompt=ctx.config.data.samples_per_prompt,
-        seed=ctx.config.seed,
+        samples_per_prompt=cfg.data.samples_per_prompt,
+        seed=cfg.seed,
     )
+    if cfg.pipeline.name in PIPELINE_STRATEGIES and ctx.fabric.world_size > 1:
+        return InstanceGenerator(
+            ctx.models.for_generation(), cfg.generator.sampling, tp=cfg.generator.tp, **args
+        )
+    return SamplingGenerator(ctx.models.for_generation(), cfg.generator.sampling, **args)
 
 
 def instance_setup(ctx: BuildContext) -> InstanceSetup:

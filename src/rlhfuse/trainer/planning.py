@@ -240,12 +240,6 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
                 "both on the same tp groups, so pipeline.actor_tp and pipeline.critic_tp must be equal: use "
                 "plan=manual"
             )
-        if plan.gen_tp not in (1, a.tp):
-            raise ValueError(
-                f"plan=auto: the planner chose generation tp={plan.gen_tp} with training tp={a.tp}; "
-                "rlhfuse.runtime generates on the training tp groups (generator.tp = 1 or pipeline.actor_tp), so "
-                f"generator.tp={plan.gen_tp} cannot be applied: use plan=manual"
-            )
         big, small = (a, c) if a.pp >= c.pp else (c, a)
         if big.pp % small.pp:
             key = "pipeline.actor_pp" if small is a else "pipeline.critic_pp"

@@ -173,19 +173,6 @@ def generation_tp_problems(cfg: RLHFConfig) -> list[str]:
             f"generator.tp={g.tp}: tensor-parallel generation instances run generator=sampling (the engine's and "
             f"vLLM's tensor parallelism is not built): set generator=sampling or generator.tp=1"
         )
-    actor_tp = cfg.pipeline.actor_tp
-    if g.tp != actor_tp:
-        problems.append(
-            f"generator.tp={g.tp} != pipeline.actor_tp={actor_tp}: a generation instance receives its tp shard "
-            f"from the training tp group over the same ranks (resharding between tp degrees is not built): set "
-            f"generator.tp={actor_tp} or generator.tp=1"
-        )
-    s_cfg = g.sampling
-    if s_cfg.top_k or s_cfg.top_p < 1.0:
-        problems.append(
-            f"generator.tp={g.tp} samples from vocabulary slices without top-k / top-p filtering (not built): "
-            f"set generator.top_k=0 generator.top_p=1.0 (got {s_cfg.top_k}, {s_cfg.top_p}) or generator.tp=1"
-        )
     if cfg.pipeline.name not in PIPELINE_STRATEGIES:
         problems.append(
             f"generator.tp={g.tp} spans ranks of the pipeline strategies; pipeline={cfg.pipeline.name} runs one "

@@ -1,0 +1,171 @@
+"""Vocabulary-parallel temperature / top-k / top-p filtering and inverse-CDF sampling: the same tokens as
+`rlhfuse.core.sampling.filter_logits` + `sample_from` on the same uniforms (ties aside; sums are taken in a
+different order, so a uniform within rounding of a boundary may differ), from each rank's slice of the logits
+(`VocabShard`), never gathering the full logits.
+
+- top-k: each rank's k largest logits are all-gathered (k * tp values per row) and the k-th largest of those
+  is the global k-th;
+- softmax: one max and one sum over the group;
+- top-p: the nucleus threshold t (the smallest kept probability: a token is dropped when the tokens more likely
+  than it already reach top_p) is bracketed by all-reduces of the probability mass and count above a few
+  candidate thresholds per round (`SPLITS` of them, from each rank's sorted probabilities, so a round costs
+  one all-reduce of [B, 2 * SPLITS]), until at most `CANDIDATES` tokens per rank lie in the bracket; those are
+  all-gathered and the threshold is read off them exactly as the single-process cumulative sum would;
+- sampling: the slices' kept masses are all-gathered (rank order = vocabulary order) and each rank searches
+  its own slice for the row's target; the lowest hit wins.
+
+Legend: B rows, Vl this rank's vocabulary slice (padded rows carry no probability), K candidates, M splits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhfuse import distributed
+from rlhfuse.runtime.tensor_parallel import VocabShard
+
+SPLITS = 16
+CANDIDATES = 64
+MAX_ROUNDS = 16
+
+
+def _local_logits(logits_BV: Tensor, shard: VocabShard, temperature: float) -> Tensor:
+    """float64 logits / temperature with the padded rows at -inf."""
+    logits_BV = logits_BV.detach().double() / temperature
+    if shard.valid < shard.size:
+        keep = torch.arange(shard.size, device=logits_BV.device) < shard.valid
+        logits_BV = logits_BV.masked_fill(~keep, float("-inf"))
+    return logits_BV
+
+
+def _sum(x: Tensor, group: Any) -> Tensor:
+    x = x.contiguous().clone()
+    distributed.all_reduce(x, group=group)
+    return x
+
+
+def vocab_parallel_filter(
+    logits_BV: Tensor,
+    shard: VocabShard,
+    group: Any = None,
+    *,
+    vocab_size: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """This rank's slice of `filter_logits(full logits, ...)` (float64, rows summing to 1 over the group)."""
+    logits_BV = _local_logits(logits_BV, shard, temperature)
+    if 0 < top_k < vocab_size:
+        local_BK = torch.topk(logits_BV, min(top_k, shard.size), dim=-1).values
+        candidates_BK = torch.cat(distributed.all_gather(local_BK.contiguous(), group=group), dim=-1)
+        kth_B1 = torch.topk(candidates_BK, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    m_B = distributed.max_over_group(logits_BV.max(dim=-1).values, group)
+    e_BV = (logits_BV - m_B.unsqueeze(-1)).exp()
+    probs_BV = e_BV / _sum(e_BV.sum(dim=-1), group).unsqueeze(-1)
+    if top_p < 1.0:
+        t_B1 = nucleus_threshold(probs_BV, top_p, group)
+        probs_BV = probs_BV.masked_fill(probs_BV < t_B1, 0.0)
+        probs_BV = probs_BV / _sum(probs_BV.sum(dim=-1), group).unsqueeze(-1)
+    return probs_BV
+
+
+def nucleus_threshold(probs_BV: Tensor, top_p: float, group: Any = None) -> Tensor:
+    """Per row, the smallest probability top-p keeps, p_(J) with J the first sorted position whose inclusive
+    cumulative probability reaches top_p (the tokens kept are those with p >= it, ties aside). [B, 1]."""
+    batch, device = probs_BV.shape[0], probs_BV.device
+    if batch == 0:
+        return probs_BV.new_zeros(0, 1)
+    asc_BV = torch.sort(probs_BV, dim=-1).values
+    prefix_BV1 = torch.cat([asc_BV.new_zeros(batch, 1), torch.cumsum(asc_BV, dim=-1)], dim=-1)
+    local_total_B1 = prefix_BV1[:, -1:]
+    width = asc_BV.shape[-1]
+
+    def above(t_BM: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's mass and count of probabilities >= each threshold."""
+        below_BM = torch.searchsorted(asc_BV, t_BM.contiguous(), right=False)
+        return local_total_B1 - prefix_BV1.gather(-1, below_BM), (width - below_BM).double()
+
+    # the bracket [lo, hi): mass(>= lo) >= top_p > mass(>= hi); counts of tokens >= each end
+    lo_B = torch.zeros(batch, dtype=torch.float64, device=device)
+    top_B = distributed.max_over_group(asc_BV[:, -1], group)
+    hi_B = torch.nextafter(top_B, torch.full_like(top_B, float("inf")))
+    lo_count_B = _sum(torch.full((batch,), float(width), dtype=torch.float64, device=device), group)
+    hi_count_B = torch.zeros_like(lo_count_B)
+    hi_mass_B = torch.zeros_like(lo_count_B)
+    steps = torch.arange(1, SPLITS, dtype=torch.float64, device=device) / SPLITS
+    for _ in range(MAX_ROUNDS):
+        if float((lo_count_B - hi_count_B).max()) <= CANDIDATES:
+            break
+        t_BM = lo_B.unsqueeze(1) + (hi_B - lo_B).unsqueeze(1) * steps  # M = SPLITS - 1 inner thresholds
+        mass_BM, count_BM = above(t_BM)
+        reduced = _sum(torch.cat([mass_BM, count_BM], dim=-1), group)
+        mass_BM, count_BM = reduced[:, : SPLITS - 1], reduced[:, SPLITS - 1 :]
+        inside_B = (mass_BM >= top_p).sum(dim=-1)  # thresholds still keeping top_p: a prefix (mass decreases)
+        last = SPLITS - 2
+        lo_i, hi_i = (inside_B - 1).clamp(min=0), inside_B.clamp(max=last)
+        moved_lo, moved_hi = inside_B > 0, inside_B <= last
+        lo_B = torch.where(moved_lo, t_BM.gather(-1, lo_i[:, None]).squeeze(1), lo_B)
+        lo_count_B = torch.where(moved_lo, count_BM.gather(-1, lo_i[:, None]).squeeze(1), lo_count_B)
+        hi_B = torch.where(moved_hi, t_BM.gather(-1, hi_i[:, None]).squeeze(1), hi_B)
+        hi_count_B = torch.where(moved_hi, count_BM.gather(-1, hi_i[:, None]).squeeze(1), hi_count_B)
+        hi_mass_B = torch.where(moved_hi, mass_BM.gather(-1, hi_i[:, None]).squeeze(1), hi_mass_B)
+    # the tokens in the bracket, all-gathered (each rank's padded with -1 to the largest count)
+    in_BV = (probs_BV >= lo_B.unsqueeze(1)) & (probs_BV < hi_B.unsqueeze(1))
+    most = torch.tensor(
+        [float(in_BV.sum(dim=-1).max()) if batch else 0.0], dtype=torch.float64, device=device
+    )
+    distributed.all_reduce(most, op="max", group=group)
+    k = max(int(most.item()), 1)
+    local_BK = torch.topk(torch.where(in_BV, probs_BV, torch.full_like(probs_BV, -1.0)), min(k, width)).values
+    cands_BK = torch.sort(
+        torch.cat(distributed.all_gather(local_BK, group=group), dim=-1), descending=True
+    ).values
+    cum_BK = hi_mass_B.unsqueeze(1) + torch.cumsum(cands_BK.clamp(min=0.0), dim=-1)
+    j_B = (cum_BK < top_p).sum(dim=-1).clamp(max=cands_BK.shape[-1] - 1)
+    t_B = cands_BK.gather(-1, j_B[:, None]).squeeze(1)
+    return torch.where(t_B >= 0, t_B, lo_B).unsqueeze(1)
+
+
+def vocab_parallel_sample_from(
+    probs_BV: Tensor, uniforms_B: Tensor, shard: VocabShard, group: Any = None
+) -> Tensor:
+    """Inverse-CDF sampling over the group's slices (as `sample_from`: the first token whose cumulative
+    probability exceeds the row's uniform times the total; past the end: the vocabulary's last real token)."""
+    sums = distributed.all_gather(probs_BV.sum(dim=-1).contiguous(), group=group)  # [B] per rank, rank order
+    rank = distributed.rank(group)
+    offset_B = sum((sums[r] for r in range(rank)), torch.zeros_like(sums[0]))
+    total_B = sum(sums[1:], sums[0])
+    target_B1 = (uniforms_B.double().to(probs_BV.device) * total_B).unsqueeze(1)
+    cdf_BV = offset_B.unsqueeze(1) + torch.cumsum(probs_BV, dim=-1)
+    local_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
+    here_B = (target_B1.squeeze(1) >= offset_B) & (local_B < shard.valid)
+    big = torch.iinfo(torch.int64).max
+    pick_B = torch.where(here_B, local_B + shard.start, torch.full_like(local_B, big))
+    distributed.all_reduce(pick_B, op="min", group=group)
+    last = shard.start + shard.valid - 1 if shard.valid else -1
+    last_B = torch.full_like(pick_B, last)
+    distributed.all_reduce(last_B, op="max", group=group)
+    return torch.where(pick_B == big, last_B, pick_B)
+
+
+def vocab_parallel_filtered_sample(
+    logits_BV: Tensor,
+    uniforms_B: Tensor,
+    shard: VocabShard,
+    group: Any = None,
+    *,
+    vocab_size: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> Tensor:
+    """`sample_from(filter_logits(full logits, ...), uniforms)` from this rank's slice (global token ids)."""
+    probs_BV = vocab_parallel_filter(
+        logits_BV, shard, group, vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p
+    )
+    return vocab_parallel_sample_from(probs_BV, uniforms_B, shard, group)
