@@ -42,6 +42,11 @@ class Generator(Protocol):
         this process's modules (vLLM's engine)."""
         ...
 
+    def close(self) -> None:
+        """Release what outlives the generator's modules (vLLM's engine processes) before the process group is
+        torn down; `rlhfuse-train` calls it after `fit()`. Nothing to do for in-process generators."""
+        ...
+
 
 @runtime_checkable
 class FusingGenerator(Generator, Protocol):

@@ -96,6 +96,9 @@ class EngineGenerator:
         """One Actor copy per in-process instance."""
         return list(self.models)
 
+    def close(self) -> None:
+        """In-process instances: nothing outlives the modules."""
+
     @property
     def device(self) -> torch.device:
         """Where this rank's Actor copy (and so its collectives' tensors under NCCL) lives."""

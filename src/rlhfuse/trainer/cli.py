@@ -55,9 +55,7 @@ def run(cfg: DictConfig) -> None:
             config.run_dir = HydraConfig.get().runtime.output_dir
         trainer = build_trainer(config, log=lambda msg: console.print(msg, highlight=False))
         history = trainer.fit()
-        close = getattr(trainer.generator, "close", None)
-        if callable(close):  # engines with process-wide state (vLLM) shut down before the process group
-            close()
+        trainer.generator.close()  # engines with process-wide state (vLLM) shut down before the process group
         _shutdown_process_group()
     except USER_ERRORS as err:
         _disarm()

@@ -159,6 +159,9 @@ class SamplingGenerator:
     def actor_copies(self) -> list[torch.nn.Module]:
         return [self.model]
 
+    def close(self) -> None:
+        """Nothing outlives this process's modules."""
+
     @torch.no_grad()
     def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
         device = next(self.model.parameters()).device
@@ -266,6 +269,9 @@ class InstanceGenerator:
 
     def actor_copies(self) -> list[torch.nn.Module]:
         return [self.model]
+
+    def close(self) -> None:
+        """Nothing outlives this process's modules."""
 
     def shares(self, samples: int) -> list[list[Tensor]]:
         """Per instance, its rows in decode chunks of at most generator.max_batch_size: contiguous shares of
