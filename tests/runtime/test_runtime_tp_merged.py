@@ -194,6 +194,45 @@ def _check_executor(rank: int, case: tuple[tuple[int, int], tuple[int, int]], ki
         assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-12), (where, key)
 
 
+def _check_inference(rank: int, case: tuple[tuple[int, int], tuple[int, int]]) -> None:
+    """Pipeline inference over merged stages (Ref placed like the Actor, Reward like the Critic, each sharded
+    with its placement's tp) equals the single-process inferencer on the whole models."""
+    from test_runtime_inference import _models, _rollout
+
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.runtime.inference import PLACED_AS, PipelineInferencer
+    from rlhfuse.runtime.layout import build_process_groups
+    from rlhfuse.runtime.tensor_parallel import shard_transformer
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    layout = _layout(case)
+    groups = build_process_groups(layout, timeout_s=120)
+    models = _models(layers=4)
+    tokenizer = build_tokenizer()
+    config = InferencerConfig(truncated_score=None)
+    rollout = _rollout(10, seed=5)
+    oracle = ModelInferencer(
+        config, actor=models["actor"], ref=models["ref"], critic=models["critic"],
+        reward_model=models["reward"], reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+    ).infer(rollout)  # fmt: skip
+    placed = {}
+    for name, model in models.items():
+        like = PLACED_AS[name]
+        t = layout.model_tp(like)
+        placed[name] = (
+            model if t == 1 else shard_transformer(model, layout.tp_rank(rank, like), t, groups.tp_of(like))
+        )
+    got = PipelineInferencer(
+        config, layout, placed, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+        log=lambda _: None,
+    ).infer(rollout)  # fmt: skip
+    for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+        a, b = getattr(got, name), getattr(oracle, name)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {case}: {name}")
+        assert bool(a.abs().sum() > 0), (rank, case, name)
+
+
 def _load(root: pathlib.Path, layout: ParallelLayout, rank: int | None) -> dict[str, Transformer]:
     """The Actor (from sft/) and Critic (from rm/): this rank's stages (rank None: whole models)."""
     held = None if rank is None else layout.held_stages(rank)
@@ -279,6 +318,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
     for case in CASES:
         _check_executor(rank, case, "greedy")
         _check_executor(rank, case, "serial")
+        _check_inference(rank, case)
     for case in CASES:
         for schedule in ("fused", "serial_1f1b"):
             _check_strategy(rank, world, pathlib.Path(folder), case, schedule)
