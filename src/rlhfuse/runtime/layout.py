@@ -351,6 +351,16 @@ class ParallelLayout:
         return "; ".join(parts)
 
 
+def fused_group_width(actor_pp: int, actor_tp: int, critic_pp: int, critic_tp: int) -> int:
+    """Ranks of one fused group: the larger tp times the larger number of merged stages (pure arithmetic for
+    the data-parallel degree before a layout is validated; invalid sizes are reported by `ParallelLayout`)."""
+    tp = max(actor_tp, critic_tp, 1)
+    merged = (
+        max(pp, 1) // max(tp // max(t, 1), 1) for pp, t in ((actor_pp, actor_tp), (critic_pp, critic_tp))
+    )
+    return tp * max(max(merged), 1)
+
+
 def actor_only_layout(
     actor: ModelParallel, dp: int, world_size: int, microbatches: int = 1, device: str = "cpu"
 ) -> ParallelLayout:

@@ -37,6 +37,7 @@ from rlhfuse.runtime.layout import (
     ParallelLayout,
     actor_only_layout,
     build_process_groups,
+    fused_group_width,
 )
 from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
@@ -65,7 +66,8 @@ def pipeline_layout(
     only this rank's stages; the strategy computes the same one). `critic=False` (a critic-free algorithm): the
     Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
     critic_pp = config.critic_pp if critic else config.actor_pp
-    dp = max(world // (max(config.actor_pp, critic_pp) * max(config.actor_tp, 1)), 1)
+    critic_tp = config.critic_tp if critic else config.actor_tp
+    dp = max(world // fused_group_width(config.actor_pp, config.actor_tp, critic_pp, critic_tp), 1)
     micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
     if not critic:
         return actor_only_layout(

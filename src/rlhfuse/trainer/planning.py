@@ -12,7 +12,7 @@ plan into the configuration the run uses:
 - `pipeline.actor_tp`, `pipeline.critic_tp` and `generator.tp` when the planner chose tensor parallelism.
 
 The planner may choose tp up to the devices of one node (`max_tp=gpus_per_node`), on `nodes` x `gpus_per_node` = WORLD_SIZE / LOCAL_WORLD_SIZE x LOCAL_WORLD_SIZE (torchrun) or 1 x
-nproc_per_node. A choice the runtime cannot run (different Actor and Critic tp, a generation tp other than 1
+nproc_per_node. A choice the runtime cannot run (an Actor and Critic tp where the smaller does not divide the larger, a generation tp other than 1
 or the training tp) raises a ValueError naming the key; nothing falls back.
 """
 
@@ -222,12 +222,6 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             applied.append(("pipeline", "plain"))
         pipeline = dataclasses.replace(pipeline, name="plain")
     else:
-        if a.tp != c.tp:
-            raise ValueError(
-                f"plan=auto: the planner chose Actor tp={a.tp} and Critic tp={c.tp}; rlhfuse.runtime co-locates "
-                "both on the same tp groups, so pipeline.actor_tp and pipeline.critic_tp must be equal: use "
-                "plan=manual"
-            )
         if plan.gen_tp not in (1, a.tp):
             raise ValueError(
                 f"plan=auto: the planner chose generation tp={plan.gen_tp} with training tp={a.tp}; "
@@ -265,7 +259,7 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             ("pipeline.critic_pp", c.pp),
             ("pipeline.microbatches", micro),
         ]
-        if a.tp > 1:
+        if max(a.tp, c.tp) > 1:  # unequal: the smaller-tp model's stages merged (`ParallelLayout.merge`)
             applied += [("pipeline.actor_tp", a.tp), ("pipeline.critic_tp", c.tp)]
     migration = cfg.migration
     migration_plan: Plan | None = None
