@@ -15,8 +15,12 @@ The layout's placement and validation are pure (tested in one process).
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -334,3 +338,40 @@ def test_merged_stages_on_four_ranks_equal_the_oracle() -> None:
         save_pretrained(Transformer(cfg, head="lm"), root / "sft")
         save_pretrained(Transformer(cfg, head="value"), root / "rm")
         run_distributed(_worker, 4, tmp, timeout=580.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_trainer_runs_merged_stages_with_four_processes(tmp_path: pathlib.Path) -> None:
+    """`rlhfuse-train` with actor pp=2 tp=2 and critic pp=4 tp=1 (the critic's stages merged two per tp group)
+    and generation instances of 2 ranks, on the smoke job with 4 layers: it trains, each rank holds at most
+    1/(pp*tp) of every model plus the embedding / head share (and its tp shard of the generation copy), and the
+    exported Actor is whole and trained."""
+    exe = pathlib.Path(sys.executable).with_name("rlhfuse-train")
+    run_dir = tmp_path / "run"
+    cmd = [
+        str(exe), "experiment=smoke", "model.num_layers=4", "model.num_heads=2", "model.num_kv_heads=2",
+        "pipeline=fused", "distributed.nproc_per_node=4", "pipeline.actor_pp=2", "pipeline.critic_pp=4",
+        "pipeline.actor_tp=2", "pipeline.critic_tp=1", "generator.tp=2", "iterations=1",
+        "distributed.timeout_s=60", "checkpoint.export_hf=true",
+        f"model.warmstart.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "critic: 1 x pp=4 (tp=1: 2 consecutive stages merged per pipeline rank, 2 merged stages)" in out
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert math.isfinite(row["loss/policy"]) and math.isfinite(row["loss/value"])
+    cache = next((tmp_path / "cache").glob("*/sft")).parent
+    actor, critic = from_pretrained(cache / "sft", head="lm"), from_pretrained(cache / "reward", head="value")
+    a, c = resident_bytes(actor), resident_bytes(critic)
+    ea, ec = _edge_bytes(actor), _edge_bytes(critic)
+    # Actor and Ref: 1/(2*2) + edge each; Critic and Reward: 1/(4*1) + edge each; generation copy: 1/2 + edge
+    bound = 2 * (a / 4 + ea) + 2 * (c / 4 + ec) + a / 2 + ea
+    assert 0 < row["memory/param_bytes"] <= bound, (row["memory/param_bytes"], bound, 3 * a + 2 * c)
+    print(f"memory/param_bytes {row['memory/param_bytes']:.0f} vs whole models {3 * a + 2 * c}")
+    assert row["weight_sync/bytes_per_rank"] > 0
+    exported = from_pretrained(run_dir / "actor_hf")
+    assert not any(p.is_meta for p in exported.parameters())
+    assert any(not torch.equal(x, y) for x, y in zip(exported.parameters(), actor.parameters(), strict=True))
