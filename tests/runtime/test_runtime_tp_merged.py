@@ -375,3 +375,46 @@ def test_trainer_runs_merged_stages_with_four_processes(tmp_path: pathlib.Path) 
     exported = from_pretrained(run_dir / "actor_hf")
     assert not any(p.is_meta for p in exported.parameters())
     assert any(not torch.equal(x, y) for x, y in zip(exported.parameters(), actor.parameters(), strict=True))
+
+
+def test_trainer_validation_of_unequal_tp_names_the_keys() -> None:
+    """Unequal tp passes validation where the layout can merge; otherwise one error with the arithmetic; a
+    tensor-parallel generation over a merged Actor is refused naming generator.tp."""
+    from rlhfuse.trainer import compose_config, validate
+    from rlhfuse.trainer.config import resolve_components
+
+    base = ["pipeline=fused", "distributed.nproc_per_node=4", "model.num_layers=4"]
+    merged = [
+        *base,
+        "pipeline.actor_pp=2",
+        "pipeline.critic_pp=4",
+        "pipeline.actor_tp=2",
+        "pipeline.critic_tp=1",
+    ]
+    for gen_tp in (1, 2):
+        validate(resolve_components(compose_config([*merged, f"generator.tp={gen_tp}"]), log=lambda _: None))
+    mirror = [
+        *base,
+        "pipeline.actor_pp=4",
+        "pipeline.critic_pp=2",
+        "pipeline.actor_tp=1",
+        "pipeline.critic_tp=2",
+    ]
+    validate(resolve_components(compose_config(mirror), log=lambda _: None))
+    # 8 ranks: the Actor (pp=2, tp=2) merged onto the Critic's tp=4 groups; generator.tp = actor_tp is refused
+    wide = ["pipeline=fused", "distributed.nproc_per_node=8", "model.num_layers=4", "model.num_heads=4"]
+    wide += ["model.num_kv_heads=2", "pipeline.actor_pp=2"]
+    wide += ["pipeline.critic_pp=2", "pipeline.actor_tp=2", "pipeline.critic_tp=4"]
+    validate(resolve_components(compose_config(wide), log=lambda _: None))
+    with pytest.raises(ValueError, match=r"generator.tp=2 with pipeline.actor_tp=2 < pipeline.critic_tp=4"):
+        validate(resolve_components(compose_config([*wide, "generator.tp=2"]), log=lambda _: None))
+    bad = [
+        *base,
+        "pipeline.actor_pp=2",
+        "pipeline.critic_pp=3",
+        "pipeline.actor_tp=2",
+        "pipeline.critic_tp=1",
+    ]
+    with pytest.raises(ValueError) as err:
+        validate(resolve_components(compose_config(bad), log=lambda _: None))
+    assert "critic.pp=3 must be a multiple of actor.tp / critic.tp = 2 / 1 = 2" in str(err.value)

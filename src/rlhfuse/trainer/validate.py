@@ -96,6 +96,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
     problems += generation_tp_problems(cfg)
+    problems += merged_generation_problems(cfg)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     pipe = cfg.pipeline
@@ -149,6 +150,22 @@ def tensor_parallel_problems(cfg: RLHFConfig, model: ModelConfig, where: str) ->
                 f"untie them or set {key}=1"
             )
     return problems
+
+
+def merged_generation_problems(cfg: RLHFConfig) -> list[str]:
+    """generator.tp > 1 with an Actor of smaller tp than the Critic: the Actor's stages are merged onto the
+    Critic's wider tp groups (`ParallelLayout.merge`), and generation instances over the merged Actor's own tp
+    groups are not wired (the generator is handed the pipeline ranks' tp group)."""
+    pipe, g = cfg.pipeline, cfg.generator
+    if pipe.name not in PIPELINE_STRATEGIES or g.tp <= 1 or pipe.actor_tp >= pipe.critic_tp:
+        return []
+    if cfg.algorithm.name in ALGORITHMS and not algorithm_of(cfg.algorithm).uses_critic:
+        return []  # a critic-free algorithm: the Actor's pipeline alone (pipeline.critic_tp unused)
+    return [
+        f"generator.tp={g.tp} with pipeline.actor_tp={pipe.actor_tp} < pipeline.critic_tp={pipe.critic_tp}: the "
+        f"Actor's stages are merged onto the Critic's tp={pipe.critic_tp} groups, and tensor-parallel generation "
+        "over a merged Actor is not built: set generator.tp=1"
+    ]
 
 
 def generation_tp_problems(cfg: RLHFConfig) -> list[str]:
