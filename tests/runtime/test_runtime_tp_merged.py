@@ -84,6 +84,27 @@ def test_merged_placement_gives_each_rank_its_sub_stages() -> None:
     assert critic.stages == 2 and critic.forward == pytest.approx((0.3, 0.7)) and critic.backward == (3, 7)
     assert problem.model("actor").forward == (1.0, 2.0)
     lower_checked(problem, greedy(problem), dp=1)
+    # a merged model with tp > 1: actor pp=2 tp=4, critic pp=4 tp=2 (two critic stages per 4-rank group, each
+    # tensor-parallel over its own 2 ranks)
+    wide = ParallelLayout(ModelParallel(2, 4), ModelParallel(4, 2), dp=1, world_size=8, microbatches=2)
+    assert (wide.merge("critic"), wide.merged_stages("critic"), wide.group_size) == (2, 2, 2)
+    assert [sorted(wide.held_stages(r)["critic"]) for r in range(8)] == [
+        [2],
+        [2],
+        [3],
+        [3],
+        [0],
+        [0],
+        [1],
+        [1],
+    ]
+    assert [wide.tp_rank(r, "critic") for r in range(4)] == [0, 1, 0, 1]
+    assert [wide.position("critic", r) for r in range(4)] == [0, 0, 1, 1]
+    assert wide.model_tp_groups("critic")[:2] == ((0, 1), (2, 3)) and wide.tp_groups == (
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+    )
+    assert wide.grad_groups[("critic", 1)] == (6, 7) and wide.tp_grad_groups[("critic", 1, 1)] == (7,)
     # two fused groups: dp = 2 over 8 ranks
     two = ParallelLayout(ModelParallel(2, 2), ModelParallel(4, 1), dp=2, world_size=8, microbatches=2)
     assert two.grad_groups[("critic", 0)] == (2, 6) and two.tp_grad_groups[("actor", 0, 1)] == (1, 5)
