@@ -2,7 +2,8 @@
 groups (the paper's placement), on 4 gloo ranks (float64).
 
 One 4-process run covers both mirror cases, actor pp=2 tp=2 with critic pp=4 tp=1, and actor pp=4 tp=1 with
-critic pp=2 tp=2:
+critic pp=2 tp=2, and a merged model with tp > 1 (actor pp=1 tp=4, critic pp=2 tp=2: both critic stages on the
+one 4-rank group, each over its own 2 ranks; executor and inference, strategy with pipeline=fused):
 - the executor over merged stages (fused and serial 1F1B schedules): every shard's gradient, the gradient norms
   and the loss statistics equal the single-process oracle;
 - `FusedPipelineStrategy` over pp-sharded models for pipeline=fused and serial_1f1b: each rank holds at most
@@ -38,6 +39,8 @@ from rlhfuse.runtime.plan import StageProfile
 
 # (actor pp, actor tp), (critic pp, critic tp): the two mirror cases on 4 ranks
 CASES = (((2, 2), (4, 1)), ((4, 1), (2, 2)))
+# a merged model with tp > 1: the Critic's two stages of tp=2 merged onto the Actor's one tp=4 group
+WIDE = ((1, 4), (2, 2))
 
 
 def _layout(case: tuple[tuple[int, int], tuple[int, int]], world: int = 4) -> ParallelLayout:
@@ -285,7 +288,7 @@ def _check_strategy(
         actor_tp=at, critic_tp=ct, microbatches=2, search_budget_s=0.0,
     )  # fmt: skip
     layout = pipeline_layout(cfg, world, 8, 4)
-    assert layout.tp == 2 and layout.dp == 1 and layout == _layout(case)
+    assert layout.tp == max(at, ct) and layout.dp == 1 and layout == _layout(case)
     sharded, whole = _load(root, layout, rank), _load(root, layout, None)
 
     def make(models: dict[str, Transformer]) -> FusedPipelineStrategy:
@@ -340,13 +343,14 @@ def _check_strategy(
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    for case in CASES:
+    for case in (*CASES, WIDE):
         _check_executor(rank, case, "greedy")
         _check_executor(rank, case, "serial")
         _check_inference(rank, case)
     for case in CASES:
         for schedule in ("fused", "serial_1f1b"):
             _check_strategy(rank, world, pathlib.Path(folder), case, schedule)
+    _check_strategy(rank, world, pathlib.Path(folder), WIDE, "fused")
 
 
 @pytest.mark.distributed
