@@ -159,7 +159,7 @@ def test_tensor_parallel_config_errors_list_every_problem() -> None:
     assert "pipeline.actor_tp=3 neither divides the model's num_kv_heads=2" in msg
     assert "pipeline.actor_tp=3 does not divide the model's intermediate_size=190 (190 % 3 = 1)" in msg
     assert "pipeline.critic_tp=2 does not divide the model's intermediate_size=190 (190 % 2 = 0)" not in msg
-    assert "actor.tp=3 != critic.tp=2" in msg and "set critic.tp=3" in msg
+    assert "critic.tp=2 must divide actor.tp=3" in msg and "set critic.tp to one of [1, 3]" in msg
     assert "actor.pp * tp * dp = 2 * 3 * 1 = 6" not in msg  # 6 ranks = 2 stages x tp 3: the world fits
     assert "generator.tp=4 does not divide the world size 6 (6 % 4 = 2" in msg
     assert "generator.tp=4 != pipeline.actor_tp" not in msg  # any generation tp is resharded to

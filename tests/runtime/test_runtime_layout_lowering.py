@@ -67,7 +67,10 @@ def test_layout_errors_show_the_arithmetic() -> None:
     assert "microbatches=3 must be a multiple of the 2 critic replicas" in msg
     with pytest.raises(ValueError, match=r"critic.pp=3 must divide actor.pp=4"):
         ParallelLayout(ModelParallel(4), ModelParallel(3), dp=1, world_size=4)
-    with pytest.raises(ValueError, match=r"actor.tp=2 != critic.tp=1"):
+    # unequal tp: the critic's 2 stages of tp=1 merge onto one tp=2 group, so it has 2 replicas
+    with pytest.raises(
+        ValueError, match=r"multiple of the 2 critic replicas \(actor.pp / critic merged stages"
+    ):
         ParallelLayout(ModelParallel(2, tp=2), ModelParallel(2), dp=1, world_size=4)
     with pytest.raises(ValueError, match=r"actor.pp \* tp \* dp = 2 \* 2 \* 1 = 4 != world size 2"):
         ParallelLayout(ModelParallel(2, tp=2), ModelParallel(2, tp=2), dp=1, world_size=2)

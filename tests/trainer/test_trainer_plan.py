@@ -209,11 +209,13 @@ def test_plan_auto_applies_tensor_parallelism(monkeypatch):
     assert result.config.generator.tp == 2
     assert ("pipeline.actor_tp", 2) in result.applied and ("generator.tp", 2) in result.applied
     assert validate_runtime(result.config) == []
+    # unequal tp: the Critic's 2 stages of tp=1 merge onto one tp=2 group (2 Critic replicas)
     monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(2, 1, 1, 4))
-    with pytest.raises(
-        ValueError, match=r"Actor tp=2 and Critic tp=1.*pipeline\.actor_tp and pipeline\.critic_tp"
-    ):
-        plan_config(cfg, "cpu", "test")
+    result = plan_config(cfg, "cpu", "test")
+    p = result.config.pipeline
+    assert (p.actor_pp, p.critic_pp, p.actor_tp, p.critic_tp) == (2, 2, 2, 1)
+    assert ("pipeline.critic_tp", 1) in result.applied
+    assert validate_runtime(result.config) == []
     # a generation tp other than the training tp is resharded to (rlhfuse.runtime.reshard): applied
     monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(1, 1, 2, 4))
     result = plan_config(cfg, "cpu", "test")

@@ -72,7 +72,12 @@ def layout_record(
         "microbatches": layout.microbatches,
         **only,
         **{
-            m: {"pp": layout.stages(m), "layers": [list(r) for r in layer_ranges[m]]}
+            m: {
+                "pp": layout.stages(m),
+                # a merged model's own tp (its stages merged onto the tp-wide groups)
+                **({"tp": layout.model_tp(m)} if layout.model_tp(m) != layout.tp else {}),
+                "layers": [list(r) for r in layer_ranges[m]],
+            }
             for m in layout.trained
             if m in layer_ranges
         },
@@ -84,7 +89,13 @@ def expected_record(layout: ParallelLayout, num_layers: Mapping[str, int] | None
     ranges = {m: balanced_ranges([1.0] * n, layout.stages(m)) for m, n in (num_layers or {}).items()}
     record = layout_record(layout, ranges)
     for m in layout.trained:
-        record.setdefault(m, {"pp": layout.stages(m)})
+        record.setdefault(
+            m,
+            {
+                "pp": layout.stages(m),
+                **({"tp": layout.model_tp(m)} if layout.model_tp(m) != layout.tp else {}),
+            },
+        )
     return record
 
 

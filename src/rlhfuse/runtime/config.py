@@ -113,10 +113,12 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
+    from rlhfuse.runtime.layout import fused_group_width
+
     critic_pp = p.critic_pp if critic else p.actor_pp
-    big = max(p.actor_pp, critic_pp, 1)
     tp = max(p.actor_tp, 1)
-    dp = max(world // (big * tp), 1)
+    width = fused_group_width(p.actor_pp, tp, critic_pp, max(p.critic_tp, 1) if critic else tp)
+    dp = max(world // width, 1)
     micro = p.microbatches or _derived_microbatches(cfg, dp)
     try:
         actor = ModelParallel(p.actor_pp, tp)

@@ -121,6 +121,14 @@ class PipelineExecutor:
     stages: (model, replica, stage) -> module for every stage placed on this rank (`split_stages` outputs);
     p2p_groups: one process group per model for point-to-point messages; grad_groups: (model, stage) -> group
     over the ranks holding that stage (None when one rank holds it); timeout_s: how long a wait may block.
+
+    tp: the width of a pipeline rank's group of consecutive ranks (the larger tp degree); model_tp: each model's
+    own tp degree (default: tp) and model_tp_groups its tp group on this rank (default: tp_group). A model with
+    model_tp < tp has merge = tp / model_tp consecutive stages merged onto each pipeline rank (the problem's
+    stages are merged stages, `ParallelLayout.merged_stages`): this rank runs sub-stage `position` of each, the
+    sub-stages of one F run in order (the activation passed point to point to the next sub-stage's ranks, same
+    tp position), those of one B in reverse; the messages between merged stages leave from the last sub-stage
+    and arrive at the first (gradients: the reverse). `stages` are then keyed by the sub-stage (module) index.
     """
 
     def __init__(
@@ -138,6 +146,8 @@ class PipelineExecutor:
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         tp: int = 1,
         tp_group: Any = None,
+        model_tp: Mapping[str, int] | None = None,
+        model_tp_groups: Mapping[str, Any] | None = None,
     ) -> None:
         self.rank, self.program, self.problem = rank, program, problem
         # tensor parallelism: the streams are per pipeline rank (tp group of consecutive ranks); every rank of a
@@ -153,10 +163,19 @@ class PipelineExecutor:
         self.autocast = autocast
         self.track_memory = track_memory
         self.group = (rank // tp) // program.group_size
+        # per model: its tp degree and group, stages merged per pipeline rank, and this rank's sub-stage slot
+        self.model_tp = {m.name: (model_tp or {}).get(m.name, tp) for m in problem.models}
+        self.model_tp_groups = {m.name: (model_tp_groups or {}).get(m.name, tp_group) for m in problem.models}
+        bad = {m: t for m, t in self.model_tp.items() if t < 1 or tp % t}
+        if bad:
+            raise ValueError(f"model tp degrees {bad} must divide the pipeline rank's width tp={tp}")
+        self.merge = {m: tp // t for m, t in self.model_tp.items()}
+        self.position = {m: (rank % tp) // t for m, t in self.model_tp.items()}
+        self.model_tp_rank = {m: rank % t for m, t in self.model_tp.items()}
         n = problem.ranks
         local = (rank // tp) % n
         expected = {
-            (m.name, r, s)
+            (m.name, r, s * self.merge[m.name] + self.position[m.name])
             for m in problem.models
             for r, row in enumerate(m.placement)
             for s, k in enumerate(row)
@@ -174,12 +193,48 @@ class PipelineExecutor:
         if tp > 1:
             from rlhfuse.runtime.tensor_parallel import tp_copies
 
-            for module in self.stages.values():
-                self._tp_copies.update(tp_copies(module, tp))
+            for (m, _, _), module in self.stages.items():
+                if self.model_tp[m] > 1:
+                    self._tp_copies.update(tp_copies(module, self.model_tp[m]))
 
-    def _peer(self, pipeline_rank: int) -> int:
-        """The global rank of this rank's peer (same tp position) on pipeline rank `pipeline_rank`."""
-        return pipeline_rank * self.tp + self.tp_rank
+    def _peer(self, pipeline_rank: int, model: str | None = None, position: int = 0) -> int:
+        """The global rank of this rank's peer (same tp position of `model`) in sub-stage slot `position` of
+        pipeline rank `pipeline_rank` (not merged: the same tp position)."""
+        if model is None or self.merge[model] == 1:
+            return pipeline_rank * self.tp + self.tp_rank
+        t = self.model_tp[model]
+        return pipeline_rank * self.tp + position * t + self.model_tp_rank[model]
+
+    def _sub_stage(self, model: str, merged: int) -> int:
+        """The stage (module) this rank runs for merged stage `merged` of `model`."""
+        return merged * self.merge[model] + self.position[model]
+
+    def _takes_part(self, ins: Instr) -> tuple[bool, int]:
+        """Whether this rank takes part in a SEND / RECV between merged stages, and the peer's sub-stage slot:
+        activations leave the last sub-stage and arrive at the first, gradients the reverse."""
+        assert ins.message is not None
+        last = self.merge[ins.model] - 1
+        sender, receiver = (0, last) if ins.message.grad else (last, 0)
+        mine, theirs = (sender, receiver) if ins.kind is Kind.SEND else (receiver, sender)
+        return self.position[ins.model] == mine, theirs
+
+    def _sub_recv(self, work: StepWork, a: Action, group: int, slot: int, grad: bool) -> Tensor:
+        """Blocking receive of the activation (or gradient) of `a`'s micro-batch from sub-stage slot `slot` of
+        this pipeline rank (the neighbouring sub-stage of the same merged stage)."""
+        msg = Message(a.model, group, a.replica, a.stage, a.microbatch, grad)
+        buf = torch.empty(self._message_shape(work, msg), dtype=self.dtype, device=self.device)
+        start = time.perf_counter()
+        peer = self._peer(self.rank // self.tp, a.model, slot)
+        handle = distributed.irecv(buf, peer, group=self.p2p.get(a.model))
+        self._wait(handle, f"sub-stage receive of {msg} from rank {peer}")
+        self._waited += time.perf_counter() - start
+        return buf
+
+    def _sub_send(self, tensor: Tensor, a: Action, slot: int) -> None:
+        """Send to sub-stage slot `slot` of this pipeline rank (kept alive until the model's optimizer step)."""
+        peer = self._peer(self.rank // self.tp, a.model, slot)
+        handle = distributed.isend(tensor, peer, group=self.p2p.get(a.model))
+        self._sends[a.model].append((handle, tensor))
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _micro_index(self, model: str, replica: int, mb: int) -> int:
@@ -229,6 +284,7 @@ class PipelineExecutor:
         inputs: dict[tuple[Action, int], Tensor] = {}
         outputs: dict[tuple[Action, int], Tensor] = {}
         sends: dict[str, list[tuple[Any, Tensor]]] = defaultdict(list)
+        self._sends, self._work, self._waited = sends, work, 0.0
         reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter], int]]] = defaultdict(list)
         stat_sums: list[LossStats] = []
         op_seconds: dict[tuple[str, int, str], list[float]] = defaultdict(list)
@@ -238,13 +294,18 @@ class PipelineExecutor:
         self._live = self._peak = 0
         norms: dict[str, float] = {}
         for ins in self.stream:
+            if ins.kind in (Kind.RECV, Kind.SEND):
+                part, slot = self._takes_part(ins)
+                if not part:  # another sub-stage of this merged stage sends / receives it
+                    continue
             if ins.kind is Kind.RECV:
                 assert ins.message is not None
                 if ins.post:
                     buf = torch.empty(
                         self._message_shape(work, ins.message), dtype=self.dtype, device=self.device
                     )
-                    handle = distributed.irecv(buf, self._peer(ins.peer), group=self.p2p.get(ins.model))
+                    peer = self._peer(ins.peer, ins.model, slot)
+                    handle = distributed.irecv(buf, peer, group=self.p2p.get(ins.model))
                     pending_recv[ins.message] = (buf, handle)
                 else:
                     buf, handle = pending_recv.pop(ins.message)
@@ -253,26 +314,30 @@ class PipelineExecutor:
             elif ins.kind is Kind.SEND:
                 assert ins.message is not None
                 tensor = inbox.pop(ins.message)
-                handle = distributed.isend(tensor, self._peer(ins.peer), group=self.p2p.get(ins.model))
+                peer = self._peer(ins.peer, ins.model, slot)
+                handle = distributed.isend(tensor, peer, group=self.p2p.get(ins.model))
                 sends[ins.model].append((handle, tensor))
             elif ins.kind in (Kind.F, Kind.B):
                 assert ins.action is not None
-                start = time.perf_counter()
+                start, self._waited = time.perf_counter(), 0.0
                 if ins.kind is Kind.F:
                     self._forward(ins, work, inbox, inputs, outputs, stat_sums)
                 else:
                     self._backward(ins, inbox, inputs, outputs)
-                took = time.perf_counter() - start
+                took = time.perf_counter() - start - self._waited  # this sub-stage's compute alone
                 compute += took
-                op_seconds[(ins.model, ins.action.stage, ins.kind.value)].append(took)
-                action_seconds[(ins.action, ins.group)] = took
+                sub = self._sub_stage(ins.model, ins.action.stage)
+                op_seconds[(ins.model, sub, ins.kind.value)].append(took)
+                if self.model_tp_rank[ins.model] == 0:  # one report per sub-stage: a merged op sums them
+                    action_seconds[(ins.action, ins.group)] = took
             elif ins.kind is Kind.REDUCE_GRAD:
-                params = self._params(ins.model, ins.stage)
+                sub = self._sub_stage(ins.model, ins.stage)
+                params = self._params(ins.model, sub)
                 flat = torch.cat(
                     [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                 )
                 handle = distributed.all_reduce(
-                    flat, group=self.grad_groups.get((ins.model, ins.stage)), async_op=True
+                    flat, group=self.grad_groups.get((ins.model, sub)), async_op=True
                 )
                 reduces[ins.model].append((handle, flat, params, len(ins.peers)))
             elif ins.kind is Kind.OPTIMIZER_STEP:
@@ -285,12 +350,12 @@ class PipelineExecutor:
                         n = p.numel()
                         p.grad = flat[offset : offset + n].view_as(p).clone()
                         offset += n
-                if self.tp > 1:  # kv heads replicated over the tp group: their gradients summed over it
+                if self.model_tp[ins.model] > 1:  # kv heads replicated over the tp group: gradients summed
                     from rlhfuse.runtime.tensor_parallel import sync_replicated_grads
 
                     for (m, _, _), module in sorted(self.stages.items()):
                         if m == ins.model:
-                            sync_replicated_grads(module, self.tp_group)
+                            sync_replicated_grads(module, self.model_tp_groups[m])
                 norms[ins.model] = self._grad_norm(ins.model)
         if pending_recv:
             raise PipelineError(
@@ -319,15 +384,20 @@ class PipelineExecutor:
         a = ins.action
         assert a is not None
         micro, weight = self._micro(work, a.model, ins.group, a.replica, a.microbatch)
-        stage = self.stages[(a.model, a.replica, a.stage)]
-        if a.stage == 0:
+        sub, j, k = self._sub_stage(a.model, a.stage), self.position[a.model], self.merge[a.model]
+        stage = self.stages[(a.model, a.replica, sub)]
+        if sub == 0:
             x = micro.input_ids_BT
         else:
-            assert ins.needs is not None
-            x = inbox.pop(ins.needs).requires_grad_(True)
+            if j == 0:  # from the previous merged stage (received, or produced on this rank)
+                assert ins.needs is not None
+                x = inbox.pop(ins.needs)
+            else:  # from the previous sub-stage of this merged stage
+                x = self._sub_recv(work, a, ins.group, j - 1, False)
+            x = x.requires_grad_(True)
             inputs[(a, ins.group)] = x
         spec = self.problem.model(a.model)
-        last = a.stage == spec.stages - 1
+        last = a.stage == spec.stages - 1 and j == k - 1
         with self._saved_tensors(a, ins.group):  # the loss's saved tensors count too
             with self.autocast():
                 out = stage(x, attention_mask_BT=micro.attention_mask_BT)
@@ -337,12 +407,15 @@ class PipelineExecutor:
             if not torch.isfinite(loss):
                 name = "loss/policy" if a.model == "actor" else f"loss/{a.model}"
                 raise NonFiniteError(f"{name} is {float(loss.detach())}")
-            stat_sums.append(scale_stats(stats, weight))
+            # every rank of the model's tp group computes the same statistics: each counts 1 / model_tp
+            stat_sums.append(scale_stats(stats, weight / self.model_tp[a.model]))
             outputs[(a, ins.group)] = loss * weight
         else:
             outputs[(a, ins.group)] = out
-            # the next stage's input: sent (SEND follows) or consumed on this rank
-            inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.detach()
+            if j < k - 1:  # the next sub-stage of this merged stage
+                self._sub_send(out.detach(), a, j + 1)
+            else:  # the next stage's input: sent (SEND follows) or consumed on this rank
+                inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.detach()
 
     def _backward(
         self,
@@ -354,16 +427,22 @@ class PipelineExecutor:
         a = ins.action
         assert a is not None
         f = (Action(a.model, a.replica, a.stage, Kind.F, a.microbatch), ins.group)
+        sub, j, k = self._sub_stage(a.model, a.stage), self.position[a.model], self.merge[a.model]
         out = outputs.pop(f)
-        if ins.needs is None:  # last stage: out is the weighted loss
+        if j < k - 1:  # from the next sub-stage of this merged stage
+            torch.autograd.backward(out, self._sub_recv(self._work, a, ins.group, j + 1, True))
+        elif ins.needs is None:  # last stage: out is the weighted loss
             out.backward()
         else:
             torch.autograd.backward(out, inbox.pop(ins.needs))
         self._live -= self._bytes.get(f, 0)
-        if a.stage > 0:
+        if sub > 0:
             x = inputs.pop(f)
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)] = grad
+            if j > 0:  # to the previous sub-stage of this merged stage
+                self._sub_send(grad, a, j - 1)
+            else:
+                inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)] = grad
 
     @contextlib.contextmanager
     def _saved_tensors(self, action: Action, group: int) -> Any:
@@ -401,7 +480,7 @@ class PipelineExecutor:
         for (m, _, s), mod in self.stages.items():
             if m != model:
                 continue
-            copies = len(grad_peers(self.problem, self.program.dp, model, s))
+            copies = len(grad_peers(self.problem, self.program.dp, model, s // self.merge[m]))
             for p in mod.parameters():
                 if p.grad is not None:
                     share = copies * self._tp_copies.get(id(p), 1)
@@ -415,9 +494,7 @@ class PipelineExecutor:
         vec = torch.tensor(
             sum_stats(parts) if parts else LossStats(), dtype=torch.float64, device=self.device
         )
-        distributed.all_reduce(vec)
-        if self.tp > 1:  # every rank of a tp group computed the same statistics
-            vec /= self.tp
+        distributed.all_reduce(vec)  # each rank's statistics counted 1 / its model's tp (`_forward`)
         return LossStats(*vec.tolist())
 
 
@@ -435,7 +512,8 @@ class PlanExecutor:
     runs its stream of the same plan).
 
     stages: this rank's (model, replica, stage) modules; groups: the layout's process groups; losses: the
-    last-stage losses (`ppo_losses`); timeout_s: how long a wait may block.
+    last-stage losses (`ppo_losses`); timeout_s: how long a wait may block; model_tp: each model's tp degree
+    (`ParallelLayout.model_tp`; default: the groups' tp size).
     """
 
     def __init__(
@@ -448,10 +526,12 @@ class PlanExecutor:
         losses: Mapping[str, LossFn],
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        model_tp: Mapping[str, int] | None = None,
     ) -> None:
         self.rank, self.world = rank, world
         self.stages, self.groups, self.losses = stages, groups, losses
         self.timeout_s, self.autocast = timeout_s, autocast
+        self.model_tp = dict(model_tp or {})
 
     @property
     def device(self) -> torch.device:
@@ -478,6 +558,8 @@ class PlanExecutor:
             autocast=self.autocast,
             tp=self.groups.tp_size,
             tp_group=self.groups.tp,
+            model_tp_groups=self.groups.model_tp,
+            model_tp=self.model_tp,
         )
         distributed.barrier(device)
         result = executor.run(work, optimizer_step=optimizer_step)
@@ -505,7 +587,8 @@ class PlanExecutor:
         return StageProfile.from_means(layout, microbatches, mean)
 
     def action_seconds(self, result: StepResult) -> dict[Action, float]:
-        """Collective: the seconds of every op of fused group 0 in `result`, gathered from every rank."""
+        """Collective: the seconds of every op of fused group 0 in `result`, gathered from every rank (a merged
+        stage's op: the sum of its sub-stages' seconds, each reported by the sub-stage's first tp rank)."""
         mine = [
             [a.model, a.replica, a.stage, a.kind.value, a.microbatch, t]
             for (a, g), t in result.action_seconds.items()
@@ -514,5 +597,6 @@ class PlanExecutor:
         times: dict[Action, float] = {}
         for part in distributed.all_gather_json(mine, self.device):  # a tensor message: NCCL carries it
             for model, replica, stage, kind, mb, t in part:
-                times[Action(model, int(replica), int(stage), Kind(kind), int(mb))] = float(t)
+                key = Action(model, int(replica), int(stage), Kind(kind), int(mb))
+                times[key] = times.get(key, 0.0) + float(t)  # a merged op: the sum of its sub-stages
         return times

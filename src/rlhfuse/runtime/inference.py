@@ -67,7 +67,7 @@ def inference_problem(layout: ParallelLayout, microbatches: int, models: Sequenc
     entries = [
         {
             "name": m,
-            "stages": layout.stages(PLACED_AS[m]),
+            "stages": layout.merged_stages(PLACED_AS[m]),  # a merged stage runs its sub-stages in turn
             "microbatches": microbatches // layout.replicas(PLACED_AS[m]),
             "forward": 1.0,
             "backward": 1.0,
@@ -131,7 +131,12 @@ def forward_program(
 
 class ForwardExecutor:
     """Runs one rank's forward-only stream: stage 0 embeds the micro-batch's tokens, later stages take the
-    received activation, last stages apply their model's `head` (log-probs, values, scores)."""
+    received activation, last stages apply their model's `head` (log-probs, values, scores).
+
+    tp: the pipeline ranks' width (the larger tp degree); model_tp: each model's own tp (default: tp). A model
+    with model_tp < tp runs merged stages (`ParallelLayout.merge`): this rank runs sub-stage `position` of each,
+    receiving from the previous sub-stage's ranks and sending to the next one's (same tp position); `stages` are
+    then keyed by the sub-stage (module) index, and the problem's stages are the merged stages."""
 
     def __init__(
         self,
@@ -145,11 +150,15 @@ class ForwardExecutor:
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         tp: int = 1,
+        model_tp: Mapping[str, int] | None = None,
     ) -> None:
         self.rank, self.program, self.problem = rank, program, problem
         # tensor parallelism: every rank of a tp group runs its group's stream on its shards and exchanges
         # activations with its peer (same tp position) in the neighbouring stage's group
         self.tp = tp
+        self.model_tp = {m.name: (model_tp or {}).get(m.name, tp) for m in problem.models}
+        self.merge = {m: tp // t for m, t in self.model_tp.items()}
+        self.position = {m: (rank % tp) // t for m, t in self.model_tp.items()}
         self.stream = program.streams[rank // tp]
         self.stages, self.heads = dict(stages), dict(heads)
         self.p2p = dict(p2p_groups or {})
@@ -161,6 +170,19 @@ class ForwardExecutor:
     def _index(self, model: str, replica: int, mb: int) -> int:
         return replica * self.problem.model(model).microbatches + mb
 
+    def _peer(self, pipeline_rank: int, model: str, slot: int) -> int:
+        """The global rank of this rank's peer (same tp position of `model`) in sub-stage slot `slot` of
+        `pipeline_rank`."""
+        t = self.model_tp[model]
+        return pipeline_rank * self.tp + slot * t + self.rank % t
+
+    def _takes_part(self, ins: Instr) -> tuple[bool, int]:
+        """Whether this rank sends / receives an activation between merged stages (the last sub-stage sends,
+        the first receives), and the peer's slot."""
+        last = self.merge[ins.model] - 1
+        mine, theirs = (last, 0) if ins.kind is Kind.SEND else (0, last)
+        return self.position[ins.model] == mine, theirs
+
     @torch.no_grad()
     def run(self, micro: Sequence[Sequence[Rollout]]) -> dict[tuple[str, int, int], Tensor]:
         """micro[g][i]: micro-batch i of data-parallel group g. Returns (model, g, i) -> head output for every
@@ -170,6 +192,11 @@ class ForwardExecutor:
         sends: list[tuple[Any, Tensor, Instr]] = []
         results: dict[tuple[str, int, int], Tensor] = {}
         for ins in self.stream:
+            slot = 0
+            if ins.kind in (Kind.RECV, Kind.SEND):
+                part, slot = self._takes_part(ins)
+                if not part:  # another sub-stage of this merged stage sends / receives it
+                    continue
             if ins.kind is Kind.RECV:
                 assert ins.message is not None
                 if ins.post:
@@ -177,7 +204,7 @@ class ForwardExecutor:
                     rows = micro[m.group][self._index(m.model, m.replica, m.microbatch)]
                     shape = (len(rows), rows.input_ids_BT.shape[1], self.width[m.model])
                     buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-                    peer = ins.peer * self.tp + self.rank % self.tp
+                    peer = self._peer(ins.peer, ins.model, slot)
                     pending[m] = (buf, distributed.irecv(buf, peer, group=self.p2p.get(ins.model)))
                 else:
                     buf, handle = pending.pop(ins.message)
@@ -186,20 +213,38 @@ class ForwardExecutor:
             elif ins.kind is Kind.SEND:
                 assert ins.message is not None
                 tensor = inbox.pop(ins.message).contiguous()
-                peer = ins.peer * self.tp + self.rank % self.tp
+                peer = self._peer(ins.peer, ins.model, slot)
                 sends.append((distributed.isend(tensor, peer, group=self.p2p.get(ins.model)), tensor, ins))
             elif ins.kind is Kind.F:
                 a = ins.action
                 assert a is not None
                 i = self._index(a.model, a.replica, a.microbatch)
                 rows = micro[ins.group][i]
-                x = rows.input_ids_BT if a.stage == 0 else inbox.pop(ins.needs)  # type: ignore[arg-type]
-                with self.autocast():
-                    out = self.stages[(a.model, a.replica, a.stage)](
-                        x, attention_mask_BT=rows.attention_mask_BT
+                j, k = self.position[a.model], self.merge[a.model]
+                sub = a.stage * k + j
+                here = self.rank // self.tp
+                if sub == 0:
+                    x = rows.input_ids_BT
+                elif j == 0:  # from the previous merged stage
+                    x = inbox.pop(ins.needs)  # type: ignore[arg-type]
+                else:  # from the previous sub-stage of this merged stage
+                    x = torch.empty(
+                        (len(rows), rows.input_ids_BT.shape[1], self.width[a.model]),
+                        dtype=self.dtype,
+                        device=self.device,
                     )
-                if a.stage == self.problem.model(a.model).stages - 1:
+                    handle = distributed.irecv(
+                        x, self._peer(here, a.model, j - 1), group=self.p2p.get(a.model)
+                    )
+                    wait_for(handle, f"{ins} (sub-stage {sub} input)", self.rank, self.timeout_s)
+                with self.autocast():
+                    out = self.stages[(a.model, a.replica, sub)](x, attention_mask_BT=rows.attention_mask_BT)
+                if a.stage == self.problem.model(a.model).stages - 1 and j == k - 1:
                     results[(a.model, ins.group, i)] = self.heads[a.model](out, rows)
+                elif j < k - 1:  # the next sub-stage of this merged stage
+                    tensor = out.to(self.dtype).contiguous()
+                    peer = self._peer(here, a.model, j + 1)
+                    sends.append((distributed.isend(tensor, peer, group=self.p2p.get(a.model)), tensor, ins))
                 else:
                     inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.to(
                         self.dtype
@@ -285,7 +330,9 @@ class PipelineInferencer:
                 if model == PLACED_AS[m]:
                     self.stages[(m, replica, stage)] = split[stage]
         logprobs: Head = lambda out, rows: logprobs_from_output(out, rows, self.temperature)  # noqa: E731
-        if layout.tp > 1:  # tensor-parallel shards: the LM heads give vocabulary slices
+        if (
+            layout.model_tp(ModelRole.ACTOR) > 1
+        ):  # tensor-parallel shards: the LM heads give vocabulary slices
             logprobs = self._vocab_parallel_logprobs
         self.heads: dict[str, Head] = {
             ModelRole.ACTOR: logprobs,
@@ -356,10 +403,15 @@ class PipelineInferencer:
                 timeout_s=self.timeout_s,
                 autocast=self.autocast,
                 tp=self.layout.tp,
+                model_tp={m_: self.layout.model_tp(PLACED_AS[m_]) for m_ in self.names},
             )
             results = executor.run(micro)
-            if self.layout.tp_rank(self.rank) != 0:  # each tp group's rows once: its first rank's
-                results = {}
+            # each tp group's rows once: its first rank's (a merged model: its last sub-stage's tp group)
+            results = {
+                key: value
+                for key, value in results.items()
+                if self.layout.tp_rank(self.rank, PLACED_AS[key[0]]) == 0
+            }
         finally:
             for k, mod in modules.items():
                 mod.train(training[k])

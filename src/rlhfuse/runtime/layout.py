@@ -11,7 +11,7 @@ on every rank in the same order (as torch requires).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -76,31 +76,47 @@ class ParallelLayout:
                 problems.append(f"{name}.pp={m.pp} must be >= 1")
             if m.tp < 1:
                 problems.append(f"{name}.tp={m.tp} must be >= 1")
-        if self.actor.tp != self.critic.tp and self.actor.tp >= 1 and self.critic.tp >= 1:
-            problems.append(
-                f"actor.tp={self.actor.tp} != critic.tp={self.critic.tp}: both models' stages share the same "
-                f"tp groups of ranks (merging a smaller-tp model's consecutive stages onto a larger-tp group is "
-                f"not built): set critic.tp={self.actor.tp}"
-            )
         if self.dp < 1:
             problems.append(f"dp={self.dp} must be >= 1")
         if self.microbatches < 1:
             problems.append(f"microbatches={self.microbatches} must be >= 1")
+        if not problems and self.actor.tp != self.critic.tp:
+            wide = "actor" if self.actor.tp > self.critic.tp else "critic"
+            narrow = "critic" if wide == "actor" else "actor"
+            big_tp, small = getattr(self, wide).tp, getattr(self, narrow)
+            if big_tp % small.tp:
+                divisors = [d for d in range(1, big_tp + 1) if big_tp % d == 0]
+                problems.append(
+                    f"{narrow}.tp={small.tp} must divide {wide}.tp={big_tp} (consecutive {narrow} stages are "
+                    f"merged onto one {wide}.tp-wide group): set {narrow}.tp to one of {divisors}"
+                )
+            elif small.pp % (big_tp // small.tp):
+                merge = big_tp // small.tp
+                problems.append(
+                    f"{narrow}.pp={small.pp} must be a multiple of {wide}.tp / {narrow}.tp = {big_tp} / {small.tp} "
+                    f"= {merge} ({merge} consecutive {narrow} stages of tp={small.tp} are merged onto each "
+                    f"tp={big_tp} group): set {narrow}.pp to a multiple of {merge}"
+                )
         if not problems:
-            big, small = self.larger, self.smaller
-            n_big, n_small = getattr(self, big).pp, getattr(self, small).pp
+            big, small_m = self.larger, self.smaller
+            n_big, n_small = self.merged_stages(big), self.merged_stages(small_m)
+
+            def pp_of(m: str) -> str:
+                k = self.merge(m)
+                return f"{m}.pp" if k == 1 else f"{m} merged stages ({m}.pp / {k})"
+
             if n_big % n_small:
                 problems.append(
-                    f"{small}.pp={n_small} must divide {big}.pp={n_big} (the {small} is placed as "
-                    f"{big}.pp / {small}.pp replicas over blocks of ranks): set {small}.pp to a divisor of {n_big}"
+                    f"{pp_of(small_m)}={n_small} must divide {pp_of(big)}={n_big} (the {small_m} is placed as "
+                    f"{n_big} / {n_small} replicas over blocks of ranks): set {small_m}.pp so that it does"
                 )
             elif self.microbatches % (n_big // n_small):
                 k = n_big // n_small
                 problems.append(
-                    f"microbatches={self.microbatches} must be a multiple of the {k} {small} replicas "
-                    f"({big}.pp / {small}.pp = {n_big} / {n_small} = {k}): use a multiple of {k}"
+                    f"microbatches={self.microbatches} must be a multiple of the {k} {small_m} replicas "
+                    f"({pp_of(big)} / {pp_of(small_m)} = {n_big} / {n_small} = {k}): use a multiple of {k}"
                 )
-            tp = self.actor.tp
+            tp = self.tp
             if n_big * tp * self.dp != self.world_size:
                 span = n_big * tp
                 hint = (
@@ -109,7 +125,7 @@ class ParallelLayout:
                     else f"use {span * self.dp} processes, or an {big}.pp * tp dividing {self.world_size}"
                 )
                 problems.append(
-                    f"{big}.pp * tp * dp = {n_big} * {tp} * {self.dp} = {span * self.dp} != world size "
+                    f"{pp_of(big)} * tp * dp = {n_big} * {tp} * {self.dp} = {span * self.dp} != world size "
                     f"{self.world_size}: " + hint
                 )
         if problems:
@@ -118,8 +134,8 @@ class ParallelLayout:
     # --- sizes ---------------------------------------------------------------------------------------------
     @property
     def larger(self) -> str:
-        """The model with more stages (the Actor on ties): placed in rank order."""
-        return "actor" if self.actor.pp >= self.critic.pp else "critic"
+        """The model with more (merged) stages (the Actor on ties): placed in rank order."""
+        return "actor" if self.merged_stages("actor") >= self.merged_stages("critic") else "critic"
 
     @property
     def smaller(self) -> str:
@@ -127,17 +143,33 @@ class ParallelLayout:
 
     @property
     def tp(self) -> int:
-        """Tensor-parallel degree of both models (validated equal)."""
-        return self.actor.tp
+        """Width of a pipeline rank's group of consecutive ranks: the larger of the two tp degrees (equal
+        degrees: both models' tp)."""
+        return max(self.actor.tp, self.critic.tp)
+
+    def model_tp(self, model: str) -> int:
+        """`model`'s own tensor-parallel degree."""
+        return int(getattr(self, model).tp)
+
+    def merge(self, model: str) -> int:
+        """Consecutive stages of `model` merged onto one pipeline rank: tp / the model's tp (1 for the model
+        with the larger tp). Sub-stage j of a merged stage runs on ranks j*t .. j*t + t - 1 of the group (t the
+        model's tp)."""
+        return self.tp // self.model_tp(model)
 
     @property
     def pipeline_ranks(self) -> int:
         """Pipeline ranks (tp groups): world size / tp; the instruction streams are per pipeline rank."""
         return self.world_size // self.tp
 
-    def tp_rank(self, rank: int) -> int:
-        """A global rank's position in its tp group."""
-        return rank % self.tp
+    def tp_rank(self, rank: int, model: str | None = None) -> int:
+        """A global rank's position in its tp group (of `model`: in that model's tp group of model_tp ranks;
+        None: in the pipeline rank's group of `tp` ranks)."""
+        return rank % (self.tp if model is None else self.model_tp(model))
+
+    def position(self, model: str, rank: int) -> int:
+        """Which sub-stage of `model`'s merged stages a global rank runs (0 .. merge - 1; 0 when not merged)."""
+        return (rank % self.tp) // self.model_tp(model)
 
     def pipeline_rank(self, rank: int) -> int:
         """A global rank's pipeline rank (its tp group)."""
@@ -148,38 +180,51 @@ class ParallelLayout:
 
     @property
     def group_size(self) -> int:
-        """N: ranks of one fused group."""
-        return max(self.actor.pp, self.critic.pp)
+        """N: pipeline ranks of one fused group."""
+        return max(self.merged_stages("actor"), self.merged_stages("critic"))
 
     def stages(self, model: str) -> int:
+        """The model's pipeline stages (`pp`: how its layers are split into modules)."""
         return int(getattr(self, model).pp)
+
+    def merged_stages(self, model: str) -> int:
+        """The model's stages in the schedule: pp / merge (each merged stage is one pipeline rank's subtask)."""
+        return self.stages(model) // max(self.merge(model), 1)
+
+    def sub_stages(self, model: str, merged: int) -> range:
+        """The stages (modules) of merged stage `merged` of `model`, in execution order."""
+        k = self.merge(model)
+        return range(merged * k, (merged + 1) * k)
 
     def replicas(self, model: str) -> int:
         """Replicas of `model` inside one fused group (1 for the larger model, K for the other)."""
-        return self.group_size // self.stages(model)
+        return self.group_size // self.merged_stages(model)
 
     def microbatches_per_replica(self, model: str) -> int:
         return self.microbatches // self.replicas(model)
 
     # --- placement -----------------------------------------------------------------------------------------
     def local_placement(self, model: str) -> list[list[int]]:
-        """placement[r][s]: rank inside a fused group of stage s of replica r."""
+        """placement[r][S]: pipeline rank inside a fused group of merged stage S of replica r."""
         n = self.group_size
         if model == self.larger:
             return [list(range(n))]
-        return reversed_blocks(n, self.stages(model))
+        return reversed_blocks(n, self.merged_stages(model))
 
     def rank(self, model: str, group: int, replica: int, stage: int, tp_rank: int = 0) -> int:
-        """Global rank of tp shard `tp_rank` of `stage` of `replica` of `model` in data-parallel fused group
-        `group`."""
-        return (group * self.group_size + self.local_placement(model)[replica][stage]) * self.tp + tp_rank
+        """Global rank of tp shard `tp_rank` (0 .. model_tp - 1) of `stage` (0 .. pp - 1) of `replica` of `model`
+        in data-parallel fused group `group`."""
+        k = self.merge(model)
+        pipeline_rank = group * self.group_size + self.local_placement(model)[replica][stage // k]
+        return pipeline_rank * self.tp + (stage % k) * self.model_tp(model) + tp_rank
 
     def stages_on(self, rank: int) -> list[tuple[str, int, int]]:
-        """(model, replica, stage) placed on a global rank (its tp shard of them), for every slot (the inference of
-        a model placed like an untrained slot uses it too: `held_stages`)."""
+        """(model, replica, stage) placed on a global rank (its tp shard of them; a merged stage: the one
+        sub-stage at this rank's `position`), for every slot (the inference of a model placed like an untrained
+        slot uses it too: `held_stages`)."""
         local = self.pipeline_rank(rank) % self.group_size
         return [
-            (model, r, s)
+            (model, r, s * self.merge(model) + self.position(model, rank))
             for model in MODELS
             for r, row in enumerate(self.local_placement(model))
             for s, k in enumerate(row)
@@ -207,13 +252,14 @@ class ParallelLayout:
         activation: dict[str, Any] | None = None,
         name: str = "runtime",
     ) -> Problem:
-        """The scheduling problem of one fused group (local ranks), with per-model durations (a number or one
-        per stage; default: forward 1, backward 2 per stage) and activation sizes."""
+        """The scheduling problem of one fused group (local pipeline ranks) over merged stages, with per-model
+        durations (a number or one per merged stage; default: forward 1, backward 2 per stage) and activation
+        sizes."""
         forward, backward, activation = forward or {}, backward or {}, activation or {}
         models = [
             {
                 "name": m,
-                "stages": self.stages(m),
+                "stages": self.merged_stages(m),
                 "microbatches": self.microbatches_per_replica(m),
                 "forward": forward.get(m, 1.0),
                 "backward": backward.get(m, 2.0),
@@ -236,7 +282,7 @@ class ParallelLayout:
                 self.rank(m, g, r, s, t)
                 for g in range(self.dp)
                 for r in range(self.replicas(m))
-                for t in range(self.tp)
+                for t in range(self.model_tp(m))
             )
             for m in self.trained
             for s in range(self.stages(m))
@@ -252,19 +298,28 @@ class ParallelLayout:
             )
             for m in self.trained
             for s in range(self.stages(m))
-            for t in range(self.tp)
+            for t in range(self.model_tp(m))
         }
 
     @cached_property
     def tp_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The tp groups: consecutive ranks v*tp .. v*tp + tp - 1 per pipeline rank v."""
+        """The pipeline ranks' groups: consecutive ranks v*tp .. v*tp + tp - 1 per pipeline rank v (the tp groups
+        of the model with the larger tp)."""
         return tuple(tuple(range(v * self.tp, (v + 1) * self.tp)) for v in range(self.pipeline_ranks))
+
+    def model_tp_groups(self, model: str) -> tuple[tuple[int, ...], ...]:
+        """`model`'s tp groups: model_tp consecutive ranks each (`tp_groups` for the model with the larger tp;
+        each sub-stage of a merged stage has its own)."""
+        t = self.model_tp(model)
+        return tuple(tuple(range(v * t, (v + 1) * t)) for v in range(self.world_size // t))
 
     @cached_property
     def pipeline_groups(self) -> dict[tuple[str, int, int], tuple[int, ...]]:
-        """(model, fused group, replica) -> the pipeline ranks of that pipeline, in stage order."""
+        """(model, fused group, replica) -> the pipeline ranks of that pipeline, in merged-stage order."""
         return {
-            (m, g, r): tuple(self.rank(m, g, r, s) // self.tp for s in range(self.stages(m)))
+            (m, g, r): tuple(
+                self.rank(m, g, r, s * self.merge(m)) // self.tp for s in range(self.merged_stages(m))
+            )
             for m in self.trained
             for g in range(self.dp)
             for r in range(self.replicas(m))
@@ -282,10 +337,28 @@ class ParallelLayout:
             parts[0] += f" pipeline ranks x tp={self.tp} (consecutive ranks)"
         for m in (self.larger, self.smaller):
             if m in self.trained:
-                parts.append(f"{m}: {self.replicas(m)} x pp={self.stages(m)} on {self.local_placement(m)}")
+                merged = ""
+                if self.merge(m) > 1:
+                    merged = (
+                        f" (tp={self.model_tp(m)}: {self.merge(m)} consecutive stages merged per pipeline rank, "
+                        f"{self.merged_stages(m)} merged stages)"
+                    )
+                parts.append(
+                    f"{m}: {self.replicas(m)} x pp={self.stages(m)}{merged} on {self.local_placement(m)}"
+                )
         if len(self.trained) == 1:
             parts.append("no critic (critic-free algorithm: the Actor's pipeline alone)")
         return "; ".join(parts)
+
+
+def fused_group_width(actor_pp: int, actor_tp: int, critic_pp: int, critic_tp: int) -> int:
+    """Ranks of one fused group: the larger tp times the larger number of merged stages (pure arithmetic for
+    the data-parallel degree before a layout is validated; invalid sizes are reported by `ParallelLayout`)."""
+    tp = max(actor_tp, critic_tp, 1)
+    merged = (
+        max(pp, 1) // max(tp // max(t, 1), 1) for pp, t in ((actor_pp, actor_tp), (critic_pp, critic_tp))
+    )
+    return tp * max(max(merged), 1)
 
 
 def actor_only_layout(
@@ -315,6 +388,11 @@ class ProcessGroups:
     world: Any
     tp: Any = None
     tp_size: int = 1
+    model_tp: dict[str, Any] = field(default_factory=dict)
+
+    def tp_of(self, model: str) -> Any:
+        """This rank's tp group of `model` (None: not tensor-parallel)."""
+        return self.model_tp.get(model, self.tp)
 
 
 def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None) -> ProcessGroups:
@@ -330,9 +408,9 @@ def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None)
 
     p2p = {m: group(world) for m in layout.trained}
     grad: dict[tuple[str, int], Any] = {}
-    for (m, s, t), ranks in layout.tp_grad_groups.items():
+    for (m, s, _), ranks in layout.tp_grad_groups.items():
         made = group(ranks) if len(ranks) > 1 else None
-        if t == mine:
+        if me in ranks:
             grad[(m, s)] = made
     pipeline: dict[tuple[str, int, int], Any] = {}
     for key, ranks in layout.pipeline_groups.items():
@@ -347,4 +425,20 @@ def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None)
             made = group(ranks)
             if me in ranks:
                 tp_group = made
-    return ProcessGroups(p2p, grad, pipeline, dp, None, tp_group, layout.tp)  # world None: the default group
+    # a merged model's tp groups (model_tp < tp): each sub-stage's consecutive model_tp ranks
+    model_tp: dict[str, Any] = {}
+    narrower: dict[int, Any] = {}
+    for m in MODELS:
+        t = layout.model_tp(m)
+        if t == layout.tp:
+            model_tp[m] = tp_group
+            continue
+        if t not in narrower:
+            narrower[t] = None
+            if t > 1:
+                for ranks in layout.model_tp_groups(m):
+                    made = group(ranks)
+                    if me in ranks:
+                        narrower[t] = made
+        model_tp[m] = narrower[t]
+    return ProcessGroups(p2p, grad, pipeline, dp, None, tp_group, layout.tp, model_tp)  # world None: default

@@ -62,14 +62,18 @@ class RankStages:
         rank: int,
         models: Mapping[str, Transformer],
         tp_group: Any = None,
+        tp_groups: Mapping[str, Any] | None = None,
     ) -> None:
         self.layout, self.rank, self.tp_group = layout, rank, tp_group
+        # model -> this rank's tp group of that model (`ProcessGroups.model_tp`; default: tp_group for both)
+        self.tp_groups = {m: (tp_groups or {}).get(m, tp_group) for m in layout.trained}
         self.models = dict(models)
         self.local = stages_for_rank(layout, rank, models)
         self.every = {m: split_stages(models[m], layout.stages(m)) for m in layout.trained}
         # sharded: some stage lives on another rank only (its tensors here are meta: shape and dtype, no memory),
         # or the models are tensor-parallel shards (`rlhfuse.runtime.tensor_parallel.shard_transformer`)
         self.sharded = layout.tp > 1 or any(p.is_meta for m in layout.trained for p in models[m].parameters())
+        # (tp > 1 with one model at tp = 1: that model's stages are still split over the pipeline ranks' ranks)
         missing = [k for k, mod in self.local.items() if any(p.is_meta for p in mod.parameters())]
         if missing:
             raise ValueError(
@@ -83,11 +87,11 @@ class RankStages:
         """`model`'s state dict as whole tensors (tp > 1: the held stages' shards reassembled over the tp group,
         `unshard_state`; meta tensors of the whole shape for the stages held elsewhere)."""
         module = self.models[model]
-        if self.layout.tp == 1:
+        if self.layout.model_tp(model) == 1:
             return module.state_dict(keep_vars=True)
         from rlhfuse.runtime.tensor_parallel import unshard_state
 
-        return unshard_state(module, self.tp_group)
+        return unshard_state(module, self.tp_groups[model])
 
     def senders(self, model: str, stage: int) -> dict[int, int]:
         """rank -> the rank that sends it `stage` of `model`, for every rank not holding that stage: the holders
@@ -102,9 +106,11 @@ class RankStages:
         shard (same tp position), for every rank of that position not holding the stage."""
         out: dict[int, int] = {}
         layout = self.layout
-        for t in range(layout.tp):
+        for t in range(layout.model_tp(model)):
             holders = sorted(set(layout.tp_grad_groups[(model, stage, t)]))
-            needers = [r for r in range(layout.world_size) if layout.tp_rank(r) == t and r not in holders]
+            needers = [
+                r for r in range(layout.world_size) if layout.tp_rank(r, model) == t and r not in holders
+            ]
             out.update({r: holders[i % len(holders)] for i, r in enumerate(needers)})
         return out
 
@@ -180,10 +186,10 @@ class RankStages:
         """Copy `state`'s entries (whole tensors) into the tensors materialised on this rank (meta ones are held
         elsewhere; tp > 1: this rank's slice of each, `shard_state`)."""
         params = self.models[model].state_dict(keep_vars=True)
-        if self.layout.tp > 1:
+        if self.layout.model_tp(model) > 1:
             from rlhfuse.runtime.tensor_parallel import shard_state
 
-            state = shard_state(self.models[model], self.layout.tp_rank(self.rank), state)
+            state = shard_state(self.models[model], self.layout.tp_rank(self.rank, model), state)
         with torch.no_grad():
             for name, target in params.items():
                 if not target.is_meta:

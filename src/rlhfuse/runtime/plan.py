@@ -40,7 +40,8 @@ def here(search: Callable[[], Schedule]) -> Schedule:
 @dataclass(frozen=True)
 class StageProfile:
     """Per-micro-batch seconds of every stage, measured on the profiling step (which ran `microbatches`
-    micro-batches per group): `forward[model][stage]`, `backward[model][stage]`."""
+    micro-batches per group): `forward[model][stage]`, `backward[model][stage]` (stage: 0 .. pp - 1, the modules;
+    merged stages sum theirs in `problem`)."""
 
     microbatches: int
     forward: Mapping[str, tuple[float, ...]]
@@ -62,11 +63,19 @@ class StageProfile:
 
     def problem(self, layout: ParallelLayout, microbatches: int) -> Problem:
         """The layout's problem with these stage times, scaled to `microbatches` micro-batches of the same
-        mini-batch (a micro-batch's time taken as proportional to its share)."""
+        mini-batch (a micro-batch's time taken as proportional to its share); a merged stage's time is the sum
+        of its sub-stages' (`ParallelLayout.merge`)."""
         scale = self.microbatches / microbatches
+
+        def merged(times: tuple[float, ...], model: str) -> list[float]:
+            # a merged stage runs its sub-stages one after the other: its time is their sum
+            out = [
+                sum(times[s] for s in layout.sub_stages(model, i)) for i in range(layout.merged_stages(model))
+            ]
+            return [t * scale if scale != 1 else t for t in out]
+
         forward, backward = (
-            {m: [t * scale if scale != 1 else t for t in times[m]] for m in layout.trained}
-            for times in (self.forward, self.backward)
+            {m: merged(times[m], m) for m in layout.trained} for times in (self.forward, self.backward)
         )
         layout = dataclasses.replace(layout, microbatches=microbatches)
         return layout.problem(forward=forward, backward=backward, name="profiled")

@@ -200,7 +200,7 @@ class Resharder:
             )
         self.layout, self.rank, self.model, self.gen_tp = layout, rank, model, gen_tp
         self.device = torch.device(layout.device)
-        train_tp = layout.tp
+        train_tp = layout.model_tp("actor")
         state = model.state_dict(keep_vars=True)
         train_splits = _splits(model) if train_tp > 1 else {}
         shapes = full_shapes(model) if train_tp > 1 else {k: v.shape for k, v in state.items()}

@@ -38,6 +38,7 @@ from rlhfuse.runtime.layout import (
     ParallelLayout,
     actor_only_layout,
     build_process_groups,
+    fused_group_width,
 )
 from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
@@ -67,7 +68,8 @@ def pipeline_layout(
     only this rank's stages; the strategy computes the same one). `critic=False` (a critic-free algorithm): the
     Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
     critic_pp = config.critic_pp if critic else config.actor_pp
-    dp = max(world // (max(config.actor_pp, critic_pp) * max(config.actor_tp, 1)), 1)
+    critic_tp = config.critic_tp if critic else config.actor_tp
+    dp = max(world // fused_group_width(config.actor_pp, config.actor_tp, critic_pp, critic_tp), 1)
     micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
     if not critic:
         return actor_only_layout(
@@ -141,10 +143,13 @@ class FusedPipelineStrategy:
         self.micro_batch_tokens = micro_batch_tokens
         self.groups = build_process_groups(self.layout, timeout_s)
         vocab = None
-        if self.layout.tp > 1:  # this rank's tensor-parallel shard of its stages (Megatron-style)
-            self.models = {m: self.tp_shard(model) for m, model in self.models.items()}
+        # this rank's tensor-parallel shard of its stages (Megatron-style), each model over its own tp group
+        self.models = {m: self.tp_shard(model, m) for m, model in self.models.items()}
+        if self.layout.model_tp("actor") > 1:
             vocab = self.models["actor"].vocab_shard
-        self.shards = RankStages(self.layout, self.rank, self.models, self.groups.tp)
+        self.shards = RankStages(
+            self.layout, self.rank, self.models, self.groups.tp, tp_groups=self.groups.model_tp
+        )
         self.stages = self.shards.local
         self.optimizers = StageOptimizers(self.shards, config.optim, total_steps)
         self.executor = PlanExecutor(
@@ -152,9 +157,12 @@ class FusedPipelineStrategy:
             self.world,
             self.stages,
             self.groups,
-            losses=ppo_losses(algorithm, temperature if temperature > 0 else 1.0, vocab, self.groups.tp),
+            losses=ppo_losses(
+                algorithm, temperature if temperature > 0 else 1.0, vocab, self.groups.tp_of("actor")
+            ),
             timeout_s=timeout_s,
             autocast=autocast,
+            model_tp={m: self.layout.model_tp(m) for m in self.layout.trained},
         )
         self.checkpointer = ShardedCheckpointer(self.shards, self._shard_state, self._restore_shard)
         # the stage times measured on the profiling step (None until it ran), the plans made from them per
@@ -169,12 +177,14 @@ class FusedPipelineStrategy:
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
 
-    def tp_shard(self, model: Transformer) -> Transformer:
-        """This rank's tensor-parallel shard of `model` over the layout's tp group (`shard_transformer`; the
-        model itself when tp = 1): the trainer shards the Ref and the Reward with it for pipeline inference."""
-        if self.layout.tp == 1:
+    def tp_shard(self, model: Transformer, like: str = "actor") -> Transformer:
+        """This rank's tensor-parallel shard of `model` over the tp group of the trained model it is placed like
+        (`like`: "actor" or "critic"; `shard_transformer`; the model itself when that tp is 1): the trainer
+        shards the Ref (like the Actor) and the Reward (like the Critic) with it for pipeline inference."""
+        tp = self.layout.model_tp(like)
+        if tp == 1:
             return model
-        return shard_transformer(model, self.layout.tp_rank(self.rank), self.layout.tp, self.groups.tp)
+        return shard_transformer(model, self.layout.tp_rank(self.rank, like), tp, self.groups.tp_of(like))
 
     @property
     def schedule(self) -> Schedule:

@@ -125,10 +125,10 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
             f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
             "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
         )
-    if ctx.strategy.layout.tp > 1:  # the Ref and the Reward sharded like the trained models
-        models.ref = ctx.strategy.tp_shard(models.ref)
-        if models.reward is not None:
-            models.reward = ctx.strategy.tp_shard(models.reward)
+    # the Ref and the Reward sharded like the trained models they are placed as (the Actor, the Critic)
+    models.ref = ctx.strategy.tp_shard(models.ref, "actor")
+    if models.reward is not None:
+        models.reward = ctx.strategy.tp_shard(models.reward, "critic")
     named = {"actor": models.actor, "ref": models.ref}
     if models.critic is not None:  # none for a critic-free algorithm
         named["critic"] = models.critic

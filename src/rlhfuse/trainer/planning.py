@@ -12,7 +12,7 @@ plan into the configuration the run uses:
 - `pipeline.actor_tp`, `pipeline.critic_tp` and `generator.tp` when the planner chose tensor parallelism.
 
 The planner may choose tp up to the devices of one node (`max_tp=gpus_per_node`), on `nodes` x `gpus_per_node` = WORLD_SIZE / LOCAL_WORLD_SIZE x LOCAL_WORLD_SIZE (torchrun) or 1 x
-nproc_per_node. A choice the runtime cannot run (different Actor and Critic tp, a generation tp other than 1
+nproc_per_node. A choice the runtime cannot run (an Actor and Critic tp where the smaller does not divide the larger, a generation tp other than 1
 or the training tp) raises a ValueError naming the key; nothing falls back.
 """
 
@@ -234,19 +234,20 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             applied.append(("pipeline", "plain"))
         pipeline = dataclasses.replace(pipeline, name="plain")
     else:
-        if a.tp != c.tp:
-            raise ValueError(
-                f"plan=auto: the planner chose Actor tp={a.tp} and Critic tp={c.tp}; rlhfuse.runtime co-locates "
-                "both on the same tp groups, so pipeline.actor_tp and pipeline.critic_tp must be equal: use "
-                "plan=manual"
-            )
-        big, small = (a, c) if a.pp >= c.pp else (c, a)
-        if big.pp % small.pp:
+        # a smaller-tp model's consecutive stages merge onto the larger-tp groups: it spans pp * tp / T positions
+        width = max(a.tp, c.tp)
+        positions = {"actor": a.pp * a.tp / width, "critic": c.pp * c.tp / width}
+        big, small = (a, c) if positions["actor"] >= positions["critic"] else (c, a)
+        n_big, n_small = (
+            positions["actor" if big is a else "critic"],
+            positions["actor" if small is a else "critic"],
+        )
+        if width % a.tp or width % c.tp or n_small % 1 or n_big % n_small:
             key = "pipeline.actor_pp" if small is a else "pipeline.critic_pp"
             raise ValueError(
-                f"plan=auto: the planner chose Actor pp={a.pp} and Critic pp={c.pp} ({plan.train.mode}); "
-                f"rlhfuse.runtime co-locates both on one layout where the larger pp must be a multiple of the "
-                f"smaller, so {key}={small.pp} cannot be applied"
+                f"plan=auto: the planner chose Actor pp={a.pp} tp={a.tp} and Critic pp={c.pp} tp={c.tp} "
+                f"({plan.train.mode}); rlhfuse.runtime co-locates both on one layout where each model's pipeline "
+                f"positions (pp * tp / max tp, merged stages) nest, so {key}={small.pp} cannot be applied"
             )
         for key, lay, shape in (("pipeline.actor_pp", a, actor), ("pipeline.critic_pp", c, critic)):
             if shape.tied and lay.pp > 1:
@@ -271,7 +272,7 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             ("pipeline.critic_pp", c.pp),
             ("pipeline.microbatches", micro),
         ]
-        if a.tp > 1:
+        if max(a.tp, c.tp) > 1:  # unequal: the smaller-tp model's stages merged (`ParallelLayout.merge`)
             applied += [("pipeline.actor_tp", a.tp), ("pipeline.critic_tp", c.tp)]
     migration = cfg.migration
     migration_plan: Plan | None = None
