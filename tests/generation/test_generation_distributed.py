@@ -58,9 +58,13 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
         for run in mechanisms:  # one process group for every run: process start-up dominates the test
             mechanism, _, speculative = run.partition("+")  # "kv+ngram": KV migration, speculative decoding
             engine = GenerationEngine(
-                _model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW, speculative=speculative or "off"
+                _model(),
+                LONG,
+                num_slots=24,
+                max_len=6 + LONG.max_new_tokens,
+                speculative=speculative or "off",
             )
-            coordinator = DistributedCoordinator(engine, bs_max=16, mechanism=mechanism, timeout_s=10)
+            coordinator = DistributedCoordinator(engine, bs_max=24, mechanism=mechanism, timeout_s=10)
             done = []
             for sample in coordinator.run(_requests(), threshold=threshold):
                 done.append(sample)
@@ -107,7 +111,7 @@ def _launch(tmp_path, mechanisms, threshold, die_rank=-1, timeout=90):
 
 
 def _serial_tokens():
-    engine = GenerationEngine(_model(), PARAMS, num_slots=24, max_len=6 + MAX_NEW)
+    engine = GenerationEngine(_model(), LONG, num_slots=24, max_len=6 + LONG.max_new_tokens)
     engine.add(_requests())
     done = []
     while engine.has_work():
@@ -117,7 +121,9 @@ def _serial_tokens():
 
 @pytest.mark.timeout(180)
 def test_two_processes_migrate_and_keep_every_token(tmp_path):
-    procs = _launch(tmp_path, ("kv", "reprefill", "kv+ngram"), threshold=6)
+    # Rt = the batch (BSmax 24: one destination): the migration starts as soon as rank 0 has heard from its peer
+    # (the ranks do not step in lockstep), long before the samples (EOS only, up to 40 tokens) are done
+    procs = _launch(tmp_path, ("kv", "reprefill", "kv+ngram"), threshold=24)
     assert [p.exitcode for p in procs] == [0, 0]
     expected = _serial_tokens()
     for run in ("kv", "reprefill", "kv+ngram"):
@@ -194,7 +200,7 @@ def _fusion_worker(rank, port, out_dir):
     gen = EngineGenerator(_model(), config, setup, mechanism="kv")
     (rollout,) = gen.generate(_prompt_batch(), iteration=1)
     assert gen.is_distributed()
-    moved = gen.migration.samples_moved  # generate(): the lockstep DistributedCoordinator
+    moved = gen.migration.samples_moved  # generate(): DistributedCoordinator (the count watch, no lockstep)
     # what the trainer calls: generation fused with inference, the same Experience on every rank
     experience, timings = gen.fused_rollout(
         _prompt_batch(), iteration=1, inferencer=inferencer, micro_batch=4
@@ -236,7 +242,9 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
     short_oracle = oracle
     for rank in range(2):
         got = torch.load(tmp_path / f"generator-rank{rank}.pt", weights_only=False)
-        assert got["moved"] > 0 and got["metrics"]["migration/destinations"] <= 1
+        # the ranks decide the same moves; whether any move depends on their speeds (no lockstep)
+        assert got["moved"] == torch.load(tmp_path / "generator-rank0.pt", weights_only=False)["moved"]
+        assert got["metrics"]["migration/destinations"] <= 1
         for field in vars(oracle.rollout):
             assert torch.equal(getattr(got["rollout"], field), getattr(oracle.rollout, field)), field
             assert torch.equal(getattr(got["experience"].rollout, field), getattr(oracle.rollout, field)), (
