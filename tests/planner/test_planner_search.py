@@ -175,6 +175,9 @@ def test_runtime_search_evaluates_merged_layouts_and_costs_them_as_the_runtime_r
     results = search_training(cost, models, w, 300.0, fused=True, stats=stats, runtime=True)
     merged = [r for r in results if r.actor.tp != r.critic.tp]
     assert merged and all(r.merged for r in results)
+    plan = search_plan(cost, models, w, fused=True, runtime=True)
+    assert plan.train.actor.tp != plan.train.critic.tp
+    assert "consecutive stages merged per tp=4 group" in dict(plan.layout_rows())["training schedule"]
     for r in results:
         lay = Colocation(r.actor.pp, r.actor.tp, r.critic.pp, r.critic.tp)
         assert lay.problem(r.actor.microbatches(w.mini_batch)) is None

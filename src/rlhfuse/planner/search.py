@@ -328,12 +328,13 @@ class Plan:
             )
         for name, lay in (("training (Actor)", self.train.actor), ("training (Critic)", self.train.critic)):
             rows.append((name, f"dp={lay.dp} pp={lay.pp} tp={lay.tp} micro-batch={lay.micro_batch}"))
-        rows.append(
-            (
-                "training schedule",
-                self.train.mode + (f" ({self.train.ranks} ranks)" if self.train.ranks else ""),
-            )
-        )
+        schedule = self.train.mode + (f" ({self.train.ranks} ranks)" if self.train.ranks else "")
+        a, c = self.train.actor, self.train.critic
+        if self.train.merged and a.tp != c.tp:
+            narrow, lay = ("actor", a) if a.tp < c.tp else ("critic", c)
+            k = max(a.tp, c.tp) // lay.tp
+            schedule += f", {narrow}: {k} consecutive stages merged per tp={max(a.tp, c.tp)} group"
+        rows.append(("training schedule", schedule))
         return rows
 
     def to_dict(self) -> dict[str, Any]:
