@@ -57,5 +57,11 @@ def test_memory_prints_each_rank_by_component(capsys):
     # bf16 weights and gradients; fp32 masters and moments (printed to 1 MiB)
     assert rank0[1] == rank0[0] and rank0[2] == pytest.approx(2 * rank0[0], abs=2e-3)
     assert rank0[3] == pytest.approx(4 * rank0[0], abs=2e-3)
+    # unequal tp: the Critic's two consecutive stages merged on each tp=2 pipeline rank, one row per sub-rank
+    assert main(["memory", "--actor", "7b", "--critic", "7b", "--actor-pp", "2", "--critic-pp", "4", "--tp", "2",
+                 "--critic-tp", "1"]) == 0  # fmt: skip
+    merged = capsys.readouterr().out.splitlines()
+    assert "actor_tp=2 critic_tp=1" in merged[0]
+    assert [line.split()[0] for line in merged[2:]] == ["0.0", "0.1", "1.0", "1.1"]
     with pytest.raises(SystemExit):  # argparse refuses a precision the runtime does not have
         main(["memory", "--precision", "fp16"])

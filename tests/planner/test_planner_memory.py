@@ -46,11 +46,18 @@ def default_config(**overrides: object) -> ModelConfig:
 
 
 def build_rank(
-    root: pathlib.Path, rank: int, world: int, pp: tuple[int, int], tp: int, gen_tp: int, precision: str
+    root: pathlib.Path,
+    rank: int,
+    world: int,
+    pp: tuple[int, int],
+    tp: tuple[int, int],
+    gen_tp: int,
+    precision: str,
 ) -> dict[str, float]:
-    """What one rank of the runtime holds, measured on the modules it builds."""
+    """What one rank of the runtime holds, measured on the modules it builds (tp: the Actor's and the Critic's;
+    unequal: the smaller-tp model's stages merged, each rank its sub-stage's shard)."""
     layout = pipeline_layout(
-        PipelineConfig(actor_pp=pp[0], critic_pp=pp[1], actor_tp=tp, critic_tp=tp), world, 4, 1
+        PipelineConfig(actor_pp=pp[0], critic_pp=pp[1], actor_tp=tp[0], critic_tp=tp[1]), world, 4, 1
     )
     held = layout.held_stages(rank)
     actor_s, critic_s = (layout.stages("actor"), held["actor"]), (layout.stages("critic"), held["critic"])
@@ -65,12 +72,13 @@ def build_rank(
     )
     if precision == "bf16-true":
         cast_models(models, torch.bfloat16)
-    t = layout.tp_rank(rank)
 
-    def shard(m: Transformer) -> Transformer:
-        return shard_transformer(m, t, tp) if tp > 1 else m
+    def shard(m: Transformer, like: str) -> Transformer:  # as FusedPipelineStrategy.tp_shard
+        t = layout.model_tp(like)
+        return shard_transformer(m, layout.tp_rank(rank, like), t) if t > 1 else m
 
-    actor, critic, ref, reward = (shard(m) for m in (models.actor, models.critic, models.ref, models.reward))
+    actor, ref = shard(models.actor, "actor"), shard(models.ref, "actor")
+    critic, reward = shard(models.critic, "critic"), shard(models.reward, "critic")
     generation = models.generation
     assert generation is not None
     if gen_tp > 1:
@@ -94,7 +102,10 @@ def build_rank(
         for t in o.masters
     )
     metrics.update(gradients=float(grads), master_weights=float(masters))
-    metrics["local"] = float(layout.pipeline_rank(rank) % layout.group_size)
+    # the planner's entry for this rank: pipeline rank v's sub-rank j (`local_stages`; equal tp: j = 0)
+    width = max(layout.merge("actor"), layout.merge("critic"))
+    sub = (rank % layout.tp) // min(tp)
+    metrics["local"] = float((layout.pipeline_rank(rank) % layout.group_size) * width + sub)
     return metrics
 
 
@@ -104,6 +115,9 @@ LAYOUTS = [
     ((2, 2), 1, 1, "32-true", {}),
     ((2, 2), 2, 2, "32-true", {}),
     ((2, 1), 2, 1, "bf16-true", {}),
+    # merged stages (unequal tp): the tp=1 model's two consecutive stages on one tp=2 group, and the mirror
+    ((2, 4), (2, 1), 2, "32-true", dict(num_layers=4)),
+    ((4, 2), (1, 2), 1, "bf16-true", dict(num_layers=4, vocab_size=127)),
     # grouped-query attention with kv heads replicated over tp=2, q/k/v biases, an odd vocabulary (padded rows),
     # 3 layers on 2 stages (the first stage takes the extra layer)
     (
@@ -118,8 +132,14 @@ LAYOUTS = [
 
 @pytest.mark.parametrize(("pp", "tp", "gen_tp", "precision", "overrides"), LAYOUTS)
 def test_predicted_bytes_per_rank_equal_what_the_runtime_builds(
-    tmp_path: pathlib.Path, pp: tuple[int, int], tp: int, gen_tp: int, precision: str, overrides: dict
+    tmp_path: pathlib.Path,
+    pp: tuple[int, int],
+    tp: int | tuple[int, int],
+    gen_tp: int,
+    precision: str,
+    overrides: dict,
 ) -> None:
+    tps = tp if isinstance(tp, tuple) else (tp, tp)
     cfg = default_config(**overrides)
     torch.manual_seed(0)
     save_pretrained(Transformer(cfg, head="lm"), tmp_path / "sft")
@@ -130,14 +150,16 @@ def test_predicted_bytes_per_rank_equal_what_the_runtime_builds(
         spec,
         actor_pp=pp[0],
         critic_pp=pp[1],
-        actor_tp=tp,
+        actor_tp=tps[0],
+        critic_tp=tps[1],
         gen_tp=gen_tp,
         precision=precision,
         reward=spec,
     )
-    world = max(pp) * tp
+    world = max(p * t for p, t in zip(pp, tps))
+    assert len(predicted) * min(tps) == world
     for rank in range(world):
-        built = build_rank(tmp_path, rank, world, pp, tp, gen_tp, precision)
+        built = build_rank(tmp_path, rank, world, pp, tps, gen_tp, precision)
         want = predicted[int(built["local"])]
         got = {
             "param_bytes": built["memory/param_bytes"],

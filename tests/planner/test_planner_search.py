@@ -12,8 +12,11 @@ from rlhfuse.planner import (
     plan_for,
     train_layouts,
 )
+from rlhfuse.planner.colocation import Colocation
+from rlhfuse.planner.memory import rank_memory
 from rlhfuse.planner.search import search_plan, search_training, tp_candidates
-from rlhfuse.planner.simulate import model_step_time
+from rlhfuse.planner.simulate import TrainLayout, fused_problem, model_step_time, serial_training
+from rlhfuse.planner.specs import ModelSpec
 
 
 def test_tp_stays_in_a_node_and_divides_heads():
@@ -149,7 +152,50 @@ def test_runtime_plans_only_layouts_rlhfuse_runtime_runs():
     models = RLHFModels(model("7b"), model("7b"))
     plan = search_plan(cost, models, w, fused=True, stats=stats, runtime=True)
     a, c = plan.train.actor, plan.train.critic
-    assert a.tp == c.tp and max(a.pp, c.pp) % min(a.pp, c.pp) == 0
+    assert Colocation(a.pp, a.tp, c.pp, c.tp).problem(a.microbatches(w.mini_batch)) is None
     # fp32 weights, resident Ref / Reward and a generation copy: 7B is split in training and generation
     assert a.tp * a.pp > 1 and plan.gen_tp > 1
-    assert stats.removed["runtime: Actor and Critic tp differ or their stages do not nest"] > 0
+    assert stats.removed["runtime: the smaller-tp model's pp is not a multiple of max tp / its tp"] > 0
+    assert not any("tp differ" in reason for reason in stats.removed)
+
+
+# a 30-layer Actor (stages: 1, 2, 3, 5, ...) and a Critic whose 2 kv heads keep its tp <= 2
+MERGED_ACTOR = ModelSpec("a30", layers=30, hidden=6144, heads=48, ffn=16576, kv_heads=8)
+MERGED_CRITIC = ModelSpec("c24", layers=24, hidden=4096, heads=32, ffn=11008, kv_heads=2)
+
+
+def test_runtime_search_evaluates_merged_layouts_and_costs_them_as_the_runtime_runs_them():
+    """`runtime=True` admits unequal tp where `rlhfuse.runtime` merges the smaller-tp model's stages, and costs
+    such a pair over merged stages (each m x a sub-stage's time), its memory per rank from its sub-stage; the
+    paper grid's default (`merged=False`) keeps the lockstep sub-replicas."""
+    cost = CostModel(cluster("h100", 1, 8, max_tp=8), precision="bf16-mixed", offload_frozen=False)
+    models = RLHFModels(MERGED_ACTOR, MERGED_CRITIC)
+    w = Workload(global_batch=128, mini_batch=64, max_len=256)
+    stats = PruneStats()
+    results = search_training(cost, models, w, 300.0, fused=True, stats=stats, runtime=True)
+    merged = [r for r in results if r.actor.tp != r.critic.tp]
+    assert merged and all(r.merged for r in results)
+    plan = search_plan(cost, models, w, fused=True, runtime=True)
+    assert plan.train.actor.tp != plan.train.critic.tp
+    assert "consecutive stages merged per tp=4 group" in dict(plan.layout_rows())["training schedule"]
+    for r in results:
+        lay = Colocation(r.actor.pp, r.actor.tp, r.critic.pp, r.critic.tp)
+        assert lay.problem(r.actor.microbatches(w.mini_batch)) is None
+    a, c = TrainLayout(tp=4, pp=2, dp=1, micro_batch=8), TrainLayout(tp=2, pp=4, dp=1, micro_batch=8)
+    f, b = cost.stage_times(MERGED_CRITIC, "value", 2, 4, 1, 8, 300.0)
+    ranks, (pa, pc) = fused_problem(cost, models, a, c, w, 300.0, merged=True)
+    # critic: 4 stages at tp 2 -> 2 merged stages on tp-4 groups, 2 sub-stages each, in the actor's 2 ranks
+    assert ranks == 2 and (pa.stages, pc.stages, pc.replicas) == (2, 2, 1)
+    assert (pc.forward, pc.backward) == (2 * f, 2 * b) and pc.placement == ((1, 0),)
+    paper_ranks, (_, lockstep) = fused_problem(cost, models, a, c, w, 300.0)
+    assert paper_ranks == 4 and (lockstep.stages, lockstep.forward) == (4, f)
+    # memory: the runtime's ranks (each its critic sub-stage beside its actor stage's tp shard)
+    built = rank_memory(
+        MERGED_ACTOR, MERGED_CRITIC, actor_pp=2, critic_pp=4, actor_tp=4, critic_tp=2, gen_tp=1,
+        precision="bf16-mixed", reward=MERGED_CRITIC,
+    )  # fmt: skip
+    assert cost.rank_memory(MERGED_ACTOR, MERGED_CRITIC, (4, 2), (2, 4), gen_tp=1, merged=True) == built
+    # serial 1F1B of the merged critic: 2 stages of 2 x a sub-stage's time
+    serial = serial_training(cost, models, a, c, w, 300.0, merged=True)
+    assert serial.detail["critic"] == model_step_time(cost, MERGED_CRITIC, "value", c, 64, 300.0, merge=2)
+    assert serial.detail["critic"] > serial_training(cost, models, a, c, w, 300.0).detail["critic"]

@@ -235,3 +235,37 @@ def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
     p = result.config.pipeline
     assert p.actor_tp == p.critic_tp > 1 and result.config.generator.tp > 1
     assert validate_runtime(result.config) == []
+
+
+def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
+    """A 30-layer Actor (48 heads, 8 kv heads) and a Critic / Reward with 2 kv heads on 8 H100s: the Critic
+    cannot follow the Actor to tp=4 (tp divides the kv heads) and 30 layers do not split into 4 or 8 stages, so
+    the real planner chooses Actor tp=4 x pp=2 beside a Critic at tp=2, whose two consecutive stages merge onto
+    one tp=4 group (`ParallelLayout.merge`), costed as the runtime runs them; the plan applies and validates."""
+    shapes = {
+        "sft": {"num_hidden_layers": 30, "hidden_size": 6144, "num_attention_heads": 48, "num_key_value_heads": 8,
+                "intermediate_size": 16576},
+        "rm": {"num_hidden_layers": 24, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+               "intermediate_size": 11008},
+    }  # fmt: skip
+    for name, shape in shapes.items():
+        (tmp_path / name).mkdir()
+        hf = {"model_type": "llama", "vocab_size": 32000, "tie_word_embeddings": False, **shape}
+        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+    cfg = compose_config(
+        [
+            "plan=auto", "distributed.nproc_per_node=8", f"model.sft_path={tmp_path / 'sft'}",
+            f"model.reward_path={tmp_path / 'rm'}", "data.source=file", "data.path=p.jsonl",
+        ]
+    )  # fmt: skip
+    result = plan_config(cfg, "h100", "test")
+    train = result.plan.train
+    p = result.config.pipeline
+    assert (p.actor_tp, p.critic_tp) == (train.actor.tp, train.critic.tp)
+    assert p.actor_tp != p.critic_tp and train.merged
+    assert validate_runtime(result.config) == []
+    from rlhfuse.runtime.strategy import pipeline_layout
+
+    layout = pipeline_layout(p, 8, cfg.data.mini_batch_size, 1)
+    narrow = "actor" if p.actor_tp < p.critic_tp else "critic"
+    assert layout.merge(narrow) > 1

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.grid import PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.memory import PRECISIONS, rank_memories
@@ -122,17 +123,22 @@ def grid_table(comps: Sequence[Comparison]) -> str:
 
 
 def memory_table(args: argparse.Namespace) -> str:
-    """`rlhfuse-plan memory`: one row per pipeline rank of a fused group (every tp rank of it holds the same)."""
+    """`rlhfuse-plan memory`: one row per pipeline rank of a fused group (every tp rank of it holds the same); with
+    unequal tp, one per sub-rank of each pipeline rank (rank "v.j": the smaller-tp model's sub-stage j)."""
     critic = None if args.critic_free else args.critic
+    critic_tp = args.tp if args.critic_tp is None else args.critic_tp
     ranks = rank_memories(
         args.actor, critic, actor_pp=args.actor_pp, critic_pp=args.critic_pp, actor_tp=args.tp,
-        gen_tp=args.gen_tp, precision=args.precision, offload=args.offload_frozen, reward=args.critic,
+        critic_tp=critic_tp, gen_tp=args.gen_tp, precision=args.precision, offload=args.offload_frozen,
+        reward=args.critic,
     )  # fmt: skip
+    width = Colocation(args.actor_pp, args.tp, args.critic_pp, critic_tp).width
     cols = list(ranks[0].components())[:-2]  # KV cache and activations depend on the workload
     gib = 2**30
+    tps = f"tp={args.tp}" if critic_tp == args.tp else f"actor_tp={args.tp} critic_tp={critic_tp}"
     rows = [
         f"{args.actor.name}/{'-' if critic is None else critic.name}: actor_pp={args.actor_pp} "
-        f"critic_pp={args.critic_pp} tp={args.tp} generator.tp={args.gen_tp} {args.precision}"
+        f"critic_pp={args.critic_pp} {tps} generator.tp={args.gen_tp} {args.precision}"
         f"{' offload_frozen' if args.offload_frozen else ''} (GiB per device; KV cache and activations not included)",
         f"{'rank':>4} "
         + " ".join(f"{c:>18}" for c in cols)
@@ -140,8 +146,9 @@ def memory_table(args: argparse.Namespace) -> str:
     ]
     for r, m in enumerate(ranks):
         comp = m.components()
+        label = str(r) if width == 1 else f"{r // width}.{r % width}"
         rows.append(
-            f"{r:>4} " + " ".join(f"{comp[c] / gib:>18.3f}" for c in cols)
+            f"{label:>4} " + " ".join(f"{comp[c] / gib:>18.3f}" for c in cols)
             + f" {m.param_bytes / gib:>12.3f} {m.optimizer_bytes / gib:>16.3f}"
         )  # fmt: skip
     return "\n".join(rows)
@@ -193,7 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mem.add_argument("--critic-free", action="store_true", help="no Critic is trained (grpo, rloo, ...)")
     p_mem.add_argument("--actor-pp", type=int, default=1, help="pipeline.actor_pp")
     p_mem.add_argument("--critic-pp", type=int, default=1, help="pipeline.critic_pp")
-    p_mem.add_argument("--tp", type=int, default=1, help="pipeline.actor_tp = pipeline.critic_tp")
+    p_mem.add_argument(
+        "--tp", type=int, default=1, help="pipeline.actor_tp (and critic_tp unless --critic-tp)"
+    )
+    p_mem.add_argument(
+        "--critic-tp",
+        type=int,
+        default=None,
+        help="pipeline.critic_tp (unequal: the smaller-tp model's stages merged)",
+    )
     p_mem.add_argument("--gen-tp", type=int, default=1, help="generator.tp")
     p_mem.add_argument("--precision", default="32-true", choices=PRECISIONS, help="pipeline.optim.precision")
     p_mem.add_argument("--offload-frozen", action="store_true", help="inferencer.offload_frozen=true")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.memory import (
     ModelLayout,
     RankMemory,
@@ -115,11 +116,14 @@ class CostModel:
         a: tuple[int, int],
         c: tuple[int, int],
         gen_tp: int | None = None,
+        *,
+        merged: bool = False,
     ) -> RankMemory:
         """The busiest device of a training layout (a, c = (tp, pp) of the Actor and the Critic), by component:
         both trained models, the Ref (like the Actor) and the Reward (like the Critic, the Critic's shape), and with
-        `gen_tp` the generation copy (`busiest_rank`, cached: the search asks for the same layouts many times)."""
-        out = busiest_rank(self.precision, self.offload_frozen, actor, critic, a, c)
+        `gen_tp` the generation copy (`busiest_rank`, cached: the search asks for the same layouts many times).
+        `merged`: placed as `rlhfuse.runtime` places unequal tp (the smaller-tp model's stages merged)."""
+        out = busiest_rank(self.precision, self.offload_frozen, actor, critic, a, c, merged)
         if gen_tp:
             out += RankMemory(generation_weights=self.generation_weight_bytes(actor, gen_tp))
         return out
@@ -272,11 +276,19 @@ class CostModel:
 
 @functools.lru_cache(maxsize=65536)
 def busiest_rank(
-    precision: str, offload: bool, actor: ModelSpec, critic: ModelSpec, a: tuple[int, int], c: tuple[int, int]
+    precision: str,
+    offload: bool,
+    actor: ModelSpec,
+    critic: ModelSpec,
+    a: tuple[int, int],
+    c: tuple[int, int],
+    merged: bool = False,
 ) -> RankMemory:
-    """The device of a training layout holding most (`RankMemory.peak`), generation copy aside. Where the
-    pipelines nest (the larger pp a multiple of the smaller) the runtime's co-located placement is walked rank by
-    rank (`memory.local_stages`); otherwise each model's busiest stage is assumed on one device."""
+    """The device of a training layout holding most (`RankMemory.peak`), generation copy aside. With `merged`
+    and a layout `rlhfuse.runtime` runs, its placement is walked rank by rank (`memory.local_stages` over merged
+    stages: each rank its sub-stage of the smaller-tp model). Otherwise, where the pipelines nest (the larger pp
+    a multiple of the smaller), the paper's co-located placement of pp stages is walked (a smaller tp: lockstep
+    sub-replicas side by side); else each model's busiest stage is assumed on one device."""
     (a_tp, a_pp), (c_tp, c_pp) = a, c
     la, lc = ModelLayout(actor, "lm", a_pp, a_tp), ModelLayout(critic, "value", c_pp, c_tp)
 
@@ -288,6 +300,9 @@ def busiest_rank(
             + frozen_bytes(lc, sc, precision, offload)
         )
 
+    if merged and Colocation(a_pp, a_tp, c_pp, c_tp).problem() is None:
+        stages = local_stages(a_pp, c_pp, a_tp, c_tp)
+        return max((on_rank(sa, sc) for sa, sc in stages), key=lambda m: m.peak)
     if max(a_pp, c_pp) % min(a_pp, c_pp) == 0:
         return max((on_rank(sa, sc) for sa, sc in local_stages(a_pp, c_pp)), key=lambda m: m.peak)
     busiest_a = max(range(a_pp), key=lambda s: on_rank(s, 0).peak)

@@ -145,7 +145,8 @@ def speculative_gen_inf(cost: CostModel, plan: Plan, samples: Samples, speculati
     fused = plan.rt_fraction is not None
     costs = ModeledCosts(
         cost, plan.models.actor, plan.gen_tp, plan.workload.max_context,
-        resident_train_bytes(cost, plan.models, plan.train.actor, plan.train.critic), plan.models,
+        resident_train_bytes(cost, plan.models, plan.train.actor, plan.train.critic, merged=plan.train.merged),
+        plan.models,
         None if fused else plan.inference_tp, critic_train=(plan.train.critic.tp, plan.train.critic.pp),
     )  # fmt: skip
     rt = round(plan.rt_fraction * len(samples)) if plan.rt_fraction is not None else None

@@ -9,6 +9,10 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
   reversed over blocks of its pp (`rlhfuse.runtime.ParallelLayout.local_placement`), so rank 0 holds the Actor's
   embedding and the Critic's last stage: the busiest rank is found by walking the group (`rank_memories`).
   The Ref is placed like the Actor and the Reward like the Critic (both frozen, no optimizer).
+- **Merged stages** (unequal Actor / Critic tp, `rlhfuse.planner.colocation`): with T the larger tp and t the
+  smaller, the smaller-tp model's T / t consecutive stages share one T-wide pipeline rank, sub-stage j on its
+  ranks j*t .. j*t + t - 1 (its tp shard at tp t); the placement above is then over merged stages, and each
+  rank holds its own sub-stage (`local_stages`), 1 / (pp * tp) of each model.
 - **Tensor parallelism** (`rlhfuse.runtime.tensor_parallel.shard_transformer`): q / k / v / gate / up split by
   rows, o / down by columns; kv heads split when tp divides them, otherwise one kv head per rank (replicated);
   the embedding and LM head hold ceil(vocab / tp) rows each (the vocabulary padded to a multiple of tp); norms,
@@ -41,6 +45,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.specs import ModelSpec
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -237,17 +242,21 @@ def frozen_bytes(lay: ModelLayout, stage: int | None, precision: str, offload: b
     return RankMemory(frozen_offloaded=nbytes) if offload else RankMemory(frozen_weights=nbytes)
 
 
-def local_stages(actor_pp: int, critic_pp: int) -> list[tuple[int, int]]:
-    """(Actor stage, Critic-slot stage) on each rank of a fused group of max(pp) ranks: the model with more stages
-    (the Actor on ties) in rank order, the other's replicas reversed over blocks of its pp."""
-    n = max(actor_pp, critic_pp)
-    if n % min(actor_pp, critic_pp):
+def local_stages(
+    actor_pp: int, critic_pp: int, actor_tp: int = 1, critic_tp: int | None = None
+) -> list[tuple[int, int]]:
+    """(Actor stage, Critic-slot stage) on each distinct rank of a fused group (`Colocation.local_stages`): the
+    model with more (merged) stages (the Actor on ties) in rank order, the other's replicas reversed over blocks.
+    Equal tp: one entry per pipeline rank; unequal tp (the smaller-tp model's stages merged): entry v * merge + j
+    for sub-rank j of pipeline rank v."""
+    critic_tp = actor_tp if critic_tp is None else critic_tp
+    lay = Colocation(actor_pp, actor_tp, critic_pp, critic_tp)
+    if (reason := lay.problem()) is not None:
         raise ValueError(
-            f"actor_pp={actor_pp} and critic_pp={critic_pp}: the larger must be a multiple of the smaller"
+            f"actor_pp={actor_pp} tp={actor_tp} and critic_pp={critic_pp} tp={critic_tp} cannot be co-located: "
+            f"{reason} (the larger number of merged stages must be a multiple of the smaller)"
         )
-    if actor_pp >= critic_pp:
-        return [(r, critic_pp - 1 - r % critic_pp) for r in range(n)]
-    return [(actor_pp - 1 - r % actor_pp, r) for r in range(n)]
+    return lay.local_stages()
 
 
 def kv_cache_bytes(model: ModelSpec, tokens: float, tp: int, dtype_bytes: int) -> float:
@@ -271,8 +280,9 @@ def rank_memories(
     kv_tokens: float = 0.0,
     activations: float = 0.0,
 ) -> list[RankMemory]:
-    """Each rank of one fused group (max(actor_pp, critic_pp) pipeline ranks; every tp rank of a stage holds the
-    same): the Actor and (when `critic`) the Critic trained, the Ref placed like the Actor (when `ref`), the
+    """Each distinct rank of one fused group (`local_stages`: one entry per pipeline rank when the tp degrees are
+    equal, every tp rank of a stage holding the same; with unequal tp the smaller-tp model's consecutive stages
+    are merged onto one pipeline rank, sub-stage j on its sub-rank j: entry v * merge + j): the Actor and (when `critic`) the Critic trained, the Ref placed like the Actor (when `ref`), the
     Reward (`reward`, e.g. the Critic's shape; None: no reward model) like the Critic with `critic_pp` stages,
     the generation copy of `gen_tp` (one whole Actor at 1), `kv_tokens` cached positions of its instance and
     `activations` bytes of training activations per rank (estimates: the planner's cost model gives them)."""
@@ -282,7 +292,7 @@ def rank_memories(
     weight = bytes_per_param(precision).weight  # the generation copy is in the weights' dtype
     generation = shard_count(actor, "lm", tp=gen_tp).params * weight
     out = []
-    for sa, sc in local_stages(actor_pp, critic_pp):
+    for sa, sc in local_stages(actor_pp, critic_pp, actor_tp, critic_tp):
         mem = trained_bytes(a, sa, precision)
         if critic is not None:
             mem += trained_bytes(ModelLayout(critic, "value", critic_pp, critic_tp), sc, precision)

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.migration import MigrationDecision
 from rlhfuse.planner.simulate import (
@@ -121,11 +122,14 @@ def train_layouts(
     return out
 
 
-def resident_train_bytes(cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout) -> float:
+def resident_train_bytes(
+    cost: CostModel, models: RLHFModels, a: TrainLayout, c: TrainLayout, *, merged: bool = False
+) -> float:
     """What stays on the busiest device of a training layout outside training (`CostModel.rank_memory`): both
     trained models' weights, master copies and optimizer states, and the Ref / Reward unless offloaded (the
-    gradients are freed after each optimizer step; the generation copy is counted by `free_kv_bytes`)."""
-    return cost.rank_memory(models.actor, models.critic, (a.tp, a.pp), (c.tp, c.pp)).resident
+    gradients are freed after each optimizer step; the generation copy is counted by `free_kv_bytes`).
+    `merged`: placed as the runtime places unequal tp (`TrainResult.merged`)."""
+    return cost.rank_memory(models.actor, models.critic, (a.tp, a.pp), (c.tp, c.pp), merged=merged).resident
 
 
 TRAIN_FRONTIER = 4
@@ -150,8 +154,13 @@ def search_training(
     co-locatable pair as a fused pipeline: all are bounded, the best few by bound get a greedy schedule, whose
     makespan is the time used (RLHFuse falls back to serial where fusion does not pay). Each result's `bound`
     is the best fused lower bound among layouts with no more resident memory (for the report's bound column).
-    `runtime=True` keeps only pairs `rlhfuse.runtime` runs: both models on one tp degree, and the larger pp a
-    multiple of the smaller (it co-locates both on one layout for either schedule).
+    `runtime=True` keeps only pairs `rlhfuse.runtime` runs (it co-locates both on one layout for either
+    schedule: `rlhfuse.planner.colocation`, the rule of `rlhfuse.runtime.ParallelLayout`): equal tp, or a smaller
+    tp dividing the larger with the smaller-tp model's pp a multiple of their ratio; the larger number of merged
+    stages a multiple of the smaller; the larger model's micro-batches a multiple of the other's replicas. Each
+    refusal is counted under "runtime: <the rule>". Its pairs are costed as the runtime runs them
+    (`merged=True`: the smaller-tp model's consecutive stages merged onto one larger-tp group, their time and
+    memory per rank those of the sub-stages, `fused_problem`).
     """
     stats = stats if stats is not None else PruneStats()
     mb = workload.mini_batch
@@ -171,42 +180,56 @@ def search_training(
     fused_pairs: list[tuple[float, float, TrainLayout, TrainLayout]] = []
     for a in la:
         for c in lc:
-            if runtime and (a.tp != c.tp or max(a.pp, c.pp) % min(a.pp, c.pp)):
-                stats.removed["runtime: Actor and Critic tp differ or their stages do not nest"] += 1
-                continue
-            states = resident_train_bytes(cost, models, a, c)
-            training = train_state_bytes(cost, models, a, c)
-            if training + max(act_a[a], act_c[c]) <= usable:
-                serial.append((ta[a] + tc[c], states, a, c))
+            step_a, step_c, peak_a, peak_c = ta[a], tc[c], act_a[a], act_c[c]
+            if runtime:
+                lay = Colocation(a.pp, a.tp, c.pp, c.tp)
+                reason = lay.problem()
+                if reason is None:
+                    big = a if lay.larger == "actor" else c
+                    reason = lay.problem(big.microbatches(mb))
+                if reason is not None:
+                    stats.removed[f"runtime: {reason}"] += 1
+                    continue
+                if a.tp != c.tp:  # the smaller-tp model's stages merged: its own 1F1B and peak change
+                    ma, mc = lay.merge("actor"), lay.merge("critic")
+                    step_a = model_step_time(cost, models.actor, "lm", a, mb, seq, ma)
+                    step_c = model_step_time(cost, models.critic, "value", c, mb, seq, mc)
+                    peak_a = activation_peak(cost, models.actor, a, mb, seq, ma)
+                    peak_c = activation_peak(cost, models.critic, c, mb, seq, mc)
+            states = resident_train_bytes(cost, models, a, c, merged=runtime)
+            training = train_state_bytes(cost, models, a, c, merged=runtime)
+            if training + max(peak_a, peak_c) <= usable:
+                serial.append((step_a + step_c, states, a, c))
             else:
                 stats.removed["memory (both models resident)"] += 1
             if not fused:
                 continue
             big, small = (a, c) if a.pp >= c.pp else (c, a)
-            if big.pp % small.pp or max(a.tp, c.tp) % min(a.tp, c.tp):
+            if not runtime and (big.pp % small.pp or max(a.tp, c.tp) % min(a.tp, c.tp)):
                 stats.removed["fused: stages or tp do not nest"] += 1
                 continue
-            if training + act_a[a] + act_c[c] > usable:
+            if training + peak_a + peak_c > usable:
                 stats.removed["fused: memory"] += 1
                 continue
-            fused_pairs.append((fused_bound(cost, models, a, c, workload, seq), states, a, c))
+            bound = fused_bound(cost, models, a, c, workload, seq, merged=runtime)
+            fused_pairs.append((bound, states, a, c))
     if not serial:
         raise ValueError(
             f"no training layout pair fits in memory for {models.name} (pruned: {dict(stats.removed)})"
         )
     results: list[TrainResult] = [
-        serial_training(cost, models, a, c, workload, seq) for _, _, a, c in _frontier(serial)
+        serial_training(cost, models, a, c, workload, seq, merged=runtime) for _, _, a, c in _frontier(serial)
     ]
     if fused_pairs:
         fused_pairs.sort(key=lambda x: x[0])
         chosen = {(a, c) for _, _, a, c in fused_pairs[:FUSED_GREEDY_TOP_K]}
         chosen |= {(a, c) for _, _, a, c in _frontier(fused_pairs)}
-        results += [fused_training(cost, models, a, c, workload, seq) for a, c in chosen]
+        results += [fused_training(cost, models, a, c, workload, seq, merged=runtime) for a, c in chosen]
     keyed = [(r.per_minibatch, r.memory, r) for r in results]
     frontier = [r for _, _, r in _frontier(keyed)]
     out = []
     for r in frontier:
-        states = resident_train_bytes(cost, models, r.actor, r.critic)
+        states = resident_train_bytes(cost, models, r.actor, r.critic, merged=r.merged)
         bounds = [b for b, st, _, _ in fused_pairs if st <= states] + [r.per_minibatch]
         out.append(replace(r, bound=min(bounds)))
     return out
@@ -305,12 +328,13 @@ class Plan:
             )
         for name, lay in (("training (Actor)", self.train.actor), ("training (Critic)", self.train.critic)):
             rows.append((name, f"dp={lay.dp} pp={lay.pp} tp={lay.tp} micro-batch={lay.micro_batch}"))
-        rows.append(
-            (
-                "training schedule",
-                self.train.mode + (f" ({self.train.ranks} ranks)" if self.train.ranks else ""),
-            )
-        )
+        schedule = self.train.mode + (f" ({self.train.ranks} ranks)" if self.train.ranks else "")
+        a, c = self.train.actor, self.train.critic
+        if self.train.merged and a.tp != c.tp:
+            narrow, lay = ("actor", a) if a.tp < c.tp else ("critic", c)
+            k = max(a.tp, c.tp) // lay.tp
+            schedule += f", {narrow}: {k} consecutive stages merged per tp={max(a.tp, c.tp)} group"
+        rows.append(("training schedule", schedule))
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -396,7 +420,7 @@ def _best_gen_inf(
     cache: dict[int, Unmigrated],
     runtime: bool = False,
 ) -> Plan | None:
-    resident = resident_train_bytes(cost, models, train.actor, train.critic)
+    resident = resident_train_bytes(cost, models, train.actor, train.critic, merged=train.merged)
     critic_train = (train.critic.tp, train.critic.pp)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):

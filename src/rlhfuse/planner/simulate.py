@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.migration import Mechanism, MigrationDecision, choose_mechanism, decide_migration
@@ -782,6 +783,9 @@ class TrainResult:
     minibatches: int
     ranks: int = 0
     """Fused: ranks of one fused pipeline (tp groups); 0 for serial."""
+    merged: bool = False
+    """Modelled as `rlhfuse.runtime` runs unequal tp (`runtime=True`): the smaller-tp model's consecutive stages
+    merged onto one larger-tp group, run one after the other (`fused_problem`)."""
     detail: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
@@ -797,32 +801,53 @@ def _stage(cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, seq: 
     return cost.stage_times(model, head, lay.tp, lay.pp, lay.dp, lay.micro_batch, seq)
 
 
+def merges(actor: TrainLayout, critic: TrainLayout, merged: bool) -> tuple[int, int]:
+    """Consecutive stages of the Actor and of the Critic that run as one merged stage (`merged`: the runtime's
+    placement of unequal tp, `rlhfuse.planner.colocation`; otherwise 1 and 1)."""
+    if not merged:
+        return 1, 1
+    lay = Colocation(actor.pp, actor.tp, critic.pp, critic.tp).check()
+    return lay.merge("actor"), lay.merge("critic")
+
+
 def activation_peak(
-    cost: CostModel, model: ModelSpec, lay: TrainLayout, mini_batch: int, seq: float
+    cost: CostModel, model: ModelSpec, lay: TrainLayout, mini_batch: int, seq: float, merge: int = 1
 ) -> float:
-    """1F1B's peak on stage 0: min(pp, M) micro-batches in flight over the stage's layers."""
-    inflight = min(lay.pp, lay.microbatches(mini_batch))
+    """1F1B's peak on stage 0: min(stages, M) micro-batches in flight over the stage's layers (`merge` > 1:
+    pp / merge merged stages, each device holding one sub-stage's layers)."""
+    inflight = min(lay.pp // merge, lay.microbatches(mini_batch))
     layers = model.layers * stage_fraction(model, lay.pp)
     return inflight * cost.activation_bytes(model, lay.micro_batch * seq, lay.tp, layers)
 
 
 def model_step_time(
-    cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, mini_batch: int, seq: float
+    cost: CostModel,
+    model: ModelSpec,
+    head: str,
+    lay: TrainLayout,
+    mini_batch: int,
+    seq: float,
+    merge: int = 1,
 ) -> float:
-    """One model's mini-batch with 1F1B on its own layout, + DP gradient all-reduce + optimizer step."""
+    """One model's mini-batch with 1F1B on its own layout, + DP gradient all-reduce + optimizer step (`merge` > 1:
+    pp / merge merged stages, each running its `merge` sub-stages one after the other)."""
     f, b = _stage(cost, model, head, lay, seq)
     return (
-        one_f_one_b(lay.pp, lay.microbatches(mini_batch), f, b)
+        one_f_one_b(lay.pp // merge, lay.microbatches(mini_batch), merge * f, merge * b)
         + cost.grad_allreduce_time(model, head, lay.tp, lay.pp, lay.dp)
         + cost.optimizer_step_time(model, head, lay.tp, lay.pp)
     )
 
 
-def train_state_bytes(cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout) -> float:
+def train_state_bytes(
+    cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout, *, merged: bool = False
+) -> float:
     """What the busiest device holds while training, activations and the generation copy aside: both trained
     models' weights, gradients, master copies and optimizer states and the resident frozen models
-    (`CostModel.rank_memory`)."""
-    rm = cost.rank_memory(models.actor, models.critic, (actor.tp, actor.pp), (critic.tp, critic.pp))
+    (`CostModel.rank_memory`; `merged`: the runtime's placement of unequal tp)."""
+    rm = cost.rank_memory(
+        models.actor, models.critic, (actor.tp, actor.pp), (critic.tp, critic.pp), merged=merged
+    )
     return rm.resident + rm.gradients
 
 
@@ -833,18 +858,24 @@ def serial_training(
     critic: TrainLayout,
     workload: Workload,
     seq: float,
+    *,
+    merged: bool = False,
 ) -> TrainResult:
+    """Each model's 1F1B on its own pipeline, one after the other (`merged`: as `rlhfuse.runtime` runs unequal tp,
+    the smaller-tp model's stages merged, `fused_problem`)."""
     mb = workload.mini_batch
-    ta = model_step_time(cost, models.actor, "lm", actor, mb, seq)
-    tc = model_step_time(cost, models.critic, "value", critic, mb, seq)
-    memory = train_state_bytes(cost, models, actor, critic) + max(
-        activation_peak(cost, models.actor, actor, mb, seq),
-        activation_peak(cost, models.critic, critic, mb, seq),
+    ma, mc = merges(actor, critic, merged)
+    ta = model_step_time(cost, models.actor, "lm", actor, mb, seq, ma)
+    tc = model_step_time(cost, models.critic, "value", critic, mb, seq, mc)
+    memory = train_state_bytes(cost, models, actor, critic, merged=merged) + max(
+        activation_peak(cost, models.actor, actor, mb, seq, ma),
+        activation_peak(cost, models.critic, critic, mb, seq, mc),
     )
     n_mb = workload.global_batch // mb
     return TrainResult(
-        "serial", actor, critic, ta + tc, ta + tc, memory, n_mb, detail={"actor": ta, "critic": tc}
-    )
+        "serial", actor, critic, ta + tc, ta + tc, memory, n_mb, merged=merged,
+        detail={"actor": ta, "critic": tc},
+    )  # fmt: skip
 
 
 def fused_problem(
@@ -854,21 +885,30 @@ def fused_problem(
     critic: TrainLayout,
     workload: Workload,
     seq: float,
+    *,
+    merged: bool = False,
 ) -> tuple[int, list[PipeModel]]:
     """The fused pipeline problem of a co-located layout (DESIGN §3): the model with more stages runs in order
-    on ranks 0..N-1, the other's N / pp replicas run reversed over blocks of ranks. A rank is a group of
-    max(tp) devices; a model with smaller tp runs max(tp) / tp lockstep sub-replicas side by side in it."""
-    ranks = max(actor.pp, critic.pp)
+    on ranks 0..N-1, the other's N / stages replicas run reversed over blocks of ranks. A rank is a group of
+    max(tp) devices.
+
+    A model with the smaller tp t < T = max(tp): by default (the paper's grid) it runs T / t lockstep
+    sub-replicas side by side in a rank, one op each. `merged=True` is what `rlhfuse.runtime` runs
+    (`rlhfuse.planner.colocation`): its m = T / t consecutive stages form one merged stage on a rank, which runs
+    the m sub-stages one after the other (m x a sub-stage's time), and the problem is over merged stages
+    (pp / m per model; equal tp: the same problem)."""
+    ma, mc = merges(actor, critic, merged)
+    pa, pc = actor.pp // ma, critic.pp // mc
+    ranks = max(pa, pc)
     mb = workload.mini_batch
     out = []
-    for (model, head), lay, in_order in (
-        ((models.actor, "lm"), actor, actor.pp == ranks),
-        ((models.critic, "value"), critic, critic.pp == ranks and actor.pp < ranks),
+    for (model, head), lay, m, stages, in_order in (
+        ((models.actor, "lm"), actor, ma, pa, pa == ranks),
+        ((models.critic, "value"), critic, mc, pc, pc == ranks and pa < ranks),
     ):
         f, b = _stage(cost, model, head, lay, seq)
-        placement = (tuple(range(ranks)),) if in_order else reversed_blocks(ranks, lay.pp)
-        # lockstep sub-replicas (smaller tp) run at the same time on their own devices: one op each
-        out.append(PipeModel(lay.pp, ranks // lay.pp, lay.microbatches(mb), f, b, placement))
+        placement = (tuple(range(ranks)),) if in_order else reversed_blocks(ranks, stages)
+        out.append(PipeModel(stages, ranks // stages, lay.microbatches(mb), m * f, m * b, placement))
     return ranks, out
 
 
@@ -889,9 +929,11 @@ def fused_bound(
     critic: TrainLayout,
     workload: Workload,
     seq: float,
+    *,
+    merged: bool = False,
 ) -> float:
     """Lower bound of a fused mini-batch (pipeline lower bound + all-reduces + optimizer steps)."""
-    ranks, problem = fused_problem(cost, models, actor, critic, workload, seq)
+    ranks, problem = fused_problem(cost, models, actor, critic, workload, seq, merged=merged)
     return fused_lower_bound(ranks, problem) + fused_extra(cost, models, actor, critic)
 
 
@@ -902,20 +944,24 @@ def fused_training(
     critic: TrainLayout,
     workload: Workload,
     seq: float,
+    *,
+    merged: bool = False,
 ) -> TrainResult:
-    """A co-located layout trained with the greedy fused schedule (`per_minibatch`) and its bound."""
-    ranks, problem = fused_problem(cost, models, actor, critic, workload, seq)
+    """A co-located layout trained with the greedy fused schedule (`per_minibatch`) and its bound (`merged`: see
+    `fused_problem`)."""
+    ranks, problem = fused_problem(cost, models, actor, critic, workload, seq, merged=merged)
     extra = fused_extra(cost, models, actor, critic)
     bound = fused_lower_bound(ranks, problem) + extra
     est = greedy_fused_makespan(ranks, problem) + extra
     mb = workload.mini_batch
+    ma, mc = merges(actor, critic, merged)
     memory = (
-        train_state_bytes(cost, models, actor, critic)
-        + activation_peak(cost, models.actor, actor, mb, seq)
-        + activation_peak(cost, models.critic, critic, mb, seq)
+        train_state_bytes(cost, models, actor, critic, merged=merged)
+        + activation_peak(cost, models.actor, actor, mb, seq, ma)
+        + activation_peak(cost, models.critic, critic, mb, seq, mc)
     )
     n_mb = workload.global_batch // mb
-    return TrainResult("fused", actor, critic, est, bound, memory, n_mb, ranks)
+    return TrainResult("fused", actor, critic, est, bound, memory, n_mb, ranks, merged)
 
 
 def searched_training(
@@ -934,11 +980,14 @@ def searched_training(
         return train
     from rlhfuse.pipeline import SearchConfig, solve
 
-    ranks, problem = fused_problem(cost, models, train.actor, train.critic, workload, seq)
+    ranks, problem = fused_problem(
+        cost, models, train.actor, train.critic, workload, seq, merged=train.merged
+    )
     mb = workload.mini_batch
+    ma, mc = merges(train.actor, train.critic, train.merged)
     acts = [
-        activation_peak(cost, models.actor, train.actor, mb, seq) / max(1, min(train.actor.pp, train.actor.microbatches(mb))),
-        activation_peak(cost, models.critic, train.critic, mb, seq) / max(1, min(train.critic.pp, train.critic.microbatches(mb))),
+        activation_peak(cost, models.actor, train.actor, mb, seq, ma) / max(1, min(train.actor.pp // ma, train.actor.microbatches(mb))),
+        activation_peak(cost, models.critic, train.critic, mb, seq, mc) / max(1, min(train.critic.pp // mc, train.critic.microbatches(mb))),
     ]  # fmt: skip
     searchable = pipeline_problem(
         ranks,
