@@ -110,7 +110,10 @@ def test_makespan_slack_trades_makespan_for_memory_with_a_pareto_list():
     assert traded.pareto == [(6.0, 2.0), (8.0, 1.0)]
     assert traded.lower_bound == 6  # the proven makespan bound is unchanged; the gap is the trade
     result = traded.to_result()
-    assert result["pareto"] == [{"makespan": 6, "peak_activation": 2.0}, {"makespan": 8, "peak_activation": 1.0}]
+    assert result["pareto"] == [
+        {"makespan": 6, "peak_activation": 2.0},
+        {"makespan": 8, "peak_activation": 1.0},
+    ]
     assert result["makespan"] == 8 and result["peak_lower_bound"] == 1.0
 
 
@@ -122,7 +125,15 @@ def test_cli_makespan_slack_and_peak_bound(tmp_path, capsys):
     assert main(argv) == 0
     got = json.loads(out.read_text())
     assert got["makespan"] == 8 and got["peak_activation"] == 1 and len(got["pareto"]) == 2
-    for key in ("problem", "makespan", "peak_activation", "lower_bound", "serial_1f1b", "search_seconds", "ranks"):
+    for key in (
+        "problem",
+        "makespan",
+        "peak_activation",
+        "lower_bound",
+        "serial_1f1b",
+        "search_seconds",
+        "ranks",
+    ):
         assert key in got  # FORMAT.md's keys stay
     assert main(["solve", str(problem), "--makespan-slack", "1.5"]) == 2
     assert "--makespan-slack=1.5 must be a fraction" in capsys.readouterr().err
