@@ -108,6 +108,7 @@ def test_makespan_slack_trades_makespan_for_memory_with_a_pareto_list():
     assert traded.makespan_limit == pytest.approx(6 * 1.34)
     assert (traded.makespan, traded.peak) == (8, 1) and traded.peak_bound == 1.0
     assert traded.pareto == [(6.0, 2.0), (8.0, 1.0)]
+    assert (traded.makespan, traded.peak) in traded.pareto  # the result is a point of the front
     assert traded.lower_bound == 6  # the proven makespan bound is unchanged; the gap is the trade
     result = traded.to_result()
     assert result["pareto"] == [

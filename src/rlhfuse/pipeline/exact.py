@@ -683,6 +683,7 @@ def memory_lns(
         )
     best_peak = c.peak(best)
     trace: list[tuple[float, float]] = []
+    kept = (best_peak, best_ms, best)
     used, began, stale = 0.0, time.perf_counter(), 0
     widths = [0.2, 0.26, 0.33, 0.4] + ([1.0] if c.n <= 1000 else [])
     while used < total * 0.98 and best_peak > target + 1e-9 and stale < patience:
@@ -723,8 +724,12 @@ def memory_lns(
             if pk < best_peak - 1e-9:
                 trace.append((ms, pk))
                 stale = 0
+            if pk < kept[0] - 1e-9 or (pk <= kept[0] + 1e-9 and ms < kept[1] - 1e-9):
+                kept = (pk, ms, new)
             best, best_ms, best_peak = new, ms, pk
-    return best, trace
+    # The search moves on plateaus of equal peak (any makespan up to the limit); the result is the lowest
+    # peak at the shortest makespan seen, so it matches the trace's last point.
+    return kept[2], trace
 
 
 def _lns_step(

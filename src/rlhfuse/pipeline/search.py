@@ -692,18 +692,24 @@ def _worker(
         slack_goal = max(bounds.memory, peak_lower_bound(problem, limit, c).peak)
         if best_peak > slack_goal + 1e-9:
             order = best
+            found: list[tuple[float, float, np.ndarray]] = []  # (peak, makespan, order) within the limit
             if lns_on:
                 order, trace = _lns(c, config, best, limit, slack_goal, end, worker, share=2.0)
                 points += trace
+                found.append((c.peak(order), float(c.evaluate(order)[0]), order))
             for _ in range(2):
                 if c.peak(order) <= slack_goal + 1e-9:
                     break
                 iters = _round_iters(rates[1] * max(0.5, 0.05 * budget), config.round_iterations, config)
                 order, _done = _anneal_memory(c, order, limit, iters, rng, slack_goal)
                 points.append((float(c.evaluate(order)[0]), c.peak(order)))
-            ms, peak = float(c.evaluate(order)[0]), c.peak(order)
-            if ms <= limit + 1e-9 and peak < best_peak - 1e-9:
-                best_ms, best_peak, best = ms, peak, order
+                found.append((c.peak(order), float(c.evaluate(order)[0]), order))
+            # The lowest peak, then the shortest makespan: a point of the front, not just the last schedule.
+            within = [f for f in found if 0 <= f[1] <= limit + 1e-9]
+            if within:
+                peak, ms, order = min(within, key=lambda f: (round(f[0], 9), f[1]))
+                if peak < best_peak - 1e-9:
+                    best_ms, best_peak, best = ms, peak, order
     return {
         "worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats,
         "pareto": pareto_front(points), "limit": limit,
