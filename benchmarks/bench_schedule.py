@@ -8,6 +8,8 @@ Problems come from `<repo>/../shared/bench/table3.json`, or `$RLHFUSE_TABLE3`. T
 (`RLHFUSE_SCHEDULE_ITERATIONS` annealing iterations per phase, default 1M, plus a fixed CP-SAT deterministic
 time), so the figures do not depend on the machine's load; `RLHFUSE_SCHEDULE_ITERATIONS=0` uses the wall-clock
 `RLHFUSE_SCHEDULE_BUDGET` (seconds per setting) instead, and `RLHFUSE_SCHEDULE_WORKERS` sets the processes.
+`RLHFUSE_SCHEDULE_SLACK=F` lets every setting trade makespan for memory up to (1 + F) x its proven bound
+(`--makespan-slack`; the Pareto column then lists the points found), 0 by default.
 """
 
 from __future__ import annotations
@@ -102,9 +104,13 @@ def run(quick: bool = False) -> None:
     budget = float(os.environ.get("RLHFUSE_SCHEDULE_BUDGET", 5.0 if quick else 60.0))
     workers = int(os.environ.get("RLHFUSE_SCHEDULE_WORKERS", 1))
     iterations = int(os.environ.get("RLHFUSE_SCHEDULE_ITERATIONS", 100_000 if quick else 1_000_000)) or None
+    slack = float(os.environ.get("RLHFUSE_SCHEDULE_SLACK", 0.0))
     effort = f"{iterations} iterations per phase" if iterations else f"time budget {budget:g}s"
-    print(f"problems: {path}; {effort} per setting, {workers} worker process(es)", flush=True)
-    bench(path, time_budget=budget, workers=workers, max_iterations=iterations)
+    print(
+        f"problems: {path}; {effort} per setting, {workers} worker process(es), makespan slack {slack:g}",
+        flush=True,
+    )
+    bench(path, time_budget=budget, workers=workers, max_iterations=iterations, makespan_slack=slack)
     print("unseen problems (other shapes, unequal stage times, latency, memory caps):", flush=True)
     unseen(iterations)
     dry_run_64(budget)

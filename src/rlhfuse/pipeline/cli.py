@@ -2,8 +2,9 @@
 
 rlhfuse-schedule solve PROBLEM.json --time-budget SECONDS --out RESULT.json [--plot TIMELINE.png]
 rlhfuse-schedule solve PROBLEM.json --max-iterations N      # deterministic effort: same result on any machine
-rlhfuse-schedule bound PROBLEM.json --time-budget SECONDS --out BOUND.json
-rlhfuse-schedule bench [TABLE.json] [--max-iterations N | --time-budget SECONDS] [--workers N]
+rlhfuse-schedule solve PROBLEM.json --makespan-slack 0.012  # up to 1.2% above the proven bound for less memory
+rlhfuse-schedule bound PROBLEM.json --time-budget SECONDS --out BOUND.json [--makespan-limit M]
+rlhfuse-schedule bench [TABLE.json] [--max-iterations N | --time-budget SECONDS] [--workers N] [--makespan-slack F]
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from rlhfuse.pipeline.bounds import lower_bounds
+from rlhfuse.pipeline.bounds import lower_bounds, peak_lower_bound
 from rlhfuse.pipeline.compiled import compile_problem
 from rlhfuse.pipeline.exact import DEFAULT_MAX_OPS, exact_search
 from rlhfuse.pipeline.problem import load_problem, load_problems
@@ -42,7 +44,7 @@ def format_table(solutions: Sequence[Solution]) -> str:
     head = (
         f"{'setting':34s} {'serial':>6s} {'greedy':>6s} {'ours':>6s} {'bound':>6s} {'gap':>6s} {'paper':>6s} "
         f"{'x greedy':>8s} {'x ours':>7s} {'x paper':>7s} {'mem greedy':>10s} {'mem ours':>8s} {'mem paper':>9s} "
-        f"{'peak':>7s} {'p.peak':>7s} {'sec':>6s}"
+        f"{'peak':>7s} {'peak lb':>7s} {'p.peak':>7s} {'sec':>6s}  pareto (makespan/peak)"
     )
     lines = [head, "-" * len(head)]
     hits = 0
@@ -58,8 +60,9 @@ def format_table(solutions: Sequence[Solution]) -> str:
             f"{s.serial_makespan / s.greedy_makespan:8.2f} {s.speedup:7.2f} "
             f"{s.serial_makespan / paper_ms if paper_ms else float('nan'):7.2f} "
             f"{s.greedy_peak / s.serial_peak:10.2f} {s.memory_ratio:8.2f} "
-            f"{paper_mem if paper_mem is not None else '-':>9} {s.peak:7.2f} "
-            f"{paper_peak if paper_peak is not None else '-':>7} {s.seconds:6.1f}"
+            f"{paper_mem if paper_mem is not None else '-':>9} {s.peak:7.2f} {s.peak_bound:7.2f} "
+            f"{paper_peak if paper_peak is not None else '-':>7} {s.seconds:6.1f}  "
+            + " ".join(f"{ms:g}/{pk:.2f}" for ms, pk in s.pareto)
         )
     lines.append(
         f"proven optimal (makespan = proven lower bound) in {hits} of {len(solutions)}; speedups (x) are over serial 1F1B; memory is the peak "
@@ -71,8 +74,18 @@ def format_table(solutions: Sequence[Solution]) -> str:
 def _config(args: argparse.Namespace) -> SearchConfig:
     iterations = args.max_iterations if args.max_iterations else None
     return SearchConfig(
-        time_budget=args.time_budget, seed=args.seed, workers=args.workers, max_iterations=iterations
-    )
+        time_budget=args.time_budget, seed=args.seed, workers=args.workers, max_iterations=iterations,
+        makespan_slack=_slack(args.makespan_slack),
+    )  # fmt: skip
+
+
+def _slack(value: float) -> float:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"--makespan-slack={value:g} must be a fraction in [0, 1), e.g. 0.01 for up to 1% above the proven "
+            "lower bound"
+        )
+    return float(value)
 
 
 def _solve(args: argparse.Namespace) -> int:
@@ -114,12 +127,18 @@ def _solve(args: argparse.Namespace) -> int:
 
 
 def bound(
-    problem_path: Path, time_budget: float = 60.0, seed: int = 0, max_ops: int = DEFAULT_MAX_OPS
+    problem_path: Path,
+    time_budget: float = 60.0,
+    seed: int = 0,
+    max_ops: int = DEFAULT_MAX_OPS,
+    makespan_limit: float | None = None,
 ) -> dict:
     """The proven lower bound of one problem and, if the exact model finds one, an optimal schedule.
 
     A short deterministic annealing run gives the warm start; the exact model then decides "makespan <=
     bound?" upwards from the analytic bound and, if a decision stays open, minimises from the warm start.
+    Also a lower bound on the peak activation of any schedule with makespan <= `makespan_limit` (default:
+    the best schedule's makespan), `bounds.peak_lower_bound`.
     """
     problem = load_problem(problem_path)
     began = time.perf_counter()
@@ -134,7 +153,7 @@ def bound(
     best = r.order if r.order is not None else order
     ms = float(c.evaluate(best)[0])
     lower = max(analytic, r.lower_bound)
-    out = {
+    out: dict[str, Any] = {
         "problem": problem.name,
         "lower_bound": int(lower) if float(lower).is_integer() else round(lower, 6),
         "lower_bound_analytic": int(analytic) if float(analytic).is_integer() else round(analytic, 6),
@@ -146,13 +165,24 @@ def bound(
         "ops": c.n,
         "seconds": round(time.perf_counter() - began, 3),
         "peak_activation": round(c.peak(best), 6),
-        "ranks": c.to_schedule(best).labels(),
     }
+    limit = ms if makespan_limit is None else float(makespan_limit)
+    if limit < lower - 1e-9:
+        raise ValueError(
+            f"--makespan-limit={limit:g} is below the proven lower bound {lower:g}: no schedule ends by then"
+        )
+    pb = peak_lower_bound(problem, limit, c)
+    out.update(
+        peak_lower_bound=round(pb.peak, 6),
+        peak_lower_bound_makespan=int(limit) if float(limit).is_integer() else round(limit, 6),
+        peak_lower_bound_per_rank=[round(x, 6) for x in pb.per_rank],
+        ranks=c.to_schedule(best).labels(),
+    )
     return out
 
 
 def _bound(args: argparse.Namespace) -> int:
-    out = bound(args.problem, args.time_budget, args.seed, args.max_ops)
+    out = bound(args.problem, args.time_budget, args.seed, args.max_ops, args.makespan_limit)
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +191,9 @@ def _bound(args: argparse.Namespace) -> int:
         f"{out['problem']}: proven lower bound {out['lower_bound']:g} (analytic {out['lower_bound_analytic']:g}), "
         f"best schedule {out['makespan']:g}, gap {100 * out['gap']:.2f}%"
         + (" (optimal)" if out["optimal"] else "")
-        + f"; {out['status']}: {out['note']}; {out['seconds']:.1f}s"
+        + f"; {out['status']}: {out['note']}; peak activation of any schedule ending by "
+        f"{out['peak_lower_bound_makespan']:g} >= {out['peak_lower_bound']:g} (best schedule's peak "
+        f"{out['peak_activation']:g}); {out['seconds']:.1f}s"
     )
     return 0
 
@@ -172,12 +204,15 @@ def bench(
     workers: int = 1,
     seed: int = 0,
     max_iterations: int | None = BENCH_ITERATIONS,
+    makespan_slack: float = 0.0,
 ) -> list[Solution]:
     """Solve every problem of a table3.json-style file, printing each row as it is found, then the table.
 
     By default the effort is `max_iterations` annealing iterations per phase (and a fixed CP-SAT
     deterministic time), so the figures do not depend on the machine's load; `max_iterations=None` uses the
-    wall-clock `time_budget` instead.
+    wall-clock `time_budget` instead. With `makespan_slack`, each row's schedule is the lowest peak within
+    (1 + slack) x the proven bound, and the Pareto column lists the (makespan, peak) points from the best
+    makespan up.
     """
     path = path or default_table_path()
     if not path.is_file():
@@ -188,12 +223,15 @@ def bench(
     solutions = []
     for problem in load_problems(path):
         config = SearchConfig(
-            time_budget=time_budget, seed=seed, workers=workers, max_iterations=max_iterations
-        )
+            time_budget=time_budget, seed=seed, workers=workers, max_iterations=max_iterations,
+            makespan_slack=_slack(makespan_slack),
+        )  # fmt: skip
         s = solve(problem, config)
         print(
             f"  {problem.name}: {s.makespan:g} / proven bound {s.lower_bound:g} (gap {100 * s.gap:.2f}%), "
-            f"peak {s.peak:.2f}, {s.seconds:.1f}s",
+            f"peak {s.peak:.2f} (lower bound {s.peak_bound:.2f}), pareto "
+            + " ".join(f"{ms:g}/{pk:.2f}" for ms, pk in s.pareto)
+            + f", {s.seconds:.1f}s",
             flush=True,
         )
         solutions.append(s)
@@ -222,6 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--split-backward", action="store_true",
         help="also search split-backward (F/I/W) schedules and report them next to the F/B result",
     )  # fmt: skip
+    slack_help = (
+        "trade makespan for memory: allow up to (1 + FRACTION) x the proven lower bound and return the lowest "
+        "peak found within it (the JSON's pareto lists the (makespan, peak) points); default 0"
+    )
+    p_solve.add_argument("--makespan-slack", type=float, default=0.0, metavar="FRACTION", help=slack_help)
     p_bound = sub.add_parser("bound", help="prove a lower bound (and, if found, an optimal schedule)")
     p_bound.add_argument("problem", type=Path)
     p_bound.add_argument("--time-budget", type=float, default=60.0, help="seconds for the exact model")
@@ -230,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_bound.add_argument(
         "--max-ops", type=int, default=DEFAULT_MAX_OPS, help="larger problems keep the analytic bound"
     )
+    p_bound.add_argument(
+        "--makespan-limit", type=float, default=None,
+        help="bound the peak activation of schedules ending by this makespan (default: the best schedule's)",
+    )  # fmt: skip
     p_bench = sub.add_parser(
         "bench", help="solve every problem of a table3.json-style file and print Table 3"
     )
@@ -244,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"deterministic effort per problem (default {BENCH_ITERATIONS}); 0: use --time-budget",
     )  # fmt: skip
     p_bench.add_argument("--workers", type=int, default=1)
+    p_bench.add_argument("--makespan-slack", type=float, default=0.0, metavar="FRACTION", help=slack_help)
     p_bench.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -251,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _solve(args)
         if args.command == "bound":
             return _bound(args)
-        bench(args.table, args.time_budget, args.workers, args.seed, args.max_iterations or None)
+        bench(
+            args.table, args.time_budget, args.workers, args.seed, args.max_iterations or None,
+            args.makespan_slack,
+        )  # fmt: skip
         return 0
     except (ValueError, FileNotFoundError) as err:
         print(f"rlhfuse-schedule: error: {err}", file=sys.stderr)

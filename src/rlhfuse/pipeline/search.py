@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlhfuse.pipeline.baselines import one_f_one_b, serial_makespan, serial_peak
-from rlhfuse.pipeline.bounds import Bounds, lower_bounds
+from rlhfuse.pipeline.bounds import Bounds, lower_bounds, peak_lower_bound
 from rlhfuse.pipeline.compiled import (
     Compiled,
     anneal_latency,
@@ -92,6 +92,14 @@ class SearchConfig:
             most this many ops (the 64-rank dry run, 12 288 ops, would spend its budget building models).
         split_backward: search split-backward schedules (F, I, W per stage; `rlhfuse.pipeline.simulate`)
             instead of F/B ones. Beyond the paper; the runtime lowers and executes plain F/B schedules only.
+        memory_lns: after the memory annealing (worker 0, at most `exact_memory_ops` ops), large-neighbourhood
+            search for memory at the best makespan (`exact.memory_lns`: CP-SAT re-optimises the peak on a time
+            window of a band of ranks around the peak, the rest of the schedule kept), `lns_effort` units of
+            CP-SAT deterministic time (`lns_share` of the time budget in wall-clock runs).
+        makespan_slack: trade makespan for memory: after the search, the memory steps may lengthen the
+            schedule up to (1 + makespan_slack) x the proven lower bound (never below the best makespan
+            found). The result is then the lowest-peak schedule within that limit, and `Solution.pareto`
+            lists the (makespan, peak) points found on the way, from the best makespan up. 0: no trade.
     """
 
     time_budget: float = 60.0
@@ -112,6 +120,10 @@ class SearchConfig:
     exact_memory: bool = False
     exact_memory_ops: int = 5000
     split_backward: bool = False
+    memory_lns: bool = True
+    lns_effort: float = 1.5
+    lns_share: float = 0.25
+    makespan_slack: float = 0.0
 
     @property
     def deterministic(self) -> bool:
@@ -134,6 +146,9 @@ class Solution:
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
     proven_bound: float = 0.0
+    pareto: list[tuple[float, float]] = field(default_factory=list)
+    makespan_limit: float | None = None
+    peak_bound: float = 0.0
 
     @property
     def lower_bound(self) -> float:
@@ -183,6 +198,11 @@ class Solution:
                 "gap": round(self.gap, 6),
                 "optimal": self.optimal,
                 "exact_status": self.stats.get("exact_status", "not run"),
+                "peak_lower_bound": round(self.peak_bound, 6),
+                "makespan_limit": None if self.makespan_limit is None else _plain(self.makespan_limit),
+                "pareto": [
+                    {"makespan": _plain(ms), "peak_activation": round(pk, 6)} for ms, pk in self.pareto
+                ],
             },
         )
 
@@ -541,6 +561,7 @@ def _worker(
         if r.order is not None and better(float(r.value or -1), c.peak(r.order)):
             best_ms, best_peak, best = float(c.evaluate(r.order)[0]), c.peak(r.order), r.order
             decided = True
+            stats["exact_schedule"] = True
         target = max(target, r.lower_bound)
     elif best_ms <= target + 1e-9:
         stats.update(exact_status="OPTIMAL", proven_bound=target)
@@ -594,7 +615,26 @@ def _worker(
             time_budget=seconds, deterministic_budget=config.exact_effort if fixed else None,
         )  # fmt: skip
         adopt(low, "exact_low_memory")
-    while stale < config.memory_patience and stats["memory_iters"] < memory_cap_iters:
+    lns_on = exact_on and config.memory_lns and c.n <= config.exact_memory_ops
+
+    def lns() -> None:
+        nonlocal best_ms, best_peak, best
+        order, trace = _lns(c, config, best, best_ms, mem_goal, end, worker)
+        stats["lns_trace"] = [(ms, round(pk, 4)) for ms, pk in trace]
+        ms, peak = float(c.evaluate(order)[0]), c.peak(order)
+        if better(ms, peak):
+            best_ms, best_peak, best = ms, peak, order
+
+    # The exact step's own low-memory schedule (09, 10) is one the annealing rarely improves: the LNS goes
+    # first there (10: 31.56 -> 29.92, against 31.16 after the annealing). Otherwise it polishes the
+    # annealing's result (03: 19.50 -> 18.55, against 20.50 with the LNS first).
+    lns_first = decided
+    patience = config.memory_patience
+    if lns_on and lns_first and best_peak > mem_goal + 1e-9:
+        lns()
+        # From there the annealing never moved (09 and 10, with and without the LNS): two rounds, not eight.
+        patience = max(1, config.memory_patience // 4)
+    while stale < patience and stats["memory_iters"] < memory_cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= mem_goal + 1e-9:
             break
@@ -629,6 +669,8 @@ def _worker(
             )
         else:
             stale += 1
+    if lns_on and not lns_first and best_peak > mem_goal + 1e-9:
+        lns()
     if exact_on and config.exact_memory and c.n <= config.exact_memory_ops and best_peak > mem_goal + 1e-9:
         from rlhfuse.pipeline.exact import capped_memory_search
 
@@ -640,7 +682,67 @@ def _worker(
             time_budget=seconds, deterministic_budget=3 * config.exact_effort if fixed else None,
         )  # fmt: skip
         adopt(capped, "exact_capped_memory")
-    return {"worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats}
+    points = [(best_ms, best_peak)]
+    limit = None
+    if config.makespan_slack > 0:
+        # Trade makespan for memory within (1 + slack) x the proven bound: the LNS and memory annealing at
+        # that limit, from the best schedule; every schedule they return is a (makespan, peak) point.
+        limit = max(best_ms, target * (1.0 + config.makespan_slack))
+        # Down to the proven peak bound at the limit (not serial 1F1B's peak: the user asked for memory).
+        slack_goal = max(bounds.memory, peak_lower_bound(problem, limit, c).peak)
+        if best_peak > slack_goal + 1e-9:
+            order = best
+            found: list[tuple[float, float, np.ndarray]] = []  # (peak, makespan, order) within the limit
+            if lns_on:
+                order, trace = _lns(c, config, best, limit, slack_goal, end, worker, share=2.0)
+                points += trace
+                found.append((c.peak(order), float(c.evaluate(order)[0]), order))
+            for _ in range(2):
+                if c.peak(order) <= slack_goal + 1e-9:
+                    break
+                iters = _round_iters(rates[1] * max(0.5, 0.05 * budget), config.round_iterations, config)
+                order, _done = _anneal_memory(c, order, limit, iters, rng, slack_goal)
+                points.append((float(c.evaluate(order)[0]), c.peak(order)))
+                found.append((c.peak(order), float(c.evaluate(order)[0]), order))
+            # The lowest peak, then the shortest makespan: a point of the front, not just the last schedule.
+            within = [f for f in found if 0 <= f[1] <= limit + 1e-9]
+            if within:
+                peak, ms, order = min(within, key=lambda f: (round(f[0], 9), f[1]))
+                if peak < best_peak - 1e-9:
+                    best_ms, best_peak, best = ms, peak, order
+    return {
+        "worker": worker, "makespan": best_ms, "peak": best_peak, "order": best, "stats": stats,
+        "pareto": pareto_front(points), "limit": limit,
+    }  # fmt: skip
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (makespan, peak) points no other point beats on both, by increasing makespan."""
+    front: list[tuple[float, float]] = []
+    for ms, pk in sorted(set((float(m), round(float(p), 9)) for m, p in points)):
+        if ms >= 0 and (not front or pk < front[-1][1] - 1e-9):
+            front.append((ms, pk))
+    return front
+
+
+def _lns(
+    c: Compiled,
+    config: SearchConfig,
+    order: np.ndarray,
+    limit: float,
+    goal: float,
+    end: float,
+    worker: int,
+    share: float = 1.0,
+) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """`exact.memory_lns` at makespan <= `limit` with `share` x the configured LNS effort."""
+    from rlhfuse.pipeline.exact import memory_lns
+
+    seconds = max(0.5, min(share * config.lns_share * config.time_budget, end - time.perf_counter()))
+    return memory_lns(
+        c.problem, compiled=c, order=order, makespan_limit=limit, target=goal, seed=config.seed + worker,
+        time_budget=seconds, deterministic_budget=share * config.lns_effort if config.deterministic else None,
+    )  # fmt: skip
 
 
 def solve(
@@ -666,7 +768,10 @@ def solve(
                     for w in range(workers)
                 ]
                 results = [f.result() for f in futures]
-    win = min(results, key=lambda r: (r["makespan"], r["peak"], r["worker"]))
+    if config.makespan_slack > 0:  # the user trades makespan for memory: the lowest peak within the limit
+        win = min(results, key=lambda r: (r["peak"], r["makespan"], r["worker"]))
+    else:
+        win = min(results, key=lambda r: (r["makespan"], r["peak"], r["worker"]))
     proven = max(float(r["stats"].get("proven_bound", 0.0)) for r in results)
     schedule = c.to_schedule(win["order"])
     checked = simulate(problem, schedule, durations)  # the readable oracle has the last word
@@ -686,4 +791,7 @@ def solve(
         seconds=seconds,
         stats=stats,
         proven_bound=proven,
+        pareto=pareto_front([p for r in results for p in r["pareto"]]),
+        makespan_limit=win["limit"],
+        peak_bound=peak_lower_bound(problem, checked.makespan, c).peak,
     )
