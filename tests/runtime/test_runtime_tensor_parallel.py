@@ -58,8 +58,8 @@ def _check(rank: int, world: int, cfg: ModelConfig) -> None:
         vocab_parallel_argmax,
         vocab_parallel_entropy,
         vocab_parallel_logprobs,
-        vocab_parallel_sample,
     )
+    from rlhfuse.runtime.vocab_sampling import vocab_parallel_filtered_sample
 
     torch.manual_seed(0)
     full = Transformer(cfg, head="lm").double()
@@ -98,7 +98,8 @@ def _check(rank: int, world: int, cfg: ModelConfig) -> None:
     flat_local, flat_full = local.detach().reshape(-1, 64), logits_full.detach().reshape(27, VOCAB)
     u = torch.rand(27, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     want_tokens = sample_from((flat_full / 0.7).softmax(-1), u)
-    assert torch.equal(vocab_parallel_sample(flat_local, u, shard, temperature=0.7), want_tokens)
+    got = vocab_parallel_filtered_sample(flat_local, u, shard, vocab_size=VOCAB, temperature=0.7)
+    assert torch.equal(got, want_tokens)
     assert len(set(want_tokens.tolist())) > 5  # varied tokens, on both ranks' slices
     assert (want_tokens >= 64).any() and (want_tokens < 64).any()
 

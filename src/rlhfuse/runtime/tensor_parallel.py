@@ -299,7 +299,7 @@ def shard_state(module: nn.Module, rank: int, state: Mapping[str, Tensor]) -> di
     return out
 
 
-def _masked(logits_BTV: Tensor, shard: VocabShard) -> Tensor:
+def mask_padded_vocab(logits_BTV: Tensor, shard: VocabShard) -> Tensor:
     """This rank's logits with the padded rows at -inf."""
     if shard.valid == shard.size:
         return logits_BTV
@@ -309,7 +309,7 @@ def _masked(logits_BTV: Tensor, shard: VocabShard) -> Tensor:
 
 def vocab_parallel_logsumexp(logits_BTV: Tensor, shard: VocabShard, group: Any = None) -> Tensor:
     """log sum_v exp(logit_v) over the whole vocabulary, from each rank's slice (differentiable)."""
-    logits_BTV = _masked(logits_BTV, shard)
+    logits_BTV = mask_padded_vocab(logits_BTV, shard)
     m_BT = distributed.max_over_group(logits_BTV.max(dim=-1).values, group)
     local_BT = (logits_BTV - m_BT.unsqueeze(-1)).exp().sum(dim=-1)
     return m_BT + distributed.reduce_from_group(local_BT, group).log()
@@ -331,7 +331,7 @@ def vocab_parallel_entropy(logits_BTV: Tensor, shard: VocabShard, group: Any = N
     """Entropy of softmax(logits) per position, m + log S - N / S with S = sum_v exp(l_v - m) and
     N = sum_v exp(l_v - m) l_v: both sums reduced over the group before they are combined, so that every
     rank's gradient of the replicated result reaches its own slice exactly (padded rows carry no probability)."""
-    masked = _masked(logits_BTV, shard)
+    masked = mask_padded_vocab(logits_BTV, shard)
     m_BT = distributed.max_over_group(masked.max(dim=-1).values, group)
     e_BTV = (masked - m_BT.unsqueeze(-1)).exp()
     s_BT = distributed.reduce_from_group(e_BTV.sum(dim=-1), group)
@@ -341,35 +341,10 @@ def vocab_parallel_entropy(logits_BTV: Tensor, shard: VocabShard, group: Any = N
 
 def vocab_parallel_argmax(logits_BV: Tensor, shard: VocabShard, group: Any = None) -> Tensor:
     """Greedy tokens (global ids; ties to the lowest id) from each rank's slice: one max and one min reduction."""
-    masked = _masked(logits_BV.detach(), shard)
+    masked = mask_padded_vocab(logits_BV.detach(), shard)
     best_B = distributed.max_over_group(masked.max(dim=-1).values, group)
     ids = torch.arange(shard.size, device=masked.device) + shard.start
     big = torch.iinfo(torch.int64).max
     mine_B = torch.where(masked == best_B.unsqueeze(-1), ids, torch.full_like(ids, big)).min(dim=-1).values
     distributed.all_reduce(mine_B, op="min", group=group)
     return mine_B
-
-
-def vocab_parallel_sample(
-    logits_BV: Tensor, uniforms_B: Tensor, shard: VocabShard, group: Any = None, temperature: float = 1.0
-) -> Tensor:
-    """Inverse-CDF sampling (as `rlhfuse.core.sampling.sample_from` over softmax(logits / temperature)) from each
-    rank's slice: the slices' probability sums are all-gathered (rank order = vocabulary order), every rank
-    searches its own slice for the row's target and the lowest hit wins; padded rows carry no probability."""
-    masked = _masked(logits_BV.detach() / temperature, shard).double()
-    m_B = distributed.max_over_group(masked.max(dim=-1).values, group)
-    p_BV = (masked - m_B.unsqueeze(-1)).exp()
-    sums = distributed.all_gather(p_BV.sum(dim=-1), group=group)  # [B] per rank
-    rank = distributed.rank(group)
-    offset_B = sum((sums[r] for r in range(rank)), torch.zeros_like(sums[0]))
-    total_B = sum(sums[1:], sums[0])
-    target_B1 = (uniforms_B.double().to(p_BV.device) * total_B).unsqueeze(1)
-    cdf_BV = offset_B.unsqueeze(1) + torch.cumsum(p_BV, dim=-1)
-    local_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
-    here_B = (target_B1.squeeze(1) >= offset_B) & (local_B < shard.valid)
-    big = torch.iinfo(torch.int64).max
-    pick_B = torch.where(here_B, local_B + shard.start, torch.full_like(local_B, big))
-    distributed.all_reduce(pick_B, op="min", group=group)
-    last = shard.start + shard.valid - 1 if shard.valid else -1  # the vocabulary's last real token
-    distributed.all_reduce(last_B := torch.full_like(pick_B, last), op="max", group=group)
-    return torch.where(pick_B == big, last_B, pick_B)

@@ -25,20 +25,11 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.runtime.tensor_parallel import VocabShard
+from rlhfuse.runtime.tensor_parallel import VocabShard, mask_padded_vocab
 
 SPLITS = 16
 CANDIDATES = 64
 MAX_ROUNDS = 16
-
-
-def _local_logits(logits_BV: Tensor, shard: VocabShard, temperature: float) -> Tensor:
-    """float64 logits / temperature with the padded rows at -inf."""
-    logits_BV = logits_BV.detach().double() / temperature
-    if shard.valid < shard.size:
-        keep = torch.arange(shard.size, device=logits_BV.device) < shard.valid
-        logits_BV = logits_BV.masked_fill(~keep, float("-inf"))
-    return logits_BV
 
 
 def _sum(x: Tensor, group: Any) -> Tensor:
@@ -58,7 +49,7 @@ def vocab_parallel_filter(
     top_p: float = 1.0,
 ) -> Tensor:
     """This rank's slice of `filter_logits(full logits, ...)` (float64, rows summing to 1 over the group)."""
-    logits_BV = _local_logits(logits_BV, shard, temperature)
+    logits_BV = mask_padded_vocab(logits_BV.detach().double() / temperature, shard)
     if 0 < top_k < vocab_size:
         local_BK = torch.topk(logits_BV, min(top_k, shard.size), dim=-1).values
         candidates_BK = torch.cat(distributed.all_gather(local_BK.contiguous(), group=group), dim=-1)
