@@ -145,16 +145,24 @@ def _shards(
 
 
 def _check_executor(rank: int, case: tuple[tuple[int, int], tuple[int, int]], kind: str) -> None:
+    cfg = ModelConfig.tiny(num_layers=4, num_kv_heads=2, attention_bias=True)
+    check_executor_against_oracle(rank, _layout(case), cfg, kind, str(case))
+
+
+def check_executor_against_oracle(
+    rank: int, layout: ParallelLayout, cfg: ModelConfig, kind: str, label: str
+) -> None:
+    """The executor over this rank's stages (tp shards, merged or not; `kind`: greedy = the fused schedule, or
+    serial 1F1B) against the float64 single-process oracle: every shard's gradient, the gradient norms, the loss
+    statistics (also `test_runtime_tp_pipeline`'s equal-tp check)."""
     from rlhfuse.core.losses import actor_loss
     from rlhfuse.runtime.balance import split_minibatch
     from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
     from rlhfuse.runtime.layout import build_process_groups
     from rlhfuse.runtime.partition import stages_for_rank
 
-    layout = _layout(case)
     groups = build_process_groups(layout, timeout_s=120)
     torch.manual_seed(0)
-    cfg = ModelConfig.tiny(num_layers=4, num_kv_heads=2, attention_bias=True)
     full = {"actor": Transformer(cfg, head="lm").double(), "critic": Transformer(cfg, head="value").double()}
     shards = _shards(layout, rank, full, groups)
     algo = AlgorithmConfig(entropy_coef=0.01)
@@ -196,7 +204,7 @@ def _check_executor(rank: int, case: tuple[tuple[int, int], tuple[int, int]], ki
             (loss * w).backward()
             for key in want_stats:
                 want_stats[key] += stats.metrics().get(key, 0.0) * w
-    where = f"rank {rank} {case} {kind}"
+    where = f"rank {rank} {label} {kind}"
     for name in ("actor", "critic"):
         names = {id(p): n for n, p in shards[name].named_parameters()}
         whole = dict(full[name].named_parameters())

@@ -12,7 +12,6 @@ One 4-process run (each spawn costs seconds on this machine):
 
 from __future__ import annotations
 
-import math
 import pathlib
 import tempfile
 from typing import Any
@@ -21,7 +20,6 @@ import pytest
 import torch
 from runtime_helpers import random_batch, run_distributed
 from test_runtime_sharded import _edge_bytes, _load
-from test_runtime_tensor_parallel import _shard_of
 
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretrained
@@ -30,74 +28,13 @@ pytestmark = pytest.mark.distributed
 
 
 def _check_executor(rank: int, kind: str, kv_heads: int) -> None:
-    from rlhfuse.core.losses import actor_loss
-    from rlhfuse.pipeline import greedy, serial_one_f_one_b
-    from rlhfuse.runtime.balance import split_minibatch
-    from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
-    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
-    from rlhfuse.runtime.lower import lower_checked
-    from rlhfuse.runtime.partition import stages_for_rank
-    from rlhfuse.runtime.tensor_parallel import shard_transformer
+    from test_runtime_tp_merged import check_executor_against_oracle
+
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 
     layout = ParallelLayout(ModelParallel(2, 2), ModelParallel(2, 2), dp=1, world_size=4, microbatches=2)
-    groups = build_process_groups(layout, timeout_s=120)
-    torch.manual_seed(0)
     cfg = ModelConfig.tiny(num_layers=2, num_kv_heads=kv_heads, attention_bias=True)
-    full = {"actor": Transformer(cfg, head="lm").double(), "critic": Transformer(cfg, head="value").double()}
-    t = layout.tp_rank(rank)
-    shards = {m: shard_transformer(full[m], t, 2, groups.tp) for m in full}
-    algo = AlgorithmConfig(entropy_coef=0.01)
-    losses = ppo_losses(algo, vocab=shards["actor"].vocab_shard, tp_group=groups.tp)
-    oracle_losses = ppo_losses(
-        algo
-    )  # the Critic's; the Actor's with float64 read-outs (the chunked ones are fp32)
-
-    def exact(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        return torch.log_softmax(logits / temperature, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-    def entropy(logits: torch.Tensor) -> torch.Tensor:
-        return -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-
-    oracle_losses["actor"] = lambda out, m: actor_loss(out, m, algo, logprobs_fn=exact, entropy_fn=entropy)
-    batch = random_batch(5, seed=7)
-    micro, weights, _ = split_minibatch(batch, 1, 2, balance=True)
-    problem = layout.problem()
-    schedule = serial_one_f_one_b(problem) if kind == "serial" else greedy(problem)
-    program = lower_checked(problem, schedule, dp=1)
-    stages = stages_for_rank(layout, rank, shards)
-    result = PipelineExecutor(
-        rank, program, problem, stages, losses=losses, p2p_groups=groups.p2p, grad_groups=groups.grad,
-        timeout_s=120, tp=2, tp_group=groups.tp,
-    ).run(StepWork(micro, weights))  # fmt: skip
-
-    want_stats = {"loss/policy": 0.0, "loss/value": 0.0, "policy/entropy": 0.0}
-    for m, w in zip(micro[0], weights[0], strict=True):
-        for name in ("actor", "critic"):
-            loss, stats = oracle_losses[name](
-                full[name](m.input_ids_BT, attention_mask_BT=m.attention_mask_BT), m
-            )
-            (loss * w).backward()
-            for key in want_stats:
-                want_stats[key] += stats.metrics().get(key, 0.0) * w
-    where = f"rank {rank} {kind} kv_heads={kv_heads}"
-    for name in ("actor", "critic"):
-        names = {id(p): n for n, p in shards[name].named_parameters()}
-        checked, bad = 0, []
-        for (m, _, _), mod in stages.items():
-            if m != name:
-                continue
-            for p in mod.parameters():
-                mine, want = _shard_of(full[name], shards[name], names[id(p)], "grad")
-                if not torch.allclose(mine, want, rtol=1e-10, atol=1e-12):
-                    bad.append((names[id(p)], float((mine - want).abs().max()), float(want.abs().max())))
-                checked += 1
-        assert not bad, (where, name, bad)  # (parameter, max |difference|, max |gradient|)
-        assert checked > 0, where
-        total = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in full[name].parameters()))
-        assert result.grad_norm[name] == pytest.approx(total, rel=1e-10), (where, name)
-    got = result.stats.metrics()
-    for key, value in want_stats.items():
-        assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-12), (where, key)
+    check_executor_against_oracle(rank, layout, cfg, kind, f"kv_heads={kv_heads}")
 
 
 def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) -> None:
