@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfuse.planner.api import plan_for
+from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan
 from rlhfuse.planner.simulate import Workload
@@ -234,20 +235,15 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             applied.append(("pipeline", "plain"))
         pipeline = dataclasses.replace(pipeline, name="plain")
     else:
-        # a smaller-tp model's consecutive stages merge onto the larger-tp groups: it spans pp * tp / T positions
-        width = max(a.tp, c.tp)
-        positions = {"actor": a.pp * a.tp / width, "critic": c.pp * c.tp / width}
-        big, small = (a, c) if positions["actor"] >= positions["critic"] else (c, a)
-        n_big, n_small = (
-            positions["actor" if big is a else "critic"],
-            positions["actor" if small is a else "critic"],
-        )
-        if width % a.tp or width % c.tp or n_small % 1 or n_big % n_small:
+        # the runtime's co-location rule (a smaller-tp model's consecutive stages merged onto the larger-tp groups)
+        colocation = Colocation(a.pp, a.tp, c.pp, c.tp)
+        big, small = (a, c) if colocation.larger == "actor" else (c, a)
+        if (reason := colocation.problem()) is not None:
             key = "pipeline.actor_pp" if small is a else "pipeline.critic_pp"
             raise ValueError(
                 f"plan=auto: the planner chose Actor pp={a.pp} tp={a.tp} and Critic pp={c.pp} tp={c.tp} "
                 f"({plan.train.mode}); rlhfuse.runtime co-locates both on one layout where each model's pipeline "
-                f"positions (pp * tp / max tp, merged stages) nest, so {key}={small.pp} cannot be applied"
+                f"positions (pp * tp / max tp, merged stages) nest ({reason}), so {key}={small.pp} cannot be applied"
             )
         for key, lay, shape in (("pipeline.actor_pp", a, actor), ("pipeline.critic_pp", c, critic)):
             if shape.tied and lay.pp > 1:
