@@ -1,4 +1,6 @@
-"""Test-wide environment: CPU, offline, deterministic, Triton in interpreter mode."""
+"""Test-wide environment: CPU, offline, deterministic, Triton in interpreter mode, and NCCL's point-to-point
+ordering emulated on gloo (`rlhfuse.distributed.ordering`): every process a test starts inherits it, so an order
+NCCL would hang on hangs here too."""
 
 import os
 
@@ -8,5 +10,6 @@ for _key, _value in {
     "WANDB_MODE": "offline",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "RLHFUSE_NCCL_ORDER": "1",
 }.items():
     os.environ.setdefault(_key, _value)

@@ -174,3 +174,41 @@ def test_table3_dry_run_64_ranks() -> None:
         program = lower_checked(problem, greedy(problem), dp=4)
         assert len(program.streams) == 64
         assert sum(1 for s in program.streams for i in s if i.kind is Kind.OPTIMIZER_STEP) == 128
+
+
+@pytest.mark.parametrize(
+    "actor,critic,mbs,schedule",
+    [(2, 2, 2, "1f1b"), (2, 2, 2, "greedy"), (4, 4, 4, "greedy"), (4, 2, 4, "greedy"), (2, 1, 2, "1f1b"),
+     (8, 8, 8, "greedy"), (2, 0, 2, "greedy")],
+)  # fmt: skip
+def test_one_group_per_model_deadlocks_under_nccl_order(
+    actor: int, critic: int, mbs: int, schedule: str
+) -> None:
+    """NCCL runs a (group, rank pair)'s ops in issue order, both directions on one stream: with one group per model
+    (the old grouping) rank 0 posts [recv dgrad0, send act1] and rank 1 [recv act1, send dgrad0] on that stream
+    and both wait forever. One group per model and direction (`p2p_group_key`) runs the same program."""
+    from rlhfuse.runtime.layout import actor_only_layout
+
+    layout = (
+        actor_only_layout(ModelParallel(actor), 1, actor, mbs)
+        if critic == 0
+        else ParallelLayout(ModelParallel(actor), ModelParallel(critic), 1, max(actor, critic), mbs)
+    )
+    problem = layout.problem()
+    program = lower(problem, greedy(problem) if schedule == "greedy" else serial_one_f_one_b(problem))
+    check_program(program)  # one group per model and direction: no deadlock
+    with pytest.raises(LoweringError, match=r"deadlock(.|\n)*WAIT RECV .*stream of group"):
+        check_program(program, group_of=lambda message: message.model)
+
+
+def test_check_program_models_one_fifo_per_group_and_pair() -> None:
+    """Two messages of one direction on one stream arrive in the sender's order; a receiver posting them the
+    other way round is a mismatch, even though each message has its own matching send (gloo's tags would match
+    them; NCCL's order does not)."""
+    problem = _layout_problem(2, 1, 2)
+    program = lower(problem, greedy(problem), prefetch=3)
+    s1 = list(program.streams[1])
+    posts = [j for j, i in enumerate(s1) if i.kind is Kind.RECV and i.post and i.model == "actor"]
+    s1[posts[0]], s1[posts[1]] = s1[posts[1]], s1[posts[0]]
+    with pytest.raises(LoweringError, match="mismatch on channel rank 0 -> rank 1"):
+        check_program(Program((program.streams[0], tuple(s1)), 2, 1))

@@ -155,7 +155,7 @@ def test_kl_loss_term_is_added_to_the_policy_loss():
         ..., 0
     ]
     kl = float((logprobs + 2.0).mean())  # k1 = log pi - log pi_ref, token mean
-    assert stats.kl_loss == pytest.approx(kl, rel=1e-5)
+    assert float(stats.kl_loss) == pytest.approx(kl, rel=1e-5)
     assert float(on - off) == pytest.approx(0.5 * kl, rel=1e-5)
 
 

@@ -24,7 +24,7 @@ from rlhfuse.algorithms import (
     value_loss,
 )
 from rlhfuse.core.advantages import AlgorithmConfig
-from rlhfuse.core.stats import LossStats
+from rlhfuse.core.stats import LossTensors
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
 from rlhfuse.models.packing import packed_forward
@@ -69,7 +69,7 @@ def actor_loss(
     *,
     logprobs_fn: LogprobsFn | None = None,
     entropy_fn: EntropyFn | None = None,
-) -> tuple[Tensor, LossStats]:
+) -> tuple[Tensor, LossTensors]:
     """Clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`, + β·KL(π_θ ‖ π_ref) when
     `algorithm.kl_loss_coef` = β > 0, the KL estimated per token and reduced like the policy loss) and its
     statistics. logprobs_fn / entropy_fn replace the read-outs of the full logits (the tensor-parallel
@@ -92,7 +92,7 @@ def response_actor_loss(
     *,
     logprobs_fn: LogprobsFn | None = None,
     entropy_fn: EntropyFn | None = None,
-) -> tuple[Tensor, LossStats]:
+) -> tuple[Tensor, LossTensors]:
     """`actor_loss` from the response-predicting logits [B, R, V] alone (`model_response_outputs`)."""
     logits_BRV = _at_least_fp32(logits_BRV)
     response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
@@ -112,7 +112,7 @@ def response_actor_loss(
         reduction=algorithm.loss_reduction,
         constant_length=algorithm.loss_constant_length or None,
     )
-    kl_loss = 0.0
+    kl_loss: dict[str, Tensor] = {}
     if algorithm.kl_loss_coef > 0:
         assert micro.ref_logprobs_BR is not None, (
             "compute_train_batch keeps ref log-probs when kl_loss_coef > 0"
@@ -125,27 +125,31 @@ def response_actor_loss(
             algorithm.loss_constant_length or None,
         )
         loss = loss + algorithm.kl_loss_coef * kl_term
-        kl_loss = float(kl_term.detach())
+        kl_loss = {"kl_loss": kl_term}
     entropy = masked_mean(entropy_from(logits_BRV.detach()), micro.response_mask_BR)
     if algorithm.entropy_coef:
         loss = loss - algorithm.entropy_coef * masked_mean(entropy_from(logits_BRV), micro.response_mask_BR)
-    return loss, LossStats(
-        policy_loss=float(loss.detach()),
-        clip_fraction=float(pstats.clip_fraction),
-        approx_kl=float(pstats.approx_kl),
-        entropy=float(entropy),
-        kl_loss=kl_loss,
+    # statistics stay on the device (no host sync per micro-batch): the step reads them once
+    return loss, LossTensors.of(
+        loss,
+        policy_loss=loss,
+        clip_fraction=pstats.clip_fraction,
+        approx_kl=pstats.approx_kl,
+        entropy=entropy,
+        **kl_loss,
     )
 
 
-def critic_loss(values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig) -> tuple[Tensor, LossStats]:
+def critic_loss(
+    values_BT: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig
+) -> tuple[Tensor, LossTensors]:
     """Clipped value loss on the response positions."""
     return response_critic_loss(response_outputs(values_BT, micro), micro, algorithm)
 
 
 def response_critic_loss(
     values_BR: Tensor, micro: TrainBatch, algorithm: AlgorithmConfig
-) -> tuple[Tensor, LossStats]:
+) -> tuple[Tensor, LossTensors]:
     """`critic_loss` from the values at the response positions [B, R] alone (`model_response_outputs`)."""
     loss, _ = value_loss(
         _at_least_fp32(values_BR),
@@ -156,4 +160,4 @@ def response_critic_loss(
         reduction=algorithm.loss_reduction,
         constant_length=algorithm.loss_constant_length or None,
     )
-    return loss, LossStats(value_loss=float(loss.detach()))
+    return loss, LossTensors.of(loss, value_loss=loss)

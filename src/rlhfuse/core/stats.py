@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
 
+import torch
+from torch import Tensor
+
 S = TypeVar("S", bound=tuple[Any, ...])
 
 
@@ -61,6 +64,37 @@ class LossStats(NamedTuple):
             "policy/entropy": self.entropy,
             "loss/value": self.value_loss,
         }
+
+
+class LossTensors(NamedTuple):
+    """`LossStats` as 0-dim tensors on the loss's device, as the losses return them: computing a loss makes no
+    host sync, and a step reads all its statistics at once (`vector`, then `LossStats(*values)`)."""
+
+    policy_loss: Tensor
+    clip_fraction: Tensor
+    approx_kl: Tensor
+    entropy: Tensor
+    value_loss: Tensor
+    kl_loss: Tensor
+
+    @classmethod
+    def of(cls, like: Tensor, **fields: Tensor) -> LossTensors:
+        """The named fields (detached), zeros of `like`'s device elsewhere."""
+        zero = like.detach().new_zeros((), dtype=torch.float64)
+        return cls(
+            **{name: fields[name].detach().double() if name in fields else zero for name in cls._fields}
+        )
+
+    def vector(self) -> Tensor:
+        """The fields as one float64 vector in `LossStats` order (still on the device)."""
+        return torch.stack([t.double() for t in self])
+
+    def host(self) -> LossStats:
+        """The statistics as floats: one host sync for all of them."""
+        return LossStats(*self.vector().tolist())
+
+    def metrics(self) -> dict[str, float]:
+        return self.host().metrics()
 
 
 class PipelineStats(NamedTuple):

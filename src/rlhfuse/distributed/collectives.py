@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhfuse.core.wire import Packed, pack_tensors, unpack_tensors
+from rlhfuse.distributed import ordering
 from rlhfuse.distributed.device import backend, is_initialized, world_size
 
 ReduceOp = Literal["sum", "max", "min"]
@@ -77,20 +78,42 @@ def barrier(device: torch.device, group: Any = None) -> None:
 
 
 # ------------------------------------------------------------------ point to point
+def _check_p2p(what: str, tensor: Tensor, peer: int | None, group: Any, tag: int) -> None:
+    """NCCL matches point-to-point ops by order alone: no tags, no receive from any rank. Those stay on control
+    groups (`cpu_group`, gloo wherever the job runs); on a device group they are refused on every backend, so
+    code tested on gloo cannot rely on them."""
+    check_device(tensor, what, group)
+    device_group = "nccl" in backend(group) or ordering.emulates(group)
+    if (tag != 0 or peer is None) and device_group and not ordering.is_control(group):
+        raise ValueError(
+            f"{what}: tag={tag} / src={peer} on a device group: NCCL matches point-to-point messages by order "
+            "alone; send control messages on rlhfuse.distributed.cpu_group(...)"
+        )
+
+
 def isend(tensor: Tensor, dst: int, *, group: Any = None, tag: int = 0) -> Work:
-    check_device(tensor, "isend", group)
+    """Non-blocking send; under the NCCL-ordering emulation (`rlhfuse.distributed.ordering`) queued on this
+    rank's (group, dst) stream."""
+    _check_p2p("isend", tensor, dst, group, tag)
+    if ordering.emulates(group):
+        return ordering.submit("send", tensor, dst, group)
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
 def irecv(tensor: Tensor, src: int | None, *, group: Any = None, tag: int = 0) -> Work:
-    """Non-blocking receive (`src=None`: from any rank, which NCCL cannot do: use a gloo group for that)."""
-    check_device(tensor, "irecv", group)
+    """Non-blocking receive (`src=None`: from any rank, which NCCL cannot do: control groups only)."""
+    _check_p2p("irecv", tensor, src, group, tag)
+    if src is not None and ordering.emulates(group):
+        return ordering.submit("recv", tensor, src, group)
     return dist.irecv(tensor, src, group=group, tag=tag)
 
 
 def recv(tensor: Tensor, src: int | None = None, *, group: Any = None) -> int:
-    """Blocking receive into `tensor`; returns the sender's rank (`src=None`: from any rank)."""
-    check_device(tensor, "recv", group)
+    """Blocking receive into `tensor`; returns the sender's rank (`src=None`: from any rank, control groups)."""
+    _check_p2p("recv", tensor, src, group, 0)
+    if src is not None and ordering.emulates(group):
+        ordering.submit("recv", tensor, src, group).wait()
+        return src
     return int(dist.recv(tensor, src, group=group))
 
 

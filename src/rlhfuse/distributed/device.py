@@ -75,15 +75,20 @@ _CPU_GROUPS: dict[int, Any] = {}
 
 
 def cpu_group(group: Any = None) -> Any:
-    """A gloo group over the ranks of `group` (the world if None), for small control messages on the CPU:
-    `group` itself when it is gloo, else one made once per group (NCCL matches point-to-point messages by order,
-    not by tag, and cannot receive from any rank). Collective: every rank of `group` calls it together."""
-    if backend(group) == "gloo":
+    """A gloo control group over the ranks of `group` (the world if None), for small control messages on the CPU,
+    the only kind of group that may use tags or receive from any rank (NCCL matches point-to-point messages by
+    order alone). On gloo it is `group` itself, except under the NCCL-ordering emulation
+    (`rlhfuse.distributed.ordering`), which needs the control messages apart from the device messages it queues: a
+    gloo group made once per group, as on NCCL. Collective: every rank of `group` calls it together."""
+    from rlhfuse.distributed import ordering
+
+    if backend(group) == "gloo" and not ordering.enabled():
         return group
     key = 0 if group is None else id(group)
     if key not in _CPU_GROUPS:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+        ordering.mark_control(_CPU_GROUPS[key])
     return _CPU_GROUPS[key]
 
 

@@ -132,10 +132,11 @@ def fused_generate_infer(
     finished: list[SampleRequest] = []
     stolen = 0
     engine.add(balance(requests, world)[rank])
-    control, control_device = group, device  # the channels of the count watch and of work stealing
+    # the channels of the count watch and of work stealing: tags and any-source receives, so a control group
+    # (gloo wherever the job runs; NCCL matches by order alone)
+    control, control_device = control_group(group)
     try:
         if threshold > 0:
-            control, control_device = control_group(group)
             finished += decode_until_migration(engine, transport, threshold=threshold, bs_max=bs_max,
                                                mechanism=mechanism, link_bytes_per_s=link_bytes_per_s,
                                                report=report, group=group)  # fmt: skip

@@ -2,8 +2,10 @@
 `PlanExecutor` runs and measures the training steps of a `PipelinePlan` (`rlhfuse.runtime.plan`).
 
 Receives are posted early with `irecv` and waited just before their consumer; sends are `isend`s kept alive
-until the optimizer step; gradient reductions are asynchronous `all_reduce`s launched after a stage's last
-backward. The PPO policy loss and the value loss run on the last stage of each model, which reads the
+until the optimizer step (both through `rlhfuse.runtime.streams.StreamComm`, shared with pipeline inference, one
+process group per model and direction); gradient reductions are asynchronous `all_reduce`s launched after a
+stage's last backward. Compute is timed with CUDA events on a GPU (`rlhfuse.core.timing.OpTimer`), so the profile
+the schedule search plans from is the device's, not the host's launch times. The PPO policy loss and the value loss run on the last stage of each model, which reads the
 experience tensors of its micro-batch from the mini-batch every rank holds.
 
 Legend: B batch rows, T tokens, D model width, R response tokens, V vocabulary.
@@ -26,20 +28,19 @@ from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.losses import actor_loss, critic_loss
-from rlhfuse.core.stats import LossStats, scale_stats, sum_stats
+from rlhfuse.core.stats import LossStats, LossTensors
+from rlhfuse.core.timing import OpTimer
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
-from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups
+from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups, RankGeometry
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
 from rlhfuse.runtime.plan import PipelinePlan, StageProfile
+from rlhfuse.runtime.streams import PipelineError as PipelineError  # re-exported: raised by the executor
+from rlhfuse.runtime.streams import StreamComm
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
-LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, LossStats]]
-
-
-class PipelineError(RuntimeError):
-    """A rank failed or timed out while running its stream; the message names the rank and the instruction."""
+LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, LossTensors]]
 
 
 def ppo_losses(
@@ -60,29 +61,13 @@ def ppo_losses(
             "entropy_fn": lambda logits: vocab_parallel_entropy(logits, vocab, tp_group),
         }
 
-    def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, LossStats]:
+    def actor(logits_BTV: Tensor, micro: TrainBatch) -> tuple[Tensor, LossTensors]:
         return actor_loss(logits_BTV, micro, algorithm, temperature, **read_out)
 
-    def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, LossStats]:
+    def critic(values_BT: Tensor, micro: TrainBatch) -> tuple[Tensor, LossTensors]:
         return critic_loss(values_BT, micro, algorithm)
 
     return {"actor": actor, "critic": critic}
-
-
-def wait_for(work: Any, what: str, rank: int, timeout_s: float) -> None:
-    """Wait for an async point-to-point or collective handle; a failure or timeout is a PipelineError naming
-    the rank and the instruction (another rank probably stopped)."""
-    import datetime
-
-    try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as err:
-        raise PipelineError(
-            f"rank {rank}: {what} failed or timed out after {timeout_s:.0f}s ({err}); "
-            "another rank probably stopped: see its error"
-        ) from err
-    if ok is False:
-        raise PipelineError(f"rank {rank}: {what} timed out after {timeout_s:.0f}s")
 
 
 @dataclass
@@ -119,8 +104,9 @@ class PipelineExecutor:
     """Runs `program.streams[rank]` with this rank's stages.
 
     stages: (model, replica, stage) -> module for every stage placed on this rank (`split_stages` outputs);
-    p2p_groups: one process group per model for point-to-point messages; grad_groups: (model, stage) -> group
-    over the ranks holding that stage (None when one rank holds it); timeout_s: how long a wait may block.
+    p2p_groups: (model, direction) -> process group for point-to-point messages (`ProcessGroups.p2p`);
+    grad_groups: (model, stage) -> group over the ranks holding that stage (None when one rank holds it);
+    timeout_s: how long a wait may block.
 
     tp: the width of a pipeline rank's group of consecutive ranks (the larger tp degree); model_tp: each model's
     own tp degree (default: tp) and model_tp_groups its tp group on this rank (default: tp_group). A model with
@@ -129,6 +115,10 @@ class PipelineExecutor:
     sub-stages of one F run in order (the activation passed point to point to the next sub-stage's ranks, same
     tp position), those of one B in reverse; the messages between merged stages leave from the last sub-stage
     and arrive at the first (gradients: the reverse). `stages` are then keyed by the sub-stage (module) index.
+    The arithmetic is `RankGeometry`'s and the messages `StreamComm`'s, shared with pipeline inference.
+
+    Host syncs: none while the stream runs (loss statistics and gradient norms stay on the device); one read of
+    both at the end of the step.
     """
 
     def __init__(
@@ -139,7 +129,7 @@ class PipelineExecutor:
         stages: Mapping[StageKey, torch.nn.Module],
         *,
         losses: Mapping[str, LossFn],
-        p2p_groups: Mapping[str, Any] | None = None,
+        p2p_groups: Mapping[tuple[str, str], Any] | None = None,
         grad_groups: Mapping[tuple[str, int], Any] | None = None,
         timeout_s: float = 300.0,
         track_memory: bool = False,
@@ -153,7 +143,7 @@ class PipelineExecutor:
         # tensor parallelism: the streams are per pipeline rank (tp group of consecutive ranks); every rank of a
         # tp group runs its group's stream on its own shards, and exchanges activations with its peer (same tp
         # position) in the neighbouring stage's tp group
-        self.tp, self.tp_group, self.tp_rank = tp, tp_group, rank % tp
+        self.tp, self.tp_group = tp, tp_group
         self.stream = program.streams[rank // tp]
         self.stages = dict(stages)
         self.losses = losses
@@ -169,13 +159,11 @@ class PipelineExecutor:
         bad = {m: t for m, t in self.model_tp.items() if t < 1 or tp % t}
         if bad:
             raise ValueError(f"model tp degrees {bad} must divide the pipeline rank's width tp={tp}")
-        self.merge = {m: tp // t for m, t in self.model_tp.items()}
-        self.position = {m: (rank % tp) // t for m, t in self.model_tp.items()}
-        self.model_tp_rank = {m: rank % t for m, t in self.model_tp.items()}
+        self.geometry = RankGeometry(rank, tp, self.model_tp)
         n = problem.ranks
         local = (rank // tp) % n
         expected = {
-            (m.name, r, s * self.merge[m.name] + self.position[m.name])
+            (m.name, r, self.geometry.sub_stage(m.name, s))
             for m in problem.models
             for r, row in enumerate(m.placement)
             for s, k in enumerate(row)
@@ -196,45 +184,6 @@ class PipelineExecutor:
             for (m, _, _), module in self.stages.items():
                 if self.model_tp[m] > 1:
                     self._tp_copies.update(tp_copies(module, self.model_tp[m]))
-
-    def _peer(self, pipeline_rank: int, model: str | None = None, position: int = 0) -> int:
-        """The global rank of this rank's peer (same tp position of `model`) in sub-stage slot `position` of
-        pipeline rank `pipeline_rank` (not merged: the same tp position)."""
-        if model is None or self.merge[model] == 1:
-            return pipeline_rank * self.tp + self.tp_rank
-        t = self.model_tp[model]
-        return pipeline_rank * self.tp + position * t + self.model_tp_rank[model]
-
-    def _sub_stage(self, model: str, merged: int) -> int:
-        """The stage (module) this rank runs for merged stage `merged` of `model`."""
-        return merged * self.merge[model] + self.position[model]
-
-    def _takes_part(self, ins: Instr) -> tuple[bool, int]:
-        """Whether this rank takes part in a SEND / RECV between merged stages, and the peer's sub-stage slot:
-        activations leave the last sub-stage and arrive at the first, gradients the reverse."""
-        assert ins.message is not None
-        last = self.merge[ins.model] - 1
-        sender, receiver = (0, last) if ins.message.grad else (last, 0)
-        mine, theirs = (sender, receiver) if ins.kind is Kind.SEND else (receiver, sender)
-        return self.position[ins.model] == mine, theirs
-
-    def _sub_recv(self, work: StepWork, a: Action, group: int, slot: int, grad: bool) -> Tensor:
-        """Blocking receive of the activation (or gradient) of `a`'s micro-batch from sub-stage slot `slot` of
-        this pipeline rank (the neighbouring sub-stage of the same merged stage)."""
-        msg = Message(a.model, group, a.replica, a.stage, a.microbatch, grad)
-        buf = torch.empty(self._message_shape(work, msg), dtype=self.dtype, device=self.device)
-        start = time.perf_counter()
-        peer = self._peer(self.rank // self.tp, a.model, slot)
-        handle = distributed.irecv(buf, peer, group=self.p2p.get(a.model))
-        self._wait(handle, f"sub-stage receive of {msg} from rank {peer}")
-        self._waited += time.perf_counter() - start
-        return buf
-
-    def _sub_send(self, tensor: Tensor, a: Action, slot: int) -> None:
-        """Send to sub-stage slot `slot` of this pipeline rank (kept alive until the model's optimizer step)."""
-        peer = self._peer(self.rank // self.tp, a.model, slot)
-        handle = distributed.isend(tensor, peer, group=self.p2p.get(a.model))
-        self._sends[a.model].append((handle, tensor))
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _micro_index(self, model: str, replica: int, mb: int) -> int:
@@ -258,9 +207,6 @@ class PipelineExecutor:
                 return int(config.hidden_size)
         raise ValueError(f"rank {self.rank} holds no stage of {model}")
 
-    def _wait(self, work: Any, what: str) -> None:
-        wait_for(work, what, self.rank, self.timeout_s)
-
     def _params(self, model: str, stage: int | None = None) -> list[torch.nn.Parameter]:
         return [
             p
@@ -276,62 +222,35 @@ class PipelineExecutor:
         optimizer_step: Callable[[str, float], None] | None = None,
     ) -> StepResult:
         """Run this rank's stream for one mini-batch. At each OPTIMIZER_STEP the model's sends and gradient
-        reductions are waited for and its global gradient norm computed; at the end `optimizer_step(model,
-        grad_norm)` is called for every model (None: leave the summed gradients in `.grad`)."""
+        reductions are waited for and its global gradient norm computed (on the device); at the end the step's
+        statistics and norms are read at once, and `optimizer_step(model, grad_norm)` is called for every model
+        (None: leave the summed gradients in `.grad`)."""
         t0 = time.perf_counter()
-        pending_recv: dict[Message, tuple[Tensor, Any]] = {}
-        inbox: dict[Message, Tensor] = {}
+        comm = StreamComm(
+            self.geometry,
+            self.p2p,
+            lambda msg: self._message_shape(work, msg),
+            dtype=self.dtype,
+            device=self.device,
+            timeout_s=self.timeout_s,
+        )
+        timer = OpTimer(self.device)
         inputs: dict[tuple[Action, int], Tensor] = {}
         outputs: dict[tuple[Action, int], Tensor] = {}
-        sends: dict[str, list[tuple[Any, Tensor]]] = defaultdict(list)
-        self._sends, self._work, self._waited = sends, work, 0.0
-        reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter], int]]] = defaultdict(list)
-        stat_sums: list[LossStats] = []
-        op_seconds: dict[tuple[str, int, str], list[float]] = defaultdict(list)
-        action_seconds: dict[tuple[Action, int], float] = {}
-        compute = 0.0
+        reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter]]]] = defaultdict(list)
+        stats_S = torch.zeros(len(LossStats._fields), dtype=torch.float64, device=self.device)
+        norms_sq: dict[str, Tensor] = {}
         self._bytes: dict[tuple[Action, int], int] = {}
         self._live = self._peak = 0
-        norms: dict[str, float] = {}
         for ins in self.stream:
             if ins.kind in (Kind.RECV, Kind.SEND):
-                part, slot = self._takes_part(ins)
-                if not part:  # another sub-stage of this merged stage sends / receives it
-                    continue
-            if ins.kind is Kind.RECV:
-                assert ins.message is not None
-                if ins.post:
-                    buf = torch.empty(
-                        self._message_shape(work, ins.message), dtype=self.dtype, device=self.device
-                    )
-                    peer = self._peer(ins.peer, ins.model, slot)
-                    handle = distributed.irecv(buf, peer, group=self.p2p.get(ins.model))
-                    pending_recv[ins.message] = (buf, handle)
-                else:
-                    buf, handle = pending_recv.pop(ins.message)
-                    self._wait(handle, str(ins))
-                    inbox[ins.message] = buf
-            elif ins.kind is Kind.SEND:
-                assert ins.message is not None
-                tensor = inbox.pop(ins.message)
-                peer = self._peer(ins.peer, ins.model, slot)
-                handle = distributed.isend(tensor, peer, group=self.p2p.get(ins.model))
-                sends[ins.model].append((handle, tensor))
-            elif ins.kind in (Kind.F, Kind.B):
-                assert ins.action is not None
-                start, self._waited = time.perf_counter(), 0.0
-                if ins.kind is Kind.F:
-                    self._forward(ins, work, inbox, inputs, outputs, stat_sums)
-                else:
-                    self._backward(ins, inbox, inputs, outputs)
-                took = time.perf_counter() - start - self._waited  # this sub-stage's compute alone
-                compute += took
-                sub = self._sub_stage(ins.model, ins.action.stage)
-                op_seconds[(ins.model, sub, ins.kind.value)].append(took)
-                if self.model_tp_rank[ins.model] == 0:  # one report per sub-stage: a merged op sums them
-                    action_seconds[(ins.action, ins.group)] = took
+                comm.run(ins)
+            elif ins.kind is Kind.F:
+                stats_S += self._forward(ins, work, comm, inputs, outputs, timer)
+            elif ins.kind is Kind.B:
+                self._backward(ins, comm, inputs, outputs, timer)
             elif ins.kind is Kind.REDUCE_GRAD:
-                sub = self._sub_stage(ins.model, ins.stage)
+                sub = self.geometry.sub_stage(ins.model, ins.stage)
                 params = self._params(ins.model, sub)
                 flat = torch.cat(
                     [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
@@ -339,12 +258,11 @@ class PipelineExecutor:
                 handle = distributed.all_reduce(
                     flat, group=self.grad_groups.get((ins.model, sub)), async_op=True
                 )
-                reduces[ins.model].append((handle, flat, params, len(ins.peers)))
+                reduces[ins.model].append((handle, flat, params))
             elif ins.kind is Kind.OPTIMIZER_STEP:
-                for handle, _ in sends.pop(ins.model, []):
-                    self._wait(handle, f"send of {ins.model}")
-                for handle, flat, params, _ in reduces.pop(ins.model, []):
-                    self._wait(handle, f"gradient reduction of {ins.model}")
+                comm.wait_sends(ins.model)
+                for handle, flat, params in reduces.pop(ins.model, []):
+                    comm.wait(handle, f"gradient reduction of {ins.model}")
                     offset = 0
                     for p in params:
                         n = p.numel()
@@ -356,18 +274,33 @@ class PipelineExecutor:
                     for (m, _, _), module in sorted(self.stages.items()):
                         if m == ins.model:
                             sync_replicated_grads(module, self.model_tp_groups[m])
-                norms[ins.model] = self._grad_norm(ins.model)
-        if pending_recv:
-            raise PipelineError(
-                f"rank {self.rank}: receives posted but never waited: {list(pending_recv)[:4]}"
-            )
+                norms_sq[ins.model] = self._grad_norm_sq(ins.model)
+        comm.wait_sends()
+        comm.check_drained()
+        # the step's one host sync: every rank's weighted statistics (each rank counted 1 / its model's tp) and
+        # the gradient norms, read together
+        distributed.all_reduce(stats_S)
+        models = list(self.program.models or norms_sq)
+        values = torch.cat([stats_S, *(norms_sq[m].reshape(1) for m in models)]).tolist()
+        stats = LossStats(*values[: len(stats_S)])
+        norms = {m: math.sqrt(v) for m, v in zip(models, values[len(stats_S) :], strict=True)}
+        for name, value in (("loss/policy", stats.policy_loss), ("loss/value", stats.value_loss)):
+            if not math.isfinite(value):  # the same on every rank (summed): all stop, no weight changed
+                raise NonFiniteError(f"{name} is {value}")
+        op_seconds: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+        action_seconds: dict[tuple[Action, int], float] = {}
+        for key, took in timer.seconds():
+            op: tuple[str, int, str, Action, int] = key  # type: ignore[assignment]
+            op_seconds[op[:3]].append(took)
+            if self.geometry.model_tp_rank(op[0]) == 0:  # one report per sub-stage: a merged op sums them
+                action_seconds[(op[3], op[4])] = took
         seconds = time.perf_counter() - t0
-        stats = self._all_stats(stat_sums)
         if optimizer_step is not None:
             # every model's norm is known (and identical on all ranks) before any model steps: a non-finite
             # norm stops the step with no weight changed, on every rank alike
-            for model in self.program.models or tuple(norms):
+            for model in models:
                 optimizer_step(model, norms[model])
+        compute = sum(sum(v) for v in op_seconds.values())
         return StepResult(
             stats, norms, seconds, compute, dict(op_seconds), action_seconds, dict(self._bytes), self._peak
         )
@@ -376,73 +309,84 @@ class PipelineExecutor:
         self,
         ins: Instr,
         work: StepWork,
-        inbox: dict[Message, Tensor],
+        comm: StreamComm,
         inputs: dict[tuple[Action, int], Tensor],
         outputs: dict[tuple[Action, int], Tensor],
-        stat_sums: list[LossStats],
-    ) -> None:
+        timer: OpTimer,
+    ) -> Tensor:
+        """Run one F (this rank's sub-stage of it); returns its weighted loss statistics (zeros but on a last
+        stage), on the device."""
         a = ins.action
         assert a is not None
         micro, weight = self._micro(work, a.model, ins.group, a.replica, a.microbatch)
-        sub, j, k = self._sub_stage(a.model, a.stage), self.position[a.model], self.merge[a.model]
+        geo = self.geometry
+        sub, j, k = geo.sub_stage(a.model, a.stage), geo.position(a.model), geo.merge(a.model)
         stage = self.stages[(a.model, a.replica, sub)]
+        produced = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)
         if sub == 0:
             x = micro.input_ids_BT
         else:
             if j == 0:  # from the previous merged stage (received, or produced on this rank)
                 assert ins.needs is not None
-                x = inbox.pop(ins.needs)
-            else:  # from the previous sub-stage of this merged stage
-                x = self._sub_recv(work, a, ins.group, j - 1, False)
+                x = comm.take(ins.needs)
+            else:  # from the previous sub-stage of this merged stage (waited for before the clock starts)
+                x = comm.receive_sub(produced, j - 1, f"sub-stage input of {ins}")
             x = x.requires_grad_(True)
             inputs[(a, ins.group)] = x
         spec = self.problem.model(a.model)
         last = a.stage == spec.stages - 1 and j == k - 1
-        with self._saved_tensors(a, ins.group):  # the loss's saved tensors count too
-            with self.autocast():
-                out = stage(x, attention_mask_BT=micro.attention_mask_BT)
-            if last:
-                loss, stats = self.losses[a.model](out, micro)
+        stats_S = torch.zeros(len(LossStats._fields), dtype=torch.float64, device=self.device)
+        with timer.measure((a.model, sub, ins.kind.value, a, ins.group)):
+            with self._saved_tensors(a, ins.group):  # the loss's saved tensors count too
+                with self.autocast():
+                    out = stage(x, attention_mask_BT=micro.attention_mask_BT)
+                if last:
+                    loss, stats = self.losses[a.model](out, micro)
         if last:
-            if not torch.isfinite(loss):
-                name = "loss/policy" if a.model == "actor" else f"loss/{a.model}"
-                raise NonFiniteError(f"{name} is {float(loss.detach())}")
             # every rank of the model's tp group computes the same statistics: each counts 1 / model_tp
-            stat_sums.append(scale_stats(stats, weight / self.model_tp[a.model]))
+            stats_S = stats.vector() * (weight / self.model_tp[a.model])
             outputs[(a, ins.group)] = loss * weight
         else:
             outputs[(a, ins.group)] = out
             if j < k - 1:  # the next sub-stage of this merged stage
-                self._sub_send(out.detach(), a, j + 1)
+                comm.send_sub(produced, out.detach(), j + 1)
             else:  # the next stage's input: sent (SEND follows) or consumed on this rank
-                inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.detach()
+                comm.put(produced, out.detach())
+        return stats_S
 
     def _backward(
         self,
         ins: Instr,
-        inbox: dict[Message, Tensor],
+        comm: StreamComm,
         inputs: dict[tuple[Action, int], Tensor],
         outputs: dict[tuple[Action, int], Tensor],
+        timer: OpTimer,
     ) -> None:
         a = ins.action
         assert a is not None
         f = (Action(a.model, a.replica, a.stage, Kind.F, a.microbatch), ins.group)
-        sub, j, k = self._sub_stage(a.model, a.stage), self.position[a.model], self.merge[a.model]
+        geo = self.geometry
+        sub, j, k = geo.sub_stage(a.model, a.stage), geo.position(a.model), geo.merge(a.model)
+        produced = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)
         out = outputs.pop(f)
-        if j < k - 1:  # from the next sub-stage of this merged stage
-            torch.autograd.backward(out, self._sub_recv(self._work, a, ins.group, j + 1, True))
-        elif ins.needs is None:  # last stage: out is the weighted loss
-            out.backward()
-        else:
-            torch.autograd.backward(out, inbox.pop(ins.needs))
+        grad_out: Tensor | None = None
+        if j < k - 1:  # from the next sub-stage of this merged stage (waited for before the clock starts)
+            grad_out = comm.receive_sub(produced, j + 1, f"sub-stage gradient of {ins}")
+        elif ins.needs is not None:
+            grad_out = comm.take(ins.needs)
+        with timer.measure((a.model, sub, ins.kind.value, a, ins.group)):
+            if grad_out is None:  # last stage: out is the weighted loss
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad_out)
         self._live -= self._bytes.get(f, 0)
         if sub > 0:
             x = inputs.pop(f)
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             if j > 0:  # to the previous sub-stage of this merged stage
-                self._sub_send(grad, a, j - 1)
+                comm.send_sub(produced, grad, j - 1)
             else:
-                inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)] = grad
+                comm.put(produced, grad)
 
     @contextlib.contextmanager
     def _saved_tensors(self, action: Action, group: int) -> Any:
@@ -473,29 +417,20 @@ class PipelineExecutor:
         self._live += total
         self._peak = max(self._peak, self._live)
 
-    def _grad_norm(self, model: str) -> float:
-        """The whole model's gradient norm: every stage's squared norm, counted once over its copies."""
-        spec = self.problem.model(model)
+    def _grad_norm_sq(self, model: str) -> Tensor:
+        """The whole model's squared gradient norm, on the device: every stage's squared norm, counted once over
+        its copies, summed over the world (a collective; read at the end of the step)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for (m, _, s), mod in self.stages.items():
             if m != model:
                 continue
-            copies = len(grad_peers(self.problem, self.program.dp, model, s // self.merge[m]))
+            copies = len(grad_peers(self.problem, self.program.dp, model, s // self.geometry.merge(m)))
             for p in mod.parameters():
                 if p.grad is not None:
                     share = copies * self._tp_copies.get(id(p), 1)
                     sq += p.grad.detach().double().pow(2).sum() / share
-        del spec
         distributed.all_reduce(sq)
-        return math.sqrt(float(sq))
-
-    def _all_stats(self, parts: Sequence[LossStats]) -> LossStats:
-        """The mini-batch's loss statistics: this rank's weighted micro-batch statistics summed over all ranks."""
-        vec = torch.tensor(
-            sum_stats(parts) if parts else LossStats(), dtype=torch.float64, device=self.device
-        )
-        distributed.all_reduce(vec)  # each rank's statistics counted 1 / its model's tp (`_forward`)
-        return LossStats(*vec.tolist())
+        return sq
 
 
 class StepMeasurement(NamedTuple):
@@ -567,8 +502,8 @@ class PlanExecutor:
         longest = timing[:1].clone()
         distributed.all_reduce(longest, op="max")
         distributed.all_reduce(timing)
-        measured = float(longest)
-        bubble = 1.0 - float(timing[1]) / (self.world * measured) if measured > 0 else 0.0
+        measured, compute = torch.cat([longest, timing[1:]]).tolist()  # one read
+        bubble = 1.0 - compute / (self.world * measured) if measured > 0 else 0.0
         return StepMeasurement(result, measured, bubble)
 
     def profile(self, result: StepResult, layout: ParallelLayout, microbatches: int) -> StageProfile:

@@ -42,9 +42,9 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import Problem, make_problem
-from rlhfuse.runtime.executor import PipelineError, wait_for
-from rlhfuse.runtime.layout import ParallelLayout
-from rlhfuse.runtime.lower import Instr, Message, Program, lower_checked
+from rlhfuse.runtime.layout import ParallelLayout, RankGeometry, warm_up_pairs
+from rlhfuse.runtime.lower import Message, Program, lower_checked
+from rlhfuse.runtime.streams import PipelineError, StreamComm
 
 # inference model -> the training model whose layout (stages, replicas, placement) it uses
 PLACED_AS: dict[str, ModelRole] = {  # results are keyed by ModelRole (a str enum: "actor" finds it)
@@ -136,7 +136,8 @@ class ForwardExecutor:
     tp: the pipeline ranks' width (the larger tp degree); model_tp: each model's own tp (default: tp). A model
     with model_tp < tp runs merged stages (`ParallelLayout.merge`): this rank runs sub-stage `position` of each,
     receiving from the previous sub-stage's ranks and sending to the next one's (same tp position); `stages` are
-    then keyed by the sub-stage (module) index, and the problem's stages are the merged stages."""
+    then keyed by the sub-stage (module) index, and the problem's stages are the merged stages. The arithmetic is
+    `RankGeometry`'s and the messages `StreamComm`'s, shared with the training executor."""
 
     def __init__(
         self,
@@ -146,7 +147,7 @@ class ForwardExecutor:
         stages: Mapping[StageKey, nn.Module],
         heads: Mapping[str, Head],
         *,
-        p2p_groups: Mapping[str, Any] | None = None,
+        p2p_groups: Mapping[tuple[str, str], Any] | None = None,
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         tp: int = 1,
@@ -156,9 +157,9 @@ class ForwardExecutor:
         # tensor parallelism: every rank of a tp group runs its group's stream on its shards and exchanges
         # activations with its peer (same tp position) in the neighbouring stage's group
         self.tp = tp
-        self.model_tp = {m.name: (model_tp or {}).get(m.name, tp) for m in problem.models}
-        self.merge = {m: tp // t for m, t in self.model_tp.items()}
-        self.position = {m: (rank % tp) // t for m, t in self.model_tp.items()}
+        self.geometry = RankGeometry(
+            rank, tp, {m.name: (model_tp or {}).get(m.name, tp) for m in problem.models}
+        )
         self.stream = program.streams[rank // tp]
         self.stages, self.heads = dict(stages), dict(heads)
         self.p2p = dict(p2p_groups or {})
@@ -170,93 +171,50 @@ class ForwardExecutor:
     def _index(self, model: str, replica: int, mb: int) -> int:
         return replica * self.problem.model(model).microbatches + mb
 
-    def _peer(self, pipeline_rank: int, model: str, slot: int) -> int:
-        """The global rank of this rank's peer (same tp position of `model`) in sub-stage slot `slot` of
-        `pipeline_rank`."""
-        t = self.model_tp[model]
-        return pipeline_rank * self.tp + slot * t + self.rank % t
-
-    def _takes_part(self, ins: Instr) -> tuple[bool, int]:
-        """Whether this rank sends / receives an activation between merged stages (the last sub-stage sends,
-        the first receives), and the peer's slot."""
-        last = self.merge[ins.model] - 1
-        mine, theirs = (last, 0) if ins.kind is Kind.SEND else (0, last)
-        return self.position[ins.model] == mine, theirs
-
     @torch.no_grad()
     def run(self, micro: Sequence[Sequence[Rollout]]) -> dict[tuple[str, int, int], Tensor]:
         """micro[g][i]: micro-batch i of data-parallel group g. Returns (model, g, i) -> head output for every
         last stage on this rank."""
-        pending: dict[Message, tuple[Tensor, Any]] = {}
-        inbox: dict[Message, Tensor] = {}
-        sends: list[tuple[Any, Tensor, Instr]] = []
+
+        def shape_of(m: Message) -> tuple[int, ...]:
+            rows = micro[m.group][self._index(m.model, m.replica, m.microbatch)]
+            return (len(rows), rows.input_ids_BT.shape[1], self.width[m.model])
+
+        comm = StreamComm(
+            self.geometry, self.p2p, shape_of, dtype=self.dtype, device=self.device, timeout_s=self.timeout_s
+        )
         results: dict[tuple[str, int, int], Tensor] = {}
+        geo = self.geometry
         for ins in self.stream:
-            slot = 0
             if ins.kind in (Kind.RECV, Kind.SEND):
-                part, slot = self._takes_part(ins)
-                if not part:  # another sub-stage of this merged stage sends / receives it
-                    continue
-            if ins.kind is Kind.RECV:
-                assert ins.message is not None
-                if ins.post:
-                    m = ins.message
-                    rows = micro[m.group][self._index(m.model, m.replica, m.microbatch)]
-                    shape = (len(rows), rows.input_ids_BT.shape[1], self.width[m.model])
-                    buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-                    peer = self._peer(ins.peer, ins.model, slot)
-                    pending[m] = (buf, distributed.irecv(buf, peer, group=self.p2p.get(ins.model)))
-                else:
-                    buf, handle = pending.pop(ins.message)
-                    wait_for(handle, str(ins), self.rank, self.timeout_s)
-                    inbox[ins.message] = buf
-            elif ins.kind is Kind.SEND:
-                assert ins.message is not None
-                tensor = inbox.pop(ins.message).contiguous()
-                peer = self._peer(ins.peer, ins.model, slot)
-                sends.append((distributed.isend(tensor, peer, group=self.p2p.get(ins.model)), tensor, ins))
+                comm.run(ins)
             elif ins.kind is Kind.F:
                 a = ins.action
                 assert a is not None
                 i = self._index(a.model, a.replica, a.microbatch)
                 rows = micro[ins.group][i]
-                j, k = self.position[a.model], self.merge[a.model]
-                sub = a.stage * k + j
-                here = self.rank // self.tp
+                j, k = geo.position(a.model), geo.merge(a.model)
+                sub = geo.sub_stage(a.model, a.stage)
+                produced = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)
                 if sub == 0:
                     x = rows.input_ids_BT
                 elif j == 0:  # from the previous merged stage
-                    x = inbox.pop(ins.needs)  # type: ignore[arg-type]
+                    assert ins.needs is not None
+                    x = comm.take(ins.needs)
                 else:  # from the previous sub-stage of this merged stage
-                    x = torch.empty(
-                        (len(rows), rows.input_ids_BT.shape[1], self.width[a.model]),
-                        dtype=self.dtype,
-                        device=self.device,
-                    )
-                    handle = distributed.irecv(
-                        x, self._peer(here, a.model, j - 1), group=self.p2p.get(a.model)
-                    )
-                    wait_for(handle, f"{ins} (sub-stage {sub} input)", self.rank, self.timeout_s)
+                    x = comm.receive_sub(produced, j - 1, f"{ins} (sub-stage {sub} input)")
                 with self.autocast():
                     out = self.stages[(a.model, a.replica, sub)](x, attention_mask_BT=rows.attention_mask_BT)
                 if a.stage == self.problem.model(a.model).stages - 1 and j == k - 1:
                     results[(a.model, ins.group, i)] = self.heads[a.model](out, rows)
                 elif j < k - 1:  # the next sub-stage of this merged stage
-                    tensor = out.to(self.dtype).contiguous()
-                    peer = self._peer(here, a.model, j + 1)
-                    sends.append((distributed.isend(tensor, peer, group=self.p2p.get(a.model)), tensor, ins))
+                    comm.send_sub(produced, out.to(self.dtype), j + 1)
                 else:
-                    inbox[Message(a.model, ins.group, a.replica, a.stage, a.microbatch, False)] = out.to(
-                        self.dtype
-                    )
+                    comm.put(produced, out.to(self.dtype))
             else:
                 raise PipelineError(f"rank {self.rank}: {ins} in a forward-only stream")
-        for handle, _, ins in sends:
-            wait_for(handle, str(ins), self.rank, self.timeout_s)
-        if pending or inbox:
-            raise PipelineError(
-                f"rank {self.rank}: messages left over: {list(pending)[:4]} {list(inbox)[:4]}"
-            )
+        comm.wait_sends()
+        comm.check_drained()
         return results
 
 
@@ -322,7 +280,10 @@ class PipelineInferencer:
         # collective, same order on every rank: one point-to-point group per inference model (its messages
         # never match another model's, nor the training's)
         world = list(range(layout.world_size))
-        self.p2p = {m: distributed.new_group(world) for m in self.names}
+        self.p2p = {(m, "act"): distributed.new_group(world) for m in self.names}
+        warm_up_pairs(
+            {key: (g, layout.p2p_pairs(PLACED_AS[key[0]])) for key, g in self.p2p.items()}, layout.device
+        )
         self.stages: dict[StageKey, nn.Module] = {}
         for m in self.names:
             split = split_stages(self.models[m], layout.stages(PLACED_AS[m]))

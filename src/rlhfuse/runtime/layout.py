@@ -11,6 +11,8 @@ on every rank in the same order (as torch requires).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -33,6 +35,53 @@ class ModelParallel:
 
     pp: int = 1
     tp: int = 1
+
+
+@dataclass(frozen=True)
+class RankGeometry:
+    """Where one global rank sits in the pipeline ranks and tp groups, per model: the one definition of the peer,
+    merge and position arithmetic (`ParallelLayout` and both stream interpreters read it).
+
+    tp: a pipeline rank's width (the larger tp degree); model_tp: each model's own tp degree (dividing tp). A
+    model with model_tp < tp has merge = tp / model_tp consecutive stages merged onto each pipeline rank; this
+    rank runs sub-stage `position` of each (ranks position*t .. position*t + t - 1 of the group, t = model_tp).
+    """
+
+    rank: int
+    tp: int
+    model_tp: Mapping[str, int]
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.rank // self.tp
+
+    def merge(self, model: str) -> int:
+        return self.tp // self.model_tp[model]
+
+    def position(self, model: str) -> int:
+        """The sub-stage slot this rank runs of `model`'s merged stages (0 when not merged)."""
+        return (self.rank % self.tp) // self.model_tp[model]
+
+    def model_tp_rank(self, model: str) -> int:
+        return self.rank % self.model_tp[model]
+
+    def sub_stage(self, model: str, merged: int) -> int:
+        """The stage (module) this rank runs for merged stage `merged` of `model`."""
+        return merged * self.merge(model) + self.position(model)
+
+    def peer(self, pipeline_rank: int, model: str, slot: int = 0) -> int:
+        """The global rank of this rank's peer (same tp position of `model`) in sub-stage slot `slot` of
+        `pipeline_rank`."""
+        t = self.model_tp[model]
+        return pipeline_rank * self.tp + slot * t + self.rank % t
+
+    def takes_part(self, send: bool, model: str, grad: bool) -> tuple[bool, int]:
+        """Whether this rank sends (`send`) or receives a message between merged stages of `model`, and the peer's
+        sub-stage slot: activations leave the last sub-stage and arrive at the first, gradients the reverse."""
+        last = self.merge(model) - 1
+        sender, receiver = (0, last) if grad else (last, 0)
+        mine, theirs = (sender, receiver) if send else (receiver, sender)
+        return self.position(model) == mine, theirs
 
 
 @dataclass(frozen=True)
@@ -151,11 +200,15 @@ class ParallelLayout:
         """`model`'s own tensor-parallel degree."""
         return int(getattr(self, model).tp)
 
+    def geometry(self, rank: int) -> RankGeometry:
+        """A global rank's place in the pipeline ranks and tp groups (the peer / merge / position arithmetic)."""
+        return RankGeometry(rank, self.tp, {m: self.model_tp(m) for m in MODELS})
+
     def merge(self, model: str) -> int:
         """Consecutive stages of `model` merged onto one pipeline rank: tp / the model's tp (1 for the model
         with the larger tp). Sub-stage j of a merged stage runs on ranks j*t .. j*t + t - 1 of the group (t the
         model's tp)."""
-        return self.tp // self.model_tp(model)
+        return self.geometry(0).merge(model)
 
     @property
     def pipeline_ranks(self) -> int:
@@ -169,7 +222,7 @@ class ParallelLayout:
 
     def position(self, model: str, rank: int) -> int:
         """Which sub-stage of `model`'s merged stages a global rank runs (0 .. merge - 1; 0 when not merged)."""
-        return (rank % self.tp) // self.model_tp(model)
+        return self.geometry(rank).position(model)
 
     def pipeline_rank(self, rank: int) -> int:
         """A global rank's pipeline rank (its tp group)."""
@@ -325,6 +378,25 @@ class ParallelLayout:
             for r in range(self.replicas(m))
         }
 
+    def p2p_pairs(self, model: str) -> tuple[tuple[int, int], ...]:
+        """The global rank pairs (low, high) that exchange `model`'s point-to-point messages, sorted: the last
+        sub-stage of each merged stage with the first of the next (same tp position), and neighbouring sub-stages
+        inside a merged stage. Activations go one way and gradients the other on every pair."""
+        t, k = self.model_tp(model), self.merge(model)
+        pairs: set[tuple[int, int]] = set()
+        for g in range(self.dp):
+            for row in self.local_placement(model):
+                ranks = [g * self.group_size + v for v in row]
+                for i in range(t):
+                    for v in ranks:
+                        pairs.update(
+                            (v * self.tp + j * t + i, v * self.tp + (j + 1) * t + i) for j in range(k - 1)
+                        )
+                    for a, b in itertools.pairwise(ranks):
+                        x, y = a * self.tp + (k - 1) * t + i, b * self.tp + i
+                        pairs.add((min(x, y), max(x, y)))
+        return tuple(sorted(pairs))
+
     @cached_property
     def data_parallel_groups(self) -> tuple[tuple[int, ...], ...]:
         """Ranks with the same position in every fused group (same stages and tp shard of both models)."""
@@ -374,14 +446,15 @@ def actor_only_layout(
 class ProcessGroups:
     """torch.distributed groups by purpose, built identically on every rank.
 
-    p2p[model]: the whole world, one group per model, so the two models' point-to-point messages never match
-    each other's; grad[(model, stage)]: gradient reduction over replicas and data parallelism of this rank's tp
+    p2p[(model, direction)]: the whole world, one group per model and direction ("act" forward, "grad"
+    backward: `rlhfuse.runtime.lower.p2p_group_key`), so that on every group a rank pair's messages go one way, in
+    the order the lowering proves NCCL can run; grad[(model, stage)]: gradient reduction over replicas and data parallelism of this rank's tp
     shard of the stage (None when a single rank holds it); pipeline[(model, fused group, replica)]: the ranks of
     that pipeline with this rank's tp position; tp: this rank's tp group (None when tp = 1: the vocabulary- and
     tensor-parallel collectives then do nothing); world: the default group (norms, statistics, weight sync).
     """
 
-    p2p: dict[str, Any]
+    p2p: dict[tuple[str, str], Any]
     grad: dict[tuple[str, int], Any]
     pipeline: dict[tuple[str, int, int], Any]
     data_parallel: tuple[Any, ...]
@@ -395,6 +468,30 @@ class ProcessGroups:
         return self.model_tp.get(model, self.tp)
 
 
+DIRECTIONS: tuple[str, ...] = ("act", "grad")
+"""The point-to-point groups of a model: activations forward, gradients backward (`ProcessGroups.p2p`)."""
+
+
+def warm_up_pairs(groups: Mapping[Any, tuple[Any, Sequence[tuple[int, int]]]], device: str) -> None:
+    """Collective: one tiny message on every (group, rank pair) that will carry point-to-point traffic, in one
+    order every rank follows (groups in the mapping's order, pairs sorted), the lower rank sending.
+
+    NCCL creates a pair's communicator on its first message and both ranks block there until the other arrives;
+    the pipelines' streams interleave groups and pairs in rank-specific orders, so the communicators are made
+    here, where a single global order makes the rendezvous deadlock-free. On gloo it costs a few messages."""
+    import torch
+
+    from rlhfuse import distributed
+
+    me = distributed.rank()
+    for group, pairs in groups.values():
+        for lo, hi in pairs:
+            if me == lo:
+                distributed.isend(torch.zeros(1, device=device), hi, group=group).wait()
+            elif me == hi:
+                distributed.recv(torch.zeros(1, device=device), lo, group=group)
+
+
 def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None) -> ProcessGroups:
     """Create every group (collective: all ranks must call this, in the same order); keep this rank's."""
     from rlhfuse import distributed
@@ -406,7 +503,8 @@ def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None)
     def group(ranks: tuple[int, ...] | list[int]) -> Any:
         return distributed.new_group(ranks, timeout_s)
 
-    p2p = {m: group(world) for m in layout.trained}
+    p2p = {(m, d): group(world) for m in layout.trained for d in DIRECTIONS}
+    warm_up_pairs({key: (g, layout.p2p_pairs(key[0])) for key, g in p2p.items()}, layout.device)
     grad: dict[tuple[str, int], Any] = {}
     for (m, s, _), ranks in layout.tp_grad_groups.items():
         made = group(ranks) if len(ranks) > 1 else None

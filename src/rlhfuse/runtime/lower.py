@@ -4,19 +4,22 @@ A stream holds compute (F, B), point-to-point communication (RECV posted early, 
 right after the producing compute), gradient reduction (REDUCE_GRAD, launched asynchronously after a stage's last
 backward) and the optimizer step (OPTIMIZER_STEP, which first waits for every send and reduction of the model).
 
-Deadlock freedom is proven, not hoped for: `check_program` executes the streams under the strictest transport
-semantics we run on (NCCL-like, no tags: on each (sender, receiver, model) channel the k-th send matches the
-k-th posted receive, and they must carry the same message; a collective completes when every member of its
-group has launched its k-th operation on that group, in the same order). Any schedule the pipeline simulator
-accepts lowers into a program this check accepts (tested on many random schedules, up to 64 ranks).
+Deadlock freedom is proven, not hoped for: `check_program` executes the streams under NCCL's point-to-point
+semantics, the strictest we run on: one FIFO stream per (process group, rank pair), both directions sharing it,
+each op run to completion (a send together with its receive) before the next starts, no tags; a collective
+completes when every member of its group has launched its k-th operation on that group. Messages travel on one
+group per model and direction (`p2p_group_key`); the single group per model used before deadlocks there (rank 0
+[recv dgrad0, send act1], rank 1 [recv act1, send dgrad0]) and is rejected. Any schedule the pipeline simulator
+accepts lowers into a program this check accepts (tested on many random schedules, up to 64 ranks), and the
+multi-process tests run the streams under the same rule on gloo (`rlhfuse.distributed.ordering`).
 
 Pure code: no process group, no tensors.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
@@ -208,42 +211,99 @@ def lower(
     return Program(tuple(streams), n, dp, tuple(problem.model_names()))
 
 
-def check_program(program: Program) -> None:
-    """Execute `program` under strict in-order matching; raise LoweringError on a mismatch or a deadlock.
+P2PGroupKey = Hashable
+"""Which process group a point-to-point message travels on (`p2p_group_key`)."""
 
-    Blocking points: a RECV wait (its matched send must have been issued), an OPTIMIZER_STEP (every send of
-    this rank matched by a posted receive, every reduction launched by all its members, then a blocking
-    collective over all ranks for the gradient norm). Compute, SEND, RECV posts and REDUCE_GRAD launches never
+
+def p2p_group_key(message: Message) -> tuple[str, str]:
+    """The process group of a message: one per model and direction ("act": activations to the next stage,
+    "grad": input gradients to the previous one). On a group the ranks of a pair then exchange messages in one
+    direction only, in the sender's order, which the receiver's posts follow (`lower`): NCCL's one stream per
+    (group, rank pair) can run that (one group per model, both directions on it, cannot: see `check_program`)."""
+    return (message.model, "grad" if message.grad else "act")
+
+
+def check_program(program: Program, group_of: Callable[[Message], P2PGroupKey] = p2p_group_key) -> None:
+    """Execute `program` under NCCL's point-to-point semantics; raise LoweringError on a mismatch or a deadlock.
+
+    Transport model (the strictest we run on, NCCL's): every message travels on the process group `group_of`
+    gives it; each (group, rank pair) is one FIFO stream per rank, both directions sharing it. A rank's sends and
+    receive posts enter their stream in issue order and never block the rank; only the op at the head of a
+    rank's stream is running, and it completes only together with the head of the peer's stream, which must be
+    its counterpart (a send of the same message). Two heads that are both sends or both receives wait forever: a
+    deadlock, reported with what every rank waits for. No tags: heads carrying different messages are a
+    mismatch.
+
+    Blocking points: a RECV wait (its receive completed), an OPTIMIZER_STEP (every send of this model completed,
+    every reduction launched by all its members, then a blocking collective over all ranks for the gradient
+    norm), the end of the stream (every send completed). Compute, SEND, RECV posts and REDUCE_GRAD launches never
     block. Data dependencies are checked too: a compute's input was received or produced earlier on this rank.
     """
     streams = program.streams
     nranks = len(streams)
-    sends: dict[tuple[int, int, str], list[Message]] = defaultdict(list)
-    posts: dict[tuple[int, int, str], list[Message]] = defaultdict(list)
-    post_index: dict[tuple[int, Message], tuple[tuple[int, int, str], int]] = {}
-    my_sends: list[list[tuple[tuple[int, int, str], int]]] = [[] for _ in range(nranks)]
+    # (group, low rank, high rank) -> rank -> its ops on that stream not yet completed: (send?, message, peer)
+    queues: dict[tuple[P2PGroupKey, int, int], dict[int, deque[tuple[bool, Message, int]]]] = defaultdict(
+        lambda: defaultdict(deque)
+    )
+    received: list[set[Message]] = [set() for _ in range(nranks)]  # receives completed
+    open_sends: list[dict[str, int]] = [
+        defaultdict(int) for _ in range(nranks)
+    ]  # model -> sends not completed
     launches: dict[tuple[str, int, tuple[int, ...]], dict[int, int]] = defaultdict(dict)
     my_reduces: list[list[tuple[tuple[str, int, tuple[int, ...]], int]]] = [[] for _ in range(nranks)]
     norm_arrivals: dict[str, set[int]] = defaultdict(set)
+    posted: list[set[Message]] = [set() for _ in range(nranks)]
     available: list[set[Message]] = [set() for _ in range(nranks)]
     done: list[set[tuple[Action, int]]] = [set() for _ in range(nranks)]
     pointer = [0] * nranks
+
+    def stream_key(k: int, peer: int, message: Message) -> tuple[P2PGroupKey, int, int]:
+        return (group_of(message), min(k, peer), max(k, peer))
+
+    def advance(key: tuple[P2PGroupKey, int, int]) -> None:
+        """Complete the heads of both sides of one stream while they are counterparts."""
+        _, lo, hi = key
+        sides = queues[key]
+        while sides[lo] and sides[hi]:
+            (send_a, msg_a, _), (send_b, msg_b, _) = sides[lo][0], sides[hi][0]
+            if send_a == send_b:
+                return  # both send or both receive: neither completes
+            if msg_a != msg_b:
+                sender, receiver = (lo, hi) if send_a else (hi, lo)
+                sent, wanted = (msg_a, msg_b) if send_a else (msg_b, msg_a)
+                raise LoweringError(
+                    f"mismatch on channel rank {sender} -> rank {receiver} (group {key[0]}): the sender's next "
+                    f"message on the stream is {sent} but the receiver's next receive is {wanted}"
+                )
+            sides[lo].popleft()
+            sides[hi].popleft()
+            sender, receiver = (lo, hi) if send_a else (hi, lo)
+            received[receiver].add(msg_a)
+            open_sends[sender][msg_a.model] -= 1
+
+    def head_of(k: int, key: tuple[P2PGroupKey, int, int]) -> str:
+        side = queues[key][k]
+        if not side:
+            return "nothing"
+        send, msg, peer = side[0]
+        return f"{'SEND' if send else 'RECV'} {msg} {'->' if send else '<-'} {peer}"
 
     def blocked_on(k: int, ins: Instr) -> str | None:
         """None if `ins` can run now on rank k, else what it waits for."""
         if ins.kind is Kind.RECV and not ins.post:
             assert ins.message is not None
-            posted = post_index.get((k, ins.message))
-            if posted is None:
+            if ins.message not in posted[k]:
                 raise LoweringError(f"rank {k}: waits for {ins.message} that it never posted")
-            channel, idx = posted
-            if len(sends[channel]) <= idx:
-                return f"{ins} (rank {ins.peer} has sent {len(sends[channel])} of {idx + 1})"
-            return None
+            if ins.message in received[k]:
+                return None
+            key = stream_key(k, ins.peer, ins.message)
+            return (
+                f"{ins} (stream of group {key[0]} with rank {ins.peer}: rank {k} runs {head_of(k, key)}, rank "
+                f"{ins.peer} runs {head_of(ins.peer, key)})"
+            )
         if ins.kind is Kind.OPTIMIZER_STEP:
-            for channel, idx in my_sends[k]:
-                if channel[2] == ins.model and len(posts[channel]) <= idx:
-                    return f"{ins}: send #{idx} to rank {channel[1]} not yet received"
+            if open_sends[k][ins.model] > 0:
+                return f"{ins}: {open_sends[k][ins.model]} send(s) not yet received"
             for group_key, idx in my_reduces[k]:
                 late = [p for p in group_key[2] if launches[group_key].get(p, 0) <= idx]
                 if group_key[0] == ins.model and late:
@@ -254,23 +314,19 @@ def check_program(program: Program) -> None:
         return None
 
     def execute(k: int, ins: Instr) -> None:
-        if ins.kind is Kind.RECV:
+        if ins.kind in (Kind.RECV, Kind.SEND) and (ins.kind is Kind.SEND or ins.post):
             assert ins.message is not None
-            channel = (ins.peer, k, ins.model)
-            if ins.post:
-                idx = len(posts[channel])
-                posts[channel].append(ins.message)
-                post_index[(k, ins.message)] = (channel, idx)
-                _match(channel, idx)
+            send = ins.kind is Kind.SEND
+            if send:
+                open_sends[k][ins.message.model] += 1
             else:
-                available[k].add(ins.message)
-        elif ins.kind is Kind.SEND:
+                posted[k].add(ins.message)
+            key = stream_key(k, ins.peer, ins.message)
+            queues[key][k].append((send, ins.message, ins.peer))
+            advance(key)
+        elif ins.kind is Kind.RECV:
             assert ins.message is not None
-            channel = (k, ins.peer, ins.model)
-            idx = len(sends[channel])
-            sends[channel].append(ins.message)
-            my_sends[k].append((channel, idx))
-            _match(channel, idx)
+            available[k].add(ins.message)
         elif ins.kind in (Kind.F, Kind.B):
             assert ins.action is not None
             a = ins.action
@@ -287,21 +343,12 @@ def check_program(program: Program) -> None:
             out = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, a.kind is Kind.B)
             available[k].add(out)  # a local consumer (same rank) may use it
         elif ins.kind is Kind.REDUCE_GRAD:
-            key = (ins.model, ins.stage, ins.peers)
+            reduce_key = (ins.model, ins.stage, ins.peers)
             if k not in ins.peers:
                 raise LoweringError(f"rank {k}: {ins} but rank {k} is not in its group")
-            n = launches[key].get(k, 0)
-            launches[key][k] = n + 1
-            my_reduces[k].append((key, n))
-
-    def _match(channel: tuple[int, int, str], idx: int) -> None:
-        if idx < len(sends[channel]) and idx < len(posts[channel]):
-            s, r = sends[channel][idx], posts[channel][idx]
-            if s != r:
-                raise LoweringError(
-                    f"mismatch on channel rank {channel[0]} -> rank {channel[1]} ({channel[2]}): message #{idx} "
-                    f"is {s} on the sender but {r} on the receiver"
-                )
+            n = launches[reduce_key].get(k, 0)
+            launches[reduce_key][k] = n + 1
+            my_reduces[k].append((reduce_key, n))
 
     remaining = sum(len(s) for s in streams)
     while remaining:
@@ -322,16 +369,19 @@ def check_program(program: Program) -> None:
                 if pointer[k] < len(streams[k])
             ]
             raise LoweringError("deadlock: no rank can proceed:\n  - " + "\n  - ".join(waits[:16]))
-    for channel in set(sends) | set(posts):
-        if len(sends[channel]) != len(posts[channel]):
+    for stream, sides in queues.items():
+        left = {
+            k: [f"{'SEND' if s else 'RECV'} {m}" for s, m, _ in side] for k, side in sides.items() if side
+        }
+        if left:
             raise LoweringError(
-                f"channel rank {channel[0]} -> rank {channel[1]} ({channel[2]}): {len(sends[channel])} sends "
-                f"but {len(posts[channel])} receives"
+                f"stream of group {stream[0]} between ranks {stream[1]} and {stream[2]}: ops never completed (a "
+                f"send without its receive, or a deadlock at the end of the streams): {left}"
             )
-    for key, counts in launches.items():
-        if len(set(counts.get(p, 0) for p in key[2])) != 1:
+    for reduced, counts in launches.items():
+        if len(set(counts.get(p, 0) for p in reduced[2])) != 1:
             raise LoweringError(
-                f"REDUCE_GRAD {key[0]}.s{key[1]}: launch counts differ over {key[2]}: {counts}"
+                f"REDUCE_GRAD {reduced[0]}.s{reduced[1]}: launch counts differ over {reduced[2]}: {counts}"
             )
 
 

@@ -31,7 +31,7 @@ from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
-from rlhfuse.core.stats import LossStats, TrainStats, scale_stats, sum_stats
+from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
 from rlhfuse.models.packing import check_packing
@@ -101,7 +101,7 @@ class PlainStrategy:
     def train_step(self, batch: TrainBatch) -> TrainStats:
         for model in self.models:
             model.train()
-        parts: list[LossStats] = []
+        parts: list[LossTensors] = []
         failure: str | None = None
         micros = micro_batches(
             self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
@@ -113,10 +113,12 @@ class PlainStrategy:
             if failure is not None:
                 break
             parts.append(scale_stats(stats, weight))
-        sums = sum_stats(parts) if parts else LossStats()
+        device = next(self.actor.parameters()).device
+        vector = sum_stats(parts).vector() if parts else torch.zeros(len(LossStats._fields), device=device)
         if self.group is not None:
             # every rank learns of a non-finite loss on any rank here, so all raise together (none waits)
-            sums, failure = self._all_reduce(sums, failure)
+            vector, failure = self._all_reduce(vector, failure)
+        sums = LossStats(*vector.tolist())  # the step's statistics, read once
         if failure is not None:
             self._zero_grad()
             raise NonFiniteError(failure)
@@ -151,7 +153,7 @@ class PlainStrategy:
             )
         return batch.select(torch.tensor(karmarkar_karp(batch_costs(batch), world)[rank]))
 
-    def _all_reduce(self, sums: LossStats, failure: str | None) -> tuple[LossStats, str | None]:
+    def _all_reduce(self, sums: Tensor, failure: str | None) -> tuple[Tensor, str | None]:
         """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch);
         first agree on whether any rank saw a non-finite loss (then nothing else is exchanged)."""
         # the gradients' device: the one the group's backend reduces on
@@ -171,11 +173,11 @@ class PlainStrategy:
             for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
                 assert p.grad is not None
                 p.grad.copy_(chunk.view_as(p))
-        values = torch.tensor(sums, dtype=torch.float64, device=device)
+        values = sums.to(device=device, dtype=torch.float64)
         distributed.all_reduce(values, group=self.group)
-        return LossStats(*values.tolist()), None
+        return values, None
 
-    def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[LossStats, str | None]:
+    def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[LossTensors, str | None]:
         """Forward and backward of one micro-batch: its statistics, or the non-finite loss (no backward)."""
         device = next(self.actor.parameters()).device
         micro = micro.to(device)
@@ -192,12 +194,13 @@ class PlainStrategy:
         named = [("loss/policy", policy_loss, policy_stats)]
         if values_BR is not None:
             named.append(("loss/value", *losses.response_critic_loss(values_BR, micro, self.algorithm)))
+        stats = sum_stats([stats for _, _, stats in named])
         for name, value, _ in named:
             if not torch.isfinite(value):
-                return LossStats(), f"{name} is {float(value.detach())}"
+                return stats, f"{name} is {float(value.detach())}"
         for _, value, _ in named:
             self.fabric.backward(value * weight)
-        return sum_stats([stats for _, _, stats in named]), None
+        return stats, None
 
     def _clip(self, model: torch.nn.Module, name: str) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
