@@ -30,7 +30,6 @@ from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.memory import (
     ModelLayout,
     RankMemory,
-    bytes_per_param,
     frozen_bytes,
     generation_bytes,
     kv_cache_bytes,
