@@ -11,8 +11,9 @@ from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer import build_trainer, compose_config
-from rlhfuse.trainer.build import allow_tf32, cast_copy
+from rlhfuse.trainer.build import allow_tf32, cast_copy, prepare_generation_copy
 from rlhfuse.trainer.generator import SamplingGenerator
+from rlhfuse.trainer.models import Models
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +123,25 @@ def test_tf32_is_switched_on_for_cuda_devices_only(tf32_flags):
     allow_tf32(torch.device("cuda", 0))  # only sets flags: no CUDA device needed
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     assert torch.backends.mkldnn.matmul.fp32_precision == mkldnn  # CPU matmuls untouched
+
+
+def _models(actor: Transformer, generation: Transformer | None) -> Models:
+    return Models(actor, actor, None, None, tokenizer=None, sft_path=None, generation=generation)  # type: ignore[arg-type]
+
+
+def test_the_sharded_actors_generation_copy_is_cast_in_place_and_a_whole_actor_gets_a_copy():
+    torch.manual_seed(0)
+    config = ModelConfig.tiny()
+    trained, whole = Transformer(config), Transformer(config)
+    sharded = _models(trained, whole)
+    prepare_generation_copy(sharded, torch.bfloat16)
+    assert sharded.for_generation() is whole and next(whole.parameters()).dtype == torch.bfloat16
+    assert next(trained.parameters()).dtype == torch.float32
+    plain = _models(trained, None)
+    prepare_generation_copy(plain, torch.bfloat16)
+    assert plain.generation is not None and plain.for_generation() is not trained
+    assert next(plain.for_generation().parameters()).dtype == torch.bfloat16
+    assert next(trained.parameters()).dtype == torch.float32
+    fp32 = _models(trained, None)
+    prepare_generation_copy(fp32, torch.float32)  # 32-true: the generators copy the trained Actor, as before
+    assert fp32.generation is None and fp32.for_generation() is trained
