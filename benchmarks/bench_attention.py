@@ -76,7 +76,7 @@ def run(quick: bool = False) -> None:
         for layout in ("native", "repeat", "fold"):
             plan = SdpaPlan(layout, (SDPBackend.FLASH_ATTENTION,))
             out = planned_sdpa(q, k, v, allowed, plan)
-            ms = _time_ms(lambda plan=plan: planned_sdpa(q, k, v, allowed, plan), rounds, device)
+            ms = _time_ms(lambda args=(q, k, v, allowed, plan): planned_sdpa(*args), rounds, device)
             diff = float((out.float() - native.float()).abs().max())
             extra = _extra_bytes(layout, batch, t, s, q.element_size()) / 2**20
             cells.append(f"{layout} {ms:.2f} ms (+{extra:.1f} MiB, max diff {diff:.1e})")
