@@ -95,6 +95,8 @@ def test_cuda_plan_table():
     assert plan(bf16, True, kv_heads=32, t=4096).kv == "native"
     assert SDPBackend.EFFICIENT_ATTENTION in plan(bf16, True).kernels
     assert plan(torch.float64, True).kernels == (SDPBackend.MATH,)  # no fused CUDA kernel takes float64
+    other = sdpa_plan("mps", bf16, masked=True, num_heads=32, num_kv_heads=8, num_queries=1, head_dim=128)
+    assert other.kv == "native" and other.kernels == ()  # no claim where the rules were not read
 
 
 @pytest.mark.parametrize("layout_of", ["cuda", "cpu"])

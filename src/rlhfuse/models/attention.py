@@ -52,7 +52,8 @@ the mask's rows repeat G times instead)."""
 
 @dataclass(frozen=True)
 class SdpaPlan:
-    """How one SDPA call is made: the kv layout, and the kernels torch may pick for it (in torch's order)."""
+    """How one SDPA call is made: the kv layout, and the kernels torch may pick for it (in torch's order; empty
+    where no claim is made)."""
 
     kv: KvLayout
     kernels: tuple[SDPBackend, ...]
@@ -83,10 +84,12 @@ def sdpa_plan(
     K / V; masked = memory-efficient, with K < H folded (few queries: a decode step, the mask's rows are cheap) or
     repeated (many: a padded prefill, where G copies of the [T, S] mask would outweigh K / V). cuDNN's kernel comes
     first where torch ranks it first (Hopper / Blackwell with cuDNN > 9.15) and it accepts the call; float64 has
-    no fused CUDA kernel (math)."""
+    no fused CUDA kernel (math). Other devices (mps, xpu, ...): native K / V and no claim (`kernels` empty)."""
     gqa = num_kv_heads != num_heads
-    if device_type != "cuda":
+    if device_type == "cpu":
         return SdpaPlan("native", (SDPBackend.FLASH_ATTENTION,))
+    if device_type != "cuda":
+        return SdpaPlan("native", ())  # another accelerator: torch's own choice, no claim made
     if dtype not in (*_HALF, torch.float32):
         return SdpaPlan("native", (SDPBackend.MATH,))
     if not masked and dtype in _HALF:
