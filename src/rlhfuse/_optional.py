@@ -8,8 +8,8 @@ from types import ModuleType
 # module name -> (pip extra, what it is used for)
 _EXTRAS: dict[str, tuple[str, str]] = {
     "vllm": ("vllm", "the vLLM generation backend (generator=vllm)"),
-    "flash_attn": ("gpu", "flash-attention kernels (model.attention=flash)"),
-    "transformer_engine": ("gpu", "Transformer Engine layers (model.attention=te)"),
+    "flash_attn": ("gpu", "flash-attention kernels (model.attention_backend=flash)"),
+    "transformer_engine": ("gpu", "Transformer Engine layers (model.attention_backend=te)"),
     "transformers": ("dev", "Hugging Face parity tests and interop utilities"),
 }
 

@@ -3,7 +3,8 @@
 Each rank's modules are built in this one process with the runtime's own pieces, the way `rlhfuse-train` builds
 them under pipeline=fused (`rlhfuse.trainer.build`): the layout's held stages (`pipeline_layout(...).held_stages`,
 as `sharded_construction`), `from_pretrained(stages=...)` for the Actor, Ref, Critic and Reward (as
-`load_models`) and a whole generation copy, `cast_models` for bf16-true, `shard_transformer` for tp (as
+`load_models`) and a whole generation copy, `cast_models` for bf16-true, `prepare_generation_copy` (the copy in
+bf16 under both bf16 precisions), `shard_transformer` for tp (as
 `FusedPipelineStrategy.tp_shard`, the pipeline inferencer's Ref / Reward and `InstanceGenerator`),
 `RankStages` + `StageOptimizers` (one step, so AdamW's states exist) and the `MemoryMetrics` callback that logs
 `memory/param_bytes` and `memory/optimizer_bytes`. No process group is needed to build a rank's shard.
@@ -26,7 +27,7 @@ from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.strategy import pipeline_layout
 from rlhfuse.runtime.tensor_parallel import shard_transformer
-from rlhfuse.trainer.build import cast_models
+from rlhfuse.trainer.build import cast_models, prepare_generation_copy
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.models import Models, ModelsConfig
 
@@ -72,6 +73,7 @@ def build_rank(
     )
     if precision == "bf16-true":
         cast_models(models, torch.bfloat16)
+    prepare_generation_copy(models, torch.float32 if precision == "32-true" else torch.bfloat16)
 
     def shard(m: Transformer, like: str) -> Transformer:  # as FusedPipelineStrategy.tp_shard
         t = layout.model_tp(like)
@@ -115,6 +117,7 @@ LAYOUTS = [
     ((2, 2), 1, 1, "32-true", {}),
     ((2, 2), 2, 2, "32-true", {}),
     ((2, 1), 2, 1, "bf16-true", {}),
+    ((2, 2), 2, 2, "bf16-mixed", {}),  # fp32 trained and frozen weights beside a bf16 generation copy
     # merged stages (unequal tp): the tp=1 model's two consecutive stages on one tp=2 group, and the mirror
     ((2, 4), (2, 1), 2, "32-true", dict(num_layers=4)),
     ((4, 2), (1, 2), 1, "bf16-true", dict(num_layers=4, vocab_size=127)),

@@ -224,7 +224,7 @@ def test_plan_auto_applies_tensor_parallelism(monkeypatch):
 
 
 def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
-    """A LLaMA-7B-shaped model on 8 H100s (fp32 weights under bf16-mixed, Ref / Reward resident, an fp32
+    """A LLaMA-7B-shaped model on 8 H100s (fp32 weights under bf16-mixed, Ref / Reward resident, a bf16
     generation copy: what the runtime holds): the real planner chooses tp > 1 for training and generation, and
     the plan applies and passes the runtime's validation."""
     shape = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.num_kv_heads=32",

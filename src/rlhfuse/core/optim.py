@@ -30,8 +30,9 @@ class OptimConfig:
     # Clip each model's gradient norm to this value (0 = off).
     grad_clip: float = 1.0
     # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed (fp32 weights and optimizer states,
-    # bf16 autocast of training and inference compute) | bf16-true (bf16 weights in every model, the generator's
-    # too; the optimizer steps fp32 master copies with fp32 states and writes the rounded weights back).
+    # bf16 autocast of training and inference compute, generation in a bf16 copy with a bf16 KV cache) |
+    # bf16-true (bf16 weights in every model, the generator's too; the optimizer steps fp32 master copies with
+    # fp32 states and writes the rounded weights back). `resolve_precision`, `generation_dtype`.
     precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true"] = "auto"
     # What a training forward keeps for backward: none | full (each layer recomputed in backward: activation
     # memory ~1/layers) | selective (attention kernels and MLPs recomputed; projections and norms kept).
@@ -71,6 +72,20 @@ class OptimConfig:
 
 
 StrategyConfig = OptimConfig  # the name earlier releases and docs used
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """pipeline.precision with `auto` resolved for the device: bf16-mixed on CUDA, 32-true elsewhere."""
+    if precision == "auto":
+        return "bf16-mixed" if device_type == "cuda" else "32-true"
+    return precision
+
+
+def generation_dtype(precision: str) -> torch.dtype:
+    """The dtype the generator's Actor copy and its KV cache hold under a resolved pipeline.precision: bf16 under
+    both bf16 precisions (decoding is memory-bound: half the bytes of weights and cache per token; the training
+    weights of bf16-mixed stay fp32), fp32 under 32-true."""
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float32
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:

@@ -1,25 +1,33 @@
 """Attention kernels behind one switch point: `ATTENTION_BACKENDS[config.attention_backend]`.
 
-Legend: B batch, H query heads, T query tokens, S key tokens, D head channels.
+Legend: B batch, H query heads, K kv heads, G = H // K query heads per kv head, T query tokens, S key tokens,
+D head channels.
 
-Every backend takes q_BHTD, k_BHSD, v_BHSD (k/v with H_kv <= H heads; grouped-query attention shares each kv
-head among H // H_kv consecutive query heads, as in LLaMA) and either `allowed_B1TS` (bool, True = may attend)
-or None, which means plain causal attention over T == S tokens with no padding: the fast path.
+Every backend takes q_BHTD, k_BKSD, v_BKSD (K <= H; grouped-query attention shares each kv head among G
+consecutive query heads, as in LLaMA) and either `allowed_B1TS` (bool, True = may attend) or None, which means
+plain causal attention over T == S tokens with no padding: the fast path.
 
 Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, no padding) go through
 `PACKED_ATTENTION_BACKENDS[config.attention_backend]`: q_NHE, k_NKE, v_NKE (K kv heads, E head channels) and the
 `PackedSequences`, causal inside each sequence, nothing across sequences.
+
+Which torch SDPA kernel each call reaches is decided by `sdpa_plan` (a pure function of the call's shape, dtype
+and device; docs/models.md, "Precision and attention kernels", has the table). The point is that no call of the
+model reaches SDPA's math kernel in bf16 / fp16 / fp32, which materialises the [B, H, T, S] scores (and, for
+grouped-query attention, K and V repeated to H heads).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from rlhfuse._optional import require
 
@@ -30,13 +38,117 @@ log = logging.getLogger(__name__)
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
 
+AttentionBackend = Literal["sdpa", "flash", "te"]
+"""sdpa = torch's scaled_dot_product_attention (any device; its kernel per call: `sdpa_plan`); flash = flash-attn
+(CUDA, fp16/bf16); te = Transformer Engine (CUDA). flash and te run unpadded causal calls themselves and hand
+masked ones (padding, KV cache) to sdpa."""
 
-def sdpa_attention(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, allowed_B1TS: Tensor | None) -> Tensor:
-    """torch's fused scaled-dot-product attention; with no mask it runs the causal kernel, building nothing."""
-    gqa = k_BHSD.shape[1] != q_BHTD.shape[1]
-    if allowed_B1TS is None:
-        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=allowed_B1TS, enable_gqa=gqa)
+KvLayout = Literal["native", "repeat", "fold"]
+"""How grouped-query K / V reach the kernel: native = as they are, K heads (enable_gqa=True where K < H);
+repeat = `repeat_interleave` to H heads (costs [B, H, S, D] per call, never [B, H, T, S]); fold = the G query
+heads of each kv head stacked along the query axis, q [B, K, G*T, D] against the K kv heads (no copy of K / V:
+the mask's rows repeat G times instead)."""
+
+
+@dataclass(frozen=True)
+class SdpaPlan:
+    """How one SDPA call is made: the kv layout, and the kernels torch may pick for it (in torch's order; empty
+    where no claim is made)."""
+
+    kv: KvLayout
+    kernels: tuple[SDPBackend, ...]
+
+
+# fp16 / bf16: what CUDA's flash kernel takes (sm80+); the memory-efficient kernel also takes fp32
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def sdpa_plan(
+    device_type: str,
+    dtype: torch.dtype,
+    *,
+    masked: bool,
+    num_heads: int,
+    num_kv_heads: int,
+    num_queries: int,
+    head_dim: int,
+) -> SdpaPlan:
+    """The kv layout and the kernels of one SDPA call (torch 2.13's dispatch rules, `sdp_utils.cpp`):
+
+    CPU: the CPU flash kernel (`SDPBackend.FLASH_ATTENTION`) takes every call the model makes: masks ([B, 1, T, S]
+    bool), grouped-query K / V (enable_gqa=True), fp32 / bf16 / fp16 and float64.
+
+    CUDA: the flash kernel takes no mask and fp16 / bf16 only, but grouped-query K / V natively; the
+    memory-efficient kernel takes a mask and fp32 too, but not grouped-query K / V; anything neither takes falls to
+    math. So: unmasked fp16 / bf16 = flash, native K / V; unmasked fp32 with K < H = memory-efficient on repeated
+    K / V; masked = memory-efficient, with K < H folded (few queries: a decode step, the mask's rows are cheap) or
+    repeated (many: a padded prefill, where G copies of the [T, S] mask would outweigh K / V). cuDNN's kernel comes
+    first where torch ranks it first (Hopper / Blackwell with cuDNN > 9.15) and it accepts the call; float64 has
+    no fused CUDA kernel (math). Other devices (mps, xpu, ...): native K / V and no claim (`kernels` empty)."""
+    gqa = num_kv_heads != num_heads
+    if device_type == "cpu":
+        return SdpaPlan("native", (SDPBackend.FLASH_ATTENTION,))
+    if device_type != "cuda":
+        return SdpaPlan("native", ())  # another accelerator: torch's own choice, no claim made
+    if dtype not in (*_HALF, torch.float32):
+        return SdpaPlan("native", (SDPBackend.MATH,))
+    if not masked and dtype in _HALF:
+        return SdpaPlan("native", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
+    fused = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    if not gqa:
+        return SdpaPlan("native", fused)
+    group = num_heads // num_kv_heads
+    # elements each layout materialises per batch row and key: fold repeats the mask's T rows G times, repeat
+    # copies K and V to H heads of D channels; causal calls have no mask to fold
+    if masked and group * num_queries <= 2 * num_heads * head_dim:
+        return SdpaPlan("fold", fused)
+    return SdpaPlan("repeat", fused)
+
+
+def plan_of(q_BHTD: Tensor, k_BKSD: Tensor, allowed_B1TS: Tensor | None) -> SdpaPlan:
+    return sdpa_plan(
+        q_BHTD.device.type,
+        q_BHTD.dtype,
+        masked=allowed_B1TS is not None,
+        num_heads=q_BHTD.shape[1],
+        num_kv_heads=k_BKSD.shape[1],
+        num_queries=q_BHTD.shape[2],
+        head_dim=q_BHTD.shape[3],
+    )
+
+
+def planned_sdpa(
+    q_BHTD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_B1TS: Tensor | None, plan: SdpaPlan
+) -> Tensor:
+    """One SDPA call laid out as `plan` says (the same numbers whatever the layout: each is exact)."""
+    b, h, t, d = q_BHTD.shape
+    kv_heads = k_BKSD.shape[1]
+    causal = allowed_B1TS is None
+    if plan.kv == "repeat":
+        group = h // kv_heads
+        k_BHSD = k_BKSD.repeat_interleave(group, dim=1)
+        v_BHSD = v_BKSD.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(
+            q_BHTD, k_BHSD, v_BHSD, attn_mask=allowed_B1TS, is_causal=causal
+        )
+    if plan.kv == "fold":
+        assert allowed_B1TS is not None, "fold needs a mask (causal calls repeat)"
+        group = h // kv_heads
+        # query head h = k * G + g: row g * T + t of kv head k (a view when T == 1)
+        q_BKXD = q_BHTD.reshape(b, kv_heads, group * t, d)
+        allowed_B1XS = allowed_B1TS if t == 1 else allowed_B1TS.repeat(1, 1, group, 1)
+        out_BKXD = F.scaled_dot_product_attention(q_BKXD, k_BKSD, v_BKSD, attn_mask=allowed_B1XS)
+        return out_BKXD.reshape(b, h, t, d)
+    gqa = kv_heads != h
+    return F.scaled_dot_product_attention(
+        q_BHTD, k_BKSD, v_BKSD, attn_mask=allowed_B1TS, is_causal=causal, enable_gqa=gqa
+    )
+
+
+def sdpa_attention(q_BHTD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_B1TS: Tensor | None) -> Tensor:
+    """torch's fused scaled-dot-product attention, laid out by `sdpa_plan`; with no mask it runs the causal
+    kernel, building nothing."""
+    return planned_sdpa(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, plan_of(q_BHTD, k_BKSD, allowed_B1TS))
 
 
 _warned_fallback: set[str] = set()

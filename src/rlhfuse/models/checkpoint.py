@@ -7,6 +7,7 @@ LlamaForCausalLM / Qwen2ForCausalLM (head "lm" or "value") or X-ForSequenceClass
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from rlhfuse._resources import read_json
+from rlhfuse.models.attention import AttentionBackend
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.stages import stage_of
 from rlhfuse.models.transformer import Transformer
@@ -134,8 +136,10 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     *,
     stages: tuple[int, Collection[int]] | None = None,
+    attention_backend: AttentionBackend = "sdpa",
 ) -> Transformer:
-    """Load a Hugging Face checkpoint directory as a `Transformer` with the given head, in `dtype`.
+    """Load a Hugging Face checkpoint directory as a `Transformer` with the given head, in `dtype`, attending
+    with `attention_backend` (not a property of the checkpoint: config.json does not carry it).
 
     `stages=(num_stages, held)`: sharded construction for a pipeline rank: the model is built on the meta device
     and only the tensors of the `held` stages (of `num_stages` equal-cost stages, `rlhfuse.models.stage_of`)
@@ -156,7 +160,9 @@ def from_pretrained(
             "a value head needs num_labels=1 (one scalar per token)"
         )
     try:
-        config = ModelConfig.from_hf_dict(hf)
+        config = dataclasses.replace(
+            ModelConfig.from_hf_dict(hf), attention_backend=attention_backend
+        ).validate()
     except ValueError as err:
         raise CheckpointError(f"{path / 'config.json'}: {err}") from err
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlhfuse.models.attention import ATTENTION_BACKENDS
+from rlhfuse.models.attention import ATTENTION_BACKENDS, AttentionBackend
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_HEADS = ("lm", "value")
@@ -51,8 +51,9 @@ class ModelConfig:
     """Share the LM head's weight with the input embedding table."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (always True for qwen2, whose checkpoints carry them)."""
-    attention_backend: str = "sdpa"
-    """Attention kernel: "sdpa" (torch, any device), "flash" (flash-attn), "te" (Transformer Engine)."""
+    attention_backend: AttentionBackend = "sdpa"
+    """Attention kernel: "sdpa" (torch, any device), "flash" (flash-attn), "te" (Transformer Engine); not read
+    from or written to config.json (the trainer's model.attention_backend sets it when loading)."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation of fresh weights."""
     pad_token_id: int | None = None

@@ -210,11 +210,22 @@ def _cached_context(
     )
 
 
+def projection_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype q, k and v leave their projections in, for weights (and activations) of `dtype`: autocast's
+    dtype when autocast is on and casts `dtype` (it leaves float64 alone), else `dtype` itself."""
+    if torch.is_autocast_enabled(device_type) and dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
 def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     inv_freq = rope_inv_freq(config, position_ids_BT.device)
     # fp32 angles: bf16 positions above 256 would round
     angles_BTe = position_ids_BT.float()[:, :, None] * inv_freq[None, None, :]
-    return angles_BTe.cos().to(dtype), angles_BTe.sin().to(dtype)
+    # tables in q's dtype: under bf16 autocast fp32 tables would promote the rotated q and k to fp32 while v stays
+    # bf16, which flash-attn and Transformer Engine reject (and SDPA would cast back)
+    table_dtype = projection_dtype(position_ids_BT.device.type, dtype)
+    return angles_BTe.cos().to(table_dtype), angles_BTe.sin().to(table_dtype)
 
 
 class Attention(nn.Module):

@@ -30,8 +30,8 @@ from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.memory import (
     ModelLayout,
     RankMemory,
-    bytes_per_param,
     frozen_bytes,
+    generation_bytes,
     kv_cache_bytes,
     local_stages,
     shard_count,
@@ -100,13 +100,13 @@ class CostModel:
 
     def generation_weight_bytes(self, actor: ModelSpec, gen_tp: int) -> float:
         """One device's share of a generation instance's Actor copy (its tp shard, padded vocabulary)."""
-        per = bytes_per_param(self.precision).weight  # the generation copy is in the weights' dtype
+        per = generation_bytes(self.precision)
         return float(shard_count(actor, "lm", tp=gen_tp).params * per)
 
     def instance_kv_bytes_per_token(self, actor: ModelSpec, gen_tp: int) -> float:
         """K and V of one token over all ranks of a generation instance of `gen_tp` ranks, in the generation copy's
         dtype: each rank caches its kv heads (one replicated head per rank when gen_tp is a multiple of them)."""
-        per = bytes_per_param(self.precision).weight
+        per = generation_bytes(self.precision)
         return gen_tp * kv_cache_bytes(actor, 1, gen_tp, per)
 
     def rank_memory(

@@ -18,13 +18,13 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
   the embedding and LM head hold ceil(vocab / tp) rows each (the vocabulary padded to a multiple of tp); norms,
   the value head and the o bias are replicated. Every decoder block also holds its two RMSNorm weights.
 - **The generation copy**: the whole Actor with `gen_tp = 1`, its `gen_tp` shard (all layers, padded vocabulary)
-  otherwise; frozen; in the precision's weight dtype (`rlhfuse.trainer.build.cast_models` casts it with the
-  others under bf16-true).
+  otherwise; frozen; bf16 under both bf16 precisions, fp32 under 32-true (`generation_bytes`; the trainer's
+  `rlhfuse.core.optim.generation_dtype`), and its KV cache in the same dtype.
 - **Precision** (`pipeline.optim.precision`): `32-true` / `bf16-mixed` keep fp32 weights (4 bytes), fp32
   gradients (4) and AdamW's two fp32 moments (8); `bf16-true` keeps bf16 weights (2) and gradients (2), an fp32
   master copy (4, `MasterWeightAdamW`) and two fp32 moments (8). AdamW also keeps one fp32 step counter per
-  parameter tensor (4 bytes), which `memory/optimizer_bytes` counts. Frozen models and the generation copy hold
-  weights only, in the weights' dtype.
+  parameter tensor (4 bytes), which `memory/optimizer_bytes` counts. Frozen models hold weights only, in the
+  weights' dtype; the generation copy holds weights only, in bf16 under bf16-mixed too.
 - **Offload** (`inferencer.offload_frozen`): the Ref and the Reward live in host memory and come onto the device
   for inference only.
 - **Phases.** Gradients exist from the first backward to the optimizer step (`zero_grad(set_to_none=True)`),
@@ -68,6 +68,13 @@ class BytesPerParam:
     @property
     def train_state(self) -> int:
         return self.weight + self.grad + self.master + self.moments
+
+
+def generation_bytes(precision: str) -> int:
+    """Bytes per element of the generation copy and its KV cache: 2 (bf16) under bf16-mixed and bf16-true,
+    4 under 32-true (the trainer's `generation_dtype`)."""
+    bytes_per_param(precision)  # refuses an unknown precision
+    return 4 if precision == "32-true" else 2
 
 
 def bytes_per_param(precision: str) -> BytesPerParam:
@@ -289,7 +296,7 @@ def rank_memories(
     critic_tp = actor_tp if critic_tp is None else critic_tp
     a = ModelLayout(actor, "lm", actor_pp, actor_tp)
     gen = ModelLayout(actor, "lm", 1, gen_tp)
-    weight = bytes_per_param(precision).weight  # the generation copy is in the weights' dtype
+    weight = generation_bytes(precision)
     generation = shard_count(actor, "lm", tp=gen_tp).params * weight
     out = []
     for sa, sc in local_stages(actor_pp, critic_pp, actor_tp, critic_tp):

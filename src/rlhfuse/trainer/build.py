@@ -3,6 +3,7 @@ built), then models (warm start if needed), then the components chosen by name f
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
+from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.protocols import FusingGenerator, Generator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import PromptLoader, load_prompts, uses_chat_template
@@ -115,9 +117,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
-    precision = config.pipeline.optim.precision
-    if precision == "auto":
-        precision = "bf16-mixed" if device.type == "cuda" else "32-true"
+    precision = resolve_precision(config.pipeline.optim.precision, device.type)
     if precision == "bf16-true":
         # the models themselves hold bf16 weights (`cast_models`) and compute in them: no autocast, and
         # MasterWeightAdamW keeps fp32 masters (Fabric's own bf16-true would keep bf16 optimizer states)
@@ -137,6 +137,40 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
         )
     devices: Any = [device.index or 0] if device.type == "cuda" else 1
     return Fabric(accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
+
+
+def allow_tf32(device: torch.device) -> None:
+    """On CUDA, fp32 matmuls and cuDNN convolutions run on TF32 tensor cores (fp32 range, 10-bit mantissa: what
+    the fp32 parts of bf16-mixed, the fp32 log-prob reductions and 32-true runs want on Ampere and later); other
+    devices are left alone, so CPU numerics do not change. The legacy `allow_tf32` flags, which Lightning reads
+    too (mixing them with `fp32_precision` makes torch raise)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """A frozen copy of `model` with its floating-point weights in `dtype`, made without a full-precision copy
+    first (deepcopy would double the fp32 weights for a moment): each parameter is cast as it is copied, tied
+    ones once."""
+    memo: dict[int, Any] = {
+        id(p): torch.nn.Parameter(
+            p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(), False
+        )
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo).eval().requires_grad_(False)
+
+
+def prepare_generation_copy(models: Models, dtype: torch.dtype) -> None:
+    """The full Actor the generators copy (`Models.for_generation`) in the generation dtype (`generation_dtype`:
+    bf16 under bf16-mixed and bf16-true), so the generator's copy and its KV cache are too: the sharded Actor's
+    generation copy is cast in place; a whole trained Actor of another dtype gets a cast copy (the trained
+    weights stay as they are). Weight sync casts on load (`load_state_dict` copies into the copy's dtype)."""
+    if models.generation is not None:
+        models.generation.to(dtype)
+    elif next(models.actor.parameters()).dtype != dtype:
+        models.generation = cast_copy(models.actor, dtype)
 
 
 def cast_models(models: Models, dtype: torch.dtype) -> None:
@@ -193,6 +227,7 @@ def build_trainer(
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
 
     device = resolve_device(config.device)
+    allow_tf32(device)
     fabric = make_fabric(config, device)
     if fabric.world_size > 1:
         device = fabric.device  # one device per rank
@@ -223,6 +258,9 @@ def build_trainer(
         )
     if config.pipeline.optim.precision == "bf16-true":
         cast_models(models, torch.bfloat16)
+    prepare_generation_copy(
+        models, generation_dtype(resolve_precision(config.pipeline.optim.precision, device.type))
+    )
     fabric.seed_everything(config.seed, verbose=False)
 
     ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows)
@@ -232,7 +270,8 @@ def build_trainer(
     rollout = rollout_stage(ctx, generator, inferencer)
     # generator.tp > 1: the generation copy is a tp shard; the export reassembles the whole Actor (collective)
     shard_export = config.checkpoint.export_hf and config.generator.tp > 1
-    export = config.checkpoint.export_hf and rank0 and models.generation is not None and not shard_export
+    # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy
+    export = config.checkpoint.export_hf and rank0 and bool(shard) and not shard_export
     actor_export = generation_copy(generator, config) if export else models.actor
     models.generation = None  # the generator holds its own copy now
 

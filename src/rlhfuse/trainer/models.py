@@ -19,6 +19,7 @@ import torch
 from rlhfuse.core.config import choice_problems, need
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, from_pretrained, to_device
+from rlhfuse.models.attention import AttentionBackend
 from rlhfuse.models.convert import real_model_dir
 
 
@@ -61,6 +62,12 @@ class ModelsConfig:
     reward_hidden_size: int = 0
     reward_intermediate_size: int = 0
     reward_num_layers: int = 0
+    # Attention kernel of every model (the generation copy's too): sdpa (torch's scaled_dot_product_attention,
+    # any device; which of its kernels each call reaches: docs/models.md, "Precision and attention kernels") |
+    # flash (flash-attn: CUDA, bf16, so pipeline.precision bf16-mixed or bf16-true) | te (Transformer Engine:
+    # CUDA). flash and te run unpadded causal calls themselves and hand masked ones (padding, KV cache) to sdpa;
+    # both need `pip install 'rlhfuse[gpu]'`. Checked before any model is built (`trainer.validate`).
+    attention_backend: AttentionBackend = "sdpa"
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
     def problems(self) -> list[str]:
@@ -90,8 +97,9 @@ class Models:
     critic: Transformer | None
     tokenizer: Tokenizer
     sft_path: Path
-    # sharded construction only: the full Actor the generator starts from (the trained `actor` holds only
-    # this rank's stages); None when every model is whole
+    # the full Actor the generator starts from when it is not the trained `actor` itself: under sharded
+    # construction (the trained `actor` holds only this rank's stages), or in another dtype (bf16-mixed: a bf16
+    # copy, `trainer.build.prepare_generation_copy`); None otherwise. Dropped once the generator holds its copy.
     generation: Transformer | None = None
 
     def for_generation(self) -> Transformer:
@@ -157,8 +165,10 @@ def load_models(
     tokenizer = load_tokenizer(config.tokenizer_path, sft)
     shard = shard or {}
 
+    backend = config.attention_backend
+
     def load(path: Path, head: str, role: str) -> Transformer:
-        model = from_pretrained(path, head=head, stages=shard.get(role))
+        model = from_pretrained(path, head=head, stages=shard.get(role), attention_backend=backend)
         return model.to(device) if role not in shard else to_device(model, device)  # type: ignore[return-value]
 
     return Models(
@@ -168,5 +178,7 @@ def load_models(
         critic=None if critic_dir is None else load(critic_dir, "value", "critic"),
         tokenizer=tokenizer,
         sft_path=sft,
-        generation=_frozen(from_pretrained(sft, head="lm").to(device)) if shard else None,
+        generation=_frozen(from_pretrained(sft, head="lm", attention_backend=backend).to(device))
+        if shard
+        else None,
     )

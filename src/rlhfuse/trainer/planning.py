@@ -191,7 +191,7 @@ def _fmt(value: Any) -> str:
 def memory_facts(cfg: RLHFConfig, device: str) -> dict[str, Any]:
     """What the run's devices hold, for the planner's memory model (`rlhfuse.planner.memory`): the precision
     (auto: bf16-mixed on a GPU, 32-true on the CPU; both keep fp32 weights), whether the Ref and Reward are kept
-    in host memory (`inferencer.offload_frozen`); the generation copy is in the weights' dtype."""
+    in host memory (`inferencer.offload_frozen`); the generation copy is bf16 under both bf16 precisions."""
     precision = cfg.pipeline.optim.precision
     if precision == "auto":
         precision = "32-true" if device == "cpu" else "bf16-mixed"

@@ -2,7 +2,7 @@
 
 Each component's config lists its own problems (`problems()`, next to its code); this module gathers them and
 adds the rules that span several components (batch sizes against lengths, models against data, migration
-against instances, registered names, the distributed layout, the vLLM backend).
+against instances, registered names, the distributed layout, the attention backend, the vLLM backend).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch
 from rlhfuse._resources import read_json
 from rlhfuse.core.advantages import ALGORITHMS, algorithm_of
 from rlhfuse.core.config import need
+from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
+from rlhfuse.models.attention import packing_problem
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
@@ -96,6 +98,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
     problems += generation_tp_problems(cfg)
+    problems += attention_problems(cfg)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     pipe = cfg.pipeline
@@ -148,6 +151,49 @@ def tensor_parallel_problems(cfg: RLHFConfig, model: ModelConfig, where: str) ->
                 f"{key}={tp}: {where} ties its embedding and LM head, which are not split tensor-parallel: "
                 f"untie them or set {key}=1"
             )
+    return problems
+
+
+# model.attention_backend -> (module its extra provides, what it is)
+_ATTENTION_EXTRAS = {
+    "flash": ("flash_attn", "flash-attn"),
+    "te": ("transformer_engine", "Transformer Engine"),
+}
+
+
+def uses_cuda(cfg: RLHFConfig) -> bool:
+    """The run's device is CUDA (device=cuda..., or device=auto on a machine with CUDA)."""
+    return cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def attention_problems(cfg: RLHFConfig) -> list[str]:
+    """model.attention_backend against the machine, the precision and packing: flash and te need their extra
+    installed and a CUDA device; flash computes in fp16 / bf16 only, so it needs a bf16 precision."""
+    backend = cfg.model.attention_backend
+    if backend not in _ATTENTION_EXTRAS:
+        return []  # sdpa runs everywhere (an unknown name is ModelsConfig's own problem)
+    module, what = _ATTENTION_EXTRAS[backend]
+    key = f"model.attention_backend={backend}"
+    problems: list[str] = []
+    if importlib.util.find_spec(module) is None:
+        problems.append(
+            f"{key} needs {what}, which is not installed: `pip install 'rlhfuse[gpu]'` on a CUDA machine, or set "
+            "model.attention_backend=sdpa"
+        )
+    cuda = uses_cuda(cfg)
+    if not cuda:
+        problems.append(
+            f"{key} runs on CUDA only, but this run's device is the CPU (device={cfg.device}): set "
+            "model.attention_backend=sdpa, or device=cuda on a CUDA machine"
+        )
+    precision = resolve_precision(cfg.pipeline.optim.precision, "cuda" if cuda else "cpu")
+    if backend == "flash" and cuda and generation_dtype(precision) != torch.bfloat16:
+        problems.append(
+            f"{key} computes in fp16 / bf16 only, but pipeline.precision={cfg.pipeline.optim.precision} computes in "
+            "fp32: set pipeline.precision=bf16-mixed (or bf16-true), or model.attention_backend=sdpa"
+        )
+    if cfg.data.packing and (packed := packing_problem(backend)) is not None:
+        problems.append(f"model.{packed}")
     return problems
 
 
@@ -267,8 +313,10 @@ def _kv_memory_problems(cfg: RLHFConfig, model: ModelConfig) -> list[str]:
     d, g = cfg.data, cfg.generator
     samples = d.prompts_per_iteration * d.samples_per_prompt
     rows = min([n for n in (g.engine.num_slots, g.sampling.max_batch_size) if n > 0] or [samples])
-    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.resolved_head_dim * (2 if cuda else 4)
+    cuda = uses_cuda(cfg)
+    precision = resolve_precision(cfg.pipeline.optim.precision, "cuda" if cuda else "cpu")
+    dtype_bytes = generation_dtype(precision).itemsize  # the cache is in the generation copy's dtype
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.resolved_head_dim * dtype_bytes
     tokens = d.max_prompt_length + g.sampling.max_new_tokens
     need_bytes = rows * tokens * per_token
     memory = _memory_bytes(cuda)
@@ -288,7 +336,7 @@ def _memory_bytes(cuda: bool) -> int | None:
         if cuda:
             return int(torch.cuda.get_device_properties(0).total_memory)
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, RuntimeError, AttributeError):
+    except (ValueError, OSError, RuntimeError, AttributeError, AssertionError):  # torch without CUDA asserts
         return None
 
 

@@ -78,6 +78,8 @@ def warm_start(
     for name in ("reward_hidden_size", "reward_intermediate_size", "reward_num_layers"):
         if not models[name]:
             del models[name]  # unset: the key (and so the cache) of setups from before these fields
+    # the kernel that will run the checkpoints is no part of them (the warm start itself trains with sdpa)
+    del models["attention_backend"]
     task_key = dataclasses.asdict(task)  # type: ignore[call-overload]
     if not task_key.get("phrase_length", 1):
         del task_key["phrase_length"]  # off: the key of tasks from before the field
