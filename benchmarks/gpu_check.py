@@ -25,9 +25,10 @@ hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Ro
   the kernel in one dtype and the logits match sdpa within bf16 tolerance (SKIP: not installed);
 - logprobs kernel (N=8192 tokens, V=152064, bf16) and gae kernel (256 x 4096): the Triton kernels against their
   PyTorch references, ms each and the ratio, values (and log-prob gradients) within tolerance;
-- bf16-true, micro_batch_tokens, offload, speculative: one iteration of the smoke job through the trainer with
-  pipeline.precision=bf16-true / data.micro_batch_tokens / inferencer.offload_frozen / generator=engine
-  generator.speculative=ngram; finite metrics;
+- bf16-true, micro_batch_tokens, offload, speculative, trainer migration: one iteration of the smoke job through
+  the trainer on the device with pipeline.precision=bf16-true / data.micro_batch_tokens=48 /
+  inferencer.offload_frozen=true / generator=engine generator.speculative=ngram / generator.instances=2
+  generator.in_process=true migration=fixed; finite metrics and the ones that show the setting acted;
 - default job: the default job for 2 iterations in bf16-mixed, the Triton GAE reached in training;
 - vllm: the smoke job with generator=vllm (SKIP: not installed).
 
@@ -445,7 +446,7 @@ def check_collectives(device: torch.device) -> str:
     ids = torch.randint(0, 128, (2, 5), device=device)
     lp = vocab_parallel_logprobs(tp(ids), ids, tp.vocab_shard)
     want = torch.log_softmax(model(ids).float(), -1).gather(-1, ids[..., None]).squeeze(-1)
-    err = float((lp.float() - want).abs().max())
+    err = float((lp.detach().float() - want.detach()).abs().max())
     assert err < 1e-4, err
     lp.sum().backward()
     return f"backend {distributed.backend()}, device {device}: all helpers; tp=1 log-prob error {err:.1e}"
@@ -540,7 +541,7 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
             )
     fused.actor_weights()  # the strategy's own sync: whole copies brought up to date on every rank
     weight_err = max(
-        float((p - q).abs().max())
+        float((p.detach() - q.detach()).abs().max())
         for name in models
         for p, q in zip(models[name].parameters(), plain_models[name].parameters(), strict=True)
     )
@@ -710,6 +711,7 @@ def _migration_requests(vocab: int, prompts: int) -> list[Any]:
 def _w_migration(rank: int, device: torch.device) -> Outcome:
     """Two engine instances (generator.instances=2, migration=fixed): the long tail migrates (KV transfer) and
     every sample comes back once, with the tokens one instance alone generates."""
+    from rlhfuse import distributed
     from rlhfuse.generation import GenerationEngine, SamplingParams
     from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
 
@@ -720,6 +722,9 @@ def _w_migration(rank: int, device: torch.device) -> Outcome:
     slots = prompts * 4
     engine = GenerationEngine(model, params, num_slots=slots, max_len=6 + params.max_new_tokens)
     coordinator = DistributedCoordinator(engine, bs_max=slots, mechanism="kv", timeout_s=30)
+    # both ranks start decoding together: the threshold (the whole batch) is met at the first count the ranks
+    # exchange, while the samples are still running, so the tail moves whatever the ranks' start-up times
+    distributed.barrier(device)
     t0 = time.perf_counter()
     done = list(coordinator.run(_migration_requests(vocab, prompts), threshold=slots))
     everything = gather_finished(done)
@@ -1020,24 +1025,49 @@ def _train(overrides: list[str]) -> dict[str, float]:
     return last
 
 
-def _shown(last: dict[str, float]) -> str:
-    keys = ("reward/mean", "loss/policy", "loss/value", "time/iteration")
-    return ", ".join(f"{k} {last[k]:.3f}" for k in keys if isinstance(last.get(k), float))
+def _shown(last: dict[str, float], keys: tuple[str, ...] = ()) -> str:
+    keys = (*keys, "reward/mean", "loss/policy", "loss/value", "time/iteration")
+    return ", ".join(f"{k} {last[k]:.4g}" for k in keys if isinstance(last.get(k), float))
+
+
+@dataclass(frozen=True)
+class TrainerSetting:
+    overrides: tuple[str, ...]
+    shown: tuple[str, ...] = ()  # the metrics that show the setting took effect
+    positive: tuple[str, ...] = ()  # metrics that must be > 0
 
 
 # one iteration of the smoke job through the trainer, per setting (the keys as conf/ spells them)
 TRAINER_SETTINGS = {
-    "bf16-true": ["pipeline.precision=bf16-true"],
-    "micro_batch_tokens": ["data.micro_batch_tokens=48"],
-    "offload": ["inferencer.offload_frozen=true"],
-    "speculative": ["generator=engine", "generator.speculative=ngram"],
+    "bf16-true": TrainerSetting(("pipeline.precision=bf16-true",), ("memory/param_bytes",)),
+    "micro_batch_tokens": TrainerSetting(("data.micro_batch_tokens=48",)),
+    "offload": TrainerSetting(("inferencer.offload_frozen=true",), ("memory/param_bytes",)),
+    "speculative": TrainerSetting(
+        ("generator=engine", "generator.speculative=ngram"),
+        ("generation/spec_accept_rate", "generation/spec_tokens_per_step"),
+    ),
+    # two engine instances stepped in this process (the launcher's one process per instance needs a GPU each);
+    # Rt = the smoke job's whole batch (4 prompts x 2 samples): the tail moves at the first count
+    "trainer migration": TrainerSetting(
+        (
+            "generator=engine",
+            "generator.instances=2",
+            "generator.in_process=true",
+            "migration=fixed",
+            "migration.threshold=8",
+        ),
+        ("migration/samples_moved", "migration/destinations"),
+        ("migration/samples_moved",),
+    ),
 }
 
 
-def trainer_row(overrides: list[str]) -> RowFn:
+def trainer_row(setting: TrainerSetting) -> RowFn:
     def row(device: torch.device, backend: str) -> Outcome:
-        last = _train(["experiment=smoke", "iterations=1", f"device={device.type}", *overrides])
-        return Outcome(f"{' '.join(overrides)}: finite metrics, {_shown(last)}")
+        last = _train(["experiment=smoke", "iterations=1", f"device={device.type}", *setting.overrides])
+        zero = [k for k in setting.positive if not last.get(k, 0) > 0]
+        assert not zero, f"{' '.join(setting.overrides)}: {zero} not > 0 ({_shown(last, setting.shown)})"
+        return Outcome(f"{' '.join(setting.overrides)}: finite metrics, {_shown(last, setting.shown)}")
 
     return row
 
@@ -1096,7 +1126,7 @@ CHECKS: dict[str, Check] = {
     "te backend": Check(backend_row("te", "transformer_engine"), 60),
     "logprobs kernel": Check(row_logprobs_kernel, 90),
     "gae kernel": Check(row_gae_kernel, 60),
-    **{name: Check(trainer_row(overrides), 90) for name, overrides in TRAINER_SETTINGS.items()},
+    **{name: Check(trainer_row(setting), 90) for name, setting in TRAINER_SETTINGS.items()},
     "default job": Check(row_default_job, 150),
     "vllm": Check(row_vllm, 150),
 }
@@ -1105,8 +1135,8 @@ CHECKS: dict[str, Check] = {
 # --- running, reporting ---------------------------------------------------------------------------------------------
 def describe(err: BaseException) -> str:
     """One line for the table: the exception's own last line (assertion messages are written to be read)."""
-    line = traceback.format_exception_only(type(err), err)[-1].strip()
-    return line.replace("\n", " ")[:400]
+    line = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return " ".join(line.split())[:400]
 
 
 def run_row(name: str, device: torch.device, backend: str) -> Row:
