@@ -32,6 +32,16 @@ def test_the_pp2_train_step_row_runs_on_two_gloo_ranks() -> None:
     assert row.figures["train_tokens_per_s"] > 0 and row.figures["train_tokens_per_step"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_rank_that_fails_is_reported_by_rank_not_waited_for() -> None:
+    """NCCL on the CPU (no NCCL in this build, or CUDA where the ranks expect the CPU): both ranks fail at
+    start-up; the row says so per rank at once instead of waiting for its timeout."""
+    row = gpu_check.run_row("nccl 2 ranks", CPU, "nccl")
+    assert row.status == "FAIL" and "rank 0: " in row.detail and "rank 1: " in row.detail, row
+    assert row.seconds < 40, row.seconds
+
+
 def test_the_gqa_row_runs_the_non_math_kernels_of_the_cpu() -> None:
     row = gpu_check.run_row("gqa attention", CPU, "gloo")
     assert row.status == "PASS", row
