@@ -19,8 +19,8 @@ hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Ro
 - gqa attention: a grouped-query model in bf16 under `sdpa_kernel` restricted to flash / efficient / cudnn (a
   fall-back to the math kernel fails the row), unmasked (causal) and padded, against the math kernel in fp32;
 - engine: the engine's greedy tokens on the device equal the CPU's; engine decode: bf16 decode step time at batch
-  sizes 1, 8, 32, 128, tokens/s, device syncs per decode step (`rlhfuse.core.syncs.SyncCounter`), prefill
-  throughput;
+  sizes 1, 8, 32, 128, tokens/s, prefill throughput; decode syncs: device syncs per decode step
+  (`rlhfuse.core.syncs.SyncCounter`, a FAIL naming it where it is missing);
 - flash backend / te backend: `attention_backend=flash|te` with fp32 weights under bf16 autocast: q, k, v reach
   the kernel in one dtype and the logits match sdpa within bf16 tolerance (SKIP: not installed);
 - logprobs kernel (N=8192 tokens, V=152064, bf16) and gae kernel (256 x 4096): the Triton kernels against their
@@ -490,7 +490,7 @@ def _w_collectives(rank: int, device: torch.device) -> Outcome:
         buf = torch.ones(mib * 2**18, device=device)
         ms = time_ms(functools.partial(distributed.all_reduce, buf), device, reps=5 if real(device) else 2)
         busbw[str(mib)] = mib * 2**20 / (ms / 1e3) / 1e9  # 2 (n - 1) / n = 1 at n = 2
-    figures = {"allreduce_busbw_GBps": busbw, "backend": distributed.backend()}
+    figures = {"allreduce_busbw_GBps": busbw, "allreduce_backend": distributed.backend()}
     shown = ", ".join(f"{k} MiB {v:.2f}" for k, v in busbw.items())
     return Outcome(
         f"{distributed.backend()}: all-reduce and send/recv exact; bus bandwidth GB/s {shown}", figures
@@ -855,65 +855,104 @@ def sync_counter() -> Any:
     return SyncCounter
 
 
-def row_engine_decode(device: torch.device, backend: str) -> Outcome:
-    """bf16 decode through the generation engine: step time per batch size, device syncs per step, prefill."""
-    from rlhfuse.generation import GenerationEngine, SamplingParams
-    from rlhfuse.generation.engine import SampleRequest
-    from rlhfuse.models import ModelConfig, Transformer
+@dataclass(frozen=True)
+class DecodeSetup:
+    """The decode rows' model and sizes: width 1024, 8 layers, GQA 16 / 4 heads in bf16 on CUDA; tiny on the CPU."""
 
-    SyncCounter = sync_counter()
-    if real(device):
-        cfg = ModelConfig.tiny(
-            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=4,
-            head_dim=64, max_position_embeddings=4096,
-        )  # fmt: skip
-        sizes: tuple[int, ...] = (1, 8, 32, 128)
-        prompt, steps = 64, 32
-    else:
-        cfg = ModelConfig.tiny()
-        sizes, prompt, steps = (1, 4), 6, 4
-    torch.manual_seed(0)
-    model = Transformer(cfg).to(device, torch.bfloat16).eval()
-    params = SamplingParams(max_new_tokens=steps + 4, temperature=1.0)  # no stop token: every step decodes
-    g = torch.Generator().manual_seed(0)
-    step_ms, syncs = {}, {}
-    for bs in sizes:
-        engine = GenerationEngine(model, params, num_slots=bs, max_len=prompt + steps + 4)
+    model: Any
+    sizes: tuple[int, ...]  # decode batch sizes
+    prompt: int  # prompt tokens per sample
+    steps: int  # timed decode steps per batch size
+
+    @staticmethod
+    def of(device: torch.device) -> DecodeSetup:
+        from rlhfuse.models import ModelConfig, Transformer
+
+        if real(device):
+            cfg = ModelConfig.tiny(
+                vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                num_kv_heads=4, head_dim=64, max_position_embeddings=4096,
+            )  # fmt: skip
+            sizes: tuple[int, ...] = (1, 8, 32, 128)
+            prompt, steps = 64, 32
+        else:
+            cfg = ModelConfig.tiny()
+            sizes, prompt, steps = (1, 4), 6, 4
+        torch.manual_seed(0)
+        return DecodeSetup(Transformer(cfg).to(device, torch.bfloat16).eval(), sizes, prompt, steps)
+
+    def warm_engine(self, batch: int) -> Any:
+        """An engine with `batch` running samples after its prefill and one warm decode step; every later step
+        decodes all of them (no stop token, room for `steps` more tokens)."""
+        from rlhfuse.generation import GenerationEngine, SamplingParams
+        from rlhfuse.generation.engine import SampleRequest
+
+        params = SamplingParams(max_new_tokens=self.steps + 4, temperature=1.0)
+        engine = GenerationEngine(self.model, params, num_slots=batch, max_len=self.prompt + self.steps + 4)
+        g = torch.Generator().manual_seed(batch)
+        vocab = self.model.config.vocab_size
         engine.add(
             SampleRequest(row=i, prompt_index=i, sample_index=0, group=i, seed=i,
-                          prompt_P=torch.randint(3, cfg.vocab_size, (prompt,), generator=g))
-            for i in range(bs)
+                          prompt_P=torch.randint(3, vocab, (self.prompt,), generator=g))
+            for i in range(batch)
         )  # fmt: skip
         engine.step()  # prefill and the first decode step
         engine.step()  # one warm decode step
-        with SyncCounter() as counter:
-            for _ in range(steps):
-                engine.step()
-        done = engine.stats.step_seconds[-steps:]
-        assert len(done) == steps and all(b == bs for b in engine.stats.batch_sizes[-steps:])
-        step_ms[str(bs)] = statistics.median(done) * 1e3
-        syncs[str(bs)] = counter.count / steps
-    largest = str(sizes[-1])
-    tokens_per_s = sizes[-1] / (step_ms[largest] / 1e3)
+        return engine
+
+    def decode(self, engine: Any) -> list[float]:
+        """`steps` decode steps of every running sample; their seconds."""
+        for _ in range(self.steps):
+            engine.step()
+        done = list(engine.stats.step_seconds[-self.steps :])
+        full = all(b == engine.cache.num_slots for b in engine.stats.batch_sizes[-self.steps :])
+        assert len(done) == self.steps and full, engine.stats.batch_sizes
+        return done
+
+
+def row_engine_decode(device: torch.device, backend: str) -> Outcome:
+    """bf16 decode through the generation engine: step time per batch size, tokens/s, prefill throughput."""
+    setup = DecodeSetup.of(device)
+    step_ms = {}
+    for bs in setup.sizes:
+        step_ms[str(bs)] = statistics.median(setup.decode(setup.warm_engine(bs))) * 1e3
+    largest = str(setup.sizes[-1])
+    tokens_per_s = setup.sizes[-1] / (step_ms[largest] / 1e3)
     # prefill: one forward over a batch of full-length prompts (what admission of a batch costs)
     pb, pt = (32, 512) if real(device) else (2, 16)
-    ids = torch.randint(0, cfg.vocab_size, (pb, pt), device=device)
+    ids = torch.randint(0, setup.model.config.vocab_size, (pb, pt), device=device)
     with torch.no_grad():
-        prefill_ms = time_ms(lambda: model(ids), device, reps=5 if real(device) else 1)
+        prefill_ms = time_ms(lambda: setup.model(ids), device, reps=5 if real(device) else 1)
     prefill_tps = pb * pt / (prefill_ms / 1e3)
+    cfg = setup.model.config
     figures = {
         "decode_step_ms": step_ms,
-        "decode_syncs_per_step": syncs,
         "decode_tokens_per_s": tokens_per_s,
         "prefill_tokens_per_s": prefill_tps,
-        "decode_model": {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "dtype": "bf16"},
-    }
+        "decode_model": {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "prompt": setup.prompt,
+                         "dtype": "bf16"},
+    }  # fmt: skip
     shown = ", ".join(f"bs {k}: {v:.2f} ms" for k, v in step_ms.items())
     return Outcome(
-        f"{shown}; {tokens_per_s:,.0f} tokens/s at bs {largest}; syncs/step {syncs[largest]:.1f}; "
-        f"prefill {prefill_tps:,.0f} tokens/s",
-        figures,
+        f"{shown}; {tokens_per_s:,.0f} tokens/s at bs {largest}; prefill {prefill_tps:,.0f} tokens/s", figures
     )
+
+
+def row_decode_syncs(device: torch.device, backend: str) -> Outcome:
+    """Device syncs per engine decode step (`rlhfuse.core.syncs.SyncCounter`) at the smallest and largest batch."""
+    SyncCounter = sync_counter()
+    setup = DecodeSetup.of(device)
+    syncs = {}
+    for bs in (setup.sizes[0], setup.sizes[-1]):
+        engine = setup.warm_engine(bs)
+        with SyncCounter() as counter:
+            setup.decode(engine)
+        syncs[str(bs)] = counter.count / setup.steps
+    if device.type == "cuda":
+        # each step reads its sampled tokens on the host at least once: a counter that sees nothing is broken
+        assert all(v >= 1 for v in syncs.values()), f"SyncCounter counted {syncs} syncs per decode step (< 1)"
+    shown = ", ".join(f"bs {k}: {v:.1f}" for k, v in syncs.items())
+    return Outcome(f"syncs per decode step {shown}", {"decode_syncs_per_step": syncs})
 
 
 def backend_row(name: str, module: str) -> RowFn:
@@ -1137,6 +1176,7 @@ CHECKS: dict[str, Check] = {
     "gqa attention": Check(row_gqa_attention, 60),
     "engine": Check(row_engine, 60),
     "engine decode": Check(row_engine_decode, 90),
+    "decode syncs": Check(row_decode_syncs, 60),
     "flash backend": Check(backend_row("flash", "flash_attn"), 60),
     "te backend": Check(backend_row("te", "transformer_engine"), 60),
     "logprobs kernel": Check(row_logprobs_kernel, 90),

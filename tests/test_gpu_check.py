@@ -54,7 +54,7 @@ def test_a_missing_core_dependency_fails_and_a_missing_extra_skips(monkeypatch: 
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setitem(sys.modules, "rlhfuse.core.syncs", None)
     rows = {r.check: r for r in gpu_check.run_checks(CPU, ["dependencies", "logprobs kernel", "gae kernel",
-                                                          "offload", "flash backend", "engine decode"])}  # fmt: skip
+                                                          "offload", "flash backend", "decode syncs"])}  # fmt: skip
     deps = rows["dependencies"]
     assert deps.status == "FAIL" and "triton" in deps.detail and "hydra-core" in deps.detail, deps
     assert "flash-attn not installed" not in deps.detail  # extras are not dependencies
@@ -64,8 +64,16 @@ def test_a_missing_core_dependency_fails_and_a_missing_extra_skips(monkeypatch: 
     assert (
         rows["flash backend"].status == "SKIP" and rows["flash backend"].detail == "flash-attn not installed"
     )
-    decode = rows["engine decode"]
+    decode = rows["decode syncs"]
     assert decode.status == "FAIL" and "rlhfuse.core.syncs.SyncCounter is missing" in decode.detail, decode
+
+
+def test_the_engine_decode_row_times_every_batch_size() -> None:
+    row = gpu_check.run_row("engine decode", CPU, "gloo")
+    assert row.status == "PASS", row
+    steps = row.figures["decode_step_ms"]
+    assert list(steps) == ["1", "4"] and all(ms > 0 for ms in steps.values()), steps
+    assert row.figures["decode_tokens_per_s"] > 0 and row.figures["prefill_tokens_per_s"] > 0
 
 
 def test_dependencies_list_the_extras_when_the_core_is_there() -> None:
