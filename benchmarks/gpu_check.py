@@ -127,11 +127,15 @@ def core(module: str) -> ModuleType:
 
 
 def extra(module: str) -> ModuleType:
-    """Import an optional GPU extra; missing is a SKIP saying so."""
+    """Import an optional GPU extra; missing is a SKIP saying so, installed but broken (built against another
+    torch or CUDA, say) a FAIL."""
+    pip = EXTRA_MODULES.get(module.split(".")[0], module)
+    if not installed(module.split(".")[0]):
+        raise Skip(f"{pip} not installed")
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise Skip(f"{EXTRA_MODULES.get(module, module)} not installed") from err
+        raise RuntimeError(f"{pip} is installed but `import {module}` fails: {err}") from err
 
 
 def installed(module: str) -> bool:
@@ -327,6 +331,9 @@ def _rank_entry(rank: int, port: int, device_type: str, backend: str, worker: st
     import torch.distributed as dist
 
     os.environ["LOCAL_RANK"] = str(rank)  # rank_device(): cuda:LOCAL_RANK % device_count = the one GPU
+    # both ranks are on this host: gloo (the group itself, or the CPU control groups beside NCCL) on loopback,
+    # whatever the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         os.environ.update(nccl_env(rank))
     if device_type == "cpu":
@@ -962,7 +969,7 @@ def backend_row(name: str, module: str) -> RowFn:
     def row(device: torch.device, backend: str) -> Outcome:
         extra(module)
         if device.type != "cuda":
-            raise Skip(f"{EXTRA_MODULES[module]} kernels run on CUDA only")
+            raise Skip(f"{EXTRA_MODULES[module.split('.')[0]]} kernels run on CUDA only")
         from rlhfuse.models import ModelConfig, Transformer
 
         if "attention_backend" not in {f.name for f in dataclasses.fields(ModelConfig)}:
@@ -1178,7 +1185,7 @@ CHECKS: dict[str, Check] = {
     "engine decode": Check(row_engine_decode, 90),
     "decode syncs": Check(row_decode_syncs, 60),
     "flash backend": Check(backend_row("flash", "flash_attn"), 60),
-    "te backend": Check(backend_row("te", "transformer_engine"), 60),
+    "te backend": Check(backend_row("te", "transformer_engine.pytorch"), 60),
     "logprobs kernel": Check(row_logprobs_kernel, 90),
     "gae kernel": Check(row_gae_kernel, 60),
     **{name: Check(trainer_row(setting), 90) for name, setting in TRAINER_SETTINGS.items()},
