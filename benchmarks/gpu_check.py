@@ -994,9 +994,17 @@ def backend_row(name: str, module: str) -> RowFn:
 
             layer.self_attn.attend = recording
         ids = torch.randint(0, cfg.vocab_size, (4, 512), device=device)
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            got = model(ids)
-            want = reference(ids)
+        try:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                got = model(ids)
+                want = reference(ids)
+        except Exception as err:  # the kernel's own refusal; mixed dtypes are the likely cause, said first
+            mixed = sorted({s for s in seen if len(set(s)) > 1})
+            if mixed:
+                raise AssertionError(
+                    f"q/k/v dtypes disagree at the {name} kernel: {mixed} ({describe(err)})"
+                ) from err
+            raise
         assert seen, f"attention_backend={name} was never called"
         mixed = sorted({s for s in seen if len(set(s)) > 1})
         assert not mixed, f"q/k/v dtypes disagree at the {name} kernel: {mixed}"
