@@ -998,12 +998,14 @@ def backend_row(name: str, module: str) -> RowFn:
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                 got = model(ids)
                 want = reference(ids)
-        except Exception as err:  # the kernel's own refusal; mixed dtypes are the likely cause, said first
+        except (
+            Exception
+        ) as refused:  # the kernel's own refusal; mixed dtypes are the likely cause, said first
             mixed = sorted({s for s in seen if len(set(s)) > 1})
             if mixed:
                 raise AssertionError(
-                    f"q/k/v dtypes disagree at the {name} kernel: {mixed} ({describe(err)})"
-                ) from err
+                    f"q/k/v dtypes disagree at the {name} kernel: {mixed} ({describe(refused)})"
+                ) from refused
             raise
         assert seen, f"attention_backend={name} was never called"
         mixed = sorted({s for s in seen if len(set(s)) > 1})
