@@ -1,37 +1,432 @@
 """`make gpu-check`: what only a CUDA device can check, as one table (`python -m benchmarks.gpu_check`).
 
-Sections (each a PASS / FAIL / SKIP row with its figure or error):
+Each row is a function `row(device, backend) -> Outcome` that sizes itself by the device (real sizes on CUDA,
+tiny ones on the CPU, where the same code runs with gloo and the Triton interpreter: tests/test_gpu_check.py).
+`make gpu-check` runs every row in its own subprocess with its own time limit inside an 8-minute budget, so a
+hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Rows:
 
-- collectives: a one-rank NCCL group on `rlhfuse.distributed.rank_device()`; every helper of
-  `rlhfuse.distributed` (in-place reductions, broadcast, gather, barrier, the tensor messages for batches,
-  JSON, bytes and codec messages, the differentiable tensor-parallel pair through a tp=1 shard) on device
-  tensors, and `check_device` refusing a CPU tensor;
-- gae / logprobs kernels: the Triton kernels on CUDA against their PyTorch references (values and gradients);
-- engine: the generation engine's greedy tokens on the GPU equal those on the CPU (a tiny random model);
-- default job: `rlhfuse-train experiment=default` shortened to 2 iterations, on CUDA in bf16 (`device=cuda`,
-  precision auto = bf16-mixed): finite metrics, the Triton GAE reached in training;
-- vllm: the smoke job with generator=vllm (SKIP when vLLM is not installed).
+- dependencies: CUDA, NCCL, triton and the other core imports (missing = FAIL); the GPU extras (flash-attn,
+  Transformer Engine, vLLM) listed as installed or not;
+- collectives: every `rlhfuse.distributed` helper on a one-rank group on `rank_device()` (a CPU tensor refused
+  under NCCL);
+- nccl 2 ranks: two processes on the one GPU over NCCL (each rank its own `NCCL_HOSTID`, sockets on loopback:
+  `TWO_RANKS_ON_ONE_GPU`), an all-reduce and a point-to-point message checked, all-reduce bus bandwidth;
+- pp=2 train step / pp=2 inference / reshard / migration: on those 2 ranks, `FusedPipelineStrategy` (profiling
+  step, then the searched fused schedule) against `PlainStrategy` on the same models; `PipelineInferencer`
+  against `ModelInferencer`; the trained pp-sharded Actor resharded to generator.tp=2 and 1
+  (`rlhfuse.runtime.reshard`) against the trained weights' slices; two engine instances migrating their long tail
+  (`DistributedCoordinator`, migration=fixed) against one instance;
+- gqa attention: a grouped-query model in bf16 under `sdpa_kernel` restricted to flash / efficient / cudnn (a
+  fall-back to the math kernel fails the row), unmasked (causal) and padded, against the math kernel in fp32;
+- engine: the engine's greedy tokens on the device equal the CPU's; engine decode: bf16 decode step time at batch
+  sizes 1, 8, 32, 128, tokens/s, prefill throughput; decode syncs: device syncs per decode step
+  (`rlhfuse.core.syncs.SyncCounter`, a FAIL naming it where it is missing);
+- flash backend / te backend: `attention_backend=flash|te` with fp32 weights under bf16 autocast: q, k, v reach
+  the kernel in one dtype and the logits match sdpa within bf16 tolerance (SKIP: not installed);
+- logprobs kernel (N=8192 tokens, V=152064, bf16) and gae kernel (256 x 4096): the Triton kernels against their
+  PyTorch references, ms each and the ratio, values (and log-prob gradients) within tolerance;
+- bf16-true, micro_batch_tokens, offload, speculative, trainer migration: one iteration of the smoke job through
+  the trainer on the device with pipeline.precision=bf16-true / data.micro_batch_tokens=48 /
+  inferencer.offload_frozen=true / generator=engine generator.speculative=ngram / generator.instances=2
+  generator.in_process=true migration=fixed; finite metrics and the ones that show the setting acted;
+- default job: the default job for 2 iterations in bf16-mixed, the Triton GAE reached in training;
+- vllm: the smoke job with generator=vllm (SKIP: not installed).
 
-Without CUDA it prints one line saying so and exits 0 (nothing was checked). Exit status 1 if any row FAILs.
+The measured figures (decode step time per batch size, prefill and training throughput, all-reduce bandwidth,
+kernel times) go to a JSON file (`--out`, default `$OUT/gpu_check.json` when OUT is set, else ./gpu_check.json)
+that a later calibration step reads. Without CUDA it prints one line saying nothing was checked and exits 0;
+`--device cpu` runs the rows on the CPU anyway (gloo, tiny sizes). Exit status 1 if any row FAILs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import dataclasses
 import datetime
+import functools
+import importlib
+import json
 import math
+import multiprocessing
 import os
+import signal
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
-Row = tuple[str, str, str]  # (check, PASS / FAIL / SKIP, detail)
+REPO = Path(__file__).resolve().parents[1]
+BUDGET_S = 470.0  # every row included; with start-up and the table, under 8 minutes
+RESERVE_S = 10.0  # kept back from the budget for the table and the JSON file
 
 
+class Skip(Exception):
+    """The row does not apply here: an optional extra is not installed, or the part needs CUDA."""
+
+
+class MissingDependency(RuntimeError):
+    """Something the core needs is not importable (a FAIL row, never a SKIP)."""
+
+
+@dataclass
+class Outcome:
+    """What a passing row returns: one line for the table and the figures for the JSON file."""
+
+    detail: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+    seconds: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+RowFn = Callable[[torch.device, str], Outcome]
+
+
+# --- dependencies ---------------------------------------------------------------------------------------------------
+# import name -> pip name. Core: what the rows below (and rlhfuse itself) import; extras: the GPU extras.
+CORE_MODULES = {
+    "triton": "triton",
+    "lightning": "lightning",
+    "hydra": "hydra-core",
+    "omegaconf": "omegaconf",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "rich": "rich",
+}
+EXTRA_MODULES = {"flash_attn": "flash-attn", "transformer_engine": "transformer-engine", "vllm": "vllm"}
+
+
+def core(module: str) -> ModuleType:
+    """Import a core dependency; missing is a FAIL naming the package to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        pip = CORE_MODULES.get(module.split(".")[0], module)
+        raise MissingDependency(
+            f"{pip} is not installed ({err}): a core dependency, pip install {pip}"
+        ) from err
+
+
+def extra(module: str) -> ModuleType:
+    """Import an optional GPU extra; missing is a SKIP saying so, installed but broken (built against another
+    torch or CUDA, say) a FAIL."""
+    pip = EXTRA_MODULES.get(module.split(".")[0], module)
+    if not installed(module.split(".")[0]):
+        raise Skip(f"{pip} not installed")
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise RuntimeError(f"{pip} is installed but `import {module}` fails: {err}") from err
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be found, without importing it (None in sys.modules: made unimportable)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def version_of(pip: str, module: ModuleType) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(pip)
+    except metadata.PackageNotFoundError:
+        return str(getattr(module, "__version__", "?"))
+
+
+def row_dependencies(device: torch.device, backend: str) -> Outcome:
+    problems, facts = [], [f"torch {torch.__version__}"]
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            problems.append("CUDA (torch.cuda.is_available() is False: a CUDA build of torch is needed)")
+        else:
+            major, minor = torch.cuda.get_device_capability(device)
+            facts.append(f"CUDA {torch.version.cuda} sm_{major}{minor}")
+    if backend == "nccl":
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_nccl_available()):
+            problems.append("NCCL (torch.distributed.is_nccl_available() is False)")
+        else:
+            version = torch.cuda.nccl.version()  # a tuple, or an int in older builds
+            facts.append(
+                "NCCL " + (".".join(map(str, version)) if isinstance(version, tuple) else str(version))
+            )
+    for module, pip in CORE_MODULES.items():
+        try:
+            found = importlib.import_module(module)
+        except ImportError as err:
+            problems.append(f"{pip} ({err})")
+        else:
+            facts.append(f"{pip} {version_of(pip, found)}")
+    extras = ", ".join(
+        f"{pip} {'yes' if installed(m) else 'not installed'}" for m, pip in EXTRA_MODULES.items()
+    )
+    if problems:
+        raise MissingDependency(
+            "missing core dependencies: " + "; ".join(problems) + " (install them, or carry their wheels to "
+            "the machine: docs/distributed.md)"
+        )
+    return Outcome(", ".join(facts) + f"; extras: {extras}")
+
+
+# --- helpers --------------------------------------------------------------------------------------------------------
+def real(device: torch.device) -> bool:
+    """Real sizes on CUDA; tiny ones on the CPU (the same code, checked by the CPU test)."""
+    return device.type == "cuda"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of `fn` (CUDA events on the GPU, the host clock on the CPU), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (NaN never passes a `<` test)."""
+    g, w = got.double(), want.double()
+    return float((g - w).norm() / w.norm().clamp_min(1e-30))
+
+
+def random_batch(samples: int, vocab: int, prompt: int, response: int, seed: int) -> Any:
+    """A TrainBatch with left-padded prompts and right-padded responses of varied lengths (on the CPU)."""
+    from rlhfuse.core.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    t = prompt + response
+    ids = torch.randint(1, vocab, (samples, t), generator=g)
+    mask = torch.ones(samples, t, dtype=torch.long)
+    resp = torch.zeros(samples, response)
+    for b in range(samples):
+        p_len = int(torch.randint(2, prompt + 1, (1,), generator=g))
+        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
+        mask[b, : prompt - p_len] = 0
+        mask[b, prompt + r_len :] = 0
+        ids[b, mask[b] == 0] = 0
+        resp[b, :r_len] = 1
+    rand = lambda: torch.randn(samples, response, generator=g)  # noqa: E731
+    return TrainBatch(ids, mask, resp, -1.0 + 0.1 * rand(), 0.3 * rand(), rand(), rand())
+
+
+def random_rollout(n: int, vocab: int, prompt: int, response: int, seed: int) -> Any:
+    from rlhfuse.core.types import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    p_ids = torch.randint(1, vocab, (n, prompt), generator=g)
+    r_ids = torch.randint(1, vocab, (n, response), generator=g)
+    p_mask = torch.ones(n, prompt, dtype=torch.long)
+    r_mask = torch.zeros(n, response, dtype=torch.long)
+    for b in range(n):
+        p_len = int(torch.randint(1, prompt + 1, (1,), generator=g))
+        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
+        p_mask[b, : prompt - p_len] = 0
+        p_ids[b, : prompt - p_len] = 0
+        r_mask[b, :r_len] = 1
+        r_ids[b, r_len:] = 0
+    finished = torch.rand(n, generator=g) < 0.7
+    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.arange(n), torch.zeros(n, dtype=torch.long), finished)
+
+
+def pipeline_models(device: torch.device, layers: int = 2) -> Any:
+    """The ModelConfig of the 2-rank rows: a GQA model of real width on CUDA, the tiny test model on the CPU."""
+    from rlhfuse.models import ModelConfig
+
+    if real(device):
+        return ModelConfig.tiny(
+            vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=max(layers, 4), num_heads=8,
+            num_kv_heads=2, head_dim=64,
+        )  # fmt: skip
+    return ModelConfig.tiny(num_layers=layers)
+
+
+# --- one rank, two ranks --------------------------------------------------------------------------------------------
+# NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected"): a host id per rank makes it treat them
+# as two hosts, which then talk through its socket transport on loopback (no shared memory, no peer-to-peer, no
+# InfiniBand between "hosts" that are one process pair on one card).
+TWO_RANKS_ON_ONE_GPU = {
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+}
+
+
+def nccl_env(rank: int) -> dict[str, str]:
+    return {**TWO_RANKS_ON_ONE_GPU, "NCCL_HOSTID": f"rlhfuse-gpu-check-rank{rank}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device, backend: str) -> Iterator[None]:
+    """A one-rank process group (unless one is up already: the caller's)."""
+    import torch.distributed as dist  # gpu_check is a script, outside rlhfuse: group set-up only
+
+    if dist.is_initialized():
+        yield
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_entry(rank: int, port: int, device_type: str, backend: str, worker: str, out_dir: str) -> None:
+    """One of the two ranks: the group, then `worker` (a `_w_*` function of this module); its outcome or its
+    error goes to out_dir/rank{rank}.json. Exits without the process group's destructors once written."""
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)  # rank_device(): cuda:LOCAL_RANK % device_count = the one GPU
+    # both ranks are on this host: gloo (the group itself, or the CPU control groups beside NCCL) on loopback,
+    # whatever the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        os.environ.update(nccl_env(rank))
+    if device_type == "cpu":
+        torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        from rlhfuse import distributed
+
+        device = distributed.rank_device(backend)
+        if device.type != device_type:
+            raise RuntimeError(f"rank_device({backend!r}) is {device}, not {device_type}")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        outcome = globals()[worker](rank, device)
+        result = {"detail": outcome.detail, "figures": outcome.figures}
+    except BaseException as err:  # reported to the parent, which decides the row
+        result = {"error": describe(err), "trace": traceback.format_exc()[-3000:]}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def two_ranks(worker: str, device: torch.device, backend: str, timeout_s: float) -> Outcome:
+    """Run `worker` on 2 spawned ranks; rank 0's outcome. A rank that fails (an error reported, or dead without
+    a word: a CUDA abort) stops the other after a grace of a few seconds, since it is likely blocked in a
+    collective with it; ranks still running at `timeout_s` are killed and the row fails as a hang."""
+    import benchmarks.gpu_check as this  # the spawned ranks import the module by name, also under `-m`
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=this._rank_entry, args=(r, port, device.type, backend, worker, tmp))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        failed_at: float | None = None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            failed = [
+                r for r, p in enumerate(procs) if "error" in _read_rank(tmp, r) or p.exitcode not in (None, 0)
+            ]
+            if failed and failed_at is None:
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > 5.0):
+                break
+            time.sleep(0.1)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        results = [_read_rank(tmp, r) for r in range(2)]
+    errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+    errors += [
+        f"rank {r} died without a result (exit code {p.exitcode}: killed, out of memory, a CUDA abort?)"
+        for r, p in enumerate(procs)
+        if r not in hung and not results[r]
+    ]
+    if errors:
+        message = "; ".join(errors)
+        if backend == "nccl" and any(
+            s in message for s in ("Duplicate GPU", "ncclInvalidUsage", "NCCL error")
+        ):
+            message = f"NCCL refused 2 ranks on one GPU (NCCL_HOSTID per rank, sockets on lo): {message}"
+        raise RuntimeError(message)
+    if hung:
+        raise TimeoutError(
+            f"ranks {hung} did not finish within {timeout_s:.0f} s (a hang: a collective or point-to-point message "
+            "that never completed)"
+        )
+    return Outcome(results[0]["detail"], results[0]["figures"])
+
+
+def _read_rank(folder: str, rank: int) -> dict[str, Any]:
+    path = Path(folder, f"rank{rank}.json")
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+# --- the rows -------------------------------------------------------------------------------------------------------
 def check_collectives(device: torch.device) -> str:
     """Every `rlhfuse.distributed` helper on `device` (a process group must be up). Returns a detail line."""
     from rlhfuse import distributed
@@ -70,42 +465,364 @@ def check_collectives(device: torch.device) -> str:
     ids = torch.randint(0, 128, (2, 5), device=device)
     lp = vocab_parallel_logprobs(tp(ids), ids, tp.vocab_shard)
     want = torch.log_softmax(model(ids).float(), -1).gather(-1, ids[..., None]).squeeze(-1)
-    err = float((lp.float() - want).abs().max())
+    err = float((lp.detach().float() - want.detach()).abs().max())
     assert err < 1e-4, err
     lp.sum().backward()
     return f"backend {distributed.backend()}, device {device}: all helpers; tp=1 log-prob error {err:.1e}"
 
 
-def check_gae(device: torch.device) -> str:
-    from rlhfuse.algorithms.gae import compute_gae, compute_gae_loop
+def row_collectives(device: torch.device, backend: str) -> Outcome:
+    with one_rank_group(device, backend):
+        return Outcome(check_collectives(device))
 
-    g = torch.Generator().manual_seed(0)
-    r, v = torch.randn(16, 300, generator=g), torch.randn(16, 300, generator=g)
-    m = (torch.rand(16, 300, generator=g) < 0.9).float()
-    a_ref, ret_ref = compute_gae_loop(r.double(), v.double(), m.double(), 0.99, 0.95)
-    a, ret = compute_gae(r.to(device), v.to(device), m.to(device), 0.99, 0.95, backend="triton")
-    err = max(
-        float((a.cpu().double() - a_ref).abs().max()), float((ret.cpu().double() - ret_ref).abs().max())
+
+def _w_collectives(rank: int, device: torch.device) -> Outcome:
+    """All-reduce and point to point checked on both ranks, then the all-reduce bus bandwidth."""
+    from rlhfuse import distributed
+
+    x = torch.full((1024,), float(rank + 1), device=device)
+    distributed.all_reduce(x)
+    assert bool((x == 3).all()), f"all_reduce gave {x[:4].tolist()}, not 3"
+    msg = (
+        torch.arange(16, dtype=torch.float32, device=device) if rank == 0 else torch.zeros(16, device=device)
     )
-    assert err < 1e-3, err
-    return f"Triton GAE on {device} vs the fp64 loop: max error {err:.1e}"
+    if rank == 0:
+        distributed.wait_all([distributed.isend(msg, 1)])
+    else:
+        distributed.wait_all([distributed.irecv(msg, 0)])
+        assert torch.equal(msg.cpu(), torch.arange(16, dtype=torch.float32)), msg
+    sizes_mib = (1, 16, 128) if real(device) else (1,)
+    busbw = {}
+    for mib in sizes_mib:
+        buf = torch.ones(mib * 2**18, device=device)
+        ms = time_ms(functools.partial(distributed.all_reduce, buf), device, reps=5 if real(device) else 2)
+        busbw[str(mib)] = mib * 2**20 / (ms / 1e3) / 1e9  # 2 (n - 1) / n = 1 at n = 2
+    figures = {"allreduce_busbw_GBps": busbw, "allreduce_backend": distributed.backend()}
+    shown = ", ".join(f"{k} MiB {v:.2f}" for k, v in busbw.items())
+    return Outcome(
+        f"{distributed.backend()}: all-reduce and send/recv exact; bus bandwidth GB/s {shown}", figures
+    )
 
 
-def check_logprobs(device: torch.device) -> str:
-    from rlhfuse.algorithms.logits import chosen_logprobs_torch
-    from rlhfuse.algorithms.ops import chosen_logprobs
+def row_two_rank_collectives(device: torch.device, backend: str) -> Outcome:
+    return two_ranks("_w_collectives", device, backend, timeout_s=100)
 
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 32000, generator=g).to(device).requires_grad_(True)
-    labels = torch.randint(0, 32000, (64,), generator=g).to(device)
-    got = chosen_logprobs(logits, labels, 0.7, backend="triton")
-    (grad,) = torch.autograd.grad(got.sum(), logits)
-    ref = chosen_logprobs_torch(logits, labels, 0.7)
-    (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
-    err = float((got - ref).abs().max())
-    gerr = float((grad - ref_grad).abs().max())
-    assert err < 1e-4 and gerr < 1e-5, (err, gerr)
-    return f"Triton chosen log-probs on {device} vs PyTorch: value {err:.1e}, gradient {gerr:.1e}"
+
+def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
+    """FusedPipelineStrategy (pp=2: profiling step, then the searched fused schedule) vs PlainStrategy on copies
+    of the same models, step by step: losses, gradient norms, weights."""
+    core("hydra")  # rlhfuse.trainer (PlainStrategy here) imports Hydra with the package
+    from lightning.fabric import Fabric
+
+    from rlhfuse.core.advantages import AlgorithmConfig
+    from rlhfuse.core.optim import OptimConfig
+    from rlhfuse.models import Transformer
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.trainer.strategy import PlainStrategy
+
+    cfg = pipeline_models(device)
+    torch.manual_seed(0)
+    models = {
+        "actor": Transformer(cfg, head="lm").to(device),
+        "critic": Transformer(cfg, head="value").to(device),
+    }
+    plain_models = copy.deepcopy(models)
+    samples, micro = (32, 4) if real(device) else (8, 2)
+    prompt, response = (128, 128) if real(device) else (5, 7)
+    pcfg = PipelineConfig(
+        name="fused", optim=OptimConfig(warmup_steps=1), microbatches=micro, search_budget_s=0.0
+    )
+    algo = AlgorithmConfig()
+    fused = FusedPipelineStrategy(
+        models["actor"], models["critic"], pcfg, algo, total_steps=4, mini_batch_size=samples,
+        micro_batch_size=samples // micro, schedule="fused", timeout_s=60, log=lambda _: None,
+    )  # fmt: skip
+    plain = PlainStrategy(
+        plain_models["actor"], plain_models["critic"], pcfg.optim, algo,
+        fabric=Fabric(accelerator=device.type, devices=1), total_steps=4, micro_batch_size=samples // micro,
+    )  # fmt: skip
+    step_s, tokens = [], 0
+    for step in range(3):
+        batch = random_batch(samples, cfg.vocab_size, prompt, response, seed=11 + step).to(device)
+        tokens = int(batch.attention_mask_BT.sum())
+        sync(device)
+        t0 = time.perf_counter()
+        got = fused.train_step(batch).metrics()
+        sync(device)
+        step_s.append(time.perf_counter() - t0)
+        want = plain.train_step(batch).metrics()
+        for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-3, abs_tol=1e-5), (
+                step,
+                key,
+                got[key],
+                want[key],
+            )
+    fused.actor_weights()  # the strategy's own sync: whole copies brought up to date on every rank
+    weight_err = max(
+        float((p.detach() - q.detach()).abs().max())
+        for name in models
+        for p, q in zip(models[name].parameters(), plain_models[name].parameters(), strict=True)
+    )
+    # a wrong learning rate, step count or stage update moves weights by ~lr = 5e-4 per step
+    assert weight_err < 1e-4, f"weights after 3 steps differ from PlainStrategy's by {weight_err:.2e}"
+    fused_s = statistics.median(step_s[1:])  # after the profiling step
+    figures = {
+        "train_tokens_per_s": tokens / fused_s,
+        "train_step_s": fused_s,
+        "train_tokens_per_step": tokens,
+    }
+    return Outcome(
+        f"fused pp=2 = PlainStrategy for 3 steps (losses, grad norms; weights to {weight_err:.1e}); "
+        f"{fused_s * 1e3:.0f} ms / step, {tokens / fused_s:,.0f} tokens/s",
+        figures,
+    )
+
+
+def row_pp2_train(device: torch.device, backend: str) -> Outcome:
+    return two_ranks("_w_pp2_train", device, backend, timeout_s=120)
+
+
+def _w_pp2_inference(rank: int, device: torch.device) -> Outcome:
+    core("hydra")  # rlhfuse.trainer (ModelInferencer here) imports Hydra with the package
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.models import Transformer
+    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    cfg = pipeline_models(device)
+    torch.manual_seed(3)
+    heads = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "value"}
+    models = {name: Transformer(cfg, head=head).to(device) for name, head in heads.items()}
+    tokenizer = build_tokenizer()
+    rows, prompt, response = (64, 128, 128) if real(device) else (13, 5, 7)
+    config = InferencerConfig(micro_batch_size=0, truncated_score=-5.0)
+    layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, 2, 4, device=str(device))
+    rollout = random_rollout(rows, cfg.vocab_size, prompt, response, seed=5)
+    oracle = ModelInferencer(
+        config, actor=models["actor"], ref=models["ref"], critic=models["critic"], reward_model=models["reward"],
+        reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+    ).infer(rollout)  # fmt: skip
+    pipe = PipelineInferencer(
+        config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60
+    )
+    pipe.infer(rollout)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    got = pipe.infer(rollout)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    errs = {}
+    for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+        a, b = getattr(got, name), getattr(oracle, name)
+        assert a.shape == b.shape and a.device.type == device.type, (name, a.shape, b.shape, a.device)
+        errs[name] = float((a.double() - b.double()).abs().max())
+        assert errs[name] < 1e-3, f"{name}: pipeline vs single-process max error {errs[name]:.2e}"
+    tokens = rows * (prompt + response)
+    worst = max(errs.values())
+    return Outcome(
+        f"PipelineInferencer (pp=2) = ModelInferencer on {rows} rows (max error {worst:.1e}); "
+        f"{seconds * 1e3:.0f} ms, {tokens / seconds:,.0f} tokens/s",
+        {"pipeline_inference_tokens_per_s": tokens / seconds},
+    )
+
+
+def row_pp2_inference(device: torch.device, backend: str) -> Outcome:
+    return two_ranks("_w_pp2_inference", device, backend, timeout_s=100)
+
+
+def _w_reshard(rank: int, device: torch.device) -> Outcome:
+    """pp-sharded Actor/Critic (each rank materialises its stage only), one update, then the trained Actor
+    resharded to generator.tp=2 (the strategy's own sync) and to whole copies (g=1), against the trained weights."""
+    from rlhfuse import distributed
+    from rlhfuse.core.advantages import AlgorithmConfig
+    from rlhfuse.core.optim import OptimConfig
+    from rlhfuse.models import Transformer, from_pretrained, save_pretrained, to_device
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.reshard import Resharder
+    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.tensor_parallel import shard_transformer
+
+    cfg = pipeline_models(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        # every rank writes the same seeded weights to its own folder: no file is shared between processes
+        torch.manual_seed(0)
+        save_pretrained(Transformer(cfg, head="lm"), f"{tmp}/sft")
+        save_pretrained(Transformer(cfg, head="value"), f"{tmp}/rm")
+        pcfg = PipelineConfig(
+            name="fused", optim=OptimConfig(warmup_steps=1), microbatches=2, search_budget_s=0.0
+        )
+        layout = pipeline_layout(pcfg, 2, 8, 4)
+        held = layout.held_stages(rank)
+        actor = from_pretrained(f"{tmp}/sft", head="lm", stages=(2, held["actor"]))
+        critic = from_pretrained(f"{tmp}/rm", head="value", stages=(2, held["critic"]))
+    actor, critic = to_device(actor, device), to_device(critic, device)
+    fused = FusedPipelineStrategy(
+        actor, critic, pcfg, AlgorithmConfig(), total_steps=4, mini_batch_size=8, micro_batch_size=4,
+        schedule="fused", timeout_s=60, log=lambda _: None, generation_tp=2,
+    )  # fmt: skip
+    fused.train_step(random_batch(8, cfg.vocab_size, 5, 7, seed=5).to(device))
+    trained = Transformer(cfg, head="lm").to(device)
+    trained.load_state_dict(fused.state_dict()["actor"])  # reassembled from both ranks' stages
+    sync(device)
+    t0 = time.perf_counter()
+    shard = dict(fused.actor_weights())
+    sync(device)
+    seconds = time.perf_counter() - t0
+    want = shard_transformer(copy.deepcopy(trained), rank, 2).state_dict()
+    assert shard.keys() == want.keys(), sorted(set(shard) ^ set(want))
+    for name, value in want.items():
+        assert shard[name].device.type == device.type, (name, shard[name].device)
+        assert torch.equal(shard[name], value), f"g=2 shard {name} differs from the trained slice"
+    received = fused.resharder.received_bytes
+    assert received > 0, "nothing was sent: the pp=2 shards must exchange the stage each lacks"
+    whole = Resharder(fused.layout, rank, fused.models["actor"], 1).run()
+    for name, value in trained.state_dict().items():
+        assert torch.equal(whole[name], value), f"g=1 copy {name} differs from the trained weights"
+    total = torch.tensor([float(received)], device=device)
+    distributed.all_reduce(total)
+    return Outcome(
+        f"pp=2 sharded -> generator.tp=2 and 1 equal the trained slices; {int(total)} bytes sent in all, "
+        f"{seconds * 1e3:.0f} ms for the g=2 sync",
+        {"reshard_bytes": int(total), "reshard_s": seconds},
+    )
+
+
+def row_reshard(device: torch.device, backend: str) -> Outcome:
+    return two_ranks("_w_reshard", device, backend, timeout_s=120)
+
+
+def _migration_model(device: torch.device) -> Any:
+    from rlhfuse.models import ModelConfig, Transformer
+
+    torch.manual_seed(0)
+    if real(device):
+        cfg = ModelConfig.tiny(
+            vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=2,
+            head_dim=64,
+        )  # fmt: skip
+    else:
+        cfg = ModelConfig.tiny(
+            vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
+        )
+    return Transformer(cfg, head="lm").to(device).eval()
+
+
+def _migration_requests(vocab: int, prompts: int) -> list[Any]:
+    from rlhfuse.core.types import PromptBatch
+    from rlhfuse.generation import requests_for
+
+    g = torch.Generator().manual_seed(1)
+    rows = [[1, *torch.randint(3, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()]
+            for _ in range(prompts)]  # fmt: skip
+    width = max(map(len, rows))
+    ids = torch.zeros((prompts, width), dtype=torch.long)
+    mask = torch.zeros((prompts, width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return requests_for(
+        PromptBatch(ids, mask, torch.arange(prompts)), samples_per_prompt=4, seed=3, iteration=1
+    )
+
+
+def _w_migration(rank: int, device: torch.device) -> Outcome:
+    """Two engine instances (generator.instances=2, migration=fixed): the long tail migrates (KV transfer) and
+    every sample comes back once, with the tokens one instance alone generates."""
+    from rlhfuse import distributed
+    from rlhfuse.generation import GenerationEngine, SamplingParams
+    from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
+
+    model = _migration_model(device)
+    vocab = model.config.vocab_size
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, top_p=0.95, stop_token_ids=(2,))
+    prompts = 16 if real(device) else 6
+    slots = prompts * 4
+    engine = GenerationEngine(model, params, num_slots=slots, max_len=6 + params.max_new_tokens)
+    coordinator = DistributedCoordinator(engine, bs_max=slots, mechanism="kv", timeout_s=30)
+    # both ranks start decoding together: the threshold (the whole batch) is met at the first count the ranks
+    # exchange, while the samples are still running, so the tail moves whatever the ranks' start-up times
+    distributed.barrier(device)
+    t0 = time.perf_counter()
+    done = list(coordinator.run(_migration_requests(vocab, prompts), threshold=slots))
+    everything = gather_finished(done)
+    seconds = time.perf_counter() - t0
+    report = coordinator.report
+    rows = [r.row for r in everything]
+    assert rows == list(range(slots)), f"rows back: {rows}"
+    assert report.samples_moved > 0, "nothing migrated (threshold = the whole batch)"
+    single = GenerationEngine(model, params, num_slots=slots, max_len=6 + params.max_new_tokens)
+    single.add(_migration_requests(vocab, prompts))
+    alone: dict[int, list[int]] = {}
+    while single.has_work():
+        alone.update({r.row: r.tokens for r in single.step()})
+    same = sum(alone[r.row] == r.tokens for r in everything)
+    # on the CPU the tokens are exact; a GPU's matmuls may round differently in other batch shapes, and one flipped
+    # sampled token changes the rest of its sample: most samples must still agree exactly
+    need = slots if not real(device) else math.ceil(0.9 * slots)
+    assert same >= need, f"{same}/{slots} samples equal one instance's tokens (need {need})"
+    return Outcome(
+        f"{report.samples_moved} samples migrated ({report.mechanism}), {same}/{slots} samples token-identical "
+        f"to one instance; {seconds:.2f} s",
+        {"migration_samples_moved": report.samples_moved},
+    )
+
+
+def row_migration(device: torch.device, backend: str) -> Outcome:
+    return two_ranks("_w_migration", device, backend, timeout_s=100)
+
+
+def row_gqa_attention(device: torch.device, backend: str) -> Outcome:
+    """Grouped-query attention in bf16 through the model's own attention with the math kernel excluded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rlhfuse.models import ModelConfig, Transformer
+
+    if real(device):
+        cfg = ModelConfig.tiny(
+            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=2, num_heads=16, num_kv_heads=4,
+            head_dim=128, max_position_embeddings=4096,
+        )  # fmt: skip
+        batch, length = 8, 1024
+    else:
+        cfg = ModelConfig.tiny()  # 4 query heads, 2 kv heads
+        batch, length = 2, 16
+    assert cfg.num_kv_heads < cfg.num_heads
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device, torch.bfloat16).eval()
+    reference = copy.deepcopy(model).float()
+    ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
+    padded = torch.ones(batch, length, dtype=torch.long, device=device)
+    for b in range(batch):
+        padded[b, : (b * length) // (2 * batch)] = 0  # left padding of 0 .. length / 2
+    fast = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    details, failures = [], []
+    for case, mask in (("unmasked", None), ("padded", padded)):
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel(fast):
+                    got = model(ids, attention_mask_BT=mask)
+            except RuntimeError as refused:
+                why = "; ".join(str(w.message).splitlines()[0] for w in caught)[:300]
+                failures.append(f"{case}: no flash/efficient/cudnn kernel ran ({str(refused)[:80]}; {why})")
+                continue
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            want = reference(ids, attention_mask_BT=mask)
+        keep = slice(None) if mask is None else mask.bool()
+        error = rel_err(got.float()[keep], want[keep])
+        if not error < 2e-2:
+            failures.append(f"{case}: bf16 vs fp32 math relative error {error:.2e} (> 2e-2)")
+        details.append(f"{case} {error:.1e}")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return Outcome(
+        f"{cfg.num_heads} q / {cfg.num_kv_heads} kv heads, bf16, math kernel excluded, error vs fp32 math: "
+        + ", ".join(details)
+    )
 
 
 def check_engine(device: torch.device) -> str:
@@ -130,7 +847,243 @@ def check_engine(device: torch.device) -> str:
     return f"engine greedy tokens on {device} equal the CPU's ({tuple(out['cpu'].shape)})"
 
 
+def row_engine(device: torch.device, backend: str) -> Outcome:
+    return Outcome(check_engine(device))
+
+
+def sync_counter() -> Any:
+    """`rlhfuse.core.syncs.SyncCounter`, imported when the row runs (its absence is a FAIL naming it)."""
+    try:
+        from rlhfuse.core.syncs import SyncCounter  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as err:
+        raise MissingDependency(
+            f"rlhfuse.core.syncs.SyncCounter is missing ({err}): syncs per decode step cannot be counted"
+        ) from err
+    return SyncCounter
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """The decode rows' model and sizes: width 1024, 8 layers, GQA 16 / 4 heads in bf16 on CUDA; tiny on the CPU."""
+
+    model: Any
+    sizes: tuple[int, ...]  # decode batch sizes
+    prompt: int  # prompt tokens per sample
+    steps: int  # timed decode steps per batch size
+
+    @staticmethod
+    def of(device: torch.device) -> DecodeSetup:
+        from rlhfuse.models import ModelConfig, Transformer
+
+        if real(device):
+            cfg = ModelConfig.tiny(
+                vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                num_kv_heads=4, head_dim=64, max_position_embeddings=4096,
+            )  # fmt: skip
+            sizes: tuple[int, ...] = (1, 8, 32, 128)
+            prompt, steps = 64, 32
+        else:
+            cfg = ModelConfig.tiny()
+            sizes, prompt, steps = (1, 4), 6, 4
+        torch.manual_seed(0)
+        return DecodeSetup(Transformer(cfg).to(device, torch.bfloat16).eval(), sizes, prompt, steps)
+
+    def warm_engine(self, batch: int) -> Any:
+        """An engine with `batch` running samples after its prefill and one warm decode step; every later step
+        decodes all of them (no stop token, room for `steps` more tokens)."""
+        from rlhfuse.generation import GenerationEngine, SamplingParams
+        from rlhfuse.generation.engine import SampleRequest
+
+        params = SamplingParams(max_new_tokens=self.steps + 4, temperature=1.0)
+        engine = GenerationEngine(self.model, params, num_slots=batch, max_len=self.prompt + self.steps + 4)
+        g = torch.Generator().manual_seed(batch)
+        vocab = self.model.config.vocab_size
+        engine.add(
+            SampleRequest(row=i, prompt_index=i, sample_index=0, group=i, seed=i,
+                          prompt_P=torch.randint(3, vocab, (self.prompt,), generator=g))
+            for i in range(batch)
+        )  # fmt: skip
+        engine.step()  # prefill and the first decode step
+        engine.step()  # one warm decode step
+        return engine
+
+    def decode(self, engine: Any) -> list[float]:
+        """`steps` decode steps of every running sample; their seconds."""
+        for _ in range(self.steps):
+            engine.step()
+        done = list(engine.stats.step_seconds[-self.steps :])
+        full = all(b == engine.cache.num_slots for b in engine.stats.batch_sizes[-self.steps :])
+        assert len(done) == self.steps and full, engine.stats.batch_sizes
+        return done
+
+
+def row_engine_decode(device: torch.device, backend: str) -> Outcome:
+    """bf16 decode through the generation engine: step time per batch size, tokens/s, prefill throughput."""
+    setup = DecodeSetup.of(device)
+    step_ms = {}
+    for bs in setup.sizes:
+        step_ms[str(bs)] = statistics.median(setup.decode(setup.warm_engine(bs))) * 1e3
+    largest = str(setup.sizes[-1])
+    tokens_per_s = setup.sizes[-1] / (step_ms[largest] / 1e3)
+    # prefill: one forward over a batch of full-length prompts (what admission of a batch costs)
+    pb, pt = (32, 512) if real(device) else (2, 16)
+    ids = torch.randint(0, setup.model.config.vocab_size, (pb, pt), device=device)
+    with torch.no_grad():
+        prefill_ms = time_ms(lambda: setup.model(ids), device, reps=5 if real(device) else 1)
+    prefill_tps = pb * pt / (prefill_ms / 1e3)
+    cfg = setup.model.config
+    figures = {
+        "decode_step_ms": step_ms,
+        "decode_tokens_per_s": tokens_per_s,
+        "prefill_tokens_per_s": prefill_tps,
+        "decode_model": {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "prompt": setup.prompt,
+                         "dtype": "bf16"},
+    }  # fmt: skip
+    shown = ", ".join(f"bs {k}: {v:.2f} ms" for k, v in step_ms.items())
+    return Outcome(
+        f"{shown}; {tokens_per_s:,.0f} tokens/s at bs {largest}; prefill {prefill_tps:,.0f} tokens/s", figures
+    )
+
+
+def row_decode_syncs(device: torch.device, backend: str) -> Outcome:
+    """Device syncs per engine decode step (`rlhfuse.core.syncs.SyncCounter`) at the smallest and largest batch."""
+    SyncCounter = sync_counter()
+    setup = DecodeSetup.of(device)
+    syncs = {}
+    for bs in (setup.sizes[0], setup.sizes[-1]):
+        engine = setup.warm_engine(bs)
+        with SyncCounter() as counter:
+            setup.decode(engine)
+        syncs[str(bs)] = counter.count / setup.steps
+    if device.type == "cuda":
+        # each step reads its sampled tokens on the host at least once: a counter that sees nothing is broken
+        assert all(v >= 1 for v in syncs.values()), f"SyncCounter counted {syncs} syncs per decode step (< 1)"
+    shown = ", ".join(f"bs {k}: {v:.1f}" for k, v in syncs.items())
+    return Outcome(f"syncs per decode step {shown}", {"decode_syncs_per_step": syncs})
+
+
+def backend_row(name: str, module: str) -> RowFn:
+    """`attention_backend=name` with fp32 weights under bf16 autocast: q/k/v dtypes agree at the kernel and the
+    logits match sdpa within bf16 tolerance."""
+
+    def row(device: torch.device, backend: str) -> Outcome:
+        extra(module)
+        if device.type != "cuda":
+            raise Skip(f"{EXTRA_MODULES[module.split('.')[0]]} kernels run on CUDA only")
+        from rlhfuse.models import ModelConfig, Transformer
+
+        if "attention_backend" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+            raise MissingDependency(
+                "ModelConfig.attention_backend is missing (model.attention_backend=flash|te)"
+            )
+        cfg = ModelConfig.tiny(
+            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=2, num_heads=16, num_kv_heads=4,
+            head_dim=64, attention_backend=name, max_position_embeddings=4096,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = Transformer(cfg).to(device).eval()  # fp32 weights
+        reference = Transformer(dataclasses.replace(cfg, attention_backend="sdpa")).to(device).eval()
+        reference.load_state_dict(model.state_dict())
+        seen: list[tuple[str, ...]] = []
+        for layer in model.layers:
+            attend = layer.self_attn.attend
+
+            def recording(q: Any, k: Any, v: Any, mask: Any, attend: Any = attend) -> Any:
+                seen.append((str(q.dtype), str(k.dtype), str(v.dtype)))
+                return attend(q, k, v, mask)
+
+            layer.self_attn.attend = recording
+        ids = torch.randint(0, cfg.vocab_size, (4, 512), device=device)
+        try:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                got = model(ids)
+                want = reference(ids)
+        except (
+            Exception
+        ) as refused:  # the kernel's own refusal; mixed dtypes are the likely cause, said first
+            mixed = sorted({s for s in seen if len(set(s)) > 1})
+            if mixed:
+                raise AssertionError(
+                    f"q/k/v dtypes disagree at the {name} kernel: {mixed} ({describe(refused)})"
+                ) from refused
+            raise
+        assert seen, f"attention_backend={name} was never called"
+        mixed = sorted({s for s in seen if len(set(s)) > 1})
+        assert not mixed, f"q/k/v dtypes disagree at the {name} kernel: {mixed}"
+        err = rel_err(got.float(), want.float())
+        assert err < 2e-2, f"{name} vs sdpa logits: relative error {err:.2e} (> 2e-2)"
+        return Outcome(
+            f"fp32 weights, bf16 autocast: q/k/v {seen[0][0]} at {len(seen)} calls; vs sdpa {err:.1e}"
+        )
+
+    return row
+
+
+def _triton_on(device: torch.device) -> None:
+    core("triton")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise Skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
+
+
+def row_logprobs_kernel(device: torch.device, backend: str) -> Outcome:
+    from rlhfuse.algorithms.logits import chosen_logprobs_torch
+    from rlhfuse.algorithms.ops import chosen_logprobs
+
+    _triton_on(device)
+    n, v = (8192, 152064) if real(device) else (64, 512)
+    reps = 10 if real(device) else 1
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (2 * torch.randn(n, v, generator=g, device=device)).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g, device=device)
+    kernel = lambda: chosen_logprobs(logits, labels, 0.7, backend="triton")  # noqa: E731
+    ref = lambda: chosen_logprobs_torch(logits, labels, 0.7)  # noqa: E731
+    got, want = kernel(), ref()
+    (grad,) = torch.autograd.grad(got.sum(), logits)
+    (ref_grad,) = torch.autograd.grad(want.sum(), logits)
+    err = float((got.float() - want.float()).abs().max())
+    gerr = rel_err(grad.float(), ref_grad.float())
+    assert err < 1e-3 and gerr < 1e-2, f"value error {err:.2e} (> 1e-3), gradient relative error {gerr:.2e}"
+    with torch.no_grad():
+        k_ms = time_ms(kernel, device, reps)
+        r_ms = time_ms(ref, device, reps)
+    kb_ms = time_ms(lambda: torch.autograd.grad(kernel().sum(), logits), device, reps)
+    rb_ms = time_ms(lambda: torch.autograd.grad(ref().sum(), logits), device, reps)
+    figures = {
+        "logprobs_ms": {"triton": k_ms, "torch": r_ms, "triton_fwd_bwd": kb_ms, "torch_fwd_bwd": rb_ms}
+    }
+    return Outcome(
+        f"N={n} V={v} bf16: forward {k_ms:.2f} ms vs torch {r_ms:.2f} ({r_ms / k_ms:.2f}x), fwd+bwd {kb_ms:.2f} "
+        f"vs {rb_ms:.2f} ({rb_ms / kb_ms:.2f}x); value error {err:.1e}, gradient {gerr:.1e}",
+        figures,
+    )
+
+
+def row_gae_kernel(device: torch.device, backend: str) -> Outcome:
+    from rlhfuse.algorithms.gae import compute_gae_scan
+    from rlhfuse.algorithms.ops import gae
+
+    _triton_on(device)
+    b, t = (256, 4096) if real(device) else (16, 300)
+    reps = 20 if real(device) else 1
+    g = torch.Generator(device=device).manual_seed(0)
+    r = torch.randn(b, t, generator=g, device=device)
+    v = torch.randn(b, t, generator=g, device=device)
+    lengths = torch.randint(1, t + 1, (b, 1), generator=g, device=device)
+    m = (torch.arange(t, device=device) < lengths).float()
+    a, ret = gae(r, v, m, 0.99, 0.95, backend="triton")
+    a_ref, ret_ref = compute_gae_scan(r.double(), v.double(), m.double(), 0.99, 0.95)
+    err = max(float((a.double() - a_ref).abs().max()), float((ret.double() - ret_ref).abs().max()))
+    assert err < 1e-3, f"Triton GAE vs the fp64 scan: max error {err:.2e}"
+    k_ms = time_ms(lambda: gae(r, v, m, 0.99, 0.95, backend="triton"), device, reps)
+    r_ms = time_ms(lambda: compute_gae_scan(r, v, m, 0.99, 0.95), device, reps)
+    return Outcome(
+        f"{b}x{t}: Triton {k_ms:.3f} ms vs torch scan {r_ms:.3f} ms ({r_ms / k_ms:.1f}x); max error {err:.1e}",
+        {"gae_ms": {"triton": k_ms, "torch": r_ms}},
+    )
+
+
 def _train(overrides: list[str]) -> dict[str, float]:
+    core("hydra")
     from rlhfuse.trainer.build import build_trainer
     from rlhfuse.trainer.hydra import compose_config
 
@@ -139,11 +1092,58 @@ def _train(overrides: list[str]) -> dict[str, float]:
         history = build_trainer(cfg, run_dir=f"{tmp}/run", log=lambda _: None).fit()
     last = history[-1]
     bad = [k for k, v in last.items() if isinstance(v, float) and not math.isfinite(v)]
-    assert not bad, bad
+    assert not bad, f"non-finite metrics: {bad}"
     return last
 
 
-def check_default_job(device: torch.device) -> str:
+def _shown(last: dict[str, float], keys: tuple[str, ...] = ()) -> str:
+    keys = (*keys, "reward/mean", "loss/policy", "loss/value", "time/iteration")
+    return ", ".join(f"{k} {last[k]:.4g}" for k in keys if isinstance(last.get(k), float))
+
+
+@dataclass(frozen=True)
+class TrainerSetting:
+    overrides: tuple[str, ...]
+    shown: tuple[str, ...] = ()  # the metrics that show the setting took effect
+    positive: tuple[str, ...] = ()  # metrics that must be > 0
+
+
+# one iteration of the smoke job through the trainer, per setting (the keys as conf/ spells them)
+TRAINER_SETTINGS = {
+    "bf16-true": TrainerSetting(("pipeline.precision=bf16-true",), ("memory/param_bytes",)),
+    "micro_batch_tokens": TrainerSetting(("data.micro_batch_tokens=48",)),
+    "offload": TrainerSetting(("inferencer.offload_frozen=true",), ("memory/param_bytes",)),
+    "speculative": TrainerSetting(
+        ("generator=engine", "generator.speculative=ngram"),
+        ("generation/spec_accept_rate", "generation/spec_tokens_per_step"),
+    ),
+    # two engine instances stepped in this process (the launcher's one process per instance needs a GPU each);
+    # Rt = the smoke job's whole batch (4 prompts x 2 samples): the tail moves at the first count
+    "trainer migration": TrainerSetting(
+        (
+            "generator=engine",
+            "generator.instances=2",
+            "generator.in_process=true",
+            "migration=fixed",
+            "migration.threshold=8",
+        ),
+        ("migration/samples_moved", "migration/destinations"),
+        ("migration/samples_moved",),
+    ),
+}
+
+
+def trainer_row(setting: TrainerSetting) -> RowFn:
+    def row(device: torch.device, backend: str) -> Outcome:
+        last = _train(["experiment=smoke", "iterations=1", f"device={device.type}", *setting.overrides])
+        zero = [k for k in setting.positive if not last.get(k, 0) > 0]
+        assert not zero, f"{' '.join(setting.overrides)}: {zero} not > 0 ({_shown(last, setting.shown)})"
+        return Outcome(f"{' '.join(setting.overrides)}: finite metrics, {_shown(last, setting.shown)}")
+
+    return row
+
+
+def row_default_job(device: torch.device, backend: str) -> Outcome:
     import rlhfuse.algorithms.ops as ops
 
     calls = {"triton": 0}
@@ -162,59 +1162,151 @@ def check_default_job(device: torch.device) -> str:
         )
     finally:
         ops._use_triton = original  # type: ignore[assignment]
-    assert calls["triton"] > 0, "no Triton kernel ran in training"
-    return (
-        f"2 iterations in {time.perf_counter() - start:.0f} s, bf16-mixed, reward/mean {last['reward/mean']:.3f}, "
-        f"{calls['triton']} Triton kernel calls"
+    if device.type == "cuda":
+        assert calls["triton"] > 0, "no Triton kernel ran in training"
+    return Outcome(
+        f"2 iterations in {time.perf_counter() - start:.0f} s, {_shown(last)}, {calls['triton']} Triton kernel calls"
     )
 
 
-def check_vllm(device: torch.device) -> str:
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ModuleNotFoundError("SKIP: vLLM is not installed here")
+def row_vllm(device: torch.device, backend: str) -> Outcome:
+    if not installed("vllm"):
+        raise Skip("vllm not installed")
     last = _train(["experiment=smoke", "generator=vllm", "iterations=1", f"device={device}"])
-    return f"smoke job with generator=vllm: reward/mean {last['reward/mean']:.3f}"
+    return Outcome(f"smoke job with generator=vllm: {_shown(last)}")
 
 
-CHECKS: dict[str, Callable[[torch.device], str]] = {
-    "collectives": check_collectives,
-    "gae kernel": check_gae,
-    "logprobs kernel": check_logprobs,
-    "engine": check_engine,
-    "default job": check_default_job,
-    "vllm": check_vllm,
+@dataclass(frozen=True)
+class Check:
+    fn: RowFn
+    limit_s: float  # this row's own time limit (its subprocess is killed after it)
+
+
+CHECKS: dict[str, Check] = {
+    "dependencies": Check(row_dependencies, 60),
+    "collectives": Check(row_collectives, 60),
+    "nccl 2 ranks": Check(row_two_rank_collectives, 120),
+    "pp=2 train step": Check(row_pp2_train, 140),
+    "pp=2 inference": Check(row_pp2_inference, 120),
+    "reshard": Check(row_reshard, 140),
+    "migration": Check(row_migration, 120),
+    "gqa attention": Check(row_gqa_attention, 60),
+    "engine": Check(row_engine, 60),
+    "engine decode": Check(row_engine_decode, 90),
+    "decode syncs": Check(row_decode_syncs, 60),
+    "flash backend": Check(backend_row("flash", "flash_attn"), 60),
+    "te backend": Check(backend_row("te", "transformer_engine.pytorch"), 60),
+    "logprobs kernel": Check(row_logprobs_kernel, 90),
+    "gae kernel": Check(row_gae_kernel, 60),
+    **{name: Check(trainer_row(setting), 90) for name, setting in TRAINER_SETTINGS.items()},
+    "default job": Check(row_default_job, 150),
+    "vllm": Check(row_vllm, 150),
 }
 
 
-def init_one_rank(backend: str, device: torch.device, init_file: str) -> None:
-    """A one-rank process group (the collectives' check needs one)."""
-    import torch.distributed as dist  # gpu_check is a script, outside rlhfuse: group set-up only
+# --- running, reporting ---------------------------------------------------------------------------------------------
+def describe(err: BaseException) -> str:
+    """One line for the table: the exception's own last line (assertion messages are written to be read)."""
+    line = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return " ".join(line.split())[:400]
 
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{init_file}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=120),
+
+def run_row(name: str, device: torch.device, backend: str) -> Row:
+    """One row in this process: PASS with its outcome, SKIP, or FAIL with the error's last line."""
+    start = time.perf_counter()
+    try:
+        outcome = CHECKS[name].fn(device, backend)
+    except Skip as skip:
+        return Row(name, "SKIP", str(skip), time.perf_counter() - start)
+    except Exception as err:  # a row, not a crash: the other checks still run
+        return Row(name, "FAIL", describe(err), time.perf_counter() - start)
+    return Row(name, "PASS", outcome.detail, time.perf_counter() - start, outcome.figures)
+
+
+def run_checks(device: torch.device, names: list[str], backend: str | None = None) -> list[Row]:
+    """The rows in this process, one after the other (the CPU tests run them so)."""
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    return [run_row(name, device, backend) for name in names]
+
+
+def run_isolated(name: str, device: torch.device, backend: str, limit_s: float) -> Row:
+    """One row in its own process (a session of its own, so the ranks it spawns go with it), killed at
+    `limit_s`: a hang, a CUDA crash or an NCCL abort becomes this row's FAIL."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
     )
-
-
-def run_checks(device: torch.device, names: list[str]) -> list[Row]:
-    rows: list[Row] = []
-    for name in names:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp, "row.json")
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--row", name, "--device", str(device),
+                   "--backend", backend, "--result", str(result)]  # fmt: skip
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            rows.append((name, "PASS", CHECKS[name](device)))
-        except ModuleNotFoundError as err:
-            rows.append((name, "SKIP", str(err).removeprefix("SKIP: ")))
-        except Exception as err:  # a row, not a crash: the other checks still run
-            last = traceback.format_exception_only(type(err), err)[-1].strip()
-            rows.append((name, "FAIL", last[:300]))
+            output, _ = proc.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            return Row(name, "FAIL", f"timed out after {limit_s:.0f} s (killed: a hang or a stuck kernel)",
+                       time.perf_counter() - start, {"log_tail": (output or "")[-2000:]})  # fmt: skip
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks it left behind
+        seconds = time.perf_counter() - start
+        if not result.exists():
+            last = [line for line in (output or "").splitlines() if line.strip()][-1:] or ["no output"]
+            return Row(name, "FAIL", f"its process died (exit {proc.returncode}): {last[0][:300]}", seconds,
+                       {"log_tail": (output or "")[-2000:]})  # fmt: skip
+        data = json.loads(result.read_text())
+    row = Row(**{**data, "seconds": seconds})
+    if row.status == "FAIL":
+        row.figures["log_tail"] = (output or "")[-2000:]
+    return row
+
+
+def run_all(device: torch.device, backend: str, names: list[str], budget_s: float) -> list[Row]:
+    """Every named row in its own process, in order, each within its own limit and what is left of the budget."""
+    rows: list[Row] = []
+    deadline = time.monotonic() + budget_s
+    for name in names:
+        left = deadline - time.monotonic() - RESERVE_S
+        if left < 5:
+            rows.append(Row(name, "FAIL", f"not run: the {budget_s:.0f} s budget of the check was spent"))
+            continue
+        rows.append(run_isolated(name, device, backend, min(CHECKS[name].limit_s, left)))
+        print(f"gpu-check: {name}: {rows[-1].status} ({rows[-1].seconds:.0f} s)", file=sys.stderr, flush=True)
     return rows
+
+
+def table(rows: list[Row]) -> str:
+    width = max(len(r.check) for r in rows)
+    return "\n".join(f"{r.check:<{width}}  {r.status:<4}  {r.detail}" for r in rows)
+
+
+def default_out() -> Path:
+    return Path(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else Path("gpu_check.json")
+
+
+def write_json(path: Path, rows: list[Row], device: torch.device) -> dict[str, Any]:
+    """The figures for calibration: every passing row's measurements, keyed by name, and the table's rows."""
+    figures: dict[str, Any] = {}
+    for row in rows:
+        if row.status == "PASS":
+            figures.update({k: v for k, v in row.figures.items() if k != "log_tail"})
+    data = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "figures": figures,
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,22 +1314,38 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("checks", nargs="*", help=f"checks to run (default: all of {list(CHECKS)})")
+    parser.add_argument("--device", default=None, help="cuda (default where CUDA is available) or cpu")
+    parser.add_argument("--backend", default=None, help="nccl (CUDA) or gloo (CPU) by default")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON figures (default $OUT/ or ./gpu_check.json)"
+    )
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole check")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # a child: run this one row, write --result
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device is None and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here (torch.cuda.is_available() is False): nothing was checked")
         return 0
-    names = args.checks or list(CHECKS)
-    from rlhfuse import distributed
-
-    device = distributed.rank_device("nccl")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_one_rank("nccl", device, os.path.join(tmp, "init"))
-        rows = run_checks(device, names)
-    width = max(len(r[0]) for r in rows)
-    print(f"gpu-check on {torch.cuda.get_device_name(device)} (torch {torch.__version__})")
-    for name, status, detail in rows:
-        print(f"{name:<{width}}  {status:<4}  {detail}")
-    return 1 if any(status == "FAIL" for _, status, _ in rows) else 0
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if args.row:
+        if device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.set_device(device)
+        row = run_row(args.row, device, backend)
+        args.result.write_text(json.dumps(dataclasses.asdict(row)))
+        return 0
+    unknown = [n for n in args.checks if n not in CHECKS]
+    if unknown:
+        parser.error(f"unknown checks {unknown}: choose from {list(CHECKS)}")
+    rows = run_all(device, backend, args.checks or list(CHECKS), args.budget_s)
+    out = args.out or default_out()
+    write_json(out, rows, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu-check on {name} (torch {torch.__version__}, {backend}); figures in {out}")
+    print(table(rows))
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":
