@@ -27,7 +27,10 @@ pytestmark = pytest.mark.distributed
 def _step(rank: int, layout: ParallelLayout, p2p: dict[tuple[str, str], object], grad: dict, timeout: float):
     torch.manual_seed(0)
     cfg = ModelConfig.tiny(num_layers=2)
-    models = {"actor": Transformer(cfg, head="lm").double(), "critic": Transformer(cfg, head="value").double()}
+    models = {
+        "actor": Transformer(cfg, head="lm").double(),
+        "critic": Transformer(cfg, head="value").double(),
+    }
     problem = layout.problem()
     executor = PipelineExecutor(
         rank,
@@ -57,7 +60,9 @@ def _worker(rank: int, world: int) -> None:
 
     # under NCCL's rule the same order hangs: rank 0 [recv dgrad0, send act1], rank 1 [recv act1, send dgrad0]
     fresh = {m: distributed.new_group(range(world)) for m in ("actor", "critic")}
-    with pytest.raises(PipelineError, match=r"rank \d: WAIT RECV actor.g0.r0.s\d:(act|dgrad)\d <- \d .*NCCL-ordering"):
+    with pytest.raises(
+        PipelineError, match=r"rank \d: WAIT RECV actor.g0.r0.s\d:(act|dgrad)\d <- \d .*NCCL-ordering"
+    ):
         _step(rank, layout, {(m, d): fresh[m] for m in fresh for d in ("act", "grad")}, groups.grad, 3)
 
     # one group per model and direction: the runtime's own groups run it, with the same result as plain gloo
