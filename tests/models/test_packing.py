@@ -184,7 +184,7 @@ def test_packed_training_losses_and_gradients_equal_padded_for_every_algorithm(n
         )  # fmt: skip
         micro_stats, failure = strategy._micro_step(batch, 1.0)
         assert failure is None
-        stats.append(micro_stats)
+        stats.append(micro_stats.host())
         grads.append(
             {f"{i}.{n}": p.grad for i, m in enumerate(strategy.models) for n, p in m.named_parameters()}
         )

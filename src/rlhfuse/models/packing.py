@@ -75,6 +75,8 @@ class PackedSequences:
         stop = self.width if stop is None else stop
         if not 0 <= start <= stop <= self.width:
             raise ValueError(f"window [{start}, {stop}) must lie within the {self.width} padded columns")
+        if start == 0 and stop == self.width:  # every real token: no data-dependent selection (no host sync)
+            return torch.arange(self.num_tokens, device=self.source_N.device), self.source_N, self.width
         cols_N = self.source_N % self.width
         rows_N = self.source_N // self.width
         inside_N = (cols_N >= start) & (cols_N < stop)

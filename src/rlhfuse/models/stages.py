@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from rlhfuse.models.packing import pack_rows
+from rlhfuse.models.masks import MaskLayout
+from rlhfuse.models.packing import PackedSequences, pack_rows
 from rlhfuse.models.transformer import Transformer, build_context, packed_context, run_layers
 
 
@@ -41,21 +42,31 @@ class Stage(nn.Module):
         *,
         attention_mask_BT: Tensor | None = None,
         position_ids_BT: Tensor | None = None,
+        layout: MaskLayout | None = None,
     ) -> Tensor:
         """x: input_ids_BT on stage 0, else the previous stage's hidden_BTD. Returns hidden_BTD, or on the
-        last stage logits_BTV / values_BT like `Transformer.forward`."""
+        last stage logits_BTV / values_BT like `Transformer.forward`. layout: the mask's layout worked out on the
+        host (`rlhfuse.models.masks`; its packing when the model packs): the forward then reads no mask value."""
         model = self._model[0]
         if model.packing:
-            return self._packed(x, attention_mask_BT)
+            return self._packed(x, attention_mask_BT, None if layout is None else layout.packed)
         x_BTD = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, t = x_BTD.shape[:2]
-        ctx = build_context(self.config, b, t, x_BTD.device, x_BTD.dtype, attention_mask_BT, position_ids_BT)
+        ctx = build_context(
+            self.config, b, t, x_BTD.device, x_BTD.dtype, attention_mask_BT, position_ids_BT,
+            padding=None if layout is None else layout.padding,
+        )  # fmt: skip
         x_BTD = run_layers(self.layers, x_BTD, ctx, checkpointed=model.activation_checkpointing)
         if self.norm is None:
             return x_BTD
         return model.apply_head(self.norm(x_BTD))
 
-    def _packed(self, x: Tensor, attention_mask_BT: Tensor | None) -> Tensor:
+    @property
+    def packing(self) -> bool:
+        """Whether the stage's forward runs on the packed real tokens (its model's `packing`)."""
+        return bool(self._model[0].packing)
+
+    def _packed(self, x: Tensor, attention_mask_BT: Tensor | None, packed: PackedSequences | None) -> Tensor:
         """`forward` computed on the real tokens only (`rlhfuse.models.packing`): the padded [B, T(, D)] input
         is packed, the layers run on the stream, and the output is unpacked to the padded layout (0 at padding),
         so the messages between stages and the last stage's output keep their shapes."""
@@ -65,7 +76,10 @@ class Stage(nn.Module):
             if attention_mask_BT is None
             else attention_mask_BT
         )
-        packed = pack_rows(mask_BT.to(x.device))
+        if packed is None:
+            packed = pack_rows(
+                mask_BT.to(x.device)
+            )  # reads the mask (host syncs): callers pass it when known
         x_N_ = packed.pack(x)
         x_1ND = (self.embed_tokens(x_N_) if self.embed_tokens is not None else x_N_)[None]
         ctx = packed_context(self.config, packed, x_1ND.dtype)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from rlhfuse.models.attention import get_attention, get_packed_attention
 from rlhfuse.models.cache import KVCache
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.masks import Padding, padding_of
 from rlhfuse.models.packing import PackedSequences
 
 CheckpointingMode = Literal["none", "full", "selective"]
@@ -117,11 +118,15 @@ def build_context(
     position_ids_BT: Tensor | None,
     cache: KVCache | None = None,
     cache_slots_B: Tensor | None = None,
+    padding: Padding | None = None,
 ) -> AttentionContext:
-    """Positions, rotary tables and attention mask for one call (the cache itself is not modified here)."""
+    """Positions, rotary tables and attention mask for one call (the cache itself is not modified here).
+
+    padding: the mask's padding kind when the caller knows it (`rlhfuse.models.masks.MaskLayout`, worked out on
+    the host); None: read from the mask (two host syncs)."""
     valid_BT = None if attention_mask_BT is None else attention_mask_BT.to(device=device, dtype=torch.bool)
     if cache is None:
-        return _uncached_context(config, batch, num_tokens, device, dtype, valid_BT, position_ids_BT)
+        return _uncached_context(config, batch, num_tokens, device, dtype, valid_BT, position_ids_BT, padding)
     return _cached_context(
         config, batch, num_tokens, device, dtype, valid_BT, position_ids_BT, cache, cache_slots_B
     )
@@ -135,9 +140,12 @@ def _uncached_context(
     dtype: torch.dtype,
     valid_BT: Tensor | None,
     position_ids_BT: Tensor | None,
+    padding: Padding | None = None,
 ) -> AttentionContext:
     t_T = torch.arange(num_tokens, device=device)
-    if valid_BT is None or bool(valid_BT.all()):
+    if valid_BT is not None and padding is None:
+        padding = padding_of(valid_BT)  # reads the mask: two host syncs (callers that know it pass it)
+    if valid_BT is None or padding == "none":
         if position_ids_BT is None:
             position_ids_BT = t_T.expand(batch, num_tokens)
         return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), None)
@@ -146,7 +154,7 @@ def _uncached_context(
     allowed_B1TS = None
     # pad after a real token (0 -> 1 along T) means left or inner padding; right padding alone needs no mask:
     # causally, real queries never reach the pad keys behind them (pad queries' outputs are meaningless)
-    if bool((~valid_BT[:, :-1] & valid_BT[:, 1:]).any()):
+    if padding == "inner":
         causal_TT = t_T[:, None] >= t_T[None, :]
         # the diagonal keeps pad query rows from having no key at all (NaN softmax); real rows include it anyway
         eye_TT = torch.eye(num_tokens, dtype=torch.bool, device=device)

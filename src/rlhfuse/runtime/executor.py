@@ -31,6 +31,8 @@ from rlhfuse.core.losses import actor_loss, critic_loss
 from rlhfuse.core.stats import LossStats, LossTensors
 from rlhfuse.core.timing import OpTimer
 from rlhfuse.core.types import TrainBatch
+from rlhfuse.models import Stage
+from rlhfuse.models.masks import MaskLayout, mask_layout
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups, RankGeometry
@@ -81,6 +83,19 @@ class StepWork:
 
     micro: Sequence[Sequence[TrainBatch]]
     weight: Sequence[Sequence[float]]
+    layout: Sequence[Sequence[MaskLayout]] | None = None
+    """layout[g][i]: micro-batch i's mask layout, worked out on the host (`with_layouts`): the stages' forwards
+    then read no mask value (None: each forward reads its mask, host syncs)."""
+
+    def with_layouts(self, *, packed: bool) -> StepWork:
+        """This work with every micro-batch's mask layout, computed from host masks (call it before the
+        micro-batches move to the device: no sync)."""
+        layouts = [[mask_layout(m.attention_mask_BT, packed=packed) for m in g] for g in self.micro]
+        return StepWork(self.micro, self.weight, layouts)
+
+    def to(self, device: torch.device) -> StepWork:
+        layouts = None if self.layout is None else [[lay.to(device) for lay in g] for g in self.layout]
+        return StepWork([[m.to(device) for m in g] for g in self.micro], self.weight, layouts)
 
 
 @dataclass
@@ -339,7 +354,12 @@ class PipelineExecutor:
         with timer.measure((a.model, sub, ins.kind.value, a, ins.group)):
             with self._saved_tensors(a, ins.group):  # the loss's saved tensors count too
                 with self.autocast():
-                    out = stage(x, attention_mask_BT=micro.attention_mask_BT)
+                    layout = (
+                        None
+                        if work.layout is None
+                        else work.layout[ins.group][self._micro_index(a.model, a.replica, a.microbatch)]
+                    )
+                    out = stage(x, attention_mask_BT=micro.attention_mask_BT, layout=layout)
                 if last:
                     loss, stats = self.losses[a.model](out, micro)
         if last:
@@ -477,8 +497,11 @@ class PlanExecutor:
         self, plan: PipelinePlan, work: StepWork, optimizer_step: Callable[[str, float], None]
     ) -> StepMeasurement:
         device = self.device
+        if work.layout is None and work.micro[0][0].attention_mask_BT.device.type == "cpu":
+            packed = any(isinstance(module, Stage) and module.packing for module in self.stages.values())
+            work = work.with_layouts(packed=packed)  # from the host masks: the step reads no mask value
         if device.type != "cpu":
-            work = StepWork([[m.to(device) for m in g] for g in work.micro], work.weight)
+            work = work.to(device)
         for module in self.stages.values():
             module.train()
         executor = PipelineExecutor(
