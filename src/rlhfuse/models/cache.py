@@ -1,14 +1,23 @@
-"""`KVCache`: key/value buffers owned by the generation engine, addressed by slot.
+"""`KVCache`: a block (paged) key/value cache owned by the generation engine, addressed by slot.
 
-Legend: L layers, S cache slots, H kv heads, T cached positions (max_len), D head channels, B batch rows.
+Legend: L layers, S cache slots, N blocks, K positions per block (block_size), H kv heads, D head channels,
+T positions, M blocks of one slot, B batch rows.
 
 A slot holds one sequence. Position t of slot s is *valid* when it holds a real token (attention may use it)
 and invalid when it holds padding (stored, so that slot positions stay aligned with the batch, but never
 attended to). `lengths[s]` counts stored positions (valid or not); new tokens go after them.
 
-The bookkeeping (lengths, which slots a call addresses, overflow checks) is kept on the host as Python ints, in
-step with the device buffers, so that addressing a cached call never waits for the device: a call's slots and
-write positions are uploaded once (`CacheCall`), without a sync.
+Storage is a pool of fixed-size blocks, k_LNKHD / v_LNKHD (flash-attn's paged layout), handed out as positions
+arrive: slot s's position t lives in block `tables[s][t // K]` at offset t % K, so a slot holds
+ceil(length / K) blocks, not max_len positions. Blocks are reference-counted: `copy_slot` (prefix sharing: the
+n samples of one prompt) shares the prompt's blocks instead of copying them, and the first write into a shared
+block copies that block alone (copy-on-write). The pool starts with `num_blocks` and doubles when it runs out,
+never past num_slots x ceil(max_len / K) blocks (every slot full), so a call never fails for want of blocks;
+`peak_nbytes_in_use` is the most the blocks ever held, `nbytes()` what the pool has allocated.
+
+The bookkeeping (lengths, block tables, reference counts, overflow checks) is kept on the host as Python ints,
+in step with the device buffers, so that addressing a cached call never waits for the device: a call's slots,
+lengths and new table entries are uploaded without a sync (`CacheCall`).
 """
 
 from __future__ import annotations
@@ -46,9 +55,10 @@ class CacheCall:
     """How one cached forward call addresses the cache, made on the host by `KVCache.begin`.
 
     slots: the rows' slots; lengths: their stored positions before the call; num_tokens: T new positions per
-    row; num_keys: positions read back (max over rows of length + T); slots_B / write_pos_BT: the same on the
-    device (write_pos_BT[b, t] = lengths[b] + t); first_slot: set when slots are first_slot, first_slot + 1, ...
-    (the cache is then read as a view, not gathered)."""
+    row; num_keys: positions read back (max over rows of length + T); on the device: slots_B, write_pos_BT
+    (lengths[b] + t), write_block_BT / write_offset_BT (where position write_pos_BT[b, t] is stored) and
+    read_blocks_BM (each row's first ceil(num_keys / K) table entries: past a row's own blocks they are stale,
+    but those positions are in the row's future and masked)."""
 
     slots: tuple[int, ...]
     lengths: tuple[int, ...]
@@ -56,7 +66,9 @@ class CacheCall:
     num_keys: int
     slots_B: Tensor
     write_pos_BT: Tensor
-    first_slot: int | None
+    write_block_BT: Tensor
+    write_offset_BT: Tensor
+    read_blocks_BM: Tensor
 
 
 def _host_ints(values: int | Sequence[int] | Tensor) -> list[int]:
@@ -78,15 +90,39 @@ def upload(values: Tensor | Sequence[int] | Sequence[Sequence[int]], device: tor
     return host.to(device)
 
 
-class KVCache:
-    """Per-layer key/value buffers for `num_slots` sequences of up to `max_len` positions each."""
+def _blocks_for(length: int, block_size: int) -> int:
+    return -(-length // block_size)
 
-    def __init__(self, k_LSHTD: Tensor, v_LSHTD: Tensor, valid_ST: Tensor) -> None:
-        self.k_LSHTD = k_LSHTD
-        self.v_LSHTD = v_LSHTD
+
+DEFAULT_BLOCK_SIZE = 16
+"""Positions per block (vLLM's default): a slot wastes less than one block; tables stay short."""
+
+
+class KVCache:
+    """Key/value blocks for `num_slots` sequences of up to `max_len` positions each (see the module docstring)."""
+
+    def __init__(
+        self, k_LNKHD: Tensor, v_LNKHD: Tensor, valid_ST: Tensor, *, num_slots: int, max_len: int
+    ) -> None:
+        self.k_LNKHD = k_LNKHD
+        self.v_LNKHD = v_LNKHD
         self.valid_ST = valid_ST
-        self.lengths: list[int] = [0] * int(k_LSHTD.shape[1])
-        """Stored positions per slot, on the host (the device never needs them but as `CacheCall` indices)."""
+        self._num_slots, self._max_len = num_slots, max_len
+        self.block_size = int(k_LNKHD.shape[2])
+        self.max_blocks = num_slots * _blocks_for(max_len, self.block_size)
+        """The most blocks the pool can need: every slot at max_len."""
+        self.lengths: list[int] = [0] * num_slots
+        """Stored positions per slot, on the host."""
+        self.tables: list[list[int]] = [[] for _ in range(num_slots)]
+        """Each slot's blocks in position order (host); `block_table_SM` is the device copy."""
+        self.block_table_SM = torch.zeros(
+            num_slots, _blocks_for(max_len, self.block_size), dtype=torch.int64, device=k_LNKHD.device
+        )
+        self.refs: list[int] = [0] * int(k_LNKHD.shape[1])
+        """Slots holding each block (0 = free)."""
+        self.free: list[int] = list(range(int(k_LNKHD.shape[1]) - 1, -1, -1))  # a stack: lowest id on top
+        self.peak_blocks = 0
+        """The most blocks in use at any time since allocation."""
 
     @classmethod
     def allocate(
@@ -97,40 +133,114 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
     ) -> KVCache:
+        """An empty cache; `num_blocks`: the pool's first size (default one block per slot; it doubles on
+        demand up to every slot full)."""
         if num_slots <= 0 or max_len <= 0:
             raise ValueError(f"KVCache needs num_slots > 0 and max_len > 0 (got {num_slots}, {max_len})")
-        shape = (config.num_layers, num_slots, config.num_kv_heads, max_len, config.resolved_head_dim)
+        if block_size <= 0:
+            raise ValueError(f"KVCache needs block_size > 0 (got {block_size})")
+        blocks = num_slots if num_blocks is None else num_blocks
+        blocks = max(1, min(blocks, num_slots * _blocks_for(max_len, block_size)))
+        shape = (config.num_layers, blocks, block_size, config.num_kv_heads, config.resolved_head_dim)
         return cls(
-            k_LSHTD=torch.zeros(shape, dtype=dtype, device=device),
-            v_LSHTD=torch.zeros(shape, dtype=dtype, device=device),
+            k_LNKHD=torch.zeros(shape, dtype=dtype, device=device),
+            v_LNKHD=torch.zeros(shape, dtype=dtype, device=device),
             valid_ST=torch.zeros(num_slots, max_len, dtype=torch.bool, device=device),
+            num_slots=num_slots,
+            max_len=max_len,
         )
 
     @property
     def num_slots(self) -> int:
-        return int(self.k_LSHTD.shape[1])
+        return self._num_slots
 
     @property
     def max_len(self) -> int:
-        return int(self.k_LSHTD.shape[3])
+        return self._max_len
 
     @property
     def device(self) -> torch.device:
-        return self.k_LSHTD.device
+        return self.k_LNKHD.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_LNKHD.dtype
 
     @property
     def lengths_S(self) -> Tensor:
         """`lengths` as a CPU tensor (a host copy: changing it changes nothing)."""
         return torch.tensor(self.lengths, dtype=torch.int64)
 
+    # ------------------------------------------------------------------ memory
+    def _bytes_per_block(self) -> int:
+        return 2 * self.k_LNKHD[:, 0].numel() * self.k_LNKHD.element_size()
+
     def nbytes_per_slot(self) -> int:
         """Bytes of k + v one slot holds at max_len (M_kv in the migration rule of the paper)."""
-        return 2 * self.k_LSHTD[:, 0].numel() * self.k_LSHTD.element_size()
+        return 2 * self.k_LNKHD[:, 0, 0].numel() * self.k_LNKHD.element_size() * self.max_len
 
     def nbytes(self) -> int:
-        """Bytes of the k and v buffers."""
-        return 2 * self.k_LSHTD.numel() * self.k_LSHTD.element_size()
+        """Bytes of k + v the pool has allocated."""
+        return self._bytes_per_block() * self.num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k_LNKHD.shape[1])
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def nbytes_in_use(self) -> int:
+        """Bytes of k + v in the blocks slots hold now (shared blocks once)."""
+        return self._bytes_per_block() * self.blocks_in_use
+
+    @property
+    def peak_nbytes_in_use(self) -> int:
+        return self._bytes_per_block() * self.peak_blocks
+
+    # ------------------------------------------------------------------ blocks
+    def _grow(self) -> None:
+        """Double the pool (device copies only; the new blocks are zeros, so stale reads stay finite)."""
+        old = self.num_blocks
+        new = min(max(2 * old, old + 1), self.max_blocks)
+        if new <= old:
+            raise RuntimeError(f"KVCache block pool exhausted at {old} blocks (max {self.max_blocks})")
+        extra = (self.k_LNKHD.shape[0], new - old, *self.k_LNKHD.shape[2:])
+        zeros = torch.zeros(extra, dtype=self.dtype, device=self.device)
+        self.k_LNKHD = torch.cat([self.k_LNKHD, zeros], dim=1)
+        self.v_LNKHD = torch.cat([self.v_LNKHD, zeros], dim=1)
+        self.refs.extend([0] * (new - old))
+        self.free[:0] = range(new - 1, old - 1, -1)  # below the freed blocks: reuse those first
+
+    def _take(self) -> int:
+        if not self.free:
+            self._grow()
+        block = self.free.pop()
+        self.refs[block] = 1
+        self.peak_blocks = max(self.peak_blocks, self.blocks_in_use)
+        return block
+
+    def _drop(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free.append(block)
+
+    def _release_from(self, slot: int, keep: int) -> None:
+        """Let go of slot's blocks past the first `keep`."""
+        table = self.tables[slot]
+        for block in table[keep:]:
+            self._drop(block)
+        del table[keep:]
+
+    def _set_table(self, entries: list[tuple[int, int, int]]) -> None:
+        """(slot, index, block) entries into the device table, in one upload."""
+        if entries:
+            slot_j_block_3E = upload([list(col) for col in zip(*entries, strict=True)], self.device)
+            self.block_table_SM[slot_j_block_3E[0], slot_j_block_3E[1]] = slot_j_block_3E[2]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
@@ -138,8 +248,8 @@ class KVCache:
 
     # ------------------------------------------------------------------ one forward call
     def begin(self, slots: int | Sequence[int] | Tensor, num_tokens: int) -> CacheCall:
-        """Check and address a call appending `num_tokens` positions to each of `slots` (nothing changes
-        here: a refused call leaves the cache as it was; `commit` records the new positions)."""
+        """Check and address a call appending `num_tokens` positions to each of `slots`: refused calls change
+        nothing; blocks for the new positions are taken (shared ones copied first); `commit` records them."""
         slot_list = _host_ints(slots)
         if len(set(slot_list)) != len(slot_list):
             raise ValueError(f"cache_slots_B has repeated slots {slot_list}: each row needs its own slot")
@@ -147,35 +257,56 @@ class KVCache:
             raise IndexError(f"cache_slots_B {slot_list} out of range: the cache has {self.num_slots} slots")
         self.check_room(slot_list, num_tokens)
         lengths = [self.lengths[s] for s in slot_list]
-        both_2B = upload([slot_list, lengths], self.device)
-        slots_B, lengths_B = both_2B[0], both_2B[1]
+        entries: list[tuple[int, int, int]] = []
+        copies: list[tuple[int, int]] = []  # (shared block, its private copy)
+        for slot, length in zip(slot_list, lengths, strict=True):
+            table = self.tables[slot]
+            for j in range(length // self.block_size, _blocks_for(length + num_tokens, self.block_size)):
+                if j == len(table):
+                    table.append(self._take())
+                elif self.refs[table[j]] > 1:  # copy-on-write: the other holders keep the original
+                    self.refs[table[j]] -= 1
+                    copies.append((table[j], self._take()))
+                    table[j] = copies[-1][1]
+                else:
+                    continue
+                entries.append((slot, j, table[j]))
+        if copies:
+            src_dst_2C = upload([[a for a, _ in copies], [b for _, b in copies]], self.device)
+            self.k_LNKHD[:, src_dst_2C[1]] = self.k_LNKHD[:, src_dst_2C[0]]
+            self.v_LNKHD[:, src_dst_2C[1]] = self.v_LNKHD[:, src_dst_2C[0]]
+        self._set_table(entries)
+        slots_lengths_2B = upload([slot_list, lengths], self.device)
+        slots_B, lengths_B = slots_lengths_2B[0], slots_lengths_2B[1]
         write_pos_BT = lengths_B[:, None] + torch.arange(num_tokens, device=self.device)[None, :]
-        first = slot_list[0] if slot_list else 0
-        is_range = slot_list == list(range(first, first + len(slot_list)))
+        num_keys = max(lengths, default=0) + num_tokens
         return CacheCall(
             slots=tuple(slot_list),
             lengths=tuple(lengths),
             num_tokens=num_tokens,
-            num_keys=max(lengths, default=0) + num_tokens,
+            num_keys=num_keys,
             slots_B=slots_B,
             write_pos_BT=write_pos_BT,
-            first_slot=first if is_range else None,
+            write_block_BT=self.block_table_SM[slots_B[:, None], write_pos_BT // self.block_size],
+            write_offset_BT=write_pos_BT % self.block_size,
+            read_blocks_BM=self.block_table_SM[slots_B, : _blocks_for(num_keys, self.block_size)],
         )
 
     def store(self, layer: int, call: CacheCall, k_BTHD: Tensor, v_BTHD: Tensor) -> None:
-        """Write one layer's keys/values of the call's new positions."""
-        layer_k_SHTD, layer_v_SHTD = self.k_LSHTD[layer], self.v_LSHTD[layer]
-        # advanced indices (slots, positions) around a slice put B, T first: the [B, T, H, D] layout we hold
-        layer_k_SHTD[call.slots_B[:, None], :, call.write_pos_BT] = k_BTHD.to(layer_k_SHTD.dtype)
-        layer_v_SHTD[call.slots_B[:, None], :, call.write_pos_BT] = v_BTHD.to(layer_v_SHTD.dtype)
+        """Write one layer's keys/values of the call's new positions (into blocks no other slot holds)."""
+        self.k_LNKHD[layer][call.write_block_BT, call.write_offset_BT] = k_BTHD.to(self.dtype)
+        self.v_LNKHD[layer][call.write_block_BT, call.write_offset_BT] = v_BTHD.to(self.dtype)
 
     def keys_values(self, layer: int, call: CacheCall) -> tuple[Tensor, Tensor]:
-        """One layer's keys and values of the call's slots, positions 0..num_keys-1: k_BHSD, v_BHSD."""
-        layer_k_SHTD, layer_v_SHTD = self.k_LSHTD[layer], self.v_LSHTD[layer]
-        if call.first_slot is not None:
-            rows = slice(call.first_slot, call.first_slot + len(call.slots))
-            return layer_k_SHTD[rows, :, : call.num_keys], layer_v_SHTD[rows, :, : call.num_keys]
-        return layer_k_SHTD[call.slots_B, :, : call.num_keys], layer_v_SHTD[call.slots_B, :, : call.num_keys]
+        """One layer's keys and values of the call's slots, positions 0..num_keys-1: k_BHSD, v_BHSD (gathered
+        from the rows' blocks)."""
+        batch, blocks = call.read_blocks_BM.shape
+        out = []
+        for pool_NKHD in (self.k_LNKHD[layer], self.v_LNKHD[layer]):
+            x_BMKHD = pool_NKHD[call.read_blocks_BM]
+            x_BSHD = x_BMKHD.reshape(batch, blocks * self.block_size, *x_BMKHD.shape[3:])[:, : call.num_keys]
+            out.append(x_BSHD.transpose(1, 2))
+        return out[0], out[1]
 
     def commit(self, call: CacheCall, valid_BT: Tensor) -> None:
         """Once every layer's k/v is stored: the new positions become part of their slots."""
@@ -185,46 +316,56 @@ class KVCache:
 
     # ------------------------------------------------------------------ slot operations
     def reset(self, slots: int | Sequence[int] | Tensor) -> None:
-        """Empty the given slots (the stale k/v stay in memory but are unreachable: length 0, nothing valid)."""
+        """Empty the given slots: their blocks go back to the pool (shared ones once no slot holds them)."""
         slot_list = _host_ints(slots)
         for slot in slot_list:
             self._check_slot(slot)
         for slot in slot_list:
             self.lengths[slot] = 0
+            self._release_from(slot, 0)
         if len(slot_list) == 1:
             self.valid_ST[slot_list[0]] = False
         elif slot_list:
             self.valid_ST[upload(slot_list, self.device)] = False
 
     def copy_slot(self, src: int, dst: int | Sequence[int]) -> None:
-        """Copy slot `src` into each `dst` (prefix sharing: n samples of one prompt reuse its prefill)."""
+        """Make each `dst` a copy of slot `src` (prefix sharing: n samples of one prompt reuse its prefill) by
+        sharing src's blocks; a later write into a shared block copies that block only."""
         self._check_slot(src)
-        length = self.lengths[src]
-        for d in [dst] if isinstance(dst, int) else list(dst):
+        targets = [d for d in ([dst] if isinstance(dst, int) else list(dst)) if d != src]
+        for d in targets:
             self._check_slot(d)
-            if d == src:
-                continue
-            self.k_LSHTD[:, d, :, :length] = self.k_LSHTD[:, src, :, :length]
-            self.v_LSHTD[:, d, :, :length] = self.v_LSHTD[:, src, :, :length]
-            self.valid_ST[d] = False
-            self.valid_ST[d, :length] = self.valid_ST[src, :length]
-            self.lengths[d] = length
+        if not targets:
+            return
+        for d in targets:
+            self._release_from(d, 0)
+            self.tables[d] = list(self.tables[src])
+            for block in self.tables[d]:
+                self.refs[block] += 1
+            self.lengths[d] = self.lengths[src]
+        targets_D = upload(targets, self.device)
+        # positions past a slot's length are never valid, so whole rows copy the validity of src's positions
+        self.block_table_SM[targets_D] = self.block_table_SM[src].clone()
+        self.valid_ST[targets_D] = self.valid_ST[src].clone()
 
     def export_slot(self, slot: int) -> SlotState:
         """A copy of the slot's stored positions, independent of this cache's buffers."""
         self._check_slot(slot)
         length = self.lengths[slot]
-        return SlotState(
-            k_LHTD=self.k_LSHTD[:, slot, :, :length].clone(),
-            v_LHTD=self.v_LSHTD[:, slot, :, :length].clone(),
-            valid_T=self.valid_ST[slot, :length].clone(),
-        )
+        blocks_M = upload(self.tables[slot], self.device)
+        out = []
+        for pool_LNKHD in (self.k_LNKHD, self.v_LNKHD):
+            x_LMKHD = pool_LNKHD[:, blocks_M]
+            x_LTHD = x_LMKHD.reshape(x_LMKHD.shape[0], -1, *x_LMKHD.shape[3:])[:, :length]
+            out.append(x_LTHD.transpose(1, 2).contiguous())
+        return SlotState(k_LHTD=out[0], v_LHTD=out[1], valid_T=self.valid_ST[slot, :length].clone())
 
     def import_slot(self, slot: int, state: SlotState) -> None:
         """Overwrite `slot` with an exported state (from this or another cache of the same model shape)."""
         self._check_slot(slot)
         length = state.length
-        expected = (self.k_LSHTD.shape[0], self.k_LSHTD.shape[2], length, self.k_LSHTD.shape[4])
+        layers, _, _, heads, dim = self.k_LNKHD.shape
+        expected = (layers, heads, length, dim)
         for name, tensor in (("k_LHTD", state.k_LHTD), ("v_LHTD", state.v_LHTD)):
             if tuple(tensor.shape) != expected:
                 raise ValueError(
@@ -236,15 +377,24 @@ class KVCache:
                 f"import_slot({slot}): the state holds {length} positions but max_len={self.max_len}; "
                 "allocate the destination cache with a larger max_len"
             )
-        self.k_LSHTD[:, slot, :, :length] = state.k_LHTD.to(self.k_LSHTD)
-        self.v_LSHTD[:, slot, :, :length] = state.v_LHTD.to(self.v_LSHTD)
+        self._release_from(slot, 0)
+        count = _blocks_for(length, self.block_size)
+        self.tables[slot] = [self._take() for _ in range(count)]
+        self._set_table([(slot, j, b) for j, b in enumerate(self.tables[slot])])
+        blocks_M = upload(self.tables[slot], self.device)
+        pad = count * self.block_size - length
+        for pool_LNKHD, x_LHTD in ((self.k_LNKHD, state.k_LHTD), (self.v_LNKHD, state.v_LHTD)):
+            x_LTHD = x_LHTD.to(device=self.device, dtype=self.dtype).transpose(1, 2)
+            x_LTHD = torch.cat([x_LTHD, x_LTHD.new_zeros(layers, pad, heads, dim)], dim=1)
+            pool_LNKHD[:, blocks_M] = x_LTHD.reshape(layers, count, self.block_size, heads, dim)
         self.valid_ST[slot] = False
         self.valid_ST[slot, :length] = state.valid_T.to(self.device)
         self.lengths[slot] = length
 
     def truncate(self, slots: Sequence[int] | Tensor, lengths: Sequence[int] | Tensor) -> None:
         """Cut each slot back to `lengths` stored positions (speculative decoding drops the positions of
-        rejected draft tokens; the k/v stay in memory, unreachable, and are overwritten by the next append)."""
+        rejected draft tokens): blocks wholly past the new length go back to the pool, the rest is
+        overwritten by the next append."""
         slot_list, new_lengths = _host_ints(slots), _host_ints(lengths)
         stored = [self.lengths[s] for s in slot_list]
         if any(not 0 <= n <= old for n, old in zip(new_lengths, stored, strict=True)):
@@ -252,11 +402,12 @@ class KVCache:
                 f"truncate: lengths {new_lengths} must be within 0..the stored {stored} of slots {slot_list} "
                 "(truncate only shortens)"
             )
-        both_2B = upload([slot_list, new_lengths], self.device)
-        keep_BT = torch.arange(self.max_len, device=self.device)[None, :] < both_2B[1][:, None]
-        self.valid_ST[both_2B[0]] = self.valid_ST[both_2B[0]] & keep_BT
+        slots_lengths_2B = upload([slot_list, new_lengths], self.device)
+        keep_BT = torch.arange(self.max_len, device=self.device)[None, :] < slots_lengths_2B[1][:, None]
+        self.valid_ST[slots_lengths_2B[0]] = self.valid_ST[slots_lengths_2B[0]] & keep_BT
         for s, n in zip(slot_list, new_lengths, strict=True):
             self.lengths[s] = n
+            self._release_from(s, _blocks_for(n, self.block_size))
 
     def check_room(self, slots: Sequence[int] | Tensor, num_new: int) -> None:
         """Raise if appending `num_new` positions to any of `slots` would pass max_len."""
