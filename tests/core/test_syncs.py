@@ -8,7 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from rlhfuse.core.syncs import SyncCounter, upload
+from rlhfuse.core.syncs import SyncCounter
+from rlhfuse.models import upload
 
 X = torch.arange(6)
 MASK = X > 2

@@ -1,5 +1,5 @@
-"""Device-to-host synchronisations: `SyncCounter` counts them, `upload` moves host bookkeeping to the device
-without one.
+"""Device-to-host synchronisations: `SyncCounter` counts them (`rlhfuse.models.upload` moves host bookkeeping
+to the device without one). This module imports nothing of rlhfuse, so it can count the syncs of any revision.
 
 A CUDA host thread only waits for the device when it needs a value the device computes (a scalar for Python, a
 tensor's size that depends on its data, a copy to host memory) or when it copies pageable host memory to the
@@ -40,10 +40,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from rlhfuse.models.cache import upload
-
-__all__ = ["SyncCounter", "upload"]
 
 aten = torch.ops.aten
 

@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
-from rlhfuse.core.syncs import upload
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
-from rlhfuse.models import KVCache, SlotState, Transformer
+from rlhfuse.models import KVCache, SlotState, Transformer, upload
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ Storage is a pool of fixed-size blocks, k_LNKHD / v_LNKHD (flash-attn's paged la
 arrive: slot s's position t lives in block `tables[s][t // K]` at offset t % K, so a slot holds
 ceil(length / K) blocks, not max_len positions. Blocks are reference-counted: `copy_slot` (prefix sharing: the
 n samples of one prompt) shares the prompt's blocks instead of copying them, and the first write into a shared
-block copies that block alone (copy-on-write). The pool starts with `num_blocks` and doubles when it runs out,
-never past num_slots x ceil(max_len / K) blocks (every slot full), so a call never fails for want of blocks;
+block copies that block alone (copy-on-write). The pool starts with `num_blocks` and grows by a quarter when it
+runs out, never past num_slots x ceil(max_len / K) blocks (every slot full), so a call never fails for want of
+blocks;
 `peak_nbytes_in_use` is the most the blocks ever held, `nbytes()` what the pool has allocated.
 
 The bookkeeping (lengths, block tables, reference counts, overflow checks) is kept on the host as Python ints,
@@ -82,8 +83,7 @@ def _host_ints(values: int | Sequence[int] | Tensor) -> list[int]:
 
 def upload(values: Tensor | Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> Tensor:
     """Host values (a CPU tensor, or ints as int64) on `device` without a sync: on CUDA through pinned memory
-    with non_blocking=True (a pageable copy would make torch synchronise the stream); `rlhfuse.core.syncs`
-    exports it for the packages above models."""
+    with non_blocking=True (a pageable copy would make torch synchronise the stream)."""
     host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda" and host.device.type == "cpu":
         return host.pin_memory().to(device, non_blocking=True)
@@ -136,8 +136,8 @@ class KVCache:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
     ) -> KVCache:
-        """An empty cache; `num_blocks`: the pool's first size (default one block per slot; it doubles on
-        demand up to every slot full)."""
+        """An empty cache; `num_blocks`: the pool's first size (default one block per slot; it grows on demand
+        up to every slot full)."""
         if num_slots <= 0 or max_len <= 0:
             raise ValueError(f"KVCache needs num_slots > 0 and max_len > 0 (got {num_slots}, {max_len})")
         if block_size <= 0:
@@ -204,9 +204,10 @@ class KVCache:
 
     # ------------------------------------------------------------------ blocks
     def _grow(self) -> None:
-        """Double the pool (device copies only; the new blocks are zeros, so stale reads stay finite)."""
+        """Grow the pool by a quarter (device copies only; the new blocks are zeros, so stale reads stay finite):
+        what it allocates stays within 1.25x the most blocks ever in use, for log-many copies."""
         old = self.num_blocks
-        new = min(max(2 * old, old + 1), self.max_blocks)
+        new = min(old + max(old // 4, 1), self.max_blocks)
         if new <= old:
             raise RuntimeError(f"KVCache block pool exhausted at {old} blocks (max {self.max_blocks})")
         extra = (self.k_LNKHD.shape[0], new - old, *self.k_LNKHD.shape[2:])

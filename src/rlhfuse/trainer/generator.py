@@ -21,9 +21,8 @@ from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
-from rlhfuse.core.syncs import upload
 from rlhfuse.core.types import PromptBatch, Rollout
-from rlhfuse.models import KVCache, ModelConfig, Transformer
+from rlhfuse.models import KVCache, ModelConfig, Transformer, upload
 
 PickTokens = Callable[[Tensor, Tensor, Tensor], Tensor]
 """(logits_AV of the active rows, their uniforms_A for this step, their rows_A in the chunk) -> next tokens_A."""
@@ -128,6 +127,8 @@ def decode_chunk(
                 finished[row] = True
             else:
                 kept.append(row)
+        if len(kept) < len(active):
+            cache.reset([r for r in active if finished[r]])  # stopped rows' blocks go back to the pool
         active = kept
         if step == max_new - 1 or not active:
             break
