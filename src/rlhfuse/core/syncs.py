@@ -21,12 +21,15 @@ What `SyncCounter` counts (kinds, as keys of `by_kind`):
 
 Which tensors count: those on `device` (default: CUDA when it is available, else the CPU). On a CPU-only machine
 the CPU stands in for the GPU: every read of any tensor counts, also of tensors that would stay on the host on a
-GPU, so a CPU count is an upper bound of the GPU one for the kinds above.
+GPU, so a CPU count bounds the GPU's reads from above; host-to-device copies, on the other hand, are invisible
+on the CPU (there is no copy), which is why decode code sends host values through `rlhfuse.models.upload`.
 
-What it does not see: `torch.tensor([t0, t1])` / `torch.stack` of Python lists holding 0-d tensors on the CPU
-(read without an op; on CUDA `torch.tensor` reads each with `item`, counted), `torch.cuda.synchronize`, events,
+What it does not see: `torch.tensor([t0, t1])` of a list holding 0-d tensors on the CPU (read without an op; on
+CUDA `torch.tensor` reads each with `item`, counted), `torch.cuda.synchronize`, events,
 NCCL collectives (their waits are the collective's, not a read), and syncs inside compiled or C++ extension code
-that bypasses the dispatcher.
+that bypasses the dispatcher. The CUDA-only kinds follow torch's copy rules (a copy that is not non_blocking
+from pinned memory synchronises the stream) and have not been run on a GPU yet: there,
+`torch.cuda.set_sync_debug_mode("warn")` around the same code is the cross-check.
 """
 
 from __future__ import annotations
