@@ -211,9 +211,8 @@ class GenerationEngine:
         self.cache = KVCache.allocate(
             model.config, num_slots, max_len, dtype=parameter.dtype, device=self.device
         )
-        self.stop_ids = frozenset(
-            params.stop_token_ids
-        )  # checked on the host, against tokens read once a step
+        # checked on the host, against the tokens a step reads once
+        self.stop_ids = frozenset(params.stop_token_ids)
         self.waiting: deque[SampleRequest] = deque()
         self.arrived: deque[MigratingSample] = deque()  # migrated in, started, waiting for a slot
         self.running: dict[int, SampleRequest] = {}  # slot -> sample

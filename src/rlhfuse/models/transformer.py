@@ -163,9 +163,9 @@ def _cached_context(
 ) -> AttentionContext:
     # the slots, lengths and room are checked on the host (`KVCache.begin`): addressing never waits for the device
     slots = list(range(batch)) if cache_slots_B is None else cache_slots_B
+    if len(slots) != batch:
+        raise ValueError(f"cache_slots_B must have one slot per row: {len(slots)} slots, batch {batch}")
     call = cache.begin(slots, num_tokens)
-    if len(call.slots) != batch:
-        raise ValueError(f"cache_slots_B must have one slot per row: {len(call.slots)} slots, batch {batch}")
     if valid_BT is None:
         valid_BT = torch.ones(batch, num_tokens, dtype=torch.bool, device=device)
     if position_ids_BT is None:
