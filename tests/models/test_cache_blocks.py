@@ -139,3 +139,22 @@ def test_pool_never_grows_past_every_slot_full(model):
         model(torch.ones(2, 16, dtype=torch.long), cache=cache, cache_slots_B=[0, 1])
     assert cache.num_blocks == cache.max_blocks == 8 and cache.blocks_in_use == 8
     assert cache.nbytes() == 2 * cache.nbytes_per_slot()
+
+
+def test_cached_calls_address_the_cache_without_reading_the_device(model):
+    """Prefill and decode calls with host slots make no sync (CPU standing in for the device), copy-on-write
+    and pool growth included; slots given as a tensor are read once."""
+    from rlhfuse.core.syncs import SyncCounter
+
+    cache = _cache(model, num_blocks=1)
+    with torch.no_grad(), SyncCounter(device="cpu") as counter:
+        model(PROMPT.expand(2, -1), cache=cache, cache_slots_B=[0, 2])
+        cache.copy_slot(0, [1, 3])
+        for token in CONTINUATION:
+            model(torch.full((4, 1), token), cache=cache, cache_slots_B=[0, 1, 2, 3])
+        cache.truncate([1, 2], [8, 9])
+        cache.reset([0, 3])
+    assert counter.count == 0, dict(counter.by_kind)
+    with torch.no_grad(), SyncCounter(device="cpu") as counter:
+        model(torch.tensor([[5]]), cache=cache, cache_slots_B=torch.tensor([1]))
+    assert counter.by_kind == {"tolist": 1}
