@@ -90,25 +90,10 @@ def decode_chunk(
     cache = KVCache.allocate(
         cache_config, batch, prompt_len + max_new, dtype=next(model.parameters()).dtype, device=device
     )
-    # Prefix sharing: the rows of one prompt (the same prompt id) prefill once, in their first row's slot, and
-    # the others share that slot's blocks (`KVCache.copy_slot`); each row's first token is drawn from the same
-    # last-position logits as before.
-    groups: dict[int, list[int]] = {}
-    for row, prompt_id in enumerate(prompt_index_B.tolist()):
-        groups.setdefault(int(prompt_id), []).append(row)
-    leaders = [rows[0] for rows in groups.values()]
-    leaders_G = upload(leaders, device)
-    ids_GP, mask_GP = ids_BP[leaders_G], mask_BP[leaders_G]
-    positions_GP = (mask_GP.cumsum(dim=1) - 1).clamp(min=0)
-    logits_GV = model(
-        ids_GP, attention_mask_BT=mask_GP, position_ids_BT=positions_GP, cache=cache, cache_slots_B=leaders
-    )[:, -1]
-    group_of_row = [0] * batch
-    for g, rows in enumerate(groups.values()):
-        cache.copy_slot(rows[0], rows[1:])
-        for row in rows:
-            group_of_row[row] = g
-    logits_BV = logits_GV[upload(group_of_row, device)]
+    # No prefix sharing here: the chunk prefills every row (a prompt shorter than a block, the common case, is
+    # one part-full block that each sample would copy on its first write anyway).
+    positions_BP = (mask_BP.cumsum(dim=1) - 1).clamp(min=0)
+    logits_BV = model(ids_BP, attention_mask_BT=mask_BP, position_ids_BT=positions_BP, cache=cache)[:, -1]
     uniforms_dev_BN = upload(uniforms_BN, device)
     stops = frozenset(stop_ids.tolist())
     # Host bookkeeping, in step with the device: the rows still decoding (A <= B), their next positions, the
