@@ -64,6 +64,7 @@ def test_device_only_work_counts_zero(name, fn):
 
 def test_counts_add_up_and_methods_are_restored():
     original = torch.Tensor.tolist
+    defined_on_tensor = {name: name in torch.Tensor.__dict__ for name in ("tolist", "numpy", "cpu")}
     with SyncCounter(device="cpu") as counter:
         for _ in range(3):
             X.tolist()
@@ -71,6 +72,7 @@ def test_counts_add_up_and_methods_are_restored():
         X.cpu()
     assert counter.by_kind == {"tolist": 3, "item": 1, "cpu": 1} and counter.count == 5
     assert torch.Tensor.tolist is original
+    assert {name: name in torch.Tensor.__dict__ for name in defined_on_tensor} == defined_on_tensor
     X.tolist()  # outside: not counted
     assert counter.count == 5
 

@@ -88,6 +88,7 @@ class SyncCounter(TorchDispatchMode):
         self.device_type = torch.device(device).type
         self.by_kind: Counter[str] = Counter()
         self._originals: dict[str, Callable[..., Any]] = {}
+        self._owned: dict[str, bool] = {}
         self._quiet = 0  # > 0 inside a patched method: its own dispatched ops are that method's one sync
 
     @property
@@ -159,6 +160,7 @@ class SyncCounter(TorchDispatchMode):
         for name in _PATCHED_METHODS:
             original = getattr(Tensor, name)
             self._originals[name] = original
+            self._owned[name] = name in Tensor.__dict__  # else inherited from the C base class
             setattr(Tensor, name, self._counting(name, original))
 
     def _counting(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,7 +183,10 @@ class SyncCounter(TorchDispatchMode):
 
     def _unpatch(self) -> None:
         for name, original in self._originals.items():
-            setattr(Tensor, name, original)
+            if self._owned[name]:
+                setattr(Tensor, name, original)
+            else:
+                delattr(Tensor, name)  # back to the inherited method, as before
         self._originals.clear()
 
     def __enter__(self) -> SyncCounter:
