@@ -385,11 +385,13 @@ class KVCache:
         blocks_M = upload(self.tables[slot], self.device)
         pad = count * self.block_size - length
         for pool_LNKHD, x_LHTD in ((self.k_LNKHD, state.k_LHTD), (self.v_LNKHD, state.v_LHTD)):
-            x_LTHD = x_LHTD.to(device=self.device, dtype=self.dtype).transpose(1, 2)
+            x_LTHD = (
+                upload(x_LHTD, self.device).to(self.dtype).transpose(1, 2)
+            )  # a migrated state: host memory
             x_LTHD = torch.cat([x_LTHD, x_LTHD.new_zeros(layers, pad, heads, dim)], dim=1)
             pool_LNKHD[:, blocks_M] = x_LTHD.reshape(layers, count, self.block_size, heads, dim)
         self.valid_ST[slot] = False
-        self.valid_ST[slot, :length] = state.valid_T.to(self.device)
+        self.valid_ST[slot, :length] = upload(state.valid_T, self.device)
         self.lengths[slot] = length
 
     def truncate(self, slots: Sequence[int] | Tensor, lengths: Sequence[int] | Tensor) -> None:
