@@ -6,11 +6,29 @@ p99 / median about 6.6, capped at max_new_tokens). `generate` decodes every row 
 finishes; the engine drops finished samples from the batch (continuous batching) and prefills each prompt once
 for its n samples (prefix sharing). Tokens/s counts generated tokens up to and including EOS. Rounds alternate
 between the two so machine noise hits both; fp32, no grad, one thread.
+
+Then generation's memory and host syncs, before (`BASELINE`: main before the block KV cache and the host-side
+decode bookkeeping) and after:
+
+- **peak KV bytes** of one iteration's generation of the default job and of `experiment=longtail` (their
+  warm-started Actors, their prompts, both generators: `generator=sampling`'s `decode_chunk` and the engine):
+  before, the dense cache allocated every slot at max_len (prompt width + max_new_tokens); after, the block cache
+  holds `peak_nbytes_in_use` at most (the pool it allocated, grown on demand, is printed too);
+- **syncs per decode step** (`rlhfuse.core.syncs.SyncCounter`, the CPU standing in for the device: an upper
+  bound of the GPU's) of the engine and of `decode_chunk` on this benchmark's workload, measured on this tree and
+  on BASELINE's (exported with `git archive` when this is a git checkout).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,6 +43,8 @@ from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 
 EOS, PAD = 1, 0
+BASELINE = "5c2ba0a"
+"""main before the block KV cache and the host-side decode bookkeeping."""
 
 
 def _prompts(count: int, vocab: int, gen: torch.Generator) -> PromptBatch:
@@ -149,3 +169,148 @@ def run(quick: bool = False) -> None:
                   f"{theirs_rate[-1]:7.0f} tok/s ({t_tok} tokens) | ratio {ratios[-1]:.2f}x")  # fmt: skip
     print(f"engine vs transformers generate: median ratio {statistics.median(ratios):.2f}x, best-round ratio "
           f"{max(ours_rate) / max(theirs_rate):.2f}x (goal >= 2x)")  # fmt: skip
+    memory_and_syncs(quick)
+
+
+# ---------------------------------------------------------------------------------------------- memory, syncs
+@contextmanager
+def _recorded_caches() -> Iterator[list]:
+    """Every KVCache allocated inside (the real caches, read after generation for their memory)."""
+    from rlhfuse.models import KVCache
+
+    made: list[KVCache] = []
+    allocate = KVCache.allocate.__func__  # type: ignore[attr-defined]
+
+    def recording(cls, *args, **kwargs):
+        made.append(allocate(cls, *args, **kwargs))
+        return made[-1]
+
+    KVCache.allocate = classmethod(recording)  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        KVCache.allocate = classmethod(allocate)  # type: ignore[method-assign]
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:8.2f} MiB"
+
+
+def kv_memory(experiment: str) -> None:
+    """Peak KV bytes of one iteration's generation of `experiment` (its warm-started Actor and prompts)."""
+    from rlhfuse.trainer import build_trainer, compose_config
+    from rlhfuse.trainer.trainer import collate_prompts
+
+    config = compose_config([f"experiment={experiment}"])
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = build_trainer(config, run_dir=run_dir, log=lambda _: None)
+    prompts = collate_prompts(trainer.prompts.next_batch(), trainer.pad_token_id)
+    generator = trainer.generator
+    model = generator.actor_copies()[0]
+    sampling = config.generator.sampling
+    n = config.data.samples_per_prompt
+    with torch.no_grad(), _recorded_caches() as caches:
+        lengths = [
+            int(x) for r in generator.generate(prompts, iteration=1) for x in r.response_mask_BR.sum(1)
+        ]
+    dense = max(c.nbytes_per_slot() * c.num_slots for c in caches)
+    block = max(c.peak_nbytes_in_use for c in caches)
+    pool = max(c.nbytes() for c in caches)
+    s = sorted(lengths)
+    print(
+        f"{experiment}: {len(prompts)} prompts x {n} samples, prompt width {prompts.input_ids_BP.shape[1]}, "
+        f"max_new_tokens {sampling.max_new_tokens}; response lengths p50 {s[len(s) // 2]}, "
+        f"p90 {s[int(0.9 * len(s))]}, max {s[-1]}"
+    )
+    print(f"  {'generator':<24} {'dense (before)':>16} {'blocks (after)':>16} {'pool allocated':>16}  ratio")
+    print(f"  {'sampling (decode_chunk)':<24} {_mib(dense):>16} {_mib(block):>16} {_mib(pool):>16}  "
+          f"{dense / block:.1f}x")  # fmt: skip
+    stops = [int(t) for t in generator.stop_ids.tolist()]  # the tokenizer's EOS and the job's stop tokens
+    params = SamplingParams.of(dataclasses.replace(sampling, stop_token_ids=stops[1:]), stops[0])
+    requests = requests_for(prompts, samples_per_prompt=n, seed=config.seed, iteration=1)
+    width = max(len(r.prompt_P) for r in requests)
+    engine = GenerationEngine(model, params, num_slots=len(requests), max_len=width + params.max_new_tokens)
+    engine.add(requests)
+    with torch.no_grad():
+        while engine.has_work():
+            engine.step()
+    cache = engine.cache
+    dense = cache.nbytes_per_slot() * cache.num_slots
+    block = cache.peak_nbytes_in_use
+    print(f"  {'engine (1 instance)':<24} {_mib(dense):>16} {_mib(block):>16} {_mib(cache.nbytes()):>16}  "
+          f"{dense / block:.1f}x")  # fmt: skip
+
+
+def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
+    """Syncs of each decode step of the engine (all samples admitted by its first step) and of `decode_chunk`
+    (between consecutive model calls), sampled, on the quick workload. Uses only what BASELINE has too."""
+    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.syncs import SyncCounter
+    from rlhfuse.trainer.generator import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
+
+    out: dict[str, list[int]] = {"engine": [], "sampling": []}
+    with workload(True) as w, torch.no_grad():
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=(EOS,))
+        width = w.prompts.input_ids_BP.shape[1]
+        engine = GenerationEngine(w.model, params, num_slots=len(w.prompts) * w.n, max_len=width + max_new)
+        engine.add(requests_for(w.prompts, samples_per_prompt=w.n, seed=0, iteration=0))
+        engine.step()
+        while engine.has_work():
+            with SyncCounter(device="cpu") as counter:
+                engine.step()
+            out["engine"].append(counter.count)
+        ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(w.prompts, w.n)
+        uniforms_BN = sample_uniforms(0, 0, prompt_index_B, sample_index_B, max_new)
+        pick = single_process_pick(GeneratorConfig(max_new_tokens=max_new))
+        marks: list[int] = []
+        with SyncCounter(device="cpu") as counter:
+            hook = w.model.register_forward_pre_hook(lambda *_: marks.append(counter.count))
+            try:
+                decode_chunk(
+                    w.model, w.config, pick, ids_BP, mask_BP, prompt_index_B, sample_index_B, uniforms_BN,
+                    stop_ids=torch.tensor([EOS]), pad_token_id=PAD,
+                )  # fmt: skip
+            finally:
+                hook.remove()
+        out["sampling"] = [b - a for a, b in itertools.pairwise(marks[1:])]
+    return out
+
+
+def baseline_syncs_per_step() -> dict[str, list[int]] | None:
+    """`syncs_per_step` on BASELINE's source (with this tree's SyncCounter, which imports nothing of rlhfuse), in
+    a subprocess; None when this is not a git checkout holding BASELINE."""
+    root = Path(__file__).resolve().parents[1]
+    git = shutil.which("git")
+    if git is None or not (root / ".git").exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            [git, "-C", str(root), "archive", BASELINE, "src", "benchmarks"], capture_output=True, check=False
+        )
+        if archive.returncode != 0:
+            return None
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        shutil.copy(root / "src" / "rlhfuse" / "core" / "syncs.py", Path(tmp) / "src" / "rlhfuse" / "core")
+        shutil.copy(Path(__file__), Path(tmp) / "benchmarks" / "bench_generation.py")
+        code = "import json, benchmarks.bench_generation as b; print(json.dumps(b.syncs_per_step()))"
+        env = dict(os.environ, PYTHONPATH=f"{tmp}/src:{tmp}")
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True, check=True
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _describe(counts: list[int]) -> str:
+    return f"mean {statistics.mean(counts):5.1f}, max {max(counts):3d} over {len(counts)} steps"
+
+
+def memory_and_syncs(quick: bool) -> None:
+    print("\npeak KV bytes of one iteration's generation (fp32 caches)")
+    for experiment in ("default", "longtail"):
+        kv_memory(experiment)
+    print("\nsyncs per decode step (SyncCounter on the CPU, sampled; quick workload)")
+    after = syncs_per_step()
+    before = baseline_syncs_per_step()
+    for name in ("engine", "sampling"):
+        was = f"before ({BASELINE}) {_describe(before[name])}" if before else "before: BASELINE not available"
+        print(f"  {name:<9} {was} | after {_describe(after[name])}")

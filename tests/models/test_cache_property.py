@@ -1,5 +1,5 @@
-"""Property: any chunking of sequences into cached calls, with padding inside any call, gives the logits of
-one uncached forward over each full sequence.
+"""Property: any chunking of sequences into cached calls, with padding inside any call, over blocks of any size
+(from a pool of one block that grows), gives the logits of one uncached forward over each full sequence.
 
 Legend: B batch rows, T tokens, V vocabulary.
 """
@@ -28,16 +28,19 @@ def chunked_batches(draw):
             chunk_lengths[0][b] = 1
     slots = draw(st.permutations(range(NUM_SLOTS)))[:num_rows]
     side = draw(st.sampled_from(["left", "right"]))
-    return chunk_lengths, slots, side
+    block_size = draw(st.sampled_from([1, 2, 3, 16]))  # positions spanning blocks, and one block per slot
+    return chunk_lengths, slots, side, block_size
 
 
 @settings(max_examples=25, deadline=None)
 @given(chunked_batches())
 def test_chunked_cached_calls_equal_full_forward(case):
-    chunk_lengths, slots, side = case
+    chunk_lengths, slots, side, block_size = case
     num_rows = len(slots)
     gen = torch.Generator().manual_seed(sum(map(sum, chunk_lengths)))
-    cache = KVCache.allocate(MODEL.config, num_slots=NUM_SLOTS, max_len=4 * len(chunk_lengths))
+    cache = KVCache.allocate(
+        MODEL.config, num_slots=NUM_SLOTS, max_len=4 * len(chunk_lengths), block_size=block_size, num_blocks=1
+    )
     sequences: list[list[int]] = [[] for _ in range(num_rows)]
     got: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
     with torch.no_grad():

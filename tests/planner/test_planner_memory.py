@@ -238,8 +238,13 @@ def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: in
     model = Transformer(cfg, head="lm")
     shard = shard_transformer(model, tp - 1, tp) if tp > 1 else model
     cache_cfg = shard_cache_config(shard) if tp > 1 else cfg
-    slots, max_len = 3, 40
-    cache = KVCache.allocate(cache_cfg, slots, max_len, dtype=next(shard.parameters()).dtype)
-    built = sum(t.numel() * t.element_size() for t in (cache.k_LSHTD, cache.v_LSHTD))
+    slots, max_len, block_size = 3, 40, 8
+    # the block pool at its largest, every slot full (the pool grows to it on demand)
+    cache = KVCache.allocate(
+        cache_cfg, slots, max_len, dtype=next(shard.parameters()).dtype, block_size=block_size,
+        num_blocks=slots * max_len // block_size,
+    )  # fmt: skip
+    built = sum(t.numel() * t.element_size() for t in (cache.k_LNKHD, cache.v_LNKHD))
+    assert cache.num_blocks == cache.max_blocks
     spec = ModelSpec.from_config(cfg)
     assert kv_cache_bytes(spec, slots * max_len, tp, 4) == built  # the fp32 copy

@@ -29,7 +29,7 @@ from torch import Tensor
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
-from rlhfuse.models import KVCache, SlotState, Transformer
+from rlhfuse.models import KVCache, SlotState, Transformer, upload
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,8 @@ class GenerationEngine:
         self.cache = KVCache.allocate(
             model.config, num_slots, max_len, dtype=parameter.dtype, device=self.device
         )
-        self.stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+        # checked on the host, against the tokens a step reads once
+        self.stop_ids = frozenset(params.stop_token_ids)
         self.waiting: deque[SampleRequest] = deque()
         self.arrived: deque[MigratingSample] = deque()  # migrated in, started, waiting for a slot
         self.running: dict[int, SampleRequest] = {}  # slot -> sample
@@ -271,13 +272,14 @@ class GenerationEngine:
             groups.setdefault(key, []).append(k)
         leaders = [members[0] for members in groups.values()]
         logits_GV = self._prefill([take[k].prompt_P for k in leaders], [slots[k] for k in leaders])
-        logits_rows = torch.empty(len(take), dtype=torch.long)
+        logits_rows = [0] * len(take)
         for g, members in enumerate(groups.values()):
             self.cache.copy_slot(slots[members[0]], [slots[k] for k in members[1:]])
-            logits_rows[members] = g
-        first_B = self._sample(logits_GV[logits_rows.to(self.device)], take)
+            for k in members:
+                logits_rows[k] = g
+        first_B = self._sample(logits_GV[upload(logits_rows, self.device)], take)
         finished = []
-        for request, slot, token in zip(take, slots, first_B.tolist(), strict=True):
+        for request, slot, token in zip(take, slots, first_B.tolist(), strict=True):  # the one read
             self.running[slot] = request
             self._track(request)
             if self._append(request, token):
@@ -293,15 +295,14 @@ class GenerationEngine:
             ids_BP[b, width - len(seq) :] = seq
             mask_BP[b, width - len(seq) :] = 1
         start = time.perf_counter()
-        slots_B = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        self.cache.reset(slots_B)
+        self.cache.reset(list(slots))
         logits_BPV = self.model(
-            ids_BP.to(self.device),
-            attention_mask_BT=mask_BP.to(self.device),
+            upload(ids_BP, self.device),
+            attention_mask_BT=upload(mask_BP, self.device),
             cache=self.cache,
-            cache_slots_B=slots_B,
+            cache_slots_B=list(slots),
         )
-        self.stats.prefill_tokens += int(mask_BP.sum())
+        self.stats.prefill_tokens += sum(len(s) for s in sequences)
         self.stats.prefill_seconds += time.perf_counter() - start
         return logits_BPV[:, -1]
 
@@ -312,12 +313,12 @@ class GenerationEngine:
         drafts = self._drafts(slots, requests)
         if drafts:
             return self._verify(start, slots, requests, drafts)
-        last_B1 = torch.tensor([[r.tokens[-1]] for r in requests], dtype=torch.long, device=self.device)
-        slots_B = torch.tensor(slots, dtype=torch.long, device=self.device)
-        logits_BV = self.model(last_B1, cache=self.cache, cache_slots_B=slots_B)[:, -1]
+        # slots, lengths and stops are host bookkeeping: the step's one device read is the sampled tokens
+        last_B1 = upload([[r.tokens[-1]] for r in requests], self.device)
+        logits_BV = self.model(last_B1, cache=self.cache, cache_slots_B=slots)[:, -1]
         tokens_B = self._sample(logits_BV, requests)
         finished = []
-        for slot, request, token in zip(slots, requests, tokens_B.tolist(), strict=True):
+        for slot, request, token in zip(slots, requests, tokens_B.tolist(), strict=True):  # the one read
             if self._append(request, token):
                 finished.append(self._release(slot))
         seconds = self._record_step(start, len(slots), 1, len(slots))
@@ -344,8 +345,7 @@ class GenerationEngine:
         width = max(len(d) for d in drafts)
         if width == 0:
             return []
-        lengths = self.cache.lengths_S[torch.tensor(list(slots), device=self.device)].tolist()
-        width = min(width, self.cache.max_len - 1 - max(lengths))
+        width = min(width, self.cache.max_len - 1 - max(self.cache.lengths[s] for s in slots))
         if width <= 0:
             return []
         return [d[:width] for d in drafts]
@@ -365,20 +365,19 @@ class GenerationEngine:
         for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             ids_BT[b, : 1 + len(draft)] = torch.tensor([request.tokens[-1], *draft], dtype=torch.long)
             mask_BT[b, : 1 + len(draft)] = 1
-        slots_B = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        lengths_B = self.cache.lengths_S[slots_B].clone()
+        lengths = [self.cache.lengths[s] for s in slots]
         logits_BTV = self.model(
-            ids_BT.to(self.device),
-            attention_mask_BT=mask_BT.to(self.device),
+            upload(ids_BT, self.device),
+            attention_mask_BT=upload(mask_BT, self.device),
             cache=self.cache,
-            cache_slots_B=slots_B,
+            cache_slots_B=list(slots),
         )
-        tokens_BT = self._sample_positions(logits_BTV, requests, width)
-        kept_B = torch.zeros(len(slots), dtype=torch.long)
+        tokens_BT = self._sample_positions(logits_BTV, requests, width).tolist()  # the step's one read
+        kept_B = [0] * len(slots)
         done: list[int] = []
         for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             self.stats.spec_proposed += len(draft)
-            for j, token in enumerate(tokens_BT[b, : 1 + len(draft)].tolist()):
+            for j, token in enumerate(tokens_BT[b][: 1 + len(draft)]):
                 kept_B[b] += 1
                 if self._append(request, token):
                     done.append(b)
@@ -387,9 +386,9 @@ class GenerationEngine:
                     break
                 self.stats.spec_accepted += 1
         # the slot keeps [last token, accepted drafts]: again prompt + tokens[:-1]
-        self.cache.truncate(slots_B, lengths_B + kept_B.to(self.device))
+        self.cache.truncate(slots, [n + k for n, k in zip(lengths, kept_B, strict=True)])
         finished = [self._release(slots[b]) for b in done]
-        tokens = int(kept_B.sum())
+        tokens = sum(kept_B)
         seconds = self._record_step(start, len(slots), width, tokens)
         if self.speculative == "auto":
             self.costs.observe_verify(len(slots), width, seconds, tokens)
@@ -398,18 +397,18 @@ class GenerationEngine:
     def _sample(self, logits_BV: Tensor, requests: Sequence[SampleRequest]) -> Tensor:
         p = self.params
         if p.temperature == 0:
-            return logits_BV.argmax(dim=-1).cpu()
+            return logits_BV.argmax(dim=-1)
         n = p.max_new_tokens
         uniforms_B = torch.stack([r.uniforms(n)[len(r.tokens)] for r in requests])
         probs_BV = filter_logits(logits_BV.float(), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        return sample_from(probs_BV, uniforms_B.to(probs_BV.device)).cpu()
+        return sample_from(probs_BV, upload(uniforms_B, probs_BV.device))
 
     def _sample_positions(self, logits_BTV: Tensor, requests: Sequence[SampleRequest], width: int) -> Tensor:
         """Token t + j of each row sampled from position j's distribution with uniform u(s, t + j): what plain
         decoding samples for that position when the row's earlier tokens are the drafts (long [B, width])."""
         p = self.params
         if p.temperature == 0:
-            return logits_BTV.argmax(dim=-1).cpu()
+            return logits_BTV.argmax(dim=-1)
         n = p.max_new_tokens
         # positions past max_new_tokens are never kept: any uniform will do for them
         uniforms_BT = torch.stack(
@@ -420,8 +419,8 @@ class GenerationEngine:
         )
         logits_NV = logits_BTV.flatten(0, 1).float()
         probs_NV = filter_logits(logits_NV, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        tokens_N = sample_from(probs_NV, uniforms_BT.flatten().to(probs_NV.device))
-        return tokens_N.view(len(requests), width).cpu()
+        tokens_N = sample_from(probs_NV, upload(uniforms_BT.flatten(), probs_NV.device))
+        return tokens_N.view(len(requests), width)
 
     def _track(self, request: SampleRequest) -> None:
         if self.speculative != "off":
@@ -433,7 +432,7 @@ class GenerationEngine:
         if self.speculative != "off":
             self.drafter.append(request.row, (token,))
         self.stats.tokens += 1
-        request.stopped = bool((self.stop_ids == token).any())
+        request.stopped = token in self.stop_ids
         return request.stopped or len(request.tokens) >= self.params.max_new_tokens
 
     def _release(self, slot: int) -> SampleRequest:

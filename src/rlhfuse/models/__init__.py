@@ -1,7 +1,7 @@
 """Decoder-only transformers (LLaMA / Qwen2), engine-owned KV cache, HF checkpoint I/O and pipeline stages."""
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, MULTI_POSITION_BACKENDS, get_attention
-from rlhfuse.models.cache import KVCache, SlotState
+from rlhfuse.models.cache import KVCache, SlotState, upload
 from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from rlhfuse.models.config import ModelConfig
 from rlhfuse.models.stages import Stage, resident_bytes, split_stages, stage_of, stage_ranges, to_device
@@ -24,4 +24,5 @@ __all__ = [
     "stage_of",
     "stage_ranges",
     "to_device",
+    "upload",
 ]

@@ -9,6 +9,7 @@ Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpo
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,7 +19,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from rlhfuse.models.attention import get_attention, get_packed_attention
-from rlhfuse.models.cache import KVCache
+from rlhfuse.models.cache import CacheCall, KVCache
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.masks import Padding, padding_of
 from rlhfuse.models.packing import PackedSequences
@@ -88,17 +89,12 @@ class AttentionContext:
     allowed_B1TS: Tensor | None
     """True where query t may attend to key s; None = causal over the T new tokens, no padding (fast path)."""
     cache: KVCache | None = None
-    slots_B: Tensor | None = None
-    write_pos_BT: Tensor | None = None
-    """Cache positions the new tokens are stored at (slot length + t)."""
+    call: CacheCall | None = None
+    """The call's cache addressing (slots, write positions, positions read back), made on the host."""
     valid_BT: Tensor | None = None
     """Which new tokens are real (recorded in the cache once every layer has run)."""
     selective: bool = False
     """Recompute the attention kernel and the MLP in backward (activation_checkpointing="selective")."""
-    num_keys: int = 0
-    """Positions of each slot read back from the cache (max over rows of length + T)."""
-    first_slot: int | None = None
-    """Set when slots_B is first_slot, first_slot + 1, ...: the cache is then read as a view, not gathered."""
     packed: PackedSequences | None = None
     """Set for packed sequences: the call's one row [1, N] is the stream of N tokens of packed.batch sequences."""
 
@@ -117,7 +113,7 @@ def build_context(
     attention_mask_BT: Tensor | None,
     position_ids_BT: Tensor | None,
     cache: KVCache | None = None,
-    cache_slots_B: Tensor | None = None,
+    cache_slots_B: Tensor | Sequence[int] | None = None,
     padding: Padding | None = None,
 ) -> AttentionContext:
     """Positions, rotary tables and attention mask for one call (the cache itself is not modified here).
@@ -171,50 +167,32 @@ def _cached_context(
     valid_BT: Tensor | None,
     position_ids_BT: Tensor | None,
     cache: KVCache,
-    cache_slots_B: Tensor | None,
+    cache_slots_B: Tensor | Sequence[int] | None,
 ) -> AttentionContext:
-    slots_B = (
-        torch.arange(batch, device=device)
-        if cache_slots_B is None
-        else torch.as_tensor(cache_slots_B, dtype=torch.int64, device=device)
-    )
-    if slots_B.shape != (batch,):
-        raise ValueError(
-            f"cache_slots_B must have one slot per row: shape {tuple(slots_B.shape)}, batch {batch}"
-        )
-    if slots_B.unique().numel() != batch:
-        raise ValueError(f"cache_slots_B has repeated slots {slots_B.tolist()}: each row needs its own slot")
-    if int(slots_B.min()) < 0 or int(slots_B.max()) >= cache.num_slots:
-        raise IndexError(
-            f"cache_slots_B {slots_B.tolist()} out of range: the cache has {cache.num_slots} slots"
-        )
-    cache.check_room(slots_B, num_tokens)
+    # the slots, lengths and room are checked on the host (`KVCache.begin`): addressing never waits for the device
+    slots = list(range(batch)) if cache_slots_B is None else cache_slots_B
+    if len(slots) != batch:
+        raise ValueError(f"cache_slots_B must have one slot per row: {len(slots)} slots, batch {batch}")
+    call = cache.begin(slots, num_tokens)
     if valid_BT is None:
         valid_BT = torch.ones(batch, num_tokens, dtype=torch.bool, device=device)
-    lengths_B = cache.lengths_S[slots_B]
     if position_ids_BT is None:
-        earlier_valid_B = cache.valid_ST[slots_B].sum(-1)
+        earlier_valid_B = cache.valid_ST[call.slots_B].sum(-1)
         position_ids_BT = (earlier_valid_B[:, None] + valid_BT.long().cumsum(-1) - 1).clamp(min=0)
-    write_pos_BT = lengths_B[:, None] + torch.arange(num_tokens, device=device)[None, :]
-    num_keys = int((lengths_B + num_tokens).max())
+    write_pos_BT = call.write_pos_BT
     # which keys are real tokens: the slot's stored validity, with the new tokens' own written over it
-    key_valid_BS = cache.valid_ST[slots_B, :num_keys]  # advanced indexing: a copy, the cache is untouched
+    key_valid_BS = cache.valid_ST[call.slots_B, : call.num_keys]  # advanced indexing: a copy
     key_valid_BS.scatter_(1, write_pos_BT, valid_BT)
-    s_S = torch.arange(num_keys, device=device)
+    s_S = torch.arange(call.num_keys, device=device)
     not_future_BTS = s_S[None, None, :] <= write_pos_BT[:, :, None]
     is_self_BTS = s_S[None, None, :] == write_pos_BT[:, :, None]
     allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
-    first_slot = int(slots_B[0])
-    is_range = bool((slots_B == first_slot + torch.arange(batch, device=device)).all())
     return AttentionContext(
         *_rope_tables(config, position_ids_BT, dtype),
         allowed_B1TS=allowed_BTS[:, None],
         cache=cache,
-        slots_B=slots_B,
-        write_pos_BT=write_pos_BT,
+        call=call,
         valid_BT=valid_BT,
-        num_keys=num_keys,
-        first_slot=first_slot if is_range else None,
     )
 
 
@@ -272,19 +250,10 @@ class Attention(nn.Module):
         if ctx.cache is None:
             k_BKSE, v_BKSE = k_BTKE.transpose(1, 2), v_BTKE.transpose(1, 2)
         else:
-            assert ctx.slots_B is not None and ctx.write_pos_BT is not None
-            layer_k_SKTE = ctx.cache.k_LSHTD[self.layer_idx]
-            layer_v_SKTE = ctx.cache.v_LSHTD[self.layer_idx]
-            # advanced indices (slots, positions) around a slice put B, T first: the [B, T, K, E] layout we hold
-            layer_k_SKTE[ctx.slots_B[:, None], :, ctx.write_pos_BT] = k_BTKE.to(layer_k_SKTE.dtype)
-            layer_v_SKTE[ctx.slots_B[:, None], :, ctx.write_pos_BT] = v_BTKE.to(layer_v_SKTE.dtype)
-            if ctx.first_slot is not None:
-                rows = slice(ctx.first_slot, ctx.first_slot + b)
-                k_BKSE = layer_k_SKTE[rows, :, : ctx.num_keys].to(q_BHTE.dtype)
-                v_BKSE = layer_v_SKTE[rows, :, : ctx.num_keys].to(q_BHTE.dtype)
-            else:
-                k_BKSE = layer_k_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
-                v_BKSE = layer_v_SKTE[ctx.slots_B, :, : ctx.num_keys].to(q_BHTE.dtype)
+            assert ctx.call is not None
+            ctx.cache.store(self.layer_idx, ctx.call, k_BTKE, v_BTKE)
+            k_BKSE, v_BKSE = ctx.cache.keys_values(self.layer_idx, ctx.call)
+            k_BKSE, v_BKSE = k_BKSE.to(q_BHTE.dtype), v_BKSE.to(q_BHTE.dtype)
         if ctx.selective:
             out_BHTE = _recompute(self.attend, q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
         else:
@@ -390,7 +359,7 @@ class Transformer(nn.Module):
         attention_mask_BT: Tensor | None = None,
         position_ids_BT: Tensor | None = None,
         cache: KVCache | None = None,
-        cache_slots_B: Tensor | None = None,
+        cache_slots_B: Tensor | Sequence[int] | None = None,
     ) -> Tensor:
         """Final-norm output hidden_BTD, before the head (for chunked log-probs over a large vocabulary)."""
         if cache is not None and torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad:
@@ -413,10 +382,9 @@ class Transformer(nn.Module):
         )
         x_BTD = run_layers(self.layers, x_BTD, ctx, checkpointed=self.activation_checkpointing)
         if cache is not None:
-            assert ctx.slots_B is not None and ctx.write_pos_BT is not None and ctx.valid_BT is not None
+            assert ctx.call is not None and ctx.valid_BT is not None
             # only now, with every layer's k/v written, do the new positions become part of their slots
-            cache.valid_ST[ctx.slots_B[:, None], ctx.write_pos_BT] = ctx.valid_BT
-            cache.lengths_S[ctx.slots_B] += t
+            cache.commit(ctx.call, ctx.valid_BT)
         return self.norm(x_BTD)
 
     def packed_hidden_states(self, input_ids_N: Tensor, packed: PackedSequences) -> Tensor:
@@ -438,7 +406,7 @@ class Transformer(nn.Module):
         attention_mask_BT: Tensor | None = None,
         position_ids_BT: Tensor | None = None,
         cache: KVCache | None = None,
-        cache_slots_B: Tensor | None = None,
+        cache_slots_B: Tensor | Sequence[int] | None = None,
     ) -> Tensor:
         """logits_BTV (head="lm") or values_BT (head="value").
 

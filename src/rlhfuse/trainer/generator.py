@@ -22,7 +22,7 @@ from torch import Tensor
 from rlhfuse import distributed
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
-from rlhfuse.models import KVCache, ModelConfig, Transformer
+from rlhfuse.models import KVCache, ModelConfig, Transformer, upload
 
 PickTokens = Callable[[Tensor, Tensor, Tensor], Tensor]
 """(logits_AV of the active rows, their uniforms_A for this step, their rows_A in the chunk) -> next tokens_A."""
@@ -80,7 +80,9 @@ def decode_chunk(
     """Prefill one chunk of samples, then decode until every row stopped or N = uniforms_BN.shape[1] tokens;
     the rollout's tensors on the CPU."""
     # Trim the chunk's all-padding prompt columns so a chunk's prefill does not depend on other chunks.
-    first_real = int((mask_BP.sum(dim=0) > 0).nonzero().min())
+    # Read once per chunk (its prefill): the rows' positions are host ints from here on.
+    first_real = mask_BP.any(dim=0).tolist().index(True)
+    prompt_lengths = mask_BP.sum(dim=1).tolist()
     ids_BP, mask_BP = ids_BP[:, first_real:], mask_BP[:, first_real:]
     batch, prompt_len = ids_BP.shape
     max_new = uniforms_BN.shape[1]
@@ -88,42 +90,60 @@ def decode_chunk(
     cache = KVCache.allocate(
         cache_config, batch, prompt_len + max_new, dtype=next(model.parameters()).dtype, device=device
     )
+    # No prefix sharing here: the chunk prefills every row (a prompt shorter than a block, the common case, is
+    # one part-full block that each sample would copy on its first write anyway).
     positions_BP = (mask_BP.cumsum(dim=1) - 1).clamp(min=0)
     logits_BV = model(ids_BP, attention_mask_BT=mask_BP, position_ids_BT=positions_BP, cache=cache)[:, -1]
-    next_pos_B = mask_BP.sum(dim=1)
-    response_BN = torch.full((batch, max_new), pad_token_id, dtype=torch.long, device=device)
-    lengths_B = torch.zeros(batch, dtype=torch.long, device=device)
-    finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
-    active_A = torch.arange(batch, device=device)  # rows still decoding; A <= B
-    stop_ids = stop_ids.to(device)
+    uniforms_dev_BN = upload(uniforms_BN, device)
+    stops = frozenset(stop_ids.tolist())
+    # Host bookkeeping, in step with the device: the rows still decoding (A <= B), their next positions, the
+    # tokens so far. A step's one device read is its sampled tokens.
+    active = list(range(batch))
+    active_A = upload(active, device)
+    next_pos = [int(n) for n in prompt_lengths]
+    responses: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
     for step in range(max_new):
-        tokens_A = pick(logits_BV, uniforms_BN[active_A.cpu(), step], active_A)
-        response_BN[active_A, step] = tokens_A
-        lengths_B[active_A] = step + 1
-        stopped_A = torch.isin(tokens_A, stop_ids)
-        finished_B[active_A[stopped_A]] = True
-        active_A, tokens_A = active_A[~stopped_A], tokens_A[~stopped_A]
-        if step == max_new - 1 or len(active_A) == 0:
+        tokens_A = pick(logits_BV, uniforms_dev_BN[active_A, step], active_A)
+        kept: list[int] = []
+        for row, token in zip(active, tokens_A.tolist(), strict=True):  # the step's one read
+            responses[row].append(token)
+            if token in stops:
+                finished[row] = True
+            else:
+                kept.append(row)
+        if len(kept) < len(active):
+            cache.reset([r for r in active if finished[r]])  # stopped rows' blocks go back to the pool
+        active = kept
+        if step == max_new - 1 or not active:
             break
-        ones_A1 = torch.ones(len(active_A), 1, dtype=torch.long, device=device)
+        inputs_3A = upload(
+            [active, [responses[r][-1] for r in active], [next_pos[r] for r in active]], device
+        )
+        active_A = inputs_3A[0]
         logits_BV = model(
-            tokens_A[:, None],
-            attention_mask_BT=ones_A1,
-            position_ids_BT=next_pos_B[active_A][:, None],
+            inputs_3A[1][:, None],
+            attention_mask_BT=torch.ones(len(active), 1, dtype=torch.long, device=device),
+            position_ids_BT=inputs_3A[2][:, None],
             cache=cache,
-            cache_slots_B=active_A,
+            cache_slots_B=active,
         )[:, -1]
-        next_pos_B[active_A] += 1
-    width = max(int(lengths_B.max()), 1)
-    response_mask_BR = (torch.arange(width, device=device)[None, :] < lengths_B[:, None]).long()
+        for r in active:
+            next_pos[r] += 1
+    width = max(max(len(r) for r in responses), 1)
+    response_BR = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    response_mask_BR = torch.zeros((batch, width), dtype=torch.long)
+    for row, tokens in enumerate(responses):
+        response_BR[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        response_mask_BR[row, : len(tokens)] = 1
     return Rollout(
         prompt_ids_BP=ids_BP.cpu(),
         prompt_mask_BP=mask_BP.cpu(),
-        response_ids_BR=response_BN[:, :width].cpu(),
-        response_mask_BR=response_mask_BR.cpu(),
+        response_ids_BR=response_BR,
+        response_mask_BR=response_mask_BR,
         prompt_index_B=prompt_index_B.cpu(),
         sample_index_B=sample_index_B.cpu(),
-        finished_B=finished_B.cpu(),
+        finished_B=torch.tensor(finished, dtype=torch.bool),
     )
 
 

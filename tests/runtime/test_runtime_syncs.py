@@ -1,0 +1,54 @@
+"""Host syncs of a training step: the executor reads the step's statistics and gradient norms once, and the
+stages' forwards read no mask value when the step hands them the micro-batches' host-computed layouts.
+
+Counted with `rlhfuse.core.syncs.SyncCounter`, the CPU standing in for the device (every read counts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import random_batch
+
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.syncs import SyncCounter
+from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.pipeline import greedy
+from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
+from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+from rlhfuse.runtime.lower import lower_checked
+from rlhfuse.runtime.partition import stages_for_rank
+
+
+def _executor(microbatches: int, packing: bool) -> tuple[PipelineExecutor, StepWork]:
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(num_layers=2)
+    models = {"actor": Transformer(cfg, head="lm"), "critic": Transformer(cfg, head="value")}
+    for model in models.values():
+        model.packing = packing
+    layout = ParallelLayout(ModelParallel(1), ModelParallel(1), 1, 1, microbatches)
+    problem = layout.problem()
+    executor = PipelineExecutor(
+        0,
+        lower_checked(problem, greedy(problem)),
+        problem,
+        stages_for_rank(layout, 0, models),
+        losses=ppo_losses(AlgorithmConfig(entropy_coef=0.01)),
+    )
+    micro, weights, _ = split_minibatch(
+        random_batch(2 * microbatches, seed=1, dtype=torch.float32), 1, microbatches
+    )
+    return executor, StepWork(micro, weights)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_a_training_step_makes_one_host_sync(microbatches: int, packing: bool) -> None:
+    executor, work = _executor(microbatches, packing)
+    with SyncCounter("cpu") as counter:
+        executor.run(work.with_layouts(packed=packing))
+    assert counter.count == 1, dict(counter.by_kind)  # the statistics and norms, read together
+    # without the host-computed layouts every stage forward reads its mask (the cost the layouts remove)
+    with SyncCounter("cpu") as counter:
+        executor.run(work)
+    assert counter.count > 1 + microbatches, dict(counter.by_kind)
