@@ -132,6 +132,8 @@ def standin_device(index: int = 0) -> torch.device:
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         # torch.tensor(data, device=) copies below the Python dispatch key: the backend's own copy kernel
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
+        for name in _RESIZING_FACTORIES:
+            lib.impl(name, _cpu_factory(name), "PrivateUse1")
         _REGISTERED.append(lib)
     return torch.device(STANDIN, index)
 
@@ -159,6 +161,29 @@ def _empty_strided(
 ) -> Tensor:
     del layout, device, pin_memory
     return StandinTensor(torch.empty_strided(size, stride, dtype=dtype))
+
+
+# Factories whose composite kernel resizes an empty out= tensor (the wrapper's shape could not follow): run on the
+# CPU and wrapped whole instead.
+_RESIZING_FACTORIES = (
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "eye",
+    "eye.m",
+    "tril_indices",
+    "triu_indices",
+)
+
+
+def _cpu_factory(name: str) -> Any:
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(aten, packet), overload or "default")
+
+    def kernel(*args: Any, **kwargs: Any) -> Tensor:
+        return StandinTensor(op(*args, **{**kwargs, "device": torch.device("cpu")}))
+
+    return kernel
 
 
 def _copy_from(src: Tensor, dst: Tensor, non_blocking: bool = False) -> Tensor:
@@ -240,7 +265,16 @@ class StandinTensor(Tensor):
         if to_cpu:
             return out
         wrapped = tree_map_only(Tensor, StandinTensor, out)
-        return return_and_correct_aliasing(func, args, kwargs, wrapped)
+        result = return_and_correct_aliasing(func, args, kwargs, wrapped)  # in-place views fix their metadata
+        for argument, value in _arguments(func._schema, args, kwargs):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and isinstance(value, StandinTensor) and value.shape != value._data.shape:
+                raise RuntimeError(
+                    f"stand-in device: {func} resized its {argument.name!r} tensor from {tuple(value.shape)} to "
+                    f"{tuple(value._data.shape)}, which a wrapper tensor cannot follow; pass an out= tensor of "
+                    "the result's shape (or add the factory to standin._RESIZING_FACTORIES)"
+                )
+        return result
 
 
 def _unwrap(t: StandinTensor) -> Tensor:
