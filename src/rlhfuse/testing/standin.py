@@ -56,7 +56,12 @@ STANDIN = "standin"
 aten = torch.ops.aten
 
 # Ops that copy across devices by design: the device check does not apply, the result's device is the target's.
-_COPIES = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
+_COPIES = {
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten._copy_from.default,
+    aten._copy_from_and_resize.default,
+}
 # Advanced indexing: CUDA moves CPU index tensors to the device itself (TensorAdvancedIndexing's make_info).
 _INDEXING = {
     aten.index.Tensor,
@@ -127,7 +132,7 @@ def standin_device(index: int = 0) -> torch.device:
 
         if name != STANDIN:
             _setup_privateuseone_for_python_backend(STANDIN)
-        lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 (kernels for an existing namespace)
+        lib = torch.library.Library("aten", "IMPL")  # kernels for the existing aten ops, on this backend only
         lib.impl("empty.memory_format", _empty, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         # torch.tensor(data, device=) copies below the Python dispatch key: the backend's own copy kernel
@@ -244,7 +249,7 @@ class StandinTensor(Tensor):
         return StandinTensor(inner["_data"])
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}

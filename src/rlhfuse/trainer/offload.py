@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-
 # devices whose copies are queued on streams (not the CPU, where nothing is copied, nor `meta`, which has none)
 _NO_STREAMS = ("cpu", "meta")
 
