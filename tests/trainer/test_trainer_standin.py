@@ -83,24 +83,26 @@ def test_inference_runs_on_the_standin_with_the_cpu_values(how) -> None:
         torch.testing.assert_close(_tensors(on_device)[name].cpu(), expected, msg=name)
 
 
-def _strategy(actor: Transformer, critic: Transformer, micro: int, tokens: int) -> PlainStrategy:
+def _strategy(actor: Transformer, critic: Transformer, micro: int, tokens: int, **kw) -> PlainStrategy:
     return PlainStrategy(
-        actor, critic, StrategyConfig(warmup_steps=0), AlgorithmConfig(),
+        actor, critic, StrategyConfig(warmup_steps=0, **kw), AlgorithmConfig(),
         fabric=Fabric(accelerator="cpu", devices=1, precision="32-true"),
         total_steps=10, micro_batch_size=micro, micro_batch_tokens=tokens,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "micro, tokens", [(4, 0), (1, 0), (0, 9)], ids=["whole", "accumulated", "packed-budget"]
+    "micro, tokens, kw",
+    [(4, 0, {}), (1, 0, {}), (0, 9, {}), (2, 0, {"activation_checkpointing": True})],
+    ids=["whole", "accumulated", "token-budget", "checkpointed"],
 )
-def test_a_plain_training_step_runs_on_the_standin_with_the_cpu_values(micro, tokens) -> None:
+def test_a_plain_training_step_runs_on_the_standin_with_the_cpu_values(micro, tokens, kw) -> None:
     results = []
     for device in ("cpu", STANDIN):
         inf = _inferencer(device)
         batch, _ = compute_train_batch(inf.infer(_rollout()), AlgorithmConfig())
         assert batch.advantages_BR.device == torch.device(device)  # the advantages ran on the device
-        strategy = _strategy(inf.actor, inf.critic, micro, tokens)  # type: ignore[arg-type]
+        strategy = _strategy(inf.actor, inf.critic, micro, tokens, **kw)  # type: ignore[arg-type]
         with recording() as rec:
             stats = strategy.train_step(batch)
         states = [s for s in strategy.actor_optim.state.values()]

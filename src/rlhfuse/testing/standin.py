@@ -131,7 +131,7 @@ def standin_device(index: int = 0) -> torch.device:
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         if name != STANDIN:
-            _setup_privateuseone_for_python_backend(STANDIN)
+            _setup_privateuseone_for_python_backend(STANDIN, backend_module=_StandinModule())
         lib = torch.library.Library("aten", "IMPL")  # kernels for the existing aten ops, on this backend only
         lib.impl("empty.memory_format", _empty, "PrivateUse1")
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
@@ -141,6 +141,55 @@ def standin_device(index: int = 0) -> torch.device:
             lib.impl(name, _cpu_factory(name), "PrivateUse1")
         _REGISTERED.append(lib)
     return torch.device(STANDIN, index)
+
+
+class _StandinModule:
+    """`torch.standin`: what torch asks of a backend's module — seeding, RNG states (activation checkpointing
+    saves and restores them around its recompute), autocast's dtypes. The stand-in draws its random numbers from
+    the CPU generator, so its RNG state is the CPU's."""
+
+    class device:  # torch looks it up by this name (as torch.cuda.device)
+        def __init__(self, index: Any) -> None:
+            del index
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed(self, seed: int) -> None:
+        del seed  # torch.manual_seed seeds the CPU generator, the stand-in's
+
+    def manual_seed_all(self, seed: int) -> None:
+        del seed
+
+    def get_rng_state(self, device: Any = None) -> Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    def synchronize(self, device: Any = None) -> None:
+        return None  # every op has run when it returns
 
 
 def _empty(
