@@ -1,7 +1,7 @@
 """The single-process paths on the stand-in device (`rlhfuse.testing.standin`): a CPU tensor mixed into device
 work raises there as it would on a GPU, so each path running through with the CPU's numbers shows that it keeps
 its tensors on the models' device. One `PlainStrategy` training step, `ModelInferencer.infer` (whole batch, by
-samples and by tokens) and one `SamplingGenerator` decode."""
+samples and by tokens), one `SamplingGenerator` decode, and one whole trainer iteration."""
 
 import dataclasses
 
@@ -14,9 +14,11 @@ from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.optim import StrategyConfig
 from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.standin import recording, standin_device
+from rlhfuse.trainer import RLHFTrainer, compose_config
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
@@ -138,3 +140,45 @@ def test_a_sampling_generator_decodes_on_the_standin_with_the_cpu_tokens() -> No
     for expected, chunk in zip(*rollouts, strict=True):
         for name, tensor in vars(chunk).items():
             assert torch.equal(tensor, getattr(expected, name)), name
+
+
+def _trainer(device: torch.device | str, run_dir) -> RLHFTrainer:
+    """One PPO iteration: the sampling generator (two chunks), inference of each chunk, GAE, two mini-batches."""
+    cfg = compose_config(
+        ["iterations=1", "data.prompts_per_iteration=2", "data.samples_per_prompt=3", "data.mini_batch_size=3",
+         "data.micro_batch_size=2", "generator.max_new_tokens=6", "generator.max_batch_size=4",
+         "logger.progress=false"]
+    )  # fmt: skip
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = ModelConfig.tiny(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_heads=2
+    )
+    actor, ref, critic, reward = (Transformer(model, h).to(device) for h in ("lm", "lm", "value", "value"))
+    generator = SamplingGenerator(
+        actor, cfg.generator.sampling, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+        samples_per_prompt=cfg.data.samples_per_prompt, seed=cfg.seed,
+    )  # fmt: skip
+    inferencer = ModelInferencer(
+        cfg.inferencer, actor=actor, ref=ref, critic=critic, reward_model=reward, reward_fn=None,
+        tokenizer=tokenizer, temperature=cfg.generator.sampling.temperature,
+    )  # fmt: skip
+    strategy = _strategy(actor, critic, cfg.data.micro_batch_size, 0)
+    prompts = PromptLoader(load_prompts(cfg.data, tokenizer, seed=cfg.seed), 2, seed=cfg.seed)
+    return RLHFTrainer(
+        cfg, generator=generator, inferencer=inferencer, strategy=strategy, prompts=prompts,
+        pad_token_id=tokenizer.pad_id, run_dir=run_dir,
+    )  # fmt: skip
+
+
+def test_one_trainer_iteration_runs_on_the_standin_with_the_cpu_metrics(tmp_path) -> None:
+    """fit(): rollout (generation streamed into inference, chunks concatenated), advantages, the update over
+    mini-batches, the weight sync to the generator and the metrics, all on the device."""
+    (on_cpu,) = _trainer("cpu", tmp_path / "cpu").fit()
+    trainer = _trainer(STANDIN, tmp_path / "standin")
+    (metrics,) = trainer.fit()
+    assert next(trainer.generator.actor_copies()[0].parameters()).device == STANDIN
+    compared = [k for k in on_cpu if not k.startswith(("time/", "throughput/"))]
+    assert "loss/policy" in compared and "reward/mean" in compared
+    for key in compared:
+        assert metrics[key] == pytest.approx(on_cpu[key], rel=1e-4, abs=1e-5), key
