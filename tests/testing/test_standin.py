@@ -114,6 +114,19 @@ def test_deepcopy_and_state_dict_stay_on_the_standin() -> None:
     assert twin[0].weight.device == DEVICE and float(twin[0].weight.detach().abs().sum()) == 0.0
 
 
+def test_saved_tensors_load_on_the_host_and_storages_count_ties_once(tmp_path) -> None:
+    from rlhfuse.models.stages import resident_bytes
+
+    model = _tied_lm(2)
+    host_bytes = resident_bytes(model)
+    model.to(DEVICE)
+    assert resident_bytes(model) == host_bytes == 11 * 8 * 4  # the tied weight once
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", map_location="cpu", weights_only=True)  # as a CUDA checkpoint
+    assert all(type(t) is torch.Tensor for t in state.values())
+    assert torch.equal(state["0.weight"], model[0].weight.detach().cpu())
+
+
 def test_recording_counts_host_reads_and_record_stream() -> None:
     x_B = torch.arange(3, device=DEVICE)
     with recording() as rec:

@@ -19,6 +19,7 @@ from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
+from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
@@ -142,12 +143,13 @@ def test_a_sampling_generator_decodes_on_the_standin_with_the_cpu_tokens() -> No
             assert torch.equal(tensor, getattr(expected, name)), name
 
 
-def _trainer(device: torch.device | str, run_dir) -> RLHFTrainer:
-    """One PPO iteration: the sampling generator (two chunks), inference of each chunk, GAE, two mini-batches."""
+def _trainer(device: torch.device | str, run_dir, *overrides: str) -> RLHFTrainer:
+    """PPO iterations: the sampling generator (two chunks), inference of each chunk, GAE, two mini-batches, a
+    checkpoint after each iteration, the memory metrics."""
     cfg = compose_config(
         ["iterations=1", "data.prompts_per_iteration=2", "data.samples_per_prompt=3", "data.mini_batch_size=3",
          "data.micro_batch_size=2", "generator.max_new_tokens=6", "generator.max_batch_size=4",
-         "logger.progress=false"]
+         "logger.progress=false", "checkpoint.every=1", *overrides]
     )  # fmt: skip
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -165,20 +167,29 @@ def _trainer(device: torch.device | str, run_dir) -> RLHFTrainer:
     )  # fmt: skip
     strategy = _strategy(actor, critic, cfg.data.micro_batch_size, 0)
     prompts = PromptLoader(load_prompts(cfg.data, tokenizer, seed=cfg.seed), 2, seed=cfg.seed)
+    memory = MemoryMetrics(lambda: [actor, ref, critic, reward], strategy.optimizers_in_use)
     return RLHFTrainer(
         cfg, generator=generator, inferencer=inferencer, strategy=strategy, prompts=prompts,
-        pad_token_id=tokenizer.pad_id, run_dir=run_dir,
+        pad_token_id=tokenizer.pad_id, run_dir=run_dir, callbacks=[memory],
     )  # fmt: skip
 
 
-def test_one_trainer_iteration_runs_on_the_standin_with_the_cpu_metrics(tmp_path) -> None:
+def test_trainer_iterations_and_a_resume_run_on_the_standin_with_the_cpu_metrics(tmp_path) -> None:
     """fit(): rollout (generation streamed into inference, chunks concatenated), advantages, the update over
-    mini-batches, the weight sync to the generator and the metrics, all on the device."""
-    (on_cpu,) = _trainer("cpu", tmp_path / "cpu").fit()
-    trainer = _trainer(STANDIN, tmp_path / "standin")
-    (metrics,) = trainer.fit()
-    assert next(trainer.generator.actor_copies()[0].parameters()).device == STANDIN
-    compared = [k for k in on_cpu if not k.startswith(("time/", "throughput/"))]
-    assert "loss/policy" in compared and "reward/mean" in compared
-    for key in compared:
-        assert metrics[key] == pytest.approx(on_cpu[key], rel=1e-4, abs=1e-5), key
+    mini-batches, the weight sync to the generator, metrics and a checkpoint, all on the device; then a resumed
+    run loads that checkpoint (optimizer states onto the device) and trains a second iteration."""
+    history = {}
+    for name, device in (("cpu", "cpu"), ("standin", STANDIN)):
+        (first,) = _trainer(device, tmp_path / name).fit()
+        resumed = _trainer(device, tmp_path / name, "iterations=2", "resume=auto")
+        (second,) = resumed.fit()  # this run's iterations: the second one only
+        assert (first["iteration"], second["iteration"]) == (1, 2)
+        assert next(resumed.generator.actor_copies()[0].parameters()).device == torch.device(device)
+        states = resumed.strategy.actor_optim.state.values()  # type: ignore[attr-defined]
+        assert {t.device for s in states for k, t in s.items() if k != "step"} == {torch.device(device)}
+        history[name] = (first, second)
+    for on_cpu, on_device in zip(history["cpu"], history["standin"], strict=True):
+        compared = [k for k in on_cpu if not k.startswith(("time/", "throughput/"))]
+        assert {"loss/policy", "reward/mean", "memory/param_bytes"} <= set(compared)
+        for key in compared:
+            assert on_device[key] == pytest.approx(on_cpu[key], rel=1e-4, abs=1e-5), key

@@ -287,6 +287,14 @@ class StandinTensor(Tensor):
         _note("host_reads")
         return self._data.tolist()
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The CPU data's storage: what storage identity (tied weights counted once) and sizes are read from."""
+        return self._data.untyped_storage()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
+        # pickled (torch.save) as its CPU data: a checkpoint loads as `map_location="cpu"` loads a CUDA one
+        return self._data.__reduce_ex__(protocol)
+
     # the traceable-wrapper-subclass protocol: nn.Module._apply swaps parameters in place (ties kept)
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["_data"], None
