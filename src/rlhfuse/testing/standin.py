@@ -137,8 +137,8 @@ def standin_device(index: int = 0) -> torch.device:
         lib.impl("empty_strided", _empty_strided, "PrivateUse1")
         # torch.tensor(data, device=) copies below the Python dispatch key: the backend's own copy kernel
         lib.impl("_copy_from", _copy_from, "PrivateUse1")
-        for name in _RESIZING_FACTORIES:
-            lib.impl(name, _cpu_factory(name), "PrivateUse1")
+        for factory in _RESIZING_FACTORIES:
+            lib.impl(factory, _cpu_factory(factory), "PrivateUse1")
         _REGISTERED.append(lib)
     return torch.device(STANDIN, index)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-# devices whose copies are queued on streams (not the CPU, where nothing is copied, nor `meta`, which has none)
+# devices without streams: the copies there are plain synchronous ones (the CPU copies nothing at all)
 _NO_STREAMS = ("cpu", "meta")
 
 
