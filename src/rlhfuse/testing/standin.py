@@ -123,6 +123,11 @@ def standin_device(index: int = 0) -> torch.device:
         raise ValueError(f"the stand-in device has one index, 0 (got {index})")
     name = torch._C._get_privateuse1_backend_name()
     if not _REGISTERED:
+        if not hasattr(torch._C, "_acc"):
+            raise RuntimeError(
+                f"the stand-in device needs torch's Python backend hooks (torch._C._acc), which torch "
+                f"{torch.__version__} lacks: install the torch the Makefile pins (make setup)"
+            )
         if name not in ("privateuseone", STANDIN):
             raise RuntimeError(
                 f"this process's PrivateUse1 backend is already named {name!r}: the stand-in device needs it "
