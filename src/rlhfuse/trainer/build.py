@@ -33,6 +33,7 @@ from rlhfuse.trainer.callbacks import (
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
+from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import rule_reward
@@ -106,14 +107,6 @@ def add_stop_tokens(config: RLHFConfig, tokenizer: Tokenizer) -> None:
     sampling = config.generator.sampling
     extra = set(tokenizer.stop_ids) - {tokenizer.eos_id} - set(sampling.stop_token_ids)
     sampling.stop_token_ids = [*sampling.stop_token_ids, *sorted(extra)]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available here: set device=cpu or device=auto")
-    return torch.device(name)
 
 
 def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
@@ -226,11 +219,12 @@ def build_trainer(
         rule_reward(config.inferencer.reward_fn).check_rows(rows, source)
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
 
-    device = resolve_device(config.device)
+    device = resolve_device(config.device)  # this rank's: cuda:LOCAL_RANK under torchrun
+    claim_device(device)  # before the process group: NCCL, Triton launches and current_device() follow it
     allow_tf32(device)
     fabric = make_fabric(config, device)
     if fabric.world_size > 1:
-        device = fabric.device  # one device per rank
+        device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
     shard = sharded_construction(config, fabric)

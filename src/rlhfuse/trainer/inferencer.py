@@ -98,16 +98,19 @@ class ModelInferencer:
 
     def _infer_by_tokens(self, rollout: Rollout) -> Experience:
         """Forward passes over groups of rows of at most `micro_batch_tokens` real tokens (`token_groups`), the
-        results put back in row order."""
+        results put back in row order, on the models' device (as `infer` returns them)."""
+        # the lengths are read where the rollout is (the generator's host copy: no device sync)
         groups = token_groups(rollout.attention_mask_BT.sum(dim=1).tolist(), self.micro_batch_tokens)
+        device = next(self.actor.parameters()).device
+        rollout = rollout.to(device)
         out: list[Tensor] = []
         for g in groups:
-            index = torch.tensor(g)
-            part = self._infer(Rollout(**{k: v[index] for k, v in vars(rollout).items()}))
+            index_G = torch.tensor(g, device=device)
+            part = self._infer(Rollout(**{k: v[index_G] for k, v in vars(rollout).items()}))
             if not out:
-                out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype) for p in part]
+                out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype, device=device) for p in part]
             for whole, piece in zip(out, part, strict=True):
-                whole[index] = piece
+                whole[index_G] = piece
         return Experience(rollout, *out)
 
     @staticmethod

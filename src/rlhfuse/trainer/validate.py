@@ -23,7 +23,8 @@ from rlhfuse.models.attention import packing_problem
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
-from rlhfuse.trainer.data_parallel import validate_plain_launch
+from rlhfuse.trainer.data_parallel import plain_world_size, validate_plain_launch
+from rlhfuse.trainer.device import device_problems, resolve_device
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 
 
@@ -91,8 +92,11 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         need(problems, value in registry, registry.unknown_message(value))
     if cfg.pipeline.name in PIPELINE_STRATEGIES:
         problems += validate_runtime(cfg)
+        world = launched_world_size(cfg.distributed.nproc_per_node)
     else:
         problems += validate_plain_launch(cfg)
+        world = plain_world_size(cfg)
+    problems += device_problems(cfg.device, world)
     model, where = _model_shape(cfg, problems)
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
@@ -319,7 +323,7 @@ def _kv_memory_problems(cfg: RLHFConfig, model: ModelConfig) -> list[str]:
     per_token = 2 * model.num_layers * model.num_kv_heads * model.resolved_head_dim * dtype_bytes
     tokens = d.max_prompt_length + g.sampling.max_new_tokens
     need_bytes = rows * tokens * per_token
-    memory = _memory_bytes(cuda)
+    memory = _memory_bytes(cfg.device if cuda else "cpu")
     if memory is None or need_bytes <= memory // 2:
         return []
     fits = memory // 2 // (rows * per_token) - d.max_prompt_length
@@ -331,10 +335,11 @@ def _kv_memory_problems(cfg: RLHFConfig, model: ModelConfig) -> list[str]:
     ]
 
 
-def _memory_bytes(cuda: bool) -> int | None:
+def _memory_bytes(device: str) -> int | None:
+    """Memory of `device=<device>` as this rank resolves it (its own GPU under torchrun), or the host's."""
     try:
-        if cuda:
-            return int(torch.cuda.get_device_properties(0).total_memory)
+        if device != "cpu":
+            return int(torch.cuda.get_device_properties(resolve_device(device)).total_memory)
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, RuntimeError, AttributeError, AssertionError):  # torch without CUDA asserts
         return None

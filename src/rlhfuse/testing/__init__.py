@@ -1,0 +1,2 @@
+"""Test support that ships with the package (importable from spawned ranks and benchmarks): the stand-in
+device (`rlhfuse.testing.standin`)."""
