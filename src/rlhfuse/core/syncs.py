@@ -83,9 +83,10 @@ class SyncCounter(TorchDispatchMode):
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__()
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device_type = torch.device(device).type
+        # only the device *type* matters here (every CUDA device's reads count)
+        self.device_type = (
+            torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.by_kind: Counter[str] = Counter()
         self._originals: dict[str, Callable[..., Any]] = {}
         self._owned: dict[str, bool] = {}
