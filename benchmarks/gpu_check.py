@@ -231,42 +231,16 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def random_batch(samples: int, vocab: int, prompt: int, response: int, seed: int) -> Any:
-    """A TrainBatch with left-padded prompts and right-padded responses of varied lengths (on the CPU)."""
-    from rlhfuse.core.types import TrainBatch
+    """A float32 TrainBatch with left-padded prompts and right-padded responses (on the CPU)."""
+    from rlhfuse.testing.data import random_batch as make
 
-    g = torch.Generator().manual_seed(seed)
-    t = prompt + response
-    ids = torch.randint(1, vocab, (samples, t), generator=g)
-    mask = torch.ones(samples, t, dtype=torch.long)
-    resp = torch.zeros(samples, response)
-    for b in range(samples):
-        p_len = int(torch.randint(2, prompt + 1, (1,), generator=g))
-        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
-        mask[b, : prompt - p_len] = 0
-        mask[b, prompt + r_len :] = 0
-        ids[b, mask[b] == 0] = 0
-        resp[b, :r_len] = 1
-    rand = lambda: torch.randn(samples, response, generator=g)  # noqa: E731
-    return TrainBatch(ids, mask, resp, -1.0 + 0.1 * rand(), 0.3 * rand(), rand(), rand())
+    return make(samples, vocab=vocab, prompt=prompt, response=response, seed=seed, dtype=torch.float32)
 
 
 def random_rollout(n: int, vocab: int, prompt: int, response: int, seed: int) -> Any:
-    from rlhfuse.core.types import Rollout
+    from rlhfuse.testing.data import random_rollout as make
 
-    g = torch.Generator().manual_seed(seed)
-    p_ids = torch.randint(1, vocab, (n, prompt), generator=g)
-    r_ids = torch.randint(1, vocab, (n, response), generator=g)
-    p_mask = torch.ones(n, prompt, dtype=torch.long)
-    r_mask = torch.zeros(n, response, dtype=torch.long)
-    for b in range(n):
-        p_len = int(torch.randint(1, prompt + 1, (1,), generator=g))
-        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
-        p_mask[b, : prompt - p_len] = 0
-        p_ids[b, : prompt - p_len] = 0
-        r_mask[b, :r_len] = 1
-        r_ids[b, r_len:] = 0
-    finished = torch.rand(n, generator=g) < 0.7
-    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.arange(n), torch.zeros(n, dtype=torch.long), finished)
+    return make(n, vocab=vocab, prompt=prompt, response=response, seed=seed)
 
 
 def pipeline_models(device: torch.device, layers: int = 2) -> Any:

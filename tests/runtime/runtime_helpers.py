@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline import Action, Problem, Schedule
 from rlhfuse.pipeline.simulate import all_actions, dependencies
+from rlhfuse.testing.data import random_batch as random_batch  # re-exported: the runtime tests import it here
 
 
 def random_schedule(problem: Problem, seed: int) -> Schedule:
@@ -39,32 +39,6 @@ def random_schedule(problem: Problem, seed: int) -> Schedule:
         done.add(a)
         lists[placement[(a.model, a.replica, a.stage)]].append(a)
     return Schedule.from_lists(lists)
-
-
-def random_batch(
-    samples: int,
-    *,
-    vocab: int = 128,
-    prompt: int = 5,
-    response: int = 7,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-) -> TrainBatch:
-    """A TrainBatch with left-padded prompts and right-padded responses of varied lengths."""
-    g = torch.Generator().manual_seed(seed)
-    t = prompt + response
-    ids = torch.randint(1, vocab, (samples, t), generator=g)
-    mask = torch.ones(samples, t, dtype=torch.long)
-    resp = torch.zeros(samples, response, dtype=dtype)
-    for b in range(samples):
-        p_len = int(torch.randint(2, prompt + 1, (1,), generator=g))
-        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
-        mask[b, : prompt - p_len] = 0
-        mask[b, prompt + r_len :] = 0
-        ids[b, mask[b] == 0] = 0
-        resp[b, :r_len] = 1
-    rand = lambda: torch.randn(samples, response, generator=g, dtype=dtype)  # noqa: E731
-    return TrainBatch(ids, mask, resp, -1.0 + 0.1 * rand(), 0.3 * rand(), rand(), rand())
 
 
 def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

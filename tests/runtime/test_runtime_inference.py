@@ -23,6 +23,7 @@ from rlhfuse.runtime.inference import (
 )
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, check_program, lower
+from rlhfuse.testing.data import random_rollout
 from rlhfuse.trainer.inferencer import ModelInferencer
 
 MODELS = ("actor", "ref", "critic", "reward")
@@ -115,20 +116,7 @@ def test_trim_responses_drops_only_trailing_padding() -> None:
 
 
 def _rollout(n: int, seed: int, vocab: int = 128, prompt: int = 5, response: int = 7) -> Rollout:
-    g = torch.Generator().manual_seed(seed)
-    p_ids = torch.randint(1, vocab, (n, prompt), generator=g)
-    r_ids = torch.randint(1, vocab, (n, response), generator=g)
-    p_mask = torch.ones(n, prompt, dtype=torch.long)
-    r_mask = torch.zeros(n, response, dtype=torch.long)
-    for b in range(n):
-        p_len = int(torch.randint(1, prompt + 1, (1,), generator=g))
-        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
-        p_mask[b, : prompt - p_len] = 0
-        p_ids[b, : prompt - p_len] = 0
-        r_mask[b, :r_len] = 1
-        r_ids[b, r_len:] = 0
-    finished = torch.rand(n, generator=g) < 0.7
-    return Rollout(p_ids, p_mask, r_ids, r_mask, torch.arange(n), torch.zeros(n, dtype=torch.long), finished)
+    return random_rollout(n, vocab=vocab, prompt=prompt, response=response, seed=seed)
 
 
 def _models(layers: int = 2) -> dict[str, Transformer]:

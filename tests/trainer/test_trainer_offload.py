@@ -7,9 +7,9 @@ import torch
 
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.protocols import SwapsWeights
-from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.offload import OffloadedModel
 
@@ -54,15 +54,7 @@ def test_swap_lives_on_host_between_uses_and_keeps_ties() -> None:
 
 
 def test_offloaded_inference_outputs_are_unchanged() -> None:
-    rollout = Rollout(
-        prompt_ids_BP=torch.tensor([[0, 5, 6], [8, 9, 10]]),
-        prompt_mask_BP=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-        response_ids_BR=torch.tensor([[7, 2, 0], [11, 12, 13]]),
-        response_mask_BR=torch.tensor([[1, 1, 0], [1, 1, 1]]),
-        prompt_index_B=torch.tensor([0, 1]),
-        sample_index_B=torch.tensor([0, 0]),
-        finished_B=torch.tensor([True, False]),
-    )
+    rollout = two_row_rollout()
     outputs = []
     for offload in (False, True):
         inf = ModelInferencer(
@@ -115,15 +107,7 @@ def test_offloaded_inference_on_the_standin_device_matches_the_cpu() -> None:
     from rlhfuse.testing.standin import standin_device
 
     device = standin_device()
-    rollout = Rollout(
-        prompt_ids_BP=torch.tensor([[0, 5, 6], [8, 9, 10]]),
-        prompt_mask_BP=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-        response_ids_BR=torch.tensor([[7, 2, 0], [11, 12, 13]]),
-        response_mask_BR=torch.tensor([[1, 1, 0], [1, 1, 1]]),
-        prompt_index_B=torch.tensor([0, 1]),
-        sample_index_B=torch.tensor([0, 0]),
-        finished_B=torch.tensor([True, False]),
-    )
+    rollout = two_row_rollout()
     outputs = []
     for target, offload in (("cpu", False), (device, True)):
         inf = ModelInferencer(

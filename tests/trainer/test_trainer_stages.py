@@ -12,6 +12,7 @@ from rlhfuse.core.optim import StrategyConfig, lr_lambda, micro_batches
 from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -33,15 +34,7 @@ def _models():
 
 def _rollout():
     # row 0: prompt [pad, 5, 6], response [7, 2] finished; row 1: prompt [8, 9, 10], response [11, 12, 13] cut
-    return Rollout(
-        prompt_ids_BP=torch.tensor([[PAD, 5, 6], [8, 9, 10]]),
-        prompt_mask_BP=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-        response_ids_BR=torch.tensor([[7, 2, PAD], [11, 12, 13]]),
-        response_mask_BR=torch.tensor([[1, 1, 0], [1, 1, 1]]),
-        prompt_index_B=torch.tensor([0, 1]),
-        sample_index_B=torch.tensor([0, 0]),
-        finished_B=torch.tensor([True, False]),
-    )
+    return two_row_rollout(PAD)
 
 
 def _inferencer(truncated_score=None):

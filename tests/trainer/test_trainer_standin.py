@@ -17,6 +17,7 @@ from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
 from rlhfuse.trainer.callbacks import MemoryMetrics
@@ -40,15 +41,7 @@ def _models(device: torch.device | str) -> tuple[Transformer, Transformer, Trans
 
 def _rollout() -> Rollout:
     """Four samples (prompt [3] + response [3], lengths 4, 6, 6, 4), on the CPU as the generator returns them."""
-    one = Rollout(
-        prompt_ids_BP=torch.tensor([[PAD, 5, 6], [8, 9, 10]]),
-        prompt_mask_BP=torch.tensor([[0, 1, 1], [1, 1, 1]]),
-        response_ids_BR=torch.tensor([[7, 2, PAD], [11, 12, 13]]),
-        response_mask_BR=torch.tensor([[1, 1, 0], [1, 1, 1]]),
-        prompt_index_B=torch.tensor([0, 1]),
-        sample_index_B=torch.tensor([0, 0]),
-        finished_B=torch.tensor([True, False]),
-    )
+    one = two_row_rollout(PAD)
     return Rollout(**{k: torch.cat([v, v.flip(0)]) for k, v in vars(one).items()})
 
 

@@ -85,7 +85,9 @@ class SyncCounter(TorchDispatchMode):
         super().__init__()
         # only the device *type* matters here (every CUDA device's reads count)
         self.device_type = (
-            torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+            torch.device(device).type
+            if device is not None
+            else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.by_kind: Counter[str] = Counter()
         self._originals: dict[str, Callable[..., Any]] = {}
