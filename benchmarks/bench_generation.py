@@ -273,7 +273,48 @@ def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
             finally:
                 hook.remove()
         out["sampling"] = [b - a for a, b in itertools.pairwise(marks[1:])]
+    out["training step"] = training_step_syncs()
     return out
+
+
+def training_step_syncs(microbatches: int = 4) -> list[int]:
+    """Syncs of one pipeline training step (`PipelineExecutor.run`, Actor + Critic, pp=1 in one process: the
+    point-to-point adds none; packed micro-batches), counted after a warm-up step. The micro-batches' mask layouts,
+    where this revision has them, are worked out from the host masks before the count, as `PlanExecutor` does
+    before it moves them to the device."""
+    from rlhfuse.core.advantages import AlgorithmConfig
+    from rlhfuse.core.syncs import SyncCounter
+    from rlhfuse.models import ModelConfig
+    from rlhfuse.pipeline import greedy
+    from rlhfuse.runtime.balance import split_minibatch
+    from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
+    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+    from rlhfuse.runtime.lower import lower_checked
+    from rlhfuse.runtime.partition import stages_for_rank
+    from rlhfuse.testing.data import random_batch
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(num_layers=2)
+    models = {"actor": Transformer(cfg, head="lm"), "critic": Transformer(cfg, head="value")}
+    for model in models.values():
+        model.packing = True
+    layout = ParallelLayout(ModelParallel(1), ModelParallel(1), 1, 1, microbatches)
+    problem = layout.problem()
+    executor = PipelineExecutor(
+        0, lower_checked(problem, greedy(problem)), problem, stages_for_rank(layout, 0, models),
+        losses=ppo_losses(AlgorithmConfig(entropy_coef=0.01)),
+    )  # fmt: skip
+    micro, weights, _ = split_minibatch(
+        random_batch(2 * microbatches, seed=1, dtype=torch.float32), 1, microbatches
+    )
+    work = StepWork(micro, weights)
+    with_layouts = getattr(work, "with_layouts", None)  # absent at BASELINE: its forwards read the masks
+    if with_layouts is not None:
+        work = with_layouts(packed=True)
+    executor.run(work)
+    with SyncCounter(device="cpu") as counter:
+        executor.run(work)
+    return [counter.count]
 
 
 def baseline_syncs_per_step() -> dict[str, list[int]] | None:
@@ -291,6 +332,13 @@ def baseline_syncs_per_step() -> dict[str, list[int]] | None:
             return None
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         shutil.copy(root / "src" / "rlhfuse" / "core" / "syncs.py", Path(tmp) / "src" / "rlhfuse" / "core")
+        (Path(tmp) / "src" / "rlhfuse" / "testing").mkdir(
+            exist_ok=True
+        )  # the random batch (imports only types)
+        for name in ("__init__.py", "data.py"):
+            shutil.copy(
+                root / "src" / "rlhfuse" / "testing" / name, Path(tmp) / "src" / "rlhfuse" / "testing"
+            )
         shutil.copy(Path(__file__), Path(tmp) / "benchmarks" / "bench_generation.py")
         code = "import json, benchmarks.bench_generation as b; print(json.dumps(b.syncs_per_step()))"
         env = dict(os.environ, PYTHONPATH=f"{tmp}/src:{tmp}")
@@ -308,9 +356,10 @@ def memory_and_syncs(quick: bool) -> None:
     print("\npeak KV bytes of one iteration's generation (fp32 caches)")
     for experiment in ("default", "longtail"):
         kv_memory(experiment)
-    print("\nsyncs per decode step (SyncCounter on the CPU, sampled; quick workload)")
+    print("\nsyncs per decode step and per training step (SyncCounter on the CPU, sampled; quick workload)")
     after = syncs_per_step()
     before = baseline_syncs_per_step()
-    for name in ("engine", "sampling"):
+    print("  (the training step: one PipelineExecutor step of Actor + Critic over 4 packed micro-batches)")
+    for name in ("engine", "sampling", "training step"):
         was = f"before ({BASELINE}) {_describe(before[name])}" if before else "before: BASELINE not available"
         print(f"  {name:<9} {was} | after {_describe(after[name])}")
