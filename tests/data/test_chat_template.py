@@ -128,3 +128,23 @@ def test_prompt_template_rewrites_text_prompts_with_row_fields_before_the_chat_t
         DatasetError, match=r"names \{x\} but row 0 of .*p\.jsonl has only \['a', 'answer', 'prompt'\]"
     ):
         load_prompts(config, tok, seed=0)
+
+
+def test_trl_conversational_prompt_and_sft_row_answer_kept_out_of_the_prompt(tmp_path):
+    tok = _checkpoint_tokenizer(tmp_path / "ckpt")
+    path = tmp_path / "p.jsonl"
+    user = {"role": "user", "content": "7 + 5 ="}
+    rows = [
+        {"prompt": [user], "answer": "12"},  # TRL's conversational format
+        {
+            "messages": [user, {"role": "assistant", "content": "12"}]
+        },  # an SFT row: the answer is the last turn
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trl, sft = load_prompts(DataConfig(source="file", path=str(path), max_prompt_length=32), tok, seed=0)
+    assert trl.token_ids == sft.token_ids == tuple(tok.encode_chat([user]))
+    assert trl.fields == {"answer": "12"}
+    assert sft.fields == {"completion": "12"} and "12" not in sft.text  # no leak into the prompt
+    path.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DatasetError, match=r"p\.jsonl:1: message 0: 'prompt' must be a non-empty list"):
+        load_prompts(DataConfig(source="file", path=str(path)), tok, seed=0)

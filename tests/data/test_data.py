@@ -67,7 +67,7 @@ def _write(path, lines):
     [
         ('{"prompt": "ok"', "not valid JSON"),
         ('{"text": "no prompt key"}', "missing key 'prompt'"),
-        ('{"prompt": 3}', "must be a non-empty string"),
+        ('{"prompt": 3}', "must be a non-empty string or a list of chat messages"),
         ('["a list"]', "expected a JSON object"),
     ],
 )

@@ -4,8 +4,10 @@ length limit, and a resumable loader that yields a fixed number of prompts per i
 Each prompt keeps its dataset row's other fields (`Prompt.fields`, e.g. a reference `answer`): the rollout carries
 only the prompt's id (`Rollout.prompt_index_B`), and the reward stage looks the fields up by it.
 
-A file row holds either a prompt text (`data.prompt_key`) or chat messages (a `messages` list of
-{"role", "content"} objects). With `data.chat_template=auto` and a tokenizer that has a chat template, every prompt
+A file row holds either a prompt (`data.prompt_key`: a text, or a list of chat messages as in TRL's
+conversational format) or chat messages (a `messages` list of {"role", "content"} objects). A `messages` row
+whose last turn is the assistant's (an SFT-style row) keeps that turn out of the prompt, as the row's
+`completion` field (which reward functions see). With `data.chat_template=auto` and a tokenizer that has a chat template, every prompt
 is rendered with it (a text as one user turn) and ends with the assistant's generation prompt; otherwise prompts
 are plain text with the tokenizer's BOS first, and `messages` rows are an error."""
 
@@ -26,6 +28,7 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
 MESSAGES_KEY = "messages"
+COMPLETION_KEY = "completion"
 # a prompt: its text, or chat messages ({"role", "content"} each)
 PromptInput = str | list[dict[str, Any]]
 
@@ -108,7 +111,19 @@ def _read_parquet(path: Path, prompt_key: str) -> list[tuple[PromptInput, dict[s
 
 def _fields_of(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
     key = prompt_key if prompt_key in row else MESSAGES_KEY
-    return {k: v for k, v in row.items() if k != key}
+    fields = {k: v for k, v in row.items() if k != key}
+    if key == MESSAGES_KEY and _ends_with_answer(row[MESSAGES_KEY]):
+        fields[COMPLETION_KEY] = row[MESSAGES_KEY][-1]["content"]  # the SFT answer, for the reward
+    return fields
+
+
+def _ends_with_answer(messages: list[dict[str, Any]]) -> bool:
+    return len(messages) > 1 and messages[-1]["role"] == "assistant"
+
+
+def completion_rows(rows: list[dict[str, Any]]) -> int:
+    """How many rows carry a `completion` taken from a final assistant turn (the trainer logs it once)."""
+    return sum(COMPLETION_KEY in row for row in rows)
 
 
 def _prompt_of(row: object, prompt_key: str, where: str) -> PromptInput:
@@ -117,20 +132,27 @@ def _prompt_of(row: object, prompt_key: str, where: str) -> PromptInput:
             f"{where}: expected a JSON object with key {prompt_key!r}, got {type(row).__name__}"
         )
     if prompt_key not in row and MESSAGES_KEY in row:
-        return _messages_of(row[MESSAGES_KEY], where)
+        messages = _messages_of(row[MESSAGES_KEY], where, MESSAGES_KEY)
+        return messages[:-1] if _ends_with_answer(messages) else messages  # the answer never leaks in
     if prompt_key not in row:
         raise DatasetError(
             f"{where}: missing key {prompt_key!r} (keys: {sorted(row)}); set data.prompt_key to the prompt field "
             f"(or give chat messages as {MESSAGES_KEY!r})"
         )
     text = row[prompt_key]
+    if isinstance(text, list):  # TRL's conversational format: the prompt as chat messages
+        return _messages_of(text, where, prompt_key)
     if not isinstance(text, str) or not text.strip():
-        raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string, got {text!r}")
+        raise DatasetError(
+            f"{where}: {prompt_key!r} must be a non-empty string or a list of chat messages, got {text!r}"[
+                :400
+            ]
+        )
     return text
 
 
-def _messages_of(value: object, where: str) -> list[dict[str, Any]]:
-    fix = f'{MESSAGES_KEY!r} must be a non-empty list of {{"role": ..., "content": ...}} objects with string values'
+def _messages_of(value: object, where: str, key: str) -> list[dict[str, Any]]:
+    fix = f'{key!r} must be a non-empty list of {{"role": ..., "content": ...}} objects with string values'
     if not isinstance(value, list) or not value:
         raise DatasetError(f"{where}: {fix}, got {value!r}"[:400])
     for k, message in enumerate(value):

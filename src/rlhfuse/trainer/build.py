@@ -17,7 +17,7 @@ from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.protocols import FusingGenerator, Generator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
-from rlhfuse.data.prompts import PromptLoader, load_prompts, uses_chat_template
+from rlhfuse.data.prompts import PromptLoader, completion_rows, load_prompts, uses_chat_template
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
@@ -214,6 +214,12 @@ def build_trainer(
     prompts = load_prompts(config.data, tokenizer, seed=config.seed)
     check_context(config, max(len(p.token_ids) for p in prompts))
     rows = [p.fields for p in prompts]  # by prompt id (= position)
+    answered = completion_rows(rows)
+    if answered:
+        log(
+            f"rlhfuse: {answered} of {len(rows)} `messages` rows end with an assistant turn: it is left out of the "
+            "prompt and kept as the row's `completion` field (what reward functions see)"
+        )
     if config.inferencer.reward_fn:
         source = config.data.path or f"data.source={config.data.source}"
         rule_reward(config.inferencer.reward_fn).check_rows(rows, source)
