@@ -150,3 +150,15 @@ def test_cli_lists_every_rejected_key_in_one_error_exit_2(tmp_path):
     assert "data.batchsize is not a configuration key" in proc.stderr
     assert "generator.max_tokens is not a configuration key" in proc.stderr
     assert "Traceback" not in proc.stderr and not Path(tmp_path, "metrics.jsonl").exists()
+
+
+def test_error_line_prints_brackets_in_the_message_as_text():
+    import io
+
+    from rich.console import Console
+
+    from rlhfuse.trainer.cli import print_error
+
+    out = io.StringIO()
+    print_error(Console(file=out, width=200), "rank 1 died [/x] at [/__w/pytorch/pair.cc:553]")
+    assert out.getvalue().strip() == "rlhfuse-train: error: rank 1 died [/x] at [/__w/pytorch/pair.cc:553]"

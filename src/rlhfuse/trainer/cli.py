@@ -20,6 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
 from rlhfuse._optional import MissingDependencyError
 from rlhfuse._resources import conf_dir
@@ -62,7 +63,7 @@ def run(cfg: DictConfig) -> None:
         if debug():
             raise
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-        console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)
+        print_error(console, message)
         sys.exit(2)
     except Exception as err:
         watchdog = Watchdog.current
@@ -81,7 +82,7 @@ def run(cfg: DictConfig) -> None:
                 "probably failed (see its output); RLHFUSE_DEBUG=1 shows the traceback, resume=auto continues "
                 "from the last checkpoint"
             )
-        console.print(f"[bold red]rlhfuse-train: error:[/] {message}", highlight=False)
+        print_error(console, message)
         sys.exit(1)
     elapsed = time.perf_counter() - start
     if history:
@@ -97,6 +98,11 @@ def run(cfg: DictConfig) -> None:
             f"{config.run_dir}/metrics.jsonl",
             highlight=False,
         )
+
+
+def print_error(console: Console, message: str) -> None:
+    """The one error line; the message is escaped (a gloo path such as `[/__w/.../pair.cc:553]` is not markup)."""
+    console.print(f"[bold red]rlhfuse-train: error:[/] {escape(message)}", highlight=False)
 
 
 def _shutdown_process_group() -> None:
@@ -118,7 +124,7 @@ def main() -> None:
     try:  # every unknown key at once (Hydra stops at the first)
         check_keys(override_keys([a for a in sys.argv[1:] if not a.startswith("-")]))
     except ValueError as err:
-        Console(stderr=True).print(f"[bold red]rlhfuse-train: error:[/] {err}", highlight=False)
+        print_error(Console(stderr=True), str(err))
         sys.exit(2)
     register_schema()
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
