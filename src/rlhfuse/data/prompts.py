@@ -121,7 +121,7 @@ def _ends_with_answer(messages: list[dict[str, Any]]) -> bool:
     return len(messages) > 1 and messages[-1]["role"] == "assistant"
 
 
-def completion_rows(rows: list[dict[str, Any]]) -> int:
+def completion_rows(rows: list[Mapping[str, Any]]) -> int:
     """How many rows carry a `completion` taken from a final assistant turn (the trainer logs it once)."""
     return sum(COMPLETION_KEY in row for row in rows)
 
