@@ -7,7 +7,9 @@ rlhfuse-train hydra.run.dir=runs/a checkpoint.every=10 resume=auto
 
 A bad input (configuration key or value, data file, checkpoint, model folder, a missing optional package) ends
 in one line naming the file or key and the fix, exit status 2; a multi-process job whose rank died or lost
-contact ends in one line naming the rank and the last step, exit status 1. `RLHFUSE_DEBUG=1` shows tracebacks.
+contact ends in one line naming the rank and the last step, exit status 1. Ctrl-C ends in one line naming the
+last finished iteration and what `resume=auto` continues from, exit status 130. `RLHFUSE_DEBUG=1` shows
+tracebacks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,12 +27,14 @@ from rich.markup import escape
 
 from rlhfuse._optional import MissingDependencyError
 from rlhfuse._resources import conf_dir
+from rlhfuse.core.checkpoint import auto_resume_path
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.data.prompts import DatasetError
 from rlhfuse.models import CheckpointError as ModelCheckpointError
 from rlhfuse.runtime.launch import Watchdog
 from rlhfuse.trainer.build import build_trainer
 from rlhfuse.trainer.hydra import check_keys, override_keys, register_schema, to_config
+from rlhfuse.trainer.logging import line_console
 
 USER_ERRORS = (
     ValueError,
@@ -48,8 +53,9 @@ def debug() -> bool:
 
 
 def run(cfg: DictConfig) -> None:
-    console = Console(stderr=True)
+    console = line_console()
     start = time.perf_counter()
+    trainer = None
     try:
         config = to_config(cfg)
         if config.run_dir is None:
@@ -58,6 +64,12 @@ def run(cfg: DictConfig) -> None:
         history = trainer.fit()
         trainer.generator.close()  # engines with process-wide state (vLLM) shut down before the process group
         _shutdown_process_group()
+    except KeyboardInterrupt:
+        _disarm()
+        if debug():
+            raise
+        print_error(console, interrupted_message(trainer))
+        sys.exit(130)
     except USER_ERRORS as err:
         _disarm()
         if debug():
@@ -100,6 +112,20 @@ def run(cfg: DictConfig) -> None:
         )
 
 
+def interrupted_message(trainer: Any) -> str:
+    """Ctrl-C's one line: where the run stood and what `resume=auto` would continue from."""
+    if trainer is None:
+        return "interrupted while starting up (nothing trained yet)"
+    path = auto_resume_path(trainer.run_dir, trainer.checkpoint_dir)
+    where = (
+        f"resume=auto continues from {path}"
+        if path is not None
+        else "no checkpoint was saved yet (checkpoint.every=N saves one every N iterations), resume=auto starts "
+        "afresh"
+    )
+    return f"interrupted at iteration {trainer.iteration}; {where}"
+
+
 def print_error(console: Console, message: str) -> None:
     """The one error line; the message is escaped (a gloo path such as `[/__w/.../pair.cc:553]` is not markup)."""
     console.print(f"[bold red]rlhfuse-train: error:[/] {escape(message)}", highlight=False)
@@ -124,7 +150,7 @@ def main() -> None:
     try:  # every unknown key at once (Hydra stops at the first)
         check_keys(override_keys([a for a in sys.argv[1:] if not a.startswith("-")]))
     except ValueError as err:
-        print_error(Console(stderr=True), str(err))
+        print_error(line_console(), str(err))
         sys.exit(2)
     register_schema()
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()

@@ -222,7 +222,7 @@ class RichProgress:
     ):
         self.total = total
         self.print_every = print_every
-        self.console = console or Console(stderr=True)
+        self.console = console or line_console()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -253,6 +253,11 @@ class RichProgress:
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:
         self.progress.stop()
+
+
+def line_console() -> Console:
+    """The console every line of the CLI goes to: stderr, never wrapped (piped output keeps paths whole)."""
+    return Console(stderr=True, soft_wrap=True)
 
 
 def format_metrics(iteration: int, total: int, m: Mapping[str, float]) -> str:
