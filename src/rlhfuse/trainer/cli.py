@@ -15,6 +15,7 @@ tracebacks.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ def run(cfg: DictConfig) -> None:
             raise
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print_error(console, message)
+        _remove_if_unused(Path(HydraConfig.get().runtime.output_dir))
         sys.exit(2)
     except Exception as err:
         watchdog = Watchdog.current
@@ -110,6 +112,17 @@ def run(cfg: DictConfig) -> None:
             f"{config.run_dir}/metrics.jsonl",
             highlight=False,
         )
+
+
+# What Hydra writes into a run folder before the job starts; a folder holding nothing else was never used.
+HYDRA_FILES = frozenset({"cli.log", ".hydra"})
+
+
+def _remove_if_unused(run_dir: Path) -> None:
+    """A run that failed before writing anything leaves no `outputs/<date>/<time>/` folder behind (a folder with
+    checkpoints, metrics or any other file is kept)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 _IMPORTED = time.perf_counter()

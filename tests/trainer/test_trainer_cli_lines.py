@@ -1,5 +1,6 @@
-"""Ctrl-C (SIGINT) mid-run: one line naming the iteration and the checkpoint `resume=auto` continues from, exit
-status 130, no traceback (issue 25, case 4); the summary line counts start-up (case 5)."""
+"""The CLI's lines for a user's first hour (issue 25): Ctrl-C mid-run is one line naming the iteration and the
+checkpoint `resume=auto` continues from (exit 130, no traceback, the path whole when piped); the summary counts
+start-up; a run refused before it starts leaves no run folder."""
 
 from __future__ import annotations
 
@@ -54,3 +55,21 @@ def test_summary_time_counts_start_up(tmp_path: Path) -> None:
     reported = float(line.removeprefix("rlhfuse-train: done in ").split("s", 1)[0])
     # both clocks see the same load; the reported time misses only the spawn and the exit
     assert reported >= 0.7 * wall - 1.0, (reported, wall, line)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_refused_before_it_starts_leaves_no_run_folder(tmp_path: Path) -> None:
+    run = tmp_path / "outputs" / "run"
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=smoke", "generator.max_new_tokens=0",
+           f"hydra.run.dir={run}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "generator.max_new_tokens=0 must be > 0" in done.stderr
+    assert not run.exists(), sorted(p.name for p in run.iterdir())
+    # a used run folder is kept: the same refusal over a folder that already holds a file leaves it alone
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=280)
+    assert (run / "metrics.jsonl").exists()
