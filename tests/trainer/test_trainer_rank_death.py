@@ -38,20 +38,14 @@ def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, li
     env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
-    _read_until(proc, lines, marker)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    assert len(children) == 1, "".join(lines)
-    return proc, int(children[0]), lines
-
-
-def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str) -> None:
-    """Read the job's output into `lines` until a line holds `marker` (the event waited for, never a sleep)."""
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
         if marker in line:
-            return
-    raise AssertionError(f"the job ended before printing {marker!r}:\n" + "".join(lines)[-3000:])
+            break
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 1, "".join(lines)
+    return proc, int(children[0]), lines
 
 
 def _check_one_line(out: str, dead: int, survivor: int) -> None:
@@ -64,21 +58,15 @@ def _check_one_line(out: str, dead: int, survivor: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path) -> None:
-    proc, rank1, lines = _launch(tmp_path, "Starting with 2 processes")
-    # metrics.jsonl is written at every iteration's end: both ranks are in the loop
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling for the event, not a fixed wait
-    assert metrics.exists(), "".join(lines)[-3000:]
+    proc, rank1, _ = _launch(tmp_path, "Starting with 2 processes")
+    time.sleep(3.0)  # into the iterations
     os.kill(rank1, signal.SIGKILL)
     start = time.monotonic()
     try:
-        out, _ = proc.communicate(timeout=50)
+        out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    # well inside distributed.timeout_s=60: the death was detected, not waited out (a margin for a loaded machine)
-    assert time.monotonic() - start < 40
+    assert time.monotonic() - start < 10
     assert proc.returncode == 1, out[-3000:]
     _check_one_line(out, dead=1, survivor=0)
     assert "last step: iteration" in out
@@ -91,12 +79,12 @@ def test_rank_0_killed_at_start_up_ends_rank_1_with_one_line(tmp_path: Path) -> 
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     start = time.monotonic()
-    while _running(rank1) and time.monotonic() - start < 50:
+    while _running(rank1) and time.monotonic() - start < 30:
         time.sleep(0.1)
     elapsed = time.monotonic() - start
     if _running(rank1):
         os.kill(rank1, signal.SIGKILL)
     assert proc.stdout is not None
     out = proc.stdout.read()  # rank 1 held the pipe: its output, to EOF
-    assert elapsed < 40, out[-3000:]  # well inside distributed.timeout_s=60
+    assert elapsed < 10, out[-3000:]
     _check_one_line(out, dead=0, survivor=1)
