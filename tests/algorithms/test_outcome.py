@@ -13,6 +13,7 @@ from rlhfuse.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
     sequence_to_tokens,
+    zero_std_fraction,
 )
 
 
@@ -116,3 +117,10 @@ def test_group_advantages_are_centred_in_every_group():
         n = int((groups == label).sum())
         centred = scores[groups == label] - scores[groups == label].mean()
         assert a[groups == label].tolist() == pytest.approx((n / (n - 1) * centred).tolist())
+
+
+def test_zero_std_fraction_counts_groups_whose_samples_all_scored_alike():
+    scores_B = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    group_B = torch.tensor([7, 7, 3, 3, 9, 9])
+    assert zero_std_fraction(scores_B, group_B) == pytest.approx(2 / 3)
+    assert zero_std_fraction(torch.tensor([0.0, 1.0]), torch.tensor([1, 1])) == 0.0

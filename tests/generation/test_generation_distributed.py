@@ -161,7 +161,7 @@ def _inferencer():
         ref=ref.eval(),
         critic=critic.eval(),
         reward_model=reward.eval(),
-        reward_fn=None,
+        rewards=None,
         tokenizer=None,
         temperature=1.0,
     )

@@ -45,12 +45,20 @@ def test_sample_batch_round_trip_with_and_without_kv() -> None:
 
 def test_inferred_batch_round_trip() -> None:
     rows = [
-        InferredSample(_request(r, list(range(n))), torch.randn(n), torch.randn(n), torch.randn(n), 0.5 * r)
+        InferredSample(
+            _request(r, list(range(n))),
+            torch.randn(n),
+            torch.randn(n),
+            torch.randn(n),
+            0.5 * r,
+            (r, 0.25 * r),
+        )
         for r, n in ((0, 3), (1, 0), (2, 5))
     ]
     got = InferredBatch.unpack(InferredBatch(rows).pack()).rows
     for g, w in zip(got, rows, strict=True):
         assert g.request.row == w.request.row and g.request.tokens == w.request.tokens and g.score == w.score
+        assert g.rule_scores == w.rule_scores  # each reward function's own score travels with the sample
         for name in ("logprobs_N", "ref_logprobs_N", "values_N"):
             assert torch.equal(getattr(g, name), getattr(w, name))
     assert InferredBatch.unpack(InferredBatch([]).pack()).rows == []

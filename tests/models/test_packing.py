@@ -308,7 +308,7 @@ def test_the_inferencer_under_a_token_budget_equals_one_pass():
     for tokens in (0, 8):
         inferencer = ModelInferencer(
             InferencerConfig(truncated_score=None), actor=actor, ref=ref, critic=critic, reward_model=reward,
-            reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0, packing=True, micro_batch_tokens=tokens,
+            rewards=None, tokenizer=build_tokenizer(), temperature=1.0, packing=True, micro_batch_tokens=tokens,
         )  # fmt: skip
         results.append(inferencer.infer(rollout))
     for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):

@@ -159,11 +159,11 @@ def _inference(rank: int, world: int) -> None:
         rollout = _rollout(9, seed=pp)
         oracle = ModelInferencer(
             config, actor=models["actor"], ref=models["ref"], critic=None, reward_model=models["reward"],
-            reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+            rewards=None, tokenizer=tokenizer, temperature=0.7,
         ).infer(rollout)  # fmt: skip
         layout = actor_only_layout(ModelParallel(pp), dp, world, 2)
         got = PipelineInferencer(
-            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+            config, layout, models, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
             log=lambda _: None,
         ).infer(rollout)  # fmt: skip
         for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):

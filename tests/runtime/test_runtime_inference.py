@@ -142,10 +142,10 @@ def _inference_worker(rank: int, world: int) -> None:
         rollout = _rollout(rows, seed=rows + size)
         oracle = ModelInferencer(
             config, actor=models["actor"], ref=models["ref"], critic=models["critic"],
-            reward_model=models["reward"], reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+            reward_model=models["reward"], rewards=None, tokenizer=tokenizer, temperature=0.7,
         ).infer(rollout)  # fmt: skip
         pipe = PipelineInferencer(
-            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60
+            config, layout, models, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60
         )
         got = pipe.infer(rollout)
         where = (
@@ -174,11 +174,11 @@ def _four_rank_inference_worker(rank: int, world: int) -> None:
         rollout = _rollout(10, seed=actor_pp * 10 + critic_pp)
         oracle = ModelInferencer(
             config, actor=models["actor"], ref=models["ref"], critic=models["critic"],
-            reward_model=models["reward"], reward_fn=None, tokenizer=tokenizer, temperature=1.0,
+            reward_model=models["reward"], rewards=None, tokenizer=tokenizer, temperature=1.0,
         ).infer(rollout)  # fmt: skip
         layout = _layout(actor_pp, critic_pp, dp, mbs)
         got = PipelineInferencer(
-            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=1.0, timeout_s=60,
+            config, layout, models, rewards=None, tokenizer=tokenizer, temperature=1.0, timeout_s=60,
             log=lambda _: None,
         ).infer(rollout)  # fmt: skip
         where = f"rank {rank} actor.pp={actor_pp} critic.pp={critic_pp} dp={dp}"

@@ -126,13 +126,13 @@ def _inference_check(rank: int, world: int) -> None:
     config, tokenizer = InferencerConfig(truncated_score=None), build_tokenizer()
     oracle = ModelInferencer(
         config, actor=models["actor"], ref=models["ref"], critic=models["critic"], reward_model=models["reward"],
-        reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+        rewards=None, tokenizer=tokenizer, temperature=0.7,
     ).infer(rollout)  # fmt: skip
     for model in models.values():
         model.packing = True
     layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, world, 2)
     got = PipelineInferencer(
-        config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+        config, layout, models, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
         log=lambda _: None,
     ).infer(rollout)  # fmt: skip
     for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):

@@ -85,12 +85,12 @@ def _worker(rank: int, world: int, folder: str) -> None:
         _rollout(9, seed=5),
     )
     got = PipelineInferencer(
-        config, layout, sharded, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+        config, layout, sharded, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
         log=lambda _: None,
     ).infer(rollout)  # fmt: skip
     want = ModelInferencer(
         config, actor=whole["actor"], ref=whole["ref"], critic=whole["critic"], reward_model=whole["reward"],
-        reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+        rewards=None, tokenizer=tokenizer, temperature=0.7,
     ).infer(rollout)  # fmt: skip
     for field in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-9, atol=1e-9)

@@ -70,7 +70,7 @@ def _worker(rank: int, world: int) -> None:
     tokenizer = build_tokenizer()
     out = [
         PipelineInferencer(
-            config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+            config, layout, models, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
             log=lambda _: None,
         ).infer(rollout)
         for models in (four_cpu, four_standin)

@@ -250,7 +250,7 @@ def _check_inference(rank: int, case: tuple[tuple[int, int], tuple[int, int]]) -
     rollout = _rollout(10, seed=5)
     oracle = ModelInferencer(
         config, actor=models["actor"], ref=models["ref"], critic=models["critic"],
-        reward_model=models["reward"], reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+        reward_model=models["reward"], rewards=None, tokenizer=tokenizer, temperature=0.7,
     ).infer(rollout)  # fmt: skip
     placed = {}
     for name, model in models.items():
@@ -260,7 +260,7 @@ def _check_inference(rank: int, case: tuple[tuple[int, int], tuple[int, int]]) -
             model if t == 1 else shard_transformer(model, layout.tp_rank(rank, like), t, groups.tp_of(like))
         )
     got = PipelineInferencer(
-        config, layout, placed, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
+        config, layout, placed, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60,
         log=lambda _: None,
     ).infer(rollout)  # fmt: skip
     for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):

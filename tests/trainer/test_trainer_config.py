@@ -86,7 +86,8 @@ def test_unknown_component_names_list_the_known_ones():
     )
     # the registry gained the verifiable rewards (issue 14): exact_match, numeric_match, answer_format
     assert (
-        "known reward function names are ['answer_format', 'exact_match', 'length_penalty', 'numeric_match', "
+        "known reward function names are ['answer_format', 'exact_match', 'length_penalty', 'math_verify', "
+        "'numeric_match', "
         "'topic_fraction']" in str(err.value)
     )
 

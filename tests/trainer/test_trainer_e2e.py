@@ -139,7 +139,7 @@ def test_rule_reward_by_import_path_and_hf_export(cache_dir, tmp_path):
         cache_dir,
         tmp_path,
         "inferencer.reward_fn=rlhfuse_test_rewards:constant_reward",
-        "inferencer.reward_fn_weight=2.0",
+        "inferencer.reward_weights=[2.0]",
         "checkpoint.export_hf=true",
         "iterations=1",
     )

@@ -115,3 +115,20 @@ def test_weight_sync_changes_what_is_generated():
     before = _samples(gen, [7])
     gen.load_weights(_model(5).state_dict())
     assert _samples(gen, [7]) != before
+
+
+def test_a_call_may_sample_its_own_way_for_evaluation():
+    """`sampling=` (held-out evaluation): greedy here, 2 samples per prompt, while the generator's own settings
+    (sampled, 3 per prompt) stay in force for the next call."""
+    from rlhfuse.core.sampling import Sampling
+
+    gen = _generator(_model(), temperature=1.0)
+    greedy = Sampling(GeneratorConfig(max_new_tokens=12, temperature=0.0), samples_per_prompt=2)
+    (rollout,) = gen.generate(_batch([7, 11]), iteration=0, sampling=greedy)
+    assert rollout.sample_index_B.tolist() == [0, 1, 0, 1]
+    out = _samples(gen, [7, 11])
+    assert len(out) == 6  # the generator's own samples_per_prompt again
+    n = rollout.response_mask_BR.sum(dim=1).tolist()
+    responses = [rollout.response_ids_BR[b, : n[b]].tolist() for b in range(4)]
+    assert responses[0] == responses[1] and responses[2] == responses[3]  # greedy: one answer per prompt
+    assert responses[0] == _samples(_generator(_model(), temperature=0.0), [7])[(7, 0)]

@@ -60,7 +60,7 @@ def test_offloaded_inference_outputs_are_unchanged() -> None:
         inf = ModelInferencer(
             InferencerConfig(truncated_score=None, offload_frozen=offload),
             actor=_model("lm", 0), ref=_model("lm", 1), critic=_model("value", 2),
-            reward_model=_model("value", 3), reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0,
+            reward_model=_model("value", 3), rewards=None, tokenizer=build_tokenizer(), temperature=1.0,
         )  # fmt: skip
         assert isinstance(inf, SwapsWeights) and len(inf.offloaded) == (2 if offload else 0)
         inf.prefetch()
@@ -113,7 +113,7 @@ def test_offloaded_inference_on_the_standin_device_matches_the_cpu() -> None:
         inf = ModelInferencer(
             InferencerConfig(truncated_score=None, offload_frozen=offload),
             actor=_model("lm", 0).to(target), ref=_model("lm", 1), critic=_model("value", 2).to(target),
-            reward_model=_model("value", 3), reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0,
+            reward_model=_model("value", 3), rewards=None, tokenizer=build_tokenizer(), temperature=1.0,
         )  # fmt: skip
         inf.prefetch()
         outputs.append(inf.infer(rollout))

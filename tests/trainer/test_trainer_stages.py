@@ -41,7 +41,7 @@ def _inferencer(truncated_score=None):
     actor, ref, critic, reward = _models()
     config = InferencerConfig(truncated_score=truncated_score)
     inf = ModelInferencer(
-        config, actor=actor, ref=ref, critic=critic, reward_model=reward, reward_fn=None,
+        config, actor=actor, ref=ref, critic=critic, reward_model=reward, rewards=None,
         tokenizer=build_tokenizer(), temperature=1.0,
     )  # fmt: skip
     return inf, actor, critic, reward

@@ -50,7 +50,7 @@ def _inferencer(device: torch.device | str, **kw) -> ModelInferencer:
     micro_batch_tokens = kw.pop("micro_batch_tokens", 0)
     return ModelInferencer(
         InferencerConfig(truncated_score=-1.0, **kw), actor=actor, ref=ref, critic=critic, reward_model=reward,
-        reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0, micro_batch_tokens=micro_batch_tokens,
+        rewards=None, tokenizer=build_tokenizer(), temperature=1.0, micro_batch_tokens=micro_batch_tokens,
     )  # fmt: skip
 
 
@@ -155,7 +155,7 @@ def _trainer(device: torch.device | str, run_dir, *overrides: str) -> RLHFTraine
         samples_per_prompt=cfg.data.samples_per_prompt, seed=cfg.seed,
     )  # fmt: skip
     inferencer = ModelInferencer(
-        cfg.inferencer, actor=actor, ref=ref, critic=critic, reward_model=reward, reward_fn=None,
+        cfg.inferencer, actor=actor, ref=ref, critic=critic, reward_model=reward, rewards=None,
         tokenizer=tokenizer, temperature=cfg.generator.sampling.temperature,
     )  # fmt: skip
     strategy = _strategy(actor, critic, cfg.data.micro_batch_size, 0)

@@ -27,6 +27,7 @@ from rlhfuse.algorithms.outcome import (
     reinforce_pp_advantages,
     rloo_advantages,
     sequence_to_tokens,
+    zero_std_fraction,
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "sequence_to_tokens",
+    "zero_std_fraction",
     "value_loss",
     "whiten",
 ]

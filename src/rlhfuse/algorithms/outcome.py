@@ -24,6 +24,18 @@ def _groups(scores_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor
     return inverse_B.to(scores_B.device), count_G.to(scores_B.device)
 
 
+def zero_std_fraction(scores_B: torch.Tensor, group_B: torch.Tensor) -> float:
+    """The fraction of groups in which every sample has the same score: their group-baselined advantages are 0,
+    so they train with zero gradient (TRL's frac_reward_zero_std)."""
+    inverse_B, count_G = _groups(scores_B, group_B)
+    x_B = scores_B.to(torch.promote_types(scores_B.dtype, torch.float32))
+    groups = len(count_G)
+    high_G = torch.full((groups,), float("-inf"), dtype=x_B.dtype, device=x_B.device)
+    high_G = high_G.scatter_reduce(0, inverse_B, x_B, reduce="amax")
+    low_G = torch.full_like(high_G, float("inf")).scatter_reduce(0, inverse_B, x_B, reduce="amin")
+    return float((high_G == low_G).float().mean()) if groups else 0.0
+
+
 def _group_sum(x_B: torch.Tensor, inverse_B: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.zeros(groups, dtype=x_B.dtype, device=x_B.device).index_add_(0, inverse_B, x_B)
 

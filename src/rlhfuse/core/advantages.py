@@ -30,6 +30,7 @@ from rlhfuse.algorithms import (
     rloo_advantages,
     sequence_to_tokens,
     whiten,
+    zero_std_fraction,
 )
 from rlhfuse.core.config import choice_problems, need, non_negative, positive
 from rlhfuse.core.registry import Registry
@@ -225,6 +226,10 @@ def compute_train_batch(
         "reward/std": float(experience.scores_B.std()) if len(experience) > 1 else 0.0,
         "reward/with_kl_mean": float((rewards_BR * mask_BR).sum(dim=1).mean()),
     }
+    if (
+        algorithm.min_samples_per_prompt > 1
+    ):  # a group baseline: groups whose samples all scored alike train nothing
+        stats["reward/zero_std_groups"] = zero_std_fraction(experience.scores_B, rollout.prompt_index_B)
     if algorithm.uses_critic:
         stats["value/mean"] = float(masked_mean(experience.values_BR, mask_BR))
         stats["value/explained_variance"] = _explained_variance(experience.values_BR, returns_BR, mask_BR)

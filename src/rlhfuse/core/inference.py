@@ -6,16 +6,17 @@ Legend: B samples, T tokens (prompt + response), R response tokens, V vocabulary
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from rlhfuse.algorithms import logprobs_from_logits
 from rlhfuse.core.config import need, non_negative
-from rlhfuse.core.rewards import Decoder, RuleReward, reward_samples
+from rlhfuse.core.rewards import Decoder, RewardSet, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.models import Transformer
 from rlhfuse.models.packing import packed_forward, packed_last_token
@@ -30,17 +31,22 @@ class InferencerConfig:
     micro_batch_size: int = 0
     # Score samples with the reward model (model.reward_path or the warm-started one).
     use_reward_model: bool = True
-    # Rule-based (verifiable) reward added to (or replacing) the reward model: a registered name (exact_match,
-    # numeric_match, answer_format, topic_fraction, length_penalty) or your own 'package.module:function' taking
-    # a list of rlhfuse.core.rewards.RewardSample (prompt, response text and ids, finished, the dataset row's
-    # fields) -> one float per sample.
-    reward_fn: str | None = None
-    # Weight of the rule-based reward in the score.
-    reward_fn_weight: float = 1.0
-    # Score given to responses cut at generator.max_new_tokens without EOS (null = score them like the others).
-    # A reward model trained on finished responses reads garbage at a non-EOS last token, which a policy learns
-    # to exploit by never stopping; like TRL's missing_eos_penalty, but a fixed score cannot be out-bid.
-    truncated_score: float | None = -5.0
+    # Rule-based (verifiable) rewards added to (or replacing) the reward model: one or a list of registered names
+    # (exact_match, numeric_match, math_verify, answer_format, topic_fraction, length_penalty), your own
+    # 'package.module:function' (imported from the current directory first, then PYTHONPATH) or, in the Python
+    # API, the function itself; each takes a list of rlhfuse.core.rewards.RewardSample (prompt, response text
+    # and ids, finished, the dataset row's fields) and returns one float per sample. Each function's mean is
+    # logged as reward/<name>/mean.
+    reward_fn: RewardChoice | list[RewardChoice] | None = None
+    # One weight per reward function, in order (null = 1 each); the score adds the weighted functions.
+    reward_weights: list[float] | None = None
+    # Score given to responses cut at generator.max_new_tokens without EOS. auto = -5 in place of the reward
+    # model's reading only (rule rewards score truncated responses themselves: RewardSample.finished); a number =
+    # the whole score of a truncated response; null = no replacement. What it replaced is logged as
+    # reward/truncated_fraction. A reward model trained on finished responses reads garbage at a non-EOS last
+    # token, which a policy learns to exploit by never stopping; like TRL's missing_eos_penalty, but a fixed score
+    # cannot be out-bid.
+    truncated_score: float | Literal["auto"] | None = "auto"
     # Keep the Ref and Reward weights in host memory between inference stages and swap them onto the device for
     # inference, prefetched when the generation tail starts (rlhfuse.trainer.offload). A no-op on CPU.
     offload_frozen: bool = False
@@ -53,7 +59,64 @@ class InferencerConfig:
             self.use_reward_model or self.reward_fn is not None,
             "no reward: inferencer.use_reward_model=false and no inferencer.reward_fn; enable one of them",
         )
+        choices = reward_choices(self.reward_fn)
+        for choice in choices:
+            need(
+                problems,
+                callable(choice) or (isinstance(choice, str) and bool(choice)),
+                f"inferencer.reward_fn holds {choice!r}: give a reward function's registered name, "
+                "'package.module:function', or (in the Python API) the function itself",
+            )
+        if self.reward_weights is not None:
+            weights = list(self.reward_weights)
+            need(
+                problems,
+                len(weights) == len(choices),
+                f"inferencer.reward_weights has {len(weights)} weights for {len(choices)} reward functions "
+                "(inferencer.reward_fn): give one weight per function, in order, or null for 1 each",
+            )
+            need(
+                problems,
+                all(isinstance(w, int | float) and math.isfinite(w) for w in weights),
+                f"inferencer.reward_weights={weights} must be finite numbers",
+            )
+        t = self.truncated_score
+        need(
+            problems,
+            t is None or t == "auto" or (isinstance(t, int | float) and math.isfinite(t)),
+            f"inferencer.truncated_score={t!r} must be auto, a finite number or null",
+        )
         return problems
+
+    def weights(self) -> tuple[float, ...]:
+        """One weight per reward function (1 each unless `reward_weights` is set)."""
+        if self.reward_weights is None:
+            return (1.0,) * len(reward_choices(self.reward_fn))
+        return tuple(float(w) for w in self.reward_weights)
+
+    def replaces_truncated(self) -> bool:
+        """Whether some score of a truncated response is replaced (`truncated_score`, with the reward model for
+        auto)."""
+        if self.truncated_score == "auto":
+            return self.use_reward_model
+        return self.truncated_score is not None
+
+
+RewardChoice = str | Callable[..., Any]
+"""A reward function as `inferencer.reward_fn` names it: a registered name, 'package.module:function', or (in the
+Python API) the function itself."""
+
+TRUNCATED_RM_SCORE = -5.0
+"""The reward-model score a truncated response gets under inferencer.truncated_score=auto."""
+
+
+def reward_choices(value: RewardChoice | Sequence[RewardChoice] | None) -> tuple[RewardChoice, ...]:
+    """`inferencer.reward_fn` as a tuple of choices (none, one, or the list's)."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or callable(value):
+        return (value,)
+    return tuple(value)
 
 
 def logprobs_from_output(logits_BTV: Tensor, rollout: Rollout, temperature: float) -> Tensor:
@@ -114,33 +177,37 @@ def _response_window(model: Transformer, rollout: Rollout) -> Tensor:
     )
 
 
-def rule_scores(
-    reward_fn: RuleReward, tokenizer: Decoder, rollout: Rollout, rows: Sequence[Mapping[str, Any]] = ()
-) -> Tensor:
-    """The rule-based reward [B] of each sample (float32), from its record (decoded prompt and response, ids,
-    finished flag, the dataset row `rows[prompt id]`)."""
-    return reward_fn(reward_samples(rollout, tokenizer, rows))
+@dataclass(frozen=True)
+class Scores:
+    """What the reward stage gives each sample: total_B, float32 [B], the sequence score training uses; rules_BK,
+    float32 [B, K], each rule-based reward function's own (unweighted) score, K = 0 without any."""
+
+    total_B: Tensor
+    rules_BK: Tensor
 
 
 def final_scores(
     config: InferencerConfig,
     rollout: Rollout,
     model_scores_B: Tensor | None,
-    reward_fn: RuleReward | None,
+    rewards: RewardSet | None,
     tokenizer: Decoder,
     rows: Sequence[Mapping[str, Any]] = (),
-) -> Tensor:
-    """The sequence score [B]: reward-model score (if any) + weighted rule reward (if any), with
-    `config.truncated_score` for responses cut without EOS."""
+) -> Scores:
+    """The sequence score: reward-model score (if any) + the weighted rule rewards (if any), with
+    `config.truncated_score` for responses cut without EOS (auto: in place of the reward-model score only)."""
     device = rollout.finished_B.device
+    finished_B = rollout.finished_B
     scores_B = torch.zeros(len(rollout), device=device)
     if model_scores_B is not None:
-        scores_B = scores_B + model_scores_B.to(device)
-    if reward_fn is not None:
-        rule_B = rule_scores(reward_fn, tokenizer, rollout, rows).to(device)
-        scores_B = scores_B + config.reward_fn_weight * rule_B
-    if config.truncated_score is not None:
-        scores_B = torch.where(
-            rollout.finished_B, scores_B, torch.full_like(scores_B, config.truncated_score)
-        )
-    return scores_B
+        model_B = model_scores_B.to(device).float()
+        if config.truncated_score == "auto":
+            model_B = torch.where(finished_B, model_B, torch.full_like(model_B, TRUNCATED_RM_SCORE))
+        scores_B = scores_B + model_B
+    rules_BK = torch.zeros(len(rollout), 0, device=device)
+    if rewards is not None:
+        rules_BK = rewards(reward_samples(rollout, tokenizer, rows)).to(device)
+        scores_B = scores_B + rewards.combine(rules_BK)
+    if isinstance(config.truncated_score, int | float):
+        scores_B = torch.where(finished_B, scores_B, torch.full_like(scores_B, float(config.truncated_score)))
+    return Scores(scores_B, rules_BK)

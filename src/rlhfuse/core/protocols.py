@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats, RolloutStats, TrainStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 
@@ -22,9 +23,12 @@ from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 class Generator(Protocol):
     """Generation stage: samples responses with its own copy of the Actor weights."""
 
-    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+    def generate(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[Rollout]:
         """Yield the rollout in one or more chunks of finished samples (a streaming generator lets inference
-        start on early-finished samples; the trainer concatenates the chunks)."""
+        start on early-finished samples; the trainer concatenates the chunks). `sampling`: this call's settings
+        in place of the generator's own (held-out evaluation)."""
         ...
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
@@ -54,7 +58,12 @@ class FusingGenerator(Generator, Protocol):
     migrates and freed instances start inference while it finishes)."""
 
     def fused_rollout(
-        self, prompts: PromptBatch, *, iteration: int, inferencer: Inferencer
+        self,
+        prompts: PromptBatch,
+        *,
+        iteration: int,
+        inferencer: Inferencer,
+        sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]: ...
 
 
@@ -76,8 +85,14 @@ class RolloutStage(Protocol):
     streamed chunk) and `FusedRollout` (generation fused with inference across instances)."""
 
     def run(
-        self, prompts: PromptBatch, iteration: int, on_stage: StageHook | None = None
-    ) -> tuple[Experience, RolloutStats]: ...
+        self,
+        prompts: PromptBatch,
+        iteration: int,
+        on_stage: StageHook | None = None,
+        sampling: Sampling | None = None,
+    ) -> tuple[Experience, RolloutStats]:
+        """`sampling`: the generator's settings for this rollout only (held-out evaluation)."""
+        ...
 
 
 @runtime_checkable

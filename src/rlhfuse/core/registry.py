@@ -7,6 +7,8 @@ it; rlhfuse never resolves names read from checkpoints or datasets, so no file c
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar, cast
 
@@ -54,11 +56,27 @@ def _is_import_path(name: str) -> bool:
 
 
 def _import(path: str, config_key: str) -> object:
+    """The attribute a `package.module:attribute` path names, the current directory searched first (as
+    `python -m` does: a console script's own folder is what Python puts first on sys.path)."""
     module_name, _, attr = path.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise KeyError(f"{config_key}={path!r}: cannot import module {module_name!r} ({err})") from err
+        top = module_name.split(".")[0]
+        if isinstance(err, ModuleNotFoundError) and (
+            module_name == err.name or module_name.startswith(f"{err.name}.")
+        ):
+            raise KeyError(
+                f"{config_key}={path!r}: cannot import module {module_name!r}: no {err.name!r} in the current "
+                f"directory ({cwd}) nor on sys.path: run from the folder holding {top}.py (or the package "
+                f"{top}/), or add that folder to PYTHONPATH"
+            ) from err
+        raise KeyError(
+            f"{config_key}={path!r}: importing module {module_name!r} failed: {type(err).__name__}: {err}"
+        ) from err
     if not hasattr(module, attr):
         raise KeyError(f"{config_key}={path!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)

@@ -1,8 +1,9 @@
 """Rule-based (verifiable) rewards: a reward function receives typed per-sample records, batched, and returns one
 score per sample; `RuleReward` calls it and turns every failure into an error naming the function and the sample.
 
-A reward function is chosen by a registered name (`rlhfuse.trainer.registry.REWARD_FUNCTIONS`) or as
-`package.module:function` (`inferencer.reward_fn`). The built-in checks of a final answer (exact and numeric
+A reward function is chosen by a registered name (`rlhfuse.trainer.registry.REWARD_FUNCTIONS`), as
+`package.module:function` or, in the Python API, as the function itself (`inferencer.reward_fn`, one or a list;
+`RewardSet` holds the list with its weights). The built-in checks of a final answer (exact and numeric
 match) and of a format live here as plain functions of strings.
 """
 
@@ -108,17 +109,19 @@ class RuleReward:
 
     A function that raises is called again one sample at a time to name the first sample it fails on; a wrong
     number of scores, a score that is not a number, or a non-finite score are errors naming the sample.
-    `needs` lists the dataset fields the function reads (checked against every row before training starts).
+    `needs` lists the dataset fields the function reads (checked against every row before training starts);
+    `name` is what its metrics are logged under, `spec` how the config chose it (errors quote it; default `name`).
     """
 
     name: str
     fn: RewardFn
     key: str = "inferencer.reward_fn"
     needs: tuple[str, ...] = ()
+    spec: str = ""
 
     def __call__(self, samples: Sequence[RewardSample]) -> Tensor:
         """Scores [len(samples)] (float32)."""
-        where = f"{self.key}={self.name!r}"
+        where = f"{self.key}={(self.spec or self.name)!r}"
         try:
             scores = list(self.fn(samples))
         except Exception as err:
@@ -157,10 +160,50 @@ class RuleReward:
             missing = [key for key in self.needs if key not in row]
             if missing:
                 raise RewardError(
-                    f"{self.key}={self.name!r} reads the field {missing[0]!r} of each dataset row, but row {i} of "
+                    f"{self.key}={(self.spec or self.name)!r} reads the field {missing[0]!r} of each dataset row, but row {i} of "
                     f"{source} has only {sorted(row)}: add {missing[0]!r} to every row, or choose a reward function "
                     "that needs no such field"
                 )
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """The run's rule-based rewards (`inferencer.reward_fn`, one or a list) with their weights
+    (`inferencer.reward_weights`): calling it scores every sample with every function, and `combine` is the
+    weighted sum the training signal adds (like TRL's `reward_funcs` + `reward_weights`)."""
+
+    rules: tuple[RuleReward, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rules) != len(self.weights):
+            raise ValueError(f"{len(self.rules)} reward functions but {len(self.weights)} weights")
+        names = [rule.name for rule in self.rules]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"inferencer.reward_fn names {twice[0]!r} twice: each function's metrics are logged under its "
+                "name (reward/<name>/mean); list each function once"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(rule.name for rule in self.rules)
+
+    def __call__(self, samples: Sequence[RewardSample]) -> Tensor:
+        """Each function's scores, float32 [len(samples), K] (column k: function k, unweighted)."""
+        columns = [rule(samples) for rule in self.rules]
+        return torch.stack(columns, dim=1) if columns else torch.zeros(len(samples), 0)
+
+    def combine(self, scores_BK: Tensor) -> Tensor:
+        """The weighted sum [B] of the functions' scores [B, K]."""
+        weights_K = torch.tensor(self.weights, dtype=scores_BK.dtype, device=scores_BK.device)
+        return scores_BK @ weights_K
+
+    def check_rows(self, rows: Sequence[Mapping[str, Any]], source: str) -> None:
+        """Every dataset row holds the fields each function reads (`RuleReward.check_rows`)."""
+        for rule in self.rules:
+            rule.check_rows(rows, source)
 
 
 # ------------------------------------------------------------------------------------------ answer checks

@@ -46,6 +46,15 @@ class GeneratorConfig:
         return problems
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one `generate` call samples when it differs from the generator's own settings (held-out evaluation:
+    greedy, or another number of samples per prompt): the sampling settings and the samples per prompt."""
+
+    config: GeneratorConfig
+    samples_per_prompt: int
+
+
 def sample_seed(run_seed: int, iteration: int, prompt_id: int, sample_index: int) -> int:
     """A well-mixed 63-bit seed for one sample's random stream."""
     digest = hashlib.blake2b(f"{run_seed}/{iteration}/{prompt_id}/{sample_index}".encode(), digest_size=8)

@@ -137,7 +137,9 @@ class Experience:
 
     logprobs_BR: Actor log-probs of the response tokens (the PPO "old" log-probs);
     ref_logprobs_BR: Ref log-probs; values_BR: Critic values V(s_t) before each response token;
-    scores_B: float32 [B], the sequence-level reward (reward model and/or rule), given at the last valid token.
+    scores_B: float32 [B], the sequence-level reward (reward model and/or rule), given at the last valid token;
+    rule_scores_BK: float32 [B, K], each of the K rule-based reward functions' own score (unweighted; for their
+    metrics), None where none was kept.
     """
 
     rollout: Rollout
@@ -145,6 +147,7 @@ class Experience:
     ref_logprobs_BR: Tensor
     values_BR: Tensor
     scores_B: Tensor
+    rule_scores_BK: Tensor | None = None
 
     @staticmethod
     def cat(parts: list[Experience], pad_id: int) -> Experience:
@@ -157,6 +160,11 @@ class Experience:
             ref_logprobs_BR=_cat_right_padded([p.ref_logprobs_BR for p in parts], 0),
             values_BR=_cat_right_padded([p.values_BR for p in parts], 0),
             scores_B=torch.cat([p.scores_B for p in parts]),
+            rule_scores_BK=(
+                None
+                if any(p.rule_scores_BK is None for p in parts)
+                else torch.cat([p.rule_scores_BK for p in parts if p.rule_scores_BK is not None])
+            ),
         )
 
     def to(self, device: torch.device | str) -> Experience:

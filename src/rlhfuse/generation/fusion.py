@@ -93,11 +93,12 @@ class _Inference:
             return
         start = time.perf_counter()
         exp = self.inferencer.infer(to_rollout(samples, self.pad))
+        rules_BK = torch.zeros(len(samples), 0) if exp.rule_scores_BK is None else exp.rule_scores_BK.cpu()
         for b, r in enumerate(samples):
             n = len(r.tokens)
             self.rows.append(
                 InferredSample(r, exp.logprobs_BR[b, :n].clone(), exp.ref_logprobs_BR[b, :n].clone(),
-                               exp.values_BR[b, :n].clone(), float(exp.scores_B[b]))
+                               exp.values_BR[b, :n].clone(), float(exp.scores_B[b]), tuple(rules_BK[b].tolist()))
             )  # fmt: skip
         seconds = time.perf_counter() - start
         self.seconds += seconds
@@ -263,4 +264,7 @@ def _assemble(rows: list[InferredSample], pad: int) -> Experience:
         ref_logprobs_BR=pad_BR([r.ref_logprobs_N for r in rows]),
         values_BR=pad_BR([r.values_N for r in rows]),
         scores_B=torch.tensor([r.score for r in rows], dtype=torch.float32),
+        rule_scores_BK=torch.tensor([r.rule_scores for r in rows], dtype=torch.float32).reshape(
+            len(rows), len(rows[0].rule_scores) if rows else 0
+        ),
     )

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse.core.protocols import Inferencer
+from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.core.wire import pack_tensors, unpack_tensors
@@ -74,6 +75,7 @@ class EngineGenerator:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
         self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
+        self.eos_token_id = setup.eos_token_id
         # one copy now; the in-process mode adds the other instances' copies on first use
         self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
         self.pad_token_id = setup.pad_token_id
@@ -112,8 +114,11 @@ class EngineGenerator:
             and distributed.world_size() == self.config.instances
         )
 
-    def _engines_for(self, prompt_width: int, batch: int, count: int) -> list[GenerationEngine]:
-        max_len = prompt_width + self.params.max_new_tokens
+    def _engines_for(
+        self, prompt_width: int, batch: int, count: int, params: SamplingParams
+    ) -> list[GenerationEngine]:
+        """`count` engines whose caches hold this batch, sampling with `params` (kept engines take them)."""
+        max_len = prompt_width + params.max_new_tokens
         slots = self.config.engine.num_slots or batch
         while len(self.models) < count:
             self.models.append(copy.deepcopy(self.models[0]))
@@ -137,24 +142,32 @@ class EngineGenerator:
             ]
         for engine in self.engines:
             engine.stats = type(engine.stats)()
+            engine.params = params
         return self.engines
 
-    def stream(self, prompts: PromptBatch, *, iteration: int) -> Iterator[tuple[int, SampleRequest]]:
+    def _settings(self, sampling: Sampling | None) -> tuple[SamplingParams, int]:
+        """The sampling parameters and samples per prompt of one call (`sampling`, else the generator's own)."""
+        if sampling is None:
+            return self.params, self.samples_per_prompt
+        return SamplingParams.of(sampling.config, self.eos_token_id), sampling.samples_per_prompt
+
+    def stream(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[tuple[int, SampleRequest]]:
         """(instance, finished sample) as each sample finishes."""
-        requests = requests_for(
-            prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
-        )
+        params, per_prompt = self._settings(sampling)
+        requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
         width = max(len(r.prompt_P) for r in requests)
         threshold = self.policy.threshold(len(requests))
         if not self.is_distributed():
             self.distributed = None
-            self.coordinator.engines = self._engines_for(width, len(requests), self.config.instances)
+            self.coordinator.engines = self._engines_for(width, len(requests), self.config.instances, params)
             yield from self.coordinator.run(requests, threshold=threshold)
             return
         # every rank must use the same Rt (policies tune on rank-local timings): rank 0's
         agreed = torch.tensor([threshold], dtype=torch.int64, device=collective_device(None, self.device))
         distributed.broadcast(agreed, 0)
-        (engine,) = self._engines_for(width, len(requests), 1)
+        (engine,) = self._engines_for(width, len(requests), 1, params)
         c = self.coordinator
         self.distributed = DistributedCoordinator(
             engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
@@ -163,16 +176,24 @@ class EngineGenerator:
         for sample in self.distributed.run(requests, threshold=int(agreed)):
             yield rank, sample
 
-    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+    def generate(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[Rollout]:
         # what migration=auto predicted for this batch's Rt (made from the previous batches)
         self._predicted = predictions(self.policy)
-        done = [sample for _, sample in self.stream(prompts, iteration=iteration)]
+        done = [sample for _, sample in self.stream(prompts, iteration=iteration, sampling=sampling)]
         done = gather_finished(done) if self.distributed is not None else sorted(done, key=lambda r: r.row)
         self.policy.observe(observation(done, self.params.max_new_tokens, self.engines))
         yield to_rollout(done, self.pad_token_id)
 
     def fused_rollout(
-        self, prompts: PromptBatch, *, iteration: int, inferencer: Inferencer, micro_batch: int = 16
+        self,
+        prompts: PromptBatch,
+        *,
+        iteration: int,
+        inferencer: Inferencer,
+        sampling: Sampling | None = None,
+        micro_batch: int = 16,
     ) -> tuple[Experience, RolloutStats]:
         """Generation fused with inference (`fused_generate_infer`), one instance per rank: the rollout's
         Experience (the same on every rank) and its statistics (`FusedRollout` runs this)."""
@@ -182,9 +203,8 @@ class EngineGenerator:
                 f"{self.config.instances} on a world of "
                 f"{distributed.world_size()} process(es)"
             )
-        requests = requests_for(
-            prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
-        )
+        params, per_prompt = self._settings(sampling)
+        requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
         self._predicted = predictions(self.policy)
         agreed = torch.tensor(
             [self.policy.threshold(len(requests))],
@@ -193,7 +213,7 @@ class EngineGenerator:
         )
         distributed.broadcast(agreed, 0)
         width = max(len(r.prompt_P) for r in requests)
-        (engine,) = self._engines_for(width, len(requests), 1)
+        (engine,) = self._engines_for(width, len(requests), 1, params)
         c = self.coordinator
         result = fused_generate_infer(
             engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse._optional import require
+from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.config import GenerationConfig
@@ -386,6 +387,7 @@ class VLLMGenerator:
             raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
         self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
+        self.eos_token_id = setup.eos_token_id
         self.actor_config = actor.config
         self.pad_token_id = setup.pad_token_id
         self.samples_per_prompt = setup.samples_per_prompt
@@ -443,13 +445,19 @@ class VLLMGenerator:
             model.load_state_dict(dict(named_tensors), strict=True)
             save_pretrained(model, self.checkpoint)
 
-    def stream(self, prompts: PromptBatch, *, iteration: int) -> Iterator[tuple[int, SampleRequest]]:
+    def stream(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[tuple[int, SampleRequest]]:
         """(instance, finished sample) as each sample finishes; instances freed by the migration release
-        their memory."""
-        requests = requests_for(
-            prompts, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration
-        )
+        their memory. `sampling`: this call's settings in place of the generator's own."""
+        params, per_prompt = self.params, self.samples_per_prompt
+        if sampling is not None:
+            params = SamplingParams.of(sampling.config, self.eos_token_id)
+            per_prompt = sampling.samples_per_prompt
+        requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
         self.coordinator.engines = self._instances(len(requests))
+        for instance in self.instances:
+            instance.params = params  # read per request (vLLM's SamplingParams are made per request)
         released = False
         for index, sample in self.coordinator.run(requests, threshold=self.policy.threshold(len(requests))):
             yield index, sample
@@ -458,9 +466,13 @@ class VLLMGenerator:
                 for freed in self.coordinator.report.freed:
                     self.instances[freed].release()
 
-    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+    def generate(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[Rollout]:
         self._predicted = predictions(self.policy)
-        done = sorted((s for _, s in self.stream(prompts, iteration=iteration)), key=lambda r: r.row)
+        done = sorted(
+            (s for _, s in self.stream(prompts, iteration=iteration, sampling=sampling)), key=lambda r: r.row
+        )
         self.policy.observe(observation(done, self.params.max_new_tokens, self.instances))
         yield to_rollout(done, self.pad_token_id)
 

@@ -96,19 +96,21 @@ class SampleBatch:
 @dataclass
 class InferredSample:
     """One finished sample and its inference results over its n generated tokens: logprobs_N / ref_logprobs_N
-    (Actor / Ref log-probs), values_N (Critic values), float32 [n]; score: the sequence-level reward."""
+    (Actor / Ref log-probs), values_N (Critic values), float32 [n]; score: the sequence-level reward;
+    rule_scores: each rule-based reward function's own score (`Experience.rule_scores_BK`'s row)."""
 
     request: SampleRequest
     logprobs_N: Tensor
     ref_logprobs_N: Tensor
     values_N: Tensor
     score: float
+    rule_scores: tuple[float, ...] = ()
 
 
 @dataclass
 class InferredBatch:
     """Inference results of several samples. Payload: ids, then the log-probs, Ref log-probs and values of
-    every sample (each concatenated), then the scores (float64 [B])."""
+    every sample (each concatenated), then the scores (float64 [B]) and the rule scores (float64 [B, K])."""
 
     rows: list[InferredSample]
 
@@ -122,25 +124,29 @@ class InferredBatch:
             return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
 
         scores = torch.tensor([r.score for r in self.rows], dtype=torch.float64)
+        width = len(self.rows[0].rule_scores) if self.rows else 0
+        rules = torch.tensor([r.rule_scores for r in self.rows], dtype=torch.float64).reshape(
+            len(self.rows), width
+        )
         tensors = [
             _ids([r.request for r in self.rows]),
             cat("logprobs_N"),
             cat("ref_logprobs_N"),
             cat("values_N"),
         ]
-        return pack_tensors(ints, [*tensors, scores], device=device)
+        return pack_tensors(ints, [*tensors, scores, rules], device=device)
 
     @staticmethod
     def unpack(packed: Packed) -> InferredBatch:
-        ints, (ids, logprobs, ref_logprobs, values, scores) = unpack_tensors(packed)
+        ints, (ids, logprobs, ref_logprobs, values, scores, rules) = unpack_tensors(packed)
         requests, _ = _requests(ints, ids)
         sizes = [len(r.tokens) for r in requests]
         return InferredBatch(
             [
-                InferredSample(r, lp.cpu(), ref.cpu(), v.cpu(), score)
-                for r, lp, ref, v, score in zip(
+                InferredSample(r, lp.cpu(), ref.cpu(), v.cpu(), score, tuple(rule))
+                for r, lp, ref, v, score, rule in zip(
                     requests, logprobs.split(sizes), ref_logprobs.split(sizes), values.split(sizes),
-                    scores.tolist(), strict=True,
+                    scores.tolist(), rules.tolist(), strict=True,
                 )
             ]
         )  # fmt: skip

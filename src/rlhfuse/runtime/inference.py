@@ -36,7 +36,7 @@ from rlhfuse.core.inference import (
     scores_from_output,
     values_from_output,
 )
-from rlhfuse.core.rewards import RuleReward
+from rlhfuse.core.rewards import RewardSet
 from rlhfuse.core.types import Experience, ModelRole, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
@@ -253,7 +253,7 @@ class PipelineInferencer:
         layout: ParallelLayout,
         models: Mapping[str, Transformer],
         *,
-        reward_fn: RuleReward | None,
+        rewards: RewardSet | None,
         tokenizer: Tokenizer,
         temperature: float,
         timeout_s: float = 300.0,
@@ -262,7 +262,7 @@ class PipelineInferencer:
         log: Callable[[str], None] = print,
         rows: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        if ModelRole.REWARD not in models and reward_fn is None:
+        if ModelRole.REWARD not in models and rewards is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         if not distributed.is_initialized():
             raise ValueError(
@@ -272,7 +272,7 @@ class PipelineInferencer:
         self.config, self.layout = config, layout
         self.models = dict(models)
         self.names = tuple(m for m in PLACED_AS if m in self.models)
-        self.reward_fn, self.tokenizer = reward_fn, tokenizer
+        self.rewards, self.tokenizer = rewards, tokenizer
         self.rows = rows  # the dataset rows' fields by prompt id, for the reward function's records
         self.temperature = temperature if temperature > 0 else 1.0
         self.timeout_s, self.prefetch, self.autocast = timeout_s, prefetch, autocast
@@ -398,7 +398,7 @@ class PipelineInferencer:
             out[name] = flat[offset : offset + size].view_as(out[name])
             offset += size
         rm_scores_B = out[ModelRole.REWARD][:, 0] if ModelRole.REWARD in out else None
-        scores_B = final_scores(self.config, local, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
+        scores = final_scores(self.config, local, rm_scores_B, self.rewards, self.tokenizer, self.rows)
         mask_BR = local.response_mask_BR.float()
         return Experience(
             rollout=rollout,
@@ -407,5 +407,6 @@ class PipelineInferencer:
             values_BR=(  # no Critic (a critic-free algorithm): zeros, as the single-process inferencer
                 out[ModelRole.CRITIC] * mask_BR if ModelRole.CRITIC in out else torch.zeros_like(mask_BR)
             ),
-            scores_B=scores_B.to(device),
+            scores_B=scores.total_B.to(device),
+            rule_scores_BK=scores.rules_BK.to(device),
         )

@@ -27,6 +27,7 @@ from rlhfuse.trainer.callbacks import (
     ExportActor,
     ExportShardedActor,
     MemoryMetrics,
+    RewardMetrics,
     SampleTable,
     TaskScore,
 )
@@ -34,9 +35,10 @@ from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, Buil
 from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.device import claim_device, resolve_device
+from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
-from rlhfuse.trainer.registry import rule_reward
+from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import check_context, validate
@@ -212,17 +214,19 @@ def build_trainer(
     if uses_chat_template(config.data, tokenizer):
         log(f"rlhfuse: prompts rendered with the chat template of {tokenizer.template_source}")
     prompts = load_prompts(config.data, tokenizer, seed=config.seed)
-    check_context(config, max(len(p.token_ids) for p in prompts))
-    rows = [p.fields for p in prompts]  # by prompt id (= position)
+    prompts, held_out = held_out_prompts(config.eval, config.data, tokenizer, prompts, seed=config.seed)
+    check_context(config, max(len(p.token_ids) for p in [*prompts, *held_out]))
+    # by prompt id: the dataset's position (a held-out file's prompts are numbered after the training ones)
+    rows = [p.fields for p in sorted([*prompts, *held_out], key=lambda p: p.id)]
     answered = completion_rows(rows)
     if answered:
         log(
             f"rlhfuse: {answered} of {len(rows)} `messages` rows end with an assistant turn: it is left out of the "
             "prompt and kept as the row's `completion` field (what reward functions see)"
         )
-    if config.inferencer.reward_fn:
-        source = config.data.path or f"data.source={config.data.source}"
-        rule_reward(config.inferencer.reward_fn).check_rows(rows, source)
+    rewards = reward_set(config.inferencer)  # imports the user's functions: a failure names what was tried
+    if rewards is not None:
+        rewards.check_rows(rows, config.data.path or f"data.source={config.data.source}")
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
 
     device = resolve_device(config.device)  # this rank's: cuda:LOCAL_RANK under torchrun
@@ -263,7 +267,7 @@ def build_trainer(
     )
     fabric.seed_everything(config.seed, verbose=False)
 
-    ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows)
+    ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows, rewards=rewards)
     strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
@@ -282,6 +286,8 @@ def build_trainer(
             print_every=config.logger.print_every if rank0 else 0,
         )
     ]
+    names = rewards.names if rewards is not None else ()
+    all_callbacks.append(RewardMetrics(names, config.inferencer.replaces_truncated()))
     if config.data.source == "synthetic":
         all_callbacks.append(TaskScore(rule_reward("topic_fraction", "task/score"), models.tokenizer))
     elif config.data.source == "arithmetic":  # the share of right answers, whatever reward the run optimises
@@ -310,6 +316,19 @@ def build_trainer(
                 every=config.logger.log_samples_every,
                 count=config.logger.log_samples_count,
                 sinks=table_sinks(config.logger, loggers),
+            )
+        )
+    if config.eval.every > 0:  # every rank: the evaluation rollout may be collective
+        all_callbacks.append(
+            Evaluator(
+                config.eval,
+                held_out,
+                rollout,
+                generator=config.generator.sampling,
+                pad_token_id=models.tokenizer.pad_id,
+                batch_prompts=config.data.prompts_per_iteration,
+                names=names,
+                verifier=verifier_index(config.inferencer),
             )
         )
     all_callbacks.append(

@@ -35,6 +35,30 @@ class TaskScore:
         metrics[self.key] = float(scores_B.sum()) / max(1, len(scores_B))
 
 
+class RewardMetrics:
+    """Logs each rule-based reward function's mean, unweighted, as `reward/<name>/mean` (TRL's
+    `rewards/<name>/mean`), and `reward/truncated_fraction`: the share of samples whose score
+    `inferencer.truncated_score` replaced (0 when it replaces nothing)."""
+
+    def __init__(self, names: Sequence[str], replaces_truncated: bool) -> None:
+        self.names, self.replaces_truncated = tuple(names), replaces_truncated
+
+    def on_rollout_end(self, trainer: Any, experience: Experience, metrics: dict[str, float]) -> None:
+        rules_BK = experience.rule_scores_BK
+        if self.names:
+            if rules_BK is None or rules_BK.shape[1] != len(self.names):
+                raise ValueError(
+                    f"the rollout carries no per-function scores for the reward functions {list(self.names)}: "
+                    "its inferencer dropped Experience.rule_scores_BK"
+                )
+            for name, mean in zip(self.names, rules_BK.float().mean(dim=0).tolist(), strict=True):
+                metrics[f"reward/{name}/mean"] = mean
+        truncated_B = ~experience.rollout.finished_B
+        metrics["reward/truncated_fraction"] = (
+            float(truncated_B.float().mean()) if self.replaces_truncated else 0.0
+        )
+
+
 class ExportActor:
     """At the end of `fit`, write the trained Actor as a complete Hugging Face checkpoint: config.json and
     model.safetensors, tokenizer.json, tokenizer_config.json (special tokens, chat template) and

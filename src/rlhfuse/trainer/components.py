@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 
 from rlhfuse.core.registry import Registry
+from rlhfuse.core.rewards import RewardSet
 from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
@@ -24,7 +25,6 @@ from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
-from rlhfuse.trainer.registry import rule_reward
 from rlhfuse.trainer.strategy import PlainStrategy
 
 
@@ -37,6 +37,8 @@ class BuildContext:
     strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
     # the dataset rows' fields by prompt id (what a reward function reads besides the text, e.g. `answer`)
     rows: Sequence[Mapping[str, Any]] = field(default_factory=list)
+    # the rule-based rewards (inferencer.reward_fn / reward_weights), built once; None without any
+    rewards: RewardSet | None = None
 
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator | InstanceGenerator:
@@ -104,7 +106,7 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
         ref=ctx.models.ref,
         critic=ctx.models.critic,
         reward_model=ctx.models.reward if cfg.use_reward_model else None,
-        reward_fn=rule_reward(cfg.reward_fn) if cfg.reward_fn else None,
+        rewards=ctx.rewards,
         tokenizer=ctx.models.tokenizer,
         temperature=ctx.config.generator.sampling.temperature,
         autocast=ctx.fabric.autocast,
@@ -140,7 +142,7 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
         cfg,
         ctx.strategy.layout,
         named,
-        reward_fn=rule_reward(cfg.reward_fn) if cfg.reward_fn else None,
+        rewards=ctx.rewards,
         tokenizer=models.tokenizer,
         temperature=ctx.config.generator.sampling.temperature,
         timeout_s=ctx.config.distributed.timeout_s,

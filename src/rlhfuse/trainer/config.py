@@ -24,6 +24,7 @@ from rlhfuse.runtime.config import (
     launched_world_size,
 )
 from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, ACTOR_ONLY_RUN
+from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig
 
@@ -76,6 +77,8 @@ class RLHFConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Periodic evaluation on held-out prompts (rlhfuse.trainer.evaluation).
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # PPO iterations (each: generate, infer, train, sync).
     iterations: int = 60
     # Seeds model init, the prompt order, per-sample sampling streams and mini-batch shuffles.
@@ -108,6 +111,7 @@ class RLHFConfig:
             self.algorithm,
             self.logger,
             self.checkpoint,
+            self.eval,
         ):
             problems += part.problems()
         problems += choice_problems(self, "")

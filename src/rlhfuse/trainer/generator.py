@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
+from rlhfuse.core.sampling import GeneratorConfig, Sampling, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.models import KVCache, ModelConfig, Transformer, upload
 
@@ -183,9 +183,13 @@ class SamplingGenerator:
         """Nothing outlives this process's modules."""
 
     @torch.no_grad()
-    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
+    def generate(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[Rollout]:
         device = next(self.model.parameters()).device
-        ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(prompts, self.samples_per_prompt)
+        pick = self.pick if sampling is None else single_process_pick(sampling.config)
+        per_prompt = self.samples_per_prompt if sampling is None else sampling.samples_per_prompt
+        ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(prompts, per_prompt)
         chunk = self.config.max_batch_size or len(ids_BP)
         for start in range(0, len(ids_BP), chunk):
             rows = slice(start, start + chunk)
@@ -193,7 +197,7 @@ class SamplingGenerator:
                 self.seed, iteration, prompt_index_B[rows], sample_index_B[rows], self.config.max_new_tokens
             )
             yield decode_chunk(
-                self.model, self.model.config, self.pick, ids_BP[rows].to(device), mask_BP[rows].to(device),
+                self.model, self.model.config, pick, ids_BP[rows].to(device), mask_BP[rows].to(device),
                 prompt_index_B[rows], sample_index_B[rows], uniforms_BN, stop_ids=self.stop_ids,
                 pad_token_id=self.pad_token_id,
             )  # fmt: skip
@@ -253,7 +257,6 @@ class InstanceGenerator:
         self.pad_token_id, self.samples_per_prompt, self.seed = pad_token_id, samples_per_prompt, seed
         if tp == 1:
             self.model = copy.deepcopy(actor).eval().requires_grad_(False)
-            self.pick = single_process_pick(config)
             self.cache_config = self.model.config
         else:
             from rlhfuse.runtime.tensor_parallel import shard_transformer
@@ -261,23 +264,29 @@ class InstanceGenerator:
             # shard_transformer copies the module (one holding a process group cannot be deep-copied after)
             self.model = shard_transformer(actor, self.rank % tp, tp, self.group).eval().requires_grad_(False)
             self.cache_config = shard_cache_config(self.model)
-            self.pick = self._vocab_parallel_pick
+        self.pick = self._picker(config)
         self.device = next(self.model.parameters()).device
         self.decoded_rows = torch.zeros(0, dtype=torch.long)
         """The sample rows (indices into the iteration's prompt-major samples) this rank decoded last."""
 
-    def _vocab_parallel_pick(self, logits_AV: Tensor, uniforms_A: Tensor, rows_A: Tensor) -> Tensor:
-        from rlhfuse.runtime.tensor_parallel import vocab_parallel_argmax
-        from rlhfuse.runtime.vocab_sampling import vocab_parallel_filtered_sample
+    def _picker(self, config: GeneratorConfig) -> PickTokens:
+        """Token choice under `config` for this instance: over whole logits (tp = 1) or vocabulary-parallel."""
+        if self.tp == 1:
+            return single_process_pick(config)
 
-        shard: Any = self.model.vocab_shard
-        cfg = self.config
-        if cfg.temperature == 0:
-            return vocab_parallel_argmax(logits_AV, shard, self.group)
-        return vocab_parallel_filtered_sample(
-            logits_AV, uniforms_A, shard, self.group, vocab_size=self.model.config.vocab_size,
-            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        )  # fmt: skip
+        def pick(logits_AV: Tensor, uniforms_A: Tensor, rows_A: Tensor) -> Tensor:
+            from rlhfuse.runtime.tensor_parallel import vocab_parallel_argmax
+            from rlhfuse.runtime.vocab_sampling import vocab_parallel_filtered_sample
+
+            shard: Any = self.model.vocab_shard
+            if config.temperature == 0:
+                return vocab_parallel_argmax(logits_AV, shard, self.group)
+            return vocab_parallel_filtered_sample(
+                logits_AV, uniforms_A, shard, self.group, vocab_size=self.model.config.vocab_size,
+                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+            )  # fmt: skip
+
+        return pick
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         with torch.no_grad():
@@ -303,8 +312,12 @@ class InstanceGenerator:
         return out
 
     @torch.no_grad()
-    def generate(self, prompts: PromptBatch, *, iteration: int) -> Iterator[Rollout]:
-        ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(prompts, self.samples_per_prompt)
+    def generate(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[Rollout]:
+        pick = self.pick if sampling is None else self._picker(sampling.config)
+        per_prompt = self.samples_per_prompt if sampling is None else sampling.samples_per_prompt
+        ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(prompts, per_prompt)
         chunks = self.shares(len(ids_BP))
         mine: list[Rollout] = []  # this instance's share, decoded before any instance's result is sent
         for rows in chunks[self.instance]:
@@ -313,7 +326,7 @@ class InstanceGenerator:
             )
             mine.append(
                 decode_chunk(
-                    self.model, self.cache_config, self.pick, ids_BP[rows].to(self.device),
+                    self.model, self.cache_config, pick, ids_BP[rows].to(self.device),
                     mask_BP[rows].to(self.device), prompt_index_B[rows], sample_index_B[rows], uniforms_BN,
                     stop_ids=self.stop_ids, pad_token_id=self.pad_token_id,
                 )

@@ -22,12 +22,17 @@ SCHEMA_NAME = "rlhfuse_schema"
 
 def _schema_type(annotation: Any) -> Any:
     """`annotation` as OmegaConf can check it: `Literal[...]` becomes str (its choices are checked by each
-    config's `problems()`), nested config dataclasses become their schema twins."""
+    config's `problems()`), nested config dataclasses become their schema twins, and a union OmegaConf cannot
+    hold (of several types besides None: a name or a list of them, a number or `auto`) becomes Any, its values
+    checked by the config's `problems()` instead."""
     origin = get_origin(annotation)
     if origin is Literal:
         return str
     if origin in (Union, types.UnionType):
-        return functools.reduce(lambda a, b: a | b, [_schema_type(a) for a in get_args(annotation)])
+        members = [_schema_type(a) for a in get_args(annotation)]
+        if len([m for m in members if m is not type(None)]) > 1:
+            return Any
+        return functools.reduce(lambda a, b: a | b, members)
     if origin is list:
         return list[_schema_type(get_args(annotation)[0])]  # type: ignore[misc]
     if dataclasses.is_dataclass(annotation):

@@ -2,7 +2,7 @@
 
 Actor log-probs (PPO's "old" log-probs), Ref log-probs (for the KL penalty), Critic values (zeros, without any
 Critic forward, for a critic-free algorithm) and the reward score, read at the last valid token of each sample
-(plus an optional rule-based reward chosen by name).
+(plus the rule-based rewards chosen by name, each function's own scores kept for its metrics).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from rlhfuse.core.inference import (
     final_scores,
     response_logprobs,
     response_values,
-    rule_scores,
     sequence_scores,
 )
 from rlhfuse.core.optim import token_groups
-from rlhfuse.core.rewards import RuleReward
+from rlhfuse.core.rewards import RewardSet
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
@@ -43,7 +42,7 @@ class ModelInferencer:
         ref: Transformer,
         critic: Transformer | None,
         reward_model: Transformer | None,
-        reward_fn: RuleReward | None,
+        rewards: RewardSet | None,
         tokenizer: Tokenizer,
         temperature: float,
         autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
@@ -51,11 +50,11 @@ class ModelInferencer:
         packing: bool = False,
         micro_batch_tokens: int = 0,
     ) -> None:
-        if reward_model is None and reward_fn is None:
+        if reward_model is None and rewards is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         self.config = config
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
-        self.reward_fn = reward_fn
+        self.rewards = rewards
         # the dataset rows' fields by prompt id, for the reward function's records (e.g. the reference answer)
         self.rows = rows
         self.tokenizer = tokenizer
@@ -94,6 +93,7 @@ class ModelInferencer:
             ref_logprobs_BR=torch.cat([p[1] for p in parts]),
             values_BR=torch.cat([p[2] for p in parts]),
             scores_B=torch.cat([p[3] for p in parts]),
+            rule_scores_BK=torch.cat([p[4] for p in parts]),
         )
 
     def _infer_by_tokens(self, rollout: Rollout) -> Experience:
@@ -117,7 +117,7 @@ class ModelInferencer:
     def _rows(rollout: Rollout, start: int, size: int) -> Rollout:
         return Rollout(**{k: v[start : start + size] for k, v in vars(rollout).items()})
 
-    def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         live = [self.actor] if self.critic is None else [self.actor, self.critic]
         training = [model.training for model in live]
         for live_model in live:
@@ -140,12 +140,14 @@ class ModelInferencer:
                 if self.reward_model is None
                 else sequence_scores(self.reward_model, rollout, packing=packing)
             )
-        scores_B = final_scores(self.config, rollout, rm_scores_B, self.reward_fn, self.tokenizer, self.rows)
+        scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)
         mask_BR = rollout.response_mask_BR.float()
-        return logprobs_BR * mask_BR, ref_logprobs_BR * mask_BR, values_BR * mask_BR, scores_B.to(device)
-
-    def rule_scores(self, rollout: Rollout) -> Tensor:
-        assert self.reward_fn is not None
-        return rule_scores(self.reward_fn, self.tokenizer, rollout, self.rows)
+        return (
+            logprobs_BR * mask_BR,
+            ref_logprobs_BR * mask_BR,
+            values_BR * mask_BR,
+            scores.total_B.to(device),
+            scores.rules_BK.to(device),
+        )

@@ -262,6 +262,9 @@ def line_console() -> Console:
 
 def format_metrics(iteration: int, total: int, m: Mapping[str, float]) -> str:
     task = f" task {m['task/score']:.3f}" if "task/score" in m else ""
+    if "eval/reward/mean" in m:  # an evaluation iteration
+        task += f" eval {m['eval/reward/mean']:+.3f}"
+        task += f" acc {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
     return (
         f"iter {iteration:>3}/{total} reward {m['reward/mean']:+.3f}{task} kl {m['kl/mean']:.4f} "
         f"len p50 {m['response_length/p50']:.0f} p99 {m['response_length/p99']:.0f} "

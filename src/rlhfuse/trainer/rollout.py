@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from rlhfuse.core.protocols import FusingGenerator, Generator, Inferencer, StageHook
+from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch
 
@@ -29,14 +30,18 @@ class SerialRollout:
         self.pad_token_id = pad_token_id
 
     def run(
-        self, prompts: PromptBatch, iteration: int, on_stage: StageHook | None = None
+        self,
+        prompts: PromptBatch,
+        iteration: int,
+        on_stage: StageHook | None = None,
+        sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]:
         on_stage = on_stage or _ignore
         on_stage("generation")
         gen_time = inf_time = 0.0
         parts: list[Experience] = []
         t0 = start = time.perf_counter()
-        for chunk in self.generator.generate(prompts, iteration=iteration):
+        for chunk in self.generator.generate(prompts, iteration=iteration, sampling=sampling):
             gen_time += time.perf_counter() - t0
             on_stage("inference")
             t1 = time.perf_counter()
@@ -63,7 +68,13 @@ class FusedRollout:
         self.generator, self.inferencer = generator, inferencer
 
     def run(
-        self, prompts: PromptBatch, iteration: int, on_stage: StageHook | None = None
+        self,
+        prompts: PromptBatch,
+        iteration: int,
+        on_stage: StageHook | None = None,
+        sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]:
         (on_stage or _ignore)("generation")
-        return self.generator.fused_rollout(prompts, iteration=iteration, inferencer=self.inferencer)
+        return self.generator.fused_rollout(
+            prompts, iteration=iteration, inferencer=self.inferencer, sampling=sampling
+        )

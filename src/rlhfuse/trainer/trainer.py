@@ -38,25 +38,14 @@ from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy, SwapsWeights
 from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, mean_stats
-from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
-from rlhfuse.data.prompts import Prompt, PromptLoader
+from rlhfuse.core.types import Experience, TrainBatch
+from rlhfuse.data.collate import collate_prompts
+from rlhfuse.data.prompts import PromptLoader
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.logging import JsonlLogger, keep_csv_rows
 from rlhfuse.trainer.rollout import SerialRollout
 
 log = logging.getLogger(__name__)
-
-
-def collate_prompts(prompts: Sequence[Prompt], pad_id: int) -> PromptBatch:
-    """Left-pad token ids into a PromptBatch."""
-    width = max(len(p.token_ids) for p in prompts)
-    ids_BP = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask_BP = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        n = len(prompt.token_ids)
-        ids_BP[b, width - n :] = torch.tensor(prompt.token_ids)
-        mask_BP[b, width - n :] = 1
-    return PromptBatch(ids_BP, mask_BP, torch.tensor([p.id for p in prompts]))
 
 
 class RLHFTrainer:

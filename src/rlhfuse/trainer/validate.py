@@ -17,6 +17,7 @@ import torch
 from rlhfuse._resources import read_json
 from rlhfuse.core.advantages import ALGORITHMS, algorithm_of
 from rlhfuse.core.config import need
+from rlhfuse.core.inference import reward_choices
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
@@ -80,8 +81,9 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             f"migration={cfg.migration.name} moves samples between generation instances but generator.instances="
             f"{g.instances}: set generator.instances=2 (or more) or migration=off",
         )
-    if i.reward_fn is not None:
-        need(problems, i.reward_fn in REWARD_FUNCTIONS, REWARD_FUNCTIONS.unknown_message(i.reward_fn))
+    for choice in reward_choices(i.reward_fn):
+        if isinstance(choice, str):
+            need(problems, choice in REWARD_FUNCTIONS, REWARD_FUNCTIONS.unknown_message(choice))
     problems += algorithm_problems(cfg)
     for registry, value in (
         (GENERATORS, g.name),
