@@ -1,8 +1,11 @@
 """Reliability (issue 18): checkpoints belong to a run and rotation never deletes this run's newest ones,
-metrics.jsonl holds one row per iteration of one run, stale temporary folders go at start."""
+metrics.jsonl holds one row per iteration of one run, stale temporary folders go at start. Resume (issue 25):
+run.json records the resolved configuration; a resume names each changed key, applies the mutable ones (a new
+learning rate reaches the loaded optimizer) and refuses the others, and `iterations` not above the checkpoint's."""
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -16,7 +19,9 @@ from rlhfuse.core.checkpoint import (
 )
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.trainer import build_trainer, compose_config
+from rlhfuse.trainer.cli import USER_ERRORS
 from rlhfuse.trainer.logging import JsonlLogger
+from rlhfuse.trainer.resume import MUTABLE_ON_RESUME, config_record, is_mutable
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +32,23 @@ def cache_dir(tmp_path_factory):
 def _smoke(cache_dir, run_dir, *overrides):
     cfg = compose_config(["experiment=smoke", f"model.warmstart.cache_dir={cache_dir}", *overrides])
     return build_trainer(cfg, run_dir=run_dir, log=lambda _: None)
+
+
+# constant peak LR: the optimizer's lr after a resume is the configured value itself
+LR = ("checkpoint.every=1", "pipeline.lr_schedule=constant", "pipeline.warmup_steps=0")
+
+
+@pytest.fixture(scope="module")
+def trained(cache_dir, tmp_path_factory):
+    """A run folder after `iterations=2 checkpoint.every=1` (checkpoints at 1 and 2): copy it to change it."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    _smoke(cache_dir, run_dir, "iterations=2", *LR).fit()
+    return run_dir
+
+
+def _copy(trained, tmp_path):
+    shutil.copytree(trained, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def _state(value):
@@ -132,3 +154,84 @@ def test_csv_sink_keeps_the_resumed_runs_rows(cache_dir, tmp_path):
     header = rows[0].split(",")
     steps = [int(float(r.split(",")[header.index("step")])) for r in rows[1:]]
     assert steps == [1, 2, 3, 4]
+
+
+def test_run_json_records_the_resolved_configuration_with_callables_by_name(trained):
+    def my_reward(samples):
+        return [0.0 for _ in samples]
+
+    (run,) = read_runs(trained)
+    assert run.config is not None and run.config["pipeline"]["actor_lr"] == 5e-4  # keyed as on the CLI
+    assert run.config["iterations"] == 2 and run.config["model"]["hidden_size"] == 32
+    cfg = compose_config(["experiment=smoke"])
+    cfg.inferencer.reward_fn = my_reward  # the Python API may hold a function
+    record = config_record(cfg)
+    name = f"{__name__}:test_run_json_records_the_resolved_configuration_with_callables_by_name.<locals>.my_reward"
+    assert record["inferencer"]["reward_fn"] == name
+    assert json.loads(json.dumps(record)) == record  # JSON as it is, the same in every process
+    assert is_mutable("pipeline.actor_lr") and is_mutable("logger.progress") and is_mutable("eval.every")
+    assert not is_mutable("pipeline.actor_pp") and not is_mutable("model.hidden_size")
+    assert len(MUTABLE_ON_RESUME) == len(set(MUTABLE_ON_RESUME))
+
+
+def test_resume_with_a_changed_lr_names_it_in_one_warning_and_the_optimizer_uses_it(
+    cache_dir, trained, tmp_path, caplog
+):
+    run_dir = _copy(trained, tmp_path)
+    resumed = _smoke(cache_dir, run_dir, "iterations=3", *LR, "resume=auto", "pipeline.actor_lr=1e-3")
+    with caplog.at_level(logging.WARNING):
+        resumed.resume()
+    lines = [r.getMessage() for r in caplog.records if "changed configuration" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "pipeline.actor_lr: 0.0005 -> 0.001" in lines[0] and "iterations: 2 -> 3" in lines[0], lines[0]
+    assert "iter_00000002" in lines[0] and "resume:" not in lines[0]
+    strategy = resumed.strategy
+    assert resumed.iteration == 2 and strategy.actor_sched.last_epoch > 0  # the checkpoint's schedule step
+    assert strategy.actor_optim.param_groups[0]["lr"] == 1e-3  # not the checkpoint's 5e-4
+    assert strategy.actor_sched.base_lrs == [1e-3] and strategy.actor_sched.get_last_lr() == [1e-3]
+    assert strategy.critic_optim.param_groups[0]["lr"] == 5e-4  # unchanged key, unchanged lr
+    assert read_runs(run_dir)[0].config["pipeline"]["actor_lr"] == 1e-3  # the record follows the attempt
+    (row,) = resumed.fit()
+    assert row["iteration"] == 3 and row["lr"] == 1e-3
+
+
+def test_resume_refuses_a_changed_model_or_algorithm_key_in_one_line_naming_each(cache_dir, trained):
+    before = (trained / RUN_FILE).read_text()
+    with pytest.raises(CheckpointError) as err:  # from build_trainer: before any model is built
+        _smoke(cache_dir, trained, "iterations=3", *LR, "resume=auto", "model.hidden_size=64",
+               "algorithm.kl_coef=0.2", "pipeline.actor_lr=1e-3")  # fmt: skip
+    msg = str(err.value)
+    assert isinstance(err.value, USER_ERRORS) and "\n" not in msg  # the CLI prints it as one line, exit 2
+    assert "model.hidden_size: 32 -> 64" in msg and "algorithm.kl_coef: " in msg and " -> 0.2" in msg, msg
+    assert str(trained / "checkpoints" / "iter_00000002") in msg
+    assert "pipeline.actor_lr: " not in msg  # a mutable key is not refused
+    assert (trained / RUN_FILE).read_text() == before
+
+
+def test_resume_refuses_iterations_not_above_the_checkpoints_naming_iterations(cache_dir, trained):
+    ckpt = trained / "checkpoints" / "iter_00000002"
+    for iterations in (1, 2):
+        with pytest.raises(CheckpointError) as err:
+            _smoke(cache_dir, trained, f"iterations={iterations}", *LR, "resume=auto")
+        assert str(err.value) == (
+            f"iterations={iterations} but the checkpoint {ckpt} is at iteration 2: set iterations above 2 to "
+            "train more"
+        )
+    with pytest.raises(
+        CheckpointError, match=r"iterations=1 but the checkpoint .*iter_00000001 is at iteration 1"
+    ):
+        _smoke(cache_dir, trained, "iterations=1", *LR, f"resume={trained / 'checkpoints' / 'iter_00000001'}")
+
+
+def test_a_run_recorded_without_its_configuration_resumes_with_the_hash_warning(
+    cache_dir, trained, tmp_path, caplog
+):
+    run_dir = _copy(trained, tmp_path)
+    data = json.loads((run_dir / RUN_FILE).read_text())
+    del data["run"]["config"]  # as run.json was written before it held the configuration
+    (run_dir / RUN_FILE).write_text(json.dumps(data))
+    resumed = _smoke(cache_dir, run_dir, "iterations=3", *LR, "resume=auto", "algorithm.kl_coef=0.2")
+    with caplog.at_level(logging.WARNING):
+        resumed.resume()
+    assert "with a changed configuration (hash " in caplog.text and resumed.iteration == 2
+    assert read_runs(run_dir)[0].config["algorithm"]["kl_coef"] == 0.2  # recorded from now on

@@ -347,17 +347,27 @@ class RunIdentity:
     checkpoint (a new run whose `resumed_from` records the lineage)."""
 
     id: str
-    # SHA-256 prefix of the configuration (without the keys that may change between attempts: iterations,
-    # resume, run_dir, logger, checkpoint).
+    # SHA-256 prefix of the configuration (without the top-level keys that may change between attempts:
+    # iterations, resume, run_dir, logger, checkpoint, experiment; `rlhfuse.trainer.resume.config_hash`).
     config_hash: str
     # Iteration the run started from (0 = fresh).
     start_iteration: int
     # The checkpoint a branched run started from: {"path", "run", "iteration"}; None otherwise.
     resumed_from: dict[str, Any] | None = None
     started_at: float = 0.0
+    # The resolved configuration of the run's latest attempt, keyed as on the command line
+    # (`rlhfuse.trainer.resume.config_record`), which a resume is checked against; None in runs recorded
+    # before run.json held it (only the hash is compared).
+    config: dict[str, Any] | None = None
 
     @classmethod
-    def new(cls, config_hash: str, start_iteration: int, resumed_from: Path | None = None) -> RunIdentity:
+    def new(
+        cls,
+        config_hash: str,
+        start_iteration: int,
+        resumed_from: Path | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> RunIdentity:
         lineage = None
         if resumed_from is not None:
             meta = checkpoint_meta(resumed_from) or {}
@@ -366,7 +376,7 @@ class RunIdentity:
                 "run": meta.get("run"),
                 "iteration": meta.get("iteration"),
             }
-        return cls(uuid.uuid4().hex[:12], config_hash, start_iteration, lineage, time.time())
+        return cls(uuid.uuid4().hex[:12], config_hash, start_iteration, lineage, time.time(), config)
 
 
 def read_runs(run_dir: str | Path) -> list[RunIdentity]:
@@ -434,18 +444,27 @@ def check_fresh_start(checkpoint_dir: str | Path, resume: str, overwrite: bool) 
 
 
 def begin_run(
-    run_dir: str | Path, config_hash: str, resumed: Path | None, iteration: int, *, auto: bool
+    run_dir: str | Path,
+    config_hash: str,
+    resumed: Path | None,
+    iteration: int,
+    *,
+    auto: bool,
+    config: dict[str, Any] | None = None,
 ) -> RunIdentity:
     """The identity this attempt writes its checkpoints under: `resume=auto` continuing the recorded run keeps
-    its id; a fresh start or a branch from an explicit checkpoint is a new run (the earlier ones stay listed)."""
+    its id (and records this attempt's configuration and hash); a fresh start or a branch from an explicit
+    checkpoint is a new run (the earlier ones stay listed). run.json is rewritten atomically either way."""
     runs = read_runs(run_dir)
     if auto and runs:
         current = runs[0]
-        if resumed is None or (checkpoint_meta(resumed) or {}).get("run") == current.id:
-            return current
         branch = current.resumed_from
-        if branch is not None and Path(branch["path"]) == resumed.resolve():
-            return current  # continued from the checkpoint it branched from: it had saved nothing yet
-    run = RunIdentity.new(config_hash, iteration, resumed)
+        own = resumed is None or (checkpoint_meta(resumed) or {}).get("run") == current.id
+        # continued from the checkpoint it branched from: it had saved nothing yet
+        if own or (branch is not None and resumed is not None and Path(branch["path"]) == resumed.resolve()):
+            current.config_hash, current.config = config_hash, config
+            write_runs(run_dir, runs)
+            return current
+    run = RunIdentity.new(config_hash, iteration, resumed, config)
     write_runs(run_dir, [run, *runs])
     return run

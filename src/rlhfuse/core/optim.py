@@ -181,6 +181,18 @@ def build_optimizer(
     return optim, torch.optim.lr_scheduler.LambdaLR(optim, schedule)
 
 
+def set_peak_lr(optim: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Make `lr` the peak learning rate of `optim` and its schedule `sched`, keeping the schedule's step: called
+    after a checkpoint's optimizer and schedule states are loaded, whose peak (`base_lrs`, each group's
+    `initial_lr` and current `lr`) would otherwise override the configured one (a resume may change it). With
+    the checkpoint's own peak this changes nothing."""
+    sched.base_lrs = [lr] * len(optim.param_groups)
+    for group, factor in zip(optim.param_groups, sched.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in optim.param_groups]  # what get_last_lr() reports until a step
+
+
 def micro_batches(batch: TrainBatch, *, samples: int, tokens: int) -> list[TrainBatch]:
     """Split a mini-batch by sample count, or, with a token budget (`data.micro_batch_tokens`), into the fewest
     micro-batches that each hold at most `tokens` real tokens: sequences dealt by Karmarkar-Karp over their

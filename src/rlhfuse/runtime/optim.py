@@ -10,20 +10,21 @@ from typing import Any
 import torch
 
 from rlhfuse.core.errors import NonFiniteError
-from rlhfuse.core.optim import OptimConfig, build_optimizer
+from rlhfuse.core.optim import OptimConfig, build_optimizer, set_peak_lr
 from rlhfuse.runtime.partition import RankStages
 
 
 class StageOptimizers:
     def __init__(self, stages: RankStages, config: OptimConfig, total_steps: int) -> None:
         self.stages, self.grad_clip = stages, config.grad_clip
-        lrs = {"actor": config.actor_lr, "critic": config.critic_lr}
+        # peak learning rates; they replace a loaded checkpoint's (a resume may change them)
+        self.lrs = {"actor": config.actor_lr, "critic": config.critic_lr}
         self.optims: dict[str, torch.optim.Optimizer] = {}
         self.scheds: dict[str, torch.optim.lr_scheduler.LambdaLR] = {}
         self.models = stages.layout.trained  # no Critic optimizer for a critic-free algorithm
         for m in self.models:
             self.optims[m], self.scheds[m] = build_optimizer(
-                stages.parameters(m), lrs[m], config, total_steps
+                stages.parameters(m), self.lrs[m], config, total_steps
             )
 
     @property
@@ -58,3 +59,4 @@ class StageOptimizers:
         for m in self.models:
             self.optims[m].load_state_dict(state[f"{m}_optim"])
             self.scheds[m].load_state_dict(state[f"{m}_sched"])
+            set_peak_lr(self.optims[m], self.scheds[m], self.lrs[m])

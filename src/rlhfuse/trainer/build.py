@@ -39,6 +39,7 @@ from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
+from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import check_context, validate
@@ -194,6 +195,9 @@ def build_trainer(
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
     checkpoint_dir = run_dir / config.checkpoint.dir
     check_fresh_start(checkpoint_dir, config.resume, config.checkpoint.overwrite)
+    # a resume that changes what may not change, or has nothing left to train, fails before anything is built
+    record = config_record(config)  # as validated (the tokenizer's stop ids are added below)
+    check_resume_config(config, run_dir, checkpoint_dir, record)
     if config.pipeline.name in PIPELINE_STRATEGIES:  # a layout mismatch fails before any model is built
         from rlhfuse.runtime.checkpoint import check_resume
 
@@ -355,4 +359,5 @@ def build_trainer(
         callbacks=all_callbacks,
         logger=loggers,
         fabric=fabric,
+        record=record,
     )

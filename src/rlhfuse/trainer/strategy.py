@@ -30,7 +30,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches
+from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_peak_lr
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
@@ -72,7 +72,7 @@ class PlainStrategy:
         )
         # the Critic's optimizer, LR schedule and checkpoint entries exist only for an algorithm with a Critic
         self.critic_optim: torch.optim.Optimizer | None = None
-        self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.critic_sched: torch.optim.lr_scheduler.LambdaLR | None = None
         if critic is not None:
             self.critic_optim, self.critic_sched = build_optimizer(
                 critic.parameters(), config.critic_lr, config, total_steps
@@ -224,6 +224,7 @@ class PlainStrategy:
         return {key: state[key] for key in _STATE_ORDER if key in state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s entries; the configured learning rates replace the checkpoint's."""
         has_critic = "critic" in state
         if has_critic != (self.critic is not None):
             raise CheckpointError(
@@ -234,10 +235,12 @@ class PlainStrategy:
         self.actor.load_state_dict(state["actor"])
         self.actor_optim.load_state_dict(state["actor_optim"])
         self.actor_sched.load_state_dict(state["actor_sched"])
+        set_peak_lr(self.actor_optim, self.actor_sched, self.config.actor_lr)  # a resume may change it
         if self.critic is not None and self.critic_optim is not None and self.critic_sched is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_optim.load_state_dict(state["critic_optim"])
             self.critic_sched.load_state_dict(state["critic_sched"])
+            set_peak_lr(self.critic_optim, self.critic_sched, self.config.critic_lr)
 
 
 _STATE_ORDER = ("actor", "critic", "actor_optim", "critic_optim", "actor_sched", "critic_sched")

@@ -11,12 +11,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,7 @@ from rlhfuse.core.checkpoint import (
     begin_run,
     clean_stale,
     prune_run,
-    resume_path,
+    read_runs,
     rng_state,
     set_rng_state,
 )
@@ -43,6 +40,7 @@ from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.prompts import PromptLoader
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.logging import JsonlLogger, keep_csv_rows
+from rlhfuse.trainer.resume import check_resume_config, config_hash, config_record
 from rlhfuse.trainer.rollout import SerialRollout
 
 log = logging.getLogger(__name__)
@@ -63,8 +61,12 @@ class RLHFTrainer:
         callbacks: Sequence[object] = (),
         logger: Logger | Sequence[Logger] = (),
         fabric: Fabric | None = None,
+        record: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # the resolved configuration run.json records and a resume is checked against (`build_trainer` passes
+        # it as validated, before the tokenizer's stop ids were added); None: `config_record(config)`
+        self.record = dict(record) if record is not None else config_record(config)
         self.generator, self.inferencer, self.strategy = generator, inferencer, strategy
         self.prompts = prompts
         self.pad_token_id = pad_token_id
@@ -235,9 +237,12 @@ class RLHFTrainer:
 
     def resume(self) -> None:
         """Apply `config.resume`: never | auto (the run recorded in run_dir, if any: `resume_path`) | a
-        checkpoint folder; then record the run (rank 0), remove what interrupted saves left, and cut
-        metrics.jsonl back to the iteration this attempt starts from."""
-        choice = self.config.resume
+        checkpoint folder, after checking it against the recorded configuration (`check_resume_config`:
+        refused when a key that may not change did, or `iterations` is not above the checkpoint's); then
+        record the run and this attempt's configuration (rank 0), remove what interrupted saves left, and cut
+        metrics.jsonl back to the iteration this attempt starts from. The strategy's `load_state_dict` applies
+        the configured learning rates over the checkpoint's."""
+        check = check_resume_config(self.config, self.run_dir, self.checkpoint_dir, self.record)
         if self._rank0:
             stale = clean_stale(self.checkpoint_dir)
             if stale:
@@ -246,7 +251,7 @@ class RLHFTrainer:
                     ", ".join(stale),
                     self.checkpoint_dir,
                 )
-        path = resume_path(self.run_dir, self.checkpoint_dir, choice)
+        path = check.path
         if path is not None:
             state = self.strategy.checkpointer.load(path)
             if "trainer" not in state:
@@ -261,25 +266,22 @@ class RLHFTrainer:
             self.generator.load_weights(self.strategy.actor_weights())
         if self._rank0:
             digest = config_hash(self.config)
-            self.run = begin_run(self.run_dir, digest, path, self.iteration, auto=choice == "auto")
-            if self.run.config_hash != digest:
-                log.warning(
-                    "rlhfuse: resuming run %s with a changed configuration (hash %s, recorded %s)",
-                    self.run.id,
-                    digest,
-                    self.run.config_hash,
-                )
+            previous = read_runs(self.run_dir)
+            auto = self.config.resume == "auto"
+            self.run = begin_run(self.run_dir, digest, path, self.iteration, auto=auto, config=self.record)
+            warning = check.warning()
+            if warning is not None:
+                log.warning("%s", warning)
+            elif not check.recorded and previous and previous[0].id == self.run.id:
+                if previous[0].config_hash != digest:  # a run recorded before run.json held its configuration
+                    log.warning(
+                        "rlhfuse: resuming run %s with a changed configuration (hash %s, recorded %s)",
+                        self.run.id,
+                        digest,
+                        previous[0].config_hash,
+                    )
         for logger in self.loggers:
             if isinstance(logger, JsonlLogger):
                 logger.truncate_after(self.iteration)
             elif isinstance(logger, CSVLogger):
                 keep_csv_rows(logger, self.iteration)
-
-
-VOLATILE_KEYS = ("iterations", "resume", "run_dir", "logger", "checkpoint", "experiment")
-
-
-def config_hash(config: RLHFConfig) -> str:
-    """SHA-256 prefix of what makes a run's training itself (not the keys that may change between attempts)."""
-    data = {k: v for k, v in dataclasses.asdict(config).items() if k not in VOLATILE_KEYS}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
