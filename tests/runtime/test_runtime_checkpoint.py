@@ -86,12 +86,13 @@ def test_fused_resume_continues_bit_identically_and_refuses_another_layout(tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], b0) for k, b0 in _sft_weights(tmp_path).items())  # it did train
 
-    # another layout: refused before any process is launched or model built, naming the file and the mismatch
+    # another layout: refused before any process is launched or model built, in one line naming the checkpoint
+    # and the key (run.json records the configuration; `check_resume_config`)
     other = _train(tmp_path, "b", "resume=auto", "pipeline.critic_pp=1", "iterations=4")
     out = other.stdout + other.stderr
     assert other.returncode == 2, out[-3000:]
-    assert f"{tmp_path / 'b' / 'checkpoints' / 'iter_00000003' / 'meta.json'}" in out.replace("\n", "")
-    assert "critic.pp: saved 2, this run 1" in out
+    assert f"{tmp_path / 'b' / 'checkpoints' / 'iter_00000003'}" in out.replace("\n", "")
+    assert "pipeline.critic_pp: 2 -> 1" in out
     assert "Starting with 2 processes" not in out
     # the single-process loader names what the folder is and how to resume it
     with pytest.raises(CheckpointError, match="sharded pipeline checkpoint"):

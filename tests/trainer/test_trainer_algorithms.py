@@ -15,6 +15,8 @@ from hydra.errors import ConfigCompositionException
 from rlhfuse._resources import conf_dir
 from rlhfuse.core import losses
 from rlhfuse.core.advantages import ALGORITHMS, AlgorithmConfig, compute_train_batch
+from rlhfuse.core.checkpoint import RUN_FILE
+from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.trainer import build_trainer, compose_config, validate
 
@@ -199,6 +201,10 @@ def test_critic_free_resume_is_bit_identical_and_refuses_a_ppo_checkpoint(cache_
     assert [{k: v for k, v in r.items() if not k.startswith(skip)} for r in resumed] == same
     ppo = _smoke(cache_dir, tmp_path / "ppo", "iterations=1", "checkpoint.every=1")
     ppo.fit()
+    # refused before any model is built, from the configuration run.json records
+    with pytest.raises(CheckpointError, match=r"algorithm\.name: ppo -> grpo"):
+        _smoke(cache_dir, tmp_path / "ppo", "algorithm=grpo", "resume=auto", "iterations=2")
+    (tmp_path / "ppo" / RUN_FILE).unlink()  # a folder without the record: the checkpoint's entries tell
     with pytest.raises(Exception, match="written by a run with a Critic"):
         _smoke(cache_dir, tmp_path / "ppo", "algorithm=grpo", "resume=auto", "iterations=2").fit()
 

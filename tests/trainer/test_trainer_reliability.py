@@ -18,6 +18,7 @@ from rlhfuse.core.checkpoint import (
     save_checkpoint,
 )
 from rlhfuse.core.errors import CheckpointError
+from rlhfuse.core.optim import OptimConfig, build_optimizer, set_peak_lr
 from rlhfuse.trainer import build_trainer, compose_config
 from rlhfuse.trainer.cli import USER_ERRORS
 from rlhfuse.trainer.logging import JsonlLogger
@@ -235,3 +236,24 @@ def test_a_run_recorded_without_its_configuration_resumes_with_the_hash_warning(
         resumed.resume()
     assert "with a changed configuration (hash " in caplog.text and resumed.iteration == 2
     assert read_runs(run_dir)[0].config["algorithm"]["kl_coef"] == 0.2  # recorded from now on
+
+
+def test_set_peak_lr_keeps_the_loaded_schedules_step_under_warmup_and_decay():
+    config = OptimConfig(warmup_steps=2, lr_schedule="linear", min_lr_ratio=0.0)
+    weight = torch.nn.Parameter(torch.ones(2))
+    optim, sched = build_optimizer([weight], 1e-2, config, total_steps=6)
+    for _ in range(3):  # past the 2 warmup steps: factor (1 - (3 - 2) / 4) = 0.75
+        weight.grad = torch.ones(2)
+        optim.step()
+        sched.step()
+    saved = (optim.state_dict(), sched.state_dict())
+    optim, sched = build_optimizer([weight], 4e-2, config, total_steps=6)  # the resumed run's peak
+    optim.load_state_dict(saved[0])
+    sched.load_state_dict(saved[1])
+    assert optim.param_groups[0]["lr"] == pytest.approx(0.75e-2)  # the checkpoint's peak came back
+    set_peak_lr(optim, sched, 4e-2)
+    assert sched.last_epoch == 3 and sched.base_lrs == [4e-2] and optim.param_groups[0]["initial_lr"] == 4e-2
+    assert optim.param_groups[0]["lr"] == pytest.approx(0.75 * 4e-2) == sched.get_last_lr()[0]
+    optim.step()
+    sched.step()  # the next step follows the new peak: factor 0.5
+    assert optim.param_groups[0]["lr"] == pytest.approx(0.5 * 4e-2)
