@@ -136,7 +136,10 @@ class Strategy(Protocol):
         """Everything needed to resume: model weights, optimizer and scheduler states."""
         ...
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; the configured peak learning rates replace the checkpoint's
+        (`rlhfuse.core.optim.set_peak_lr`: a resume may change them)."""
+        ...
 
     def optimizers_in_use(self) -> Sequence[torch.optim.Optimizer]:
         """The optimizers this rank steps (a pipeline: those of its own stages), for `memory/optimizer_bytes`."""
