@@ -1,5 +1,6 @@
 """A rank killed (SIGKILL, by its pid) at start-up or mid-run: the surviving rank ends within seconds with one
-line naming the dead rank and its last step, no traceback, exit status 1 (issue 18, class 3)."""
+line naming the dead rank and its last step, no traceback, exit status 1 (issue 18, class 3). Each kill waits for
+an event of the run (a line of output, a metrics row), never for a fixed time (issue 25 item 7)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +27,41 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, list[str]]:
-    """Start a 2-rank smoke job; return (rank 0's process, rank 1's pid, output so far) once `marker` shows."""
+class _Output:
+    """The job's output (both ranks share the pipe), read to EOF by a thread so the job never blocks on a full
+    pipe; `wait_for` returns once a line holds the marker."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self.reader.start()
+
+    def _read(self, stdout: Any) -> None:
+        for line in stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # EOF
+            self.changed.notify_all()
+
+    def wait_for(self, marker: str, timeout: float = 120) -> None:
+        def seen() -> bool:
+            return any(marker in x for x in self.lines)
+
+        with self.changed:
+            self.changed.wait_for(lambda: seen() or "" in self.lines, timeout)
+        assert seen(), f"no {marker!r} within {timeout:g} s in:\n" + "".join(self.lines)[-3000:]
+
+    def text(self) -> str:
+        self.reader.join(timeout=30)
+        return "".join(self.lines)
+
+
+def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, _Output]:
+    """Start a 2-rank smoke job; return (rank 0's process, rank 1's pid, its output) once `marker` shows."""
     cache = tmp_path / "cache"
     build_trainer(  # warm start once in this process: the job itself starts in seconds
         compose_config([*SMOKE[:1], f"model.warmstart.cache_dir={cache}", "iterations=1"]),
@@ -37,15 +73,12 @@ def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, li
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if marker in line:
-            break
+    output = _Output(proc)
+    output.wait_for(marker)
+    # rank 1 is rank 0's one child (Fabric's launcher started it before any marker is printed)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    assert len(children) == 1, "".join(lines)
-    return proc, int(children[0]), lines
+    assert len(children) == 1, "".join(output.lines)
+    return proc, int(children[0]), output
 
 
 def _check_one_line(out: str, dead: int, survivor: int) -> None:
@@ -58,24 +91,32 @@ def _check_one_line(out: str, dead: int, survivor: int) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path) -> None:
-    proc, rank1, _ = _launch(tmp_path, "Starting with 2 processes")
-    time.sleep(3.0)  # into the iterations
+    proc, rank1, output = _launch(tmp_path, "Starting with 2 processes")
+    # rank 0 writes iteration 1's metrics row once both ranks finished it: both are in the loop. The kill comes
+    # right after an iteration ends, where Fabric's child observer used to SIGKILL rank 0 first (exit -9)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline and proc.poll() is None, output.text()[-3000:]
+        time.sleep(0.02)  # polling for the event
     os.kill(rank1, signal.SIGKILL)
     start = time.monotonic()
     try:
-        out, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
     finally:
         proc.kill()
-    assert time.monotonic() - start < 10
+    elapsed = time.monotonic() - start
+    out = output.text()
+    assert elapsed < 10, out[-3000:]
     assert proc.returncode == 1, out[-3000:]
     _check_one_line(out, dead=1, survivor=0)
-    assert "last step: iteration" in out
+    assert "killed by SIGKILL" in out and "last step: iteration" in out, out[-3000:]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_rank_0_killed_at_start_up_ends_rank_1_with_one_line(tmp_path: Path) -> None:
-    proc, rank1, _ = _launch(tmp_path, "GLOBAL_RANK: 1")  # rank 1 is joining the process group
+    proc, rank1, output = _launch(tmp_path, "GLOBAL_RANK: 1")  # rank 1 is joining the process group
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     start = time.monotonic()
@@ -84,7 +125,6 @@ def test_rank_0_killed_at_start_up_ends_rank_1_with_one_line(tmp_path: Path) -> 
     elapsed = time.monotonic() - start
     if _running(rank1):
         os.kill(rank1, signal.SIGKILL)
-    assert proc.stdout is not None
-    out = proc.stdout.read()  # rank 1 held the pipe: its output, to EOF
+    out = output.text()  # rank 1 held the pipe: its output, to EOF
     assert elapsed < 10, out[-3000:]
     _check_one_line(out, dead=0, survivor=1)

@@ -4,41 +4,55 @@
 ranks 1..N-1 (Hydra-aware: same run directory) and initialises torch.distributed (gloo on CPU, NCCL on GPU).
 Under `torchrun`, Fabric reads the torchelastic environment and each process is one rank.
 
-`Watchdog`: every wait of a multi-process run is bounded. Each rank watches the other ranks of its host (their
-pids, exchanged once the process group is up; before that, a rank started by Fabric's launcher watches rank 0,
-its parent) and, when one is gone, prints one line naming it and this rank's last step and exits with status 1
-within about a second; start-up (launch, rendezvous, the first collective) is bounded by
-`distributed.timeout_s`, and so is every collective after it (the process group's timeout).
+`Watchdog`: every wait of a multi-process run is bounded. Under Fabric's launcher rank 0 supervises the ranks it
+started (their `Popen`s: it reaps them and knows their exit status) and each of them watches rank 0, its parent;
+under `torchrun` each rank watches the other ranks of its host (their pids, exchanged once the process group is
+up). When a watched rank is gone, the rank prints one line naming it (and its exit status where known) and this
+rank's last step, stops the ranks it started, and exits with status 1 within about a second; start-up (launch,
+rendezvous, the first collective) is bounded by `distributed.timeout_s`, and so is every collective after it
+(the process group's timeout).
+
+Fabric's own child observer is not started (`_SupervisedLauncher`): it polls the children every 5 s and SIGKILLs
+the whole job, rank 0 included, when one has died, so whenever it looked before the watchdog the run ended with
+status -9 and no line. With it gone the watchdog is the only one that reaps the children, whichever thread of
+rank 0 notices the death first (the watchdog's, or the main thread's failed collective) prints the same line.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 
 def distributed_fabric(
     *, nproc_per_node: int, backend: str, timeout_s: float, device_type: str, precision: str
 ) -> Fabric:
     """A launched Fabric with its process group initialised; returns on every rank."""
-    from lightning.fabric.strategies import DDPStrategy
-
     world = int(os.environ.get("WORLD_SIZE", nproc_per_node))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node))
     if world % local:
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
-    strategy = DDPStrategy(process_group_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    watchdog = Watchdog(timeout_s)
+    strategy = _SupervisedDDPStrategy(
+        watchdog, process_group_backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     accelerator = "cuda" if device_type == "cuda" else "cpu"
     fabric = Fabric(
         accelerator=accelerator,
@@ -50,13 +64,47 @@ def distributed_fabric(
     if os.environ.get("RLHFUSE_DEBUG", "") in ("", "0"):
         # ranks launched below inherit it: no C++ retry warnings with stack frames when a peer is gone
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    watchdog = Watchdog.start(timeout_s)
+    watchdog.start()
     fabric.launch()
     watchdog.joined(fabric)
     if device_type != "cuda":
         # N processes share the cores: without this each would start one thread per core
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return fabric
+
+
+class _SupervisedDDPStrategy(DDPStrategy):
+    """Fabric's DDP strategy launching through `_SupervisedLauncher` (`_configure_launcher` is where Fabric's
+    strategies choose their launcher)."""
+
+    def __init__(self, watchdog: Watchdog, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.watchdog = watchdog
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SupervisedLauncher(
+            self.watchdog, self.cluster_environment, self.num_processes, self.num_nodes
+        )
+
+
+class _SupervisedLauncher(_SubprocessScriptLauncher):
+    """Fabric's subprocess launcher (same commands, environment and Hydra run folder for ranks 1..N-1) with the
+    `Watchdog` in place of Fabric's child observer (see the module docstring): `launch` is Fabric's, less the
+    `_launch_process_observer(self.procs)` call."""
+
+    def __init__(self, watchdog: Watchdog, *args: Any) -> None:
+        super().__init__(*args)
+        self.watchdog = watchdog
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            first = self.cluster_environment.node_rank() * self.num_processes + 1
+            self.watchdog.supervise({first + i: proc for i, proc in enumerate(self.procs)})
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 def is_global_zero(fabric: Any) -> bool:
@@ -78,11 +126,24 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
+def exit_status(returncode: int) -> str:
+    """`Popen.returncode` in words: `exit status 3`, `killed by SIGKILL`."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
 class Watchdog:
     """Ends this rank promptly, with one line, when another rank of the job dies (see the module docstring).
     `step` is what this rank was doing last (set by the trainer's stages); `disarm()` before an orderly exit."""
 
     current: Watchdog | None = None
+    # How long a failed collective waits for the peer that broke it to be seen gone (it is exiting: its sockets
+    # close before its process ends), so that the line can name it.
+    death_wait_s = 5.0
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -90,35 +151,64 @@ class Watchdog:
         # Fabric's launcher starts ranks 1..N-1 as children of rank 0 (torchrun's agent is nobody's rank)
         self.parent = os.getppid() if self.rank > 0 and "TORCHELASTIC_RUN_ID" not in os.environ else None
         self.peers: dict[int, int] = {}
+        self.children: dict[int, subprocess.Popen[bytes]] = {}  # rank -> process, the ranks this one started
+        self._stopping = threading.Lock()
         self.step = "start-up"
         self.ready = False
         self.armed = True
-        self.started = time.monotonic()
+        self.started = 0.0
 
-    @classmethod
-    def start(cls, timeout_s: float) -> Watchdog:
-        watchdog = cls.current = cls(timeout_s)
-        threading.Thread(target=watchdog._watch, daemon=True, name="rlhfuse-watchdog").start()
-        return watchdog
+    def start(self) -> None:
+        """Watch from now on (the start-up timeout counts from here); `Watchdog.current` is this one."""
+        Watchdog.current = self
+        self.started = time.monotonic()
+        threading.Thread(target=self._watch, daemon=True, name="rlhfuse-watchdog").start()
+
+    def supervise(self, children: dict[int, subprocess.Popen[bytes]]) -> None:
+        """The ranks this process launched, by rank: watched (and reaped) from now on, start-up included."""
+        self.children = children
 
     def joined(self, fabric: Any) -> None:
-        """The process group is up: learn every rank's host and pid (same-host ranks are watched)."""
+        """The process group is up: learn every rank's host and pid. A rank started by Fabric's launcher watches
+        its parent only (the parent supervises the others and stops them all, so one line is printed);
+        otherwise every same-host rank is watched."""
         from rlhfuse import distributed
 
         self.rank = distributed.rank()
         here = socket.gethostname()
         found = distributed.all_gather_json([here, os.getpid()], distributed.group_device())
-        self.peers = {r: pid for r, (host, pid) in enumerate(found) if host == here and r != self.rank}
+        self.peers = {
+            r: pid
+            for r, (host, pid) in enumerate(found)
+            if host == here and r != self.rank and (self.parent is None or pid == self.parent)
+        }
         self.ready = True
 
     def dead_ranks(self) -> list[int]:
-        dead = [r for r, pid in sorted(self.peers.items()) if not _alive(pid)]
-        if self.parent is not None and os.getppid() != self.parent and 0 not in dead:
-            dead.insert(0, 0)  # orphaned: rank 0, which launched this process, is gone
+        children = self.children
+        dead = {r for r, proc in children.items() if proc.poll() is not None}
+        dead |= {r for r, pid in self.peers.items() if r not in children and not _alive(pid)}
+        if self.parent is not None and os.getppid() != self.parent:
+            # orphaned: the local rank 0 that launched this process is gone
+            dead.add(next((r for r, pid in self.peers.items() if pid == self.parent), 0))
+        return sorted(dead)
+
+    def await_dead(self) -> list[int]:
+        """The dead ranks, waiting up to `death_wait_s` for one (a failed collective: the peer that broke it
+        may still be ending); [] when none is seen by then."""
+        deadline = time.monotonic() + self.death_wait_s
+        while not (dead := self.dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return dead
 
+    def _name(self, rank: int) -> str:
+        proc = self.children.get(rank)
+        if proc is not None and proc.returncode is not None:
+            return f"rank {rank} (pid {proc.pid}, {exit_status(proc.returncode)})"
+        return f"rank {rank}" + (f" (pid {self.peers[rank]})" if rank in self.peers else "")
+
     def describe(self, dead: list[int]) -> str:
-        names = ", ".join(f"rank {r}" + (f" (pid {self.peers[r]})" if r in self.peers else "") for r in dead)
+        names = ", ".join(self._name(r) for r in dead)
         return (
             f"{names} of this job died (this is rank {self.rank}, last step: {self.step}); every rank stops. "
             "See the dead rank's output for why (killed, out of memory?), then rerun with resume=auto to continue "
@@ -142,15 +232,22 @@ class Watchdog:
                 return
             dead = self.dead_ranks()
             if dead:
-                self._stop(self.describe(dead))
+                self.stop(self.describe(dead))
             elif not self.ready and time.monotonic() - self.started > self.timeout_s:
-                self._stop(
+                self.stop(
                     f"rank {self.rank}: the other ranks did not all join within distributed.timeout_s="
                     f"{self.timeout_s:g} s (a rank failed to start, or MASTER_ADDR/MASTER_PORT are unreachable): "
                     "check every rank's output, or raise distributed.timeout_s"
                 )
 
-    def _stop(self, message: str) -> None:
-        sys.stderr.write(f"rlhfuse-train: error: {message}\n")
-        sys.stderr.flush()
-        os._exit(1)  # the main thread may be blocked in a collective that never returns
+    def stop(self, message: str) -> NoReturn:
+        """Print the one error line, stop the ranks this one started, exit with status 1. Called by the watchdog's
+        thread and by the main thread (a failed collective); whichever comes second waits here until the
+        process has ended, so there is one line."""
+        with self._stopping:
+            sys.stdout.flush()
+            sys.stderr.write(f"rlhfuse-train: error: {message}\n")
+            sys.stderr.flush()
+            for proc in self.children.values():
+                proc.kill()  # SIGKILL, as Fabric's observer did: a rank blocked in a collective ignores SIGTERM
+            os._exit(1)  # the main thread may be blocked in a collective that never returns

@@ -83,21 +83,17 @@ def run(cfg: DictConfig) -> None:
         watchdog = Watchdog.current
         if watchdog is None or debug():  # one process: a bug, shown with its traceback
             raise
-        # a multi-process job: a rank that died or stopped breaks the collectives of the others
-        time.sleep(1.0)  # let a killed peer's process disappear, so it can be named
-        _disarm()
-        dead = watchdog.dead_ranks()
+        # a multi-process job: a rank that died or stopped breaks the collectives of the others. The watchdog
+        # stays armed: whichever of its thread and this one names the dead rank first prints the line
+        dead = watchdog.await_dead()
         if dead:
-            message = watchdog.describe(dead)
-        else:
-            cause = (str(err).strip().splitlines() or [""])[0][:200]
-            message = (
-                f"rank {watchdog.rank} stopped at {watchdog.step}: {type(err).__name__}: {cause}; another rank "
-                "probably failed (see its output); RLHFUSE_DEBUG=1 shows the traceback, resume=auto continues "
-                "from the last checkpoint"
-            )
-        print_error(console, message)
-        sys.exit(1)
+            watchdog.stop(watchdog.describe(dead))
+        cause = (str(err).strip().splitlines() or [""])[0][:200]
+        watchdog.stop(
+            f"rank {watchdog.rank} stopped at {watchdog.step}: {type(err).__name__}: {cause}; another rank "
+            "probably failed (see its output); RLHFUSE_DEBUG=1 shows the traceback, resume=auto continues "
+            "from the last checkpoint"
+        )
     elapsed = seconds_since_start()  # start-up (imports, Hydra, building) included
     if history:
         first, last = history[0], history[-1]
