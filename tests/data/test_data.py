@@ -12,6 +12,7 @@ from rlhfuse.data import (
     read_prompt_file,
     tokenize_prompts,
 )
+from rlhfuse.data.prompts import dataset_label, dataset_rows, read_prompt_rows
 from rlhfuse.data.synthetic import TOPICS, build_tokenizer, topic_fraction
 
 
@@ -114,16 +115,52 @@ def test_loader_covers_each_epoch_and_resumes_at_the_epoch_boundary():
         PromptLoader(prompts, 11, seed=1)
 
 
-def test_parquet_prompts_read_or_name_the_missing_dependency(tmp_path):
+def test_parquet_prompts_read_in_the_default_install(tmp_path):
+    import pyarrow as pa  # comes with datasets, a dependency
+    import pyarrow.parquet as pq
+
     path = tmp_path / "p.parquet"
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        path.write_bytes(b"PAR1")
-        with pytest.raises(ImportError, match="pip install pyarrow"):
-            read_prompt_file(path)
-        return
+    pq.write_table(pa.table({"prompt": ["cat animals :", "dog animals :"], "answer": ["1", "2"]}), path)
+    assert read_prompt_rows(path) == [("cat animals :", {"answer": "1"}), ("dog animals :", {"answer": "2"})]
     pq.write_table(pa.table({"prompt": ["cat animals :", ""]}), path)
     with pytest.raises(DatasetError, match=r"p\.parquet: row 1: 'prompt' must be a non-empty string"):
         read_prompt_file(path)
+
+
+def test_saved_datasets_and_in_memory_datasets_are_prompt_sources(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [  # a table mixing both formats: each row has every column, None where it has no value
+        {"prompt": [{"role": "user", "content": "7 + 5 ="}], "messages": None, "answer": "12"},
+        {
+            "prompt": None,
+            "messages": [{"role": "user", "content": "2 + 2 ="}, {"role": "assistant", "content": "4"}],
+            "answer": None,
+        },
+    ]
+    dataset = datasets.Dataset.from_list(rows)
+    # each row is read in its own format, the other's None column is not one of its fields, and the
+    # assistant's final turn is the `completion`
+    expected = [
+        ([{"role": "user", "content": "7 + 5 ="}], {"answer": "12"}),
+        ([{"role": "user", "content": "2 + 2 ="}], {"answer": None, "completion": "4"}),
+    ]
+    assert dataset_rows(dataset) == expected
+    saved = tmp_path / "saved"
+    dataset.save_to_disk(str(saved))
+    assert read_prompt_rows(saved) == read_prompt_rows(dataset) == dataset_rows(dataset)
+    datasets.DatasetDict({"train": dataset, "test": dataset}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DatasetError, match=r"splits \['train', 'test'\]: set data\.path=.*dict/train"):
+        read_prompt_rows(tmp_path / "dict")
+    assert len(read_prompt_rows(tmp_path / "dict" / "train")) == 2
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(
+        DatasetError, match=r"plain is a folder but not one saved with datasets' save_to_disk"
+    ):
+        read_prompt_rows(tmp_path / "plain")
+    with pytest.raises(DatasetError, match=r"got list: wrap rows with datasets\.Dataset\.from_list"):
+        read_prompt_rows(rows)  # type: ignore[arg-type]
+    label = dataset_label(dataset)
+    assert label.startswith("datasets.Dataset(rows=2, sha256=") and label == dataset_label(
+        datasets.Dataset.from_list(rows)
+    )
+    assert dataset_label(datasets.Dataset.from_list(rows[:1])) != label

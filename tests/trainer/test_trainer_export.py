@@ -10,11 +10,6 @@ from rlhfuse.trainer import build_trainer, compose_config
 
 transformers = pytest.importorskip("transformers")
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
 
 def test_embedded_tiny_model_export_loads_with_pad_eos_and_no_template(tmp_path):
     cfg = compose_config(
@@ -44,28 +39,8 @@ def test_embedded_tiny_model_export_loads_with_pad_eos_and_no_template(tmp_path)
     assert model.config.eos_token_id == 2
 
 
-def test_hf_checkpoint_with_chat_template_round_trips_template_and_stop_tokens(tmp_path):
-    words = ["<|user|>", "<|assistant|>", "<|end|>", "7", "+", "5", "=", "12", "answer", ":"]
-    tok = Tokenizer.from_words(words)
-    tok.chat_template = TEMPLATE
-    end = tok.token_to_id("<|end|>")
-    sft = tmp_path / "sft"
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_id,
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(sft)
-    tok.save(sft)
-    (sft / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
+def test_hf_checkpoint_with_chat_template_round_trips_template_and_stop_tokens(tmp_path, chat_checkpoint):
+    sft, tok, end = chat_checkpoint.path, chat_checkpoint.tokenizer, chat_checkpoint.end_id
     prompts = tmp_path / "p.jsonl"
     rows = [{"messages": [{"role": "user", "content": "7 + 5 ="}], "answer": "12"}] * 2 + [
         {"prompt": "5 + 7 =", "answer": "12"}
@@ -98,7 +73,7 @@ def test_hf_checkpoint_with_chat_template_round_trips_template_and_stop_tokens(t
     assert row["response_length/max"] <= 4
     folder = tmp_path / "run" / "actor_hf"
     hf = transformers.AutoTokenizer.from_pretrained(folder)
-    assert hf.chat_template == TEMPLATE and (hf.eos_token, hf.pad_token) == ("<eos>", "<pad>")
+    assert hf.chat_template == tok.chat_template and (hf.eos_token, hf.pad_token) == ("<eos>", "<pad>")
     messages = [{"role": "user", "content": "7 + 5 ="}]
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected

@@ -15,7 +15,8 @@ class DataConfig:
     # Prompt source: "synthetic" (the embedded topic task, generated from `seed`), "arithmetic" (the embedded
     # verifiable task: generated `a + b =` problems whose rows carry the `answer`) or "file" (`path`).
     source: Literal["synthetic", "arithmetic", "file"] = "synthetic"
-    # A local .jsonl (one JSON object per line) or .parquet file of prompts; used when source=file.
+    # A local .jsonl (one JSON object per line) or .parquet file of prompts, or a folder saved with datasets'
+    # `Dataset.save_to_disk`; used when source=file. (The Python API: build_trainer(train_dataset=...).)
     path: str | None = None
     # The field of each row that holds the prompt text (the row's other fields, e.g. `answer`, reach the reward).
     prompt_key: str = "prompt"
@@ -89,7 +90,7 @@ class DataConfig:
         need(
             problems,
             self.source != "file" or bool(self.path),
-            "data.source=file needs data.path=<a local .jsonl or .parquet file>",
+            "data.source=file needs data.path=<a local .jsonl or .parquet file, or a save_to_disk folder>",
         )
         positive(problems, "data.max_prompt_length", self.max_prompt_length)
         positive(problems, "data.num_prompts", self.num_prompts)

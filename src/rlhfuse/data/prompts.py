@@ -1,4 +1,5 @@
-"""Prompt datasets (the embedded synthetic / arithmetic tasks or a local JSONL/Parquet file), tokenisation with a
+"""Prompt datasets (the embedded synthetic / arithmetic tasks, a local JSONL/Parquet file, a folder saved with
+`datasets.Dataset.save_to_disk`, or a `datasets.Dataset` given to the Python API), tokenisation with a
 length limit, and a resumable loader that yields a fixed number of prompts per iteration, epoch after epoch.
 
 Each prompt keeps its dataset row's other fields (`Prompt.fields`, e.g. a reference `answer`): the rollout carries
@@ -7,12 +8,13 @@ only the prompt's id (`Rollout.prompt_index_B`), and the reward stage looks the 
 A file row holds either a prompt (`data.prompt_key`: a text, or a list of chat messages as in TRL's
 conversational format) or chat messages (a `messages` list of {"role", "content"} objects). A `messages` row
 whose last turn is the assistant's (an SFT-style row) keeps that turn out of the prompt, as the row's
-`completion` field (which reward functions see). With `data.chat_template=auto` and a tokenizer that has a chat template, every prompt
-is rendered with it (a text as one user turn) and ends with the assistant's generation prompt; otherwise prompts
-are plain text with the tokenizer's BOS first, and `messages` rows are an error."""
+`completion` field (which reward functions see). With `data.chat_template=auto` and a tokenizer that has a chat
+template, every prompt is rendered with it (a text as one user turn) and ends with the assistant's generation
+prompt; otherwise prompts are plain text with the tokenizer's BOS first, and `messages` rows are an error."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +23,6 @@ from typing import Any
 
 import torch
 
-from rlhfuse._optional import MissingDependencyError
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.config import DataConfig
 from rlhfuse.data.synthetic import SyntheticTask
@@ -31,6 +32,8 @@ MESSAGES_KEY = "messages"
 COMPLETION_KEY = "completion"
 # a prompt: its text, or chat messages ({"role", "content"} each)
 PromptInput = str | list[dict[str, Any]]
+# a dataset row: its prompt and its other fields
+PromptRow = tuple[PromptInput, dict[str, Any]]
 
 
 class DatasetError(ValueError):
@@ -50,26 +53,33 @@ class Prompt:
 
 
 def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[PromptInput]:
-    """Read prompts (texts, or chat messages) from a .jsonl or .parquet file; malformed rows raise DatasetError
-    naming file:line."""
+    """Read prompts (texts, or chat messages) from a .jsonl or .parquet file or a `save_to_disk` folder;
+    malformed rows raise DatasetError naming file:line (or row)."""
     return [text for text, _ in read_prompt_rows(path, prompt_key)]
 
 
-def read_prompt_rows(
-    path: str | Path, prompt_key: str = "prompt"
-) -> list[tuple[PromptInput, dict[str, Any]]]:
-    """(prompt text or messages, the row's other fields) of every row of a .jsonl or .parquet file; malformed rows
-    raise DatasetError naming file:line."""
-    path = Path(path)
+def read_prompt_rows(source: str | Path | Any, prompt_key: str = "prompt") -> list[PromptRow]:
+    """(prompt text or messages, the row's other fields) of every row of `source`: a .jsonl or .parquet file, a
+    folder saved with `datasets.Dataset.save_to_disk`, or a `datasets.Dataset` (the Python API's); malformed rows
+    raise DatasetError naming file:line (or row)."""
+    if not isinstance(source, str | Path):
+        return dataset_rows(source, prompt_key)
+    path = Path(source)
+    if path.is_dir():
+        return _read_saved_dataset(path, prompt_key)
     if not path.is_file():
         raise FileNotFoundError(
-            f"prompt file {path} does not exist: set data.path to a local .jsonl or .parquet file"
+            f"prompt file {path} does not exist: set data.path to a local .jsonl or .parquet file or a folder "
+            "saved with datasets' save_to_disk"
         )
     if path.suffix == ".parquet":
         return _read_parquet(path, prompt_key)
     if path.suffix not in (".jsonl", ".json"):
-        raise DatasetError(f"{path}: unsupported prompt file type {path.suffix!r}: use .jsonl or .parquet")
-    texts: list[tuple[PromptInput, dict[str, Any]]] = []
+        raise DatasetError(
+            f"{path}: unsupported prompt file type {path.suffix!r}: use .jsonl or .parquet (or a folder saved "
+            "with datasets' save_to_disk)"
+        )
+    texts: list[PromptRow] = []
     with path.open("rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
             try:
@@ -92,29 +102,86 @@ def read_prompt_rows(
     return texts
 
 
-def _read_parquet(path: Path, prompt_key: str) -> list[tuple[PromptInput, dict[str, Any]]]:
-    try:
-        import pyarrow.parquet as pq  # optional: only Parquet prompt files need it
-    except ImportError:
-        raise MissingDependencyError(
-            f"reading {path} needs pyarrow: `pip install pyarrow` (or convert it to .jsonl)"
-        ) from None
+def _read_parquet(path: Path, prompt_key: str) -> list[PromptRow]:
+    import pyarrow.parquet as pq  # pyarrow comes with `datasets` (a dependency); imported only when needed
+
     try:
         rows = pq.read_table(path).to_pylist()
     except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         raise DatasetError(f"{path}: not a readable Parquet file ({err}): re-export it") from None
+    return _rows_of(rows, prompt_key, str(path))
+
+
+def _read_saved_dataset(path: Path, prompt_key: str) -> list[PromptRow]:
+    """A folder written by `Dataset.save_to_disk` (a `DatasetDict`'s holds one folder per split)."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        raise DatasetError(
+            f"{path} is a folder but not one saved with datasets' save_to_disk (no dataset_info.json or "
+            "dataset_dict.json in it): set data.path to such a folder or to a .jsonl or .parquet file"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        raise DatasetError(
+            f"{path} holds a DatasetDict with splits {splits}: set data.path={path / splits[0]} (one split's "
+            "folder)"
+        )
+    return dataset_rows(loaded, prompt_key, str(path))
+
+
+def dataset_rows(dataset: Any, prompt_key: str = "prompt", where: str | None = None) -> list[PromptRow]:
+    """The rows of a `datasets.Dataset` (any other object: DatasetError naming what to pass instead)."""
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        raise DatasetError(
+            f"a DatasetDict with splits {list(dataset)} was given for the prompts: pass one split, e.g. "
+            f"dataset[{next(iter(dataset), 'train')!r}]"
+        )
+    if not isinstance(dataset, datasets.Dataset):
+        raise DatasetError(
+            f"prompts must be a datasets.Dataset, a .jsonl or .parquet file or a save_to_disk folder, got "
+            f"{type(dataset).__name__}: wrap rows with datasets.Dataset.from_list(rows)"
+        )
+    return _rows_of(dataset.to_list(), prompt_key, where or dataset_label(dataset))
+
+
+def dataset_label(dataset: Any) -> str:
+    """How an in-memory `datasets.Dataset` is named in messages and in the run's recorded configuration: its
+    size and a hash of its rows (so that a resume with other rows is told so)."""
+    digest = hashlib.sha256(json.dumps(dataset.to_list(), sort_keys=True, default=str).encode()).hexdigest()
+    return f"datasets.Dataset(rows={dataset.num_rows}, sha256={digest[:12]})"
+
+
+def _rows_of(rows: list[dict[str, Any]], prompt_key: str, where: str) -> list[PromptRow]:
+    if not rows:
+        raise DatasetError(f"{where}: no prompts found (no rows)")
     return [
-        (_prompt_of(row, prompt_key, f"{path}: row {i}"), _fields_of(row, prompt_key))
+        (_prompt_of(row, prompt_key, f"{where}: row {i}"), _fields_of(row, prompt_key))
         for i, row in enumerate(rows)
     ]
 
 
 def _fields_of(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
-    key = prompt_key if prompt_key in row else MESSAGES_KEY
-    fields = {k: v for k, v in row.items() if k != key}
+    key = _format_key(row, prompt_key)
+    # the other format's column is None in a table mixing both (Arrow fills absent columns): not a field
+    fields = {
+        k: v for k, v in row.items() if k != key and not (k in (prompt_key, MESSAGES_KEY) and v is None)
+    }
     if key == MESSAGES_KEY and _ends_with_answer(row[MESSAGES_KEY]):
         fields[COMPLETION_KEY] = row[MESSAGES_KEY][-1]["content"]  # the SFT answer, for the reward
     return fields
+
+
+def _format_key(row: dict[str, Any], prompt_key: str) -> str:
+    """The key holding the row's prompt: `prompt_key`, or `messages` when the row has no prompt (a None prompt is
+    none: a table's row of the other format)."""
+    if row.get(prompt_key) is None and row.get(MESSAGES_KEY) is not None:
+        return MESSAGES_KEY
+    return prompt_key
 
 
 def _ends_with_answer(messages: list[dict[str, Any]]) -> bool:
@@ -131,7 +198,7 @@ def _prompt_of(row: object, prompt_key: str, where: str) -> PromptInput:
         raise DatasetError(
             f"{where}: expected a JSON object with key {prompt_key!r}, got {type(row).__name__}"
         )
-    if prompt_key not in row and MESSAGES_KEY in row:
+    if _format_key(row, prompt_key) == MESSAGES_KEY:
         messages = _messages_of(row[MESSAGES_KEY], where, MESSAGES_KEY)
         return messages[:-1] if _ends_with_answer(messages) else messages  # the answer never leaks in
     if prompt_key not in row:
@@ -244,7 +311,9 @@ def tokenize_prompts(
     return prompts
 
 
-def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int) -> list[Prompt]:
+def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int, dataset: Any = None) -> list[Prompt]:
+    """The prompts of `config`'s source, or of `dataset` (a `datasets.Dataset` the Python API was given; then
+    `config.path` is its label, `dataset_label`), tokenised."""
     rows: list[dict[str, Any]] | None = None
     texts: list[PromptInput]
     if config.source == "synthetic":
@@ -254,7 +323,7 @@ def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int) -> list
         texts, rows = list(task.prompts(config.num_prompts)), task.rows(config.num_prompts)
     else:
         assert config.path is not None, "validated: data.source=file needs data.path"
-        pairs = read_prompt_rows(config.path, config.prompt_key)
+        pairs = read_prompt_rows(config.path if dataset is None else dataset, config.prompt_key)
         texts, rows = [text for text, _ in pairs], [fields for _, fields in pairs]
     if config.prompt_template is not None:
         texts = apply_prompt_template(

@@ -14,10 +14,18 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
+from rlhfuse.core.config import need
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.protocols import FusingGenerator, Generator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
-from rlhfuse.data.prompts import PromptLoader, completion_rows, load_prompts, uses_chat_template
+from rlhfuse.data.prompts import (
+    PromptLoader,
+    completion_rows,
+    dataset_label,
+    dataset_rows,
+    load_prompts,
+    uses_chat_template,
+)
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
@@ -42,7 +50,7 @@ from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.trainer import RLHFTrainer
-from rlhfuse.trainer.validate import check_context, validate
+from rlhfuse.trainer.validate import check_context, raise_problems, validate
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
 
@@ -177,13 +185,50 @@ def cast_models(models: Models, dtype: torch.dtype) -> None:
             model.to(dtype)
 
 
+def with_datasets(config: RLHFConfig, train_dataset: Any, eval_dataset: Any) -> RLHFConfig:
+    """`config` with the Python API's datasets as its prompt sources: data.source=file, and data.path (eval.path)
+    the dataset's label (`dataset_label`: its size and a hash of its rows, what run.json records and a resume
+    compares). A dataset given beside a configured source of the same prompts is an error naming both."""
+    if train_dataset is None and eval_dataset is None:
+        return config
+    problems: list[str] = []
+    data, held = config.data, config.eval
+    if train_dataset is not None:
+        dataset_rows(train_dataset)  # not a datasets.Dataset: one line saying what to pass
+        need(
+            problems,
+            data.path is None and data.source != "arithmetic",
+            f"build_trainer(train_dataset=...) and data.source={data.source}"
+            + (f" data.path={data.path}" if data.path else "")
+            + " both give the training prompts: leave data.path unset (data.source=file or synthetic)",
+        )
+        data = dataclasses.replace(data, source="file", path=dataset_label(train_dataset))
+    if eval_dataset is not None:
+        dataset_rows(eval_dataset)
+        need(
+            problems,
+            held.path is None and held.split_fraction == 0,
+            f"build_trainer(eval_dataset=...) and eval.path={held.path} eval.split_fraction={held.split_fraction} "
+            "both give the held-out prompts: leave eval.path unset and eval.split_fraction=0",
+        )
+        held = dataclasses.replace(held, path=dataset_label(eval_dataset))
+    raise_problems(problems)
+    return dataclasses.replace(config, data=data, eval=held)
+
+
 def build_trainer(
     config: RLHFConfig,
     *,
     run_dir: str | Path | None = None,
     callbacks: list[object] | None = None,
     log: Callable[[str], None] = print,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
 ) -> RLHFTrainer:
+    """The trainer `config` describes, everything built and checked (`fit()` runs it). `train_dataset` and
+    `eval_dataset` (`datasets.Dataset`s, TRL's names) give the training and held-out prompts in place of
+    `data.path` and `eval.path`."""
+    config = with_datasets(config, train_dataset, eval_dataset)
     if config.plan == "auto":  # the planner chooses the layout before anything is built
         from rlhfuse.trainer.planning import apply_plan
 
@@ -217,8 +262,10 @@ def build_trainer(
     add_stop_tokens(config, tokenizer)
     if uses_chat_template(config.data, tokenizer):
         log(f"rlhfuse: prompts rendered with the chat template of {tokenizer.template_source}")
-    prompts = load_prompts(config.data, tokenizer, seed=config.seed)
-    prompts, held_out = held_out_prompts(config.eval, config.data, tokenizer, prompts, seed=config.seed)
+    prompts = load_prompts(config.data, tokenizer, seed=config.seed, dataset=train_dataset)
+    prompts, held_out = held_out_prompts(
+        config.eval, config.data, tokenizer, prompts, seed=config.seed, dataset=eval_dataset
+    )
     check_context(config, max(len(p.token_ids) for p in [*prompts, *held_out]))
     # by prompt id: the dataset's position (a held-out file's prompts are numbered after the training ones)
     rows = [p.fields for p in sorted([*prompts, *held_out], key=lambda p: p.id)]

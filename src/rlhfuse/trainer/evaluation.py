@@ -32,8 +32,9 @@ from rlhfuse.data.tokenizer import Tokenizer
 
 @dataclass
 class EvalConfig:
-    # Held-out prompts: a local file in data.path's formats (read with the same prompt_key, prompt_template and
-    # chat template), or null to hold out eval.split_fraction of the training prompts instead.
+    # Held-out prompts: a local file or save_to_disk folder in data.path's formats (read with the same
+    # prompt_key, prompt_template and chat template), or null to hold out eval.split_fraction of the training
+    # prompts instead (the Python API: build_trainer(eval_dataset=...)).
     path: str | None = None
     # Fraction of the training prompts held out for evaluation (seeded by `seed`; training never sees them).
     split_fraction: float = 0.0
@@ -97,13 +98,21 @@ def renumbered(prompts: Sequence[Prompt], first_id: int) -> list[Prompt]:
 
 
 def held_out_prompts(
-    config: EvalConfig, data: DataConfig, tokenizer: Tokenizer, prompts: Sequence[Prompt], *, seed: int
+    config: EvalConfig,
+    data: DataConfig,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    seed: int,
+    dataset: Any = None,
 ) -> tuple[list[Prompt], list[Prompt]]:
-    """(training prompts, held-out prompts): `eval.split_fraction` of `prompts` held out, or `eval.path` read
-    like `data.path` and numbered after them; neither: all prompts train, none are held out."""
+    """(training prompts, held-out prompts): `eval.split_fraction` of `prompts` held out, or `eval.path` (or
+    the Python API's `dataset`, which `eval.path` then labels) read like `data.path` and numbered after them;
+    neither: all prompts train, none are held out."""
     if config.path is not None:
         file = dataclasses.replace(data, source="file", path=config.path)
-        return list(prompts), renumbered(load_prompts(file, tokenizer, seed=seed), len(prompts))
+        held = load_prompts(file, tokenizer, seed=seed, dataset=dataset)
+        return list(prompts), renumbered(held, len(prompts))
     return split_prompts(prompts, config.split_fraction, seed)
 
 

@@ -53,7 +53,23 @@ class LoggerConfig:
         problems = choice_problems(self, "logger")
         non_negative(problems, "logger.log_samples_every", self.log_samples_every, "0 = never")
         non_negative(problems, "logger.log_samples_count", self.log_samples_count, "0 = all")
+        if "tensorboard" in self.backends:
+            try:
+                require_tensorboard()
+            except MissingDependencyError as err:
+                problems.append(str(err))
         return problems
+
+
+def require_tensorboard() -> None:
+    """MissingDependencyError (the install line) unless tensorboard (or tensorboardX) can be imported."""
+    import importlib.util
+
+    if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+        raise MissingDependencyError(
+            "logger.backends contains tensorboard (logger=tensorboard), which needs the tensorboard package: "
+            "pip install 'rlhfuse[tensorboard]' (or pip install tensorboard), or choose another logger"
+        )
 
 
 class JsonlLogger:
@@ -170,15 +186,9 @@ def build_loggers(config: LoggerConfig, run_dir: Path) -> list[Logger]:
 
             loggers.append(CSVLogger(str(run_dir), name="csv", version=0))
         elif backend == "tensorboard":
-            import importlib.util
-
             from lightning.fabric.loggers import TensorBoardLogger
 
-            if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
-                raise MissingDependencyError(
-                    "logger.backends=[...,tensorboard] needs `pip install tensorboard`"
-                )
-
+            require_tensorboard()
             loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=0))
         elif backend == "wandb":
             mode = wandb_mode(config.wandb_mode)

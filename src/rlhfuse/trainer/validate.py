@@ -31,12 +31,16 @@ from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 
 def validate(cfg: RLHFConfig) -> DerivedCounts:
     """Check the whole configuration; raise one ValueError listing every problem and the override to change."""
-    problems = cfg.problems() + cross_component_problems(cfg)
+    raise_problems(cfg.problems() + cross_component_problems(cfg))
+    return derived_counts(cfg)
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One ValueError listing every problem (none: nothing)."""
     if problems:
         raise ValueError(
             f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)
         )
-    return derived_counts(cfg)
 
 
 def cross_component_problems(cfg: RLHFConfig) -> list[str]:

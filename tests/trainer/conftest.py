@@ -1,0 +1,49 @@
+"""Fixtures of the trainer tests: a tiny random-weight Llama checkpoint whose tokenizer has a chat template."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlhfuse.data import Tokenizer
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHAT_WORDS = ["<|user|>", "<|assistant|>", "<|end|>", "7", "+", "5", "=", "12", "2", "4", "answer", ":"]
+
+
+@dataclass(frozen=True)
+class ChatCheckpoint:
+    path: Path
+    tokenizer: Tokenizer
+    end_id: int  # generation_config.json's second eos id
+
+
+@pytest.fixture
+def chat_checkpoint(tmp_path) -> ChatCheckpoint:
+    """transformers' LlamaForCausalLM (1 layer, hidden 32) saved with a word-level tokenizer and CHAT_TEMPLATE."""
+    transformers = pytest.importorskip("transformers")
+    tok = Tokenizer.from_words(CHAT_WORDS)
+    tok.chat_template = CHAT_TEMPLATE
+    end = tok.token_to_id("<|end|>")
+    sft = tmp_path / "sft"
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(sft)
+    tok.save(sft)
+    (sft / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
+    return ChatCheckpoint(sft, tok, end)
