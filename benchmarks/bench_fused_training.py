@@ -12,6 +12,14 @@ each in alternation, so machine noise hits both alike. Printed side by side:
   not explained by compute;
 - bubble ratio measured on the ranks.
 
+Then the data-parallel gradient reduction (dp = 2, the Actor of each shape, 2 micro-batches per step), measured
+side by side in alternation: `whole` (the reduction before buckets: after the last backward, every gradient
+concatenated into one transient buffer, one all-reduce, copied back) vs `bucketed`
+(`rlhfuse.distributed.buckets.GradReducer` at `pipeline.grad_bucket_mb`, launched bucket by bucket during the
+last backward). Printed: the median wall time of last backward + reduction, the part exposed after the
+backward, and the bytes each holds for it (whole: a transient copy of all gradients; bucketed: its persistent
+bucket buffers, the largest bucket).
+
 Shapes: the default job (conf/model/tiny.yaml: width 64, 2 layers; mini-batches of 64 samples, prompts <= 16
 tokens, long-tailed responses up to 48) with actor_pp = critic_pp = 2 and 4 micro-batches; `--wide` variants
 (width 256 / 512) show how the ratios move as compute grows against communication.
@@ -100,6 +108,69 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     dist.destroy_process_group()
 
 
+def _reduce_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
+    import time
+
+    from rlhfuse.core import losses
+    from rlhfuse.distributed.buckets import DEFAULT_BUCKET_MB, GradReducer
+
+    init_worker(rank, world, init)
+    cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
+    torch.manual_seed(0)
+    model = Transformer(cfg, head="lm")
+    params = [p for p in model.parameters() if p.requires_grad]
+    reducer = GradReducer([params], dist.group.WORLD, bucket_mb=DEFAULT_BUCKET_MB)
+    algorithm = AlgorithmConfig()
+
+    def backward(batch: TrainBatch) -> None:
+        logits_BRV = losses.model_response_outputs(model, batch, packing=False)
+        loss, _ = losses.response_actor_loss(logits_BRV, batch, algorithm, 1.0)
+        loss.backward()
+
+    times: dict[str, list[tuple[float, float]]] = {"whole": [], "bucketed": []}
+    for step in range(rounds + 1):
+        micro = [_batch(16, 100 * step + 2 * rank + k, cfg.vocab_size) for k in range(2)]
+        for way in ("whole", "bucketed") if step % 2 == 0 else ("bucketed", "whole"):
+            model.zero_grad(set_to_none=True)
+            backward(micro[0])
+            dist.barrier()
+            start = time.perf_counter()
+            if way == "bucketed":
+                reducer.arm()
+            backward(micro[1])
+            done_backward = time.perf_counter()
+            if way == "whole":
+                flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+                dist.all_reduce(flat)
+                for p, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                    assert p.grad is not None
+                    p.grad.copy_(chunk.view_as(p))
+            else:
+                reducer.finish()
+                reducer.wait()
+            end = time.perf_counter()
+            if step > 0:
+                times[way].append((end - start, end - done_backward))
+    if rank == 0:
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        largest = max(b.numel for b in reducer.buckets) * params[0].element_size()
+        queue.put({"times": times, "grad_bytes": grad_bytes, "largest_bucket": largest,
+                   "buckets": len(reducer.buckets)})  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_reduction(shape: str, rounds: int) -> dict[str, float]:
+    result = run_two_ranks(_reduce_worker, shape, rounds)
+    times = result["times"]
+    out = {f"{way}_{what}_ms": statistics.median(t[i] for t in times[way]) * 1e3
+           for way in times for i, what in enumerate(("total", "exposed"))}  # fmt: skip
+    out["total_ratio"] = out["whole_total_ms"] / out["bucketed_total_ms"]
+    out.update(grad_mib=result["grad_bytes"] / 2**20, largest_bucket_mib=result["largest_bucket"] / 2**20,
+               buckets=result["buckets"])  # fmt: skip
+    return out
+
+
 def measure(shape: str, rounds: int) -> dict[str, float]:
     result = run_two_ranks(_worker, shape, rounds)
     rows = result["rows"]
@@ -150,6 +221,19 @@ def run(quick: bool = False, shapes: list[str] | None = None) -> list[tuple[str,
             f"{r['measured_ratio']:>7.2f} {r['measured_over_predicted']:>9.2f} "
             f"{r['replay_ratio']:>8.2f} {r['comm_overhead_serial']:>+6.0%}/{r['comm_overhead_fused']:<+6.0%} "
             f"{r['bubble_serial']:>5.2f}/{r['bubble_fused']:<5.2f}",
+            flush=True,
+        )
+    print(
+        f"\n{'shape':<9} {'grads MiB':>9} {'buckets':>7} {'whole ms (exposed)':>19} {'bucketed ms (exposed)':>22} "
+        f"{'whole/bucketed':>14} {'transient MiB w/b':>18}"
+    )
+    for shape in shapes:
+        g = measure_reduction(shape, rounds)
+        out.append((f"{shape}/grad_reduction", g))
+        print(
+            f"{shape:<9} {g['grad_mib']:>9.2f} {g['buckets']:>7.0f} {g['whole_total_ms']:>9.1f} "
+            f"({g['whole_exposed_ms']:>6.1f})   {g['bucketed_total_ms']:>9.1f} ({g['bucketed_exposed_ms']:>6.1f})      "
+            f"{g['total_ratio']:>10.2f}   {g['grad_mib']:>7.2f} / {g['largest_bucket_mib']:<6.2f}",
             flush=True,
         )
     return out

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlhfuse.planner import A100, H100, H200, CostModel, Efficiency, cluster, model
-from rlhfuse.planner.cost import TRAIN_STATE_BYTES_PER_PARAM
+from rlhfuse.planner.cost import GRAD_BUCKET_BYTES, TRAIN_STATE_BYTES_PER_PARAM
 
 NO_OVERHEAD = Efficiency(decode_step_overhead=0.0, layer_overhead=0.0)
 
@@ -113,6 +113,21 @@ def test_allreduce_limits():
         2 * 7 / 8 * 1e12 / bw + H100.intra_latency, rel=1e-12
     )
     assert cost.allreduce_time(2e9, 8) > cost.allreduce_time(1e9, 8)
+
+
+def test_exposed_gradient_reduction_is_what_the_last_backward_does_not_cover():
+    cost = CostModel(cluster("h100", 4))
+    m = model("33b")
+    total = cost.grad_allreduce_time(m, "lm", 4, 4, 16)
+    last = cost.allreduce_time(GRAD_BUCKET_BYTES, 16, cost.group_inter_node(4, 16))
+    assert total > 10 * last > 0
+    assert cost.exposed_grad_allreduce_time(m, "lm", 4, 4, 16, overlap_s=0.0) == pytest.approx(total)
+    assert cost.exposed_grad_allreduce_time(m, "lm", 4, 4, 16, overlap_s=total / 2) == pytest.approx(
+        total / 2
+    )
+    # a backward longer than the whole reduction still leaves the last bucket's own all-reduce
+    assert cost.exposed_grad_allreduce_time(m, "lm", 4, 4, 16, overlap_s=10 * total) == pytest.approx(last)
+    assert cost.exposed_grad_allreduce_time(m, "lm", 4, 4, 1, overlap_s=0.0) == 0.0
 
 
 def test_stage_times_backward_is_twice_forward_compute_and_pp_divides_work():

@@ -32,7 +32,14 @@ def _models(layers: int) -> dict[str, Transformer]:
 
 
 def _check_scenario(
-    rank: int, world: int, actor_pp: int, critic_pp: int, dp: int, mbs: int, kind: str
+    rank: int,
+    world: int,
+    actor_pp: int,
+    critic_pp: int,
+    dp: int,
+    mbs: int,
+    kind: str,
+    bucket_mb: float = 25.0,
 ) -> None:
     layout = ParallelLayout(ModelParallel(actor_pp), ModelParallel(critic_pp), dp, world, mbs)
     groups = build_process_groups(layout, timeout_s=120)
@@ -60,8 +67,13 @@ def _check_scenario(
         p2p_groups=groups.p2p,
         grad_groups=groups.grad,
         timeout_s=120,
+        grad_bucket_mb=bucket_mb,
     )
     result = executor.run(StepWork(micro, weights))
+    for key, reducer in executor.reducers.items():
+        # every parameter gets a gradient: each bucket is launched inside the last backward, none after it
+        assert reducer.launched_in_backward == len(reducer.buckets), (rank, key, len(reducer.buckets))
+        assert bucket_mb >= 1 or len(reducer.buckets) > 2, (rank, key)
 
     # single-process oracle: the full models over every micro-batch of every group
     want_stats = {"loss/policy": 0.0, "loss/value": 0.0}
@@ -99,12 +111,15 @@ def _two_rank_worker(rank: int, world: int, *then: Callable[[int, int], None]) -
         _check_scenario(rank, world, 2, 1, 1, 4, kind)  # two critic replicas, one per rank
         _check_scenario(rank, world, 1, 2, 1, 2, kind)  # the Critic is the larger model
     _check_scenario(rank, world, 1, 1, 2, 2, "greedy")  # data parallelism only
+    _check_scenario(rank, world, 1, 1, 2, 2, "greedy", bucket_mb=0.002)  # ... in 2 KiB gradient buckets
     for worker in then:
         worker(rank, world)
 
 
 def _four_rank_worker(rank: int, world: int) -> None:
-    _check_scenario(rank, world, 2, 1, 2, 2, "random:5")  # critic replicas x data parallelism
+    _check_scenario(
+        rank, world, 2, 1, 2, 2, "random:5", bucket_mb=0.002
+    )  # critic replicas x dp, 2 KiB buckets
     _check_scenario(rank, world, 4, 2, 1, 4, "greedy")  # 4-stage actor, 2 reversed critic replicas
 
 

@@ -29,6 +29,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     # Clip each model's gradient norm to this value (0 = off).
     grad_clip: float = 1.0
+    # Data-parallel gradient reduction: buckets of this many MiB, each all-reduced asynchronously as soon as its
+    # gradients are final in the last micro-batch's backward (rlhfuse.distributed.buckets; DDP's bucket_cap_mb).
+    grad_bucket_mb: float = 25.0
     # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed (fp32 weights and optimizer states,
     # bf16 autocast of training and inference compute, generation in a bf16 copy with a bf16 KV cache) |
     # bf16-true (bf16 weights in every model, the generator's too; the optimizer steps fp32 master copies with
@@ -67,6 +70,11 @@ class OptimConfig:
             problems,
             math.isfinite(self.grad_clip) and self.grad_clip >= 0,
             f"pipeline.grad_clip={self.grad_clip} must be a finite number >= 0 (0 = off)",
+        )
+        need(
+            problems,
+            math.isfinite(self.grad_bucket_mb) and self.grad_bucket_mb > 0,
+            f"pipeline.grad_bucket_mb={self.grad_bucket_mb} must be a number > 0 (MiB per gradient bucket, e.g. 25)",
         )
         return problems
 

@@ -3,7 +3,9 @@
 - Prefill, inference and training are compute-bound: FLOPs / (devices x peak x MFU), MFU falling for small GEMMs.
 - A decode step is memory-bound: it reads every weight shard and the KV cache of the batch, so its time is flat
   in the batch size until the GEMMs become compute-bound at `bs_max` (the paper's BSmax), then grows linearly.
-- Communication: ring all-reduce 2(n-1)/n x bytes / bandwidth + latency; point-to-point bytes / bandwidth.
+- Communication: ring all-reduce 2(n-1)/n x bytes / bandwidth + latency; point-to-point bytes / bandwidth. The
+  data-parallel gradient all-reduce is charged only where it is exposed: the runtime reduces buckets during
+  each stage's last backward (`exposed_grad_allreduce_time`).
 - Memory: what a rank of `rlhfuse.runtime` holds, counted tensor by tensor (`rlhfuse.planner.memory`): the
   busiest pipeline stage's tp shard (embedding / head on the edge stages, vocabulary padded to a multiple of tp,
   kv heads replicated when tp does not divide them), per `precision` (bf16-true, the paper's Megatron mixed
@@ -40,6 +42,9 @@ from rlhfuse.planner.memory import (
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, DeviceSpec, Efficiency, ModelSpec
 
 TRAIN_STATE_BYTES_PER_PARAM = 16
+# The runtime's gradient bucket (`pipeline.grad_bucket_mb`, default 25 MiB): what the last bucket reduces after
+# the last backward, at least.
+GRAD_BUCKET_BYTES = 25 * 2**20
 """Bytes of training state per parameter in every precision the runtime has (see `rlhfuse.planner.memory`); the
 optimizer step's memory traffic reads and writes them once."""
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
@@ -247,8 +252,24 @@ class CostModel:
 
     def grad_allreduce_time(self, model: ModelSpec, head: str, tp: int, pp: int, dp: int) -> float:
         """Data-parallel all-reduce of the bf16 gradients of one (tp, pp) shard, once per mini-batch."""
-        nbytes = model.params(head) * stage_fraction(model, pp) / tp * self.device.dtype_bytes
-        return self.allreduce_time(nbytes, dp, self.group_inter_node(tp, dp))
+        return self.allreduce_time(self._grad_bytes(model, head, tp, pp), dp, self.group_inter_node(tp, dp))
+
+    def exposed_grad_allreduce_time(
+        self, model: ModelSpec, head: str, tp: int, pp: int, dp: int, overlap_s: float
+    ) -> float:
+        """The part of `grad_allreduce_time` the runtime's bucketed reduction leaves exposed
+        (`rlhfuse.distributed.buckets`): each bucket of `GRAD_BUCKET_BYTES` is launched as soon as its gradients
+        are final in the stage's last backward, so the reduction overlaps that backward (`overlap_s`); what is
+        left after it, and at least the last bucket's own all-reduce, adds to the step."""
+        if dp <= 1:
+            return 0.0
+        inter = self.group_inter_node(tp, dp)
+        nbytes = self._grad_bytes(model, head, tp, pp)
+        last = self.allreduce_time(min(nbytes, GRAD_BUCKET_BYTES), dp, inter)
+        return max(last, self.allreduce_time(nbytes, dp, inter) - overlap_s)
+
+    def _grad_bytes(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
+        return model.params(head) * stage_fraction(model, pp) / tp * self.device.dtype_bytes
 
     def optimizer_step_time(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
         """Adam step: read and write the 16 bytes/param of training state once (memory-bound)."""

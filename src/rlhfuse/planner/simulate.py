@@ -829,14 +829,22 @@ def model_step_time(
     seq: float,
     merge: int = 1,
 ) -> float:
-    """One model's mini-batch with 1F1B on its own layout, + DP gradient all-reduce + optimizer step (`merge` > 1:
-    pp / merge merged stages, each running its `merge` sub-stages one after the other)."""
+    """One model's mini-batch with 1F1B on its own layout, + the exposed part of the DP gradient all-reduce +
+    optimizer step (`merge` > 1: pp / merge merged stages, each running its `merge` sub-stages one after the
+    other)."""
     f, b = _stage(cost, model, head, lay, seq)
     return (
         one_f_one_b(lay.pp // merge, lay.microbatches(mini_batch), merge * f, merge * b)
-        + cost.grad_allreduce_time(model, head, lay.tp, lay.pp, lay.dp)
+        + exposed_reduction(cost, model, head, lay, seq)
         + cost.optimizer_step_time(model, head, lay.tp, lay.pp)
     )
+
+
+def exposed_reduction(cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, seq: float) -> float:
+    """The DP gradient all-reduce left after the first stage's last backward (it ends the step; its buckets
+    were launched during that backward, one micro-batch's backward of one stage: `exposed_grad_allreduce_time`)."""
+    _, b = _stage(cost, model, head, lay, seq)
+    return cost.exposed_grad_allreduce_time(model, head, lay.tp, lay.pp, lay.dp, overlap_s=b)
 
 
 def train_state_bytes(
@@ -912,11 +920,14 @@ def fused_problem(
     return ranks, out
 
 
-def fused_extra(cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout) -> float:
-    """Per mini-batch work outside the fused pipelines: both gradient all-reduces and optimizer steps."""
+def fused_extra(
+    cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout, seq: float
+) -> float:
+    """Per mini-batch work outside the fused pipelines: the exposed parts of both gradient all-reduces and the
+    optimizer steps."""
     return (
-        cost.grad_allreduce_time(models.actor, "lm", actor.tp, actor.pp, actor.dp)
-        + cost.grad_allreduce_time(models.critic, "value", critic.tp, critic.pp, critic.dp)
+        exposed_reduction(cost, models.actor, "lm", actor, seq)
+        + exposed_reduction(cost, models.critic, "value", critic, seq)
         + cost.optimizer_step_time(models.actor, "lm", actor.tp, actor.pp)
         + cost.optimizer_step_time(models.critic, "value", critic.tp, critic.pp)
     )
@@ -934,7 +945,7 @@ def fused_bound(
 ) -> float:
     """Lower bound of a fused mini-batch (pipeline lower bound + all-reduces + optimizer steps)."""
     ranks, problem = fused_problem(cost, models, actor, critic, workload, seq, merged=merged)
-    return fused_lower_bound(ranks, problem) + fused_extra(cost, models, actor, critic)
+    return fused_lower_bound(ranks, problem) + fused_extra(cost, models, actor, critic, seq)
 
 
 def fused_training(
@@ -950,7 +961,7 @@ def fused_training(
     """A co-located layout trained with the greedy fused schedule (`per_minibatch`) and its bound (`merged`: see
     `fused_problem`)."""
     ranks, problem = fused_problem(cost, models, actor, critic, workload, seq, merged=merged)
-    extra = fused_extra(cost, models, actor, critic)
+    extra = fused_extra(cost, models, actor, critic, seq)
     bound = fused_lower_bound(ranks, problem) + extra
     est = greedy_fused_makespan(ranks, problem) + extra
     mb = workload.mini_batch
@@ -997,7 +1008,7 @@ def searched_training(
         name=f"{models.name} fused",
     )
     solution = solve(searchable, SearchConfig(time_budget=seconds, seed=seed))
-    extra = fused_extra(cost, models, train.actor, train.critic)
+    extra = fused_extra(cost, models, train.actor, train.critic, seq)
     # the search may reach the bound; summed in another order, its makespan can land a few ulps below it
     best = max(min(solution.makespan + extra, train.per_minibatch), train.bound)
     detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds)

@@ -31,6 +31,7 @@ from rlhfuse.core.losses import actor_loss, critic_loss
 from rlhfuse.core.stats import LossStats, LossTensors
 from rlhfuse.core.timing import OpTimer
 from rlhfuse.core.types import TrainBatch
+from rlhfuse.distributed.buckets import DEFAULT_BUCKET_MB, GradReducer
 from rlhfuse.models import Stage
 from rlhfuse.models.masks import MaskLayout, mask_layout
 from rlhfuse.pipeline.ir import Action, Kind
@@ -39,7 +40,7 @@ from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups, RankGeometry
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
 from rlhfuse.runtime.plan import PipelinePlan, StageProfile
 from rlhfuse.runtime.streams import PipelineError as PipelineError  # re-exported: raised by the executor
-from rlhfuse.runtime.streams import StreamComm
+from rlhfuse.runtime.streams import StreamComm, wait_for
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
 LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, LossTensors]]
@@ -123,6 +124,12 @@ class PipelineExecutor:
     grad_groups: (model, stage) -> group over the ranks holding that stage (None when one rank holds it);
     timeout_s: how long a wait may block.
 
+    Gradient reduction (REDUCE_GRAD, placed right after a stage's last B): the stage's `GradReducer` is armed
+    before that last B, so each bucket of `grad_bucket_mb` MiB is all-reduced asynchronously as soon as its
+    gradients are final, overlapping the rest of that backward and whatever the stream runs next; REDUCE_GRAD
+    launches the buckets still left, and OPTIMIZER_STEP waits for them. `reducers` holds the reducers (and
+    their bucket buffers) across steps.
+
     tp: the width of a pipeline rank's group of consecutive ranks (the larger tp degree); model_tp: each model's
     own tp degree (default: tp) and model_tp_groups its tp group on this rank (default: tp_group). A model with
     model_tp < tp has merge = tp / model_tp consecutive stages merged onto each pipeline rank (the problem's
@@ -153,6 +160,8 @@ class PipelineExecutor:
         tp_group: Any = None,
         model_tp: Mapping[str, int] | None = None,
         model_tp_groups: Mapping[str, Any] | None = None,
+        grad_bucket_mb: float = DEFAULT_BUCKET_MB,
+        reducers: dict[tuple[str, int], GradReducer] | None = None,
     ) -> None:
         self.rank, self.program, self.problem = rank, program, problem
         # tensor parallelism: the streams are per pipeline rank (tp group of consecutive ranks); every rank of a
@@ -164,6 +173,10 @@ class PipelineExecutor:
         self.losses = losses
         self.p2p = dict(p2p_groups or {})
         self.grad_groups = dict(grad_groups or {})
+        # (model, sub-stage) -> its bucketed gradient reducer; the caller's dict keeps the bucket buffers from
+        # step to step
+        self.grad_bucket_mb = grad_bucket_mb
+        self.reducers = reducers if reducers is not None else {}
         self.timeout_s = timeout_s
         self.autocast = autocast
         self.track_memory = track_memory
@@ -230,6 +243,29 @@ class PipelineExecutor:
             for p in mod.parameters()
         ]
 
+    def _last_backwards(self) -> dict[int, int]:
+        """Stream index of each reduced stage's last B -> that stage (REDUCE_GRAD follows it)."""
+        last: dict[tuple[str, int], int] = {}
+        out: dict[int, int] = {}
+        for i, ins in enumerate(self.stream):
+            if ins.kind is Kind.B and ins.action is not None:
+                last[(ins.model, ins.action.stage)] = i
+            elif ins.kind is Kind.REDUCE_GRAD:
+                out[last[(ins.model, ins.stage)]] = ins.stage
+        return out
+
+    def _reducer(self, model: str, stage: int) -> GradReducer:
+        sub = self.geometry.sub_stage(model, stage)
+        reducer = self.reducers.get((model, sub))
+        if reducer is None:
+            reducer = self.reducers[(model, sub)] = GradReducer(
+                [self._params(model, sub)],
+                self.grad_groups.get((model, sub)),
+                bucket_mb=self.grad_bucket_mb,
+                wait_fn=lambda work, what: wait_for(work, what, self.rank, self.timeout_s),
+            )
+        return reducer
+
     # --- run -------------------------------------------------------------------------------------------------
     def run(
         self,
@@ -252,37 +288,28 @@ class PipelineExecutor:
         timer = OpTimer(self.device)
         inputs: dict[tuple[Action, int], Tensor] = {}
         outputs: dict[tuple[Action, int], Tensor] = {}
-        reduces: dict[str, list[tuple[Any, Tensor, list[torch.nn.Parameter]]]] = defaultdict(list)
+        reducing: dict[str, list[GradReducer]] = defaultdict(list)
+        last_b = self._last_backwards()
         stats_S = torch.zeros(len(LossStats._fields), dtype=torch.float64, device=self.device)
         norms_sq: dict[str, Tensor] = {}
         self._bytes: dict[tuple[Action, int], int] = {}
         self._live = self._peak = 0
-        for ins in self.stream:
+        for index, ins in enumerate(self.stream):
             if ins.kind in (Kind.RECV, Kind.SEND):
                 comm.run(ins)
             elif ins.kind is Kind.F:
                 stats_S += self._forward(ins, work, comm, inputs, outputs, timer)
             elif ins.kind is Kind.B:
+                if index in last_b:  # its gradients become final in this backward: buckets launch as they do
+                    self._reducer(ins.model, last_b[index]).arm()
                 self._backward(ins, comm, inputs, outputs, timer)
             elif ins.kind is Kind.REDUCE_GRAD:
-                sub = self.geometry.sub_stage(ins.model, ins.stage)
-                params = self._params(ins.model, sub)
-                flat = torch.cat(
-                    [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                )
-                handle = distributed.all_reduce(
-                    flat, group=self.grad_groups.get((ins.model, sub)), async_op=True
-                )
-                reduces[ins.model].append((handle, flat, params))
+                reducing[ins.model].append(self._reducer(ins.model, ins.stage))
+                reducing[ins.model][-1].finish()
             elif ins.kind is Kind.OPTIMIZER_STEP:
                 comm.wait_sends(ins.model)
-                for handle, flat, params in reduces.pop(ins.model, []):
-                    comm.wait(handle, f"gradient reduction of {ins.model}")
-                    offset = 0
-                    for p in params:
-                        n = p.numel()
-                        p.grad = flat[offset : offset + n].view_as(p).clone()
-                        offset += n
+                for reducer in reducing.pop(ins.model, []):
+                    reducer.wait(f"gradient reduction of {ins.model}")
                 if self.model_tp[ins.model] > 1:  # kv heads replicated over the tp group: gradients summed
                     from rlhfuse.runtime.tensor_parallel import sync_replicated_grads
 
@@ -468,7 +495,8 @@ class PlanExecutor:
 
     stages: this rank's (model, replica, stage) modules; groups: the layout's process groups; losses: the
     last-stage losses (`ppo_losses`); timeout_s: how long a wait may block; model_tp: each model's tp degree
-    (`ParallelLayout.model_tp`; default: the groups' tp size).
+    (`ParallelLayout.model_tp`; default: the groups' tp size); grad_bucket_mb: the gradient reduction's bucket
+    size (`pipeline.grad_bucket_mb`; the reducers and their buffers are kept from step to step).
     """
 
     def __init__(
@@ -482,11 +510,14 @@ class PlanExecutor:
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         model_tp: Mapping[str, int] | None = None,
+        grad_bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
         self.rank, self.world = rank, world
         self.stages, self.groups, self.losses = stages, groups, losses
         self.timeout_s, self.autocast = timeout_s, autocast
         self.model_tp = dict(model_tp or {})
+        self.grad_bucket_mb = grad_bucket_mb
+        self.reducers: dict[tuple[str, int], GradReducer] = {}
 
     @property
     def device(self) -> torch.device:
@@ -518,6 +549,8 @@ class PlanExecutor:
             tp_group=self.groups.tp,
             model_tp_groups=self.groups.model_tp,
             model_tp=self.model_tp,
+            grad_bucket_mb=self.grad_bucket_mb,
+            reducers=self.reducers,
         )
         distributed.barrier(device)
         result = executor.run(work, optimizer_step=optimizer_step)

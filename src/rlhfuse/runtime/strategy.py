@@ -163,6 +163,7 @@ class FusedPipelineStrategy:
             timeout_s=timeout_s,
             autocast=autocast,
             model_tp={m: self.layout.model_tp(m) for m in self.layout.trained},
+            grad_bucket_mb=config.optim.grad_bucket_mb,
         )
         self.checkpointer = ShardedCheckpointer(self.shards, self._shard_state, self._restore_shard)
         # the stage times measured on the profiling step (None until it ran), the plans made from them per

@@ -33,6 +33,7 @@ from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_peak_lr
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
+from rlhfuse.distributed.buckets import GradReducer
 from rlhfuse.models import Transformer
 from rlhfuse.models.packing import check_packing
 
@@ -82,6 +83,12 @@ class PlainStrategy:
             self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
         )
         self.weight_sync_bytes = 0.0  # the generator copies the Actor in process: nothing crosses ranks
+        # data-parallel gradient sums, bucketed and overlapped with the last micro-batch's backward
+        self.reducer = (
+            None
+            if group is None
+            else GradReducer([m.parameters() for m in self.models], group, bucket_mb=config.grad_bucket_mb)
+        )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         return self.actor.state_dict()
@@ -108,7 +115,9 @@ class PlainStrategy:
         )
         # each micro-batch weighted by its share of the *whole* mini-batch (token-mean or sequence-mean losses)
         weights = microbatch_weights(micros, batch, self.algorithm.loss_reduction)
-        for micro, weight in zip(micros, weights, strict=True):
+        for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
+            if self.reducer is not None and i == len(micros) - 1:
+                self.reducer.arm()  # the last backward: each gradient bucket is summed as soon as it is final
             stats, failure = self._micro_step(micro, weight)
             if failure is not None:
                 break
@@ -154,25 +163,19 @@ class PlainStrategy:
         return batch.select(torch.tensor(karmarkar_karp(batch_costs(batch), world)[rank]))
 
     def _all_reduce(self, sums: Tensor, failure: str | None) -> tuple[Tensor, str | None]:
-        """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch);
-        first agree on whether any rank saw a non-finite loss (then nothing else is exchanged)."""
+        """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch).
+        The gradient buckets the last backward did not launch are launched first (all of them on a rank that
+        stopped at a non-finite loss), so every rank issues the same reductions in the same order; then the
+        ranks agree on whether any saw a non-finite loss (then the statistics are not exchanged)."""
+        assert self.reducer is not None
+        self.reducer.finish()
         # the gradients' device: the one the group's backend reduces on
         device = next(self.actor.parameters()).device
         failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
         distributed.all_reduce(failed, group=self.group)
+        self.reducer.wait("data-parallel gradient reduction")
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
-        params = [p for model in self.models for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for dtype in sorted({p.dtype for p in params}, key=str):  # one flat buffer per dtype
-            same = [p for p in params if p.dtype == dtype]
-            flat = torch.cat([p.grad.reshape(-1) for p in same if p.grad is not None])
-            distributed.all_reduce(flat, group=self.group)
-            for p, chunk in zip(same, flat.split([p.numel() for p in same]), strict=True):
-                assert p.grad is not None
-                p.grad.copy_(chunk.view_as(p))
         values = sums.to(device=device, dtype=torch.float64)
         distributed.all_reduce(values, group=self.group)
         return values, None
