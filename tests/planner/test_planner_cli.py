@@ -20,7 +20,7 @@ def test_plan_writes_json_and_png(tmp_path, capsys):
     assert "RLHFuse / RLHFuse-Base" in capsys.readouterr().out
 
 
-def test_paper_grid_one_length(tmp_path):
+def test_paper_grid_one_length(tmp_path, capsys):
     out = tmp_path / "GRID.json"
     assert main(["paper-grid", "--out", str(out), "--max-lens", "512"]) == 0
     cells = json.loads(out.read_text())
@@ -37,6 +37,13 @@ def test_paper_grid_one_length(tmp_path):
         spec = c["speculation"]
         assert spec["tokens"] == 4 and spec["acceptance"] == 0.4
         assert spec["gen_inf_rlhfuse_s"] < c["plan"]["breakdown_s"]["gen_inf"] and spec["spec_gain"] > 1
+        # the per-cell time split adds up to each system's iteration, and the gain's sources to the whole gain
+        for system, plan in (("base", c["base_plan"]), ("rlhfuse", c["plan"])):
+            split = c["split_s"][system]
+            assert split["reduction"] > 0  # dp > 1 everywhere on this grid
+            assert sum(split.values()) == pytest.approx(plan["breakdown_s"]["total"], rel=1e-9)
+        assert sum(c["gain_sources"].values()) == pytest.approx(1.0)
+    assert "gain: inter intra other" in capsys.readouterr().out
     assert main(["paper-grid", "--out", str(out), "--max-lens", "512", "--spec-acceptance", "-1"]) == 0
     assert all(c["speculation"] is None for c in json.loads(out.read_text()))
 

@@ -16,6 +16,7 @@ from rlhfuse.planner.simulate import (
     Speculation,
     Workload,
     gen_inf,
+    iteration_reduction,
     searched_training,
 )
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, ClusterSpec, Efficiency, cluster, model
@@ -44,6 +45,32 @@ class Comparison:
     speculation: Speculation | None = None
     spec_gen_inf: tuple[float, float] | None = None
     """(RLHFuse-Base, RLHFuse) Gen+Inf seconds with the speculative tail `speculation` (the same plans)."""
+    reduction: tuple[float, float] = (0.0, 0.0)
+    """(RLHFuse-Base, RLHFuse) exposed data-parallel gradient all-reduce seconds per iteration (in training)."""
+
+    def split(self, system: str) -> dict[str, float]:
+        """Seconds per iteration of `system` (base | rlhfuse): generation, exposed inference, the training
+        pipelines and optimizer steps, the exposed gradient reduction, others (task switching)."""
+        plan, reduction = (
+            (self.base, self.reduction[0]) if system == "base" else (self.rlhfuse, self.reduction[1])
+        )
+        b = plan.breakdown
+        return {
+            "generation": b.generation,
+            "inference": b.inference,
+            "training": b.training - reduction,
+            "reduction": reduction,
+            "others": b.others,
+        }
+
+    @property
+    def gain_sources(self) -> tuple[float, float, float]:
+        """Of the seconds RLHFuse saves per iteration: the shares from inter-stage fusion (Gen+Inf), from
+        intra-stage fusion (training) and from the rest (task switching); they sum to 1."""
+        base, ours = self.base.breakdown, self.rlhfuse.breakdown
+        parts = (base.gen_inf - ours.gen_inf, base.training - ours.training, base.others - ours.others)
+        saved = sum(parts)
+        return (parts[0] / saved, parts[1] / saved, parts[2] / saved) if saved else (0.0, 0.0, 0.0)
 
     @property
     def throughput_ratio(self) -> float:
@@ -97,6 +124,8 @@ class Comparison:
             "plan": self.rlhfuse.to_dict(),
             "base_plan": self.base.to_dict(),
             "planner_seconds": self.seconds,
+            "split_s": {"base": self.split("base"), "rlhfuse": self.split("rlhfuse")},
+            "gain_sources": dict(zip(("inter", "intra", "others"), self.gain_sources, strict=True)),
         }
 
 
@@ -129,6 +158,8 @@ def compare(
     spec = None
     if speculation is not None:
         spec = tuple(speculative_gen_inf(cost, p, samples, speculation.validate()) for p in (base, fused))
+    seq = float(samples.seq.mean())
+    reduction = tuple(iteration_reduction(cost, models, p.train, seq) for p in (base, fused))
     return Comparison(
         fused,
         base,
@@ -136,6 +167,7 @@ def compare(
         time.perf_counter() - start,
         speculation,
         None if spec is None else (spec[0], spec[1]),
+        (reduction[0], reduction[1]),
     )
 
 

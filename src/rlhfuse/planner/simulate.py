@@ -920,6 +920,15 @@ def fused_problem(
     return ranks, out
 
 
+def iteration_reduction(cost: CostModel, models: RLHFModels, train: TrainResult, seq: float) -> float:
+    """The exposed DP gradient all-reduce of one iteration (both models, every mini-batch), included in
+    `train.total`."""
+    return train.minibatches * (
+        exposed_reduction(cost, models.actor, "lm", train.actor, seq)
+        + exposed_reduction(cost, models.critic, "value", train.critic, seq)
+    )
+
+
 def fused_extra(
     cost: CostModel, models: RLHFModels, actor: TrainLayout, critic: TrainLayout, seq: float
 ) -> float:
