@@ -85,6 +85,24 @@ def test_memory_lns_lowers_a_gpipe_peak_to_the_bound_at_the_same_makespan():
     simulate(p, c.to_schedule(best))  # valid
 
 
+def test_a_wall_clock_safety_cap_that_fires_is_counted(monkeypatch):
+    # deterministic-effort solves cut by their wall-clock safety cap (here: all of them) are counted, so that
+    # the search can say its result may depend on the machine's load (Solution.stats["wall_capped"])
+    from rlhfuse.pipeline import exact
+
+    p = _single(2, 4, 1, 2)
+    c = compile_problem(p)
+    order = c.from_schedule(gpipe(p))
+    with exact.counting_wall_caps() as caps:
+        memory_lns(p, compiled=c, order=order, makespan_limit=15, deterministic_budget=2.0)
+    assert caps[0] == 0  # the real cap leaves room
+    monkeypatch.setattr(exact, "SAFETY_SECONDS_PER_UNIT", 0.0)
+    monkeypatch.setattr(exact, "SAFETY_SECONDS_BASE", 0.0)
+    with exact.counting_wall_caps() as caps:
+        memory_lns(p, compiled=c, order=order, makespan_limit=15, deterministic_budget=2.0)
+    assert caps[0] > 0
+
+
 def test_memory_lns_refuses_an_order_over_the_limit():
     p = _single(2, 4, 1, 2)
     c = compile_problem(p)

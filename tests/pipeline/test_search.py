@@ -69,6 +69,7 @@ def test_iteration_budget_ignores_the_clock(tiny_fused):
     quick = solve(tiny_fused, SearchConfig(time_budget=1e-3, seed=2, max_iterations=3000))
     slow = solve(tiny_fused, SearchConfig(time_budget=1e6, seed=2, max_iterations=3000))
     assert quick.schedule == slow.schedule and quick.stats["memory_iters"] == slow.stats["memory_iters"]
+    assert quick.stats["wall_capped"] == slow.stats["wall_capped"] == 0
 
 
 def test_uneven_microbatches_and_bigger_critic():

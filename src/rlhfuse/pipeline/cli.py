@@ -231,7 +231,13 @@ def bench(
             f"  {problem.name}: {s.makespan:g} / proven bound {s.lower_bound:g} (gap {100 * s.gap:.2f}%), "
             f"peak {s.peak:.2f} (lower bound {s.peak_bound:.2f}), pareto "
             + " ".join(f"{ms:g}/{pk:.2f}" for ms, pk in s.pareto)
-            + f", {s.seconds:.1f}s",
+            + f", {s.seconds:.1f}s"
+            + (
+                f"; {s.stats['wall_capped']} CP-SAT solve(s) stopped by the wall-clock safety cap: this result may "
+                "depend on the machine's load"
+                if s.stats.get("wall_capped")
+                else ""
+            ),
             flush=True,
         )
         solutions.append(s)

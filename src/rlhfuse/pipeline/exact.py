@@ -21,11 +21,15 @@ stays valid and every schedule found is re-timed with the true durations. Activa
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +37,10 @@ from rlhfuse.pipeline.compiled import Compiled, _sequenced_heads_tails, compile_
 from rlhfuse.pipeline.problem import Problem
 
 DEFAULT_MAX_OPS = 20_000
-SAFETY_SECONDS_PER_UNIT = 12.0  # wall-clock cap per unit of CP-SAT deterministic time
+SAFETY_SECONDS_PER_UNIT = (
+    12.0  # wall-clock cap per unit of CP-SAT deterministic time, plus SAFETY_SECONDS_BASE
+)
+SAFETY_SECONDS_BASE = 5.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class ExactResult:
         ops: size of the model (ops).
         note: why the bound is what it is, in words.
         effort: CP-SAT's deterministic time spent (machine-independent with one worker).
+        wall_capped: a deterministic solve was stopped by its wall-clock safety cap (`SAFETY_SECONDS_PER_UNIT`)
+            before its deterministic budget was spent: the result may then depend on the machine's load.
     """
 
     lower_bound: float
@@ -62,6 +71,7 @@ class ExactResult:
     ops: int
     note: str = ""
     effort: float = 0.0
+    wall_capped: bool = False
 
 
 def _scale(values: np.ndarray, candidates: tuple[int, ...] = (1, 10, 100, 1000, 10000)) -> tuple[int, bool]:
@@ -269,7 +279,9 @@ def prove(
         solver.parameters.max_deterministic_time = float(deterministic_budget)
         # A safety net only (CP-SAT's deterministic time can run far slower than the clock on some models);
         # when it stops a solve, the result may depend on the machine, and `note` says so.
-        solver.parameters.max_time_in_seconds = SAFETY_SECONDS_PER_UNIT * float(deterministic_budget) + 5.0
+        solver.parameters.max_time_in_seconds = (
+            SAFETY_SECONDS_PER_UNIT * float(deterministic_budget) + SAFETY_SECONDS_BASE
+        )
     else:
         solver.parameters.max_time_in_seconds = max(0.01, float(time_budget))
     if low_memory_search_order and peak is None:
@@ -280,6 +292,7 @@ def prove(
         solver.parameters.use_precedences_in_disjunctive_constraint = False
     status = solver.solve(model)
     name = solver.status_name(status)
+    capped = _wall_capped(solver, status, deterministic_budget is not None)
     order = None
     value: float | None = None
     found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
@@ -291,7 +304,7 @@ def prove(
     if inflight_extra is not None or cap_override is not None:  # a restriction proves nothing
         return ExactResult(
             analytic_bound, value, order, False, name, time.perf_counter() - began, c.n,
-            "restricted model (in-flight limits)", float(solver.response_proto.deterministic_time),
+            "restricted model (in-flight limits)", float(solver.response_proto.deterministic_time), capped,
         )  # fmt: skip
     if objective == "makespan":
         scaled_bound = (
@@ -328,8 +341,10 @@ def prove(
         status=name,
         seconds=time.perf_counter() - began,
         ops=c.n,
-        note=note,
+        note=note
+        + ("; stopped by the wall-clock safety cap: may depend on the machine's load" if capped else ""),
         effort=float(solver.response_proto.deterministic_time),
+        wall_capped=capped,
     )
 
 
@@ -621,6 +636,41 @@ def _inflight_peak(c: Compiled, extras: tuple[int, ...]) -> float:
     return float(per_rank.max())
 
 
+# Wall-clock safety caps that fired in the current `counting_wall_caps` block (none: not counted).
+_WALL_CAPS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "rlhfuse_wall_caps", default=None
+)
+
+
+@contextlib.contextmanager
+def counting_wall_caps() -> Iterator[list[int]]:
+    """Count, in `counter[0]`, the deterministic-budget CP-SAT solves inside the block that were stopped by
+    their wall-clock safety cap (`SAFETY_SECONDS_PER_UNIT`) before their deterministic budget: each is a place
+    where the result may depend on the machine's load, which the search reports (`Solution.stats`)."""
+    counter = [0]
+    token = _WALL_CAPS.set(counter)
+    try:
+        yield counter
+    finally:
+        _WALL_CAPS.reset(token)
+
+
+def _wall_capped(solver: Any, status: int, deterministic: bool) -> bool:
+    """Whether a deterministic-budget solve ended on its wall-clock safety cap instead (not at its
+    deterministic budget, not solved); counted in the current `counting_wall_caps` block."""
+    from ortools.sat.python import cp_model
+
+    if not deterministic or status in (cp_model.OPTIMAL, cp_model.INFEASIBLE):
+        return False
+    cap = solver.parameters.max_time_in_seconds
+    spent = float(solver.response_proto.deterministic_time)
+    capped = bool(solver.wall_time >= 0.99 * cap and spent < 0.99 * solver.parameters.max_deterministic_time)
+    counter = _WALL_CAPS.get()
+    if capped and counter is not None:
+        counter[0] += 1
+    return capped
+
+
 def memory_lns(
     problem: Problem,
     *,
@@ -792,12 +842,13 @@ def _lns_step(
     solver.parameters.linearization_level = 0
     if deterministic:
         solver.parameters.max_deterministic_time = float(share)
-        solver.parameters.max_time_in_seconds = SAFETY_SECONDS_PER_UNIT * float(share) + 5.0
+        solver.parameters.max_time_in_seconds = SAFETY_SECONDS_PER_UNIT * float(share) + SAFETY_SECONDS_BASE
     else:
         solver.parameters.max_time_in_seconds = max(0.01, float(share))
     began = time.perf_counter()
     status = solver.solve(model)
     spent = float(solver.response_proto.deterministic_time) if deterministic else time.perf_counter() - began
+    _wall_capped(solver, status, deterministic)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return spent, None
     starts = np.array([solver.value(s) for s in start], dtype=np.int64)

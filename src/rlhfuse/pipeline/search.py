@@ -464,6 +464,24 @@ def _worker(
     stop: Any,
     shared: Any = None,
 ) -> dict[str, Any]:
+    """`_search` with the CP-SAT wall-clock caps that fired counted into its stats (`wall_capped`)."""
+    from rlhfuse.pipeline.exact import counting_wall_caps
+
+    with counting_wall_caps() as caps:
+        result = _search(problem, durations, config, worker, t0, stop, shared)
+    result["stats"]["wall_capped"] = caps[0]
+    return result
+
+
+def _search(
+    problem: Problem,
+    durations: DurationFn | None,
+    config: SearchConfig,
+    worker: int,
+    t0: float,
+    stop: Any,
+    shared: Any = None,
+) -> dict[str, Any]:
     """One seed's full search; returns a picklable summary.
 
     `stop`/`shared` (time-bounded runs with several workers): the first worker to reach the lower bound puts
