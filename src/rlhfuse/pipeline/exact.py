@@ -655,7 +655,7 @@ def counting_wall_caps() -> Iterator[list[int]]:
         _WALL_CAPS.reset(token)
 
 
-def _wall_capped(solver: Any, status: int, deterministic: bool) -> bool:
+def _wall_capped(solver: Any, status: Any, deterministic: bool) -> bool:
     """Whether a deterministic-budget solve ended on its wall-clock safety cap instead (not at its
     deterministic budget, not solved); counted in the current `counting_wall_caps` block."""
     from ortools.sat.python import cp_model
