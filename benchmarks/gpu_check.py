@@ -34,7 +34,7 @@ hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Ro
 
 The measured figures (decode step time per batch size, prefill and training throughput, all-reduce bandwidth,
 kernel times) go to a JSON file (`--out`, default `$OUT/gpu_check.json` when OUT is set, else ./gpu_check.json)
-that a later calibration step reads. Without CUDA it prints one line saying nothing was checked and exits 0;
+that `rlhfuse-plan calibrate --from` reads. Without CUDA it prints one line saying nothing was checked and exits 0;
 `--device cpu` runs the rows on the CPU anyway (gloo, tiny sizes). Exit status 1 if any row FAILs.
 """
 
@@ -241,6 +241,12 @@ def random_rollout(n: int, vocab: int, prompt: int, response: int, seed: int) ->
     from rlhfuse.testing.data import random_rollout as make
 
     return make(n, vocab=vocab, prompt=prompt, response=response, seed=seed)
+
+
+def model_shape(cfg: Any) -> dict[str, int]:
+    """A ModelConfig's shape for the figures file (what the planner's ModelSpec reads)."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    return {**{k: int(getattr(cfg, k)) for k in keys}, "head_dim": int(cfg.resolved_head_dim)}
 
 
 def pipeline_models(device: torch.device, layers: int = 2) -> Any:
@@ -471,7 +477,9 @@ def _w_collectives(rank: int, device: torch.device) -> Outcome:
         buf = torch.ones(mib * 2**18, device=device)
         ms = time_ms(functools.partial(distributed.all_reduce, buf), device, reps=5 if real(device) else 2)
         busbw[str(mib)] = mib * 2**20 / (ms / 1e3) / 1e9  # 2 (n - 1) / n = 1 at n = 2
-    figures = {"allreduce_busbw_GBps": busbw, "allreduce_backend": distributed.backend()}
+    # the two ranks talk through loopback sockets (TWO_RANKS_ON_ONE_GPU): not a figure of NVLink or InfiniBand
+    figures = {"allreduce_busbw_GBps": busbw, "allreduce_backend": distributed.backend(),
+               "allreduce_transport": "loopback"}  # fmt: skip
     shown = ", ".join(f"{k} MiB {v:.2f}" for k, v in busbw.items())
     return Outcome(
         f"{distributed.backend()}: all-reduce and send/recv exact; bus bandwidth GB/s {shown}", figures
@@ -546,6 +554,11 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
         "train_tokens_per_s": tokens / fused_s,
         "train_step_s": fused_s,
         "train_tokens_per_step": tokens,
+        # one step trains an Actor and a Critic of this shape on `train_samples` sequences, pp=2 over 2 ranks on
+        # `train_devices` devices (both ranks share one GPU on a one-GPU machine)
+        "train_model": model_shape(cfg),
+        "train_samples": samples,
+        "train_devices": min(2, torch.cuda.device_count()) if device.type == "cuda" else 1,
     }
     return Outcome(
         f"fused pp=2 = PlainStrategy for 3 steps (losses, grad norms; weights to {weight_err:.1e}); "
@@ -905,13 +918,15 @@ def row_engine_decode(device: torch.device, backend: str) -> Outcome:
     with torch.no_grad():
         prefill_ms = time_ms(lambda: setup.model(ids), device, reps=5 if real(device) else 1)
     prefill_tps = pb * pt / (prefill_ms / 1e3)
-    cfg = setup.model.config
     figures = {
         "decode_step_ms": step_ms,
         "decode_tokens_per_s": tokens_per_s,
         "prefill_tokens_per_s": prefill_tps,
-        "decode_model": {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "prompt": setup.prompt,
-                         "dtype": "bf16"},
+        # what `rlhfuse-plan calibrate --from` needs to price the same work: the model's shape, the decode context
+        # (prompt, then 2 warm steps before the timed ones) and the prefill batch
+        "decode_model": {**model_shape(setup.model.config), "prompt": setup.prompt, "warm_steps": 2,
+                         "steps": setup.steps, "dtype": "bf16"},
+        "prefill_batch": [pb, pt],
     }  # fmt: skip
     shown = ", ".join(f"bs {k}: {v:.2f} ms" for k, v in step_ms.items())
     return Outcome(

@@ -44,8 +44,21 @@ def test_paper_grid_one_length(tmp_path, capsys):
             assert sum(split.values()) == pytest.approx(plan["breakdown_s"]["total"], rel=1e-9)
         assert sum(c["gain_sources"].values()) == pytest.approx(1.0)
     assert "gain: inter intra other" in capsys.readouterr().out
-    assert main(["paper-grid", "--out", str(out), "--max-lens", "512", "--spec-acceptance", "-1"]) == 0
-    assert all(c["speculation"] is None for c in json.loads(out.read_text()))
+    searched = {(c["actor"], c["critic"]): c for c in cells}
+    assert main(["paper-grid", "--out", str(out), "--max-lens", "512", "--spec-acceptance", "-1",
+                 "--search-iterations", "0"]) == 0  # fmt: skip
+    greedy = json.loads(out.read_text())
+    assert all(c["speculation"] is None for c in greedy)
+    # the same layouts, scheduled by the greedy list schedule only: never faster than the searched schedule
+    for c in greedy:
+        s = searched[(c["actor"], c["critic"])]
+        assert c["plan"]["training"] == s["plan"]["training"]
+        assert c["plan"]["breakdown_s"]["training"] >= s["plan"]["breakdown_s"]["training"]
+    assert any(
+        c["plan"]["breakdown_s"]["training"]
+        > 1.05 * searched[(c["actor"], c["critic"])]["plan"]["breakdown_s"]["training"]
+        for c in greedy
+    )  # the search pays on this grid (13B/33B: 1.2x)
 
 
 def test_bad_model_and_bad_batch_are_reported(capsys):

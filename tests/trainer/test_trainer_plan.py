@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from rlhfuse.planner.simulate import TrainLayout, TrainResult
+from rlhfuse.planner.specs import gpu_preset
 from rlhfuse.runtime.config import validate_runtime
 from rlhfuse.trainer import build_trainer, compose_config, planning, validate
-from rlhfuse.trainer.planning import gpu_preset, plan_config
+from rlhfuse.trainer.planning import plan_config
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "smoke_metrics.json"
 
@@ -269,3 +270,23 @@ def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
     layout = pipeline_layout(p, 8, cfg.data.mini_batch_size, 1)
     narrow = "actor" if p.actor_tp < p.critic_tp else "critic"
     assert layout.merge(narrow) > 1
+
+
+def test_plan_device_prices_plan_auto_with_a_device_file_and_bad_ones_name_the_key(tmp_path):
+    """plan_device=FILE (`rlhfuse-plan calibrate --from gpu_check.json`): plan=auto uses the file's device and
+    factors in place of the preset; a missing or malformed file, or plan=manual, is a problem naming the key."""
+    from rlhfuse.planner.specs import H100, DeviceProfile, Efficiency
+
+    slow = DeviceProfile(dataclasses.replace(H100, name="H100 (calibrated)"), Efficiency(decode_mbu=0.1))
+    path = slow.save(tmp_path / "h100.json")
+    cfg = compose_config(["plan=auto", "distributed.nproc_per_node=2", f"plan_device={path}"])
+    result = plan_config(cfg, DeviceProfile.load(path), f"plan_device={path}")
+    validate(result.config)
+    assert result.plan.cluster.device.name == "H100 (calibrated)" and result.device == "H100 (calibrated)"
+    assert f"plan_device={path}" in result.table()[0]
+    preset = plan_config(cfg, "h100", "test")
+    assert result.plan.breakdown.generation > preset.plan.breakdown.generation  # decode at 1/7 the bandwidth
+    with pytest.raises(ValueError, match=r"plan_device=.* is read by plan=auto only: set plan=auto"):
+        validate(compose_config([f"plan_device={path}"]))
+    with pytest.raises(ValueError, match=r"plan_device: device file .*none.json does not exist"):
+        validate(compose_config(["plan=auto", f"plan_device={tmp_path / 'none.json'}"]))

@@ -2,9 +2,12 @@
 
 rlhfuse-plan plan --device h100 --nodes 32 --actor 13b --critic 33b --max-len 1024 --json plan.json --png plan.png
 rlhfuse-plan paper-grid --out GRID.json --png grid.png
+rlhfuse-plan sensitivity --max-lens 1024                   # ratio bands as each assumed input moves
 rlhfuse-plan rt-sweep --actor 33b --critic 65b --max-len 1024 --png rt.png
 rlhfuse-plan memory --actor 7b --critic 7b --actor-pp 2 --critic-pp 2 --tp 2 --gen-tp 2 --precision bf16-true
 rlhfuse-plan calibrate            # CPU spec vs measured tiny-model runs (needs torch)
+rlhfuse-plan calibrate --from gpu_check.json --out h200.json   # a GPU's factors fitted to make gpu-check
+rlhfuse-plan paper-grid --device h200.json                      # ... and used: any --device takes the file
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
+from rlhfuse.pipeline import SearchConfig
 from rlhfuse.planner.colocation import Colocation
-from rlhfuse.planner.grid import PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
+from rlhfuse.planner.grid import GRID_SEARCH, PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.memory import PRECISIONS, rank_memories
 from rlhfuse.planner.simulate import RLHFModels, Speculation, Workload
-from rlhfuse.planner.specs import DEVICES, ModelSpec, cluster, model
+from rlhfuse.planner.specs import DEVICES, DeviceProfile, ModelSpec, cluster, device_profile, model
 
 
 def _model_arg(text: str) -> ModelSpec:
@@ -35,8 +40,19 @@ def _model_arg(text: str) -> ModelSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _device_arg(text: str) -> DeviceProfile:
+    """A preset name or a device file (`rlhfuse-plan calibrate --from ... --out FILE`)."""
+    try:
+        return device_profile(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _common(p: argparse.ArgumentParser, *, models: bool = True) -> None:
-    p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="device preset (default h100)")
+    p.add_argument(
+        "--device", type=_device_arg, default="h100",
+        help=f"device preset ({', '.join(sorted(DEVICES))}) or a device file from `calibrate --from` (default h100)",
+    )  # fmt: skip
     p.add_argument("--nodes", type=int, default=32, help="nodes (default 32)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
     p.add_argument("--global-batch", type=int, default=512, help="samples per iteration (default 512)")
@@ -48,10 +64,14 @@ def _common(p: argparse.ArgumentParser, *, models: bool = True) -> None:
     p.add_argument(
         "--len-sigma", type=float, default=RESPONSES.sigma, help="log-normal sigma of response lengths"
     )
-    p.add_argument("--uneven-pp", action="store_true", help="allow pipeline stages that differ by one layer")
     p.add_argument(
-        "--search-seconds", type=float, default=0.0,
-        help="re-schedule RLHFuse's fused training with rlhfuse.pipeline's annealing for this long per setting",
+        "--even-pp", action="store_true",
+        help="only pipelines whose stages hold equal layer counts (default: stages may differ by one layer)",
+    )  # fmt: skip
+    p.add_argument(
+        "--search-iterations", type=int, default=GRID_SEARCH.max_iterations,
+        help="re-schedule RLHFuse's fused training with rlhfuse.pipeline's search under this deterministic budget "
+        "(annealing iterations per phase; default %(default)s; 0: the greedy list schedule only)",
     )  # fmt: skip
     if models:
         p.add_argument(
@@ -181,6 +201,14 @@ def memory_table(args: argparse.Namespace) -> str:
     return "\n".join(rows)
 
 
+def _search(args: argparse.Namespace) -> SearchConfig | None:
+    if args.search_iterations < 0:
+        raise ValueError(
+            f"--search-iterations={args.search_iterations} must be >= 0 (0: the greedy schedule)"
+        )
+    return replace(GRID_SEARCH, max_iterations=args.search_iterations) if args.search_iterations else None
+
+
 def _responses(args: argparse.Namespace) -> LengthDistribution:
     return LengthDistribution(median=args.len_median, sigma=args.len_sigma)
 
@@ -216,6 +244,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--spec-tokens", type=int, default=SPECULATION.tokens,
         help="speculative tail: draft tokens verified per step (default %(default)s)",
     )  # fmt: skip
+    p_sens = sub.add_parser(
+        "sensitivity",
+        help="the grid's ratio bands as each assumed input moves alone (MFU, MBU, overheads, ...)",
+    )
+    _common(p_sens, models=False)
+    p_sens.add_argument("--max-lens", type=int, nargs="+", default=[1024], help="max lengths (default 1024)")
+    p_sens.add_argument("--out", type=Path, help="write the bands as JSON here")
+    # 15 grids: the greedy schedule unless --search-iterations is given (greedy: ~3 min at max length 1024 on this
+    # machine; searched, several minutes)
+    p_sens.set_defaults(search_iterations=0)
     p_sweep = sub.add_parser("rt-sweep", help="fused Gen+Inf time against the migration threshold (Figure 9)")
     _common(p_sweep)
     p_sweep.add_argument("--png", type=Path, help="line chart of the sweep")
@@ -239,26 +277,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mem.add_argument("--gen-tp", type=int, default=1, help="generator.tp")
     p_mem.add_argument("--precision", default="32-true", choices=PRECISIONS, help="pipeline.optim.precision")
     p_mem.add_argument("--offload-frozen", action="store_true", help="inferencer.offload_frozen=true")
-    p_cal = sub.add_parser("calibrate", help="calibrate the CPU spec on tiny-model runs (needs torch)")
-    p_cal.add_argument("--repeats", type=int, default=5)
+    p_cal = sub.add_parser(
+        "calibrate",
+        help="--from gpu_check.json: fit a GPU's factors to make gpu-check's figures and write a device file; "
+        "without it: calibrate the CPU spec on tiny-model runs (needs torch)",
+    )
+    p_cal.add_argument("--from", dest="figures", type=Path, help="make gpu-check's JSON file")
+    p_cal.add_argument("--preset", choices=sorted(k for k in DEVICES if k != "cpu"),
+                       help="datasheet peaks to keep (default: by the device's name in the file)")  # fmt: skip
+    p_cal.add_argument(
+        "--out", type=Path, default=Path("device.json"), help="device file (default device.json)"
+    )
+    p_cal.add_argument("--repeats", type=int, default=5, help="CPU calibration: runs per measurement")
     args = parser.parse_args(argv)
 
-    if args.command == "calibrate":
-        from rlhfuse.planner.calibrate import calibrate_cpu
-
-        print(calibrate_cpu(repeats=args.repeats).report())
-        return 0
     try:
+        if args.command == "calibrate":
+            from rlhfuse.planner.calibrate import calibrate_cpu, calibrate_from
+
+            if args.figures is None:
+                print(calibrate_cpu(repeats=args.repeats).report())
+                return 0
+            calibration = calibrate_from(args.figures, args.preset)
+            print(calibration.report())
+            print(
+                f"wrote {calibration.profile.save(args.out)} (use: --device {args.out}, or plan_device={args.out})"
+            )
+            return 0
         if args.command == "memory":
             print(memory_table(args))
             return 0
-        spec = cluster(args.device, args.nodes, args.gpus_per_node)
+        spec = cluster(args.device.device, args.nodes, args.gpus_per_node)
+        if args.command == "sensitivity":
+            from rlhfuse.planner.sensitivity import GridInputs, sensitivity, sensitivity_table
+
+            start = time.perf_counter()
+            bands = sensitivity(
+                base=GridInputs(args.device.eff, _responses(args), args.global_batch), max_lens=tuple(args.max_lens),
+                cluster_spec=spec, mini_batch=args.mini_batch, seed=args.seed, even_pp=args.even_pp,
+                search=_search(args),
+            )  # fmt: skip
+            print(sensitivity_table(bands))
+            print(f"planner wall time for {len(bands)} grids: {time.perf_counter() - start:.1f} s")
+            if args.out:
+                args.out.write_text(json.dumps([b.to_dict() for b in bands], indent=1))
+                print(f"wrote {args.out}")
+            return 0
         if args.command == "paper-grid":
             start = time.perf_counter()
             comps = paper_grid(
-                max_lens=tuple(args.max_lens), cluster_spec=spec, global_batch=args.global_batch,
-                mini_batch=args.mini_batch, seed=args.seed, responses=_responses(args), even_pp=not args.uneven_pp,
-                search_seconds=args.search_seconds,
+                max_lens=tuple(args.max_lens), cluster_spec=spec, eff=args.device.eff, global_batch=args.global_batch,
+                mini_batch=args.mini_batch, seed=args.seed, responses=_responses(args), even_pp=args.even_pp,
+                search=_search(args),
                 speculation=None if args.spec_acceptance < 0 else Speculation(args.spec_acceptance, args.spec_tokens),
             )  # fmt: skip
             seconds = time.perf_counter() - start
@@ -277,7 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             RLHFModels(args.actor, args.critic),
             spec,
             _workload(args, args.max_len),
-            even_pp=not args.uneven_pp,
+            args.device.eff,
+            even_pp=args.even_pp,
+            search=_search(args),
         )
         if args.command == "rt-sweep":
             print(f"{comp.rlhfuse.models.name}, max_len {args.max_len}: fused Gen+Inf seconds by Rt / batch")

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rlhfuse.pipeline import SearchConfig
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan, PruneStats, resident_train_bytes, search_plan
@@ -29,6 +30,16 @@ PAPER_CLUSTER = ("h100", 32, 8)
 SPECULATION = Speculation(acceptance=0.4, tokens=4)
 """The speculative tail `rlhfuse-plan paper-grid` simulates by default: k = 4 draft tokens, 40% of them
 accepted (what `generator.speculative=auto` measured on the tail of `experiment=longtail`, docs/generation.md)."""
+GRID_SEARCH = SearchConfig(
+    max_iterations=20_000, max_starts=200, exact=False, memory_effort=0.0, exact_memory_ladder=False,
+    memory_lns=False,
+)  # fmt: skip
+"""How the grid re-schedules each fused layout: `rlhfuse.pipeline.solve`, the search the runtime runs, under a
+deterministic budget (200 list-schedule starts and 20 000 annealing iterations, never the wall clock: the same
+grid on any machine at any load), makespan only (the grid prices time; the memory phases are off). Measured on
+the 12 cells: the CP-SAT step at 2 units of deterministic time cost 12 s more and found less (it takes the starts
+and iterations it needs from the same budget: 13B/33B pipelines 1.13x faster than greedy instead of 1.22x);
+20 starts instead of 200 halve the search's time and lose 33B/13B's gain (1.10x instead of 1.12x)."""
 PAPER_RANGES = {"throughput_ratio": (1.2, 1.4), "gen_inf_ratio": (1.2, 1.6), "train_ratio": (1.2, 1.3)}
 """What the paper reports for RLHFuse / RLHFuse-Base (Figures 7 and 8), to compare our predictions against."""
 
@@ -135,24 +146,25 @@ def compare(
     workload: Workload,
     eff: Efficiency = DEFAULT_EFFICIENCY,
     *,
-    even_pp: bool = True,
-    search_seconds: float = 0.0,
+    even_pp: bool = False,
+    search: SearchConfig | None = GRID_SEARCH,
     speculation: Speculation | None = None,
 ) -> Comparison:
-    """Plan both systems on the same sampled batch (`even_pp`: see `search.train_layouts`).
+    """Plan both systems on the same sampled batch (`even_pp`: only pipelines whose stages hold equal layer
+    counts, see `search.train_layouts`; the runtime runs uneven ones).
 
-    `search_seconds` > 0 re-schedules RLHFuse's fused training with `rlhfuse.pipeline`'s annealing search
-    (instead of the greedy list schedule) for that long. With `speculation`, both plans' Gen+Inf are also
-    simulated with the speculative tail (`speculative_gen_inf`)."""
+    `search` re-schedules RLHFuse's chosen fused layout with `rlhfuse.pipeline.solve` (None: the paper's greedy
+    list schedule only). With `speculation`, both plans' Gen+Inf are also simulated with the speculative tail
+    (`speculative_gen_inf`)."""
     start = time.perf_counter()
     cost = CostModel(cluster_spec, eff)
     samples = workload.validate().sample()
     stats = PruneStats()
     fused = search_plan(cost, models, workload, fused=True, samples=samples, stats=stats, even_pp=even_pp)
     base = search_plan(cost, models, workload, fused=False, samples=samples, even_pp=even_pp)
-    if search_seconds > 0 and fused.train.mode == "fused":
+    if search is not None and fused.train.mode == "fused":
         seq = float(samples.seq.mean())
-        train = searched_training(cost, models, fused.train, workload, seq, search_seconds)
+        train = searched_training(cost, models, fused.train, workload, seq, search)
         b = fused.breakdown
         fused = replace(fused, train=train, breakdown=replace(b, training=train.total))
     spec = None
@@ -197,8 +209,8 @@ def paper_grid(
     eff: Efficiency = DEFAULT_EFFICIENCY,
     seed: int = 0,
     responses: LengthDistribution = RESPONSES,
-    even_pp: bool = True,
-    search_seconds: float = 0.0,
+    even_pp: bool = False,
+    search: SearchConfig | None = GRID_SEARCH,
     speculation: Speculation | None = SPECULATION,
 ) -> list[Comparison]:
     """The paper's grid: Actor/Critic pairs x max generation lengths on 32 x 8 H100, batch 512, mini-batch 64."""
@@ -215,7 +227,6 @@ def paper_grid(
             )
             pair = RLHFModels(model(actor), model(critic))
             out.append(
-                compare(pair, spec, workload, eff, even_pp=even_pp, search_seconds=search_seconds,
-                        speculation=speculation)
+                compare(pair, spec, workload, eff, even_pp=even_pp, search=search, speculation=speculation)
             )  # fmt: skip
     return out

@@ -80,7 +80,7 @@ def fused_lower_bound(ranks: int, models: Sequence[PipeModel]) -> float:
     first arrival (min s x F over its stages) + shortest tail (min s x B: the backward still has s stages to
     go)). Equal to the pipeline's bound (tests/planner check it on Table 3 and the grid's layouts) and to the
     authors' published bound on Table 3; closed form because compiling a problem costs ~14 ms and the search
-    bounds thousands of layouts per grid (with `--uneven-pp` the grid would take 300 s instead of 13 s)."""
+    bounds thousands of layouts per grid (with uneven stages the grid would take 300 s instead of 13 s)."""
     bound = max(one_f_one_b(m.stages, m.microbatches, m.forward, m.backward) for m in models)
     total = sum(m.replicas * m.stages * m.microbatches * (m.forward + m.backward) for m in models)
     bound = max(bound, total / ranks)

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from rlhfuse.pipeline import SearchConfig, solve
 from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
@@ -844,7 +845,9 @@ def exposed_reduction(cost: CostModel, model: ModelSpec, head: str, lay: TrainLa
     """The DP gradient all-reduce left after the first stage's last backward (it ends the step; its buckets
     were launched during that backward, one micro-batch's backward of one stage: `exposed_grad_allreduce_time`)."""
     _, b = _stage(cost, model, head, lay, seq)
-    return cost.exposed_grad_allreduce_time(model, head, lay.tp, lay.pp, lay.dp, overlap_s=b)
+    return cost.exposed_grad_allreduce_time(
+        model, head, lay.tp, lay.pp, lay.dp, overlap_s=b * cost.eff.grad_overlap
+    )
 
 
 def train_state_bytes(
@@ -990,16 +993,13 @@ def searched_training(
     train: TrainResult,
     workload: Workload,
     seq: float,
-    seconds: float,
-    seed: int = 0,
+    search: SearchConfig,
 ) -> TrainResult:
-    """A fused `train` re-scheduled by `rlhfuse.pipeline.solve` (the paper's annealing, issue 3) within
-    `seconds`; the makespan used is the better of the searched and the greedy one. Serial results are returned
-    unchanged."""
-    if train.mode != "fused" or seconds <= 0:
+    """A fused `train` re-scheduled by `rlhfuse.pipeline.solve` (the search the runtime runs) under `search`
+    (`GRID_SEARCH`: a deterministic budget); the makespan used is the better of the searched and the greedy one.
+    Serial results are returned unchanged."""
+    if train.mode != "fused":
         return train
-    from rlhfuse.pipeline import SearchConfig, solve
-
     ranks, problem = fused_problem(
         cost, models, train.actor, train.critic, workload, seq, merged=train.merged
     )
@@ -1016,9 +1016,10 @@ def searched_training(
         activations=[a / 1e9 for a in acts],
         name=f"{models.name} fused",
     )
-    solution = solve(searchable, SearchConfig(time_budget=seconds, seed=seed))
+    solution = solve(searchable, search)
     extra = fused_extra(cost, models, train.actor, train.critic, seq)
     # the search may reach the bound; summed in another order, its makespan can land a few ulps below it
     best = max(min(solution.makespan + extra, train.per_minibatch), train.bound)
-    detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds)
+    detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds,
+                  search_wall_capped=solution.stats.get("wall_capped", 0))  # fmt: skip
     return replace(train, per_minibatch=best, detail=detail)

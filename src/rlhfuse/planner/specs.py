@@ -7,8 +7,10 @@ than a datasheet value, the docstring says so. Peaks are vendor *peaks*: achieve
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 
@@ -58,6 +60,25 @@ CPU = DeviceSpec(
 )
 
 DEVICES: dict[str, DeviceSpec] = {"h100": H100, "h200": H200, "a100": A100, "cpu": CPU}
+
+# GPU preset rule: the first preset whose name appears in the device's name (torch.cuda.get_device_name():
+# H200, H100, A100); otherwise the preset whose memory is nearest the device's.
+GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+
+
+def gpu_preset(device_name: str, memory_bytes: float | None = None) -> tuple[str, str]:
+    """(device preset, why) for a GPU of this name and memory (None: unknown memory, h100 when no name matches)."""
+    upper = device_name.upper()
+    for token, preset in GPU_NAMES:
+        if token in upper:
+            return preset, f"{device_name!r} matches {token}"
+    if memory_bytes is None:
+        return "h100", f"{device_name!r} is not a preset and its memory is not known: H100 assumed"
+    gpus = [k for k in DEVICES if k != "cpu"]
+    preset = min(gpus, key=lambda k: (abs(DEVICES[k].memory - memory_bytes), k))
+    return preset, (
+        f"{device_name!r} is not a preset: nearest memory ({memory_bytes / 1e9:.0f} GB) is {DEVICES[preset].name}"
+    )
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,9 @@ class Efficiency:
     """Fixed time per layer of any forward pass (kernel launches / dispatch that CUDA graphs do not hide), s."""
     memory_reserve: float = 0.1
     """Fraction of device memory not usable (CUDA context, allocator fragmentation)."""
+    grad_overlap: float = 1.0
+    """Fraction of a stage's last backward that its bucketed data-parallel gradient all-reduce overlaps (1: the
+    runtime's buckets, `rlhfuse.distributed.buckets`; 0: reduced after the backward, nothing hidden)."""
 
     def mfu(self, ceiling: float, tokens: Any) -> Any:
         """MFU of a GEMM over `tokens` rows (a number or an array): `ceiling * tokens / (tokens + half_tokens)`."""
@@ -249,3 +273,95 @@ def with_measured(
     if not (math.isfinite(peak_flops) and peak_flops > 0 and math.isfinite(hbm_bw) and hbm_bw > 0):
         raise ValueError(f"measured peak_flops={peak_flops} and hbm_bw={hbm_bw} must be finite and > 0")
     return replace(device, peak_flops=peak_flops, hbm_bw=hbm_bw, name=name or device.name + " (calibrated)")
+
+
+# ---- device profiles: a device with its achieved-rate factors, as a file ------------------------------------
+DEVICE_FILE_FORMAT = "rlhfuse-device/1"
+_RATIOS = (
+    "train_mfu",
+    "prefill_mfu",
+    "decode_mfu",
+    "decode_mbu",
+    "link_eff",
+    "memory_reserve",
+    "grad_overlap",
+)
+_MAY_BE_ZERO = ("memory_reserve", "grad_overlap")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A device and the `Efficiency` the planner prices it with: a preset (datasheet peaks, assumed factors) or
+    a file written by `rlhfuse-plan calibrate --from gpu_check.json` (the factors fitted to measurements).
+    Read by `rlhfuse-plan ... --device FILE` and the trainer's `plan_device=FILE` (plan=auto)."""
+
+    device: DeviceSpec
+    eff: Efficiency = DEFAULT_EFFICIENCY
+    source: str = "preset"
+    """Where the factors come from: `preset`, or the measurement file they were fitted to."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": DEVICE_FILE_FORMAT, "source": self.source, "device": asdict(self.device),
+                "efficiency": asdict(self.eff)}  # fmt: skip
+
+    def save(self, path: Path) -> Path:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> DeviceProfile:
+        """Checked: every field present, numbers finite and in range; a problem names `where` and the key."""
+        if not isinstance(data, dict) or data.get("format") != DEVICE_FILE_FORMAT:
+            raise ValueError(
+                f"{where} is not a device file (format {DEVICE_FILE_FORMAT!r}): write one with "
+                f"`rlhfuse-plan calibrate --from gpu_check.json --out {where}`"
+            )
+        device = _checked_fields(DeviceSpec, data.get("device"), f"{where}: device")
+        eff = _checked_fields(Efficiency, data.get("efficiency"), f"{where}: efficiency")
+        problems = [
+            f"{where}: device.{k}={v} must be > 0"
+            for k, v in device.items()
+            if k != "name" and not (isinstance(v, int | float) and math.isfinite(v) and v > 0)
+        ]
+        for k, v in eff.items():
+            low, high = (0.0 if k in _MAY_BE_ZERO else None), (1.0 if k in _RATIOS else math.inf)
+            number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            if not number or v > high or (v <= 0 if low is None and k in _RATIOS else v < 0):
+                interval = f"{'[0' if low is not None or k not in _RATIOS else '(0'}, {'1]' if high == 1.0 else 'inf)'}"
+                problems.append(f"{where}: efficiency.{k}={v} must be in {interval}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        device["dtype_bytes"] = int(device["dtype_bytes"])
+        return cls(DeviceSpec(**device), Efficiency(**eff), str(data.get("source", where)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(
+                f"device file {path} does not exist: write one with `rlhfuse-plan calibrate --from gpu_check.json`"
+            ) from None
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"device file {path} cannot be read as JSON: {err}") from None
+        return cls.from_dict(data, str(path))
+
+
+def _checked_fields(kind: type, values: Any, where: str) -> dict[str, Any]:
+    names = {f.name for f in fields(kind)}
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be an object with the keys {sorted(names)}")
+    missing, unknown = sorted(names - values.keys()), sorted(values.keys() - names)
+    if missing or unknown:
+        raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}")
+    return dict(values)
+
+
+def device_profile(text: str) -> DeviceProfile:
+    """A preset name (`h100`, `h200`, `a100`, `cpu`) with the assumed factors, or the path of a device file."""
+    if text.lower() in DEVICES:
+        return DeviceProfile(DEVICES[text.lower()])
+    if text.endswith(".json") or Path(text).exists():
+        return DeviceProfile.load(text)
+    raise ValueError(f"device={text!r} is unknown: use one of {sorted(DEVICES)} or a device file (.json)")

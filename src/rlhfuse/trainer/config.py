@@ -17,6 +17,7 @@ from rlhfuse.core.config import choice_problems, need, positive
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.data.config import DataConfig
 from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.planner.specs import DeviceProfile
 from rlhfuse.runtime.config import (
     PIPELINE_STRATEGIES,
     DistributedConfig,
@@ -96,6 +97,9 @@ class RLHFConfig:
     # distributed.nproc_per_node processes, and migration.threshold when generator.instances > 1
     # (rlhfuse.trainer.planning; docs/configuration.md).
     plan: PlanMode = "manual"
+    # plan=auto prices plans with this device file (written by `rlhfuse-plan calibrate --from gpu_check.json`:
+    # the GPU's achieved rates fitted to `make gpu-check`) in place of the preset matching the run's device.
+    plan_device: str | None = None
 
     def problems(self) -> list[str]:
         """Every component's own problems, then the run's keys (rules across components: `validate`)."""
@@ -121,6 +125,16 @@ class RLHFConfig:
             re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
             f"device={self.device!r} must be auto, cpu, cuda or cuda:N",
         )
+        if self.plan_device is not None:
+            need(
+                problems,
+                self.plan == "auto",
+                f"plan_device={self.plan_device} is read by plan=auto only: set plan=auto",
+            )
+            try:
+                DeviceProfile.load(self.plan_device)
+            except ValueError as err:
+                problems.append(f"plan_device: {err}")
         return problems
 
 

@@ -31,28 +31,11 @@ from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan
 from rlhfuse.planner.simulate import Workload
-from rlhfuse.planner.specs import DEVICES, ModelSpec
+from rlhfuse.planner.specs import DeviceProfile, ModelSpec, device_profile, gpu_preset
 from rlhfuse.runtime.config import launched_world_size, validate_runtime
 from rlhfuse.trainer.config import PLAN_MODES, RLHFConfig
 
-__all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "gpu_preset", "plan_config", "workload_for"]
-
-# GPU preset rule: the first preset whose name appears in torch.cuda.get_device_name() (H200, H100, A100);
-# otherwise the preset whose memory is nearest the device's total memory.
-GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
-
-
-def gpu_preset(device_name: str, memory_bytes: float) -> tuple[str, str]:
-    """(planner device preset, why) for a CUDA device of this name and memory."""
-    upper = device_name.upper()
-    for token, preset in GPU_NAMES:
-        if token in upper:
-            return preset, f"{device_name!r} matches {token}"
-    gpus = [k for k in DEVICES if k != "cpu"]
-    preset = min(gpus, key=lambda k: (abs(DEVICES[k].memory - memory_bytes), k))
-    return preset, (
-        f"{device_name!r} is not a preset: nearest memory ({memory_bytes / 1e9:.0f} GB) is {DEVICES[preset].name}"
-    )
+__all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "plan_config", "workload_for"]
 
 
 def device_preset(device: Any) -> tuple[str, str]:
@@ -198,9 +181,12 @@ def memory_facts(cfg: RLHFConfig, device: str) -> dict[str, Any]:
     return {"precision": precision, "offload_frozen": bool(cfg.inferencer.offload_frozen)}
 
 
-def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -> TrainerPlan:
-    """Run the planner for `cfg` on devices of preset `device` and return the configuration with its plan
-    applied (the input is not modified). Raises ValueError naming the key when the plan cannot be applied."""
+def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_reason: str = "") -> TrainerPlan:
+    """Run the planner for `cfg` on devices of preset `device` (or of a device file's profile) and return the
+    configuration with its plan applied (the input is not modified). Raises ValueError naming the key when the
+    plan cannot be applied."""
+    profile = device_profile(device) if isinstance(device, str) else device
+    kind = "cpu" if profile.device.dtype_bytes == 4 else "gpu"  # fp32 compute: precision=auto is 32-true
     actor, critic = model_shapes(cfg)
     workload = workload_for(cfg)
     nodes, per_node = world_shape(cfg)
@@ -211,18 +197,19 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             return plan_for(
                 actor.spec,
                 critic.spec,
-                device=device,
+                device=profile.device,
+                eff=profile.eff,
                 nodes=n,
                 gpus_per_node=g,
                 workload=workload,
                 max_tp=g,
                 activation_checkpointing=cfg.pipeline.optim.activation_checkpointing,
                 runtime=True,
-                **memory_facts(cfg, device),
+                **memory_facts(cfg, kind),
             )
         except ValueError as err:
             raise ValueError(
-                f"plan=auto: the planner found no plan for {n} x {g} {device} device(s) "
+                f"plan=auto: the planner found no plan for {n} x {g} {profile.device.name} device(s) "
                 f"(distributed.nproc_per_node={world}): {err}"
             ) from err
 
@@ -301,7 +288,7 @@ def plan_config(cfg: RLHFConfig, device: str = "cpu", device_reason: str = "") -
             + ") cannot run:\n  - "
             + "\n  - ".join(problems)
         )
-    return TrainerPlan(plan, migration_plan, device, device_reason, tuple(applied), planned)
+    return TrainerPlan(plan, migration_plan, profile.device.name, device_reason, tuple(applied), planned)
 
 
 def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print) -> RLHFConfig:
@@ -317,8 +304,10 @@ def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print)
         from rlhfuse.trainer.validate import validate
 
         validate(cfg)  # raises the usual message naming the batch-size keys
-    preset, reason = device_preset(device)
-    result = plan_config(cfg, preset, reason)
+    if cfg.plan_device is not None:
+        result = plan_config(cfg, DeviceProfile.load(cfg.plan_device), f"plan_device={cfg.plan_device}")
+    else:
+        result = plan_config(cfg, *device_preset(device))
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0:
         for line in result.table():
             log(f"rlhfuse: {line}" if line.startswith("plan=") else line)
