@@ -244,9 +244,10 @@ def random_rollout(n: int, vocab: int, prompt: int, response: int, seed: int) ->
 
 
 def model_shape(cfg: Any) -> dict[str, int]:
-    """A ModelConfig's shape for the figures file (what the planner's ModelSpec reads)."""
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
-    return {**{k: int(getattr(cfg, k)) for k in keys}, "head_dim": int(cfg.resolved_head_dim)}
+    """A ModelConfig's shape for the figures file, in the keys `rlhfuse-plan calibrate --from` reads."""
+    from rlhfuse.planner.calibrate import SHAPE_KEYS
+
+    return {k: int(cfg.resolved_head_dim if k == "head_dim" else getattr(cfg, k)) for k in SHAPE_KEYS}
 
 
 def pipeline_models(device: torch.device, layers: int = 2) -> Any:

@@ -288,5 +288,10 @@ def test_plan_device_prices_plan_auto_with_a_device_file_and_bad_ones_name_the_k
     assert result.plan.breakdown.generation > preset.plan.breakdown.generation  # decode at 1/7 the bandwidth
     with pytest.raises(ValueError, match=r"plan_device=.* is read by plan=auto only: set plan=auto"):
         validate(compose_config([f"plan_device={path}"]))
+    missing = compose_config(["plan=auto", f"plan_device={tmp_path / 'none.json'}"])
     with pytest.raises(ValueError, match=r"plan_device: device file .*none.json does not exist"):
-        validate(compose_config(["plan=auto", f"plan_device={tmp_path / 'none.json'}"]))
+        validate(missing)
+    with pytest.raises(ValueError, match=r"^plan_device: device file .*none.json does not exist"):
+        planning.apply_plan(
+            missing, torch.device("cpu"), log=lambda _: None
+        )  # before validate, in build_trainer

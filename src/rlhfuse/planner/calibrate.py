@@ -217,18 +217,21 @@ def _decode(cost: CostModel, spec: ModelSpec) -> float:
 RERUN = "rerun `make gpu-check` (its JSON file has the figure once the row passes)"
 
 
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+)
+"""A model's shape in gpu_check.json (`rlhfuse.models.ModelConfig` names; head_dim resolved)."""
+
+
 def _shape(values: Any, where: str) -> ModelSpec:
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-    )
-    if not isinstance(values, Mapping) or any(not isinstance(values.get(k), int) for k in keys):
-        raise ValueError(f"{where} must give the model's {', '.join(keys)}: {RERUN}")
+    if not isinstance(values, Mapping) or any(not isinstance(values.get(k), int) for k in SHAPE_KEYS):
+        raise ValueError(f"{where} must give the model's {', '.join(SHAPE_KEYS)}: {RERUN}")
     return ModelSpec(
         where, layers=values["num_layers"], hidden=values["hidden_size"], heads=values["num_heads"],
         ffn=values["intermediate_size"], vocab=values["vocab_size"], kv_heads=values["num_kv_heads"],

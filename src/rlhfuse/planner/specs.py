@@ -324,10 +324,14 @@ class DeviceProfile:
             if k != "name" and not (isinstance(v, int | float) and math.isfinite(v) and v > 0)
         ]
         for k, v in eff.items():
-            low, high = (0.0 if k in _MAY_BE_ZERO else None), (1.0 if k in _RATIOS else math.inf)
             number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            if not number or v > high or (v <= 0 if low is None and k in _RATIOS else v < 0):
-                interval = f"{'[0' if low is not None or k not in _RATIOS else '(0'}, {'1]' if high == 1.0 else 'inf)'}"
+            if k in _MAY_BE_ZERO:
+                ok, interval = number and 0 <= v <= 1, "[0, 1]"
+            elif k in _RATIOS:
+                ok, interval = number and 0 < v <= 1, "(0, 1]"
+            else:
+                ok, interval = number and v >= 0, "[0, inf)"
+            if not ok:
                 problems.append(f"{where}: efficiency.{k}={v} must be in {interval}")
         if problems:
             raise ValueError("; ".join(problems))

@@ -305,7 +305,11 @@ def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print)
 
         validate(cfg)  # raises the usual message naming the batch-size keys
     if cfg.plan_device is not None:
-        result = plan_config(cfg, DeviceProfile.load(cfg.plan_device), f"plan_device={cfg.plan_device}")
+        try:
+            profile = DeviceProfile.load(cfg.plan_device)
+        except ValueError as err:  # plan=auto runs before validate(): name the key as its problem does
+            raise ValueError(f"plan_device: {err}") from None
+        result = plan_config(cfg, profile, f"plan_device={cfg.plan_device}")
     else:
         result = plan_config(cfg, *device_preset(device))
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) == 0:
