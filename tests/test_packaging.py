@@ -17,6 +17,16 @@ def test_resources_found_in_checkout():
     assert (_resources.kernels_dir()).is_dir()
 
 
+def test_the_checkout_root_shadows_no_installed_package():
+    """`python -m ...` from the checkout puts its root first on sys.path. Hugging Face's `kernels` package (which
+    transformers imports) must still win over the root's Triton `kernels/` folder, so that folder is not a
+    package: our kernels load by file path through rlhfuse._resources."""
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert str(ROOT / "kernels" / "__init__.py") not in out.stdout
+
+
 def test_missing_extra_names_the_extra():
     with pytest.raises(_optional.MissingDependencyError, match=r"rlhfuse\[gpu\]"):
         _optional.require("flash_attn_not_installed_here")
