@@ -26,11 +26,11 @@ VOCAB = 40
 CONF = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
 
 
-def _model(head: str = "lm", architecture: str = "llama", seed: int = 0) -> Transformer:
+def _model(head: str = "lm", architecture: str = "llama", seed: int = 0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     config = ModelConfig.tiny(
         architecture=architecture, vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_heads=4,
-        num_kv_heads=2, num_layers=2,
+        num_kv_heads=2, num_layers=2, **overrides,
     )  # fmt: skip
     model = Transformer(config, head).double()
     with torch.no_grad():  # non-trivial norms and biases: every parameter matters
@@ -234,25 +234,33 @@ def test_packed_pipeline_stages_equal_the_padded_model_outputs_and_gradients(hea
         torch.testing.assert_close(param.grad, grads[name], atol=1e-12, rtol=0, msg=name)
 
 
-def test_flash_varlen_call_follows_the_flash_attn_interface(monkeypatch):
+@pytest.mark.parametrize("window", [None, 3])
+def test_flash_varlen_call_follows_the_flash_attn_interface(monkeypatch, window):
     """No CUDA here: a stand-in module with flash-attn's documented `flash_attn_varlen_func` signature (q/k/v
-    [N, heads, E], int32 cu_seqlens, causal per sequence, grouped kv heads) checks the call the flash backend
-    makes; the kernel itself runs only on a GPU (docs/packing.md)."""
+    [N, heads, E], int32 cu_seqlens, causal per sequence, grouped kv heads; `window_size=(left, right)`: query i
+    attends to keys i - left .. i + right) checks the call the flash backend makes; the kernel itself runs only
+    on a GPU (docs/packing.md)."""
     import sys
     import types
 
     calls = []
 
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
+    def flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, window_size=(-1, -1)
+    ):
         assert cu_seqlens_q.dtype == torch.int32 and causal and torch.equal(cu_seqlens_q, cu_seqlens_k)
         assert q.dim() == 3 and q.shape[0] == int(cu_seqlens_q[-1]) and max_seqlen_q == max_seqlen_k
         calls.append(max_seqlen_q)
         out = []
         for start, stop in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), strict=True):
             qs, ks, vs = (t[start:stop].transpose(0, 1) for t in (q, k, v))
+            i = torch.arange(stop - start)
+            allowed = i[None, :] <= i[:, None]
+            if window_size[0] >= 0:
+                allowed &= i[None, :] >= i[:, None] - window_size[0]
             out.append(
                 torch.nn.functional.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, enable_gqa=True
+                    qs, ks, vs, attn_mask=allowed, enable_gqa=True
                 ).transpose(0, 1)
             )
         return torch.cat(out)
@@ -261,7 +269,7 @@ def test_flash_varlen_call_follows_the_flash_attn_interface(monkeypatch):
         sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
     )
     ids, mask = _rows("left")
-    model = _model()
+    model = _model() if window is None else _model(architecture="mistral", sliding_window=window)
     expected = packed_forward(model, ids, mask)
     for layer in model.layers:
         layer.self_attn.backend = "flash"

@@ -48,6 +48,12 @@ def _worker(rank: int, world: int) -> None:
     # biases: column and row split; kv heads split (2 of 2), then replicated (1 kv head for 2 ranks)
     _check(rank, world, ModelConfig.tiny(num_layers=2, vocab_size=VOCAB, attention_bias=True))
     _check(rank, world, ModelConfig.tiny(num_layers=2, vocab_size=VOCAB, num_kv_heads=1, attention_bias=True))
+    # Qwen3: per-head q / k norms (partial gradients summed over the group), a windowed second layer
+    windowed = dict(sliding_window=4, layer_types=("full_attention", "sliding_attention"))
+    _check(rank, world, ModelConfig.tiny(architecture="qwen3", num_layers=2, vocab_size=VOCAB, **windowed))
+    _check(
+        rank, world, ModelConfig.tiny(architecture="qwen3", num_layers=2, vocab_size=VOCAB, num_kv_heads=1)
+    )
 
 
 def _check(rank: int, world: int, cfg: ModelConfig) -> None:

@@ -5,7 +5,10 @@ D head channels.
 
 Every backend takes q_BHTD, k_BKSD, v_BKSD (K <= H; grouped-query attention shares each kv head among G
 consecutive query heads, as in LLaMA) and either `allowed_B1TS` (bool, True = may attend) or None, which means
-plain causal attention over T == S tokens with no padding: the fast path.
+plain causal attention over T == S tokens with no padding: the fast path. A sliding-window layer's kernel is
+`get_attention(name, window)`: its plain causal calls attend to the last `window` keys only (flash-attn's
+`window_size`, a band mask for sdpa); a masked call carries its window in the mask already (the model builds
+it from the tokens' positions), so the kernel's window is not applied to it again.
 
 Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, no padding) go through
 `PACKED_ATTENTION_BACKENDS[config.attention_backend]`: q_NHE, k_NKE, v_NKE (K kv heads, E head channels) and the
@@ -19,10 +22,11 @@ grouped-query attention, K and V repeated to H heads).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -145,9 +149,24 @@ def planned_sdpa(
     )
 
 
-def sdpa_attention(q_BHTD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_B1TS: Tensor | None) -> Tensor:
+def band_mask(num_tokens: int, window: int, device: torch.device) -> Tensor:
+    """[1, 1, T, T] bool: query t may attend to keys t - window + 1 .. t (a causal sliding window)."""
+    t_T = torch.arange(num_tokens, device=device)
+    distance_TT = t_T[:, None] - t_T[None, :]
+    return ((distance_TT >= 0) & (distance_TT < window))[None, None]
+
+
+def sdpa_attention(
+    q_BHTD: Tensor,
+    k_BKSD: Tensor,
+    v_BKSD: Tensor,
+    allowed_B1TS: Tensor | None,
+    window: int | None = None,
+) -> Tensor:
     """torch's fused scaled-dot-product attention, laid out by `sdpa_plan`; with no mask it runs the causal
-    kernel, building nothing."""
+    kernel, building nothing (a window narrower than the call becomes a band mask)."""
+    if allowed_B1TS is None and window is not None and q_BHTD.shape[2] > window:
+        allowed_B1TS = band_mask(q_BHTD.shape[2], window, q_BHTD.device)
     return planned_sdpa(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, plan_of(q_BHTD, k_BKSD, allowed_B1TS))
 
 
@@ -158,11 +177,25 @@ def _fallback_for_masks(name: str) -> None:
     if name not in _warned_fallback:
         _warned_fallback.add(name)
         log.warning(
-            "attention_backend=%r handles unpadded causal batches only; padded or cached calls use sdpa", name
+            "attention_backend=%r handles unpadded causal batches only; padded or cached calls%s use sdpa",
+            name,
+            " and sliding-window layers" if name == "te" else "",
         )
 
 
-def flash_attention(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, allowed_B1TS: Tensor | None) -> Tensor:
+def _window_kwargs(window: int | None) -> dict[str, tuple[int, int]]:
+    """flash-attn's sliding window, `window_size=(left, right)`: query t attends to keys t - left .. t + right
+    (flash-attn >= 2.3); nothing for full attention, so older versions still run full-attention models."""
+    return {} if window is None else {"window_size": (window - 1, 0)}
+
+
+def flash_attention(
+    q_BHTD: Tensor,
+    k_BHSD: Tensor,
+    v_BHSD: Tensor,
+    allowed_B1TS: Tensor | None,
+    window: int | None = None,
+) -> Tensor:
     """flash-attn's causal kernel (CUDA, fp16/bf16) for unpadded batches; other calls go through sdpa."""
     flash_attn = require("flash_attn")
     if allowed_B1TS is not None:
@@ -170,7 +203,11 @@ def flash_attention(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, allowed_B1TS
         return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS)
     # flash-attn wants [B, T, H, D] and does grouped-query attention natively
     out_BTHD = flash_attn.flash_attn_func(
-        q_BHTD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2), causal=True
+        q_BHTD.transpose(1, 2),
+        k_BHSD.transpose(1, 2),
+        v_BHSD.transpose(1, 2),
+        causal=True,
+        **_window_kwargs(window),
     )
     return out_BTHD.transpose(1, 2)
 
@@ -178,12 +215,19 @@ def flash_attention(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, allowed_B1TS
 _te_modules: dict[tuple[int, int, int], torch.nn.Module] = {}
 
 
-def te_attention(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, allowed_B1TS: Tensor | None) -> Tensor:
-    """Transformer Engine's fused causal attention (CUDA) for unpadded batches; other calls go through sdpa."""
+def te_attention(
+    q_BHTD: Tensor,
+    k_BHSD: Tensor,
+    v_BHSD: Tensor,
+    allowed_B1TS: Tensor | None,
+    window: int | None = None,
+) -> Tensor:
+    """Transformer Engine's fused causal attention (CUDA) for unpadded batches; other calls, and sliding-window
+    layers (TE's window is not wired: untested without a GPU here), go through sdpa."""
     te = require("transformer_engine.pytorch")
-    if allowed_B1TS is not None:
+    if allowed_B1TS is not None or window is not None:
         _fallback_for_masks("te")
-        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS)
+        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS, window)
     _, num_heads, _, head_dim = q_BHTD.shape
     num_kv_heads = k_BHSD.shape[1]
     key = (num_heads, num_kv_heads, head_dim)
@@ -196,7 +240,15 @@ def te_attention(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, allowed_B1TS: T
     return out_BTX.view(q_BHTD.shape[0], q_BHTD.shape[2], num_heads, head_dim).transpose(1, 2)
 
 
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {
+class WindowedAttentionFn(Protocol):
+    """A backend's kernel: `AttentionFn` with the layer's sliding window (for its plain causal calls)."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, /, window: int | None = None
+    ) -> Tensor: ...
+
+
+ATTENTION_BACKENDS: dict[str, WindowedAttentionFn] = {
     "sdpa": sdpa_attention,
     "flash": flash_attention,
     "te": te_attention,
@@ -212,20 +264,33 @@ MULTI_POSITION_BACKENDS: frozenset[str] = frozenset({"sdpa", "flash", "te"})
 PackedAttentionFn = Callable[[Tensor, Tensor, Tensor, "PackedSequences"], Tensor]
 
 
-def sdpa_packed_attention(q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences) -> Tensor:
+class WindowedPackedAttentionFn(Protocol):
+    """A backend's packed kernel: `PackedAttentionFn` with the layer's sliding window."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, /, window: int | None = None
+    ) -> Tensor: ...
+
+
+def sdpa_packed_attention(
+    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, window: int | None = None
+) -> Tensor:
     """Packed attention as one batched per-sequence call: each sequence moved to its own row of a right-padded
-    [B, L] layout, where plain causal SDPA is exact (a real query never reaches the pad keys after it)."""
+    [B, L] layout, where plain causal SDPA is exact (a real query never reaches the pad keys after it), and so
+    is a sliding window (row positions are each sequence's own)."""
     batch, longest = packed.batch, packed.max_seqlen
 
     def dense_BHLE(x_NHE: Tensor) -> Tensor:
         flat = x_NHE.new_zeros(batch * longest, *x_NHE.shape[1:]).index_copy(0, packed.dense_N, x_NHE)
         return flat.view(batch, longest, *x_NHE.shape[1:]).transpose(1, 2)
 
-    out_BHLE = sdpa_attention(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None)
+    out_BHLE = sdpa_attention(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None, window)
     return out_BHLE.transpose(1, 2).reshape(batch * longest, *q_NHE.shape[1:])[packed.dense_N]
 
 
-def flash_packed_attention(q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences) -> Tensor:
+def flash_packed_attention(
+    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, window: int | None = None
+) -> Tensor:
     """flash-attn's varlen kernel (CUDA, fp16/bf16): causal per sequence of the stream, no padding computed."""
     flash_attn = require("flash_attn")
     cu_seqlens = packed.cu_seqlens_B1.to(device=q_NHE.device, dtype=torch.int32)
@@ -238,12 +303,13 @@ def flash_packed_attention(q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: 
         max_seqlen_q=packed.max_seqlen,
         max_seqlen_k=packed.max_seqlen,
         causal=True,
+        **_window_kwargs(window),
     )
 
 
 # Backends that run packed sequences. te is absent: its THD format is not wired (untested without a GPU here),
 # so packing with attention_backend=te is refused with `packing_problem`'s fix rather than run untested.
-PACKED_ATTENTION_BACKENDS: dict[str, PackedAttentionFn] = {
+PACKED_ATTENTION_BACKENDS: dict[str, WindowedPackedAttentionFn] = {
     "sdpa": sdpa_packed_attention,
     "flash": flash_packed_attention,
 }
@@ -259,17 +325,22 @@ def packing_problem(name: str) -> str | None:
     )
 
 
-def get_packed_attention(name: str) -> PackedAttentionFn:
+def get_packed_attention(name: str, window: int | None = None) -> PackedAttentionFn:
+    """The packed kernel of backend `name`, attending through `window` (None: causal over each sequence)."""
     problem = packing_problem(name)
     if problem is not None:
         raise ValueError(problem)
-    return PACKED_ATTENTION_BACKENDS[name]
+    fn = PACKED_ATTENTION_BACKENDS[name]
+    return fn if window is None else functools.partial(fn, window=window)
 
 
-def get_attention(name: str) -> AttentionFn:
+def get_attention(name: str, window: int | None = None) -> AttentionFn:
+    """The kernel of backend `name` for a layer attending through `window` keys (None: full causal attention);
+    the window applies to its plain causal calls (masked calls carry theirs)."""
     try:
-        return ATTENTION_BACKENDS[name]
+        fn = ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"attention_backend={name!r} is unknown: use one of {sorted(ATTENTION_BACKENDS)}"
         ) from None
+    return fn if window is None else functools.partial(fn, window=window)

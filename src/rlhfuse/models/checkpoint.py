@@ -1,8 +1,8 @@
 """Hugging Face checkpoint directories <-> `Transformer`, through safetensors only (never pickle).
 
 Read: config.json + model.safetensors, or shards listed in model.safetensors.index.json, written by
-LlamaForCausalLM / Qwen2ForCausalLM (head "lm" or "value") or X-ForSequenceClassification with num_labels=1
-(head "value"). Written: config.json + model.safetensors that `transformers` loads with the matching class.
+<Family>ForCausalLM (head "lm" or "value") or <Family>ForSequenceClassification with num_labels=1 (head
+"value"), for the families of `rlhfuse.models.config.ARCHITECTURES` (Llama, Qwen2, Qwen3, Mistral). Written: config.json + model.safetensors that `transformers` loads with the matching class.
 """
 
 from __future__ import annotations
@@ -24,19 +24,17 @@ from torch import Tensor
 
 from rlhfuse._resources import read_json
 from rlhfuse.models.attention import AttentionBackend
-from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.config import ARCHITECTURES, SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.stages import stage_of
 from rlhfuse.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
+_CAUSAL_LM_CLASS = {name: f"{a.hf_prefix}ForCausalLM" for name, a in ARCHITECTURES.items()}
 SUPPORTED_HF_CLASSES = {
-    "LlamaForCausalLM": ("llama", "lm"),
-    "Qwen2ForCausalLM": ("qwen2", "lm"),
-    "LlamaForSequenceClassification": ("llama", "value"),
-    "Qwen2ForSequenceClassification": ("qwen2", "value"),
+    **{cls: (name, "lm") for name, cls in _CAUSAL_LM_CLASS.items()},
+    **{f"{a.hf_prefix}ForSequenceClassification": (name, "value") for name, a in ARCHITECTURES.items()},
 }
-_CAUSAL_LM_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _HF_HEAD_KEYS = {"lm": "lm_head.weight", "value": "score.weight"}
 # buffers some old checkpoints saved; they are recomputed from the config
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -1,30 +1,65 @@
-"""`ModelConfig`: the shape of one decoder-only transformer (LLaMA / Qwen2 families), and its HF mapping.
+"""`ModelConfig`: the shape of one decoder-only transformer, and its HF mapping.
 
-Hugging Face `config.json` files are read by `ModelConfig.from_hf_dict` and written by `to_hf_dict`; the
-field names follow HF where they mean the same thing, so a reader of either can find the other.
+The families (`ARCHITECTURES`, one entry per Hugging Face `model_type`) differ in a few traits of one block:
+which projections carry biases, whether q and k are RMS-normalised per head (Qwen3), and which layers attend
+through a sliding window (Mistral: all; Qwen2 / Qwen3: those `layer_types` marks). Hugging Face `config.json`
+files are read by `ModelConfig.from_hf_dict` and written by `to_hf_dict`; the field names follow HF where they
+mean the same thing, so a reader of either can find the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, AttentionBackend
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+ArchitectureName = Literal["llama", "qwen2", "qwen3", "mistral"]
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one model family's block is, past the shapes every family shares (LLaMA's: RMSNorm, RoPE, grouped-query
+    attention, SwiGLU)."""
+
+    hf_prefix: str
+    """Hugging Face class prefix: `<prefix>ForCausalLM`, `<prefix>ForSequenceClassification`."""
+    qkv_bias: Literal["always", "config"]
+    """always: q/k/v carry biases whatever config.json says (Qwen2); config: `attention_bias` decides."""
+    o_bias: bool
+    """`attention_bias` also puts a bias on o_proj (LLaMA, Qwen3; not Qwen2, whose o_proj has none)."""
+    qk_norm: bool
+    """q and k are RMS-normalised over each head's channels before RoPE (Qwen3's q_norm / k_norm)."""
+    window: Literal["none", "every_layer", "layer_types"]
+    """Which layers attend through `sliding_window`: none (LLaMA); every_layer (Mistral); layer_types: those
+    `layer_types` marks "sliding_attention" (Qwen2 / Qwen3, with `use_sliding_window`)."""
+    bias_key: bool = True
+    """config.json has an `attention_bias` key (Mistral's has none: its projections never carry biases)."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("Llama", qkv_bias="config", o_bias=True, qk_norm=False, window="none"),
+    "qwen2": Architecture("Qwen2", qkv_bias="always", o_bias=False, qk_norm=False, window="layer_types"),
+    "qwen3": Architecture("Qwen3", qkv_bias="config", o_bias=True, qk_norm=True, window="layer_types"),
+    "mistral": Architecture(
+        "Mistral", qkv_bias="config", o_bias=True, qk_norm=False, window="every_layer", bias_key=False
+    ),
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_HEADS = ("lm", "value")
 # rope types whose frequency table we compute; anything else (yarn, dynamic NTK, longrope, ...) is refused
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-_HF_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2"}
 
 
 @dataclass
 class ModelConfig:
     """Hyper-parameters of a `Transformer`. Sizes are counts (of tokens, channels, heads, layers)."""
 
-    architecture: str = "llama"
-    """Model family: "llama" or "qwen2" (Qwen2 = LLaMA with q/k/v biases)."""
+    architecture: ArchitectureName = "llama"
+    """Model family, a key of `ARCHITECTURES` (Hugging Face's model_type): llama | qwen2 (q/k/v biases) | qwen3
+    (q/k norms) | mistral (sliding-window attention)."""
     vocab_size: int = 32000
     """Number of token ids (rows of the embedding table)."""
     hidden_size: int = 4096
@@ -50,7 +85,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     """Share the LM head's weight with the input embedding table."""
     attention_bias: bool = False
-    """Biases on the q/k/v projections (always True for qwen2, whose checkpoints carry them)."""
+    """Biases on the q/k/v projections (and on o_proj where the family puts one there); always True for qwen2,
+    whose checkpoints carry them."""
+    sliding_window: int | None = None
+    """Keys a sliding-window layer attends to, itself included: query t sees keys t - sliding_window + 1 .. t
+    (counted in real tokens); None = no layer has a window."""
+    layer_types: tuple[LayerType, ...] | None = None
+    """Per layer, "full_attention" or "sliding_attention" (HF's layer_types); None = every layer the same:
+    sliding when sliding_window is set, full otherwise."""
     attention_backend: AttentionBackend = "sdpa"
     """Attention kernel: "sdpa" (torch, any device), "flash" (flash-attn), "te" (Transformer Engine); not read
     from or written to config.json (the trainer's model.attention_backend sets it when loading)."""
@@ -63,8 +105,41 @@ class ModelConfig:
     """Keys of the source config.json we do not interpret, written back unchanged by to_hf_dict."""
 
     def __post_init__(self) -> None:
-        if self.architecture == "qwen2":
+        family = ARCHITECTURES.get(self.architecture)
+        if family is not None and family.qkv_bias == "always":
             self.attention_bias = True
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+
+    @property
+    def family(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.family.o_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys it attends to, itself included), or None for full
+        attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> frozenset[int]:
+        """The distinct sliding windows of the model's layers (empty: every layer attends fully)."""
+        return frozenset(w for w in map(self.window_of, range(self.num_layers)) if w is not None)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -83,6 +158,28 @@ class ModelConfig:
             problems.append(
                 f"architecture={self.architecture!r} is not supported: use one of {SUPPORTED_ARCHITECTURES}"
             )
+        elif self.family.window == "none" and self.sliding_window is not None:
+            problems.append(
+                f"sliding_window={self.sliding_window}: architecture={self.architecture!r} has no sliding-window "
+                "layers; use mistral, qwen2 or qwen3 for windowed attention, or set it to None"
+            )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            problems.append(f"sliding_window={self.sliding_window!r} must be a positive integer or None")
+        if self.layer_types is not None:
+            unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if len(self.layer_types) != self.num_layers or unknown:
+                problems.append(
+                    f"layer_types has {len(self.layer_types)} entries{f' (unknown {unknown})' if unknown else ''}: "
+                    f"give one of {LAYER_TYPES} per layer ({self.num_layers})"
+                )
+            elif self.architecture in ARCHITECTURES and self.family.window == "every_layer":
+                if "full_attention" in self.layer_types:
+                    problems.append(
+                        f"layer_types marks full-attention layers, but {self.architecture} windows every layer: "
+                        "leave layer_types unset"
+                    )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -165,8 +262,6 @@ class ModelConfig:
             problems.append("mlp_bias=true (MLP biases are not implemented)")
         if d.get("pretraining_tp", 1) != 1:
             problems.append(f"pretraining_tp={d['pretraining_tp']} (only 1 is implemented)")
-        if d.get("use_sliding_window", False):
-            problems.append("use_sliding_window=true (sliding-window attention is not implemented)")
         if problems:
             raise ValueError("unsupported config.json settings: " + "; ".join(problems))
 
@@ -180,8 +275,10 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
             "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
             "attention_bias", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
-            "architectures", "num_labels", "id2label", "label2id", "transformers_version",
+            "architectures", "num_labels", "id2label", "label2id", "transformers_version", "use_sliding_window",
+            "sliding_window", "max_window_layers", "layer_types",
         }  # fmt: skip
+        sliding_window, layer_types = _windows_from_hf(ARCHITECTURES[model_type], d)
         num_heads = d["num_attention_heads"]
         eos: Any = d.get("eos_token_id")
         # several HF checkpoints list many eos ids; the first is the one generation stops on by default
@@ -201,6 +298,8 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", False),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
             initializer_range=d.get("initializer_range", 0.02),
             pad_token_id=d.get("pad_token_id"),
             bos_token_id=d.get("bos_token_id"),
@@ -213,7 +312,7 @@ class ModelConfig:
         XForSequenceClassification with num_labels=1 (head="value")."""
         if head not in SUPPORTED_HEADS:
             raise ValueError(f"head={head!r} is unknown: use one of {SUPPORTED_HEADS}")
-        prefix = _HF_CLASS_PREFIX[self.architecture]
+        prefix = self.family.hf_prefix
         rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope_parameters = {
@@ -247,11 +346,44 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.architecture == "llama":
+        if self.family.bias_key and self.family.qkv_bias == "config":
             d["attention_bias"] = self.attention_bias
+        if self.architecture == "llama":
             d["mlp_bias"] = False
+        if self.family.window == "every_layer":
+            d["sliding_window"] = self.sliding_window
+        elif self.family.window == "layer_types":
+            types = [
+                "full_attention" if self.window_of(i) is None else "sliding_attention"
+                for i in range(self.num_layers)
+            ]
+            d["use_sliding_window"] = self.sliding_window is not None
+            d["sliding_window"] = self.sliding_window
+            d["layer_types"] = types
+            # transformers 4.x reads this instead of layer_types: the leading full-attention layers
+            d["max_window_layers"] = next(
+                (i for i, t in enumerate(types) if t == "sliding_attention"), self.num_layers
+            )
         if head == "value":
             d["num_labels"] = 1
             d["id2label"] = {"0": "LABEL_0"}
             d["label2id"] = {"LABEL_0": 0}
         return d
+
+
+def _windows_from_hf(family: Architecture, d: dict[str, Any]) -> tuple[int | None, tuple[Any, ...] | None]:
+    """(sliding_window, layer_types) of a config.json dict, read as transformers reads it for the family."""
+    if family.window == "none":
+        return None, None
+    if family.window == "every_layer":
+        return d.get("sliding_window"), None
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    types = d.get("layer_types")
+    if types is None:
+        # transformers 4.x: layers from max_window_layers on are windowed
+        first = d.get("max_window_layers", d["num_hidden_layers"])
+        types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(d["num_hidden_layers"])
+        ]
+    return window, tuple(types)

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the LLaMA and Qwen2 families, with an LM head or a scalar value head.
+"""One decoder-only transformer for the LLaMA, Qwen2, Qwen3 and Mistral families (`rlhfuse.models.config.
+ARCHITECTURES`), with an LM head or a scalar value head.
 
 Legend: B batch rows, T new tokens per row, S key positions attended over, D model width (hidden_size),
 H query heads, K kv heads, E head channels (head_dim), V vocabulary, F MLP width (intermediate_size).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -45,8 +46,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        # normalise in fp32 (bf16 mean squares lose too much), scale in the input dtype, as LLaMA does
-        normed_BTD = F.rms_norm(x_BTD.float(), (x_BTD.shape[-1],), eps=self.eps)
+        # normalise in fp32 at least (bf16 mean squares lose too much; float64 stays float64), scale in the
+        # input dtype, as LLaMA does
+        wide_BTD = x_BTD.to(torch.promote_types(x_BTD.dtype, torch.float32))
+        normed_BTD = F.rms_norm(wide_BTD, (x_BTD.shape[-1],), eps=self.eps)
         return self.weight * normed_BTD.to(x_BTD.dtype)
 
 
@@ -88,6 +91,9 @@ class AttentionContext:
     sin_BTe: Tensor
     allowed_B1TS: Tensor | None
     """True where query t may attend to key s; None = causal over the T new tokens, no padding (fast path)."""
+    windowed_B1TS: dict[int, Tensor] = field(default_factory=dict)
+    """Per sliding window w of the model's layers, allowed_B1TS narrowed to the last w real tokens (set when
+    allowed_B1TS is; a plain causal call leaves the window to the kernel)."""
     cache: KVCache | None = None
     call: CacheCall | None = None
     """The call's cache addressing (slots, write positions, positions read back), made on the host."""
@@ -97,6 +103,24 @@ class AttentionContext:
     """Recompute the attention kernel and the MLP in backward (activation_checkpointing="selective")."""
     packed: PackedSequences | None = None
     """Set for packed sequences: the call's one row [1, N] is the stream of N tokens of packed.batch sequences."""
+
+    def allowed_for(self, window: int | None) -> Tensor | None:
+        """The mask of a layer attending through `window` keys (None: full attention)."""
+        if window is None or self.allowed_B1TS is None:
+            return self.allowed_B1TS
+        return self.windowed_B1TS[window]
+
+
+def _windowed(
+    config: ModelConfig, allowed_BTS: Tensor, query_index_BT: Tensor, key_index_BS: Tensor
+) -> dict[int, Tensor]:
+    """allowed_BTS narrowed to each of the model's sliding windows, [B, 1, T, S] each. The indices count real
+    tokens (the n-th real token of a row has index n - 1), so padding between tokens does not shorten a window:
+    query t keeps the keys fewer than w real tokens behind it."""
+    if not config.windows:
+        return {}
+    distance_BTS = query_index_BT[:, :, None] - key_index_BS[:, None, :]
+    return {w: (allowed_BTS & (distance_BTS < w))[:, None] for w in config.windows}
 
 
 def packed_context(config: ModelConfig, packed: PackedSequences, dtype: torch.dtype) -> AttentionContext:
@@ -154,7 +178,10 @@ def _uncached_context(
         causal_TT = t_T[:, None] >= t_T[None, :]
         # the diagonal keeps pad query rows from having no key at all (NaN softmax); real rows include it anyway
         eye_TT = torch.eye(num_tokens, dtype=torch.bool, device=device)
-        allowed_B1TS = ((causal_TT & valid_BT[:, None, :]) | eye_TT)[:, None]
+        allowed_BTS = (causal_TT & valid_BT[:, None, :]) | eye_TT
+        index_BT = valid_BT.long().cumsum(-1) - 1
+        windowed = _windowed(config, allowed_BTS, index_BT, index_BT)
+        return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_BTS[:, None], windowed)
     return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_B1TS)
 
 
@@ -187,9 +214,12 @@ def _cached_context(
     not_future_BTS = s_S[None, None, :] <= write_pos_BT[:, :, None]
     is_self_BTS = s_S[None, None, :] == write_pos_BT[:, :, None]
     allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
+    key_index_BS = key_valid_BS.long().cumsum(-1) - 1
+    windowed = _windowed(config, allowed_BTS, key_index_BS.gather(1, write_pos_BT), key_index_BS)
     return AttentionContext(
         *_rope_tables(config, position_ids_BT, dtype),
         allowed_B1TS=allowed_BTS[:, None],
+        windowed_B1TS=windowed,
         cache=cache,
         call=call,
         valid_BT=valid_BT,
@@ -221,13 +251,20 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.resolved_head_dim
-        d, e, bias = config.hidden_size, self.head_dim, config.attention_bias
+        d, e, bias = config.hidden_size, self.head_dim, config.qkv_bias
         self.q_proj = nn.Linear(d, self.num_heads * e, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
-        # LLaMA's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
-        self.o_proj = nn.Linear(self.num_heads * e, d, bias=bias and config.architecture == "llama")
-        self.attend = get_attention(config.attention_backend)
+        # LLaMA's and Qwen3's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
+        self.o_proj = nn.Linear(self.num_heads * e, d, bias=config.o_bias)
+        if config.qk_norm:
+            # Qwen3: each head's q and k RMS-normalised over its E channels (one weight shared by the heads)
+            self.q_norm = RMSNorm(e, config.rms_norm_eps)
+            self.k_norm = RMSNorm(e, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.window = config.window_of(layer_idx)
+        """Keys this layer attends to (a sliding window), or None for full causal attention."""
+        self.attend = get_attention(config.attention_backend, self.window)
         self.backend = config.attention_backend
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
@@ -235,12 +272,14 @@ class Attention(nn.Module):
         q_BTHE = self.q_proj(x_BTD).view(b, t, self.num_heads, self.head_dim)
         k_BTKE = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
         v_BTKE = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         cos_BT1e, sin_BT1e = ctx.cos_BTe[:, :, None], ctx.sin_BTe[:, :, None]
         q_BTHE = apply_rope(q_BTHE, cos_BT1e, sin_BT1e)
         k_BTKE = apply_rope(k_BTKE, cos_BT1e, sin_BT1e)
         if ctx.packed is not None:
             # packed stream: B = 1 row of N tokens, attention per sequence of the stream
-            attend_packed = get_packed_attention(self.backend)
+            attend_packed = get_packed_attention(self.backend, self.window)
             if ctx.selective:
                 out_NHE = _recompute(attend_packed, q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
             else:
@@ -254,10 +293,11 @@ class Attention(nn.Module):
             ctx.cache.store(self.layer_idx, ctx.call, k_BTKE, v_BTKE)
             k_BKSE, v_BKSE = ctx.cache.keys_values(self.layer_idx, ctx.call)
             k_BKSE, v_BKSE = k_BKSE.to(q_BHTE.dtype), v_BKSE.to(q_BHTE.dtype)
+        allowed_B1TS = ctx.allowed_for(self.window)
         if ctx.selective:
-            out_BHTE = _recompute(self.attend, q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+            out_BHTE = _recompute(self.attend, q_BHTE, k_BKSE, v_BKSE, allowed_B1TS)
         else:
-            out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, ctx.allowed_B1TS)
+            out_BHTE = self.attend(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS)
         return self.o_proj(out_BHTE.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

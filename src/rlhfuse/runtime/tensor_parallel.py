@@ -10,7 +10,9 @@ sliced in place, so the forward code is the one of `rlhfuse.models`).
 - embedding and LM head vocabulary-parallel: rank r holds rows [r * V_p / tp, (r + 1) * V_p / tp) of the
   vocabulary padded to V_p, a multiple of tp (padded rows are zero and their logits are masked to -inf, so they
   are never sampled and carry no probability); the LM head returns this rank's slice of the logits only;
-- norms and the value head replicated (the value head reads the replicated final hidden state).
+- norms and the value head replicated (the value head reads the replicated final hidden state); Qwen3's per-head
+  q / k norms too, but they see this rank's heads only, so each rank's gradient is a partial sum over its heads
+  (`HeadParallelRMSNorm`, summed over the group by `sync_replicated_grads`).
 
 The vocabulary-parallel read-outs (`vocab_parallel_logprobs`, `vocab_parallel_entropy`, `vocab_parallel_argmax`)
 never gather the full logits: one max, one sum and one chosen-logit reduction over the group.
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 
 from rlhfuse import distributed
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.models.transformer import RMSNorm
 
 
 def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
@@ -94,11 +97,25 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(distributed.copy_to_group(x, self.group), self.weight, self.bias)
 
 
+class HeadParallelRMSNorm(RMSNorm):
+    """A per-head RMSNorm (Qwen3's q_norm / k_norm) applied to this rank's heads: the weight is the same on every
+    rank, its gradient a partial sum over this rank's heads until `sync_replicated_grads` sums it over the group."""
+
+    @classmethod
+    def of(cls, full: RMSNorm) -> HeadParallelRMSNorm:
+        norm = cls(int(full.weight.shape[0]), full.eps)
+        norm.weight = nn.Parameter(full.weight.detach().clone(), requires_grad=full.weight.requires_grad)
+        return norm
+
+
 def sync_replicated_grads(model: nn.Module, group: Any = None) -> None:
     """Sum the gradients of replicated kv heads over the ranks sharing each head (one all-reduce per tensor:
-    every rank writes its gradient into its head's slot of a zero buffer). Call after backward, before the
-    optimizer step; a no-op when every kv head is split."""
+    every rank writes its gradient into its head's slot of a zero buffer), and the per-head norms' partial
+    gradients over the group. Call after backward, before the optimizer step; a no-op when every kv head is
+    split and no layer normalises its heads."""
     for module in model.modules():
+        if isinstance(module, HeadParallelRMSNorm) and module.weight.grad is not None:
+            distributed.all_reduce(module.weight.grad, group=group)
         if isinstance(module, ColumnParallelLinear) and module.replicated is not None:
             head, heads = module.replicated
             for p in (module.weight, module.bias):
@@ -209,6 +226,11 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
             for proj in (attn.k_proj, attn.v_proj):
                 proj.replicated = (first_kv(rank), cfg.num_kv_heads)
         attn.o_proj = row(attn.o_proj, q_spans)
+        if attn.qk_norm:
+            attn.q_norm, attn.k_norm = (
+                HeadParallelRMSNorm.of(attn.q_norm),
+                HeadParallelRMSNorm.of(attn.k_norm),
+            )
         attn.num_heads, attn.num_kv_heads = h, k
         mlp: Any = layer.mlp
         mlp.gate_proj = column(mlp.gate_proj, f_spans)
