@@ -16,10 +16,10 @@ PROMPTS = {7: [1, 5, 6, 7, 8], 11: [1, 9], 3: [1, 10, 11, 12], 4: [1, 13, 5]}
 N_SAMPLES, SEED, MAX_NEW = 3, 5, 12
 
 
-def _model(seed=0):
+def _model(seed=0, **overrides):
     torch.manual_seed(seed)
     config = ModelConfig.tiny(
-        vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, **overrides
     )
     return Transformer(config, head="lm").eval()
 
@@ -95,6 +95,32 @@ def test_engine_equals_plain_step_by_step_sampling(prefix_sharing, num_slots, sa
     assert len(lengths) > 2  # responses end at different steps: samples leave and (with 5 slots) others join
     if sampling == "sampled":
         assert len({tuple(t) for t in got.values()}) > 8  # samples of one prompt differ
+
+
+@pytest.mark.parametrize("prefix_sharing", [True, False])
+def test_a_sliding_window_engine_equals_plain_step_by_step_sampling(prefix_sharing):
+    """Qwen3 with a window of 3 keys on its second layer: cached decoding, shared prompt blocks and slots reused
+    mid-run give the tokens of full recomputation, long past the window."""
+    params = _params(**SAMPLED)
+    windowed = dict(sliding_window=3, layer_types=("full_attention", "sliding_attention"))
+    model = _model(architecture="qwen3", **windowed)
+    ids = [7, 11, 3, 4]
+    engine = GenerationEngine(model, params, num_slots=5, max_len=5 + MAX_NEW, prefix_sharing=prefix_sharing)
+    got, _ = _run_engine(engine, ids)
+    assert got == _reference(model, params, ids)
+    assert max(len(t) for t in got.values()) > 3 * 3
+
+
+def test_vllm_refuses_a_window_on_some_layers_only_before_any_engine():
+    from rlhfuse.generation.vllm_engine import check_vllm_supported
+
+    windowed = dict(sliding_window=3, layer_types=("full_attention", "sliding_attention"))
+    config = ModelConfig.tiny(architecture="qwen3", head_dim=32, **windowed)
+    with pytest.raises(
+        ValueError, match=r"1 of the model's 2 layers attend through a sliding window.*generator=engine"
+    ):
+        check_vllm_supported(config, "cpu")
+    check_vllm_supported(ModelConfig.tiny(architecture="mistral", head_dim=32, sliding_window=3), "cpu")
 
 
 def test_engine_equals_sampling_generator_and_reuses_freed_slots():

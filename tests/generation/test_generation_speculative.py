@@ -15,10 +15,10 @@ from rlhfuse.models import ModelConfig, Transformer
 EOS, PAD, MAX_NEW, VOCAB = 2, 0, 24, 24
 
 
-def _model(seed=0, sharpen=1.0):
+def _model(seed=0, sharpen=1.0, **overrides):
     torch.manual_seed(seed)
     config = ModelConfig.tiny(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, **overrides
     )
     model = Transformer(config, head="lm").double().eval()
     with torch.no_grad():  # peakier next-token laws: a random model then repeats itself, as a warm one does
@@ -85,6 +85,19 @@ def test_speculation_with_migration_gives_the_tokens_of_one_plain_instance(mecha
     assert spec == plain
     assert coordinator.report.samples_moved > 0 and coordinator.report.mechanism == mechanism
     assert sum(e.stats.spec_accepted for e in engines) > 0
+
+
+@pytest.mark.parametrize("mechanism", ["kv", "reprefill"])
+def test_speculation_and_migration_keep_a_sliding_windows_tokens(mechanism):
+    """Mistral with a window of 4 keys: verify steps of k + 1 positions and migrated slots (their cache, or a
+    re-prefill) attend through the same window as plain decoding."""
+    model = _model(sharpen=40.0, architecture="mistral", sliding_window=4)
+    plain, _ = _generate([_engine(model, SAMPLED, "off")])
+    engines = [_engine(model, SAMPLED, "ngram", num_slots=6) for _ in range(3)]
+    spec, coordinator = _generate(engines, threshold=8, mechanism=mechanism)
+    assert spec == plain
+    assert coordinator.report.samples_moved > 0 and sum(e.stats.spec_accepted for e in engines) > 0
+    assert max(len(t) for t in plain.values()) > 2 * 4
 
 
 def test_group_index_drafts_what_followed_the_longest_suffix_in_a_sibling():

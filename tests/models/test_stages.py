@@ -19,10 +19,19 @@ def chain(stages, input_ids_BT, mask_BT):
     return x
 
 
-@pytest.mark.parametrize("head,checkpointed", [("lm", False), ("value", False), ("lm", True)])
-def test_chained_stages_equal_model_outputs_and_gradients(head, checkpointed):
+# Qwen3 with q/k norms and windows of 2 keys on layers 1 and 3: each stage builds its windowed masks itself
+QWEN3_WINDOWED = dict(
+    architecture="qwen3", sliding_window=2, layer_types=("full_attention", "sliding_attention") * 2
+)
+
+
+@pytest.mark.parametrize(
+    "head,checkpointed,family",
+    [("lm", False, {}), ("value", False, {}), ("lm", True, {}), ("lm", "selective", QWEN3_WINDOWED)],
+)
+def test_chained_stages_equal_model_outputs_and_gradients(head, checkpointed, family):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig.tiny(num_layers=4), head=head)
+    model = Transformer(ModelConfig.tiny(num_layers=4, **family), head=head)
     input_ids_BT = torch.randint(0, 128, (2, 6))
     mask_BT = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     stages = split_stages(model, 3)
@@ -39,7 +48,7 @@ def test_chained_stages_equal_model_outputs_and_gradients(head, checkpointed):
     got = chain(stages, input_ids_BT, mask_BT)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     got.square().sum().backward()
-    assert len(calls) == (2 if checkpointed else 1), "checkpointed layers run again in backward"
+    assert len(calls) == (2 if checkpointed is True else 1), "checkpointed layers run again in backward"
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], atol=0, rtol=0, msg=name)
 

@@ -22,28 +22,48 @@ class ChatCheckpoint:
     end_id: int  # generation_config.json's second eos id
 
 
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
 @pytest.fixture
-def chat_checkpoint(tmp_path) -> ChatCheckpoint:
-    """transformers' LlamaForCausalLM (1 layer, hidden 32) saved with a word-level tokenizer and CHAT_TEMPLATE."""
+def chat_checkpoint_of(tmp_path):
+    """A factory: transformers' <family>ForCausalLM (1 layer, hidden 32 unless `overrides` say otherwise) saved
+    with a word-level tokenizer and CHAT_TEMPLATE in tmp_path/<family>."""
     transformers = pytest.importorskip("transformers")
-    tok = Tokenizer.from_words(CHAT_WORDS)
-    tok.chat_template = CHAT_TEMPLATE
-    end = tok.token_to_id("<|end|>")
-    sft = tmp_path / "sft"
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_id,
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(sft)
-    tok.save(sft)
-    (sft / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
-    return ChatCheckpoint(sft, tok, end)
+
+    def make(family: str = "llama", **overrides) -> ChatCheckpoint:
+        tok = Tokenizer.from_words(CHAT_WORDS)
+        tok.chat_template = CHAT_TEMPLATE
+        end = tok.token_to_id("<|end|>")
+        sft = tmp_path / family
+        config_class, model_class = (getattr(transformers, name) for name in FAMILY_CLASSES[family])
+        shape = dict(
+            vocab_size=tok.vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            pad_token_id=tok.pad_id,
+            bos_token_id=tok.bos_id,
+            eos_token_id=tok.eos_id,
+        )
+        model_class(config_class(**(shape | overrides))).save_pretrained(sft)
+        tok.save(sft)
+        (sft / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
+        return ChatCheckpoint(sft, tok, end)
+
+    return make
+
+
+@pytest.fixture
+def chat_checkpoint(chat_checkpoint_of) -> ChatCheckpoint:
+    """transformers' LlamaForCausalLM (1 layer, hidden 32) saved with a word-level tokenizer and CHAT_TEMPLATE."""
+    return chat_checkpoint_of("llama")

@@ -62,7 +62,9 @@ from rlhfuse.models.checkpoint import hf_named_tensors
 
 # vLLM's CPU attention backend (0.32) computes only these head sizes.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# the families whose vLLM model classes the tests hold greedy-equal to rlhfuse's engine (tests/generation/
+# test_generation_vllm.py)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> None:
@@ -72,6 +74,12 @@ def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> Non
     if config.architecture not in SUPPORTED_ARCHITECTURES:
         problems.append(
             f"model.architecture={config.architecture!r}: generator=vllm supports {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    windowed = sum(config.window_of(i) is not None for i in range(config.num_layers))
+    if 0 < windowed < config.num_layers:
+        problems.append(
+            f"{windowed} of the model's {config.num_layers} layers attend through a sliding window: vLLM windows "
+            "every layer or none (its Qwen2 / Qwen3 classes refuse max_window_layers > 0); use generator=engine"
         )
     head_dim = config.head_dim or config.hidden_size // config.num_heads
     if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:

@@ -218,8 +218,8 @@ class ModelSpec:
             vocab=config.vocab_size,
             kv_heads=config.num_kv_heads,
             head_size=getattr(config, "resolved_head_dim", None),
-            qkv_bias=bias or getattr(config, "architecture", "llama") == "qwen2",
-            o_bias=bias and getattr(config, "architecture", "llama") == "llama",
+            qkv_bias=bool(getattr(config, "qkv_bias", bias)),
+            o_bias=bool(getattr(config, "o_bias", bias)),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
 

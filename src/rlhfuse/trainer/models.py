@@ -20,6 +20,7 @@ from rlhfuse.core.config import choice_problems, need
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, from_pretrained, to_device
 from rlhfuse.models.attention import AttentionBackend
+from rlhfuse.models.config import ARCHITECTURES, ArchitectureName
 from rlhfuse.models.convert import real_model_dir
 
 
@@ -49,8 +50,12 @@ class ModelsConfig:
     critic_path: str | None = None
     # Folder holding tokenizer.json (null = sft_path, or the embedded word-level tokenizer).
     tokenizer_path: str | None = None
-    # Architecture of the embedded tiny model (ignored when loading checkpoints): llama | qwen2.
-    architecture: Literal["llama", "qwen2"] = "llama"
+    # Architecture of the embedded tiny model (ignored when loading checkpoints): llama | qwen2 | qwen3 (q/k norms)
+    # | mistral.
+    architecture: ArchitectureName = "llama"
+    # The embedded model's sliding window (keys each layer attends to, itself included; mistral, qwen2 and qwen3
+    # only), null = full attention. A checkpoint's own window comes from its config.json.
+    sliding_window: int | None = None
     hidden_size: int = 64
     intermediate_size: int = 192
     num_layers: int = 2
@@ -78,6 +83,18 @@ class ModelsConfig:
             value = getattr(self, key)
             need(problems, value >= 0, f"model.{key}={value} must be >= 0 (0 = the Actor's)")
         need(problems, self.sft_path is not None or self.reward_path is None, self.paths_problem())
+        window = self.sliding_window
+        need(
+            problems,
+            window is None or (isinstance(window, int) and window > 0),
+            f"model.sliding_window={window!r} must be a positive number of keys, or null for full attention",
+        )
+        need(
+            problems,
+            window is None or ARCHITECTURES[self.architecture].window != "none",
+            f"model.sliding_window={window}: model.architecture={self.architecture} has no sliding-window layers; "
+            "use mistral, qwen2 or qwen3, or set model.sliding_window=null",
+        )
         return problems
 
     def paths_problem(self) -> str:

@@ -268,6 +268,7 @@ def _model_shape(cfg: RLHFConfig, problems: list[str]) -> tuple[ModelConfig | No
         positions = EMBEDDED_PROMPT_POSITIONS + cfg.generator.sampling.max_new_tokens
         shape = ModelConfig(
             architecture=m.architecture,
+            sliding_window=m.sliding_window,
             hidden_size=m.hidden_size,
             num_layers=m.num_layers,
             num_heads=m.num_heads,

@@ -54,6 +54,7 @@ def tiny_model_config(
     """The embedded Actor's shape, or with `reward` the Reward model's (model.reward_* where set)."""
     return ModelConfig.tiny(
         architecture=config.architecture,
+        sliding_window=config.sliding_window,
         vocab_size=tokenizer.vocab_size,
         hidden_size=(reward and config.reward_hidden_size) or config.hidden_size,
         intermediate_size=(reward and config.reward_intermediate_size) or config.intermediate_size,

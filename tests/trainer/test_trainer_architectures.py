@@ -1,0 +1,75 @@
+"""Checkpoints of the families past LLaMA, made with transformers' own classes (random weights), train GRPO from
+the CLI's `experiment=hf_local` and export an `actor_hf/` folder transformers loads with the family's class."""
+
+import json
+
+import pytest
+import torch
+
+from rlhfuse.models import from_pretrained
+from rlhfuse.trainer import build_trainer, compose_config
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "qwen3": {"head_dim": 16},
+    # the prompt and response (~12 tokens) run past the window: the windowed mask is exercised in training,
+    # inference and generation
+    "mistral": {"sliding_window": 4},
+    "qwen2": {
+        "num_hidden_layers": 2,
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 1,
+    },
+}
+
+
+def distinct_tokens(samples):
+    """A score that differs between a random model's samples: the share of distinct tokens in the response."""
+    return [len(set(s.response_ids)) / max(len(s.response_ids), 1) for s in samples]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_family_checkpoint_trains_grpo_and_exports(tmp_path, chat_checkpoint_of, family):
+    sft = chat_checkpoint_of(family, **FAMILIES[family]).path
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "7 + 5 ="}], "answer": "12"}] * 2
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config(
+        [
+            "experiment=hf_local",
+            "algorithm=grpo",
+            f"model.sft_path={sft}",
+            f"data.path={prompts}",
+            "data.max_prompt_length=16",
+            "data.prompts_per_iteration=2",
+            "data.samples_per_prompt=2",
+            "data.mini_batch_size=4",
+            "data.micro_batch_size=2",
+            "inferencer.use_reward_model=false",
+            "generator.max_new_tokens=8",
+            "checkpoint.export_hf=true",
+            "iterations=2",
+            "logger=quiet",
+        ]
+    )
+    cfg.inferencer.reward_fn = distinct_tokens
+    trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
+    rows_out = trainer.fit()
+    assert len(rows_out) == 2 and all(r["actor/grad_norm"] > 0 for r in rows_out)
+    folder = tmp_path / "run" / "actor_hf"
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert (
+        type(hf_model).__name__
+        == {"qwen3": "Qwen3", "mistral": "Mistral", "qwen2": "Qwen2"}[family] + "ForCausalLM"
+    )
+    exported = from_pretrained(folder).eval()
+    assert exported.config.architecture == family
+    assert exported.config.windows == ({4} if "sliding_window" in FAMILIES[family] else set())
+    trained = {n: p for n, p in exported.named_parameters()}
+    start = dict(from_pretrained(sft).named_parameters())
+    assert any(not torch.equal(trained[n], start[n]) for n in start), "two GRPO iterations moved the weights"
+    ids_BT = torch.randint(0, exported.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids_BT), hf_model(ids_BT).logits, atol=1e-5, rtol=0)
