@@ -125,12 +125,14 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
         dict(architecture="qwen3"),
         dict(architecture="qwen3", sliding_window=8),
         dict(architecture="mistral", sliding_window=8),
+        dict(architecture="phi3", sliding_window=8),
     ],
-    ids=["qwen3", "qwen3_window", "mistral_window"],
+    ids=["qwen3", "qwen3_window", "mistral_window", "phi3_window"],
 )
 def test_greedy_equals_rlhfuse_engine_for_each_family(model, family):
-    """vLLM's own Qwen3 and Mistral classes, loaded from our export, give the tokens of rlhfuse's engine; with
-    a window of 8 keys, prompts and responses (up to 11 + 24 tokens) run past it."""
+    """vLLM's own Qwen3, Mistral and Phi-3 classes, loaded from our export (Phi-3's fused weights joined), give
+    the tokens of rlhfuse's engine, before and after a weight sync; with a window of 8 keys, prompts and responses
+    (up to 11 + 24 tokens) run past it."""
     torch.manual_seed(3)
     config = dataclasses.replace(model.config, **family).validate()
     actor = Transformer(config).eval().requires_grad_(False)
@@ -143,6 +145,13 @@ def test_greedy_equals_rlhfuse_engine_for_each_family(model, family):
         expected = _engine_tokens(actor, prompts, 2)
         assert _rows(rollout) == expected
         assert max(len(t) for t in expected) > 8
+        trained = Transformer(config).eval().requires_grad_(False)
+        with torch.no_grad():
+            for mine, theirs in zip(trained.parameters(), actor.parameters(), strict=True):
+                mine.copy_(theirs + 0.3 * torch.randn_like(theirs))
+        generator.load_weights(trained.state_dict())
+        (after,) = generator.generate(prompts, iteration=0)
+        assert _rows(after) == _engine_tokens(trained, prompts, 2) != expected
     finally:
         generator.close()
 

@@ -1,6 +1,7 @@
 """The families past LLaMA against `transformers`, in float64: Qwen3 (q/k norms), Mistral (a sliding window on
-every layer), Qwen2 and Qwen3 with windowed layers after full ones; plain, left-padded, packed and KV-cached
-calls, inputs longer than the window and than max_position_embeddings, and the export transformers loads.
+every layer), Qwen2 and Qwen3 with windowed layers after full ones, Phi-3 (fused qkv and gate_up weights, a
+window, partial rotary), Llama with YaRN; plain, left-padded, packed and KV-cached calls, inputs longer than the
+window and than max_position_embeddings, and the export transformers loads.
 
 Legend: B batch rows, T tokens, V vocabulary, D width.
 """
@@ -51,7 +52,36 @@ def _qwen2_windowed():
     return transformers.Qwen2ForCausalLM(config)
 
 
+def _phi3():
+    return transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(**SMALL, sliding_window=WINDOW, pad_token_id=0)
+    )
+
+
+def _phi3_partial_rotary():
+    return transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(**SMALL, partial_rotary_factor=0.5, pad_token_id=0)
+    )
+
+
+def _llama_yarn():
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, rope_parameters=rope))
+
+
+def _qwen3_yarn_deepseek_mscale():
+    rope = {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+    }  # fmt: skip
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, rope_parameters=rope))
+
+
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
+    "phi3_window": _phi3,
+    "phi3_partial_rotary": _phi3_partial_rotary,
+    "llama_yarn": _llama_yarn,
+    "qwen3_yarn": _qwen3_yarn_deepseek_mscale,
     "qwen3": _qwen3,
     "qwen3_window": _qwen3_windowed,
     "qwen3_bias": _qwen3_bias,
@@ -94,7 +124,7 @@ def test_the_config_reads_as_transformers_does(family):
     hf = hf_model.config
     assert model.config.architecture == hf.model_type
     expected = [getattr(layer.self_attn, "sliding_window", None) or None for layer in hf_model.model.layers]
-    if hf.model_type == "mistral":  # Mistral's attention reads the window off the config
+    if hf.model_type in ("mistral", "phi3"):  # their attention reads the window off the config
         expected = [hf.sliding_window] * hf.num_hidden_layers
     assert [model.config.window_of(i) for i in range(model.config.num_layers)] == expected
     assert model.config.qk_norm == (hf.model_type == "qwen3")
@@ -183,9 +213,9 @@ def test_the_export_loads_in_transformers_and_back(family, tmp_path, head):
     exact_norms_(loaded)
     suffix = "ForCausalLM" if head == "lm" else "ForSequenceClassification"
     assert type(loaded).__name__ == type(hf_model).__name__.replace("ForCausalLM", suffix)
-    if hf_model.config.model_type != "mistral":  # Mistral's config has no layer_types
-        assert loaded.config.layer_types == hf_model.config.layer_types
-    assert loaded.config.sliding_window == hf_model.config.sliding_window
+    assert getattr(loaded.config, "layer_types", None) == getattr(hf_model.config, "layer_types", None)
+    assert loaded.config.rope_parameters == hf_model.config.rope_parameters
+    assert getattr(loaded.config, "sliding_window", None) == getattr(hf_model.config, "sliding_window", None)
     ids_BT = torch.randint(0, 128, (2, LONG), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         if head == "lm":

@@ -95,8 +95,11 @@ def test_config_validation_collects_every_problem():
 
 def test_unsupported_rope_scaling_is_refused():
     hf = ModelConfig.tiny().to_hf_dict("lm")
+    hf["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(ValueError, match=r"rope_scaling type 'longrope' is not supported"):
+        ModelConfig.from_hf_dict(hf)
     hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
-    with pytest.raises(ValueError, match=r"rope_scaling type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match=r"of type 'yarn' needs 'original_max_position_embeddings'"):
         ModelConfig.from_hf_dict(hf)
 
 

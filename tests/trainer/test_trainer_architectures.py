@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlhfuse.models import from_pretrained
+from rlhfuse.models.config import ARCHITECTURES
 from rlhfuse.trainer import build_trainer, compose_config
 
 transformers = pytest.importorskip("transformers")
@@ -22,6 +23,8 @@ FAMILIES = {
         "sliding_window": 4,
         "max_window_layers": 1,
     },
+    # fused qkv / gate_up weights split on load and joined on export; half the channels rotated
+    "phi3": {"partial_rotary_factor": 0.5, "head_dim": 16},
 }
 
 
@@ -60,10 +63,7 @@ def test_a_family_checkpoint_trains_grpo_and_exports(tmp_path, chat_checkpoint_o
     assert len(rows_out) == 2 and all(r["actor/grad_norm"] > 0 for r in rows_out)
     folder = tmp_path / "run" / "actor_hf"
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert (
-        type(hf_model).__name__
-        == {"qwen3": "Qwen3", "mistral": "Mistral", "qwen2": "Qwen2"}[family] + "ForCausalLM"
-    )
+    assert type(hf_model).__name__ == f"{ARCHITECTURES[family].hf_prefix}ForCausalLM"
     exported = from_pretrained(folder).eval()
     assert exported.config.architecture == family
     assert exported.config.windows == ({4} if "sliding_window" in FAMILIES[family] else set())

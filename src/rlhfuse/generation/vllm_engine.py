@@ -64,7 +64,7 @@ from rlhfuse.models.checkpoint import hf_named_tensors
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # the families whose vLLM model classes the tests hold greedy-equal to rlhfuse's engine (tests/generation/
 # test_generation_vllm.py)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> None:
@@ -445,7 +445,7 @@ class VLLMGenerator:
         return []
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        named = hf_named_tensors(named_tensors, tie_word_embeddings=self.actor_config.tie_word_embeddings)
+        named = hf_named_tensors(named_tensors, self.actor_config)
         for instance in self.instances:
             instance.load_weights(named)
         if not self.instances:  # not built yet: they will start from the new weights

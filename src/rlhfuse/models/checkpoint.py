@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +53,36 @@ def _hf_key(name: str) -> str:
     return f"model.{name}"
 
 
-def hf_named_tensors(
-    named_tensors: Mapping[str, Tensor], *, tie_word_embeddings: bool = False
-) -> list[tuple[str, Tensor]]:
-    """(HF checkpoint key, tensor) for a `Transformer` state dict, e.g. for an inference engine's weight reload;
-    a tied LM head is left out (the checkpoint stores the embedding table once)."""
+# Phi-3's fused projections: the checkpoint's module -> ours, stacked along the output rows in this order
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def hf_layout(config: ModelConfig, names: Iterable[str]) -> dict[str, list[str]]:
+    """HF checkpoint key -> the parameter names it holds: one, or for a family that fuses projections
+    (`Architecture.fused`) the parts of a fused one, in their order along its rows."""
+    out: dict[str, list[str]] = {}
+    rank: dict[str, int] = {}
+    for name in names:
+        key = _hf_key(name)
+        if config.family.fused:
+            for fused, parts in _FUSED.items():
+                for i, part in enumerate(parts):
+                    if f".{part}." in f".{name}":  # layers.3.self_attn.q_proj.weight -> ...qkv_proj.weight
+                        key, rank[name] = _hf_key(name.replace(part, fused)), i
+        out.setdefault(key, []).append(name)
+    return {key: sorted(group, key=lambda n: rank.get(n, 0)) for key, group in out.items()}
+
+
+def hf_named_tensors(named_tensors: Mapping[str, Tensor], config: ModelConfig) -> list[tuple[str, Tensor]]:
+    """(HF checkpoint key, tensor) for a `Transformer` state dict, e.g. for an inference engine's weight reload:
+    fused projections joined (Phi-3), a tied LM head left out (the checkpoint stores the embedding table once)."""
     return [
-        (_hf_key(name), tensor)
-        for name, tensor in named_tensors.items()
-        if not (tie_word_embeddings and name == "lm_head.weight")
+        (key, named_tensors[names[0]] if len(names) == 1 else torch.cat([named_tensors[n] for n in names]))
+        for key, names in hf_layout(config, named_tensors).items()
+        if not (config.tie_word_embeddings and names == ["lm_head.weight"])
     ]
 
 
@@ -167,7 +188,7 @@ def from_pretrained(
     with torch.device("meta"):
         model = Transformer(config, head=head)
     files = _tensor_files(path)
-    expected = {_hf_key(name): name for name, _ in model.named_parameters()}
+    expected = hf_layout(config, (name for name, _ in model.named_parameters()))
     fresh_value_head = head == "value" and file_head == "lm"
     if fresh_value_head:
         del expected[_HF_HEAD_KEYS["value"]]
@@ -199,7 +220,7 @@ def from_pretrained(
             for name, _ in model.named_parameters()
             if stage_of(name, config.num_layers, num_stages) in held
         }
-        expected = {key: name for key, name in expected.items() if name in held_names}
+        expected = {key: names for key, names in expected.items() if set(names) <= held_names}
     shapes = {name: p.shape for name, p in model.named_parameters()}
     state: dict[str, Tensor] = {}
     by_file: dict[Path, list[str]] = {}
@@ -215,13 +236,16 @@ def from_pretrained(
                         f"{file}: tensor {key!r} cannot be read ({err}): the file is truncated or corrupt; "
                         "copy it again"
                     ) from None
-                name = expected[key]
-                if tensor.shape != shapes[name]:
+                names = expected[key]
+                rows = [shapes[n][0] for n in names]
+                implied = (sum(rows), *shapes[names[0]][1:])
+                if tuple(tensor.shape) != implied:
                     raise CheckpointError(
                         f"{file}: tensor {key!r} has shape {tuple(tensor.shape)} but config.json implies "
-                        f"{tuple(shapes[name])}; the config and the weights disagree (wrong config.json?)"
+                        f"{implied}; the config and the weights disagree (wrong config.json?)"
                     )
-                state[name] = tensor.to(dtype)
+                for name, part in zip(names, tensor.split(rows), strict=True):
+                    state[name] = part.to(dtype)
     if held_names is None:
         model = model.to_empty(device="cpu").to(dtype)
     else:
@@ -256,7 +280,7 @@ def save_pretrained(model: Transformer, path: str | os.PathLike) -> None:
     # transformers 5 reads "dtype", 4.x "torch_dtype"
     hf["dtype"] = hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     named = {n: p for n, p in model.named_parameters() if not model._is_tied(n)}
-    tensors = {key: t.detach().contiguous().cpu() for key, t in hf_named_tensors(named)}
+    tensors = {key: t.detach().contiguous().cpu() for key, t in hf_named_tensors(named, model.config)}
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

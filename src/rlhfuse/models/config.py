@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, AttentionBackend
 
-ArchitectureName = Literal["llama", "qwen2", "qwen3", "mistral"]
+ArchitectureName = Literal["llama", "qwen2", "qwen3", "mistral", "phi3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
@@ -36,7 +36,10 @@ class Architecture:
     """Which layers attend through `sliding_window`: none (LLaMA); every_layer (Mistral); layer_types: those
     `layer_types` marks "sliding_attention" (Qwen2 / Qwen3, with `use_sliding_window`)."""
     bias_key: bool = True
-    """config.json has an `attention_bias` key (Mistral's has none: its projections never carry biases)."""
+    """config.json has an `attention_bias` key (Mistral's and Phi-3's have none: no projection carries one)."""
+    fused: bool = False
+    """Checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3): split on load into
+    the separate projections every family runs, joined again on save."""
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -46,11 +49,20 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": Architecture(
         "Mistral", qkv_bias="config", o_bias=True, qk_norm=False, window="every_layer", bias_key=False
     ),
+    "phi3": Architecture(
+        "Phi3",
+        qkv_bias="config",
+        o_bias=True,
+        qk_norm=False,
+        window="every_layer",
+        bias_key=False,
+        fused=True,
+    ),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
 SUPPORTED_HEADS = ("lm", "value")
-# rope types whose frequency table we compute; anything else (yarn, dynamic NTK, longrope, ...) is refused
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# rope types whose frequency table we compute; anything else (dynamic NTK, longrope, ...) is refused
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass
@@ -59,7 +71,7 @@ class ModelConfig:
 
     architecture: ArchitectureName = "llama"
     """Model family, a key of `ARCHITECTURES` (Hugging Face's model_type): llama | qwen2 (q/k/v biases) | qwen3
-    (q/k norms) | mistral (sliding-window attention)."""
+    (q/k norms) | mistral (sliding-window attention) | phi3 (fused checkpoint weights)."""
     vocab_size: int = 32000
     """Number of token ids (rows of the embedding table)."""
     hidden_size: int = 4096
@@ -77,7 +89,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Base of the rotary-embedding frequencies."""
     rope_scaling: dict[str, Any] | None = None
-    """HF rope scaling dict; None or rope_type "default" is plain RoPE, "linear" and "llama3" are supported."""
+    """HF rope scaling dict; None or rope_type "default" is plain RoPE, "linear", "llama3" and "yarn" are
+    supported."""
+    partial_rotary_factor: float = 1.0
+    """Share of each head's channels RoPE rotates (the first ones; Phi-4-mini: 0.75); the rest pass unrotated."""
     rms_norm_eps: float = 1e-6
     """Epsilon added to the mean square inside RMSNorm."""
     max_position_embeddings: int = 2048
@@ -144,6 +159,11 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
     @property
     def rope_type(self) -> str:
@@ -225,6 +245,15 @@ class ModelConfig:
             } - set(self.rope_scaling or {})
             if missing:
                 problems.append(f"rope_scaling of type 'llama3' lacks {sorted(missing)}")
+        elif self.rope_type == "yarn" and "original_max_position_embeddings" not in (self.rope_scaling or {}):
+            problems.append(
+                f"rope_scaling={self.rope_scaling} of type 'yarn' needs 'original_max_position_embeddings'"
+            )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            problems.append(
+                f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and rotate an even number of "
+                f"channels (head_dim {self.resolved_head_dim} x factor = {self.resolved_head_dim * self.partial_rotary_factor})"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(
                 f"attention_backend={self.attention_backend!r} is unknown: use one of {sorted(ATTENTION_BACKENDS)}"
@@ -268,15 +297,19 @@ class ModelConfig:
         rope_parameters = d.get("rope_parameters") or {}
         rope_theta = rope_parameters.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_scaling = d.get("rope_scaling")
+        own = ("rope_theta", "partial_rotary_factor")  # fields of their own, not of the scaling
         if rope_parameters and rope_parameters.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+            rope_scaling = {k: v for k, v in rope_parameters.items() if k not in own}
+        partial_rotary_factor = rope_parameters.get(
+            "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
+        )
         known = {
             "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
             "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
             "attention_bias", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
             "architectures", "num_labels", "id2label", "label2id", "transformers_version", "use_sliding_window",
-            "sliding_window", "max_window_layers", "layer_types",
+            "sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
         }  # fmt: skip
         sliding_window, layer_types = _windows_from_hf(ARCHITECTURES[model_type], d)
         num_heads = d["num_attention_heads"]
@@ -294,6 +327,7 @@ class ModelConfig:
             head_dim=d.get("head_dim"),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
+            partial_rotary_factor=float(partial_rotary_factor),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
@@ -320,6 +354,8 @@ class ModelConfig:
                 "rope_type": self.rope_type,
                 "rope_theta": self.rope_theta,
             }
+        if self.partial_rotary_factor != 1.0:
+            rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
         d: dict[str, Any] = {
             **self.extra_hf,
             "architectures": [
@@ -350,6 +386,8 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             d["mlp_bias"] = False
+        if self.partial_rotary_factor != 1.0:
+            d["partial_rotary_factor"] = self.partial_rotary_factor
         if self.family.window == "every_layer":
             d["sliding_window"] = self.sliding_window
         elif self.family.window == "layer_types":

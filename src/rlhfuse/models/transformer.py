@@ -54,8 +54,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> Tensor:
-    """Rotary frequencies [E/2] in fp32, with the "linear" or "llama3" rescaling when configured."""
-    dim = config.resolved_head_dim
+    """Rotary frequencies [R/2] in fp32 (R = config.rotary_dim), with the "linear", "llama3" or "yarn"
+    rescaling when configured."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling or {}
@@ -72,14 +73,75 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif config.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(config, inv_freq)
     return inv_freq
 
 
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling or {}
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek-V3's spelling: the ratio of the context lengths
+        return config.max_position_embeddings / float(scaling["original_max_position_embeddings"])
+    return float(factor)
+
+
+def _yarn_inv_freq(config: ModelConfig, inv_freq: Tensor) -> Tensor:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by `factor`), those that turn more than beta_fast times kept, a linear ramp between."""
+    scaling = config.rope_scaling or {}
+    dim, base = config.rotary_dim, config.rope_theta
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def channel_of(turns: float) -> float:
+        """The channel whose frequency turns `turns` times over the original context."""
+        return dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = channel_of(beta_fast), channel_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(
+        0, 1
+    )
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / _yarn_factor(config) * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (so q.k by its square): `attention_factor`, or 0.1 ln(factor) + 1
+    (with DeepSeek's mscale / mscale_all_dim when both are given); 1 for the other rope types."""
+    if config.rope_type != "yarn":
+        return 1.0
+    scaling = config.rope_scaling or {}
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config)
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
+
+
 def apply_rope(x_BTHE: Tensor, cos_BT1e: Tensor, sin_BT1e: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + E/2) by the position's angles: LLaMA's half-split layout, written on the
+    """Rotate channel pairs (i, i + R/2) of the first R = 2 x cos's channels by the position's angles (LLaMA's
+    half-split layout; the channels past R, where partial_rotary_factor < 1, pass unrotated), written on the
     halves so that it costs no negated copy; the arithmetic is the same as `x*cos + rotate_half(x)*sin`."""
-    first, second = x_BTHE.chunk(2, dim=-1)
-    return torch.cat((first * cos_BT1e - second * sin_BT1e, second * cos_BT1e + first * sin_BT1e), dim=-1)
+    rotary = 2 * cos_BT1e.shape[-1]
+    rotated, passed = (
+        (x_BTHE, None)
+        if rotary == x_BTHE.shape[-1]
+        else x_BTHE.split([rotary, x_BTHE.shape[-1] - rotary], dim=-1)
+    )
+    first, second = rotated.chunk(2, dim=-1)
+    halves = (first * cos_BT1e - second * sin_BT1e, second * cos_BT1e + first * sin_BT1e)
+    return torch.cat(halves if passed is None else (*halves, passed), dim=-1)
 
 
 @dataclass
@@ -87,7 +149,8 @@ class AttentionContext:
     """What every layer of one forward call shares: rotary tables, the attention mask and cache addressing."""
 
     cos_BTe: Tensor
-    """cos of the rotary angles, [B, T, E/2] (e = E/2 frequencies)."""
+    """cos of the rotary angles, [B, T, R/2] (R = config.rotary_dim channels rotated, R/2 frequencies; YaRN's
+    attention factor included)."""
     sin_BTe: Tensor
     allowed_B1TS: Tensor | None
     """True where query t may attend to key s; None = causal over the T new tokens, no padding (fast path)."""
@@ -241,7 +304,11 @@ def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtyp
     # tables in q's dtype: under bf16 autocast fp32 tables would promote the rotated q and k to fp32 while v stays
     # bf16, which flash-attn and Transformer Engine reject (and SDPA would cast back)
     table_dtype = projection_dtype(position_ids_BT.device.type, dtype)
-    return angles_BTe.cos().to(table_dtype), angles_BTe.sin().to(table_dtype)
+    cos_BTe, sin_BTe = angles_BTe.cos(), angles_BTe.sin()
+    factor = rope_attention_factor(config)
+    if factor != 1.0:
+        cos_BTe, sin_BTe = cos_BTe * factor, sin_BTe * factor
+    return cos_BTe.to(table_dtype), sin_BTe.to(table_dtype)
 
 
 class Attention(nn.Module):

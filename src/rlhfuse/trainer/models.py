@@ -51,7 +51,7 @@ class ModelsConfig:
     # Folder holding tokenizer.json (null = sft_path, or the embedded word-level tokenizer).
     tokenizer_path: str | None = None
     # Architecture of the embedded tiny model (ignored when loading checkpoints): llama | qwen2 | qwen3 (q/k norms)
-    # | mistral.
+    # | mistral | phi3.
     architecture: ArchitectureName = "llama"
     # The embedded model's sliding window (keys each layer attends to, itself included; mistral, qwen2 and qwen3
     # only), null = full attention. A checkpoint's own window comes from its config.json.
