@@ -121,6 +121,8 @@ def test_vllm_refuses_a_window_on_some_layers_only_before_any_engine():
     ):
         check_vllm_supported(config, "cpu")
     check_vllm_supported(ModelConfig.tiny(architecture="mistral", head_dim=32, sliding_window=3), "cpu")
+    with pytest.raises(ValueError, match=r"gemma2 with an LM head apart from the embedding table"):
+        check_vllm_supported(ModelConfig.tiny(architecture="gemma2", head_dim=32), "cpu")
 
 
 def test_engine_equals_sampling_generator_and_reuses_freed_slots():

@@ -126,8 +126,26 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
         dict(architecture="qwen3", sliding_window=8),
         dict(architecture="mistral", sliding_window=8),
         dict(architecture="phi3", sliding_window=8),
+        dict(
+            architecture="gemma2",
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=10.0,
+            tie_word_embeddings=True,
+            layer_types=("sliding_attention", "full_attention"),
+        ),
+        dict(
+            architecture="gemma3_text",
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            local_rope_theta=10000.0,
+            layer_types=("sliding_attention", "full_attention"),
+        ),
     ],
-    ids=["qwen3", "qwen3_window", "mistral_window", "phi3_window"],
+    ids=["qwen3", "qwen3_window", "mistral_window", "phi3_window", "gemma2", "gemma3_text"],
 )
 def test_greedy_equals_rlhfuse_engine_for_each_family(model, family):
     """vLLM's own Qwen3, Mistral and Phi-3 classes, loaded from our export (Phi-3's fused weights joined), give
@@ -137,7 +155,7 @@ def test_greedy_equals_rlhfuse_engine_for_each_family(model, family):
     config = dataclasses.replace(model.config, **family).validate()
     actor = Transformer(config).eval().requires_grad_(False)
     with torch.no_grad():
-        actor.lm_head.weight.mul_(6.0)
+        actor.lm_head.weight.mul_(6.0)  # (tied: the embedding table too)
     generator = _generator(actor)
     try:
         prompts = _prompts(6)

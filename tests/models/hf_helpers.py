@@ -39,6 +39,10 @@ def exact_norms_(model: torch.nn.Module) -> None:
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
 
+    def gemma_forward(self, x):  # Gemma stores the scale minus one
+        return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = forward.__get__(module)
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = (gemma_forward if name.startswith("Gemma") else forward).__get__(module)

@@ -16,6 +16,7 @@ import torch
 from hf_helpers import HF_COMMON, exact_norms_, randomize_, write_hf
 
 from rlhfuse.models import KVCache, ModelConfig, Transformer, from_pretrained, save_pretrained
+from rlhfuse.models.config import ARCHITECTURES
 from rlhfuse.models.packing import pack_rows
 
 transformers = pytest.importorskip("transformers")
@@ -77,7 +78,29 @@ def _qwen3_yarn_deepseek_mscale():
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, rope_parameters=rope))
 
 
+def _gemma2():
+    config = transformers.Gemma2Config(
+        **SMALL, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def _gemma3():
+    rope = {
+        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    config = transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, rope_parameters=rope,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+    )  # fmt: skip
+    return transformers.Gemma3ForCausalLM(config)
+
+
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
     "phi3_window": _phi3,
     "phi3_partial_rotary": _phi3_partial_rotary,
     "llama_yarn": _llama_yarn,
@@ -90,6 +113,20 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def float64_softmax():
+    """transformers' eager attention (Gemma 2's only one: its soft-cap has no SDPA kernel) takes the softmax in
+    float32 even for float64 scores; the float64 reference keeps float64."""
+    softmax = torch.nn.functional.softmax
+
+    def keep_float64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "softmax", keep_float64)
+        yield
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[torch.nn.Module, Path, Transformer]:
     torch.manual_seed(0)
@@ -99,7 +136,7 @@ def family(request, tmp_path_factory) -> tuple[torch.nn.Module, Path, Transforme
     hf_model = hf_model.double().eval()
     # the float64 reference: transformers' eager attention takes its softmax in float32, and its norms round
     # through float32; its sdpa attention and float64 norms do not
-    hf_model.config._attn_implementation = "sdpa"
+    hf_model.config._attn_implementation = "eager" if request.param == "gemma2" else "sdpa"
     exact_norms_(hf_model)
     return hf_model, path, from_pretrained(path, dtype=torch.float64).eval()
 
@@ -127,7 +164,7 @@ def test_the_config_reads_as_transformers_does(family):
     if hf.model_type in ("mistral", "phi3"):  # their attention reads the window off the config
         expected = [hf.sliding_window] * hf.num_hidden_layers
     assert [model.config.window_of(i) for i in range(model.config.num_layers)] == expected
-    assert model.config.qk_norm == (hf.model_type == "qwen3")
+    assert model.config.qk_norm == (hf.model_type in ("qwen3", "gemma3_text"))
 
 
 def test_logits_equal_transformers_past_the_window_and_the_context(family):
@@ -211,8 +248,9 @@ def test_the_export_loads_in_transformers_and_back(family, tmp_path, head):
     )
     loaded = auto.from_pretrained(tmp_path / "export", dtype=torch.float64).eval()
     exact_norms_(loaded)
-    suffix = "ForCausalLM" if head == "lm" else "ForSequenceClassification"
-    assert type(loaded).__name__ == type(hf_model).__name__.replace("ForCausalLM", suffix)
+    family = ARCHITECTURES[hf_model.config.model_type]
+    assert type(loaded).__name__ == (family.lm_class if head == "lm" else family.value_head_class)
+    assert family.lm_class == type(hf_model).__name__
     assert getattr(loaded.config, "layer_types", None) == getattr(hf_model.config, "layer_types", None)
     assert loaded.config.rope_parameters == hf_model.config.rope_parameters
     assert getattr(loaded.config, "sliding_window", None) == getattr(hf_model.config, "sliding_window", None)

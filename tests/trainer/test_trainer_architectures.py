@@ -25,6 +25,26 @@ FAMILIES = {
     },
     # fused qkv / gate_up weights split on load and joined on export; half the channels rotated
     "phi3": {"partial_rotary_factor": 0.5, "head_dim": 16},
+    # GeGLU, sandwich norms, scaled embeddings, soft-capped scores and logits, alternating windowed layers
+    "gemma2": {
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "sliding_window": 4,
+        "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 20.0,
+        "final_logit_softcapping": 10.0,
+    },
+    # q/k norms, a local rope base on the windowed layer, linear scaling on the global one
+    "gemma3_text": {
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
 }
 
 

@@ -64,7 +64,11 @@ from rlhfuse.models.checkpoint import hf_named_tensors
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # the families whose vLLM model classes the tests hold greedy-equal to rlhfuse's engine (tests/generation/
 # test_generation_vllm.py)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+# vLLM's Qwen2 / Qwen3 classes refuse a window on some layers only (max_window_layers > 0); Gemma's interleave
+WINDOW_ON_ALL_OR_NONE = ("qwen2", "qwen3")
+# vLLM's Gemma 2 class has no lm_head of its own: it always reads the logits off the embedding table
+TIED_ONLY = ("gemma2",)
 
 
 def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> None:
@@ -76,10 +80,15 @@ def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> Non
             f"model.architecture={config.architecture!r}: generator=vllm supports {list(SUPPORTED_ARCHITECTURES)}"
         )
     windowed = sum(config.window_of(i) is not None for i in range(config.num_layers))
-    if 0 < windowed < config.num_layers:
+    if config.architecture in WINDOW_ON_ALL_OR_NONE and 0 < windowed < config.num_layers:
         problems.append(
             f"{windowed} of the model's {config.num_layers} layers attend through a sliding window: vLLM windows "
             "every layer or none (its Qwen2 / Qwen3 classes refuse max_window_layers > 0); use generator=engine"
+        )
+    if config.architecture in TIED_ONLY and not config.tie_word_embeddings:
+        problems.append(
+            f"{config.architecture} with an LM head apart from the embedding table (tie_word_embeddings=false): "
+            "vLLM's class always ties them; use generator=engine"
         )
     head_dim = config.head_dim or config.hidden_size // config.num_heads
     if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:

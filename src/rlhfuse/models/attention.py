@@ -5,10 +5,13 @@ D head channels.
 
 Every backend takes q_BHTD, k_BKSD, v_BKSD (K <= H; grouped-query attention shares each kv head among G
 consecutive query heads, as in LLaMA) and either `allowed_B1TS` (bool, True = may attend) or None, which means
-plain causal attention over T == S tokens with no padding: the fast path. A sliding-window layer's kernel is
-`get_attention(name, window)`: its plain causal calls attend to the last `window` keys only (flash-attn's
-`window_size`, a band mask for sdpa); a masked call carries its window in the mask already (the model builds
-it from the tokens' positions), so the kernel's window is not applied to it again.
+plain causal attention over T == S tokens with no padding: the fast path. A layer whose attention differs from
+that (`AttentionSpec`: a sliding window, a score scale other than head_dim ** -0.5, a tanh soft-cap on the
+scores) gets `get_attention(name, spec)`: its plain causal calls attend to the last `window` keys only
+(flash-attn's `window_size`, a band mask for sdpa); a masked call carries its window in the mask already (the
+model builds it from the tokens' positions), so the kernel's window is not applied to it again. Soft-capped
+scores have no fused SDPA kernel: sdpa computes them explicitly (`softcapped_attention`, [B, H, T, S] scores),
+flash-attn in its kernel (`softcap`).
 
 Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, no padding) go through
 `PACKED_ATTENTION_BACKENDS[config.attention_backend]`: q_NHE, k_NKE, v_NKE (K kv heads, E head channels) and the
@@ -17,7 +20,8 @@ Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, 
 Which torch SDPA kernel each call reaches is decided by `sdpa_plan` (a pure function of the call's shape, dtype
 and device; docs/models.md, "Precision and attention kernels", has the table). The point is that no call of the
 model reaches SDPA's math kernel in bf16 / fp16 / fp32, which materialises the [B, H, T, S] scores (and, for
-grouped-query attention, K and V repeated to H heads).
+grouped-query attention, K and V repeated to H heads). The one exception is a soft-capped layer (Gemma 2) under
+sdpa, whose capped scores no fused kernel computes: `softcapped_attention` materialises them (flash-attn does not).
 """
 
 from __future__ import annotations
@@ -121,8 +125,28 @@ def plan_of(q_BHTD: Tensor, k_BKSD: Tensor, allowed_B1TS: Tensor | None) -> Sdpa
     )
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention computes past plain causal softmax(q k^T / sqrt(E)) v."""
+
+    window: int | None = None
+    """Keys a query attends to, itself included (a sliding window); None = every earlier key."""
+    scale: float | None = None
+    """The scores' scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    softcap: float | None = None
+    """Scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); None = uncapped."""
+
+
+PLAIN = AttentionSpec()
+
+
 def planned_sdpa(
-    q_BHTD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_B1TS: Tensor | None, plan: SdpaPlan
+    q_BHTD: Tensor,
+    k_BKSD: Tensor,
+    v_BKSD: Tensor,
+    allowed_B1TS: Tensor | None,
+    plan: SdpaPlan,
+    scale: float | None = None,
 ) -> Tensor:
     """One SDPA call laid out as `plan` says (the same numbers whatever the layout: each is exact)."""
     b, h, t, d = q_BHTD.shape
@@ -133,7 +157,7 @@ def planned_sdpa(
         k_BHSD = k_BKSD.repeat_interleave(group, dim=1)
         v_BHSD = v_BKSD.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(
-            q_BHTD, k_BHSD, v_BHSD, attn_mask=allowed_B1TS, is_causal=causal
+            q_BHTD, k_BHSD, v_BHSD, attn_mask=allowed_B1TS, is_causal=causal, scale=scale
         )
     if plan.kv == "fold":
         assert allowed_B1TS is not None, "fold needs a mask (causal calls repeat)"
@@ -141,11 +165,11 @@ def planned_sdpa(
         # query head h = k * G + g: row g * T + t of kv head k (a view when T == 1)
         q_BKXD = q_BHTD.reshape(b, kv_heads, group * t, d)
         allowed_B1XS = allowed_B1TS if t == 1 else allowed_B1TS.repeat(1, 1, group, 1)
-        out_BKXD = F.scaled_dot_product_attention(q_BKXD, k_BKSD, v_BKSD, attn_mask=allowed_B1XS)
+        out_BKXD = F.scaled_dot_product_attention(q_BKXD, k_BKSD, v_BKSD, attn_mask=allowed_B1XS, scale=scale)
         return out_BKXD.reshape(b, h, t, d)
     gqa = kv_heads != h
     return F.scaled_dot_product_attention(
-        q_BHTD, k_BKSD, v_BKSD, attn_mask=allowed_B1TS, is_causal=causal, enable_gqa=gqa
+        q_BHTD, k_BKSD, v_BKSD, attn_mask=allowed_B1TS, is_causal=causal, enable_gqa=gqa, scale=scale
     )
 
 
@@ -156,18 +180,42 @@ def band_mask(num_tokens: int, window: int, device: torch.device) -> Tensor:
     return ((distance_TT >= 0) & (distance_TT < window))[None, None]
 
 
+def softcapped_attention(
+    q_BHTD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, allowed_B1TS: Tensor | None, spec: AttentionSpec
+) -> Tensor:
+    """Attention with tanh soft-capped scores, computed explicitly (no fused SDPA kernel caps them): the
+    [B, H, T, S] scores in q's dtype, the softmax in at least fp32."""
+    assert spec.softcap is not None
+    group = q_BHTD.shape[1] // k_BKSD.shape[1]
+    k_BHSD, v_BHSD = k_BKSD.repeat_interleave(group, 1), v_BKSD.repeat_interleave(group, 1)
+    scale = spec.scale if spec.scale is not None else q_BHTD.shape[-1] ** -0.5
+    scores_BHTS = torch.matmul(q_BHTD, k_BHSD.transpose(-1, -2)) * scale
+    scores_BHTS = torch.tanh(scores_BHTS / spec.softcap) * spec.softcap
+    if allowed_B1TS is None:  # plain causal over T == S
+        allowed_B1TS = band_mask(q_BHTD.shape[2], q_BHTD.shape[2], q_BHTD.device)
+    scores_BHTS = scores_BHTS.masked_fill(~allowed_B1TS, float("-inf"))
+    wide = torch.promote_types(scores_BHTS.dtype, torch.float32)
+    weights_BHTS = scores_BHTS.softmax(-1, dtype=wide).to(q_BHTD.dtype)
+    return torch.matmul(weights_BHTS, v_BHSD)
+
+
 def sdpa_attention(
     q_BHTD: Tensor,
     k_BKSD: Tensor,
     v_BKSD: Tensor,
     allowed_B1TS: Tensor | None,
-    window: int | None = None,
+    spec: AttentionSpec = PLAIN,
 ) -> Tensor:
     """torch's fused scaled-dot-product attention, laid out by `sdpa_plan`; with no mask it runs the causal
-    kernel, building nothing (a window narrower than the call becomes a band mask)."""
+    kernel, building nothing (a window narrower than the call becomes a band mask; soft-capped scores go through
+    `softcapped_attention`)."""
+    window = spec.window
     if allowed_B1TS is None and window is not None and q_BHTD.shape[2] > window:
         allowed_B1TS = band_mask(q_BHTD.shape[2], window, q_BHTD.device)
-    return planned_sdpa(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, plan_of(q_BHTD, k_BKSD, allowed_B1TS))
+    if spec.softcap is not None:
+        return softcapped_attention(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, spec)
+    plan = plan_of(q_BHTD, k_BKSD, allowed_B1TS)
+    return planned_sdpa(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, plan, spec.scale)
 
 
 _warned_fallback: set[str] = set()
@@ -179,14 +227,22 @@ def _fallback_for_masks(name: str) -> None:
         log.warning(
             "attention_backend=%r handles unpadded causal batches only; padded or cached calls%s use sdpa",
             name,
-            " and sliding-window layers" if name == "te" else "",
+            " and layers past plain attention (windows, scales, soft-caps)" if name == "te" else "",
         )
 
 
-def _window_kwargs(window: int | None) -> dict[str, tuple[int, int]]:
-    """flash-attn's sliding window, `window_size=(left, right)`: query t attends to keys t - left .. t + right
-    (flash-attn >= 2.3); nothing for full attention, so older versions still run full-attention models."""
-    return {} if window is None else {"window_size": (window - 1, 0)}
+def _flash_kwargs(spec: AttentionSpec) -> dict[str, object]:
+    """flash-attn's arguments for `spec`: `window_size=(left, right)` (query t attends to keys t - left .. t +
+    right; >= 2.3), `softmax_scale`, `softcap` (>= 2.6); only those the layer needs, so older versions still
+    run plain models."""
+    kwargs: dict[str, object] = {}
+    if spec.window is not None:
+        kwargs["window_size"] = (spec.window - 1, 0)
+    if spec.scale is not None:
+        kwargs["softmax_scale"] = spec.scale
+    if spec.softcap is not None:
+        kwargs["softcap"] = spec.softcap
+    return kwargs
 
 
 def flash_attention(
@@ -194,20 +250,20 @@ def flash_attention(
     k_BHSD: Tensor,
     v_BHSD: Tensor,
     allowed_B1TS: Tensor | None,
-    window: int | None = None,
+    spec: AttentionSpec = PLAIN,
 ) -> Tensor:
     """flash-attn's causal kernel (CUDA, fp16/bf16) for unpadded batches; other calls go through sdpa."""
     flash_attn = require("flash_attn")
     if allowed_B1TS is not None:
         _fallback_for_masks("flash")
-        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS)
+        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS, spec)
     # flash-attn wants [B, T, H, D] and does grouped-query attention natively
     out_BTHD = flash_attn.flash_attn_func(
         q_BHTD.transpose(1, 2),
         k_BHSD.transpose(1, 2),
         v_BHSD.transpose(1, 2),
         causal=True,
-        **_window_kwargs(window),
+        **_flash_kwargs(spec),
     )
     return out_BTHD.transpose(1, 2)
 
@@ -220,14 +276,14 @@ def te_attention(
     k_BHSD: Tensor,
     v_BHSD: Tensor,
     allowed_B1TS: Tensor | None,
-    window: int | None = None,
+    spec: AttentionSpec = PLAIN,
 ) -> Tensor:
-    """Transformer Engine's fused causal attention (CUDA) for unpadded batches; other calls, and sliding-window
-    layers (TE's window is not wired: untested without a GPU here), go through sdpa."""
+    """Transformer Engine's fused causal attention (CUDA) for unpadded batches; other calls, and layers past plain
+    attention (windows, scales, soft-caps: not wired to TE, untested without a GPU here), go through sdpa."""
     te = require("transformer_engine.pytorch")
-    if allowed_B1TS is not None or window is not None:
+    if allowed_B1TS is not None or spec != PLAIN:
         _fallback_for_masks("te")
-        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS, window)
+        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, allowed_B1TS, spec)
     _, num_heads, _, head_dim = q_BHTD.shape
     num_kv_heads = k_BHSD.shape[1]
     key = (num_heads, num_kv_heads, head_dim)
@@ -240,15 +296,15 @@ def te_attention(
     return out_BTX.view(q_BHTD.shape[0], q_BHTD.shape[2], num_heads, head_dim).transpose(1, 2)
 
 
-class WindowedAttentionFn(Protocol):
-    """A backend's kernel: `AttentionFn` with the layer's sliding window (for its plain causal calls)."""
+class LayerAttentionFn(Protocol):
+    """A backend's kernel: `AttentionFn` with the layer's `AttentionSpec`."""
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, /, window: int | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, /, spec: AttentionSpec = PLAIN
     ) -> Tensor: ...
 
 
-ATTENTION_BACKENDS: dict[str, WindowedAttentionFn] = {
+ATTENTION_BACKENDS: dict[str, LayerAttentionFn] = {
     "sdpa": sdpa_attention,
     "flash": flash_attention,
     "te": te_attention,
@@ -264,16 +320,16 @@ MULTI_POSITION_BACKENDS: frozenset[str] = frozenset({"sdpa", "flash", "te"})
 PackedAttentionFn = Callable[[Tensor, Tensor, Tensor, "PackedSequences"], Tensor]
 
 
-class WindowedPackedAttentionFn(Protocol):
-    """A backend's packed kernel: `PackedAttentionFn` with the layer's sliding window."""
+class LayerPackedAttentionFn(Protocol):
+    """A backend's packed kernel: `PackedAttentionFn` with the layer's `AttentionSpec`."""
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, /, window: int | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, packed: PackedSequences, /, spec: AttentionSpec = PLAIN
     ) -> Tensor: ...
 
 
 def sdpa_packed_attention(
-    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, window: int | None = None
+    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, spec: AttentionSpec = PLAIN
 ) -> Tensor:
     """Packed attention as one batched per-sequence call: each sequence moved to its own row of a right-padded
     [B, L] layout, where plain causal SDPA is exact (a real query never reaches the pad keys after it), and so
@@ -284,12 +340,12 @@ def sdpa_packed_attention(
         flat = x_NHE.new_zeros(batch * longest, *x_NHE.shape[1:]).index_copy(0, packed.dense_N, x_NHE)
         return flat.view(batch, longest, *x_NHE.shape[1:]).transpose(1, 2)
 
-    out_BHLE = sdpa_attention(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None, window)
+    out_BHLE = sdpa_attention(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None, spec)
     return out_BHLE.transpose(1, 2).reshape(batch * longest, *q_NHE.shape[1:])[packed.dense_N]
 
 
 def flash_packed_attention(
-    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, window: int | None = None
+    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, spec: AttentionSpec = PLAIN
 ) -> Tensor:
     """flash-attn's varlen kernel (CUDA, fp16/bf16): causal per sequence of the stream, no padding computed."""
     flash_attn = require("flash_attn")
@@ -303,13 +359,13 @@ def flash_packed_attention(
         max_seqlen_q=packed.max_seqlen,
         max_seqlen_k=packed.max_seqlen,
         causal=True,
-        **_window_kwargs(window),
+        **_flash_kwargs(spec),
     )
 
 
 # Backends that run packed sequences. te is absent: its THD format is not wired (untested without a GPU here),
 # so packing with attention_backend=te is refused with `packing_problem`'s fix rather than run untested.
-PACKED_ATTENTION_BACKENDS: dict[str, WindowedPackedAttentionFn] = {
+PACKED_ATTENTION_BACKENDS: dict[str, LayerPackedAttentionFn] = {
     "sdpa": sdpa_packed_attention,
     "flash": flash_packed_attention,
 }
@@ -325,22 +381,22 @@ def packing_problem(name: str) -> str | None:
     )
 
 
-def get_packed_attention(name: str, window: int | None = None) -> PackedAttentionFn:
-    """The packed kernel of backend `name`, attending through `window` (None: causal over each sequence)."""
+def get_packed_attention(name: str, spec: AttentionSpec = PLAIN) -> PackedAttentionFn:
+    """The packed kernel of backend `name` for a layer attending as `spec` says."""
     problem = packing_problem(name)
     if problem is not None:
         raise ValueError(problem)
     fn = PACKED_ATTENTION_BACKENDS[name]
-    return fn if window is None else functools.partial(fn, window=window)
+    return fn if spec == PLAIN else functools.partial(fn, spec=spec)
 
 
-def get_attention(name: str, window: int | None = None) -> AttentionFn:
-    """The kernel of backend `name` for a layer attending through `window` keys (None: full causal attention);
-    the window applies to its plain causal calls (masked calls carry theirs)."""
+def get_attention(name: str, spec: AttentionSpec = PLAIN) -> AttentionFn:
+    """The kernel of backend `name` for a layer attending as `spec` says; its window applies to the plain causal
+    calls (masked calls carry theirs)."""
     try:
         fn = ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"attention_backend={name!r} is unknown: use one of {sorted(ATTENTION_BACKENDS)}"
         ) from None
-    return fn if window is None else functools.partial(fn, window=window)
+    return fn if spec == PLAIN else functools.partial(fn, spec=spec)

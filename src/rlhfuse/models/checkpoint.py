@@ -30,10 +30,10 @@ from rlhfuse.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-_CAUSAL_LM_CLASS = {name: f"{a.hf_prefix}ForCausalLM" for name, a in ARCHITECTURES.items()}
+_CAUSAL_LM_CLASS = {name: a.lm_class for name, a in ARCHITECTURES.items()}
 SUPPORTED_HF_CLASSES = {
     **{cls: (name, "lm") for name, cls in _CAUSAL_LM_CLASS.items()},
-    **{f"{a.hf_prefix}ForSequenceClassification": (name, "value") for name, a in ARCHITECTURES.items()},
+    **{a.value_head_class: (name, "value") for name, a in ARCHITECTURES.items()},
 }
 _HF_HEAD_KEYS = {"lm": "lm_head.weight", "value": "score.weight"}
 # buffers some old checkpoints saved; they are recomputed from the config

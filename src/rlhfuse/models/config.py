@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, AttentionBackend
 
-ArchitectureName = Literal["llama", "qwen2", "qwen3", "mistral", "phi3"]
+ArchitectureName = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"]
+HiddenAct = Literal["silu", "gelu_pytorch_tanh"]
+"""The MLP's gate activation: silu (SwiGLU) or tanh-approximated gelu (GeGLU, Gemma's)."""
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
@@ -40,12 +42,34 @@ class Architecture:
     fused: bool = False
     """Checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3): split on load into
     the separate projections every family runs, joined again on save."""
+    gemma: bool = False
+    """Gemma's block: embeddings scaled by sqrt(hidden_size), RMSNorm weights stored as offsets from 1 (the norm
+    multiplies by 1 + w in fp32), a norm after attention and around the MLP ("sandwich" norms), GeGLU
+    (`hidden_activation`), attention scaled by `query_pre_attn_scalar`, optional tanh soft-caps on the attention
+    scores and the logits."""
+    window_switch: bool = False
+    """config.json's `use_sliding_window` turns the layer_types windows on (Qwen2 / Qwen3); without a switch
+    they are always on (Gemma)."""
+    value_class: str = ""
+    """The sequence-classification class when it is not `<prefix>ForSequenceClassification` (Gemma 3 text's)."""
+
+    @property
+    def lm_class(self) -> str:
+        return f"{self.hf_prefix}ForCausalLM"
+
+    @property
+    def value_head_class(self) -> str:
+        return self.value_class or f"{self.hf_prefix}ForSequenceClassification"
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("Llama", qkv_bias="config", o_bias=True, qk_norm=False, window="none"),
-    "qwen2": Architecture("Qwen2", qkv_bias="always", o_bias=False, qk_norm=False, window="layer_types"),
-    "qwen3": Architecture("Qwen3", qkv_bias="config", o_bias=True, qk_norm=True, window="layer_types"),
+    "qwen2": Architecture(
+        "Qwen2", qkv_bias="always", o_bias=False, qk_norm=False, window="layer_types", window_switch=True
+    ),
+    "qwen3": Architecture(
+        "Qwen3", qkv_bias="config", o_bias=True, qk_norm=True, window="layer_types", window_switch=True
+    ),
     "mistral": Architecture(
         "Mistral", qkv_bias="config", o_bias=True, qk_norm=False, window="every_layer", bias_key=False
     ),
@@ -57,6 +81,18 @@ ARCHITECTURES: dict[str, Architecture] = {
         window="every_layer",
         bias_key=False,
         fused=True,
+    ),
+    "gemma2": Architecture(
+        "Gemma2", qkv_bias="config", o_bias=True, qk_norm=False, window="layer_types", gemma=True
+    ),
+    "gemma3_text": Architecture(
+        "Gemma3",
+        qkv_bias="config",
+        o_bias=True,
+        qk_norm=True,
+        window="layer_types",
+        gemma=True,
+        value_class="Gemma3TextForSequenceClassification",
     ),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
@@ -93,6 +129,17 @@ class ModelConfig:
     supported."""
     partial_rotary_factor: float = 1.0
     """Share of each head's channels RoPE rotates (the first ones; Phi-4-mini: 0.75); the rest pass unrotated."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers when it is not `rope_theta` (Gemma 3: 10000 locally, 1e6 globally;
+    `rope_scaling` applies to the full-attention layers only); None = every layer uses rope_theta."""
+    hidden_act: HiddenAct = "silu"
+    """The MLP's gate activation (HF: hidden_act, Gemma's hidden_activation)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None = head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become cap * tanh(scores / cap) before the softmax (Gemma 2: 50); None = uncapped."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logits / cap) (Gemma 2: 30); None = uncapped."""
     rms_norm_eps: float = 1e-6
     """Epsilon added to the mean square inside RMSNorm."""
     max_position_embeddings: int = 2048
@@ -249,6 +296,17 @@ class ModelConfig:
             problems.append(
                 f"rope_scaling={self.rope_scaling} of type 'yarn' needs 'original_max_position_embeddings'"
             )
+        for key in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "local_rope_theta",
+        ):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                problems.append(f"{key}={value!r} must be > 0 or None")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            problems.append(f"hidden_act={self.hidden_act!r} is unknown: use 'silu' or 'gelu_pytorch_tanh'")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             problems.append(
                 f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and rotate an even number of "
@@ -284,17 +342,33 @@ class ModelConfig:
             raise ValueError(
                 f"config model_type={model_type!r} is not supported: rlhfuse.models loads {SUPPORTED_ARCHITECTURES}"
             )
+        family = ARCHITECTURES[model_type]
         problems = []
-        if d.get("hidden_act", "silu") != "silu":
-            problems.append(f"hidden_act={d['hidden_act']!r} (only 'silu' / SwiGLU is implemented)")
+        act_key = "hidden_activation" if family.gemma else "hidden_act"
+        hidden_act: Any = d.get(act_key) or ("gelu_pytorch_tanh" if family.gemma else "silu")
+        allowed_acts = ("gelu_pytorch_tanh",) if family.gemma else ("silu",)
+        if hidden_act not in allowed_acts:
+            problems.append(f"{act_key}={hidden_act!r} (this family runs {allowed_acts[0]!r} only)")
+        if d.get("use_bidirectional_attention"):
+            problems.append(
+                "use_bidirectional_attention=true (an embedding model's attention; not a causal LM)"
+            )
         if d.get("mlp_bias", False):
             problems.append("mlp_bias=true (MLP biases are not implemented)")
         if d.get("pretraining_tp", 1) != 1:
             problems.append(f"pretraining_tp={d['pretraining_tp']} (only 1 is implemented)")
-        if problems:
-            raise ValueError("unsupported config.json settings: " + "; ".join(problems))
-
         rope_parameters = d.get("rope_parameters") or {}
+        local_rope_theta = None
+        if family.gemma and model_type == "gemma3_text":
+            # Gemma 3: one rope per layer type (transformers 5), or rope_local_base_freq beside rope_theta (4.x)
+            local = rope_parameters.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                problems.append(
+                    f"rope_parameters.sliding_attention={local} (the local layers' rope must be default)"
+                )
+            local_rope_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+            if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
+                rope_parameters = rope_parameters.get("full_attention") or {}
         rope_theta = rope_parameters.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_scaling = d.get("rope_scaling")
         own = ("rope_theta", "partial_rotary_factor")  # fields of their own, not of the scaling
@@ -303,13 +377,19 @@ class ModelConfig:
         partial_rotary_factor = rope_parameters.get(
             "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
         )
+        if problems:
+            raise ValueError("unsupported config.json settings: " + "; ".join(problems))
+        # transformers' Gemma 2 class defaults, for config.json files that leave them out
+        caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
         known = {
             "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
             "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
             "attention_bias", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
             "architectures", "num_labels", "id2label", "label2id", "transformers_version", "use_sliding_window",
-            "sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
+            "sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor", "hidden_act",
+            "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+            "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
         }  # fmt: skip
         sliding_window, layer_types = _windows_from_hf(ARCHITECTURES[model_type], d)
         num_heads = d["num_attention_heads"]
@@ -328,6 +408,11 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             partial_rotary_factor=float(partial_rotary_factor),
+            local_rope_theta=local_rope_theta,
+            hidden_act=hidden_act,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256 if family.gemma else None),
+            attn_logit_softcapping=d.get("attn_logit_softcapping", caps[0]),
+            final_logit_softcapping=d.get("final_logit_softcapping", caps[1]),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
@@ -346,7 +431,6 @@ class ModelConfig:
         XForSequenceClassification with num_labels=1 (head="value")."""
         if head not in SUPPORTED_HEADS:
             raise ValueError(f"head={head!r} is unknown: use one of {SUPPORTED_HEADS}")
-        prefix = self.family.hf_prefix
         rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             rope_parameters = {
@@ -358,9 +442,7 @@ class ModelConfig:
             rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
         d: dict[str, Any] = {
             **self.extra_hf,
-            "architectures": [
-                f"{prefix}ForCausalLM" if head == "lm" else f"{prefix}ForSequenceClassification"
-            ],
+            "architectures": [self.family.lm_class if head == "lm" else self.family.value_head_class],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -369,7 +451,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.resolved_head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             # both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta / rope_scaling
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
@@ -388,6 +470,15 @@ class ModelConfig:
             d["mlp_bias"] = False
         if self.partial_rotary_factor != 1.0:
             d["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.family.gemma:
+            d["hidden_activation"] = self.hidden_act
+            d["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+            d["attn_logit_softcapping"] = self.attn_logit_softcapping
+            d["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.local_rope_theta is not None:
+            local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
+            d["rope_parameters"] = {"full_attention": rope_parameters, "sliding_attention": local}
+            d["rope_local_base_freq"] = self.local_rope_theta
         if self.family.window == "every_layer":
             d["sliding_window"] = self.sliding_window
         elif self.family.window == "layer_types":
@@ -395,7 +486,8 @@ class ModelConfig:
                 "full_attention" if self.window_of(i) is None else "sliding_attention"
                 for i in range(self.num_layers)
             ]
-            d["use_sliding_window"] = self.sliding_window is not None
+            if self.family.window_switch:
+                d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
             d["layer_types"] = types
             # transformers 4.x reads this instead of layer_types: the leading full-attention layers
@@ -415,6 +507,15 @@ def _windows_from_hf(family: Architecture, d: dict[str, Any]) -> tuple[int | Non
         return None, None
     if family.window == "every_layer":
         return d.get("sliding_window"), None
+    if not family.window_switch:  # Gemma: windowed layers always; 4.x configs give the pattern instead
+        window, types = d.get("sliding_window"), d.get("layer_types")
+        if types is None:
+            every = d.get("sliding_window_pattern", 6 if family.qk_norm else 2)
+            types = [
+                "sliding_attention" if (i + 1) % every else "full_attention"
+                for i in range(d["num_hidden_layers"])
+            ]
+        return window, tuple(types)
     window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
     types = d.get("layer_types")
     if types is None:

@@ -50,7 +50,7 @@ class Stage(nn.Module):
         model = self._model[0]
         if model.packing:
             return self._packed(x, attention_mask_BT, None if layout is None else layout.packed)
-        x_BTD = self.embed_tokens(x) if self.embed_tokens is not None else x
+        x_BTD = model.embed(x) if self.embed_tokens is not None else x
         b, t = x_BTD.shape[:2]
         ctx = build_context(
             self.config, b, t, x_BTD.device, x_BTD.dtype, attention_mask_BT, position_ids_BT,
@@ -81,7 +81,7 @@ class Stage(nn.Module):
                 mask_BT.to(x.device)
             )  # reads the mask (host syncs): callers pass it when known
         x_N_ = packed.pack(x)
-        x_1ND = (self.embed_tokens(x_N_) if self.embed_tokens is not None else x_N_)[None]
+        x_1ND = (model.embed(x_N_) if self.embed_tokens is not None else x_N_)[None]
         ctx = packed_context(self.config, packed, x_1ND.dtype)
         x_1ND = run_layers(self.layers, x_1ND, ctx, checkpointed=model.activation_checkpointing)
         if self.norm is None:

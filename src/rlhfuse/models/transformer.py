@@ -10,16 +10,16 @@ Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from rlhfuse.models.attention import get_attention, get_packed_attention
+from rlhfuse.models.attention import AttentionSpec, get_attention, get_packed_attention
 from rlhfuse.models.cache import CacheCall, KVCache
 from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.masks import Padding, padding_of
@@ -40,17 +40,27 @@ def _recompute(fn: nn.Module | object, *args: object) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) scaled per channel. offset 0: by the weight, in the input dtype (LLaMA); offset 1: by 1 + the
+    stored weight, in fp32, then cast (Gemma, whose checkpoints store the scale minus one; fresh weights are 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        # normalise in fp32 at least (bf16 mean squares lose too much; float64 stays float64), scale in the
-        # input dtype, as LLaMA does
+        # normalise in fp32 at least (bf16 mean squares lose too much; float64 stays float64)
         wide_BTD = x_BTD.to(torch.promote_types(x_BTD.dtype, torch.float32))
         normed_BTD = F.rms_norm(wide_BTD, (x_BTD.shape[-1],), eps=self.eps)
+        if self.offset:
+            return (normed_BTD * (self.offset + self.weight.to(normed_BTD.dtype))).to(x_BTD.dtype)
         return self.weight * normed_BTD.to(x_BTD.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    """The family's RMSNorm over `dim` channels (Gemma's stores its scale as an offset from 1)."""
+    return RMSNorm(dim, config.rms_norm_eps, offset=1.0 if config.family.gemma else 0.0)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | None = None) -> Tensor:
@@ -154,6 +164,9 @@ class AttentionContext:
     sin_BTe: Tensor
     allowed_B1TS: Tensor | None
     """True where query t may attend to key s; None = causal over the T new tokens, no padding (fast path)."""
+    local_rope: tuple[Tensor, Tensor] | None = None
+    """(cos, sin) of the sliding-window layers when their RoPE base differs (Gemma 3's local layers); None =
+    every layer uses cos_BTe / sin_BTe."""
     windowed_B1TS: dict[int, Tensor] = field(default_factory=dict)
     """Per sliding window w of the model's layers, allowed_B1TS narrowed to the last w real tokens (set when
     allowed_B1TS is; a plain causal call leaves the window to the kernel)."""
@@ -166,6 +179,12 @@ class AttentionContext:
     """Recompute the attention kernel and the MLP in backward (activation_checkpointing="selective")."""
     packed: PackedSequences | None = None
     """Set for packed sequences: the call's one row [1, N] is the stream of N tokens of packed.batch sequences."""
+
+    def rope_for(self, window: int | None) -> tuple[Tensor, Tensor]:
+        """(cos, sin) of a layer attending through `window` keys (None: a full-attention layer)."""
+        if window is not None and self.local_rope is not None:
+            return self.local_rope
+        return self.cos_BTe, self.sin_BTe
 
     def allowed_for(self, window: int | None) -> Tensor | None:
         """The mask of a layer attending through `window` keys (None: full attention)."""
@@ -188,7 +207,7 @@ def _windowed(
 
 def packed_context(config: ModelConfig, packed: PackedSequences, dtype: torch.dtype) -> AttentionContext:
     """Rotary tables of the stream's per-sequence positions (restarting at 0 for every sequence), no mask."""
-    return AttentionContext(*_rope_tables(config, packed.position_ids_N[None], dtype), None, packed=packed)
+    return _with_rope(config, packed.position_ids_N[None], dtype, None, packed=packed)
 
 
 def build_context(
@@ -231,7 +250,7 @@ def _uncached_context(
     if valid_BT is None or padding == "none":
         if position_ids_BT is None:
             position_ids_BT = t_T.expand(batch, num_tokens)
-        return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), None)
+        return _with_rope(config, position_ids_BT, dtype, None)
     if position_ids_BT is None:
         position_ids_BT = (valid_BT.long().cumsum(-1) - 1).clamp(min=0)
     allowed_B1TS = None
@@ -244,8 +263,8 @@ def _uncached_context(
         allowed_BTS = (causal_TT & valid_BT[:, None, :]) | eye_TT
         index_BT = valid_BT.long().cumsum(-1) - 1
         windowed = _windowed(config, allowed_BTS, index_BT, index_BT)
-        return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_BTS[:, None], windowed)
-    return AttentionContext(*_rope_tables(config, position_ids_BT, dtype), allowed_B1TS)
+        return _with_rope(config, position_ids_BT, dtype, allowed_BTS[:, None], windowed_B1TS=windowed)
+    return _with_rope(config, position_ids_BT, dtype, allowed_B1TS)
 
 
 def _cached_context(
@@ -279,9 +298,11 @@ def _cached_context(
     allowed_BTS = (not_future_BTS & key_valid_BS[:, None, :]) | is_self_BTS
     key_index_BS = key_valid_BS.long().cumsum(-1) - 1
     windowed = _windowed(config, allowed_BTS, key_index_BS.gather(1, write_pos_BT), key_index_BS)
-    return AttentionContext(
-        *_rope_tables(config, position_ids_BT, dtype),
-        allowed_B1TS=allowed_BTS[:, None],
+    return _with_rope(
+        config,
+        position_ids_BT,
+        dtype,
+        allowed_BTS[:, None],
         windowed_B1TS=windowed,
         cache=cache,
         call=call,
@@ -295,6 +316,23 @@ def projection_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     if torch.is_autocast_enabled(device_type) and dtype in (torch.float32, torch.float16, torch.bfloat16):
         return torch.get_autocast_dtype(device_type)
     return dtype
+
+
+def _with_rope(
+    config: ModelConfig,
+    position_ids_BT: Tensor,
+    dtype: torch.dtype,
+    allowed_B1TS: Tensor | None,
+    **fields: Any,
+) -> AttentionContext:
+    """A call's context: the rotary tables of `position_ids_BT` (and of the local layers' base, where it
+    differs), the mask, and `fields`."""
+    local = None
+    if config.local_rope_theta is not None and config.windows:
+        local_config = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+        local = _rope_tables(local_config, position_ids_BT, dtype)
+    cos_BTe, sin_BTe = _rope_tables(config, position_ids_BT, dtype)
+    return AttentionContext(cos_BTe, sin_BTe, allowed_B1TS, local_rope=local, **fields)
 
 
 def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -325,13 +363,20 @@ class Attention(nn.Module):
         # LLaMA's and Qwen3's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
         self.o_proj = nn.Linear(self.num_heads * e, d, bias=config.o_bias)
         if config.qk_norm:
-            # Qwen3: each head's q and k RMS-normalised over its E channels (one weight shared by the heads)
-            self.q_norm = RMSNorm(e, config.rms_norm_eps)
-            self.k_norm = RMSNorm(e, config.rms_norm_eps)
+            # Qwen3, Gemma 3: each head's q and k RMS-normalised over its E channels (one weight for the heads)
+            self.q_norm = make_norm(config, e)
+            self.k_norm = make_norm(config, e)
         self.qk_norm = config.qk_norm
         self.window = config.window_of(layer_idx)
         """Keys this layer attends to (a sliding window), or None for full causal attention."""
-        self.attend = get_attention(config.attention_backend, self.window)
+        scalar = config.query_pre_attn_scalar
+        self.spec = AttentionSpec(
+            window=self.window,
+            scale=None if scalar is None else scalar**-0.5,
+            softcap=config.attn_logit_softcapping,
+        )
+        """What this layer's attention computes past plain causal attention (window, scale, soft-cap)."""
+        self.attend = get_attention(config.attention_backend, self.spec)
         self.backend = config.attention_backend
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
@@ -341,12 +386,13 @@ class Attention(nn.Module):
         v_BTKE = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
-        cos_BT1e, sin_BT1e = ctx.cos_BTe[:, :, None], ctx.sin_BTe[:, :, None]
+        cos_BTe, sin_BTe = ctx.rope_for(self.window)
+        cos_BT1e, sin_BT1e = cos_BTe[:, :, None], sin_BTe[:, :, None]
         q_BTHE = apply_rope(q_BTHE, cos_BT1e, sin_BT1e)
         k_BTKE = apply_rope(k_BTKE, cos_BT1e, sin_BT1e)
         if ctx.packed is not None:
             # packed stream: B = 1 row of N tokens, attention per sequence of the stream
-            attend_packed = get_packed_attention(self.backend, self.window)
+            attend_packed = get_packed_attention(self.backend, self.spec)
             if ctx.selective:
                 out_NHE = _recompute(attend_packed, q_BTHE[0], k_BTKE[0], v_BTKE[0], ctx.packed)
             else:
@@ -368,30 +414,55 @@ class Attention(nn.Module):
         return self.o_proj(out_BHTE.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
-class SwiGLU(nn.Module):
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+GATE_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+"""ModelConfig.hidden_act -> the gate's activation: SwiGLU (silu) or GeGLU (Gemma's tanh-approximated gelu)."""
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU, or GeGLU for Gemma."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.act = GATE_ACTIVATIONS[config.hidden_act]
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+        return self.down_proj(self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
 
 class DecoderLayer(nn.Module):
+    """A pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Gemma's sandwich also normalises each branch's
+    output (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by pre_feedforward_layernorm."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.sandwich = config.family.gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = GatedMLP(config)
+
+    def _mlp(self, normed_BTD: Tensor, ctx: AttentionContext) -> Tensor:
+        return _recompute(self.mlp, normed_BTD) if ctx.selective else self.mlp(normed_BTD)
 
     def forward(self, x_BTD: Tensor, ctx: AttentionContext) -> Tensor:
-        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), ctx)
-        normed_BTD = self.post_attention_layernorm(x_BTD)
-        return x_BTD + (_recompute(self.mlp, normed_BTD) if ctx.selective else self.mlp(normed_BTD))
+        attended_BTD = self.self_attn(self.input_layernorm(x_BTD), ctx)
+        if not self.sandwich:
+            x_BTD = x_BTD + attended_BTD
+            return x_BTD + self._mlp(self.post_attention_layernorm(x_BTD), ctx)
+        x_BTD = x_BTD + self.post_attention_layernorm(attended_BTD)
+        mlp_BTD = self._mlp(self.pre_feedforward_layernorm(x_BTD), ctx)
+        return x_BTD + self.post_feedforward_layernorm(mlp_BTD)
 
 
 def run_layers(
@@ -428,7 +499,7 @@ class Transformer(nn.Module):
         self.head = head
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
         if head == "lm":
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
@@ -454,10 +525,19 @@ class Transformer(nn.Module):
             name == "lm_head.weight" and self.head == "lm" and self.lm_head.weight is self.embed_tokens.weight
         )
 
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings; Gemma scales them by sqrt(hidden_size) (rounded to the weights' dtype, as HF does)."""
+        x = self.embed_tokens(input_ids)
+        if not self.config.family.gemma:
+            return x
+        return x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
+
     def apply_head(self, hidden_BTD: Tensor) -> Tensor:
-        if self.head == "lm":
-            return self.lm_head(hidden_BTD)
-        return self.value_head(hidden_BTD).squeeze(-1)
+        if self.head == "value":
+            return self.value_head(hidden_BTD).squeeze(-1)
+        logits_BTV = self.lm_head(hidden_BTD)
+        cap = self.config.final_logit_softcapping
+        return logits_BTV if cap is None else torch.tanh(logits_BTV / cap) * cap
 
     def hidden_states(
         self,
@@ -474,7 +554,7 @@ class Transformer(nn.Module):
             raise RuntimeError(
                 "forward with a KV cache is for inference: wrap it in torch.no_grad() or torch.inference_mode()"
             )
-        x_BTD = self.embed_tokens(input_ids_BT)
+        x_BTD = self.embed(input_ids_BT)
         b, t = input_ids_BT.shape
         ctx = build_context(
             self.config,
@@ -501,7 +581,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"input_ids_N must hold the {packed.num_tokens} packed tokens, got shape {tuple(input_ids_N.shape)}"
             )
-        x_1ND = self.embed_tokens(input_ids_N)[None]
+        x_1ND = self.embed(input_ids_N)[None]
         ctx = packed_context(self.config, packed.to(x_1ND.device), x_1ND.dtype)
         x_1ND = run_layers(self.layers, x_1ND, ctx, checkpointed=self.activation_checkpointing)
         return self.norm(x_1ND)[0]

@@ -103,7 +103,7 @@ class HeadParallelRMSNorm(RMSNorm):
 
     @classmethod
     def of(cls, full: RMSNorm) -> HeadParallelRMSNorm:
-        norm = cls(int(full.weight.shape[0]), full.eps)
+        norm = cls(int(full.weight.shape[0]), full.eps, full.offset)
         norm.weight = nn.Parameter(full.weight.detach().clone(), requires_grad=full.weight.requires_grad)
         return norm
 

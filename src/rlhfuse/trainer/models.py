@@ -51,7 +51,7 @@ class ModelsConfig:
     # Folder holding tokenizer.json (null = sft_path, or the embedded word-level tokenizer).
     tokenizer_path: str | None = None
     # Architecture of the embedded tiny model (ignored when loading checkpoints): llama | qwen2 | qwen3 (q/k norms)
-    # | mistral | phi3.
+    # | mistral | phi3 | gemma2 | gemma3_text (docs/models.md, "Architectures").
     architecture: ArchitectureName = "llama"
     # The embedded model's sliding window (keys each layer attends to, itself included; mistral, qwen2 and qwen3
     # only), null = full attention. A checkpoint's own window comes from its config.json.
@@ -93,7 +93,8 @@ class ModelsConfig:
             problems,
             window is None or ARCHITECTURES[self.architecture].window != "none",
             f"model.sliding_window={window}: model.architecture={self.architecture} has no sliding-window layers; "
-            "use mistral, qwen2 or qwen3, or set model.sliding_window=null",
+            f"use one of {[n for n, a in ARCHITECTURES.items() if a.window != 'none']}, or set "
+            "model.sliding_window=null",
         )
         return problems
 
