@@ -54,6 +54,12 @@ def _worker(rank: int, world: int) -> None:
     _check(
         rank, world, ModelConfig.tiny(architecture="qwen3", num_layers=2, vocab_size=VOCAB, num_kv_heads=1)
     )
+    # Gemma 3: offset q / k norms (their partial gradients too), sandwich norms, scaled embeddings, local rope
+    gemma3 = dict(hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=24, local_rope_theta=100.0)
+    _check(rank, world, ModelConfig.tiny(architecture="gemma3_text", vocab_size=VOCAB, **windowed, **gemma3))
+    # Gemma 2: soft-capped scores (the explicit path) and logits, read off the vocabulary slices
+    caps = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    _check(rank, world, ModelConfig.tiny(architecture="gemma2", vocab_size=VOCAB, **windowed, **caps))
 
 
 def _check(rank: int, world: int, cfg: ModelConfig) -> None:
