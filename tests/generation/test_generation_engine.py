@@ -111,6 +111,17 @@ def test_a_sliding_window_engine_equals_plain_step_by_step_sampling(prefix_shari
     assert max(len(t) for t in got.values()) > 3 * 3
 
 
+def test_a_mixture_of_experts_engine_equals_plain_step_by_step_sampling():
+    """Mixtral's routing in cached decoding (one token per row and step) and in prefill gives the tokens of full
+    recomputation."""
+    params = _params(**SAMPLED)
+    model = _model(architecture="mixtral", num_experts=4, num_experts_per_tok=2)
+    ids = [7, 11, 3, 4]
+    engine = GenerationEngine(model, params, num_slots=5, max_len=5 + MAX_NEW, prefix_sharing=True)
+    got, _ = _run_engine(engine, ids)
+    assert got == _reference(model, params, ids)
+
+
 def test_vllm_refuses_a_window_on_some_layers_only_before_any_engine():
     from rlhfuse.generation.vllm_engine import check_vllm_supported
 
@@ -121,6 +132,9 @@ def test_vllm_refuses_a_window_on_some_layers_only_before_any_engine():
     ):
         check_vllm_supported(config, "cpu")
     check_vllm_supported(ModelConfig.tiny(architecture="mistral", head_dim=32, sliding_window=3), "cpu")
+    moe = ModelConfig.tiny(architecture="qwen3_moe", head_dim=32, num_experts=4)
+    with pytest.raises(ValueError, match=r"model.architecture='qwen3_moe': generator=vllm supports"):
+        check_vllm_supported(moe, "cpu")
     with pytest.raises(ValueError, match=r"gemma2 with an LM head apart from the embedding table"):
         check_vllm_supported(ModelConfig.tiny(architecture="gemma2", head_dim=32), "cpu")
 

@@ -25,9 +25,20 @@ QWEN3_WINDOWED = dict(
 )
 
 
+# Qwen3-MoE: 4 experts, 2 per token, in layers 0 and 2 (1 and 3 dense)
+QWEN3_MOE = dict(architecture="qwen3_moe", num_experts=4, moe_intermediate_size=32, decoder_sparse_step=2)
+QWEN3_MOE["mlp_only_layers"] = (1, 3)
+
+
 @pytest.mark.parametrize(
     "head,checkpointed,family",
-    [("lm", False, {}), ("value", False, {}), ("lm", True, {}), ("lm", "selective", QWEN3_WINDOWED)],
+    [
+        ("lm", False, {}),
+        ("value", False, {}),
+        ("lm", True, {}),
+        ("lm", "selective", QWEN3_WINDOWED),
+        ("lm", True, QWEN3_MOE),
+    ],
 )
 def test_chained_stages_equal_model_outputs_and_gradients(head, checkpointed, family):
     torch.manual_seed(0)

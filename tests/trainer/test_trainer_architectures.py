@@ -45,6 +45,17 @@ FAMILIES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     },
+    # mixtures of 4 experts, 2 per token; Qwen3-MoE's second layer dense
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": True,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
 }
 
 

@@ -60,13 +60,31 @@ _FUSED = {
 }
 
 
+# Mixtral's names for a mixture-of-experts MLP and its experts' projections
+_MIXTRAL = (
+    (".mlp.gate.", ".block_sparse_moe.gate."),
+    (".mlp.experts.", ".block_sparse_moe.experts."),
+    (".gate_proj.", ".w1."),
+    (".up_proj.", ".w3."),
+    (".down_proj.", ".w2."),
+)
+
+
+def _family_name(config: ModelConfig, name: str) -> str:
+    """Our parameter name as the family's checkpoints spell it (before the `model.` prefix)."""
+    if config.family.moe == "mixtral" and (".mlp.experts." in name or ".mlp.gate." in name):
+        for ours, theirs in _MIXTRAL:
+            name = name.replace(ours, theirs)
+    return name
+
+
 def hf_layout(config: ModelConfig, names: Iterable[str]) -> dict[str, list[str]]:
     """HF checkpoint key -> the parameter names it holds: one, or for a family that fuses projections
     (`Architecture.fused`) the parts of a fused one, in their order along its rows."""
     out: dict[str, list[str]] = {}
     rank: dict[str, int] = {}
     for name in names:
-        key = _hf_key(name)
+        key = _hf_key(_family_name(config, name))
         if config.family.fused:
             for fused, parts in _FUSED.items():
                 for i, part in enumerate(parts):

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, AttentionBackend
 
-ArchitectureName = Literal["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text"]
+ArchitectureName = Literal[
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral"
+]
 HiddenAct = Literal["silu", "gelu_pytorch_tanh"]
 """The MLP's gate activation: silu (SwiGLU) or tanh-approximated gelu (GeGLU, Gemma's)."""
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -48,8 +50,11 @@ class Architecture:
     (`hidden_activation`), attention scaled by `query_pre_attn_scalar`, optional tanh soft-caps on the attention
     scores and the logits."""
     window_switch: bool = False
-    """config.json's `use_sliding_window` turns the layer_types windows on (Qwen2 / Qwen3); without a switch
-    they are always on (Gemma)."""
+    """config.json's `use_sliding_window` turns the windows on (Qwen2 / Qwen3 / Qwen3-MoE); without a switch
+    they are always on (Mistral, Gemma)."""
+    moe: Literal["none", "qwen", "mixtral"] = "none"
+    """Mixture-of-experts MLPs and how checkpoints name them: qwen (Qwen3-MoE: `mlp.gate`, `mlp.experts.<e>.
+    {gate,up,down}_proj`), mixtral (`block_sparse_moe.gate`, `block_sparse_moe.experts.<e>.w1/w3/w2`)."""
     value_class: str = ""
     """The sequence-classification class when it is not `<prefix>ForSequenceClassification` (Gemma 3 text's)."""
 
@@ -93,6 +98,24 @@ ARCHITECTURES: dict[str, Architecture] = {
         window="layer_types",
         gemma=True,
         value_class="Gemma3TextForSequenceClassification",
+    ),
+    "qwen3_moe": Architecture(
+        "Qwen3Moe",
+        qkv_bias="config",
+        o_bias=True,
+        qk_norm=True,
+        window="every_layer",
+        window_switch=True,
+        moe="qwen",
+    ),
+    "mixtral": Architecture(
+        "Mixtral",
+        qkv_bias="config",
+        o_bias=True,
+        qk_norm=False,
+        window="every_layer",
+        bias_key=False,
+        moe="mixtral",
     ),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
@@ -140,6 +163,21 @@ class ModelConfig:
     """Attention scores become cap * tanh(scores / cap) before the softmax (Gemma 2: 50); None = uncapped."""
     final_logit_softcapping: float | None = None
     """Logits become cap * tanh(logits / cap) (Gemma 2: 30); None = uncapped."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP (Qwen3-MoE, Mixtral); 0 = dense MLPs only."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k of the router's softmax)."""
+    moe_intermediate_size: int | None = None
+    """Each expert's MLP width; None = intermediate_size (Mixtral's experts, Qwen3-MoE's dense layers)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (Mixtral always; Qwen3-MoE: its config)."""
+    decoder_sparse_step: int = 1
+    """Every decoder_sparse_step-th layer is a mixture of experts (Qwen3-MoE)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers kept dense in a mixture-of-experts model (Qwen3-MoE)."""
+    router_aux_loss_coef: float = 0.0
+    """The checkpoint's load-balancing loss weight (config.json's router_aux_loss_coef), kept for the export:
+    training does not add the load-balancing loss yet."""
     rms_norm_eps: float = 1e-6
     """Epsilon added to the mean square inside RMSNorm."""
     max_position_embeddings: int = 2048
@@ -172,6 +210,7 @@ class ModelConfig:
             self.attention_bias = True
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
 
     @property
     def family(self) -> Architecture:
@@ -188,6 +227,18 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family.qk_norm
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (keys it attends to, itself included), or None for full
@@ -305,6 +356,18 @@ class ModelConfig:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 problems.append(f"{key}={value!r} must be > 0 or None")
+        if self.num_experts < 0 or (
+            self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts
+        ):
+            problems.append(
+                f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}: each token needs "
+                "between 1 and num_experts experts"
+            )
+        if self.num_experts and self.architecture in ARCHITECTURES and self.family.moe == "none":
+            problems.append(
+                f"num_experts={self.num_experts}: architecture={self.architecture!r} has dense MLPs; use "
+                "qwen3_moe or mixtral"
+            )
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             problems.append(f"hidden_act={self.hidden_act!r} is unknown: use 'silu' or 'gelu_pytorch_tanh'")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
@@ -349,6 +412,8 @@ class ModelConfig:
         allowed_acts = ("gelu_pytorch_tanh",) if family.gemma else ("silu",)
         if hidden_act not in allowed_acts:
             problems.append(f"{act_key}={hidden_act!r} (this family runs {allowed_acts[0]!r} only)")
+        if d.get("router_jitter_noise"):
+            problems.append(f"router_jitter_noise={d['router_jitter_noise']} (the router's training noise)")
         if d.get("use_bidirectional_attention"):
             problems.append(
                 "use_bidirectional_attention=true (an embedding model's attention; not a causal LM)"
@@ -389,8 +454,12 @@ class ModelConfig:
             "architectures", "num_labels", "id2label", "label2id", "transformers_version", "use_sliding_window",
             "sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor", "hidden_act",
             "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-            "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention",
+            "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention", "num_experts",
+            "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+            "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "router_jitter_noise",
+            "output_router_logits",
         }  # fmt: skip
+        moe = family.moe != "none"
         sliding_window, layer_types = _windows_from_hf(ARCHITECTURES[model_type], d)
         num_heads = d["num_attention_heads"]
         eos: Any = d.get("eos_token_id")
@@ -413,6 +482,14 @@ class ModelConfig:
             query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256 if family.gemma else None),
             attn_logit_softcapping=d.get("attn_logit_softcapping", caps[0]),
             final_logit_softcapping=d.get("final_logit_softcapping", caps[1]),
+            num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0) if moe else 0,
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=d.get("moe_intermediate_size") if family.moe == "qwen" else None,
+            # Mixtral always renormalises; transformers' Qwen3-MoE class defaults to not
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)) if family.moe == "qwen" else True,
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
@@ -475,12 +552,23 @@ class ModelConfig:
             d["query_pre_attn_scalar"] = self.query_pre_attn_scalar
             d["attn_logit_softcapping"] = self.attn_logit_softcapping
             d["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.family.moe != "none":
+            d["num_local_experts" if self.family.moe == "mixtral" else "num_experts"] = self.num_experts
+            d["num_experts_per_tok"] = self.num_experts_per_tok
+            d["router_aux_loss_coef"] = self.router_aux_loss_coef
+            if self.family.moe == "qwen":
+                d["moe_intermediate_size"] = self.expert_intermediate_size
+                d["norm_topk_prob"] = self.norm_topk_prob
+                d["decoder_sparse_step"] = self.decoder_sparse_step
+                d["mlp_only_layers"] = list(self.mlp_only_layers)
         if self.local_rope_theta is not None:
             local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
             d["rope_parameters"] = {"full_attention": rope_parameters, "sliding_attention": local}
             d["rope_local_base_freq"] = self.local_rope_theta
         if self.family.window == "every_layer":
             d["sliding_window"] = self.sliding_window
+            if self.family.window_switch:
+                d["use_sliding_window"] = self.sliding_window is not None
         elif self.family.window == "layer_types":
             types = [
                 "full_attention" if self.window_of(i) is None else "sliding_attention"
@@ -506,7 +594,8 @@ def _windows_from_hf(family: Architecture, d: dict[str, Any]) -> tuple[int | Non
     if family.window == "none":
         return None, None
     if family.window == "every_layer":
-        return d.get("sliding_window"), None
+        on = d.get("use_sliding_window", False) if family.window_switch else True
+        return (d.get("sliding_window") if on else None), None
     if not family.window_switch:  # Gemma: windowed layers always; 4.x configs give the pattern instead
         window, types = d.get("sliding_window"), d.get("layer_types")
         if types is None:

@@ -425,9 +425,9 @@ GATE_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU, or GeGLU for Gemma."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, width: int | None = None) -> None:
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        d, f = config.hidden_size, width or config.intermediate_size
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
@@ -435,6 +435,54 @@ class GatedMLP(nn.Module):
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class MoEBlock(nn.Module):
+    """A mixture of experts (Qwen3-MoE, Mixtral): a bias-free router picks each token's top-k experts by softmax
+    probability (renormalised over the k when config.norm_topk_prob), each a gated MLP; the token's output is the
+    probability-weighted sum of its experts' outputs.
+
+    Every expert runs on its tokens, an empty batch included, so every expert's weights get a gradient (zero when
+    no token chose it) and the set of gradients never depends on the routing. Grouping the tokens by expert reads
+    the per-expert counts on the host: one sync per block and call.
+
+    Legend: N tokens (B x T flattened), X experts, K experts per token."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            GatedMLP(config, config.expert_intermediate_size) for _ in range(config.num_experts)
+        )
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def route(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(router logits [N, X], the top-k experts [N, K], their weights [N, K] in x's dtype)."""
+        logits_NX = self.gate(x_ND)
+        probs_NX = logits_NX.softmax(-1, dtype=torch.promote_types(logits_NX.dtype, torch.float32))
+        weights_NK, experts_NK = probs_NX.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / weights_NK.sum(-1, keepdim=True)
+        return logits_NX, experts_NK, weights_NK.to(x_ND.dtype)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        _, experts_NK, weights_NK = self.route(x_ND)
+        # (token, slot) pairs grouped by expert: pair p = n * K + k
+        order_P = experts_NK.flatten().argsort(stable=True)
+        counts = torch.bincount(
+            experts_NK.flatten(), minlength=len(self.experts)
+        ).tolist()  # the one host read
+        out_ND = torch.zeros_like(x_ND)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            pairs = order_P[start : start + count]
+            start += count
+            tokens = pairs // self.top_k
+            y_MD = expert(x_ND[tokens]) * weights_NK.flatten()[pairs, None]
+            out_ND = out_ND.index_add(0, tokens, y_MD)
+        return out_ND.view_as(x_BTD)
 
 
 class DecoderLayer(nn.Module):
@@ -450,7 +498,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
             self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
-        self.mlp = GatedMLP(config)
+        self.mlp: nn.Module = MoEBlock(config) if config.is_moe_layer(layer_idx) else GatedMLP(config)
 
     def _mlp(self, normed_BTD: Tensor, ctx: AttentionContext) -> Tensor:
         return _recompute(self.mlp, normed_BTD) if ctx.selective else self.mlp(normed_BTD)

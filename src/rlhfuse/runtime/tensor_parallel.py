@@ -41,6 +41,12 @@ def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
     problems: list[str] = []
     if tp < 1:
         return [f"{key}={tp} must be >= 1"]
+    if tp > 1 and config.num_experts:
+        problems.append(
+            f"{key}={tp}: the model's MLPs are mixtures of {config.num_experts} experts, and splitting experts "
+            f"over the tensor-parallel group (expert parallelism) is not implemented: set {key}=1 (pipeline "
+            "stages and data parallelism split mixture-of-experts models)"
+        )
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(
