@@ -4,7 +4,7 @@ For each setting: our makespan vs greedy vs the paper's solver (FlexFusion) vs t
 serial 1F1B, the peak activation relative to serial 1F1B and the search seconds (target: <= 60 s per setting on a
 2-core machine). Then a 64-rank dry run (greedy + search in one process) as a scale check.
 
-Problems come from `<repo>/../shared/bench/table3.json`, or `$RLHFUSE_TABLE3`. The effort is deterministic
+Problems come from the package's own `rlhfuse/pipeline/table3.json`, or `$RLHFUSE_TABLE3`. The effort is deterministic
 (`RLHFUSE_SCHEDULE_ITERATIONS` annealing iterations per phase, default 1M, plus a fixed CP-SAT deterministic
 time), so the figures do not depend on the machine's load; `RLHFUSE_SCHEDULE_ITERATIONS=0` uses the wall-clock
 `RLHFUSE_SCHEDULE_BUDGET` (seconds per setting) instead, and `RLHFUSE_SCHEDULE_WORKERS` sets the processes.

@@ -51,7 +51,29 @@ def test_wheel_ships_conf_and_kernels(tmp_path):
         "c = r.conf_dir(); k = r.kernels_dir();"
         "assert 'site-packages' in str(c) and 'site-packages' in str(k), (c, k);"
         "assert any(c.rglob('*.yaml')), c; assert any(k.glob('*.py')), k;"
+        "t = pathlib.Path(r.__file__).parent / 'pipeline' / 'table3.json'; assert t.is_file(), t;"
         "print(c, k)"
     )
     out = subprocess.run([str(py), "-c", script], check=True, capture_output=True, text=True, cwd=tmp_path)
     assert "site-packages" in out.stdout
+
+
+def test_the_repository_cites_only_what_it_ships():
+    """Docs and code cite docs/paper.md and docs/schedule-format.md, and read Table 3 from the package: nothing
+    points at files outside the repository (a design brief, a benchmark folder next to the checkout)."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "src", "tests", "docs", "benchmarks", "recipes", "conf", "kernels", "README.md"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    outside = ("../shared", "shared/bench", "DESIGN.md", "DESIGN §", "bench/FORMAT")
+    found = [
+        (name, needle)
+        for name in tracked
+        if name.endswith((".py", ".md", ".yaml", ".toml")) and name != "tests/test_packaging.py"
+        for needle in outside
+        if needle in (ROOT / name).read_text(errors="replace")
+    ]
+    assert not found
+    from rlhfuse.pipeline.cli import default_table_path
+
+    assert default_table_path().is_file() and ROOT in default_table_path().resolve().parents

@@ -1,6 +1,4 @@
-"""Shared fixtures: the Table-3 settings (from ../shared/bench, skipped when absent) and small problems."""
-
-from pathlib import Path
+"""Shared fixtures: the Table-3 settings (shipped with the package, or $RLHFUSE_TABLE3) and small problems."""
 
 import pytest
 
@@ -11,10 +9,7 @@ from rlhfuse.pipeline.problem import load_problems
 
 @pytest.fixture(scope="session")
 def table3():
-    path = default_table_path()
-    if not Path(path).is_file():
-        pytest.skip(f"table3.json not found at {path}")
-    return {p.name.split()[0]: p for p in load_problems(path)}
+    return {p.name.split()[0]: p for p in load_problems(default_table_path())}
 
 
 @pytest.fixture

@@ -153,7 +153,7 @@ def test_cli_makespan_slack_and_peak_bound(tmp_path, capsys):
         "search_seconds",
         "ranks",
     ):
-        assert key in got  # FORMAT.md's keys stay
+        assert key in got  # docs/schedule-format.md's keys stay
     assert main(["solve", str(problem), "--makespan-slack", "1.5"]) == 2
     assert "--makespan-slack=1.5 must be a fraction" in capsys.readouterr().err
     b = tmp_path / "b.json"

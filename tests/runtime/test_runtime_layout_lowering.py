@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from runtime_helpers import random_schedule
 
 from rlhfuse.pipeline import Action, Kind, Schedule, greedy, load_problems, serial_one_f_one_b
+from rlhfuse.pipeline.cli import default_table_path
 from rlhfuse.pipeline.simulate import simulate
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, Message, Program, check_program, lower, lower_checked
 
-TABLE3 = Path(__file__).resolve().parents[3] / "shared" / "bench" / "table3.json"
+TABLE3 = default_table_path()  # the Table-3 settings shipped with the package
 
 
 def test_fused_placement_paper_example() -> None:
-    # 16-stage actor in order, two 8-stage critic replicas reversed over 7..0 and 15..8 (DESIGN.md §3)
+    # 16-stage actor in order, two 8-stage critic replicas reversed over 7..0 and 15..8 (docs/paper.md §3)
     layout = ParallelLayout(ModelParallel(16), ModelParallel(8), dp=2, world_size=32, microbatches=16)
     assert layout.local_placement("actor") == [list(range(16))]
     assert layout.local_placement("critic") == [list(range(7, -1, -1)), list(range(15, 7, -1))]
@@ -166,7 +165,6 @@ def test_backward_before_its_forward_is_rejected() -> None:
         check_program(Program((program.streams[0], tuple(s1)), 2, 1))
 
 
-@pytest.mark.skipif(not TABLE3.exists(), reason="needs ../shared/bench/table3.json")
 def test_table3_dry_run_64_ranks() -> None:
     problems = load_problems(TABLE3)
     big = [p for p in problems if p.ranks == 16]

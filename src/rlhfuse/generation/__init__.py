@@ -1,4 +1,4 @@
-"""Generation engine and inter-stage fusion (DESIGN §2): continuous batching over engine-owned KV-cache
+"""Generation engine and inter-stage fusion (docs/paper.md §2): continuous batching over engine-owned KV-cache
 slots with prefix sharing and per-sample RNG streams, several instances with long-tail migration (KV transfer
 or re-prefill) decided by `rlhfuse.planner`'s pure functions.
 """

@@ -135,7 +135,7 @@ def migrate(
     link_bytes_per_s: float,
     report: MigrationReport,
 ) -> MigrationReport:
-    """The one migration mechanism (DESIGN §2), for instances in one process or one per rank.
+    """The one migration mechanism (docs/paper.md §2), for instances in one process or one per rank.
 
     `instances`: the instances this process drives, by their index among all `len(unfinished)` instances;
     `unfinished`: every instance's unfinished count (the same on every process). Every process computes the

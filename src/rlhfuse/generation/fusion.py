@@ -1,4 +1,4 @@
-"""Inter-stage fusion across processes (DESIGN §2): generation with migration, then the freed instances run
+"""Inter-stage fusion across processes (docs/paper.md §2): generation with migration, then the freed instances run
 inference (Actor/Ref log-probs, Critic values, reward) on finished samples while the destinations finish the
 tail, and take (steal) the destinations' finished samples that are not inferred yet.
 

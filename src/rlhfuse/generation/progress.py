@@ -1,4 +1,4 @@
-"""Asynchronous progress between generation processes (the fused rollout's two small channels, DESIGN §2).
+"""Asynchronous progress between generation processes (the fused rollout's two small channels, docs/paper.md §2).
 
 The lockstep all-gather of unfinished counts after every decode step made every rank wait for the slowest one at
 every step. Here no rank waits while it generates:

@@ -1,4 +1,4 @@
-"""Lossless speculative decoding of the tail (DESIGN §8): n-gram drafts from a sample's prompt group, verified in
+"""Lossless speculative decoding of the tail (docs/paper.md §6): n-gram drafts from a sample's prompt group, verified in
 one forward pass of k+1 positions over the engine's KV slots.
 
 Legend: B running samples, K draft tokens per row of one verify step (<= `speculative_tokens`).

@@ -1,4 +1,4 @@
-"""Rt auto-tuning (DESIGN §2): simulate generation + inference for each Rt on this machine's measured costs and
+"""Rt auto-tuning (docs/paper.md §2): simulate generation + inference for each Rt on this machine's measured costs and
 the response lengths seen so far, and keep the fastest, or Rt = 0 (off) when none beats the serial rollout.
 
 The simulator is the planner's, the one `rlhfuse-plan` runs at paper scale (`rlhfuse.planner.simulate.gen_inf`

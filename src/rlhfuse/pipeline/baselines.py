@@ -110,7 +110,7 @@ def serial_one_f_one_b(problem: Problem) -> Schedule:
 def serial_makespan(problem: Problem) -> float:
     """The paper's serial baseline: the models trained one after the other, each with 1F1B (with a barrier).
 
-    Equal to FORMAT.md's sum over models of (microbatches + stages - 1) * (forward + backward) for uniform stages.
+    Equal to docs/schedule-format.md's sum over models of (microbatches + stages - 1) * (forward + backward) for uniform stages.
     """
     return sum(simulate(_alone(problem, m), one_f_one_b(_alone(problem, m))).makespan for m in problem.models)
 

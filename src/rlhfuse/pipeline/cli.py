@@ -31,12 +31,12 @@ TABLE_ENV = "RLHFUSE_TABLE3"
 
 
 def default_table_path() -> Path:
-    """`$RLHFUSE_TABLE3`, else `<repo>/../shared/bench/table3.json` next to a source checkout."""
+    """`$RLHFUSE_TABLE3`, else the twelve Table-3 settings shipped with the package (`rlhfuse/pipeline/
+    table3.json`; the format: docs/schedule-format.md)."""
     env = os.environ.get(TABLE_ENV)
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[3]
-    return repo.parent / "shared" / "bench" / "table3.json"
+    return Path(__file__).with_name("table3.json")
 
 
 def format_table(solutions: Sequence[Solution]) -> str:
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhfuse-schedule", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    p_solve = sub.add_parser("solve", help="solve one problem (FORMAT.md JSON) and write the result")
+    p_solve = sub.add_parser("solve", help="solve one problem (docs/schedule-format.md JSON) and write the result")
     p_solve.add_argument("problem", type=Path)
     p_solve.add_argument(
         "--time-budget", type=float, default=60.0, help="seconds for the search (default 60)"
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench", help="solve every problem of a table3.json-style file and print Table 3"
     )
     p_bench.add_argument(
-        "table", type=Path, nargs="?", help=f"default: ${TABLE_ENV} or ../shared/bench/table3.json"
+        "table", type=Path, nargs="?", help=f"default: ${TABLE_ENV} or the package's own Table-3 settings"
     )
     p_bench.add_argument(
         "--time-budget", type=float, default=60.0, help="seconds per problem, with --max-iterations 0"

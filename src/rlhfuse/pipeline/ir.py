@@ -6,7 +6,7 @@ I / W (split backward: input gradient, then weight gradient), SEND / RECV (activ
 stages), REDUCE_GRAD (data-parallel gradient reduction) and OPTIMIZER_STEP.
 
 Label forms:
-  - compact (FORMAT.md, stage implied by the placement): `actor.0:F3`
+  - compact (docs/schedule-format.md, stage implied by the placement): `actor.0:F3`
   - full (stage explicit, placement-free): `actor.0.s5:F3`
 """
 
@@ -56,7 +56,7 @@ class Action:
     microbatch: int
 
     def label(self) -> str:
-        """The FORMAT.md label (stage implied by the placement): `actor.0:F3`."""
+        """The docs/schedule-format.md label (stage implied by the placement): `actor.0:F3`."""
         return f"{self.model}.{self.replica}:{self.kind.value}{self.microbatch}"
 
     def __str__(self) -> str:
@@ -135,7 +135,7 @@ class Schedule:
         return cls(tuple(tuple(rank) for rank in lists))
 
     def labels(self) -> list[list[str]]:
-        """FORMAT.md `ranks` value: compact labels per rank."""
+        """docs/schedule-format.md `ranks` value: compact labels per rank."""
         return [[a.label() for a in rank] for rank in self.ranks]
 
     def __str__(self) -> str:
@@ -181,7 +181,7 @@ class Schedule:
 
 
 def schedule_from_labels(ranks: Sequence[Sequence[str]], placement: Placement | None = None) -> Schedule:
-    """Parse FORMAT.md `ranks` (compact labels need the placement) or full labels."""
+    """Parse docs/schedule-format.md `ranks` (compact labels need the placement) or full labels."""
     return Schedule(tuple(tuple(parse_action(t, placement, k) for t in rank) for k, rank in enumerate(ranks)))
 
 
@@ -196,7 +196,7 @@ def schedule_to_result(
     seconds: float,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The FORMAT.md result object (keys exactly as written there), plus optional extra keys."""
+    """The docs/schedule-format.md result object (keys exactly as written there), plus optional extra keys."""
 
     def plain(x: float) -> int | float:
         return int(x) if float(x).is_integer() else round(float(x), 6)

@@ -1,6 +1,6 @@
 """The fused-pipeline scheduling problem: models, their placement on ranks, durations and the memory cap.
 
-A `Problem` is what the solver reads (`../shared/bench/FORMAT.md`, "Problem"): a few pipeline-parallel models
+A `Problem` is what the solver reads (docs/schedule-format.md, "Problem"): a few pipeline-parallel models
 (the Actor and the Critic), each with `stages` stages and `replicas` replicas placed on `ranks` devices, each
 replica running `microbatches` micro-batches of forward (F) then backward (B) work. Durations and activation
 sizes may be one number for every stage (the FORMAT) or one per stage (measured by profiling the runtime).
@@ -79,7 +79,7 @@ class Problem:
         return self.model(model).placement[replica][stage]
 
     def to_dict(self) -> dict[str, Any]:
-        """The FORMAT.md problem object (scalars where a model is uniform over its stages)."""
+        """The docs/schedule-format.md problem object (scalars where a model is uniform over its stages)."""
 
         def compact(values: tuple[float, ...]) -> Number | list[Number]:
             plain = [_plain_number(v) for v in values]
@@ -156,7 +156,7 @@ def _int_field(raw: Mapping[str, Any], key: str, where: str, problems: list[str]
 
 
 def problem_from_dict(raw: Mapping[str, Any]) -> Problem:
-    """Build and validate a Problem from the FORMAT.md JSON object.
+    """Build and validate a Problem from the docs/schedule-format.md JSON object.
 
     All problems are collected and raised as one ValueError naming each key, the value seen and the fix.
     """
@@ -278,7 +278,7 @@ def _check_cap(problem: Problem) -> None:
 
 
 def load_problem(path: str | Path) -> Problem:
-    """Read one FORMAT.md problem from a JSON file."""
+    """Read one docs/schedule-format.md problem from a JSON file."""
     with open(path) as fh:
         return problem_from_dict(json.load(fh))
 

@@ -178,7 +178,7 @@ class Solution:
         return self.peak / self.serial_peak
 
     def to_result(self) -> dict[str, Any]:
-        """FORMAT.md result keys, plus a few extra figures (ignored by readers of the FORMAT)."""
+        """docs/schedule-format.md result keys, plus a few extra figures (ignored by readers of the FORMAT)."""
         return schedule_to_result(
             self.problem,
             self.schedule,

@@ -1,6 +1,6 @@
 """Event-driven reference simulator: makespan, bubbles and activation memory of a schedule, or a precise error.
 
-Semantics (`../shared/bench/FORMAT.md`): a rank runs its list in order; F of stage s waits for F of stage s-1
+Semantics (docs/schedule-format.md): a rank runs its list in order; F of stage s waits for F of stage s-1
 (same model, replica, micro-batch); B of stage s waits for F of stage s and B of stage s+1. A dependency between
 two different ranks costs `comm_latency` (0 in the FORMAT). Activation memory of a micro-batch is held on a
 stage from the start of its F to the end of its B.
@@ -78,7 +78,7 @@ def all_actions(problem: Problem, split_backward: bool = False) -> list[Action]:
 
 
 def dependencies(problem: Problem, a: Action) -> list[Action]:
-    """The actions `a` waits for (FORMAT.md execution semantics; I/W as in the module docstring)."""
+    """The actions `a` waits for (docs/schedule-format.md execution semantics; I/W as in the module docstring)."""
     if a.kind is Kind.F:
         return [Action(a.model, a.replica, a.stage - 1, Kind.F, a.microbatch)] if a.stage > 0 else []
     if a.kind is Kind.W:

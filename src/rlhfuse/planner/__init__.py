@@ -1,4 +1,4 @@
-"""Execution-plan generator and paper-scale simulator (DESIGN §4-5). Pure Python + numpy (no torch).
+"""Execution-plan generator and paper-scale simulator (docs/paper.md §4-5). Pure Python + numpy (no torch).
 
 - `specs`: device, cluster and model specifications (H100, H200, A100, this CPU; LLaMA 7B-65B), efficiencies.
 - `cost.CostModel`: prefill / training compute, memory-bound decoding with BSmax, KV memory, TP / PP / DP

@@ -1,4 +1,4 @@
-"""RLHFuse vs RLHFuse-Base on one setting (`compare`) and on the paper's grid (`paper_grid`, DESIGN §5)."""
+"""RLHFuse vs RLHFuse-Base on one setting (`compare`) and on the paper's grid (`paper_grid`, docs/paper.md §5)."""
 
 from __future__ import annotations
 

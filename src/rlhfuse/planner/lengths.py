@@ -11,7 +11,7 @@ truncated). Default parameters, and where they come from:
   single turns. We assume a log-normal with median 128 and sigma 0.6 (mean about 154), capped at 512 tokens:
   an assumption, not a fit.
 These are documented defaults; `LengthDistribution.fit` re-fits them from observed lengths (what the runtime
-does as iterations run, DESIGN §2).
+does as iterations run, docs/paper.md §2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Gen+Inf simulator fed by measured costs (`migration=auto`, DESIGN §2): a `CostProfile` of the running
+"""The Gen+Inf simulator fed by measured costs (`migration=auto`, docs/paper.md §2): a `CostProfile` of the running
 engine and `MeasuredCosts`, the `RolloutCosts` the planner's `gen_inf` / `gen_inf_sweep` read. The planner's
 paper-scale presets go through the same functions with `ModeledCosts` (the analytical cost model).
 

@@ -1,4 +1,4 @@
-"""The migration decision of inter-stage fusion (DESIGN §2), as pure functions of counts and sizes.
+"""The migration decision of inter-stage fusion (docs/paper.md §2), as pure functions of counts and sizes.
 
 Shared by the planner's simulator and the generation engine (issue 5): the engine calls `should_migrate` after
 every decode step with the number of unfinished samples, then `decide_migration` with the unfinished count of

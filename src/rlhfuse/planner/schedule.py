@@ -1,6 +1,6 @@
 """Training-stage makespans for the planner, on `rlhfuse.pipeline`'s one model of a fused pipeline problem.
 
-The planner describes each candidate layout's fused Actor + Critic pipelines (DESIGN §3) as `PipeModel`s with
+The planner describes each candidate layout's fused Actor + Critic pipelines (docs/paper.md §3) as `PipeModel`s with
 uniform stages; `pipeline_problem` turns them into a `rlhfuse.pipeline.Problem`, and the makespans come from
 the pipeline package: `greedy_fused_makespan` is its greedy list schedule (earliest start, backward first on
 ties) evaluated by its compiled evaluator, `fused_lower_bound` its paper bound (`lower_bounds(...).paper`: each
@@ -25,7 +25,7 @@ from rlhfuse.pipeline.search import greedy_order
 
 @dataclass(frozen=True)
 class PipeModel:
-    """One model of a fused problem (same meaning as bench/FORMAT.md's model object)."""
+    """One model of a fused problem (same meaning as docs/schedule-format.md's model object)."""
 
     stages: int
     replicas: int
@@ -43,7 +43,7 @@ def one_f_one_b(stages: int, microbatches: int, forward: float, backward: float)
 
 
 def serial_makespan(models: Sequence[PipeModel]) -> float:
-    """The models trained one after the other, each with 1F1B (the `serial_1f1b` of bench/FORMAT.md)."""
+    """The models trained one after the other, each with 1F1B (the `serial_1f1b` of docs/schedule-format.md)."""
     return sum(one_f_one_b(m.stages, m.microbatches, m.forward, m.backward) for m in models)
 
 

@@ -1,4 +1,4 @@
-"""Execution-plan search (DESIGN §4): per task, candidate (dp, pp, tp) pruned by Megatron-LM's guidelines, then
+"""Execution-plan search (docs/paper.md §4): per task, candidate (dp, pp, tp) pruned by Megatron-LM's guidelines, then
 exhaustive over what remains, keeping the plan with the least simulated iteration time.
 
 Pruning (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters using

@@ -265,7 +265,7 @@ def simulate_generation(
     """Generate `samples` on `cluster.gpus // tp` instances (sample i on instance i mod n): `generation` on
     the cost model's figures (`ModeledCosts`).
 
-    With `rt`, migrate when `rt` samples remain (DESIGN §2): destinations from `decide_migration`, mechanism
+    With `rt`, migrate when `rt` samples remain (docs/paper.md §2): destinations from `decide_migration`, mechanism
     (KV transfer or re-prefill) by cost, destinations pause for the migration, sources are freed after it.
     `unmigrated` (from `generate_unmigrated` with the same arguments) saves recomputing the first phase.
     `kv_read_slack` adds the KV-read rule of `decide_migration`, with a budget of that fraction of the
@@ -361,10 +361,10 @@ def swap_exposed(
     """(swap seconds, time the inference weights are ready) for loading Ref/RW/Critic onto the pool.
 
     Ref and RW come from host memory (PCIe); with `critic_train` = the Critic's training (tp, pp), the Critic
-    is resharded from its resident training weights over the network instead (DESIGN §4), in parallel with
+    is resharded from its resident training weights over the network instead (docs/paper.md §4), in parallel with
     the host copies; without it, the Critic is copied from host memory too.
 
-    DESIGN §4: the swap-in is overlapped with the previous task. From `prefetch_from` (see `prefetch_start`)
+    docs/paper.md §4: the swap-in is overlapped with the previous task. From `prefetch_from` (see `prefetch_start`)
     the weights stream in beside generation, so they are ready at max(`hidden_until`, prefetch_from + swap).
     With None (they never fit beside generation) they are loaded one model at a time after `hidden_until`,
     `passes` times (Base: 1; fused: 2, once for the bulk of the samples, once more for the tail).
@@ -480,7 +480,7 @@ def unmigrated_generation(costs: RolloutCosts, samples: Samples, *, lockstep: bo
 
 
 def generation(costs: RolloutCosts, samples: Samples, rt: int | None, base: Unmigrated) -> GenerationResult:
-    """Generation from `base` (without migration), migrating the tail when `rt` samples remain (DESIGN §2):
+    """Generation from `base` (without migration), migrating the tail when `rt` samples remain (docs/paper.md §2):
     destinations from `costs.decide`, mechanism (KV transfer or re-prefill) by cost, destinations pause for the
     migration and decode the tail without the lockstep cost, sources are freed after it."""
     n = costs.instances
@@ -554,7 +554,7 @@ def gen_inf_sweep(
 
 @dataclass(frozen=True)
 class Speculation:
-    """Lossless speculative decoding of the tail (DESIGN §8) in the simulator: `tokens` (k) draft tokens per
+    """Lossless speculative decoding of the tail (docs/paper.md §6) in the simulator: `tokens` (k) draft tokens per
     sample verified in one forward pass of k + 1 positions, each draft token accepted with probability
     `acceptance` (independently, until the first rejection)."""
 
@@ -899,7 +899,7 @@ def fused_problem(
     *,
     merged: bool = False,
 ) -> tuple[int, list[PipeModel]]:
-    """The fused pipeline problem of a co-located layout (DESIGN §3): the model with more stages runs in order
+    """The fused pipeline problem of a co-located layout (docs/paper.md §3): the model with more stages runs in order
     on ranks 0..N-1, the other's N / stages replicas run reversed over blocks of ranks. A rank is a group of
     max(tp) devices.
 

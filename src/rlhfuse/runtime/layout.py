@@ -1,6 +1,6 @@
 """Parallel layout of the fused Actor+Critic pipeline: validated sizes, the paper's placement, process groups.
 
-RLHFuse §3 (`../shared/DESIGN.md`): the model with more pipeline stages occupies the ranks of a *fused group*
+docs/paper.md §3: the model with more pipeline stages occupies the ranks of a *fused group*
 in order; the other model is split into K = N / its stages replicas, each reversed over its block of ranks
 (e.g. actor 4 stages on ranks 0..3, critic 2 stages as replicas on 1,0 and 3,2). The fused group is replicated
 `dp` times (data parallelism); world size = N * dp.

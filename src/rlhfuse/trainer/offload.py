@@ -1,6 +1,6 @@
 """Frozen models kept in host memory between inference stages, swapped onto the compute device for inference.
 
-Ref and Reward are only used by inference (DESIGN §2): between iterations their weights live in host memory
+Ref and Reward are only used by inference (docs/paper.md §2): between iterations their weights live in host memory
 (pinned on CUDA, so copies are asynchronous) and the device keeps its memory for generation and training.
 `prefetch()` starts the host-to-device copy early — the fused rollout calls it when this rank's long tail
 begins, so on a GPU the copy runs on a side stream while the tail decodes; `acquire()` makes the compute stream
