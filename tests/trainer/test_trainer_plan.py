@@ -239,14 +239,14 @@ def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
 
 
 def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
-    """A 30-layer Actor (48 heads, 8 kv heads) and a Critic / Reward with 2 kv heads on 8 H100s: the Critic
-    cannot follow the Actor to tp=4 (tp divides the kv heads) and 30 layers do not split into 4 or 8 stages, so
-    the real planner chooses Actor tp=4 x pp=2 beside a Critic at tp=2, whose two consecutive stages merge onto
-    one tp=4 group (`ParallelLayout.merge`), costed as the runtime runs them; the plan applies and validates."""
+    """A 30-layer Actor (48 heads, 8 kv heads) and a 2-layer Critic / Reward with 2 kv heads on 8 H100s: the
+    Critic cannot follow the Actor to tp=4 (tp divides the kv heads) nor split into more than 2 stages, so the
+    real planner chooses Actor tp=4 x pp=2 beside a Critic at tp=2, whose two consecutive stages merge onto one
+    tp=4 group (`ParallelLayout.merge`), costed as the runtime runs them; the plan applies and validates."""
     shapes = {
         "sft": {"num_hidden_layers": 30, "hidden_size": 6144, "num_attention_heads": 48, "num_key_value_heads": 8,
                 "intermediate_size": 16576},
-        "rm": {"num_hidden_layers": 24, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+        "rm": {"num_hidden_layers": 2, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
                "intermediate_size": 11008},
     }  # fmt: skip
     for name, shape in shapes.items():
@@ -295,3 +295,33 @@ def test_plan_device_prices_plan_auto_with_a_device_file_and_bad_ones_name_the_k
         planning.apply_plan(
             missing, torch.device("cpu"), log=lambda _: None
         )  # before validate, in build_trainer
+
+
+def test_plan_auto_may_choose_uneven_stages_the_runtime_splits(tmp_path):
+    """A 30-layer Actor beside a 24-layer Critic with 2 kv heads (tp <= 2) on 8 H100s: 30 layers over 4 stages
+    (the slowest holding 8). The runtime splits any layer count (`stage_ranges`), so plan=auto plans with uneven pipelines
+    too, and the plan it applies validates."""
+    from rlhfuse.models import stage_ranges
+
+    shapes = {
+        "sft": {"num_hidden_layers": 30, "hidden_size": 6144, "num_attention_heads": 48, "num_key_value_heads": 8,
+                "intermediate_size": 16576},
+        "rm": {"num_hidden_layers": 24, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+               "intermediate_size": 11008},
+    }  # fmt: skip
+    for name, shape in shapes.items():
+        (tmp_path / name).mkdir()
+        hf = {"model_type": "llama", "vocab_size": 32000, "tie_word_embeddings": False, **shape}
+        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+    cfg = compose_config(
+        [
+            "plan=auto", "distributed.nproc_per_node=8", f"model.sft_path={tmp_path / 'sft'}",
+            f"model.reward_path={tmp_path / 'rm'}", "data.source=file", "data.path=p.jsonl",
+        ]
+    )  # fmt: skip
+    result = plan_config(cfg, "h100", "test")
+    p = result.config.pipeline
+    assert 30 % p.actor_pp, "the chosen Actor pipeline splits 30 layers unevenly"
+    # the slowest stage holds ceil(30 / pp) layers, as the planner costs it
+    assert max(hi - lo for lo, hi in stage_ranges(30, p.actor_pp)) == -(-30 // p.actor_pp)
+    assert validate_runtime(result.config) == []

@@ -204,6 +204,9 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
                 workload=workload,
                 max_tp=g,
                 activation_checkpointing=cfg.pipeline.optim.activation_checkpointing,
+                # the runtime splits any layer count over any stage count (`rlhfuse.models.stage_ranges`:
+                # stages differing by one layer), so uneven pipelines are plans it runs
+                even_pp=False,
                 runtime=True,
                 **memory_facts(cfg, kind),
             )
