@@ -338,3 +338,30 @@ def test_tensor_parallel_refuses_a_mixture_of_experts_naming_the_key():
     (problem,) = tp_problems(config, 2, "pipeline.actor_tp")
     assert "pipeline.actor_tp=2: the model's MLPs are mixtures of 4 experts" in problem
     assert tp_problems(config, 1, "pipeline.actor_tp") == []
+
+
+def test_the_load_balancing_loss_equals_transformers(tmp_path):
+    """Our router logits of a Qwen3-MoE checkpoint, through `load_balancing_loss`, give transformers' aux_loss,
+    on a left-padded batch (pad rows excluded) and without a mask."""
+    from rlhfuse.models.transformer import load_balancing_loss, record_router_logits
+
+    torch.manual_seed(10)
+    hf_model = _qwen3_moe()
+    hf_model.config.mlp_only_layers = []  # both layers mixtures
+    hf_model = transformers.Qwen3MoeForCausalLM(hf_model.config)
+    randomize_(hf_model, seed=11)
+    path = write_hf(hf_model, tmp_path / "moe")
+    hf_model = hf_model.double().eval()
+    hf_model.set_experts_implementation("eager")
+    model = from_pretrained(path, dtype=torch.float64).eval()
+    ids_BT, mask_BT = _left_padded(_rows([9, 4, 6], seed=12))
+    for mask in (mask_BT, None):
+        with torch.no_grad(), record_router_logits(model) as logits:
+            model(ids_BT, attention_mask_BT=mask)
+            expected = hf_model(ids_BT, attention_mask=mask, output_router_logits=True).aux_loss
+        assert len(logits) == 2
+        valid_N = None if mask is None else mask.flatten()
+        got = load_balancing_loss(logits, 4, 2, valid_N)
+        # transformers accumulates its sums in float32
+        torch.testing.assert_close(got, expected.to(got.dtype), atol=0, rtol=1e-6)
+    assert all(block.recorded is None for block in model.modules() if hasattr(block, "recorded"))

@@ -104,3 +104,49 @@ def test_a_family_checkpoint_trains_grpo_and_exports(tmp_path, chat_checkpoint_o
     ids_BT = torch.randint(0, exported.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids_BT), hf_model(ids_BT).logits, atol=1e-5, rtol=0)
+
+
+def test_the_load_balancing_loss_trains_a_mixture_of_experts_actor(tmp_path, chat_checkpoint_of):
+    """pipeline.router_aux_loss_coef adds the load-balancing loss to the Actor's: logged as loss/router_aux
+    (2 when 2-of-4 routing is uniform), and it changes the router's update."""
+    sft = chat_checkpoint_of("qwen3_moe", **FAMILIES["qwen3_moe"]).path
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "7 + 5 ="}], "answer": "12"}) + "\n"
+    )
+    routers = {}
+    for coef in (0.0, 5.0):
+        cfg = compose_config(
+            [
+                "experiment=hf_local", "algorithm=grpo", f"model.sft_path={sft}", f"data.path={prompts}",
+                "data.max_prompt_length=16", "data.prompts_per_iteration=1", "data.samples_per_prompt=4",
+                "data.mini_batch_size=4", "data.micro_batch_size=2", "inferencer.use_reward_model=false",
+                "generator.max_new_tokens=6", "iterations=1", "logger=quiet", "pipeline.actor_lr=1e-2",
+                f"pipeline.router_aux_loss_coef={coef}",
+            ]
+        )  # fmt: skip
+        cfg.inferencer.reward_fn = distinct_tokens
+        trainer = build_trainer(cfg, run_dir=tmp_path / f"run{coef}", log=lambda _: None)
+        (row,) = trainer.fit()
+        assert ("loss/router_aux" in row) == (coef > 0)
+        if coef > 0:
+            assert 1.0 < row["loss/router_aux"] < 8.0
+        routers[coef] = trainer.strategy.actor.layers[0].mlp.gate.weight.detach().clone()
+    assert not torch.equal(routers[0.0], routers[5.0])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["pipeline=fused"], r"pipeline.router_aux_loss_coef=0.01: the load-balancing loss is added under"),
+        (
+            [],
+            r"pipeline.router_aux_loss_coef=0.01: the Actor \(the embedded model\) has no mixture-of-experts",
+        ),
+    ],
+)
+def test_a_load_balancing_loss_it_cannot_add_is_refused_naming_the_key(overrides, message):
+    from rlhfuse.trainer.validate import validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(compose_config(["pipeline.router_aux_loss_coef=0.01", *overrides]))

@@ -40,9 +40,18 @@ class OptimConfig:
     # What a training forward keeps for backward: none | full (each layer recomputed in backward: activation
     # memory ~1/layers) | selective (attention kernels and MLPs recomputed; projections and norms kept).
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # A mixture-of-experts Actor's load-balancing loss (Switch Transformer's, as transformers computes it) is added
+    # to its loss with this weight (0 = off; checkpoints suggest one in config.json's router_aux_loss_coef, e.g.
+    # 0.001). pipeline=plain only; logged as loss/router_aux.
+    router_aux_loss_coef: float = 0.0
 
     def problems(self) -> list[str]:
         problems = choice_problems(self, "pipeline")
+        need(
+            problems,
+            math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0,
+            f"pipeline.router_aux_loss_coef={self.router_aux_loss_coef} must be a finite number >= 0 (0 = off)",
+        )
         for key in ("actor_lr", "critic_lr"):
             value = getattr(self, key)
             need(

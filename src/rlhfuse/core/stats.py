@@ -46,8 +46,8 @@ def scale_stats(stats: S, weight: float) -> S:
 class LossStats(NamedTuple):
     """A micro-batch's loss statistics; weighted by its share, they sum to the mini-batch's. The Actor's loss
     fills the policy fields (and `kl_loss`, the KL term before its coefficient, when the KL is a loss term), the
-    Critic's the value field (the other fields are 0). `metrics()` leaves `kl_loss` out: the trainer logs it as
-    loss/kl only when the algorithm has the term."""
+    Critic's the value field (the other fields are 0). `metrics()` leaves `kl_loss` and `router_aux_loss` out: the
+    trainer logs them as loss/kl and loss/router_aux only when the run has the term."""
 
     policy_loss: float = 0.0
     clip_fraction: float = 0.0
@@ -55,6 +55,9 @@ class LossStats(NamedTuple):
     entropy: float = 0.0
     value_loss: float = 0.0
     kl_loss: float = 0.0
+    router_aux_loss: float = 0.0
+    """A mixture-of-experts Actor's load-balancing loss before its coefficient (logged as loss/router_aux when
+    pipeline.router_aux_loss_coef > 0)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -76,6 +79,7 @@ class LossTensors(NamedTuple):
     entropy: Tensor
     value_loss: Tensor
     kl_loss: Tensor
+    router_aux_loss: Tensor
 
     @classmethod
     def of(cls, like: Tensor, **fields: Tensor) -> LossTensors:

@@ -5,7 +5,7 @@ from rlhfuse.models.cache import KVCache, SlotState, upload
 from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from rlhfuse.models.config import ModelConfig
 from rlhfuse.models.stages import Stage, resident_bytes, split_stages, stage_of, stage_ranges, to_device
-from rlhfuse.models.transformer import Transformer
+from rlhfuse.models.transformer import Transformer, load_balancing_loss, record_router_logits
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -18,6 +18,8 @@ __all__ = [
     "Transformer",
     "from_pretrained",
     "get_attention",
+    "load_balancing_loss",
+    "record_router_logits",
     "resident_bytes",
     "save_pretrained",
     "split_stages",

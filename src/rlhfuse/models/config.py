@@ -176,8 +176,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     """Layers kept dense in a mixture-of-experts model (Qwen3-MoE)."""
     router_aux_loss_coef: float = 0.0
-    """The checkpoint's load-balancing loss weight (config.json's router_aux_loss_coef), kept for the export:
-    training does not add the load-balancing loss yet."""
+    """The checkpoint's suggested load-balancing loss weight (config.json's router_aux_loss_coef), kept for the
+    export; training applies `pipeline.router_aux_loss_coef`."""
     rms_norm_eps: float = 1e-6
     """Epsilon added to the mean square inside RMSNorm."""
     max_position_embeddings: int = 2048

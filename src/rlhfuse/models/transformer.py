@@ -9,8 +9,9 @@ Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpo
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -456,6 +457,8 @@ class MoEBlock(nn.Module):
         )
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.recorded: list[Tensor] | None = None
+        """Where this block appends its router logits [N, X] while `record_router_logits` is on."""
 
     def route(self, x_ND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(router logits [N, X], the top-k experts [N, K], their weights [N, K] in x's dtype)."""
@@ -468,7 +471,9 @@ class MoEBlock(nn.Module):
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        _, experts_NK, weights_NK = self.route(x_ND)
+        logits_NX, experts_NK, weights_NK = self.route(x_ND)
+        if self.recorded is not None:
+            self.recorded.append(logits_NX)
         # (token, slot) pairs grouped by expert: pair p = n * K + k
         order_P = experts_NK.flatten().argsort(stable=True)
         counts = torch.bincount(
@@ -483,6 +488,47 @@ class MoEBlock(nn.Module):
             y_MD = expert(x_ND[tokens]) * weights_NK.flatten()[pairs, None]
             out_ND = out_ND.index_add(0, tokens, y_MD)
         return out_ND.view_as(x_BTD)
+
+
+@contextlib.contextmanager
+def record_router_logits(model: nn.Module) -> Iterator[list[Tensor]]:
+    """Collect the router logits [N, X] of every mixture-of-experts block of `model` during the forward calls
+    made inside (in layer order), for `load_balancing_loss`."""
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    recorded: list[Tensor] = []
+    for block in blocks:
+        block.recorded = recorded
+    try:
+        yield recorded
+    finally:
+        for block in blocks:
+            block.recorded = None
+
+
+def load_balancing_loss(
+    router_logits: Sequence[Tensor], num_experts: int, top_k: int, valid_N: Tensor | None = None
+) -> Tensor:
+    """The Switch Transformer's load-balancing loss, as transformers computes it for Qwen3-MoE and Mixtral:
+    X x sum over experts of (the share of top-k assignments it got) x (its mean router probability), both over
+    every layer's real tokens (`valid_N`: which of the N rows are tokens, None = all). 1 x top_k when the routing
+    is uniform; larger the more it concentrates."""
+    if not router_logits:
+        raise ValueError(
+            "load_balancing_loss needs the router logits of at least one mixture-of-experts block"
+        )
+    assignments_X = router_logits[0].new_zeros(num_experts, dtype=torch.float32)
+    probs_X = torch.zeros_like(assignments_X)
+    rows = router_logits[0].new_zeros((), dtype=torch.float32)
+    for logits_NX in router_logits:
+        probs_NX = logits_NX.softmax(-1, dtype=torch.promote_types(logits_NX.dtype, torch.float32))
+        chosen_NK = probs_NX.topk(top_k, dim=-1).indices
+        weight_N = probs_NX.new_ones(probs_NX.shape[0]) if valid_N is None else valid_N.to(probs_NX.dtype)
+        assignments_X = assignments_X.to(probs_NX.dtype).scatter_add(
+            0, chosen_NK.flatten(), weight_N.repeat_interleave(top_k)
+        )
+        probs_X = probs_X.to(probs_NX.dtype) + (probs_NX * weight_N[:, None]).sum(0)
+        rows = rows.to(probs_NX.dtype) + weight_N.sum()
+    return num_experts * (assignments_X / rows * probs_X / rows).sum()
 
 
 class DecoderLayer(nn.Module):

@@ -249,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhfuse-schedule", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    p_solve = sub.add_parser("solve", help="solve one problem (docs/schedule-format.md JSON) and write the result")
+    p_solve = sub.add_parser(
+        "solve", help="solve one problem (docs/schedule-format.md JSON) and write the result"
+    )
     p_solve.add_argument("problem", type=Path)
     p_solve.add_argument(
         "--time-budget", type=float, default=60.0, help="seconds for the search (default 60)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.buckets import GradReducer
-from rlhfuse.models import Transformer
+from rlhfuse.models import Transformer, load_balancing_loss, record_router_logits
 from rlhfuse.models.packing import check_packing
 
 
@@ -184,8 +185,10 @@ class PlainStrategy:
         """Forward and backward of one micro-batch: its statistics, or the non-finite loss (no backward)."""
         device = next(self.actor.parameters()).device
         micro = micro.to(device)
+        coef = self.config.router_aux_loss_coef
         with self.fabric.autocast():
-            logits_BRV = losses.model_response_outputs(self.actor, micro, packing=self.packing)
+            with record_router_logits(self.actor) if coef > 0 else nullcontext() as router_logits:
+                logits_BRV = losses.model_response_outputs(self.actor, micro, packing=self.packing)
             values_BR = (
                 None
                 if self.critic is None
@@ -194,6 +197,13 @@ class PlainStrategy:
         policy_loss, policy_stats = losses.response_actor_loss(
             logits_BRV, micro, self.algorithm, self.temperature
         )
+        if router_logits:
+            # packed: the router saw the real tokens only; padded: every position, the pads masked out
+            valid_N = None if self.packing else micro.attention_mask_BT.flatten()
+            config = self.actor.config
+            aux = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, valid_N)
+            policy_loss = policy_loss + coef * aux
+            policy_stats = policy_stats._replace(router_aux_loss=aux.detach().double())
         named = [("loss/policy", policy_loss, policy_stats)]
         if values_BR is not None:
             named.append(("loss/value", *losses.response_critic_loss(values_BR, micro, self.algorithm)))

@@ -133,7 +133,7 @@ class RLHFTrainer:
             "iteration": it,
             **stats,
             **train_stats.metrics(),
-            **self._kl_loss_metric(train_stats),
+            **self._loss_term_metrics(train_stats),
             **self._rollout_metrics(experience, timings),
             # the most bytes any rank received for the sync (0: the copies were already in sync)
             "weight_sync/bytes_per_rank": self.strategy.weight_sync_bytes,
@@ -180,9 +180,15 @@ class RLHFTrainer:
         return mean_stats(steps)
 
     # ---------------------------------------------------------------- metrics
-    def _kl_loss_metric(self, stats: TrainStats) -> dict[str, float]:
-        """loss/kl (the KL term before its coefficient) when the algorithm has the KL as a loss term."""
-        return {"loss/kl": stats.loss.kl_loss} if self.config.algorithm.kl_loss_coef > 0 else {}
+    def _loss_term_metrics(self, stats: TrainStats) -> dict[str, float]:
+        """The optional loss terms before their coefficients, when the run has them: loss/kl (the KL as a loss
+        term), loss/router_aux (a mixture-of-experts Actor's load-balancing loss)."""
+        terms = {}
+        if self.config.algorithm.kl_loss_coef > 0:
+            terms["loss/kl"] = stats.loss.kl_loss
+        if self.config.pipeline.optim.router_aux_loss_coef > 0:
+            terms["loss/router_aux"] = stats.loss.router_aux_loss
+        return terms
 
     def _rollout_metrics(self, experience: Experience, timings: dict[str, float]) -> dict[str, float]:
         rollout = experience.rollout

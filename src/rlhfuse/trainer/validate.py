@@ -107,6 +107,17 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
+    coef = cfg.pipeline.optim.router_aux_loss_coef
+    if coef > 0 and cfg.pipeline.name != "plain":
+        problems.append(
+            f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain only "
+            f"(pipeline={cfg.pipeline.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
+        )
+    elif coef > 0 and model is not None and not model.num_experts:
+        problems.append(
+            f"pipeline.router_aux_loss_coef={coef}: the Actor ({where}) has no mixture-of-experts layers, so "
+            "there is no load to balance: set pipeline.router_aux_loss_coef=0"
+        )
     problems += generation_tp_problems(cfg)
     problems += attention_problems(cfg)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
