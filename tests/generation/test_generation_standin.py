@@ -22,10 +22,10 @@ PARAMS = SamplingParams(
 )
 
 
-def _model(device: torch.device | str) -> Transformer:
+def _model(device: torch.device | str, **family) -> Transformer:
     torch.manual_seed(0)
     config = ModelConfig.tiny(
-        vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
+        vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, **family
     )
     model = Transformer(config, head="lm").double().eval()  # float64: drafts verify as plain decoding
     with torch.no_grad():  # peaky next-token laws: the model repeats itself and n-gram drafts get accepted
@@ -41,10 +41,12 @@ def _prompts() -> PromptBatch:
     )
 
 
-def _decode(device: torch.device | str, speculative: str, migrate: str) -> tuple[dict[int, list[int]], int]:
+def _decode(
+    device: torch.device | str, speculative: str, migrate: str, **family
+) -> tuple[dict[int, list[int]], int]:
     """Every sample's tokens and the draft tokens accepted: one engine of 4 slots for 9 samples; with `migrate`, after three steps two running
     samples move to a second engine (with their KV, or re-prefilled there) and both engines finish."""
-    model = _model(device)
+    model = _model(device, **family)
     engines = [
         GenerationEngine(model, PARAMS, num_slots=4, max_len=4 + MAX_NEW, speculative=speculative)
         for _ in range(2 if migrate != "none" else 1)
@@ -70,6 +72,30 @@ def test_the_engine_decodes_on_the_standin_with_the_cpu_tokens(speculative, migr
     assert len({len(t) for t in on_cpu.values()}) > 1  # samples leave at different steps and others join
     assert (accepted > 0) == (speculative == "ngram")  # verify steps ran
     assert _decode(STANDIN, speculative, migrate) == (on_cpu, accepted)
+
+
+# the families' own paths: a window past which decoding runs (masks built from the cache), Gemma's scaled
+# embeddings and soft-capped scores and logits, Qwen3-MoE's routing (its counts read on the host)
+FAMILIES = {
+    "mistral_window": dict(architecture="mistral", sliding_window=3),
+    "gemma2": dict(
+        architecture="gemma2", hidden_act="gelu_pytorch_tanh", sliding_window=3, query_pre_attn_scalar=8,
+        attn_logit_softcapping=5.0, final_logit_softcapping=20.0, layer_types=("sliding_attention", "full_attention"),
+    ),
+    "gemma3_text": dict(
+        architecture="gemma3_text", hidden_act="gelu_pytorch_tanh", sliding_window=3, local_rope_theta=100.0,
+        layer_types=("sliding_attention", "full_attention"),
+    ),
+    "qwen3_moe": dict(architecture="qwen3_moe", num_experts=4, moe_intermediate_size=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_decodes_on_the_standin_with_the_cpu_tokens(family) -> None:
+    """Speculative verification and a KV migration on the stand-in device give the CPU's tokens for every
+    family's own code path: no host tensor meets device work in them."""
+    on_cpu = _decode("cpu", "ngram", "kv", **FAMILIES[family])
+    assert _decode(STANDIN, "ngram", "kv", **FAMILIES[family]) == on_cpu
 
 
 def _many_prompts(count: int = 6) -> PromptBatch:

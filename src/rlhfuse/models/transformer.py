@@ -624,7 +624,9 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         if not self.config.family.gemma:
             return x
-        return x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
+        # the scale rounded to x's dtype on the host (a Python number: no host tensor meets a device one)
+        scale = float(torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype))
+        return x * scale
 
     def apply_head(self, hidden_BTD: Tensor) -> Tensor:
         if self.head == "value":
