@@ -68,6 +68,23 @@ def chat_checkpoint_of(tmp_path):
     return make
 
 
+def hf_local_grpo(sft: Path, prompts: Path, *extra: str) -> list[str]:
+    """The overrides of a tiny GRPO run on a local checkpoint and prompt file (`experiment=hf_local`: 2 prompts of
+    2 samples, a rule reward, the export on), then `extra`."""
+    return [
+        "experiment=hf_local", "algorithm=grpo", f"model.sft_path={sft}", f"data.path={prompts}",
+        "data.max_prompt_length=16", "data.prompts_per_iteration=2", "data.samples_per_prompt=2",
+        "data.mini_batch_size=4", "inferencer.use_reward_model=false", "checkpoint.export_hf=true",
+        "logger=quiet", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(name="hf_local_grpo")
+def hf_local_grpo_fixture():
+    """`hf_local_grpo`, for the tests of this folder."""
+    return hf_local_grpo
+
+
 @pytest.fixture
 def chat_checkpoint(chat_checkpoint_of) -> ChatCheckpoint:
     """transformers' LlamaForCausalLM (1 layer, hidden 32) saved with a word-level tokenizer and CHAT_TEMPLATE."""

@@ -65,29 +65,13 @@ def distinct_tokens(samples):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_family_checkpoint_trains_grpo_and_exports(tmp_path, chat_checkpoint_of, family):
+def test_a_family_checkpoint_trains_grpo_and_exports(tmp_path, chat_checkpoint_of, hf_local_grpo, family):
     sft = chat_checkpoint_of(family, **FAMILIES[family]).path
     prompts = tmp_path / "p.jsonl"
     rows = [{"messages": [{"role": "user", "content": "7 + 5 ="}], "answer": "12"}] * 2
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = compose_config(
-        [
-            "experiment=hf_local",
-            "algorithm=grpo",
-            f"model.sft_path={sft}",
-            f"data.path={prompts}",
-            "data.max_prompt_length=16",
-            "data.prompts_per_iteration=2",
-            "data.samples_per_prompt=2",
-            "data.mini_batch_size=4",
-            "data.micro_batch_size=2",
-            "inferencer.use_reward_model=false",
-            "generator.max_new_tokens=8",
-            "checkpoint.export_hf=true",
-            "iterations=2",
-            "logger=quiet",
-        ]
-    )
+    overrides = ["data.micro_batch_size=2", "generator.max_new_tokens=8", "iterations=2"]
+    cfg = compose_config(hf_local_grpo(sft, prompts, *overrides))
     cfg.inferencer.reward_fn = distinct_tokens
     trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
     rows_out = trainer.fit()

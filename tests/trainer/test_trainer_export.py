@@ -39,32 +39,21 @@ def test_embedded_tiny_model_export_loads_with_pad_eos_and_no_template(tmp_path)
     assert model.config.eos_token_id == 2
 
 
-def test_hf_checkpoint_with_chat_template_round_trips_template_and_stop_tokens(tmp_path, chat_checkpoint):
+def test_hf_checkpoint_with_chat_template_round_trips_template_and_stop_tokens(
+    tmp_path, chat_checkpoint, hf_local_grpo
+):
     sft, tok, end = chat_checkpoint.path, chat_checkpoint.tokenizer, chat_checkpoint.end_id
     prompts = tmp_path / "p.jsonl"
     rows = [{"messages": [{"role": "user", "content": "7 + 5 ="}], "answer": "12"}] * 2 + [
         {"prompt": "5 + 7 =", "answer": "12"}
     ] * 2
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = compose_config(
-        [
-            "experiment=hf_local",
-            "algorithm=grpo",
-            f"model.sft_path={sft}",
-            f"data.path={prompts}",
-            "data.max_prompt_length=16",
-            "data.prompts_per_iteration=2",
-            "data.samples_per_prompt=2",
-            "data.mini_batch_size=4",
-            "data.micro_batch_size=4",
-            "inferencer.use_reward_model=false",
-            "inferencer.reward_fn=numeric_match",
-            "generator.max_new_tokens=4",
-            "checkpoint.export_hf=true",
-            "iterations=1",
-            "logger=quiet",
-        ]
-    )
+    overrides = [
+        "data.micro_batch_size=4",
+        "inferencer.reward_fn=numeric_match",
+        "generator.max_new_tokens=4",
+    ]
+    cfg = compose_config(hf_local_grpo(sft, prompts, *overrides, "iterations=1"))
     trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
     assert (
         end in trainer.generator.stop_ids.tolist()

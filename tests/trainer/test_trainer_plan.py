@@ -238,6 +238,21 @@ def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
     assert validate_runtime(result.config) == []
 
 
+def _plan_on_8_h100s(tmp_path, shapes):
+    """plan=auto for Llama config.json files of `shapes` (sft, rm) on 8 H100s."""
+    for name, shape in shapes.items():
+        (tmp_path / name).mkdir()
+        hf = {"model_type": "llama", "vocab_size": 32000, "tie_word_embeddings": False, **shape}
+        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+    cfg = compose_config(
+        [
+            "plan=auto", "distributed.nproc_per_node=8", f"model.sft_path={tmp_path / 'sft'}",
+            f"model.reward_path={tmp_path / 'rm'}", "data.source=file", "data.path=p.jsonl",
+        ]
+    )  # fmt: skip
+    return plan_config(cfg, "h100", "test")
+
+
 def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
     """A 30-layer Actor (48 heads, 8 kv heads) and a 2-layer Critic / Reward with 2 kv heads on 8 H100s: the
     Critic cannot follow the Actor to tp=4 (tp divides the kv heads) nor split into more than 2 stages, so the
@@ -249,17 +264,7 @@ def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
         "rm": {"num_hidden_layers": 2, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
                "intermediate_size": 11008},
     }  # fmt: skip
-    for name, shape in shapes.items():
-        (tmp_path / name).mkdir()
-        hf = {"model_type": "llama", "vocab_size": 32000, "tie_word_embeddings": False, **shape}
-        (tmp_path / name / "config.json").write_text(json.dumps(hf))
-    cfg = compose_config(
-        [
-            "plan=auto", "distributed.nproc_per_node=8", f"model.sft_path={tmp_path / 'sft'}",
-            f"model.reward_path={tmp_path / 'rm'}", "data.source=file", "data.path=p.jsonl",
-        ]
-    )  # fmt: skip
-    result = plan_config(cfg, "h100", "test")
+    result = _plan_on_8_h100s(tmp_path, shapes)
     train = result.plan.train
     p = result.config.pipeline
     assert (p.actor_tp, p.critic_tp) == (train.actor.tp, train.critic.tp)
@@ -267,7 +272,7 @@ def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
     assert validate_runtime(result.config) == []
     from rlhfuse.runtime.strategy import pipeline_layout
 
-    layout = pipeline_layout(p, 8, cfg.data.mini_batch_size, 1)
+    layout = pipeline_layout(p, 8, result.config.data.mini_batch_size, 1)
     narrow = "actor" if p.actor_tp < p.critic_tp else "critic"
     assert layout.merge(narrow) > 1
 
@@ -309,17 +314,7 @@ def test_plan_auto_may_choose_uneven_stages_the_runtime_splits(tmp_path):
         "rm": {"num_hidden_layers": 24, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
                "intermediate_size": 11008},
     }  # fmt: skip
-    for name, shape in shapes.items():
-        (tmp_path / name).mkdir()
-        hf = {"model_type": "llama", "vocab_size": 32000, "tie_word_embeddings": False, **shape}
-        (tmp_path / name / "config.json").write_text(json.dumps(hf))
-    cfg = compose_config(
-        [
-            "plan=auto", "distributed.nproc_per_node=8", f"model.sft_path={tmp_path / 'sft'}",
-            f"model.reward_path={tmp_path / 'rm'}", "data.source=file", "data.path=p.jsonl",
-        ]
-    )  # fmt: skip
-    result = plan_config(cfg, "h100", "test")
+    result = _plan_on_8_h100s(tmp_path, shapes)
     p = result.config.pipeline
     assert 30 % p.actor_pp, "the chosen Actor pipeline splits 30 layers unevenly"
     # the slowest stage holds ceil(30 / pp) layers, as the planner costs it
