@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 HF_COMMON = dict(
@@ -46,3 +49,17 @@ def exact_norms_(model: torch.nn.Module) -> None:
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             module.forward = (gemma_forward if name.startswith("Gemma") else forward).__get__(module)
+
+
+@contextlib.contextmanager
+def float64_softmax() -> Iterator[None]:
+    """transformers' eager attention (Gemma 2's only one: its soft-cap has no SDPA kernel) takes the softmax in
+    float32 even for float64 scores; inside the block the float64 reference keeps float64."""
+    softmax = torch.nn.functional.softmax
+
+    def keep_float64(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "softmax", keep_float64)
+        yield

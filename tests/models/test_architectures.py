@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import HF_COMMON, exact_norms_, randomize_, write_hf
+from hf_helpers import HF_COMMON, exact_norms_, float64_softmax, randomize_, write_hf
 
 from rlhfuse.models import KVCache, ModelConfig, Transformer, from_pretrained, save_pretrained
 from rlhfuse.models.config import ARCHITECTURES
@@ -141,16 +141,8 @@ def atol(request) -> float:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def float64_softmax():
-    """transformers' eager attention (Gemma 2's only one: its soft-cap has no SDPA kernel) takes the softmax in
-    float32 even for float64 scores; the float64 reference keeps float64."""
-    softmax = torch.nn.functional.softmax
-
-    def keep_float64(x, dim=None, _stacklevel=3, dtype=None):
-        return softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.nn.functional, "softmax", keep_float64)
+def _float64_softmax():
+    with float64_softmax():
         yield
 
 

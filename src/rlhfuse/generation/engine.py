@@ -29,7 +29,7 @@ from torch import Tensor
 from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
-from rlhfuse.models import KVCache, SlotState, Transformer, upload
+from rlhfuse.models import KVCache, SlotState, Transformer, load_weights, upload
 
 
 @dataclass(frozen=True)
@@ -242,8 +242,7 @@ class GenerationEngine:
             self.waiting.append(request)
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(dict(named_tensors), strict=True)
+        load_weights(self.model, named_tensors)
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()

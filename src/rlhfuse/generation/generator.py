@@ -37,7 +37,7 @@ from rlhfuse.generation.fusion import fused_generate_infer
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
 from rlhfuse.generation.transport import collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
-from rlhfuse.models import Transformer
+from rlhfuse.models import Transformer, load_weights
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,8 @@ class EngineGenerator:
         self._predicted: tuple[object, object] | None = None
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        with torch.no_grad():
-            for model in self.models:
-                model.load_state_dict(dict(named_tensors), strict=True)
+        for model in self.models:
+            load_weights(model, named_tensors)
 
     def actor_copies(self) -> list[torch.nn.Module]:
         """One Actor copy per in-process instance."""

@@ -2,7 +2,7 @@
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, MULTI_POSITION_BACKENDS, get_attention
 from rlhfuse.models.cache import KVCache, SlotState, upload
-from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, save_pretrained
+from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, load_weights, save_pretrained
 from rlhfuse.models.config import ModelConfig
 from rlhfuse.models.stages import Stage, resident_bytes, split_stages, stage_of, stage_ranges, to_device
 from rlhfuse.models.transformer import Transformer, load_balancing_loss, record_router_logits
@@ -19,6 +19,7 @@ __all__ = [
     "from_pretrained",
     "get_attention",
     "load_balancing_loss",
+    "load_weights",
     "record_router_logits",
     "resident_bytes",
     "save_pretrained",

@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -293,16 +293,26 @@ def from_pretrained(
 def save_pretrained(model: Transformer, path: str | os.PathLike) -> None:
     """Write config.json + model.safetensors for `transformers`; atomically (temp dir, then rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     hf = model.config.to_hf_dict(model.head)
     # transformers 5 reads "dtype", 4.x "torch_dtype"
     hf["dtype"] = hf["torch_dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
     named = {n: p for n, p in model.named_parameters() if not model._is_tied(n)}
     tensors = {key: t.detach().contiguous().cpu() for key, t in hf_named_tensors(named, model.config)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    write_folder(path, write)
+
+
+def write_folder(path: Path, write: Callable[[Path], None]) -> None:
+    """Fill a folder with `write(tmp)` in a temporary sibling, then rename it to `path` (replacing an old one
+    whole): a reader never sees a half-written folder, and a failure leaves the old one as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        write(tmp)
         if path.exists():
             # rename cannot replace a non-empty directory: move the old one aside first, delete it last
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -314,3 +324,13 @@ def save_pretrained(model: Transformer, path: str | os.PathLike) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def load_weights(model: torch.nn.Module, named_tensors: Mapping[str, Tensor]) -> None:
+    """A weight sync into a generation copy: copy each of `named_tensors` into `model`'s tensor of that name
+    (casting to its dtype). The whole state, or the part that changed (a LoRA Actor's merged projections,
+    `rlhfuse.models.lora.merged_weights`); a name `model` lacks is an error."""
+    with torch.no_grad():
+        unexpected = model.load_state_dict(dict(named_tensors), strict=False).unexpected_keys
+    if unexpected:
+        raise KeyError(f"weight sync: the generation copy has no tensors {sorted(unexpected)[:8]}")

@@ -22,7 +22,7 @@ from torch import Tensor
 from rlhfuse import distributed
 from rlhfuse.core.sampling import GeneratorConfig, Sampling, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
-from rlhfuse.models import KVCache, ModelConfig, Transformer, upload
+from rlhfuse.models import KVCache, ModelConfig, Transformer, load_weights, upload
 
 PickTokens = Callable[[Tensor, Tensor, Tensor], Tensor]
 """(logits_AV of the active rows, their uniforms_A for this step, their rows_A in the chunk) -> next tokens_A."""
@@ -169,8 +169,7 @@ class SamplingGenerator:
         self.pick = single_process_pick(config)
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(dict(named_tensors), strict=True)
+        load_weights(self.model, named_tensors)
 
     def generation_stats(self) -> None:
         """One batched decode, no instances: nothing to report beyond the stage's timings."""
@@ -289,8 +288,7 @@ class InstanceGenerator:
         return pick
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(dict(named_tensors), strict=True)
+        load_weights(self.model, named_tensors)
 
     def generation_stats(self) -> None:
         """One batched decode per instance: nothing to report beyond the stage's timings."""
