@@ -89,3 +89,20 @@ def hf_local_grpo_fixture():
 def chat_checkpoint(chat_checkpoint_of) -> ChatCheckpoint:
     """transformers' LlamaForCausalLM (1 layer, hidden 32) saved with a word-level tokenizer and CHAT_TEMPLATE."""
     return chat_checkpoint_of("llama")
+
+
+class CrashAfter:
+    """A trainer callback that raises KeyboardInterrupt (a simulated kill) at the end of iteration `at`."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_iteration_end(self, trainer, iteration, metrics):
+        if iteration == self.at:
+            raise KeyboardInterrupt(f"simulated kill after iteration {iteration}")
+
+
+@pytest.fixture
+def crash_after():
+    """`CrashAfter`, for the resume tests of this folder."""
+    return CrashAfter

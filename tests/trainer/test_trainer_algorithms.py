@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from hydra.errors import ConfigCompositionException
 
@@ -179,20 +180,11 @@ def test_critic_free_algorithm_trains_the_tiny_model_without_a_critic(cache_dir,
     assert not any(key.startswith("critic") for key in state)
 
 
-class _Crash:
-    def __init__(self, at):
-        self.at = at
-
-    def on_iteration_end(self, trainer, iteration, metrics):
-        if iteration == self.at:
-            raise KeyboardInterrupt(f"simulated kill after iteration {iteration}")
-
-
-def test_critic_free_resume_is_bit_identical_and_refuses_a_ppo_checkpoint(cache_dir, tmp_path):
+def test_critic_free_resume_is_bit_identical_and_refuses_a_ppo_checkpoint(cache_dir, tmp_path, crash_after):
     common = ["algorithm=grpo", "iterations=4", "checkpoint.every=2"]
     straight = _smoke(cache_dir, tmp_path / "a", *common).fit()
     first = _smoke(cache_dir, tmp_path / "b", *common)
-    first.callbacks.append(_Crash(at=2))
+    first.callbacks.append(crash_after(at=2))
     with pytest.raises(KeyboardInterrupt):
         first.fit()
     resumed = _smoke(cache_dir, tmp_path / "b", *common, "resume=auto").fit()
@@ -211,10 +203,15 @@ def test_critic_free_resume_is_bit_identical_and_refuses_a_ppo_checkpoint(cache_
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_grpo_two_instance_processes_with_migration_data_parallel(tmp_path):
+@pytest.mark.parametrize(
+    "adapter", [[], ["model.lora.rank=4", "pipeline.actor_lr=1e-2"]], ids=["full", "lora"]
+)
+def test_grpo_two_instance_processes_with_migration_data_parallel(tmp_path, adapter):
     """generator.instances=2 migration=auto: 2 gloo processes, generation fused with inference (inter-stage
-    fusion) and data-parallel Actor-only training; the same results as the single-process GRPO job."""
+    fusion) and data-parallel Actor-only training (all its weights, or its LoRA adapters: the gradient buckets
+    hold the trained tensors only); the same results as the single-process GRPO job."""
     job = ["experiment=smoke", "iterations=3", "algorithm=grpo", "generator.stop_token_ids=[10,20,30,40,50]"]
+    job += adapter
     run_dir = tmp_path / "dp"
     cmd = [
         sys.executable,
@@ -240,6 +237,8 @@ def test_grpo_two_instance_processes_with_migration_data_parallel(tmp_path):
         "meta.json",
         "state.pt",
     ]
+    saved = safetensors.torch.load_file(run_dir / "checkpoints" / "iter_00000003" / "actor.safetensors")
+    assert all(".lora_" in k for k in saved) == bool(adapter)
     single = _smoke(str(tmp_path / "cache"), tmp_path / "one", *job[1:]).fit()
     # policy/approx_kl and policy/entropy are token means per micro-batch, weighted by sample share under
     # loss_reduction=sequence: a diagnostic that depends on how the ranks split the mini-batch (the loss does not)

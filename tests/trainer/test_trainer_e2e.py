@@ -67,23 +67,14 @@ def test_smoke_run_matches_golden_metrics(cache_dir, tmp_path):
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), key
 
 
-class _Crash:
-    def __init__(self, at):
-        self.at = at
-
-    def on_iteration_end(self, trainer, iteration, metrics):
-        if iteration == self.at:
-            raise KeyboardInterrupt(f"simulated kill after iteration {iteration}")
-
-
-def test_resume_is_bit_identical_and_crosses_the_epoch_boundary(cache_dir, tmp_path):
+def test_resume_is_bit_identical_and_crosses_the_epoch_boundary(cache_dir, tmp_path, crash_after):
     # 8 prompts, 4 per iteration: the checkpoint at iteration 2 sits exactly at the end of data epoch 0.
     common = ["iterations=4", "checkpoint.every=2", "data.num_prompts=8", "pipeline.lr_schedule=cosine"]
     straight = _smoke(cache_dir, tmp_path / "a", *common)
     straight_history = straight.fit()
 
     interrupted = _smoke(cache_dir, tmp_path / "b", *common)
-    interrupted.callbacks.append(_Crash(at=3))
+    interrupted.callbacks.append(crash_after(at=3))
     interrupted.fabric._callbacks = interrupted.callbacks
     with pytest.raises(KeyboardInterrupt):
         interrupted.fit()

@@ -33,6 +33,7 @@ from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import (
     ExportActor,
+    ExportAdapter,
     ExportShardedActor,
     MemoryMetrics,
     RewardMetrics,
@@ -299,6 +300,7 @@ def build_trainer(
             critic=critic,
             reward=config.inferencer.use_reward_model,
             shard=shard,
+            seed=config.seed,
         )
     else:
         assert m.sft_path is not None
@@ -310,6 +312,7 @@ def build_trainer(
             critic=critic,
             reward=config.inferencer.use_reward_model,
             shard=shard,
+            seed=config.seed,
         )
     if config.pipeline.optim.precision == "bf16-true":
         cast_models(models, torch.bfloat16)
@@ -354,6 +357,11 @@ def build_trainer(
                 write=rank0,
             )
         )
+    elif config.checkpoint.export_hf and rank0 and m.lora.enabled:
+        adapter = ExportAdapter(
+            models.actor, m.lora, models.tokenizer, run_dir / "actor_hf", base=models.sft_path
+        )
+        all_callbacks.append(adapter)
     elif config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(actor_export, models.tokenizer, run_dir / "actor_hf"))
     if Watchdog.current is not None and fabric.world_size > 1:

@@ -14,6 +14,7 @@ from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretrained
+from rlhfuse.models.lora import LoraConfig, merged_model, save_adapter
 
 
 class TaskScore:
@@ -71,6 +72,30 @@ class ExportActor:
         save_pretrained(self.actor, self.path)  # replaces the folder as a whole, then the text files join it
         self.tokenizer.save(self.path)
         self.tokenizer.save_generation_config(self.path)
+
+
+class ExportAdapter:
+    """`ExportActor` for a LoRA Actor (model.lora): at the end of `fit`, write its adapters as a PEFT adapter
+    folder (adapter_config.json + adapter_model.safetensors, `base_model_name_or_path` = the SFT checkpoint) with
+    the tokenizer files, which `peft.PeftModel.from_pretrained(<the SFT model>, path)` loads; with
+    model.lora.export_merged, also the merged model (base + adapter) as a complete checkpoint in `path/merged`."""
+
+    def __init__(
+        self, actor: Transformer, config: LoraConfig, tokenizer: Tokenizer, path: str | Path, *, base: Path
+    ) -> None:
+        self.actor, self.config, self.tokenizer, self.path, self.base = (
+            actor,
+            config,
+            tokenizer,
+            Path(path),
+            base,
+        )
+
+    def on_fit_end(self, trainer: Any) -> None:
+        save_adapter(self.actor, self.config, self.path, base=str(self.base))
+        self.tokenizer.save(self.path)
+        if self.config.export_merged:
+            ExportActor(merged_model(self.actor), self.tokenizer, self.path / "merged").on_fit_end(trainer)
 
 
 class ExportShardedActor:

@@ -27,6 +27,7 @@ from rlhfuse.core.rewards import RewardSet
 from rlhfuse.core.types import Experience, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
+from rlhfuse.models.lora import adapters_disabled
 from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.offload import OffloadedModel
 
@@ -67,8 +68,9 @@ class ModelInferencer:
         if packing:
             check_packing([actor, ref, critic, reward_model])
         device = next(actor.parameters()).device
+        # a LoRA Actor is its own Reference (`adapters_disabled`): trained, so never offloaded
         frozen = (ref, reward_model) if config.offload_frozen else ()
-        self.offloaded = [OffloadedModel(m, device) for m in frozen if m is not None]
+        self.offloaded = [OffloadedModel(m, device) for m in frozen if m is not None and m is not actor]
 
     def prefetch(self) -> None:
         """Start swapping the frozen models' weights onto the device (overlapped with the generation tail)."""
@@ -129,7 +131,8 @@ class ModelInferencer:
         with self.autocast():
             packing = self.packing
             logprobs_BR = response_logprobs(self.actor, rollout, self.temperature, packing=packing)
-            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, packing=packing)
+            with adapters_disabled(self.ref):  # a LoRA Actor as the Reference: the SFT model's log-probs
+                ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, packing=packing)
             values_BR = (
                 torch.zeros_like(logprobs_BR)
                 if self.critic is None

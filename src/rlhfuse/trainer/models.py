@@ -9,6 +9,7 @@ model on its preference pairs) and cached.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from rlhfuse.models import Transformer, from_pretrained, to_device
 from rlhfuse.models.attention import AttentionBackend
 from rlhfuse.models.config import ARCHITECTURES, ArchitectureName
 from rlhfuse.models.convert import real_model_dir
+from rlhfuse.models.lora import LoraConfig, apply_lora
 
 
 @dataclass
@@ -74,11 +76,14 @@ class ModelsConfig:
     # both need `pip install 'rlhfuse[gpu]'`. Checked before any model is built (`trainer.validate`).
     attention_backend: AttentionBackend = "sdpa"
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    # LoRA adapters on the Actor (peft; docs/models.md, "LoRA"): model.lora.rank > 0 trains the adapters only,
+    # and the Reference is the Actor with them switched off (no Ref copy). pipeline=plain only.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def problems(self) -> list[str]:
         """This config's own problems; whether model.sft_path also needs model.reward_path depends on the
         algorithm and the inferencer (`rlhfuse.trainer.validate`)."""
-        problems = choice_problems(self, "model")
+        problems = choice_problems(self, "model") + self.lora.problems()
         for key in ("reward_hidden_size", "reward_intermediate_size", "reward_num_layers"):
             value = getattr(self, key)
             need(problems, value >= 0, f"model.{key}={value} must be >= 0 (0 = the Actor's)")
@@ -108,6 +113,8 @@ class ModelsConfig:
 @dataclass
 class Models:
     actor: Transformer
+    # under model.lora the Actor itself: its log-probs with the adapters switched off (`adapters_disabled`) are
+    # the SFT model's
     ref: Transformer
     # None when the score is a rule alone (inferencer.use_reward_model=false, checkpoints given)
     reward: Transformer | None
@@ -162,13 +169,14 @@ def load_models(
     critic: bool = True,
     reward: bool = True,
     shard: Mapping[str, tuple[int, Collection[int]]] | None = None,
+    seed: int = 0,
 ) -> Models:
     """Actor, Ref, and on `device` the Reward model (when `reward`: the score uses it) and the Critic (when
     `critic`, i.e. the algorithm trains one; from model.critic_path, else from the reward checkpoint).
 
     `shard`: role ("actor", "ref", "critic", "reward") -> (pipeline stages, stages held here): sharded
     construction (meta-device init, only the held stages' tensors read from the safetensors files); a full
-    Actor for generation is loaded too (`Models.generation`)."""
+    Actor for generation is loaded too (`Models.generation`). `seed`: the LoRA adapters' start (model.lora)."""
     sft = _require_checkpoint(sft_path, "model.sft_path")
     reward_dir = _require_checkpoint(reward_path, "model.reward_path") if reward_path is not None else None
     if reward and reward_dir is None:
@@ -189,14 +197,24 @@ def load_models(
         model = from_pretrained(path, head=head, stages=shard.get(role), attention_backend=backend)
         return model.to(device) if role not in shard else to_device(model, device)  # type: ignore[return-value]
 
+    actor = load(sft, "lm", "actor")
+    if config.lora.enabled:
+        assert not shard, "model.lora is refused under the pipeline strategies (trainer.validate)"
+        # the generators' plain copy is the SFT Actor as loaded (its adapters start at B = 0: the same model)
+        generation: Transformer | None = _frozen(copy.deepcopy(actor))
+        # the Reference is the Actor itself, its adapters switched off for its log-probs: no Ref copy
+        ref = apply_lora(actor, config.lora, seed=seed)
+    else:
+        generation = (
+            _frozen(from_pretrained(sft, head="lm", attention_backend=backend).to(device)) if shard else None
+        )
+        ref = _frozen(load(sft, "lm", "ref"))
     return Models(
-        actor=load(sft, "lm", "actor"),
-        ref=_frozen(load(sft, "lm", "ref")),
+        actor=actor,
+        ref=ref,
         reward=_frozen(load(reward_dir, "value", "reward")) if reward and reward_dir else None,
         critic=None if critic_dir is None else load(critic_dir, "value", "critic"),
         tokenizer=tokenizer,
         sft_path=sft,
-        generation=_frozen(from_pretrained(sft, head="lm", attention_backend=backend).to(device))
-        if shard
-        else None,
+        generation=generation,
     )

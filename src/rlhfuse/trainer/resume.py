@@ -30,6 +30,7 @@ MUTABLE_ON_RESUME: tuple[str, ...] = (
     "experiment",  # the preset's display name
     "logger",  # sinks, progress, sample tables
     "checkpoint",  # how often, how many kept, where, export (checkpoint.dir: where resume=auto looks)
+    "model.lora.export_merged",  # whether the export adds the merged model
     "pipeline.actor_lr",  # peak learning rates: they replace the checkpoint's in the optimizer and LR schedule
     "pipeline.critic_lr",
     "eval.every",  # evaluation: how often and how it samples (no effect on training)

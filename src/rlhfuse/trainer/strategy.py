@@ -36,6 +36,7 @@ from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, 
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.buckets import GradReducer
 from rlhfuse.models import Transformer, load_balancing_loss, record_router_logits
+from rlhfuse.models.lora import load_trained_state, merged_weights, trainable, trained_state
 from rlhfuse.models.packing import check_packing
 
 
@@ -69,8 +70,9 @@ class PlainStrategy:
         for trained in (actor, critic):
             if trained is not None:
                 trained.activation_checkpointing = config.activation_checkpointing
+        # the trained weights: a LoRA Actor's adapters only (`rlhfuse.models.lora`), every weight otherwise
         self.actor_optim, self.actor_sched = build_optimizer(
-            actor.parameters(), config.actor_lr, config, total_steps
+            trainable(actor.parameters()), config.actor_lr, config, total_steps
         )
         # the Critic's optimizer, LR schedule and checkpoint entries exist only for an algorithm with a Critic
         self.critic_optim: torch.optim.Optimizer | None = None
@@ -88,11 +90,14 @@ class PlainStrategy:
         self.reducer = (
             None
             if group is None
-            else GradReducer([m.parameters() for m in self.models], group, bucket_mb=config.grad_bucket_mb)
+            else GradReducer(
+                [trainable(m.parameters()) for m in self.models], group, bucket_mb=config.grad_bucket_mb
+            )
         )
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        return self.actor.state_dict()
+        """What the generators' plain copies load: the Actor's state, or a LoRA Actor's merged projections."""
+        return merged_weights(self.actor)
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -226,7 +231,7 @@ class PlainStrategy:
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer and scheduler states; the 'critic*' entries only for an algorithm with a Critic."""
         state: dict[str, Any] = {
-            "actor": self.actor.state_dict(),
+            "actor": trained_state(self.actor),  # a LoRA Actor's adapters only: its base is the SFT model
             "actor_optim": self.actor_optim.state_dict(),
             "actor_sched": self.actor_sched.state_dict(),
         }
@@ -245,7 +250,7 @@ class PlainStrategy:
                 f"algorithm.name={self.algorithm.name} {'trains none' if self.critic is None else 'needs one'}: "
                 "resume it with the algorithm that wrote it"
             )
-        self.actor.load_state_dict(state["actor"])
+        load_trained_state(self.actor, state["actor"])
         self.actor_optim.load_state_dict(state["actor_optim"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         set_peak_lr(self.actor_optim, self.actor_sched, self.config.actor_lr)  # a resume may change it

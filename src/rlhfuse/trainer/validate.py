@@ -21,6 +21,7 @@ from rlhfuse.core.inference import reward_choices
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
+from rlhfuse.models.lora import lora_problem
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
@@ -120,6 +121,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         )
     problems += generation_tp_problems(cfg)
     problems += attention_problems(cfg)
+    problems += lora_problems(cfg, model, where)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     pipe = cfg.pipeline
@@ -269,6 +271,28 @@ def algorithm_problems(cfg: RLHFConfig) -> list[str]:
 
 # the embedded model's positions (`rlhfuse.trainer.warmstart`): prompts up to this long, plus max_new_tokens
 EMBEDDED_PROMPT_POSITIONS = 64 + 16
+
+
+def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> list[str]:
+    """model.lora: the plain strategy trains the adapters; the in-process generators take the merged weights."""
+    rank = cfg.model.lora.rank
+    if not cfg.model.lora.enabled:
+        return []
+    problems = []
+    if cfg.pipeline.name != "plain":
+        problems.append(
+            f"model.lora.rank={rank}: LoRA adapters train under pipeline=plain only (pipeline={cfg.pipeline.name} "
+            "shards the Actor over pipeline stages, which carry no adapters yet): set pipeline=plain or "
+            "model.lora.rank=0"
+        )
+    if cfg.generator.name == "vllm":
+        problems.append(
+            f"model.lora.rank={rank} with generator=vllm: the vLLM engines take no merged-adapter weight sync "
+            "yet: use generator=engine or generator=sampling, or model.lora.rank=0"
+        )
+    if model is not None and (problem := lora_problem(model)) is not None:
+        problems.append(f"{problem} ({where})")
+    return problems
 
 
 def _model_shape(cfg: RLHFConfig, problems: list[str]) -> tuple[ModelConfig | None, str]:

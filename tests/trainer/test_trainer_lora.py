@@ -1,0 +1,135 @@
+"""LoRA (model.lora) in the trainer: the Actor trains its adapters only, the Reference is the Actor with them
+switched off (no Ref copy), the generators' plain copy holds the merged weights, a checkpoint holds the adapters
+and resumes bit-identically, and `actor_hf/` is a PEFT adapter folder that peft loads onto the SFT checkpoint
+(with the merged model beside it on request). Refused, with the key, where it does not run."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfuse.models.convert import is_converted, real_model_dir
+from rlhfuse.models.lora import merged_model
+from rlhfuse.trainer import build_trainer, compose_config
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "pipeline.actor_lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("warm")
+
+
+def smoke(cache, *extra):
+    return compose_config(["experiment=smoke", f"model.warmstart.cache_dir={cache}", *extra])
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_a_lora_actor_trains_its_adapters_against_itself_as_the_reference(tmp_path, cache):
+    full = build_trainer(smoke(cache, "iterations=1"), run_dir=tmp_path / "full", log=quiet)
+    full_row = full.fit()[-1]
+    cfg = smoke(cache, *LORA, "iterations=2", "checkpoint.export_hf=true", "model.lora.export_merged=true")
+    trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=quiet)
+    actor = trainer.strategy.actor
+    assert trainer.inferencer.ref is actor  # no Ref copy: the Actor with its adapters off
+    base = {n: p.detach().clone() for n, p in actor.named_parameters() if ".lora_" not in n}
+    rows = trainer.fit()
+    assert len(rows) == 2 and all(r["actor/grad_norm"] > 0 for r in rows)
+    # the first iteration's Actor is the SFT model (B = 0): its log-probs equal the Reference's, KL is 0
+    assert rows[0]["kl/mean"] == 0.0 and rows[1]["kl/mean"] != 0.0
+    for name, param in actor.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(param, base[name]), f"{name} is frozen"
+    assert any(p.abs().max() > 0 for n, p in actor.named_parameters() if ".lora_B" in n)
+    # the generator's plain copy holds the merged weights after the last weight sync
+    merged = merged_model(actor).state_dict()
+    copy = trainer.generator.actor_copies()[0].state_dict()
+    assert copy.keys() == merged.keys() and all(torch.equal(copy[k], merged[k]) for k in copy)
+    # one Actor copy fewer than full fine-tuning (no Ref); optimizer states for the adapters only
+    last = rows[-1]
+    assert last["memory/param_bytes"] < full_row["memory/param_bytes"]
+    assert last["memory/optimizer_bytes"] < full_row["memory/optimizer_bytes"]
+
+    folder = tmp_path / "run" / "actor_hf"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+    sft = trainer.generator.actor_copies()[0]  # only for the shape of the inputs
+    ids_BT = torch.randint(3, sft.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        ours_BTV = actor.eval()(ids_BT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(cfg_sft_path(trainer)).eval()
+    with torch.no_grad():
+        peft_BTV = peft.PeftModel.from_pretrained(hf, folder).eval()(ids_BT).logits
+        merged_BTV = (
+            transformers.AutoModelForCausalLM.from_pretrained(folder / "merged").eval()(ids_BT).logits
+        )
+    assert (peft_BTV - ours_BTV).abs().max() <= 1e-4
+    assert (merged_BTV - ours_BTV).abs().max() <= 1e-4
+
+
+def cfg_sft_path(trainer) -> str:
+    """The SFT checkpoint the adapter folder names as its base."""
+    import json
+
+    adapter = trainer.run_dir / "actor_hf" / "adapter_config.json"
+    return json.loads(adapter.read_text())["base_model_name_or_path"]
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_path, cache, crash_after):
+    common = [*LORA, "iterations=3", "checkpoint.every=2"]
+    straight = build_trainer(smoke(cache, *common), run_dir=tmp_path / "a", log=quiet).fit()
+    first = build_trainer(smoke(cache, *common), run_dir=tmp_path / "b", log=quiet)
+    first.callbacks.append(crash_after(at=2))
+    with pytest.raises(KeyboardInterrupt):
+        first.fit()
+    saved = load_file(tmp_path / "b" / "checkpoints" / "iter_00000002" / "actor.safetensors")
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    rows = build_trainer(smoke(cache, *common, "resume=auto"), run_dir=tmp_path / "b", log=quiet).fit()
+    assert len(rows) == 1
+    skip = ("time/", "throughput/")
+    assert {k: v for k, v in rows[0].items() if not k.startswith(skip)} == {
+        k: v for k, v in straight[-1].items() if not k.startswith(skip)
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["pipeline=serial_1f1b"], "model.lora.rank=4: LoRA adapters train under pipeline=plain only"),
+        (["generator=vllm"], "model.lora.rank=4 with generator=vllm"),
+        (["model.lora.target_modules=[qkv_proj]"], r"model.lora.target_modules=\['qkv_proj'\]"),
+        (["model.architecture=phi3"], "model.lora on phi3 is not supported"),
+    ],
+)
+def test_lora_is_refused_with_the_key_where_it_does_not_run(cache, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        build_trainer(smoke(cache, "model.lora.rank=4", *overrides), log=quiet)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not is_converted(), reason=f"{real_model_dir()} is not converted: run `make real-model`")
+def test_lora_grpo_on_smollm2_builds_no_ref_copy_and_its_adapter_loads_with_peft(tmp_path):
+    small = ["data.prompts_per_iteration=2", "data.samples_per_prompt=2", "data.mini_batch_size=4",
+             "data.micro_batch_size=4", "generator.max_new_tokens=8", "iterations=1", "logger=quiet"]  # fmt: skip
+    lora = ["model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]", "checkpoint.export_hf=true"]
+    full = build_trainer(
+        compose_config(["experiment=smollm2_arith", *small]), run_dir=tmp_path / "f", log=quiet
+    )
+    full_bytes = full.fit()[-1]["memory/param_bytes"]
+    cfg = compose_config(["experiment=smollm2_arith", *small, *lora])
+    trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=quiet)
+    assert trainer.inferencer.ref is trainer.strategy.actor
+    row = trainer.fit()[-1]
+    # SmolLM2-135M in fp32 is ~0.54 GB: full fine-tuning holds Actor, Ref and the generator's copy, LoRA two
+    assert full_bytes - row["memory/param_bytes"] > 0.4e9
+    hf = transformers.AutoModelForCausalLM.from_pretrained(real_model_dir()).eval()
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "run" / "actor_hf").eval()
+    ids_BT = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 2]])
+    with torch.no_grad():
+        assert (adapted(ids_BT).logits - trainer.strategy.actor.eval()(ids_BT)).abs().max() <= 1e-3
