@@ -323,13 +323,22 @@ def test_every_expert_gets_a_gradient_whatever_the_routing():
     assert 1 <= len(used) <= 2
 
 
-def test_tensor_parallel_refuses_a_mixture_of_experts_naming_the_key():
+def test_tensor_parallel_splits_every_expert_over_its_width_and_names_the_key():
     from rlhfuse.runtime.tensor_parallel import tp_problems
 
-    config = ModelConfig.tiny(architecture="mixtral", num_experts=4)
-    (problem,) = tp_problems(config, 2, "pipeline.actor_tp")
-    assert "pipeline.actor_tp=2: the model's MLPs are mixtures of 4 experts" in problem
-    assert tp_problems(config, 1, "pipeline.actor_tp") == []
+    # Mixtral: every layer a mixture, so only the experts' width must divide (the dense intermediate_size is unused)
+    config = ModelConfig.tiny(
+        architecture="mixtral", num_experts=4, intermediate_size=96, moe_intermediate_size=None
+    )
+    assert tp_problems(config, 2, "pipeline.actor_tp") == []
+    (problem,) = tp_problems(config, 5, "pipeline.actor_tp")[-1:]
+    assert problem.startswith("pipeline.actor_tp=5 does not divide the model's expert intermediate size=96")
+    qwen = ModelConfig.tiny(architecture="qwen3_moe", num_experts=4, moe_intermediate_size=24, num_layers=2,
+                            mlp_only_layers=(1,), intermediate_size=64)  # fmt: skip
+    assert [p.split(" (")[0] for p in tp_problems(qwen, 5, "generator.tp")][-2:] == [
+        "generator.tp=5 does not divide the model's intermediate_size=64",
+        "generator.tp=5 does not divide the model's expert intermediate size=24",
+    ]
 
 
 def test_the_load_balancing_loss_equals_transformers(tmp_path):

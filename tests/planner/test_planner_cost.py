@@ -33,7 +33,7 @@ def test_train_state_bytes_shard_over_tp_and_pp():
     # a value head: the last stage holds no vocabulary table, the first stage is the busiest
     value = cost.train_state_bytes(m, "value", 1, 2)
     assert value == pytest.approx(
-        TRAIN_STATE_BYTES_PER_PARAM * (m.vocab * m.hidden + 20 * m.layer_params), rel=1e-4
+        TRAIN_STATE_BYTES_PER_PARAM * (m.vocab * m.hidden + 20 * m.block_params() // m.layers), rel=1e-4
     )
 
 

@@ -113,3 +113,19 @@ def test_actor_only_pipeline_with_tp2_equals_the_single_process_oracle() -> None
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(Transformer(ModelConfig.tiny(**CONFIG), head="lm"), pathlib.Path(tmp) / "sft")
         run_distributed(_worker, 4, tmp, timeout=280.0)
+
+
+def _moe_worker(rank: int, world: int, folder: str) -> None:
+    _check(rank, world, pathlib.Path(folder), 1, "serial_1f1b")
+
+
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_actor_with_tp2_equals_the_single_process_oracle() -> None:
+    """Qwen3-MoE (a dense second layer), every expert split over the 2 ranks of its tp group (`ParallelMoEBlock`),
+    the router's gradient summed: the same updates, shards and memory as above."""
+    torch.manual_seed(0)
+    moe = ModelConfig.tiny(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           mlp_only_layers=(1,), **CONFIG)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(Transformer(moe, head="lm"), pathlib.Path(tmp) / "sft")
+        run_distributed(_moe_worker, 2, tmp, timeout=280.0)

@@ -60,6 +60,12 @@ def _worker(rank: int, world: int) -> None:
     # Gemma 2: soft-capped scores (the explicit path) and logits, read off the vocabulary slices
     caps = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     _check(rank, world, ModelConfig.tiny(architecture="gemma2", vocab_size=VOCAB, **windowed, **caps))
+    # mixtures of experts: every expert split over its width, the router's partial gradient summed; Qwen3-MoE
+    # with a dense second layer and top-2 of 4 renormalised, Mixtral top-2 of 3 (an odd expert count)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    _check(rank, world, ModelConfig.tiny(architecture="qwen3_moe", num_layers=2, vocab_size=VOCAB,
+                                         mlp_only_layers=(1,), **moe))  # fmt: skip
+    _check(rank, world, ModelConfig.tiny(architecture="mixtral", vocab_size=VOCAB, num_experts=3))
 
 
 def _check(rank: int, world: int, cfg: ModelConfig) -> None:

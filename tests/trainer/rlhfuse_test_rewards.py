@@ -21,3 +21,8 @@ def raising_reward(samples):
 
 def short_reward(samples):
     return [0.0 for _ in samples[1:]]
+
+
+def distinct_tokens(samples):
+    """A score that differs between a random model's samples: the share of distinct tokens in the response."""
+    return [len(set(s.response_ids)) / max(len(s.response_ids), 1) for s in samples]

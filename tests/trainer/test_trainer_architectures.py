@@ -2,9 +2,11 @@
 the CLI's `experiment=hf_local` and export an `actor_hf/` folder transformers loads with the family's class."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from rlhfuse_test_rewards import distinct_tokens
 
 from rlhfuse.models import from_pretrained
 from rlhfuse.models.config import ARCHITECTURES
@@ -57,11 +59,6 @@ FAMILIES = {
     },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
 }
-
-
-def distinct_tokens(samples):
-    """A score that differs between a random model's samples: the share of distinct tokens in the response."""
-    return [len(set(s.response_ids)) / max(len(s.response_ids), 1) for s in samples]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -134,3 +131,50 @@ def test_a_load_balancing_loss_it_cannot_add_is_refused_naming_the_key(overrides
 
     with pytest.raises(ValueError, match=message):
         validate(compose_config(["pipeline.router_aux_loss_coef=0.01", *overrides]))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_trains_tensor_parallel_from_the_cli(
+    tmp_path, chat_checkpoint_of, hf_local_grpo
+):
+    """Qwen3-MoE under pipeline=serial_1f1b with actor_tp=2 and generator.tp=2 on 2 processes: every expert split
+    over its width (training, pipeline inference, tp-sharded generation), sharded checkpoints, and the export
+    reassembled from the shards, loadable by transformers."""
+    import os
+    import subprocess
+    import sys
+
+    # an untied LM head: a tied one is not split tensor-parallel
+    sft = chat_checkpoint_of("qwen3_moe", **FAMILIES["qwen3_moe"], tie_word_embeddings=False).path
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(2 * (json.dumps({"prompt": "7 + 5 =", "answer": "12"}) + "\n"))
+    layout = ["pipeline=serial_1f1b", "pipeline.actor_tp=2", "pipeline.actor_pp=1", "generator.tp=2",
+              "distributed.nproc_per_node=2", "distributed.timeout_s=60", "checkpoint.every=2"]  # fmt: skip
+    job = hf_local_grpo(sft, prompts, "data.micro_batch_size=2", "generator.max_new_tokens=6", "iterations=2")
+    job += [
+        "inferencer.reward_fn=rlhfuse_test_rewards:distinct_tokens",
+        f"run_dir={tmp_path / 'run'}",
+        *layout,
+    ]
+    here = str(Path(__file__).parent)  # rlhfuse_test_rewards
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", *job]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["actor/grad_norm"] > 0 for r in rows)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "iter_00000002").iterdir()) == [
+        "meta.json", "rank_00000", "rank_00001"
+    ]  # fmt: skip
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf")
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    start = dict(from_pretrained(sft).named_parameters())
+    trained = dict(from_pretrained(tmp_path / "run" / "actor_hf").named_parameters())
+    moved = [n for n in start if not torch.equal(trained[n], start[n])]
+    assert any(".experts." in n for n in moved) and any(".mlp.gate." in n for n in moved)

@@ -82,7 +82,7 @@ class CostModel:
     def matmul_flops_per_token(model: ModelSpec, head: str = "lm") -> float:
         """2 x weights touched by one token's GEMMs (blocks + head; embedding lookup is free)."""
         head_params = model.vocab * model.hidden if head == "lm" else model.hidden
-        return 2.0 * (model.layers * model.layer_params + head_params)
+        return 2.0 * (model.block_params(active=True) + head_params)
 
     def forward_flops(self, model: ModelSpec, seq_lens: ArrayLike, head: str = "lm") -> float:
         """Forward FLOPs of whole causal sequences of the given lengths (attention over s/2 on average)."""

@@ -139,11 +139,22 @@ def shard_count(
     the whole stage). Every tp rank of a stage holds the same count (uneven splits are refused by the runtime)."""
     h, e = model.hidden, model.head_dim
     q, kv = model.heads // tp * e, kv_heads_per_rank(model, tp) * e
-    f = model.ffn // tp
     qkv_bias = q + 2 * kv if model.qkv_bias else 0
-    layer = ShardCount(
-        h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h + qkv_bias + (h if model.o_bias else 0),
-        9 + (3 if model.qkv_bias else 0) + (1 if model.o_bias else 0),
+    # attention, its biases and norms, the block's two norms (Qwen3's q / k norms replicated on every tp rank)
+    attention = ShardCount(
+        h * q
+        + 2 * h * kv
+        + q * h
+        + 2 * h
+        + qkv_bias
+        + (h if model.o_bias else 0)
+        + (2 * e if model.qk_norm else 0),
+        6 + (3 if model.qkv_bias else 0) + (1 if model.o_bias else 0) + (2 if model.qk_norm else 0),
+    )
+    dense = ShardCount(3 * h * (model.ffn // tp), 3)
+    # a mixture: the router replicated, every expert split over its width (`ParallelMoEBlock`)
+    mixture = ShardCount(
+        h * model.experts + 3 * h * (model.expert_ffn // tp) * model.experts, 1 + 3 * model.experts
     )
     ranges = _layer_ranges(model.layers, pp)
     stages = range(pp) if stage is None else [stage]
@@ -151,7 +162,8 @@ def shard_count(
     out = ShardCount()
     for s in stages:
         start, stop = ranges[s]
-        out += ShardCount(layer.params * (stop - start), layer.tensors * (stop - start))
+        for layer in range(start, stop):
+            out += attention + (mixture if model.is_moe(layer) else dense)
         if s == 0:
             out += ShardCount(vocab_rows * h, 1)
         if s == pp - 1:

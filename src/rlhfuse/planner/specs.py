@@ -182,6 +182,27 @@ class ModelSpec:
     """A bias on the output projection (LLaMA with attention_bias)."""
     tied: bool = False
     """The LM head shares the embedding's weight (tie_word_embeddings)."""
+    qk_norm: bool = False
+    """q and k normalised per head (Qwen3, Gemma 3): two head_dim weights per layer."""
+    experts: int = 0
+    """Experts of each mixture-of-experts MLP (0: every MLP dense)."""
+    expert_ffn: int = 0
+    """Each expert's intermediate size."""
+    experts_per_token: int = 0
+    """Experts each token runs (top-k): what a token's FLOPs count."""
+    moe_layers: tuple[bool, ...] = ()
+    """Which layers' MLPs are mixtures of experts (empty: none)."""
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def mlp_params(self, layer: int, *, active: bool = False) -> int:
+        """Matmul weights of layer `layer`'s MLP: gate / up / down, or a router and the experts (`active`: only
+        the top-k a token runs, for FLOPs)."""
+        if not self.is_moe(layer):
+            return 3 * self.hidden * self.ffn
+        experts = self.experts_per_token if active else self.experts
+        return self.hidden * self.experts + 3 * self.hidden * self.expert_ffn * experts
 
     @property
     def n_kv_heads(self) -> int:
@@ -192,17 +213,22 @@ class ModelSpec:
         return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     @property
-    def layer_params(self) -> int:
-        """Matmul weights of one decoder block: q, o (h x heads x head_dim), k, v (h x kv), gate/up/down (h x ffn);
-        norms and biases left out (the FLOP count; `rlhfuse.planner.memory.shard_count` counts every tensor)."""
+    def attention_params(self) -> int:
+        """Matmul weights of one block's attention: q, o (h x heads x head_dim), k, v (h x kv)."""
         q = self.heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim
-        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.ffn
+        return 2 * self.hidden * q + 2 * self.hidden * kv
+
+    def block_params(self, *, active: bool = False) -> int:
+        """Matmul weights of every decoder block (`active`: those a token runs, the FLOP count); norms and biases
+        left out (`rlhfuse.planner.memory.shard_count` counts every tensor)."""
+        mlp = sum(self.mlp_params(layer, active=active) for layer in range(self.layers))
+        return self.layers * self.attention_params + mlp
 
     def params(self, head: str = "lm") -> int:
         """Total weights: embeddings + blocks + head (`lm`: vocab x hidden; `value`: hidden x 1)."""
         head_params = self.vocab * self.hidden if head == "lm" else self.hidden
-        return self.vocab * self.hidden + self.layers * self.layer_params + head_params
+        return self.vocab * self.hidden + self.block_params() + head_params
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
@@ -221,6 +247,13 @@ class ModelSpec:
             qkv_bias=bool(getattr(config, "qkv_bias", bias)),
             o_bias=bool(getattr(config, "o_bias", bias)),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=bool(getattr(config, "qk_norm", False)),
+            experts=int(getattr(config, "num_experts", 0) or 0),
+            expert_ffn=int(getattr(config, "expert_intermediate_size", 0) or 0),
+            experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
+            moe_layers=tuple(config.is_moe_layer(i) for i in range(config.num_layers))
+            if getattr(config, "num_experts", 0)
+            else (),
         )
 
     @classmethod

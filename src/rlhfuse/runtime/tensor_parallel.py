@@ -7,6 +7,12 @@ sliced in place, so the forward code is the one of `rlhfuse.models`).
   replicated otherwise (tp a multiple of them: each rank holds the one kv head its query heads read, and
   `sync_replicated_grads` sums that head's weight gradients over the ranks sharing it);
 - MLP: gate / up column-parallel over the intermediate size, down row-parallel;
+- mixture-of-experts MLP (`ParallelMoEBlock`): the router replicated, every expert split like a dense MLP over
+  its own intermediate size (every rank holds 1 / tp of every expert, Megatron's expert tensor parallelism, not
+  whole experts per rank); the block copies its input to the group once and sums its weighted partial output
+  over the group once, so a block costs one all-reduce forward and one backward whatever the expert count; the
+  router's weight gradient is then a partial sum (each rank saw its slices' outputs) until
+  `sync_replicated_grads` sums it;
 - embedding and LM head vocabulary-parallel: rank r holds rows [r * V_p / tp, (r + 1) * V_p / tp) of the
   vocabulary padded to V_p, a multiple of tp (padded rows are zero and their logits are masked to -inf, so they
   are never sampled and carry no probability); the LM head returns this rank's slice of the logits only;
@@ -33,7 +39,7 @@ from torch import Tensor, nn
 
 from rlhfuse import distributed
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.models.transformer import RMSNorm
+from rlhfuse.models.transformer import MoEBlock, RMSNorm
 
 
 def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
@@ -41,22 +47,19 @@ def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
     problems: list[str] = []
     if tp < 1:
         return [f"{key}={tp} must be >= 1"]
-    if tp > 1 and config.num_experts:
-        problems.append(
-            f"{key}={tp}: the model's MLPs are mixtures of {config.num_experts} experts, and splitting experts "
-            f"over the tensor-parallel group (expert parallelism) is not implemented: set {key}=1 (pipeline "
-            "stages and data parallelism split mixture-of-experts models)"
-        )
     kv = config.num_kv_heads
     if kv % tp and tp % kv:
         problems.append(
             f"{key}={tp} neither divides the model's num_kv_heads={kv} ({kv} % {tp} = {kv % tp}: split) nor is a "
             f"multiple of it ({tp} % {kv} = {tp % kv}: replicated): set {key} to a divisor or a multiple of {kv}"
         )
-    for name, value in (
-        ("num_heads", config.num_heads),
-        ("intermediate_size", config.intermediate_size),
-    ):
+    widths = [("num_heads", config.num_heads)]
+    layers = range(config.num_layers)
+    if any(not config.is_moe_layer(i) for i in layers):  # a dense MLP somewhere
+        widths.append(("intermediate_size", config.intermediate_size))
+    if any(config.is_moe_layer(i) for i in layers):  # every expert is split over its own width
+        widths.append(("expert intermediate size", config.expert_intermediate_size))
+    for name, value in widths:
         if value % tp:
             problems.append(
                 f"{key}={tp} does not divide the model's {name}={value} ({value} % {tp} = {value % tp}): "
@@ -116,12 +119,14 @@ class HeadParallelRMSNorm(RMSNorm):
 
 def sync_replicated_grads(model: nn.Module, group: Any = None) -> None:
     """Sum the gradients of replicated kv heads over the ranks sharing each head (one all-reduce per tensor:
-    every rank writes its gradient into its head's slot of a zero buffer), and the per-head norms' partial
-    gradients over the group. Call after backward, before the optimizer step; a no-op when every kv head is
-    split and no layer normalises its heads."""
+    every rank writes its gradient into its head's slot of a zero buffer), and the per-head norms' and the
+    routers' partial gradients over the group. Call after backward, before the optimizer step; a no-op when
+    every kv head is split and no layer normalises its heads or routes to experts."""
     for module in model.modules():
         if isinstance(module, HeadParallelRMSNorm) and module.weight.grad is not None:
             distributed.all_reduce(module.weight.grad, group=group)
+        if isinstance(module, ParallelMoEBlock) and module.gate.weight.grad is not None:
+            distributed.all_reduce(module.gate.weight.grad, group=group)
         if isinstance(module, ColumnParallelLinear) and module.replicated is not None:
             head, heads = module.replicated
             for p in (module.weight, module.bias):
@@ -168,6 +173,48 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class LocalColumnLinear(ColumnParallelLinear):
+    """A column-parallel expert projection (gate / up) inside `ParallelMoEBlock`, which has copied the input to
+    the group already: no communication of its own."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class LocalRowLinear(RowParallelLinear):
+    """A row-parallel expert projection (down) inside `ParallelMoEBlock`: its partial output is summed over the
+    group once per block, after the experts' outputs are weighted and added (so it carries no bias)."""
+
+    def __init__(self, full: nn.Linear, lo: int, hi: int, group: Any) -> None:
+        if full.bias is not None:
+            raise ValueError("an expert's down projection with a bias cannot be summed once per block")
+        super().__init__(full, lo, hi, group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class ParallelMoEBlock(MoEBlock):
+    """`MoEBlock` over a tensor-parallel group (see the module docstring): the same routing on every rank (its
+    input is the same), each expert run on its tokens over this rank's slice of its width, one all-reduce of the
+    weighted sum."""
+
+    group: Any
+
+    @classmethod
+    def of(cls, full: MoEBlock, config: ModelConfig, group: Any) -> ParallelMoEBlock:
+        """A block holding `full`'s router and experts (not copied: `shard_transformer` splits the experts'
+        projections in place after)."""
+        with torch.device("meta"):
+            block = cls(config)
+        block.gate, block.experts, block.group = full.gate, full.experts, group
+        return block
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        partial_BTD = super().forward(distributed.copy_to_group(x_BTD, self.group))
+        return distributed.reduce_from_group(partial_BTD, self.group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + size) of the (padded) table; ids elsewhere look up zeros, summed over the group."""
 
@@ -211,15 +258,22 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
         return [(lo, lo + width) for lo in starts]
 
     q_spans, f_spans = spans(h * e), spans(f)
+    expert_spans = spans(cfg.expert_intermediate_size // tp) if cfg.num_experts else []
     kv_spans = spans(k * e, lambda r: first_kv(r) * e)
 
-    def column(full: nn.Linear, bounds: list[tuple[int, int]]) -> ColumnParallelLinear:
-        mod = ColumnParallelLinear(full, *bounds[rank], group)
+    def column(
+        full: nn.Linear,
+        bounds: list[tuple[int, int]],
+        kind: type[ColumnParallelLinear] = ColumnParallelLinear,
+    ) -> ColumnParallelLinear:
+        mod = kind(full, *bounds[rank], group)
         mod.bounds = bounds
         return mod
 
-    def row(full: nn.Linear, bounds: list[tuple[int, int]]) -> RowParallelLinear:
-        mod = RowParallelLinear(full, *bounds[rank], group)
+    def row(
+        full: nn.Linear, bounds: list[tuple[int, int]], kind: type[RowParallelLinear] = RowParallelLinear
+    ) -> RowParallelLinear:
+        mod = kind(full, *bounds[rank], group)
         mod.bounds = bounds
         return mod
 
@@ -239,6 +293,14 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
             )
         attn.num_heads, attn.num_kv_heads = h, k
         mlp: Any = layer.mlp
+        if isinstance(mlp, MoEBlock):
+            layer.mlp = ParallelMoEBlock.of(mlp, cfg, group)
+            expert: Any
+            for expert in mlp.experts:
+                expert.gate_proj = column(expert.gate_proj, expert_spans, LocalColumnLinear)
+                expert.up_proj = column(expert.up_proj, expert_spans, LocalColumnLinear)
+                expert.down_proj = row(expert.down_proj, expert_spans, LocalRowLinear)
+            continue
         mlp.gate_proj = column(mlp.gate_proj, f_spans)
         mlp.up_proj = column(mlp.up_proj, f_spans)
         mlp.down_proj = row(mlp.down_proj, f_spans)
