@@ -485,30 +485,26 @@ def list_schedule(  # type: ignore[no-untyped-def]
     fill = rank_ptr[:-1].copy()
     order = np.empty(n, dtype=np.int64)
     prio = op_prio
+    # each rank's earliest start, kept between steps: a step changes it only on the rank that ran the op, the
+    # ranks of the op's successors (their inputs' ready times) and the rank of the F stream it frees a slot of
+    op_rank = np.empty(n, dtype=np.int64)
+    for sid in range(nstreams):
+        for i in range(stream_len[sid]):
+            op_rank[stream_base[sid] + i] = stream_rank[sid]
+    k_starts = np.empty(nranks)
+    dirty = np.ones(nranks, dtype=np.bool_)
     for done in range(n):
         best_rank = -1
         best_start = np.inf
         for k in range(nranks):
-            # earliest start on this rank
-            k_start = np.inf
-            nxt_plan = _next_planned(k, ptr, planned, stream_base, stream_len, rank_streams_ptr, rank_streams)
-            for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
-                sid = rank_streams[j]
-                if ptr[sid] >= stream_len[sid]:
-                    continue
-                op = stream_base[sid] + ptr[sid]
-                if npreds[op] > 0:
-                    continue
-                if stream_is_b[sid] == 0:
-                    if inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9:
-                        continue
-                st = max(free[k], ready_time[op])
-                if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
-                    continue
-                if st < k_start:
-                    k_start = st
-            if k_start < best_start - 1e-9:
-                best_start = k_start
+            if dirty[k]:
+                k_starts[k] = _rank_start(
+                    k, ptr, npreds, inflight, level, free, ready_time, dur, mem, planned, stream_base,
+                    stream_len, stream_is_b, stream_limit, rank_streams_ptr, rank_streams, cap,
+                )  # fmt: skip
+                dirty[k] = False
+            if k_starts[k] < best_start - 1e-9:
+                best_start = k_starts[k]
                 best_rank = k
         if best_rank < 0:
             return np.empty(0, dtype=np.int64)
@@ -551,18 +547,48 @@ def list_schedule(  # type: ignore[no-untyped-def]
             inflight[g] -= 1
         order[fill[k]] = op
         fill[k] += 1
+        dirty[k] = True
+        dirty[stream_rank[g]] = True
         s = succ1[op]
         if s >= 0:
             npreds[s] -= 1
+            dirty[op_rank[s]] = True
             if t + lat1[op] > ready_time[s]:
                 ready_time[s] = t + lat1[op]
         s = succ2[op]
         if s >= 0:
             npreds[s] -= 1
+            dirty[op_rank[s]] = True
             if t + lat2[op] > ready_time[s]:
                 ready_time[s] = t + lat2[op]
         _ = done
     return order
+
+
+@jit
+def _rank_start(  # type: ignore[no-untyped-def]
+    k, ptr, npreds, inflight, level, free, ready_time, dur, mem, planned, stream_base, stream_len, stream_is_b,
+    stream_limit, rank_streams_ptr, rank_streams, cap,
+):  # fmt: skip
+    """The earliest start of a ready stream head on rank `k` (`list_schedule`'s eligibility rules), inf if none."""
+    k_start = np.inf
+    nxt_plan = _next_planned(k, ptr, planned, stream_base, stream_len, rank_streams_ptr, rank_streams)
+    for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
+        sid = rank_streams[j]
+        if ptr[sid] >= stream_len[sid]:
+            continue
+        op = stream_base[sid] + ptr[sid]
+        if npreds[op] > 0:
+            continue
+        if stream_is_b[sid] == 0:
+            if inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9:
+                continue
+        st = max(free[k], ready_time[op])
+        if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
+            continue
+        if st < k_start:
+            k_start = st
+    return k_start
 
 
 @jit

@@ -7,6 +7,7 @@ than a datasheet value, the docstring says so. Peaks are vendor *peaks*: achieve
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
@@ -219,11 +220,18 @@ class ModelSpec:
         kv = self.n_kv_heads * self.head_dim
         return 2 * self.hidden * q + 2 * self.hidden * kv
 
+    @functools.cached_property
+    def moe_layer_count(self) -> int:
+        return sum(self.moe_layers)
+
     def block_params(self, *, active: bool = False) -> int:
         """Matmul weights of every decoder block (`active`: those a token runs, the FLOP count); norms and biases
-        left out (`rlhfuse.planner.memory.shard_count` counts every tensor)."""
-        mlp = sum(self.mlp_params(layer, active=active) for layer in range(self.layers))
-        return self.layers * self.attention_params + mlp
+        left out (`rlhfuse.planner.memory.shard_count` counts every tensor). The planner's hot path: no loop."""
+        moe = self.moe_layer_count
+        dense_mlp = (self.layers - moe) * 3 * self.hidden * self.ffn
+        experts = self.experts_per_token if active else self.experts
+        moe_mlp = moe * (self.hidden * self.experts + 3 * self.hidden * self.expert_ffn * experts)
+        return self.layers * self.attention_params + dense_mlp + moe_mlp
 
     def params(self, head: str = "lm") -> int:
         """Total weights: embeddings + blocks + head (`lm`: vocab x hidden; `value`: hidden x 1)."""
