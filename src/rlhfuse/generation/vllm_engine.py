@@ -418,6 +418,9 @@ class VLLMGenerator:
         self._tmp = tempfile.TemporaryDirectory(prefix="rlhfuse-vllm-")
         self.checkpoint = Path(self._tmp.name) / "actor"
         save_pretrained(actor, self.checkpoint)  # vLLM builds each engine from an HF checkpoint
+        # the Actor's current weights by name (references, no copy): a partial sync (a LoRA Actor's merged
+        # projections) updates these, and vLLM's reload always gets the whole set
+        self.weights: dict[str, Tensor] = {k: v.detach() for k, v in actor.state_dict().items()}
         self.instances: list[VLLMInstance] = []
         self._predicted: tuple[object, object] | None = None
 
@@ -456,12 +459,19 @@ class VLLMGenerator:
         return []
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        named = hf_named_tensors(named_tensors, self.actor_config)
+        """The Actor's weights, all of them or the part that changed (a LoRA Actor's merged projections), into
+        every engine. vLLM's reload rebuilds the whole model from what it is given, so it always gets the
+        whole set: the new tensors over the last ones."""
+        unknown = sorted(set(named_tensors) - set(self.weights))
+        if unknown:
+            raise KeyError(f"weight sync: the Actor has no tensors {unknown[:8]}")
+        self.weights.update({k: v.detach() for k, v in named_tensors.items()})
+        named = hf_named_tensors(self.weights, self.actor_config)
         for instance in self.instances:
             instance.load_weights(named)
         if not self.instances:  # not built yet: they will start from the new weights
             model = Transformer(self.actor_config)
-            model.load_state_dict(dict(named_tensors), strict=True)
+            model.load_state_dict(self.weights, strict=True)
             save_pretrained(model, self.checkpoint)
 
     def stream(

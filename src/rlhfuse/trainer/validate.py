@@ -274,7 +274,7 @@ EMBEDDED_PROMPT_POSITIONS = 64 + 16
 
 
 def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> list[str]:
-    """model.lora: the plain strategy trains the adapters; the in-process generators take the merged weights."""
+    """model.lora: the plain strategy trains the adapters; every generator takes the merged weights."""
     rank = cfg.model.lora.rank
     if not cfg.model.lora.enabled:
         return []
@@ -284,11 +284,6 @@ def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> lis
             f"model.lora.rank={rank}: LoRA adapters train under pipeline=plain only (pipeline={cfg.pipeline.name} "
             "shards the Actor over pipeline stages, which carry no adapters yet): set pipeline=plain or "
             "model.lora.rank=0"
-        )
-    if cfg.generator.name == "vllm":
-        problems.append(
-            f"model.lora.rank={rank} with generator=vllm: the vLLM engines take no merged-adapter weight sync "
-            "yet: use generator=engine or generator=sampling, or model.lora.rank=0"
         )
     if model is not None and (problem := lora_problem(model)) is not None:
         problems.append(f"{problem} ({where})")
