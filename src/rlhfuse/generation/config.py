@@ -47,6 +47,9 @@ class VLLMOptions:
     vllm_kv_cache_gb: float = 1.0
     # GPU backend: fraction of device memory each vLLM engine may take (weights + KV).
     vllm_gpu_memory_utilization: float = 0.5
+    # GPU backend: capture CUDA graphs for decode, vLLM's default (false = enforce_eager: no capture, no graph
+    # memory, slower decode). The CPU backend always runs eagerly.
+    vllm_cuda_graphs: bool = True
 
 
 @dataclass

@@ -195,6 +195,7 @@ class VLLMInstance:
         device: torch.device | str = "cpu",
         kv_cache_bytes: int = 1 << 30,
         gpu_memory_utilization: float = 0.5,
+        cuda_graphs: bool = True,
         seed: int = 0,
         speculative: str = "off",
         speculative_tokens: int = 4,
@@ -210,7 +211,8 @@ class VLLMInstance:
                 f"generator.speculative={speculative} with generator=vllm: vLLM's own speculation is passed "
                 "through for ngram only; set generator.speculative=ngram or off"
             )
-        if torch.device(device).type == "cpu":
+        cpu = torch.device(device).type == "cpu"
+        if cpu:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
@@ -220,7 +222,7 @@ class VLLMInstance:
                 str(checkpoint),
                 skip_tokenizer_init=True,  # token ids in, token ids out: rlhfuse's tokenizer is not an HF one
                 dtype="float32" if torch.device(device).type == "cpu" else "auto",
-                enforce_eager=True,
+                enforce_eager=cpu or not cuda_graphs,  # CUDA graphs for decode on a GPU unless turned off
                 seed=seed,
                 max_model_len=max_len,
                 max_num_seqs=max_num_seqs,
@@ -438,6 +440,7 @@ class VLLMGenerator:
                     device=self.device,
                     kv_cache_bytes=int(self.config.vllm.vllm_kv_cache_gb * (1 << 30)),
                     gpu_memory_utilization=self.config.vllm.vllm_gpu_memory_utilization,
+                    cuda_graphs=self.config.vllm.vllm_cuda_graphs,
                     seed=self.seed,
                     speculative=self.config.engine.speculative,
                     speculative_tokens=self.config.engine.speculative_tokens,
