@@ -232,6 +232,7 @@ class VLLMInstance:
             )
         self.engine = self.llm.llm_engine
         self._vllm = vllm
+        self.cpu = cpu
         dtype_bytes = 4 if torch.device(device).type == "cpu" else 2
         head_dim = model_config.head_dim or model_config.hidden_size // model_config.num_heads
         per_token = 2 * model_config.num_layers * model_config.num_kv_heads * head_dim * dtype_bytes
@@ -366,9 +367,14 @@ class VLLMInstance:
 
     # ------------------------------------------------------------------ weights and memory
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """In-place weight reload (HF checkpoint names), then drop cached prefixes computed with old weights."""
+        """In-place weight reload (HF checkpoint names), then drop cached prefixes computed with old weights. On a
+        GPU the tensors go as they are (vLLM's loaders copy each into its parameter, casting on the device: no
+        host round trip); the CPU backend's float32 model gets float32 host tensors."""
         self.wake_up()
-        weights = [(name, t.detach().to("cpu", torch.float32)) for name, t in named_tensors]
+        weights = [
+            (name, t.detach().to("cpu", torch.float32) if self.cpu else t.detach())
+            for name, t in named_tensors
+        ]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
