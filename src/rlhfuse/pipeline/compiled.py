@@ -514,19 +514,13 @@ def list_schedule(  # type: ignore[no-untyped-def]
         chosen_key = -np.inf
         for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
             sid = rank_streams[j]
-            if ptr[sid] >= stream_len[sid]:
+            st = _head_start(
+                k, sid, ptr, npreds, inflight, level, free, ready_time, dur, mem, planned, stream_base,
+                stream_len, stream_is_b, stream_limit, cap, nxt_plan,
+            )  # fmt: skip
+            if st == np.inf or st > best_start + slack + 1e-9:
                 continue
             op = stream_base[sid] + ptr[sid]
-            if npreds[op] > 0:
-                continue
-            if stream_is_b[sid] == 0:
-                if inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9:
-                    continue
-            st = max(free[k], ready_time[op])
-            if st > best_start + slack + 1e-9:
-                continue
-            if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
-                continue
             key = prio[op] + 0.5 * stream_is_b[sid] - 1e-6 * sid
             if noise > 0:
                 key += noise * np.random.random()
@@ -570,25 +564,38 @@ def _rank_start(  # type: ignore[no-untyped-def]
     k, ptr, npreds, inflight, level, free, ready_time, dur, mem, planned, stream_base, stream_len, stream_is_b,
     stream_limit, rank_streams_ptr, rank_streams, cap,
 ):  # fmt: skip
-    """The earliest start of a ready stream head on rank `k` (`list_schedule`'s eligibility rules), inf if none."""
+    """The earliest start of a ready stream head on rank `k` (`_head_start`), inf if none."""
     k_start = np.inf
     nxt_plan = _next_planned(k, ptr, planned, stream_base, stream_len, rank_streams_ptr, rank_streams)
     for j in range(rank_streams_ptr[k], rank_streams_ptr[k + 1]):
-        sid = rank_streams[j]
-        if ptr[sid] >= stream_len[sid]:
-            continue
-        op = stream_base[sid] + ptr[sid]
-        if npreds[op] > 0:
-            continue
-        if stream_is_b[sid] == 0:
-            if inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9:
-                continue
-        st = max(free[k], ready_time[op])
-        if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
-            continue
+        st = _head_start(
+            k, rank_streams[j], ptr, npreds, inflight, level, free, ready_time, dur, mem, planned, stream_base,
+            stream_len, stream_is_b, stream_limit, cap, nxt_plan,
+        )  # fmt: skip
         if st < k_start:
             k_start = st
     return k_start
+
+
+@jit
+def _head_start(  # type: ignore[no-untyped-def]
+    k, sid, ptr, npreds, inflight, level, free, ready_time, dur, mem, planned, stream_base, stream_len,
+    stream_is_b, stream_limit, cap, nxt_plan,
+):  # fmt: skip
+    """When the head of stream `sid` (on rank `k`) can start under `list_schedule`'s rules, inf if it cannot now:
+    the stream has an op left, its inputs are done, an F stays within its stream's in-flight limit and the rank's
+    memory cap, and an unprotected op ends before the rank's next protected (planned) op."""
+    if ptr[sid] >= stream_len[sid]:
+        return np.inf
+    op = stream_base[sid] + ptr[sid]
+    if npreds[op] > 0:
+        return np.inf
+    if stream_is_b[sid] == 0 and (inflight[sid] >= stream_limit[sid] or level[k] + mem[op] > cap + 1e-9):
+        return np.inf
+    st = max(free[k], ready_time[op])
+    if planned[op] < 0 and st + dur[op] > nxt_plan + 1e-9:
+        return np.inf
+    return st
 
 
 @jit
