@@ -221,7 +221,7 @@ class VLLMInstance:
             self.llm = vllm.LLM(
                 str(checkpoint),
                 skip_tokenizer_init=True,  # token ids in, token ids out: rlhfuse's tokenizer is not an HF one
-                dtype="float32" if torch.device(device).type == "cpu" else "auto",
+                dtype="float32" if cpu else "auto",
                 enforce_eager=cpu or not cuda_graphs,  # CUDA graphs for decode on a GPU unless turned off
                 seed=seed,
                 max_model_len=max_len,
@@ -233,7 +233,7 @@ class VLLMInstance:
         self.engine = self.llm.llm_engine
         self._vllm = vllm
         self.cpu = cpu
-        dtype_bytes = 4 if torch.device(device).type == "cpu" else 2
+        dtype_bytes = 4 if cpu else 2
         head_dim = model_config.head_dim or model_config.hidden_size // model_config.num_heads
         per_token = 2 * model_config.num_layers * model_config.num_kv_heads * head_dim * dtype_bytes
         self.cache = KVBudget(slot_bytes=per_token * max_len, num_slots=max_num_seqs, max_len=max_len)

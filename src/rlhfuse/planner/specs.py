@@ -197,14 +197,6 @@ class ModelSpec:
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
-    def mlp_params(self, layer: int, *, active: bool = False) -> int:
-        """Matmul weights of layer `layer`'s MLP: gate / up / down, or a router and the experts (`active`: only
-        the top-k a token runs, for FLOPs)."""
-        if not self.is_moe(layer):
-            return 3 * self.hidden * self.ffn
-        experts = self.experts_per_token if active else self.experts
-        return self.hidden * self.experts + 3 * self.hidden * self.expert_ffn * experts
-
     @property
     def n_kv_heads(self) -> int:
         return self.kv_heads if self.kv_heads is not None else self.heads
