@@ -4,7 +4,15 @@ from rlhfuse.models.attention import ATTENTION_BACKENDS, MULTI_POSITION_BACKENDS
 from rlhfuse.models.cache import KVCache, SlotState, upload
 from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, load_weights, save_pretrained
 from rlhfuse.models.config import ModelConfig
-from rlhfuse.models.stages import Stage, resident_bytes, split_stages, stage_of, stage_ranges, to_device
+from rlhfuse.models.stages import (
+    Stage,
+    cast_copy,
+    resident_bytes,
+    split_stages,
+    stage_of,
+    stage_ranges,
+    to_device,
+)
 from rlhfuse.models.transformer import Transformer, load_balancing_loss, record_router_logits
 
 __all__ = [
@@ -16,6 +24,7 @@ __all__ = [
     "SlotState",
     "Stage",
     "Transformer",
+    "cast_copy",
     "from_pretrained",
     "get_attention",
     "load_balancing_loss",

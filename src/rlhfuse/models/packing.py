@@ -128,18 +128,16 @@ def packed_forward(
     on the packed real tokens: no layer, and not the head, runs on padding; padded entries of the result are 0
     (the padded path's values there are meaningless too)."""
     packed = pack_rows(attention_mask_BT.to(input_ids_BT.device))
-    hidden_ND = model.packed_hidden_states(packed.pack(input_ids_BT), packed)
     picked_M, dest_M, span = packed.window(start, stop)
-    out_M_ = model.apply_head(hidden_ND[picked_M][None])[0]
+    out_M_ = model.packed_outputs(packed.pack(input_ids_BT), packed, picked_M)
     return scatter_rows(out_M_, dest_M, packed.batch, span)
 
 
 def packed_last_token(model: Transformer, input_ids_BT: Tensor, attention_mask_BT: Tensor) -> Tensor:
     """The model's output at each row's last real token ([B] values, or [B, V] logits), packed."""
     packed = pack_rows(attention_mask_BT.to(input_ids_BT.device))
-    hidden_ND = model.packed_hidden_states(packed.pack(input_ids_BT), packed)
     last_B = packed.cu_seqlens_B1[1:].long() - 1
-    return model.apply_head(hidden_ND[last_B][None])[0]
+    return model.packed_outputs(packed.pack(input_ids_BT), packed, last_B)
 
 
 def check_packing(models: Iterable[Transformer | None]) -> None:

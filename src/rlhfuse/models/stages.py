@@ -7,10 +7,12 @@ Stages hold the original modules (no copies), so a step through the stages train
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from rlhfuse.models.masks import MaskLayout
 from rlhfuse.models.packing import PackedSequences, pack_rows
@@ -170,14 +172,17 @@ def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 def resident_bytes(*modules: nn.Module | None) -> int:
-    """Bytes of the parameters and buffers materialised on this rank (meta tensors hold none), each storage
-    counted once over all `modules` (tied weights, a stage and its model, shared copies)."""
+    """Bytes of the parameters and buffers materialised on this rank (meta tensors hold none; of a sharded one,
+    its shard), each storage counted once over all `modules` (tied weights, a stage and its model, shared
+    copies)."""
     seen: set[tuple[str, int]] = set()
     total = 0
     for module in modules:
         if module is None:
             continue
         for t in [*module.parameters(), *module.buffers()]:
+            if isinstance(t, DTensor):
+                t = t.to_local()  # sharded (pipeline=fsdp): this rank's shard
             if t.is_meta:
                 continue
             key = (str(t.device), t.untyped_storage().data_ptr())
@@ -185,3 +190,16 @@ def resident_bytes(*modules: nn.Module | None) -> int:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
     return total
+
+
+def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """A frozen copy of `model` with its floating-point weights in `dtype`, made without a full-precision copy
+    first (deepcopy would double the fp32 weights for a moment): each parameter is cast as it is copied, tied
+    ones once."""
+    memo: dict[int, object] = {
+        id(p): torch.nn.Parameter(
+            p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(), False
+        )
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo).eval().requires_grad_(False)

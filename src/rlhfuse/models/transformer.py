@@ -682,6 +682,12 @@ class Transformer(nn.Module):
         x_1ND = run_layers(self.layers, x_1ND, ctx, checkpointed=self.activation_checkpointing)
         return self.norm(x_1ND)[0]
 
+    def packed_outputs(self, input_ids_N: Tensor, packed: PackedSequences, picked_M: Tensor) -> Tensor:
+        """The head's outputs (logits [M, V] or values [M]) at the packed positions `picked_M`: the packed
+        forward whole, in one call (a sharded model gathers its root weights once for it, as for `forward`)."""
+        hidden_ND = self.packed_hidden_states(input_ids_N, packed)
+        return self.apply_head(hidden_ND[picked_M][None])[0]
+
     def forward(
         self,
         input_ids_BT: Tensor,

@@ -178,7 +178,7 @@ def check_resume(cfg: Any, checkpoint_dir: str | Path, run_dir: str | Path | Non
     return path
 
 
-def _all_ok(error: str | None, what: str) -> None:
+def all_ok(error: str | None, what: str) -> None:
     """Collective: raise the same CheckpointError on every rank if any rank reports an error."""
     gathered = distributed.all_gather_json(error, distributed.group_device())
     failed = [(rank, e) for rank, e in enumerate(gathered) if e is not None]
@@ -211,7 +211,7 @@ def save_sharded(
             tmp.mkdir()
         except OSError as err:
             error = f"cannot create {tmp}: {err}"
-    _all_ok(error, f"checkpoint of iteration {iteration} not written")
+    all_ok(error, f"checkpoint of iteration {iteration} not written")
     hashes: dict[str, str] = {}
     try:
         shard = tmp / f"rank_{rank:05d}"
@@ -249,7 +249,7 @@ def save_sharded(
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"cannot seal {final}: {err}"
-    _all_ok(error, f"checkpoint of iteration {iteration} not written")
+    all_ok(error, f"checkpoint of iteration {iteration} not written")
     return final
 
 

@@ -20,7 +20,8 @@ class PipelineConfig:
     ignores them)."""
 
     # Registered strategy name: plain (no pipeline: one process, or data parallel over the generation
-    # instances) | fused | serial_1f1b (Actor and Critic pipelines on the same ranks).
+    # instances) | fsdp (plain's data parallelism with the four models, gradients and optimizer states sharded
+    # over the ranks: FSDP2) | fused | serial_1f1b (Actor and Critic pipelines on the same ranks).
     name: str = "plain"
     optim: OptimConfig = flat_field(OptimConfig)
 
@@ -45,6 +46,12 @@ class PipelineConfig:
     balance: bool = True
     # Receives are posted this many compute ops before their consumer.
     prefetch: int = 1
+    # pipeline=fsdp: the weight shards, and with them the gradients and optimizer states, in host memory (each
+    # layer's gather copies its shard to the device; the optimizer steps on the host).
+    cpu_offload: bool = False
+    # pipeline=fsdp: a layer frees its gathered weights after its forward and gathers them again for backward
+    # (true, ZeRO-3's memory) or keeps them until its backward (false: less communication, more memory).
+    reshard_after_forward: bool = True
 
     def problems(self) -> list[str]:
         return self.optim.problems()

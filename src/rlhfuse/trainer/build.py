@@ -3,7 +3,6 @@ built), then models (warm start if needed), then the components chosen by name f
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,8 @@ from rlhfuse.data.prompts import (
 )
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.models import Transformer
+from rlhfuse.distributed.fsdp import full_state
+from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import (
@@ -45,6 +45,7 @@ from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
+from rlhfuse.trainer.fsdp import FSDPStrategy, GatheredRollout
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
@@ -152,19 +153,6 @@ def allow_tf32(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
-
-def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:
-    """A frozen copy of `model` with its floating-point weights in `dtype`, made without a full-precision copy
-    first (deepcopy would double the fp32 weights for a moment): each parameter is cast as it is copied, tied
-    ones once."""
-    memo: dict[int, Any] = {
-        id(p): torch.nn.Parameter(
-            p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(), False
-        )
-        for p in model.parameters()
-    }
-    return copy.deepcopy(model, memo).eval().requires_grad_(False)
 
 
 def prepare_generation_copy(models: Models, dtype: torch.dtype) -> None:
@@ -326,6 +314,8 @@ def build_trainer(
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
     rollout = rollout_stage(ctx, generator, inferencer)
+    if isinstance(strategy, FSDPStrategy):  # the rollout runs on the sharded models gathered whole
+        rollout = GatheredRollout(rollout, strategy)
     # generator.tp > 1: the generation copy is a tp shard; the export reassembles the whole Actor (collective)
     shard_export = config.checkpoint.export_hf and config.generator.tp > 1
     # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy
@@ -352,6 +342,17 @@ def build_trainer(
             ExportShardedActor(
                 lambda: strategy.shards.full_state("actor"),
                 strategy.models["actor"].config,
+                models.tokenizer,
+                run_dir / "actor_hf",
+                write=rank0,
+            )
+        )
+    elif config.checkpoint.export_hf and isinstance(strategy, FSDPStrategy) and not m.lora.enabled:
+        # the Actor's shards gathered on every rank (collective), written by rank 0
+        all_callbacks.append(
+            ExportShardedActor(
+                lambda: full_state(strategy.actor),
+                strategy.actor.config,
                 models.tokenizer,
                 run_dir / "actor_hf",
                 write=rank0,

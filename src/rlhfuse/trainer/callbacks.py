@@ -13,6 +13,7 @@ import torch
 from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.distributed.fsdp import local_tensor
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretrained
 from rlhfuse.models.lora import LoraConfig, merged_model, save_adapter
 
@@ -140,7 +141,7 @@ class MemoryMetrics:
         mods = [m for m in self.modules() if m is not None]
         param = resident_bytes(*mods)
         optim = sum(
-            t.numel() * t.element_size()
+            local_tensor(t).numel() * t.element_size()  # of a sharded state (pipeline=fsdp): its shard
             for o in self.optimizers()
             for state in o.state.values()
             for t in state.values()

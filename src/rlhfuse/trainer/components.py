@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 
@@ -19,7 +20,7 @@ from rlhfuse.core.rewards import RewardSet
 from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
-from rlhfuse.models import Transformer
+from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
@@ -178,6 +179,42 @@ def plain_strategy(ctx: BuildContext) -> PlainStrategy:
     )
 
 
+def fsdp_strategy(ctx: BuildContext) -> Any:
+    """pipeline=fsdp: `PlainStrategy`'s data parallelism over the sharded models (`rlhfuse.trainer.fsdp`). The
+    generators copy a whole Actor (`Models.for_generation`), so one is kept aside before the Actor is sharded in
+    place."""
+    from rlhfuse.core.optim import generation_dtype, resolve_precision
+    from rlhfuse.distributed.fsdp import ShardingPolicy
+    from rlhfuse.trainer.fsdp import FSDPStrategy
+
+    cfg, models = ctx.config, ctx.models
+    device = ctx.fabric.device
+    precision = resolve_precision(cfg.pipeline.optim.precision, device.type)
+    if models.generation is None:
+        models.generation = cast_copy(models.actor, generation_dtype(precision))
+    policy = ShardingPolicy(
+        # bf16-mixed: layers compute in bf16 (the shards, and the gradient reduction, stay fp32)
+        param_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,
+        cpu_offload=cfg.pipeline.cpu_offload,
+        reshard_after_forward=cfg.pipeline.reshard_after_forward,
+    )
+    frozen = [models.ref, models.reward if cfg.inferencer.use_reward_model else None]
+    return FSDPStrategy(
+        models.actor,
+        models.critic,
+        cfg.pipeline.optim,
+        cfg.algorithm,
+        frozen=frozen,
+        policy=policy,
+        fabric=ctx.fabric,
+        total_steps=ctx.total_steps,
+        micro_batch_size=cfg.data.micro_batch_size,
+        micro_batch_tokens=cfg.data.micro_batch_tokens,
+        temperature=cfg.generator.sampling.temperature,
+        packing=cfg.data.packing,
+    )
+
+
 def fused_strategy(ctx: BuildContext) -> Any:
     return _pipeline_strategy(ctx, "fused")
 
@@ -251,6 +288,7 @@ STRATEGIES: Registry[Builder] = Registry(
     "pipeline.name",
     {
         "plain": plain_strategy,
+        "fsdp": fsdp_strategy,
         "fused": fused_strategy,
         "serial_1f1b": serial_1f1b_strategy,
     },

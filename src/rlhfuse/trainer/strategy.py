@@ -32,9 +32,11 @@ from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_peak_lr
+from rlhfuse.core.protocols import Checkpointer
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.buckets import GradReducer
+from rlhfuse.distributed.fsdp import grad_norm_value
 from rlhfuse.models import Transformer, load_balancing_loss, record_router_logits
 from rlhfuse.models.lora import load_trained_state, merged_weights, trainable, trained_state
 from rlhfuse.models.packing import check_packing
@@ -81,19 +83,20 @@ class PlainStrategy:
             self.critic_optim, self.critic_sched = build_optimizer(
                 critic.parameters(), config.critic_lr, config, total_steps
             )
-        # data-parallel ranks hold the same state: rank 0 writes it
-        self.checkpointer = PlainCheckpointer(
-            self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
-        )
+        self.checkpointer: Checkpointer = self._checkpointer()
         self.weight_sync_bytes = 0.0  # the generator copies the Actor in process: nothing crosses ranks
-        # data-parallel gradient sums, bucketed and overlapped with the last micro-batch's backward
-        self.reducer = (
-            None
-            if group is None
-            else GradReducer(
-                [trainable(m.parameters()) for m in self.models], group, bucket_mb=config.grad_bucket_mb
-            )
-        )
+        self.reducer = self._gradient_reducer()
+
+    def _checkpointer(self) -> Checkpointer:
+        """Data-parallel ranks hold the same state: rank 0 writes it."""
+        return PlainCheckpointer(self.state_dict, self.load_state_dict, writer=self.fabric.is_global_zero)
+
+    def _gradient_reducer(self) -> GradReducer | None:
+        """Data-parallel gradient sums, bucketed and overlapped with the last micro-batch's backward."""
+        if self.group is None:
+            return None
+        params = [trainable(m.parameters()) for m in self.models]
+        return GradReducer(params, self.group, bucket_mb=self.config.grad_bucket_mb)
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """What the generators' plain copies load: the Actor's state, or a LoRA Actor's merged projections."""
@@ -114,20 +117,7 @@ class PlainStrategy:
     def train_step(self, batch: TrainBatch) -> TrainStats:
         for model in self.models:
             model.train()
-        parts: list[LossTensors] = []
-        failure: str | None = None
-        micros = micro_batches(
-            self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
-        )
-        # each micro-batch weighted by its share of the *whole* mini-batch (token-mean or sequence-mean losses)
-        weights = microbatch_weights(micros, batch, self.algorithm.loss_reduction)
-        for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
-            if self.reducer is not None and i == len(micros) - 1:
-                self.reducer.arm()  # the last backward: each gradient bucket is summed as soon as it is final
-            stats, failure = self._micro_step(micro, weight)
-            if failure is not None:
-                break
-            parts.append(scale_stats(stats, weight))
+        parts, failure = self._accumulate(batch)
         device = next(self.actor.parameters()).device
         vector = sum_stats(parts).vector() if parts else torch.zeros(len(LossStats._fields), device=device)
         if self.group is not None:
@@ -151,6 +141,31 @@ class PlainStrategy:
             optim.zero_grad(set_to_none=True)
         return TrainStats(sums, actor_norm, critic_norm, float(self.actor_sched.get_last_lr()[0]))
 
+    def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], list[float]]:
+        """This rank's micro-batches of the mini-batch, each weighted by its share of the *whole* mini-batch
+        (token-mean or sequence-mean losses)."""
+        micros = micro_batches(
+            self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
+        )
+        return micros, microbatch_weights(micros, batch, self.algorithm.loss_reduction)
+
+    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], str | None]:
+        """Forward and backward of every micro-batch, gradients accumulated: their weighted statistics, and the
+        first non-finite loss (its micro-batch has no backward, and no later one runs)."""
+        parts: list[LossTensors] = []
+        micros, weights = self._micro_batches(batch)
+        for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
+            if self.reducer is not None and i == len(micros) - 1:
+                self.reducer.arm()  # the last backward: each gradient bucket is summed as soon as it is final
+            named, stats = self._losses(micro)
+            failure = non_finite(named)
+            if failure is not None:
+                return parts, failure
+            for _, value, _ in named:
+                self.fabric.backward(value * weight)
+            parts.append(scale_stats(stats, weight))
+        return parts, None
+
     def _zero_grad(self) -> None:
         for optim in self.optimizers:
             optim.zero_grad(set_to_none=True)
@@ -173,21 +188,22 @@ class PlainStrategy:
         The gradient buckets the last backward did not launch are launched first (all of them on a rank that
         stopped at a non-finite loss), so every rank issues the same reductions in the same order; then the
         ranks agree on whether any saw a non-finite loss (then the statistics are not exchanged)."""
-        assert self.reducer is not None
-        self.reducer.finish()
+        if self.reducer is not None:
+            self.reducer.finish()
         # the gradients' device: the one the group's backend reduces on
         device = next(self.actor.parameters()).device
         failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
         distributed.all_reduce(failed, group=self.group)
-        self.reducer.wait("data-parallel gradient reduction")
+        if self.reducer is not None:
+            self.reducer.wait("data-parallel gradient reduction")
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
         values = sums.to(device=device, dtype=torch.float64)
         distributed.all_reduce(values, group=self.group)
         return values, None
 
-    def _micro_step(self, micro: TrainBatch, weight: float) -> tuple[LossTensors, str | None]:
-        """Forward and backward of one micro-batch: its statistics, or the non-finite loss (no backward)."""
+    def _losses(self, micro: TrainBatch) -> tuple[list[tuple[str, Tensor, LossTensors]], LossTensors]:
+        """Forward of one micro-batch: each trained model's named loss with its statistics, and their sum."""
         device = next(self.actor.parameters()).device
         micro = micro.to(device)
         coef = self.config.router_aux_loss_coef
@@ -212,17 +228,11 @@ class PlainStrategy:
         named = [("loss/policy", policy_loss, policy_stats)]
         if values_BR is not None:
             named.append(("loss/value", *losses.response_critic_loss(values_BR, micro, self.algorithm)))
-        stats = sum_stats([stats for _, _, stats in named])
-        for name, value, _ in named:
-            if not torch.isfinite(value):
-                return stats, f"{name} is {float(value.detach())}"
-        for _, value, _ in named:
-            self.fabric.backward(value * weight)
-        return stats, None
+        return named, sum_stats([stats for _, _, stats in named])
 
     def _clip(self, model: torch.nn.Module, name: str) -> float:
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         if not math.isfinite(norm):
             self._zero_grad()
             raise NonFiniteError(f"{name} is {norm}")
@@ -259,6 +269,14 @@ class PlainStrategy:
             self.critic_optim.load_state_dict(state["critic_optim"])
             self.critic_sched.load_state_dict(state["critic_sched"])
             set_peak_lr(self.critic_optim, self.critic_sched, self.config.critic_lr)
+
+
+def non_finite(named: list[tuple[str, Tensor, LossTensors]]) -> str | None:
+    """The first non-finite loss of `named`, as the error names it; None when all are finite."""
+    for name, value, _ in named:
+        if not torch.isfinite(value):
+            return f"{name} is {float(value.detach())}"
+    return None
 
 
 _STATE_ORDER = ("actor", "critic", "actor_optim", "critic_optim", "actor_sched", "critic_sched")

@@ -22,7 +22,12 @@ from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
-from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size, validate_runtime
+from rlhfuse.runtime.config import (
+    PIPELINE_STRATEGIES,
+    PipelineConfig,
+    launched_world_size,
+    validate_runtime,
+)
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
 from rlhfuse.trainer.data_parallel import plain_world_size, validate_plain_launch
@@ -109,10 +114,10 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
     coef = cfg.pipeline.optim.router_aux_loss_coef
-    if coef > 0 and cfg.pipeline.name != "plain":
+    if coef > 0 and cfg.pipeline.name in PIPELINE_STRATEGIES:
         problems.append(
-            f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain only "
-            f"(pipeline={cfg.pipeline.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
+            f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain and fsdp "
+            f"only (pipeline={cfg.pipeline.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
         )
     elif coef > 0 and model is not None and not model.num_experts:
         problems.append(
@@ -120,6 +125,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             "there is no load to balance: set pipeline.router_aux_loss_coef=0"
         )
     problems += generation_tp_problems(cfg)
+    problems += fsdp_problems(cfg)
     problems += attention_problems(cfg)
     problems += lora_problems(cfg, model, where)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
@@ -147,6 +153,28 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
                 )
     if g.name == "vllm":
         problems += _vllm_problems(cfg, model)
+    return problems
+
+
+def fsdp_problems(cfg: RLHFConfig) -> list[str]:
+    """pipeline=fsdp's own keys against the rest: its CPU offload moves shards between host and device, which a
+    CPU run has not; the shards follow the precision's dtype (bf16-true shards bf16 weights)."""
+    p = cfg.pipeline
+    problems: list[str] = []
+    if p.name != "fsdp":
+        for key in ("cpu_offload", "reshard_after_forward"):
+            if getattr(p, key) != getattr(PipelineConfig(), key):
+                problems.append(
+                    f"pipeline.{key}={getattr(p, key)} is read by pipeline=fsdp only (pipeline={p.name}): set "
+                    f"pipeline=fsdp or leave pipeline.{key} at its default"
+                )
+        return problems
+    if p.cpu_offload and not uses_cuda(cfg):
+        problems.append(
+            f"pipeline.cpu_offload=true keeps the shards in host memory and copies each layer to the device, but "
+            f"this run's device is the CPU (device={cfg.device}): the shards are in host memory already; set "
+            "pipeline.cpu_offload=false"
+        )
     return problems
 
 

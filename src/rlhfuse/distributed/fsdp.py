@@ -1,0 +1,179 @@
+"""Sharded data parallelism with torch's FSDP2 (`torch.distributed.fsdp.fully_shard`) and its checkpoints
+(`torch.distributed.checkpoint`): the one module that drives them, for `pipeline=fsdp`.
+
+`shard_model` shards a model in place over a process group: every decoder layer is one FSDP unit (its weights
+all-gathered just before its forward and backward, freed after), the root unit holds the rest (embeddings, final
+norm, heads). Gradients are reduce-scattered during backward, each unit as soon as its gradients are final, so the
+reduction overlaps with the remaining backward as DDP's buckets do; the reduction *sums* (each rank's loss is
+already weighted by its share of the whole mini-batch, as `PlainStrategy`'s all-reduce expects).
+
+Every forward and backward of a sharded model is collective: all ranks of the group must run the same number of
+them, in the same order. Where ranks do unequal work (the rollout: generation and inference are fused across the
+ranks, each inferring the samples it finished or stole), `gathered` all-gathers every unit once, at a point every
+rank reaches together, and keeps the whole weights until the block ends: forwards inside issue no collective.
+
+`full_state` gathers a model's whole weights on every rank (the weight sync to each rank's generation copy);
+`save_state` / `load_state` write and read sharded model and optimizer states with DCP, whose files load on any
+world size (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How `shard_model` shards: the dtype units compute in (None: the weights' own; bf16 under bf16-mixed, the
+    shards and the gradient reduction staying fp32), whether the shards and hence the optimizer states live in
+    host memory (copied to the device for each all-gather), and whether a layer frees its gathered weights
+    after its forward (true: ZeRO-3; false: kept until backward, ZeRO-2's memory)."""
+
+    param_dtype: torch.dtype | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+
+    def mixed_precision(self) -> MixedPrecisionPolicy:
+        reduce = None if self.param_dtype is None else torch.float32
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=reduce)
+
+    def offload(self) -> OffloadPolicy:
+        # pinned host memory makes the copies asynchronous; pinning needs CUDA
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+
+
+def shard_model(
+    model: nn.Module,
+    layers: Iterable[nn.Module],
+    policy: ShardingPolicy,
+    *,
+    device_type: str,
+    group: Any = None,
+    forward_methods: Sequence[str] = (),
+) -> None:
+    """Shard `model` in place over `group` (default: the world): each of `layers` one unit, the root the rest.
+    `forward_methods` are the model's methods other than `forward` that run it whole (their calls gather and
+    free like a forward)."""
+    group = group if group is not None else dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, device_type)
+    args: dict[str, Any] = dict(
+        mesh=mesh, mp_policy=policy.mixed_precision(), offload_policy=policy.offload()
+    )
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=policy.reshard_after_forward, **args)
+    fully_shard(model, **args)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
+    for unit in units(model):
+        # a sum: the losses are weighted by each rank's share already; a plain SUM reduction (no PREMUL_SUM op,
+        # which gloo lacks; NCCL's zero-copy path wants SUM too) and a division by 1 after it
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def units(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP units of `model`, the root first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def set_gradient_sync(models: Iterable[nn.Module], enabled: bool) -> None:
+    """Whether the next backward reduce-scatters the gradients (false: accumulate them unreduced, for all but the
+    last micro-batch of a step)."""
+    for model in models:
+        assert isinstance(model, FSDPModule), type(model)
+        model.set_requires_gradient_sync(enabled)
+
+
+@contextmanager
+def gathered(models: Iterable[nn.Module], *, reshard_after_forward: bool = True) -> Iterator[None]:
+    """Collective on entry: every unit of `models` all-gathered and kept whole inside the block, so their
+    forwards there are local (ranks may run different numbers of them); freed again on exit."""
+    found = [u for model in models for u in units(model)]
+    for unit in found:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for model in models:
+            for unit in units(model):
+                unit.reshard()
+                # the root keeps its weights between its forward and backward (FSDP's own rule for the root)
+                unit.set_reshard_after_forward(reshard_after_forward and unit is not model, recurse=False)
+
+
+def full_state(model: nn.Module) -> dict[str, Tensor]:
+    """Collective: `model`'s whole state dict on every rank (each rank receives the shards it lacks)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """What this rank holds of `t`: its shard for a sharded (DTensor) parameter, `t` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grad_norm_value(norm: Tensor) -> float:
+    """`clip_grad_norm_`'s result as a number (over sharded gradients it is a replicated DTensor)."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def sharded_state(
+    models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """The models' and optimizers' sharded state dicts (`name` and `name_optim`; an optimizer is keyed by the
+    name of the model it steps)."""
+    state: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+    for name, optim in optimizers.items():
+        state[f"{name}_optim"] = get_optimizer_state_dict(models[name], optim)
+    return state
+
+
+def set_sharded_state(
+    state: Mapping[str, Any], models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]
+) -> None:
+    """Load `sharded_state`'s entries back into the models and optimizers."""
+    for name, model in models.items():
+        set_model_state_dict(model, state[name])
+    for name, optim in optimizers.items():
+        set_optimizer_state_dict(models[name], optim, state[f"{name}_optim"])
+
+
+def save_state(path: str | Path, state: Mapping[str, Any]) -> None:
+    """Collective: write a sharded state (`sharded_state`) into the folder `path`, every rank its shards."""
+    dcp.save(dict(state), checkpoint_id=str(path))
+
+
+def load_state(path: str | Path, state: dict[str, Any]) -> None:
+    """Collective: read `save_state`'s folder (written on any world size) into `state`, a sharded state of the
+    same entries (its tensors are overwritten in place, resharded for this world)."""
+    dcp.load(state, checkpoint_id=str(path))

@@ -1,0 +1,339 @@
+"""`pipeline=fsdp`: sharded data parallelism (FSDP2, `rlhfuse.distributed.fsdp`) over one process per generation
+instance, the launch and the rollout of `pipeline=plain`.
+
+Each rank keeps 1/world of the Actor's, the Critic's, the Ref's and the Reward's weights, of the trained models'
+gradients and of their optimizer states (`memory/param_bytes`, `memory/optimizer_bytes`), instead of whole copies.
+The update is `PlainStrategy`'s (every rank trains its Karmarkar-Karp share of each mini-batch, each micro-batch
+weighted by its share of the whole mini-batch; the gradient is the sum over ranks), with FSDP's reduce-scatter in
+place of the bucketed all-reduce: each layer's gradients are reduced during the last micro-batch's backward as
+soon as they are final. A layer's weights are gathered for its forward and backward and freed after, so every
+training forward is collective: a rank with fewer micro-batches runs its last one again with weight 0, and a
+non-finite loss does not skip a backward (every rank runs the same reductions; the step is then dropped on all).
+
+The rollout runs on whole models (`GatheredRollout`): generation and inference are fused across the ranks, each
+rank inferring the samples it finished or took over, so their forward counts differ. The four models are gathered
+once when every rank enters the rollout and freed when it ends; the rollout's memory is `pipeline=plain`'s,
+training's and the time between rollouts' is the sharded one. The weight sync gathers the Actor on every rank
+(each rank is a whole generation instance: it needs all of it) into the generator's copy.
+
+Checkpoints (`FSDPCheckpointer`): the sharded model and optimizer states through torch.distributed.checkpoint
+(every rank writes its shards; the files load on any world size), the schedulers and the trainer's state written
+by rank 0, sealed by rank 0's meta.json (kind "fsdp") once every rank's part is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist  # the WORLD group handle only: collectives go through rlhfuse.distributed
+from lightning.fabric import Fabric
+from torch import Tensor
+
+from rlhfuse import distributed
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.checkpoint import fsync, mismatch_error, prune_run, remove_checkpoint, seal_fields, sha256
+from rlhfuse.core.errors import CheckpointError
+from rlhfuse.core.optim import OptimConfig, set_peak_lr
+from rlhfuse.core.protocols import Checkpointer, RolloutStage, StageHook
+from rlhfuse.core.sampling import Sampling
+from rlhfuse.core.stats import LossTensors, RolloutStats, scale_stats
+from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
+from rlhfuse.distributed.buckets import GradReducer
+from rlhfuse.distributed.fsdp import (
+    ShardingPolicy,
+    full_state,
+    gathered,
+    load_state,
+    save_state,
+    set_gradient_sync,
+    set_sharded_state,
+    shard_model,
+    sharded_state,
+)
+from rlhfuse.models import Transformer
+from rlhfuse.runtime.checkpoint import all_ok
+from rlhfuse.trainer.strategy import PlainStrategy, non_finite
+
+KIND, FORMAT = "fsdp", 1
+DCP_DIR, STATE = "dcp", "state.pt"
+
+
+class FSDPStrategy(PlainStrategy):
+    def __init__(
+        self,
+        actor: Transformer,
+        critic: Transformer | None,
+        config: OptimConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        frozen: Sequence[Transformer | None],
+        policy: ShardingPolicy,
+        fabric: Fabric,
+        total_steps: int,
+        micro_batch_size: int,
+        micro_batch_tokens: int = 0,
+        temperature: float = 1.0,
+        packing: bool = False,
+    ) -> None:
+        # the Ref and the Reward (frozen: sharded weights, no gradients or optimizer)
+        self.frozen = [m for m in frozen if m is not None and m is not actor and m is not critic]
+        self.policy = policy
+        device_type = next(actor.parameters()).device.type
+        for model in (actor, critic, *self.frozen):
+            if model is not None:
+                shard_model(
+                    model, model.layers, policy, device_type=device_type, forward_methods=("packed_outputs",)
+                )
+        # the optimizers are built over the sharded parameters: their states are sharded too
+        super().__init__(
+            actor,
+            critic,
+            config,
+            algorithm,
+            fabric=fabric,
+            total_steps=total_steps,
+            micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens,
+            temperature=temperature,
+            group=dist.group.WORLD,
+            packing=packing,
+        )
+
+    def _checkpointer(self) -> Checkpointer:
+        return FSDPCheckpointer(self)
+
+    def _gradient_reducer(self) -> GradReducer | None:
+        return None  # FSDP reduce-scatters each layer's gradients during backward
+
+    @property
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """Every sharded model: the trained ones, then the Ref and the Reward."""
+        return [*self.models, *self.frozen]
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Collective on entry: the four models whole on every rank inside the block (their forwards local)."""
+        with gathered(self.sharded_models, reshard_after_forward=self.policy.reshard_after_forward):
+            yield
+
+    def actor_weights(self) -> Mapping[str, Tensor]:
+        """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance)."""
+        full = full_state(self.actor)
+        world = distributed.world_size(self.group)
+        total = sum(t.numel() * t.element_size() for t in full.values())
+        self.weight_sync_bytes = float(
+            total * (world - 1) / world
+        )  # what each rank received: the others' shards
+        return full
+
+    def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], list[float]]:
+        """`PlainStrategy`'s micro-batches, as many on every rank: a rank with fewer repeats its last one with
+        weight 0 (its forward and backward gather and reduce like the others', and add nothing)."""
+        micros, weights = super()._micro_batches(batch)
+        device = next(self.actor.parameters()).device
+        count = torch.tensor([float(len(micros))], dtype=torch.float64, device=device)
+        distributed.all_reduce(count, op="max", group=self.group)
+        extra = int(count.item()) - len(micros)
+        return micros + [micros[-1]] * extra, weights + [0.0] * extra
+
+    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], str | None]:
+        """Every micro-batch's forward and backward, on every rank, even after a non-finite loss (the step is
+        dropped afterwards on all ranks); gradients reduce-scattered in the last backward only."""
+        parts: list[LossTensors] = []
+        failure: str | None = None
+        micros, weights = self._micro_batches(batch)
+        for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
+            set_gradient_sync(self.models, i == len(micros) - 1)
+            named, stats = self._losses(micro)
+            failure = failure or non_finite(named)
+            for _, value, _ in named:
+                self.fabric.backward(value * weight)
+            parts.append(scale_stats(stats, weight))
+        return parts, failure
+
+    def sharded_state(self) -> dict[str, Any]:
+        """The trained models' and optimizers' states (DTensors: this rank's shards)."""
+        return sharded_state(self.trained, self.trained_optimizers)
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return {f"{name}_sched": sched.state_dict() for name, sched in self.schedulers.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sharded weights and optimizer states, and the LR schedulers' states."""
+        return {**self.sharded_state(), **self.scheduler_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`'s entries; the configured learning rates replace the checkpoint's."""
+        set_sharded_state(state, self.trained, self.trained_optimizers)
+        peaks = {"actor": self.config.actor_lr, "critic": self.config.critic_lr}
+        for name, sched in self.schedulers.items():
+            sched.load_state_dict(state[f"{name}_sched"])
+            set_peak_lr(self.trained_optimizers[name], sched, peaks[name])  # a resume may change it
+
+    @property
+    def trained(self) -> dict[str, torch.nn.Module]:
+        """The trained models by checkpoint name."""
+        return {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
+
+    @property
+    def trained_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return dict(zip(self.trained, self.optimizers, strict=True))
+
+    @property
+    def schedulers(self) -> dict[str, torch.optim.lr_scheduler.LambdaLR]:
+        found = {"actor": self.actor_sched}
+        if self.critic_sched is not None:
+            found["critic"] = self.critic_sched
+        return found
+
+
+class FSDPCheckpointer:
+    """`pipeline=fsdp`'s `Checkpointer` (collective: every rank saves and loads its shards).
+
+    Layout of `<run_dir>/checkpoints/iter_00000010/`:
+        dcp/        torch.distributed.checkpoint's files: the trained models' and optimizers' sharded states
+        state.pt    the LR schedulers' states and the trainer's (iteration, data position, RNG), by rank 0
+        meta.json   written last, by rank 0: kind "fsdp", iteration, world size, the trained models and the
+                    SHA-256 of every file
+    Atomic as a whole: written into a temporary folder that rank 0 renames into place once every rank's shards
+    are written; a failure on any rank leaves the previous checkpoints untouched.
+    """
+
+    def __init__(self, strategy: FSDPStrategy) -> None:
+        self.strategy = strategy
+
+    def save(
+        self,
+        directory: str | Path,
+        iteration: int,
+        extra: Mapping[str, Any],
+        *,
+        keep: int = 0,
+        run: str | None = None,
+    ) -> Path:
+        s = self.strategy
+        rank = distributed.rank()
+        root = Path(directory)
+        final = root / f"iter_{iteration:08d}"
+        tmp = root / f".tmp-{final.name}-fsdp"
+        error: str | None = None
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
+                tmp.mkdir()
+            except OSError as err:
+                error = f"cannot create {tmp}: {err}"
+        all_ok(error, f"checkpoint of iteration {iteration} not written")
+        # collective; DCP raises the same error on every rank when one cannot write
+        save_state(tmp / DCP_DIR, s.sharded_state())
+        if rank == 0:
+            try:
+                torch.save({**s.scheduler_state(), **extra}, tmp / STATE)
+                files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+                for name in files:
+                    fsync(tmp / name)
+                meta = {
+                    "kind": KIND,
+                    "format": FORMAT,
+                    "iteration": iteration,
+                    "world_size": distributed.world_size(),
+                    "models": list(s.trained),
+                    **seal_fields(run),
+                    "sha256": {name: sha256(tmp / name) for name in files},
+                }
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                fsync(tmp / "meta.json")
+                if final.exists():
+                    remove_checkpoint(final)
+                os.rename(tmp, final)
+                fsync(root)
+                prune_run(root, run, keep)
+            except OSError as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = f"cannot seal {final}: {err}"
+        all_ok(error, f"checkpoint of iteration {iteration} not written (previous checkpoints untouched)")
+        return final
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Check meta.json and every file, then restore the shards (written on any world size) and the
+        schedulers; the configured learning rates replace the checkpoint's. Returns the saved state."""
+        s = self.strategy
+        path = Path(path)
+        names = distributed.all_gather_json(str(path.resolve()), distributed.group_device())
+        if len(set(names)) != 1:
+            raise CheckpointError(
+                f"ranks would resume from different checkpoints: {names} (use a shared folder)"
+            )
+        error: str | None = None
+        try:
+            check_fsdp_checkpoint(path, list(s.trained), s.algorithm.name)
+        except CheckpointError as err:
+            error = str(err)
+        all_ok(error, "cannot resume")
+        shards = s.sharded_state()
+        load_state(path / DCP_DIR, shards)
+        state: dict[str, Any] = torch.load(path / STATE, map_location="cpu", weights_only=True)
+        try:
+            s.load_state_dict({**shards, **state})
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise mismatch_error(path, err) from None
+        return state
+
+
+def check_fsdp_checkpoint(path: Path, models: list[str], algorithm: str) -> dict[str, Any]:
+    """meta.json of an fsdp checkpoint folder, every file present and matching its SHA-256, written for the
+    same trained models; a CheckpointError naming the file and the fix otherwise."""
+    meta_path = path / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{meta_path} cannot be read ({err}): not a complete checkpoint; resume from another one "
+            "(resume=<checkpoint folder>) or remove it"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("kind") != KIND:
+        kind = meta.get("kind", "single-process") if isinstance(meta, dict) else "unknown"
+        raise CheckpointError(
+            f"{meta_path} is a {kind} checkpoint, not one of pipeline=fsdp: resume it with the pipeline that "
+            "wrote it"
+        )
+    if meta.get("models") != models:
+        raise CheckpointError(
+            f"{meta_path} holds the models {meta.get('models')} but algorithm.name={algorithm} trains {models}: "
+            "resume it with the algorithm that wrote it"
+        )
+    for name, digest in dict(meta.get("sha256", {})).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        if sha256(file) != digest:
+            raise CheckpointError(
+                f"checkpoint file {file} does not match its SHA-256 in meta.json (corrupt or tampered)"
+            )
+    return meta
+
+
+class GatheredRollout:
+    """A rollout stage over `pipeline=fsdp`'s sharded models: they are gathered whole for the rollout (every
+    rank enters it together) and freed after it, so the ranks' unequal inference work runs without collectives."""
+
+    def __init__(self, stage: RolloutStage, strategy: FSDPStrategy) -> None:
+        self.stage, self.strategy = stage, strategy
+
+    def run(
+        self,
+        prompts: PromptBatch,
+        iteration: int,
+        on_stage: StageHook | None = None,
+        sampling: Sampling | None = None,
+    ) -> tuple[Experience, RolloutStats]:
+        with self.strategy.gathered():
+            return self.stage.run(prompts, iteration, on_stage, sampling)
