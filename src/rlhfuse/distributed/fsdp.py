@@ -19,6 +19,8 @@ world size (DCP reshards on load).
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,6 +83,9 @@ def shard_model(
     `forward_methods` are the model's methods other than `forward` that run it whole (their calls gather and
     free like a forward)."""
     group = group if group is not None else dist.group.WORLD
+    # The models return views (a value head's squeeze, a packed call's row); FSDP warns that an in-place op on
+    # one would skip the backward's gather. Nothing in rlhfuse modifies a model's output in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = DeviceMesh.from_group(group, device_type)
     args: dict[str, Any] = dict(
         mesh=mesh, mp_policy=policy.mixed_precision(), offload_policy=policy.offload()
@@ -134,7 +139,8 @@ def gathered(models: Iterable[nn.Module], *, reshard_after_forward: bool = True)
 
 def full_state(model: nn.Module) -> dict[str, Tensor]:
     """Collective: `model`'s whole state dict on every rank (each rank receives the shards it lacks)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: t for name, t in state.items() if isinstance(t, Tensor)}
 
 
 def local_tensor(t: Tensor) -> Tensor:

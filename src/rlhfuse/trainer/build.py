@@ -133,7 +133,7 @@ def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
         world = launched_world_size(config.distributed.nproc_per_node)
     else:
         world = plain_world_size(config)  # one process per generation instance
-    if world > 1:
+    if world > 1 or config.pipeline.name == "fsdp":  # FSDP shards over a process group, of one rank too
         return distributed_fabric(
             nproc_per_node=world,
             backend=config.distributed.backend,

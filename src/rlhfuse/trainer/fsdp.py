@@ -43,9 +43,8 @@ from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, set_peak_lr
 from rlhfuse.core.protocols import Checkpointer, RolloutStage, StageHook
 from rlhfuse.core.sampling import Sampling
-from rlhfuse.core.stats import LossTensors, RolloutStats, scale_stats
+from rlhfuse.core.stats import RolloutStats, TrainStats
 from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
-from rlhfuse.distributed.buckets import GradReducer
 from rlhfuse.distributed.fsdp import (
     ShardingPolicy,
     full_state,
@@ -59,13 +58,44 @@ from rlhfuse.distributed.fsdp import (
 )
 from rlhfuse.models import Transformer
 from rlhfuse.runtime.checkpoint import all_ok
-from rlhfuse.trainer.strategy import PlainStrategy, non_finite
+from rlhfuse.trainer.strategy import PlainStrategy
 
 KIND, FORMAT = "fsdp", 1
 DCP_DIR, STATE = "dcp", "state.pt"
 
 
-class FSDPStrategy(PlainStrategy):
+class ShardedReduceScatter:
+    """`GradientSync` of sharded models: FSDP reduce-scatters each layer's gradients in the last backward, as soon
+    as they are final; the earlier backwards accumulate unreduced. Every pass gathers weights, so every rank runs
+    as many: a rank with fewer micro-batches repeats its last one with weight 0 (it adds nothing)."""
+
+    collective_passes = True
+
+    def __init__(self, models: Sequence[torch.nn.Module], group: Any) -> None:
+        self.models, self.group = list(models), group
+
+    def align(self, micros: list[TrainBatch], weights: list[float]) -> tuple[list[TrainBatch], list[float]]:
+        device = next(self.models[0].parameters()).device
+        count = torch.tensor([float(len(micros))], dtype=torch.float64, device=device)
+        distributed.all_reduce(count, op="max", group=self.group)
+        extra = int(count.item()) - len(micros)
+        return micros + [micros[-1]] * extra, weights + [0.0] * extra
+
+    def before_backward(self, last: bool) -> None:
+        set_gradient_sync(self.models, last)
+
+    def finish(self) -> None:
+        """Nothing left: the last backward reduced every layer (FSDP waits for them before `step`)."""
+
+    def wait(self) -> None:
+        """FSDP's reductions complete inside the backward's end."""
+
+
+class FSDPStrategy:
+    """`pipeline=fsdp`'s `Strategy`: the four models sharded in place over the world, the update
+    `PlainStrategy`'s over the shards (its optimizers are built over the sharded parameters: their states are
+    sharded too), with `ShardedReduceScatter` in place of the bucketed all-reduce."""
+
     def __init__(
         self,
         actor: Transformer,
@@ -84,15 +114,15 @@ class FSDPStrategy(PlainStrategy):
     ) -> None:
         # the Ref and the Reward (frozen: sharded weights, no gradients or optimizer)
         self.frozen = [m for m in frozen if m is not None and m is not actor and m is not critic]
-        self.policy = policy
+        self.policy, self.config = policy, config
         device_type = next(actor.parameters()).device.type
-        for model in (actor, critic, *self.frozen):
-            if model is not None:
-                shard_model(
-                    model, model.layers, policy, device_type=device_type, forward_methods=("packed_outputs",)
-                )
-        # the optimizers are built over the sharded parameters: their states are sharded too
-        super().__init__(
+        trained = [actor] if critic is None else [actor, critic]
+        for model in (*trained, *self.frozen):
+            shard_model(
+                model, model.layers, policy, device_type=device_type, forward_methods=("packed_outputs",)
+            )
+        group = dist.group.WORLD
+        self.update = PlainStrategy(
             actor,
             critic,
             config,
@@ -102,20 +132,36 @@ class FSDPStrategy(PlainStrategy):
             micro_batch_size=micro_batch_size,
             micro_batch_tokens=micro_batch_tokens,
             temperature=temperature,
-            group=dist.group.WORLD,
+            group=group,
             packing=packing,
+            sync=ShardedReduceScatter(trained, group),
         )
+        self.group = group
+        self.checkpointer: Checkpointer = FSDPCheckpointer(self)
+        self.weight_sync_bytes = 0.0
 
-    def _checkpointer(self) -> Checkpointer:
-        return FSDPCheckpointer(self)
+    @property
+    def actor(self) -> Transformer:
+        return self.update.actor
 
-    def _gradient_reducer(self) -> GradReducer | None:
-        return None  # FSDP reduce-scatters each layer's gradients during backward
+    @property
+    def critic(self) -> Transformer | None:
+        return self.update.critic
+
+    @property
+    def algorithm(self) -> AlgorithmConfig:
+        return self.update.algorithm
+
+    def train_step(self, batch: TrainBatch) -> TrainStats:
+        return self.update.train_step(batch)
+
+    def optimizers_in_use(self) -> list[torch.optim.Optimizer]:
+        return self.update.optimizers
 
     @property
     def sharded_models(self) -> list[torch.nn.Module]:
         """Every sharded model: the trained ones, then the Ref and the Reward."""
-        return [*self.models, *self.frozen]
+        return [*self.update.models, *self.frozen]
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -124,39 +170,13 @@ class FSDPStrategy(PlainStrategy):
             yield
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance)."""
+        """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance);
+        each rank receives the shards it lacks."""
         full = full_state(self.actor)
         world = distributed.world_size(self.group)
         total = sum(t.numel() * t.element_size() for t in full.values())
-        self.weight_sync_bytes = float(
-            total * (world - 1) / world
-        )  # what each rank received: the others' shards
+        self.weight_sync_bytes = float(total * (world - 1) / world)
         return full
-
-    def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], list[float]]:
-        """`PlainStrategy`'s micro-batches, as many on every rank: a rank with fewer repeats its last one with
-        weight 0 (its forward and backward gather and reduce like the others', and add nothing)."""
-        micros, weights = super()._micro_batches(batch)
-        device = next(self.actor.parameters()).device
-        count = torch.tensor([float(len(micros))], dtype=torch.float64, device=device)
-        distributed.all_reduce(count, op="max", group=self.group)
-        extra = int(count.item()) - len(micros)
-        return micros + [micros[-1]] * extra, weights + [0.0] * extra
-
-    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], str | None]:
-        """Every micro-batch's forward and backward, on every rank, even after a non-finite loss (the step is
-        dropped afterwards on all ranks); gradients reduce-scattered in the last backward only."""
-        parts: list[LossTensors] = []
-        failure: str | None = None
-        micros, weights = self._micro_batches(batch)
-        for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
-            set_gradient_sync(self.models, i == len(micros) - 1)
-            named, stats = self._losses(micro)
-            failure = failure or non_finite(named)
-            for _, value, _ in named:
-                self.fabric.backward(value * weight)
-            parts.append(scale_stats(stats, weight))
-        return parts, failure
 
     def sharded_state(self) -> dict[str, Any]:
         """The trained models' and optimizers' states (DTensors: this rank's shards)."""
@@ -180,17 +200,17 @@ class FSDPStrategy(PlainStrategy):
     @property
     def trained(self) -> dict[str, torch.nn.Module]:
         """The trained models by checkpoint name."""
-        return {"actor": self.actor} if self.critic is None else {"actor": self.actor, "critic": self.critic}
+        return dict(zip(("actor", "critic"), self.update.models, strict=False))
 
     @property
     def trained_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return dict(zip(self.trained, self.optimizers, strict=True))
+        return dict(zip(self.trained, self.update.optimizers, strict=True))
 
     @property
     def schedulers(self) -> dict[str, torch.optim.lr_scheduler.LambdaLR]:
-        found = {"actor": self.actor_sched}
-        if self.critic_sched is not None:
-            found["critic"] = self.critic_sched
+        found = {"actor": self.update.actor_sched}
+        if self.update.critic_sched is not None:
+            found["critic"] = self.update.critic_sched
         return found
 
 

@@ -39,13 +39,31 @@ MUTABLE_ON_RESUME: tuple[str, ...] = (
     "eval.max_prompts",
 )
 
+# What else a pipeline=fsdp run may change on resume: the number of processes and with it the generation instances
+# (its checkpoint's shards are read through torch.distributed.checkpoint, which reshards them for any world
+# size; the migration policy and the generator only decide how the same samples are made).
+RESHARDABLE_ON_RESUME: tuple[str, ...] = (
+    "generator.instances",
+    "generator.name",
+    "generator.in_process",
+    "distributed.nproc_per_node",
+    "migration",
+)
+
 # Keys left out of the changed-configuration warning: `resume` differs from a fresh start's by design.
 _UNREPORTED = ("resume",)
 
 
-def is_mutable(key: str) -> bool:
-    """Whether the dotted `key` may change on resume (it is, or lies below, a prefix of `MUTABLE_ON_RESUME`)."""
-    return any(key == p or key.startswith(f"{p}.") for p in MUTABLE_ON_RESUME)
+def is_mutable(key: str, prefixes: tuple[str, ...] = MUTABLE_ON_RESUME) -> bool:
+    """Whether the dotted `key` may change on resume (it is, or lies below, one of `prefixes`)."""
+    return any(key == p or key.startswith(f"{p}.") for p in prefixes)
+
+
+def mutable_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, ...]:
+    """The key prefixes a resume from the `recorded` configuration to the `current` one may change: also the
+    world size when both shard with pipeline=fsdp."""
+    fsdp = all(flat_keys(r).get("pipeline.name") == "fsdp" for r in (recorded, current))
+    return MUTABLE_ON_RESUME + (RESHARDABLE_ON_RESUME if fsdp else ())
 
 
 # ---------------------------------------------------------------- the record
@@ -195,12 +213,13 @@ def check_resume_config(
         return ResumeCheck(path)
     current = config_record(config) if record is None else record
     changes = config_changes(run.config, current, config_record(type(config)()))
-    fixed = [c for c in changes if not is_mutable(c.key)]
+    allowed = mutable_keys(run.config, current)
+    fixed = [c for c in changes if not is_mutable(c.key, allowed)]
     if fixed:
         raise CheckpointError(
             f"resume={config.resume}: the checkpoint {path} was trained with another configuration: "
             + "; ".join(c.describe() for c in fixed)
-            + f". A resume may change only {', '.join(MUTABLE_ON_RESUME)}: set "
+            + f". A resume may change only {', '.join(allowed)}: set "
             + ("that key" if len(fixed) == 1 else "those keys")
             + " back, or start a new run (resume=never in another run folder)"
         )

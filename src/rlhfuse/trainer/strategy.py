@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist  # the ProcessGroup type only: collectives go through rlhfuse.distributed
@@ -57,6 +57,7 @@ class PlainStrategy:
         temperature: float = 1.0,
         group: dist.ProcessGroup | None = None,
         packing: bool = False,
+        sync: GradientSync | None = None,
     ) -> None:
         self.actor, self.critic = actor, critic
         # data-parallel ranks (None = this process alone trains on every sample)
@@ -83,20 +84,16 @@ class PlainStrategy:
             self.critic_optim, self.critic_sched = build_optimizer(
                 critic.parameters(), config.critic_lr, config, total_steps
             )
-        self.checkpointer: Checkpointer = self._checkpointer()
+        # data-parallel ranks hold the same state: rank 0 writes it
+        self.checkpointer: Checkpointer = PlainCheckpointer(
+            self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
+        )
         self.weight_sync_bytes = 0.0  # the generator copies the Actor in process: nothing crosses ranks
-        self.reducer = self._gradient_reducer()
-
-    def _checkpointer(self) -> Checkpointer:
-        """Data-parallel ranks hold the same state: rank 0 writes it."""
-        return PlainCheckpointer(self.state_dict, self.load_state_dict, writer=self.fabric.is_global_zero)
-
-    def _gradient_reducer(self) -> GradReducer | None:
-        """Data-parallel gradient sums, bucketed and overlapped with the last micro-batch's backward."""
-        if self.group is None:
-            return None
-        params = [trainable(m.parameters()) for m in self.models]
-        return GradReducer(params, self.group, bucket_mb=self.config.grad_bucket_mb)
+        # how the ranks' gradients meet: whole replicas sum them in buckets (the default over a group)
+        self.sync: GradientSync | None = sync
+        if sync is None and group is not None:
+            params = [trainable(m.parameters()) for m in self.models]
+            self.sync = BucketedAllReduce(GradReducer(params, group, bucket_mb=config.grad_bucket_mb))
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """What the generators' plain copies load: the Actor's state, or a LoRA Actor's merged projections."""
@@ -141,30 +138,31 @@ class PlainStrategy:
             optim.zero_grad(set_to_none=True)
         return TrainStats(sums, actor_norm, critic_norm, float(self.actor_sched.get_last_lr()[0]))
 
-    def _micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], list[float]]:
-        """This rank's micro-batches of the mini-batch, each weighted by its share of the *whole* mini-batch
-        (token-mean or sequence-mean losses)."""
+    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], str | None]:
+        """Forward and backward of this rank's micro-batches of the mini-batch, each weighted by its share of the
+        *whole* mini-batch (token-mean or sequence-mean losses), gradients accumulated: their weighted
+        statistics, and the first non-finite loss. Its micro-batch gets no backward and no later one runs,
+        unless the passes are collective (`GradientSync.collective_passes`): then every pass runs and the step
+        is dropped afterwards, on every rank."""
+        parts: list[LossTensors] = []
+        failure: str | None = None
         micros = micro_batches(
             self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
         )
-        return micros, microbatch_weights(micros, batch, self.algorithm.loss_reduction)
-
-    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], str | None]:
-        """Forward and backward of every micro-batch, gradients accumulated: their weighted statistics, and the
-        first non-finite loss (its micro-batch has no backward, and no later one runs)."""
-        parts: list[LossTensors] = []
-        micros, weights = self._micro_batches(batch)
+        weights = microbatch_weights(micros, batch, self.algorithm.loss_reduction)
+        if self.sync is not None:
+            micros, weights = self.sync.align(micros, weights)
         for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
-            if self.reducer is not None and i == len(micros) - 1:
-                self.reducer.arm()  # the last backward: each gradient bucket is summed as soon as it is final
+            if self.sync is not None:
+                self.sync.before_backward(last=i == len(micros) - 1)
             named, stats = self._losses(micro)
-            failure = non_finite(named)
-            if failure is not None:
+            failure = failure or non_finite(named)
+            if failure is not None and not (self.sync is not None and self.sync.collective_passes):
                 return parts, failure
             for _, value, _ in named:
                 self.fabric.backward(value * weight)
             parts.append(scale_stats(stats, weight))
-        return parts, None
+        return parts, failure
 
     def _zero_grad(self) -> None:
         for optim in self.optimizers:
@@ -188,14 +186,13 @@ class PlainStrategy:
         The gradient buckets the last backward did not launch are launched first (all of them on a rank that
         stopped at a non-finite loss), so every rank issues the same reductions in the same order; then the
         ranks agree on whether any saw a non-finite loss (then the statistics are not exchanged)."""
-        if self.reducer is not None:
-            self.reducer.finish()
+        assert self.sync is not None
+        self.sync.finish()
         # the gradients' device: the one the group's backend reduces on
         device = next(self.actor.parameters()).device
         failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
         distributed.all_reduce(failed, group=self.group)
-        if self.reducer is not None:
-            self.reducer.wait("data-parallel gradient reduction")
+        self.sync.wait()
         if failed.item() > 0:
             return sums, failure or "a loss is non-finite on another data-parallel rank"
         values = sums.to(device=device, dtype=torch.float64)
@@ -269,6 +266,53 @@ class PlainStrategy:
             self.critic_optim.load_state_dict(state["critic_optim"])
             self.critic_sched.load_state_dict(state["critic_sched"])
             set_peak_lr(self.critic_optim, self.critic_sched, self.config.critic_lr)
+
+
+class GradientSync(Protocol):
+    """How the data-parallel ranks' gradients of one optimizer step are summed over its micro-batches."""
+
+    collective_passes: bool
+    """Every forward and backward is collective (sharded weights gathered per layer): every rank runs as many,
+    and none stops early."""
+
+    def align(self, micros: list[TrainBatch], weights: list[float]) -> tuple[list[TrainBatch], list[float]]:
+        """This rank's micro-batches and weights as the passes run them."""
+        ...
+
+    def before_backward(self, last: bool) -> None:
+        """Called before each micro-batch's passes; `last`: its backward finishes the step's gradients."""
+        ...
+
+    def finish(self) -> None:
+        """After the last backward (or a rank's early stop): launch every reduction not launched yet."""
+        ...
+
+    def wait(self) -> None:
+        """Complete the reductions: every gradient is the sum over the ranks."""
+        ...
+
+
+class BucketedAllReduce:
+    """Whole replicas on every rank (`pipeline=plain` data parallel): the gradients summed in buckets, each
+    launched as soon as its gradients are final in the last backward (`GradReducer`)."""
+
+    collective_passes = False
+
+    def __init__(self, reducer: GradReducer) -> None:
+        self.reducer = reducer
+
+    def align(self, micros: list[TrainBatch], weights: list[float]) -> tuple[list[TrainBatch], list[float]]:
+        return micros, weights
+
+    def before_backward(self, last: bool) -> None:
+        if last:
+            self.reducer.arm()
+
+    def finish(self) -> None:
+        self.reducer.finish()
+
+    def wait(self) -> None:
+        self.reducer.wait("data-parallel gradient reduction")
 
 
 def non_finite(named: list[tuple[str, Tensor, LossTensors]]) -> str | None:
