@@ -165,7 +165,8 @@ def fsdp_problems(cfg: RLHFConfig) -> list[str]:
         for key in ("cpu_offload", "reshard_after_forward"):
             if getattr(p, key) != getattr(PipelineConfig(), key):
                 problems.append(
-                    f"pipeline.{key}={getattr(p, key)} is read by pipeline=fsdp only (pipeline={p.name}): set "
+                    f"pipeline.{key}={str(getattr(p, key)).lower()} is read by pipeline=fsdp only "
+                    f"(pipeline={p.name}): set "
                     f"pipeline=fsdp or leave pipeline.{key} at its default"
                 )
         return problems

@@ -1,0 +1,237 @@
+"""pipeline=fsdp (FSDP2): over 2 gloo ranks the sharded update equals one process training on the whole
+mini-batches (float64), with ranks running unequal micro-batch counts; each rank holds about half of the weights
+and of the optimizer states; a non-finite loss on one rank stops both before any step; the weight sync gathers
+the whole Actor. From the command line: the default job's smoke preset trains, a run resumed from its sharded
+checkpoint continues bit-identically, and the checkpoint loads on one process."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.optim import OptimConfig
+from rlhfuse.core.types import TrainBatch
+from rlhfuse.models import ModelConfig, Transformer, resident_bytes
+from rlhfuse.trainer import compose_config, validate
+
+STEPS, MINI_BATCH, MICRO = 3, 7, 3  # 7 samples split 4 / 3: 2 micro-batches on one rank, 1 on the other
+
+
+def _models() -> tuple[Transformer, Transformer, Transformer]:
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(num_layers=2)
+    actor, critic = Transformer(cfg, head="lm").double(), Transformer(cfg, head="value").double()
+    ref = Transformer(cfg, head="lm").double().eval().requires_grad_(False)
+    return actor, critic, ref
+
+
+def _batch(seed: int) -> TrainBatch:
+    from test_trainer_data_parallel import _batch as batch
+
+    return batch(seed, samples=MINI_BATCH)
+
+
+def _optim_bytes(optimizers) -> int:
+    from rlhfuse.distributed.fsdp import local_tensor
+
+    return sum(
+        local_tensor(t).numel() * t.element_size()
+        for o in optimizers
+        for state in o.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _plain(reduction: str = "token"):
+    from lightning.fabric import Fabric
+
+    from rlhfuse.trainer.strategy import PlainStrategy
+
+    actor, critic, _ = _models()
+    strategy = PlainStrategy(
+        actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_reduction=reduction),
+        fabric=Fabric(accelerator="cpu", devices=1), total_steps=STEPS, micro_batch_size=MICRO,
+    )  # fmt: skip
+    stats = [strategy.train_step(_batch(seed)).metrics() for seed in range(STEPS)]
+    weights = {f"actor.{k}": v for k, v in actor.state_dict().items()}
+    weights.update({f"critic.{k}": v for k, v in critic.state_dict().items()})
+    return weights, stats, _optim_bytes(strategy.optimizers), resident_bytes(actor, critic)
+
+
+def _fsdp(reduction: str = "token"):
+    from lightning.fabric import Fabric
+
+    from rlhfuse.distributed.fsdp import ShardingPolicy, full_state
+    from rlhfuse.trainer.fsdp import FSDPStrategy
+
+    actor, critic, ref = _models()
+    strategy = FSDPStrategy(
+        actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_reduction=reduction),
+        frozen=[ref], policy=ShardingPolicy(), fabric=Fabric(accelerator="cpu", devices=1), total_steps=STEPS,
+        micro_batch_size=MICRO,
+    )  # fmt: skip
+    stats = [strategy.train_step(_batch(seed)).metrics() for seed in range(STEPS)]
+    memory = (_optim_bytes(strategy.optimizers_in_use()), resident_bytes(actor, critic), resident_bytes(ref))
+    weights = {f"actor.{k}": v for k, v in strategy.actor_weights().items()}
+    weights.update({f"critic.{k}": v for k, v in full_state(critic).items()})
+    return strategy, weights, stats, memory
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from rlhfuse.core.errors import NonFiniteError
+    from rlhfuse.runtime.balance import karmarkar_karp, sample_costs
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        result: dict[str, object] = {}
+        for reduction in ("token", "sequence"):
+            strategy, weights, stats, memory = _fsdp(reduction)
+            result[reduction] = (weights, stats, memory, strategy.weight_sync_bytes)
+        # a NaN advantage in rank 1's share only: rank 0 stops too, before its optimizer step
+        strategy, *_ = _fsdp()
+        bad = _batch(7)
+        costs = sample_costs(bad.attention_mask_BT.sum(dim=1).tolist())
+        bad.advantages_BR[karmarkar_karp(costs, 2)[1]] = float("nan")
+        before = {k: v.clone() for k, v in strategy.actor_weights().items()}
+        try:
+            strategy.train_step(bad)
+            result["nonfinite"] = "no error"
+        except NonFiniteError as err:
+            after = strategy.actor_weights()
+            result["nonfinite"] = (str(err), all(torch.equal(before[k], after[k]) for k in before))
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_two_rank_fsdp_update_equals_one_process_with_half_the_memory(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(200)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for reduction in ("token", "sequence"):
+        want_weights, want_stats, plain_optim, plain_params = _plain(reduction)
+        (w0, s0, mem0, sync0), (w1, s1, mem1, _) = ranks[0][reduction], ranks[1][reduction]
+        for name, want in want_weights.items():
+            assert torch.equal(w0[name], w1[name]), f"{reduction}: the gathered weights differ on {name}"
+            # an update from one rank's share alone, or gradients averaged instead of summed, moves weights by
+            # ~lr = 5e-4; reassociated float64 sums differ by ~1e-15
+            assert torch.allclose(w0[name], want, rtol=0, atol=1e-12), f"{reduction}: {name}"
+        assert s0 == s1
+        for got, want in zip(s0, want_stats, strict=True):
+            for key in ("loss/policy", "loss/value", "actor/grad_norm", "critic/grad_norm", "lr"):
+                assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (reduction, key)
+        for optim, params, ref in (mem0, mem1):
+            # dim-0 shards: half of every tensor but the odd rows (within 10%)
+            assert 0.45 * plain_optim <= optim <= 0.55 * plain_optim, (optim, plain_optim)
+            assert 0.45 * plain_params <= params <= 0.55 * plain_params, (params, plain_params)
+            assert ref < 0.55 * plain_params / 2
+        # the sync received the other rank's half of the Actor
+        actor_bytes = sum(v.numel() * v.element_size() for k, v in want_weights.items() if k[:6] == "actor.")
+        assert sync0 == pytest.approx(actor_bytes / 2)
+    message0, unchanged0 = ranks[0]["nonfinite"]
+    message1, unchanged1 = ranks[1]["nonfinite"]
+    assert "another data-parallel rank" in message0 and "loss/policy is nan" in message1
+    assert unchanged0 and unchanged1
+
+
+def _train(tmp: Path, run: str, *overrides: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("rlhfuse-train")
+    cmd = [
+        str(exe),
+        "experiment=smoke",
+        "pipeline=fsdp",
+        # constant LR: a 2-iteration run resumed to 3 equals a straight 3-iteration run
+        "pipeline.lr_schedule=constant",
+        "pipeline.warmup_steps=0",
+        "distributed.timeout_s=60",
+        "checkpoint.every=2",
+        "checkpoint.export_hf=true",
+        f"model.warmstart.cache_dir={tmp / 'cache'}",
+        f"hydra.run.dir={tmp / run}",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, cwd=tmp)
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "generation/"))} for r in rows]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_fsdp_job_resumes_bit_identically_and_its_checkpoint_loads_on_one_process(tmp_path: Path) -> None:
+    two = "generator.instances=2"
+    straight = _train(tmp_path, "a", two)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    first = _train(tmp_path, "b", two, "iterations=2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    ckpt = tmp_path / "b" / "checkpoints" / "iter_00000002"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["kind"] == "fsdp" and meta["world_size"] == 2 and meta["models"] == ["actor", "critic"]
+    assert (ckpt / "dcp").is_dir() and (ckpt / "state.pt").is_file()
+    resumed = _train(tmp_path, "b", two, "resume=auto")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "1 iterations this run" in resumed.stdout + resumed.stderr
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert [r["iteration"] for r in b] == [1, 2, 3] and a == b
+    export = "actor_hf/model.safetensors"
+    wa = safetensors.torch.load_file(str(tmp_path / "a" / export))
+    wb = safetensors.torch.load_file(str(tmp_path / "b" / export))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    (sft,) = [p for p in (tmp_path / "cache").rglob("model.safetensors") if "sft" in str(p)]
+    assert any(not torch.equal(wa[k], v) for k, v in safetensors.torch.load_file(str(sft)).items())
+
+    # the 2-rank checkpoint on one process: DCP reshards it; the same samples, the update up to reassociation
+    one = _train(tmp_path, "c", f"resume={ckpt}", "checkpoint.every=0")
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert "generator.instances: 2 -> 1" in one.stdout + one.stderr  # told, and applied
+    (c,) = _rows(tmp_path / "c")
+    assert c["iteration"] == 3 and c["reward/mean"] == a[2]["reward/mean"]
+    assert c["loss/policy"] == pytest.approx(a[2]["loss/policy"], rel=1e-5, abs=1e-7)
+    # the shards are half of each model but for the generation copy every instance holds whole
+    assert a[0]["memory/optimizer_bytes"] < 0.55 * c["memory/optimizer_bytes"]
+
+
+def test_fsdp_keys_are_validated_with_the_fix() -> None:
+    validate(compose_config(["pipeline=fsdp", "generator.instances=2"]))
+    cases = {
+        "pipeline.cpu_offload=true": "pipeline.cpu_offload=true is read by pipeline=fsdp only",
+        "pipeline=fsdp pipeline.cpu_offload=true device=cpu": "set pipeline.cpu_offload=false",
+        "pipeline=fsdp pipeline.actor_tp=2": "pipeline.actor_tp=2 splits the model over ranks",
+    }
+    for overrides, expected in cases.items():
+        with pytest.raises(ValueError) as err:
+            validate(compose_config(overrides.split()))
+        assert expected in str(err.value), str(err.value)
