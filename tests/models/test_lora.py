@@ -15,10 +15,12 @@ from rlhfuse.models import CheckpointError, from_pretrained, save_pretrained
 from rlhfuse.models.lora import (
     ADAPTER_WEIGHTS,
     LoraConfig,
+    adapter_state,
     adapters_disabled,
     apply_lora,
     load_trained_state,
     merged_model,
+    merged_state,
     merged_weights,
     save_adapter,
     trained_state,
@@ -72,7 +74,7 @@ def test_the_adapter_folder_loads_with_peft_and_computes_the_same_logits(tmp_pat
     assert (adapted_BTV - base_BTV).abs().max() > 1e-3
 
     folder = tmp_path / "adapter"
-    save_adapter(ours, config, folder, base=str(path))
+    save_adapter(adapter_state(ours), ours.config, config, folder, base=str(path))
     written = json.loads((folder / "adapter_config.json").read_text())
     assert (
         written["r"] == 4 and written["lora_alpha"] == 8.0 and written["base_model_name_or_path"] == str(path)
@@ -91,6 +93,11 @@ def test_the_adapter_folder_loads_with_peft_and_computes_the_same_logits(tmp_pat
     merged = merged_model(ours)
     assert not any(".lora_" in n for n, _ in merged.named_parameters())
     assert (merged(IDS_BT) - adapted_BTV).abs().max() <= 1e-10
+    # the same merge from the adapted model's tensors alone (what a sharded Actor's gathered state gives)
+    from_tensors = merged_state(ours.state_dict(), config)
+    assert from_tensors.keys() == merged.state_dict().keys()
+    for name, tensor in merged.state_dict().items():
+        assert torch.allclose(from_tensors[name], tensor, rtol=0, atol=1e-14), name
     save_pretrained(merged, tmp_path / "merged")  # the merged export transformers loads as a plain model
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "merged", dtype=torch.float64, attn_implementation=attn
@@ -129,7 +136,7 @@ def test_a_model_without_adapters_passes_through():
     with adapters_disabled(model):
         pass
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        save_adapter(model, LoraConfig(rank=2), "unused", base="unused")
+        adapter_state(model)
 
 
 def test_the_adapter_folder_is_written_whole(tmp_path):
@@ -137,8 +144,10 @@ def test_the_adapter_folder_is_written_whole(tmp_path):
     config = LoraConfig(rank=2)
     apply_lora(ours, config)
     folder = tmp_path / "out"
-    save_adapter(ours, config, folder, base="b")
-    save_adapter(ours, config, folder, base="b")  # replaced whole, no temporary folder left beside it
+    save_adapter(adapter_state(ours), ours.config, config, folder, base="b")
+    save_adapter(
+        adapter_state(ours), ours.config, config, folder, base="b"
+    )  # replaced whole, no temporary folder left beside it
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", ADAPTER_WEIGHTS]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 

@@ -186,7 +186,10 @@ def _train(tmp: Path, run: str, *overrides: str) -> subprocess.CompletedProcess[
 
 def _rows(path: Path) -> list[dict[str, float]]:
     rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "generation/"))} for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "generation/"))}
+        for r in rows
+    ]
 
 
 @pytest.mark.distributed
@@ -235,3 +238,38 @@ def test_fsdp_keys_are_validated_with_the_fix() -> None:
         with pytest.raises(ValueError) as err:
             validate(compose_config(overrides.split()))
         assert expected in str(err.value), str(err.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_lora_actor_under_fsdp_trains_as_under_plain_and_checkpoints_its_adapters_only(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    lora = (
+        "generator.instances=2",
+        "model.lora.rank=4",
+        "model.lora.export_merged=true",
+        "checkpoint.every=3",
+    )
+    sharded = _train(tmp_path, "fsdp", *lora)
+    assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-3000:]
+    plain = _train(tmp_path, "plain", *lora, "pipeline=plain")
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    a, b = _rows(tmp_path / "fsdp"), _rows(tmp_path / "plain")
+    for got, want in zip(a, b, strict=True):
+        assert got["reward/mean"] == want["reward/mean"]
+        assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-5, abs=1e-7)
+        # the adapters' optimizer states and the frozen models' weights, halved
+        assert got["memory/optimizer_bytes"] < 0.55 * want["memory/optimizer_bytes"]
+        assert got["memory/param_bytes"] < 0.7 * want["memory/param_bytes"]
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        wa = safetensors.torch.load_file(str(tmp_path / "fsdp" / "actor_hf" / name))
+        wb = safetensors.torch.load_file(str(tmp_path / "plain" / "actor_hf" / name))
+        assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa), name
+    keys = dcp.FileSystemReader(
+        str(tmp_path / "fsdp" / "checkpoints" / "iter_00000003" / "dcp")
+    ).read_metadata()
+    actor = [k for k in keys.state_dict_metadata if k.startswith("actor.")]
+    assert actor and all(".lora_" in k for k in actor)  # the base is the SFT checkpoint, not saved again

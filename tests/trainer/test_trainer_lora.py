@@ -101,7 +101,10 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["pipeline=serial_1f1b"], "model.lora.rank=4: LoRA adapters train under pipeline=plain only"),
+        (
+            ["pipeline=serial_1f1b"],
+            "model.lora.rank=4: LoRA adapters train under pipeline=plain and fsdp only",
+        ),
         (["model.lora.target_modules=[qkv_proj]"], r"model.lora.target_modules=\['qkv_proj'\]"),
         (["model.architecture=phi3"], "model.lora on phi3 is not supported"),
     ],

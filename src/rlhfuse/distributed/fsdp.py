@@ -20,7 +20,6 @@ world size (DCP reshards on load).
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -157,11 +156,18 @@ def sharded_state(
     models: Mapping[str, nn.Module], optimizers: Mapping[str, torch.optim.Optimizer]
 ) -> dict[str, Any]:
     """The models' and optimizers' sharded state dicts (`name` and `name_optim`; an optimizer is keyed by the
-    name of the model it steps)."""
-    state: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+    name of the model it steps); of a model, its trained tensors (a LoRA Actor's adapters)."""
+    state: dict[str, Any] = {
+        name: get_model_state_dict(model, options=_TRAINED) for name, model in models.items()
+    }
     for name, optim in optimizers.items():
         state[f"{name}_optim"] = get_optimizer_state_dict(models[name], optim)
     return state
+
+
+# A model's trained tensors only: a LoRA Actor's adapters (its frozen base is the SFT checkpoint, reloaded on
+# resume), every tensor of a fully trained one.
+_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def set_sharded_state(
@@ -169,7 +175,7 @@ def set_sharded_state(
 ) -> None:
     """Load `sharded_state`'s entries back into the models and optimizers."""
     for name, model in models.items():
-        set_model_state_dict(model, state[name])
+        set_model_state_dict(model, state[name], options=_TRAINED)
     for name, optim in optimizers.items():
         set_optimizer_state_dict(models[name], optim, state[f"{name}_optim"])
 

@@ -11,7 +11,9 @@ library needs of an adapted model lives here, so no other module knows peft's la
 - `merged_weights`: the adapted projections' merged weights W + (alpha / r) B A under the plain model's names,
   what the generators' plain copies load on a weight sync (the frozen rest never changes);
 - `save_adapter` / `merged_model`: the export, a PEFT adapter folder (`PeftModel.from_pretrained` loads it onto
-  the base checkpoint) and, on request, the merged model.
+  the base checkpoint) and, on request, the merged model;
+- `merge_state` / `merged_state` / `adapter_tensors`: the same from an adapted model's gathered tensors (a
+  sharded Actor's, `pipeline=fsdp`), with no module of peft's involved.
 
 A model without adapters passes through every function unchanged (its whole state, all of its weights), so the
 strategies call them whatever the configuration.
@@ -203,35 +205,75 @@ def merged_model(model: Transformer) -> Transformer:
     state = model.state_dict()
     plain_state = {_plain_name(k): v for k, v in state.items() if ".lora_" not in k}
     plain_state.update(merged_weights(model))
+    return plain_model(plain_state, model.config, model.head)
+
+
+def merged_state(state: Mapping[str, Tensor], config: LoraConfig) -> dict[str, Tensor]:
+    """A plain model's whole state from an adapted model's whole state: the adapted projections merged
+    (`merge_state`), every other tensor under its plain name."""
+    plain = {_plain_name(k): v for k, v in state.items() if ".lora_" not in k}
+    return {**plain, **merge_state(state, config)}
+
+
+def plain_model(state: Mapping[str, Tensor], model_config: Any, head: str) -> Transformer:
+    """A frozen `Transformer` of `model_config` holding `state`'s tensors themselves (no copy)."""
     with torch.device("meta"):
-        plain = Transformer(copy.copy(model.config), head=model.head)
-    plain.load_state_dict(plain_state, strict=True, assign=True)
+        plain = Transformer(copy.copy(model_config), head=head)
+    plain.load_state_dict(dict(state), strict=True, assign=True)
     if plain.head == "lm" and plain.config.tie_word_embeddings:
         plain.lm_head.weight = plain.embed_tokens.weight
     return plain.eval().requires_grad_(False)
 
 
-def adapter_tensors(model: Transformer) -> dict[str, Tensor]:
-    """The adapters under PEFT's checkpoint keys (`base_model.model.model.layers.0.self_attn.q_proj.lora_A
-    .weight`): the Hugging Face key of each adapted projection, its adapter name dropped."""
-    layers = adapted_layers(model)
-    if not layers:
+def adapter_state(model: nn.Module) -> dict[str, Tensor]:
+    """`model`'s adapter tensors by parameter name (`layers.0.self_attn.q_proj.lora_A.default.weight`)."""
+    if not adapted_layers(model):
         raise ValueError("the model has no LoRA adapters to save (model.lora.rank=0)")
+    return {name: t.detach() for name, t in model.state_dict().items() if ".lora_" in name}
+
+
+def adapter_tensors(state: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """The adapters of `state` (`adapter_state`'s, or any state holding them whole) under PEFT's checkpoint keys
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) for a model of `config` (a ModelConfig):
+    the Hugging Face key of each adapted projection, its adapter name dropped."""
+    adapters = {name: t for name, t in state.items() if ".lora_" in name}
+    projections = sorted({name.split(".lora_")[0] for name in adapters})
     # the HF module path of each of our projections, from the checkpoint layout (`model.` prefix)
-    hf_of = {names[0]: key for key, names in hf_layout(model.config, (f"{n}.weight" for n in layers)).items()}
+    hf_of = {names[0]: key for key, names in hf_layout(config, (f"{n}.weight" for n in projections)).items()}
     out: dict[str, Tensor] = {}
-    for name, layer in layers.items():
+    for name in projections:
         module = hf_of[f"{name}.weight"].removesuffix(".weight")
         for part in ("lora_A", "lora_B"):
-            weight = getattr(layer, part)[ADAPTER].weight
+            weight = adapters[f"{name}.{part}.{ADAPTER}.weight"]
             out[f"{_PEFT_PREFIX}{module}.{part}.weight"] = weight.detach().contiguous().cpu()
     return out
 
 
-def save_adapter(model: Transformer, config: LoraConfig, path: str | os.PathLike, *, base: str) -> None:
-    """Write `model`'s adapters as a PEFT adapter folder (adapter_config.json + adapter_model.safetensors,
-    `base_model_name_or_path` = `base`), atomically (`write_folder`)."""
-    tensors = adapter_tensors(model)
+def merge_state(state: Mapping[str, Tensor], config: LoraConfig) -> dict[str, Tensor]:
+    """The adapted projections' merged weights W + (alpha / rank) B A under the plain model's names, from a state
+    holding an adapted model's tensors whole (each projection's `base_layer.weight`, `lora_A` and `lora_B`): what
+    `merged_weights` computes on the model, computed on its gathered tensors (a sharded Actor's)."""
+    scale = config.alpha / config.rank
+    out: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name in sorted({k.split(".lora_")[0] for k in state if ".lora_" in k}):
+            base = state[f"{name}.base_layer.weight"]
+            a, b = (state[f"{name}.lora_{part}.{ADAPTER}.weight"] for part in "AB")
+            out[f"{name}.weight"] = base + (b @ a * scale).to(base.dtype)
+    return out
+
+
+def save_adapter(
+    adapters: Mapping[str, Tensor],
+    model_config: Any,
+    config: LoraConfig,
+    path: str | os.PathLike,
+    *,
+    base: str,
+) -> None:
+    """Write the adapters of `adapters` (`adapter_state`) as a PEFT adapter folder (adapter_config.json +
+    adapter_model.safetensors, `base_model_name_or_path` = `base`), atomically (`write_folder`)."""
+    tensors = adapter_tensors(adapters, model_config)
 
     def write(tmp: Path) -> None:
         _peft_config(config, base).save_pretrained(str(tmp))

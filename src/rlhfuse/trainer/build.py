@@ -314,7 +314,8 @@ def build_trainer(
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
     rollout = rollout_stage(ctx, generator, inferencer)
-    if isinstance(strategy, FSDPStrategy):  # the rollout runs on the sharded models gathered whole
+    sharded = isinstance(strategy, FSDPStrategy)  # pipeline=fsdp: the four models sharded over the ranks
+    if sharded:  # the rollout runs on them gathered whole
         rollout = GatheredRollout(rollout, strategy)
     # generator.tp > 1: the generation copy is a tp shard; the export reassembles the whole Actor (collective)
     shard_export = config.checkpoint.export_hf and config.generator.tp > 1
@@ -347,8 +348,20 @@ def build_trainer(
                 write=rank0,
             )
         )
-    elif config.checkpoint.export_hf and isinstance(strategy, FSDPStrategy) and not m.lora.enabled:
-        # the Actor's shards gathered on every rank (collective), written by rank 0
+    elif config.checkpoint.export_hf and m.lora.enabled and (rank0 or sharded):
+        # a sharded Actor's tensors gathered on every rank (collective), written by rank 0
+        whole = (lambda: full_state(strategy.actor)) if sharded else models.actor.state_dict
+        adapter = ExportAdapter(
+            whole,
+            models.actor.config,
+            m.lora,
+            models.tokenizer,
+            run_dir / "actor_hf",
+            base=models.sft_path,
+            write=rank0,
+        )
+        all_callbacks.append(adapter)
+    elif config.checkpoint.export_hf and sharded:
         all_callbacks.append(
             ExportShardedActor(
                 lambda: full_state(strategy.actor),
@@ -358,11 +371,6 @@ def build_trainer(
                 write=rank0,
             )
         )
-    elif config.checkpoint.export_hf and rank0 and m.lora.enabled:
-        adapter = ExportAdapter(
-            models.actor, m.lora, models.tokenizer, run_dir / "actor_hf", base=models.sft_path
-        )
-        all_callbacks.append(adapter)
     elif config.checkpoint.export_hf and rank0:
         all_callbacks.append(ExportActor(actor_export, models.tokenizer, run_dir / "actor_hf"))
     if Watchdog.current is not None and fabric.world_size > 1:

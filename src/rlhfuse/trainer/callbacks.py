@@ -15,7 +15,7 @@ from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.distributed.fsdp import local_tensor
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretrained
-from rlhfuse.models.lora import LoraConfig, merged_model, save_adapter
+from rlhfuse.models.lora import LoraConfig, merged_state, plain_model, save_adapter
 
 
 class TaskScore:
@@ -79,24 +79,33 @@ class ExportAdapter:
     """`ExportActor` for a LoRA Actor (model.lora): at the end of `fit`, write its adapters as a PEFT adapter
     folder (adapter_config.json + adapter_model.safetensors, `base_model_name_or_path` = the SFT checkpoint) with
     the tokenizer files, which `peft.PeftModel.from_pretrained(<the SFT model>, path)` loads; with
-    model.lora.export_merged, also the merged model (base + adapter) as a complete checkpoint in `path/merged`."""
+    model.lora.export_merged, also the merged model (base + adapter) as a complete checkpoint in `path/merged`.
+    `whole_state` gives the adapted Actor's tensors whole (collective for a sharded Actor: every rank calls it,
+    the writing rank writes)."""
 
     def __init__(
-        self, actor: Transformer, config: LoraConfig, tokenizer: Tokenizer, path: str | Path, *, base: Path
+        self,
+        whole_state: Callable[[], Mapping[str, torch.Tensor]],
+        model_config: ModelConfig,
+        config: LoraConfig,
+        tokenizer: Tokenizer,
+        path: str | Path,
+        *,
+        base: Path,
+        write: bool = True,
     ) -> None:
-        self.actor, self.config, self.tokenizer, self.path, self.base = (
-            actor,
-            config,
-            tokenizer,
-            Path(path),
-            base,
-        )
+        self.whole_state, self.model_config, self.config = whole_state, model_config, config
+        self.tokenizer, self.path, self.base, self.write = tokenizer, Path(path), base, write
 
     def on_fit_end(self, trainer: Any) -> None:
-        save_adapter(self.actor, self.config, self.path, base=str(self.base))
+        state = self.whole_state()
+        if not self.write:
+            return
+        save_adapter(state, self.model_config, self.config, self.path, base=str(self.base))
         self.tokenizer.save(self.path)
         if self.config.export_merged:
-            ExportActor(merged_model(self.actor), self.tokenizer, self.path / "merged").on_fit_end(trainer)
+            merged = plain_model(merged_state(state, self.config), self.model_config, head="lm")
+            ExportActor(merged, self.tokenizer, self.path / "merged").on_fit_end(trainer)
 
 
 class ExportShardedActor:

@@ -212,6 +212,7 @@ def fsdp_strategy(ctx: BuildContext) -> Any:
         micro_batch_tokens=cfg.data.micro_batch_tokens,
         temperature=cfg.generator.sampling.temperature,
         packing=cfg.data.packing,
+        lora=cfg.model.lora if cfg.model.lora.enabled else None,
     )
 
 

@@ -57,6 +57,7 @@ from rlhfuse.distributed.fsdp import (
     sharded_state,
 )
 from rlhfuse.models import Transformer
+from rlhfuse.models.lora import LoraConfig, merge_state
 from rlhfuse.runtime.checkpoint import all_ok
 from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -111,7 +112,9 @@ class FSDPStrategy:
         micro_batch_tokens: int = 0,
         temperature: float = 1.0,
         packing: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
+        self.lora = lora  # the Actor's adapters (model.lora), None for a fully trained Actor
         # the Ref and the Reward (frozen: sharded weights, no gradients or optimizer)
         self.frozen = [m for m in frozen if m is not None and m is not actor and m is not critic]
         self.policy, self.config = policy, config
@@ -176,7 +179,8 @@ class FSDPStrategy:
         world = distributed.world_size(self.group)
         total = sum(t.numel() * t.element_size() for t in full.values())
         self.weight_sync_bytes = float(total * (world - 1) / world)
-        return full
+        # a LoRA Actor: the adapted projections merged (the copies' frozen rest never changes)
+        return full if self.lora is None else merge_state(full, self.lora)
 
     def sharded_state(self) -> dict[str, Any]:
         """The trained models' and optimizers' states (DTensors: this rank's shards)."""

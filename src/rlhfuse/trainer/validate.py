@@ -308,11 +308,11 @@ def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> lis
     if not cfg.model.lora.enabled:
         return []
     problems = []
-    if cfg.pipeline.name != "plain":
+    if cfg.pipeline.name in PIPELINE_STRATEGIES:
         problems.append(
-            f"model.lora.rank={rank}: LoRA adapters train under pipeline=plain only (pipeline={cfg.pipeline.name} "
-            "shards the Actor over pipeline stages, which carry no adapters yet): set pipeline=plain or "
-            "model.lora.rank=0"
+            f"model.lora.rank={rank}: LoRA adapters train under pipeline=plain and fsdp only (pipeline="
+            f"{cfg.pipeline.name} shards the Actor over pipeline stages, which carry no adapters yet): set "
+            "pipeline=plain or pipeline=fsdp, or model.lora.rank=0"
         )
     if model is not None and (problem := lora_problem(model)) is not None:
         problems.append(f"{problem} ({where})")
