@@ -9,18 +9,38 @@ bf16 under both bf16 precisions), `shard_transformer` for tp (as
 `RankStages` + `StageOptimizers` (one step, so AdamW's states exist) and the `MemoryMetrics` callback that logs
 `memory/param_bytes` and `memory/optimizer_bytes`. No process group is needed to build a rank's shard.
 The predicted bytes must equal the built ones exactly, per rank and per component.
+
+pipeline=fsdp needs a process group (FSDP2 shards over one): one test spawns 2 gloo ranks, which shard the four
+models as `FSDPStrategy` does (`shard_model`, after `cast_models` / `prepare_generation_copy` / the strategy's
+`cast_copy` of the generation copy), build the optimizers (`build_optimizer`), run one forward, backward and
+step, and measure what `MemoryMetrics` measures, on each rank.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import pathlib
+import socket
+from datetime import timedelta
 
 import pytest
 import torch
 
 from rlhfuse.core.optim import MasterWeightAdamW, OptimConfig
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained, stage_ranges
-from rlhfuse.planner.memory import layer_ranges, rank_memories, rank_memory, shard_count
+from rlhfuse.planner.memory import (
+    dim0_rows,
+    fsdp_padded_count,
+    fsdp_rank_memories,
+    fsdp_rank_memory,
+    fsdp_shard_count,
+    fsdp_units,
+    layer_ranges,
+    rank_memories,
+    rank_memory,
+    shard_count,
+)
 from rlhfuse.planner.specs import ModelSpec
 from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.runtime.optim import StageOptimizers
@@ -248,3 +268,194 @@ def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: in
     assert cache.num_blocks == cache.max_blocks
     spec = ModelSpec.from_config(cfg)
     assert kv_cache_bytes(spec, slots * max_len, tp, 4) == built  # the fp32 copy
+
+
+# ---- pipeline=fsdp -------------------------------------------------------------------------------------------
+FSDP_CASES = [
+    # (model overrides, precision, reshard_after_forward): grouped-query attention with q/k/v biases, an odd
+    # vocabulary (rank 1's embedding and LM-head shards one row short) and a value head of one row (rank 1's
+    # shard empty), in each precision; a tied Qwen3-MoE (q/k norms, a dense first layer, three experts)
+    (dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3), "32-true", True),
+    (dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3), "bf16-mixed", True),
+    (dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3), "bf16-true", False),
+    (
+        dict(architecture="qwen3_moe", num_experts=3, moe_intermediate_size=24, mlp_only_layers=(0,),
+             tie_word_embeddings=True, head_dim=16),
+        "32-true",
+        True,
+    ),
+]  # fmt: skip
+
+
+def _fsdp_rank(cfg: ModelConfig, precision: str, reshard_after_forward: bool) -> dict[str, float]:
+    """One rank of pipeline=fsdp built with the runtime's pieces: what `MemoryMetrics` logs (collective: the most
+    any rank holds), this rank's own figures, its gradients, masters and the rollout's gathered weights."""
+    from rlhfuse.core.optim import build_optimizer, generation_dtype
+    from rlhfuse.distributed.fsdp import ShardingPolicy, gathered, local_tensor, shard_model
+    from rlhfuse.models import cast_copy, resident_bytes
+
+    torch.manual_seed(0)
+    models = Models(
+        actor=Transformer(cfg, head="lm"),
+        ref=Transformer(cfg, head="lm").requires_grad_(False),
+        reward=Transformer(cfg, head="value").requires_grad_(False),
+        critic=Transformer(cfg, head="value"),
+        tokenizer=None,  # type: ignore[arg-type]
+        sft_path=pathlib.Path("."),
+    )
+    if precision == "bf16-true":
+        cast_models(models, torch.bfloat16)
+    prepare_generation_copy(models, generation_dtype(precision))
+    if models.generation is None:  # as `fsdp_strategy`: a whole copy kept aside before the Actor is sharded
+        models.generation = cast_copy(models.actor, generation_dtype(precision))
+    policy = ShardingPolicy(
+        param_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,
+        reshard_after_forward=reshard_after_forward,
+    )
+    sharded = [models.actor, models.critic, models.ref, models.reward]
+    for model in sharded:
+        shard_model(model, model.layers, policy, device_type="cpu", forward_methods=("packed_outputs",))
+    config = OptimConfig(precision=precision)  # type: ignore[arg-type]
+    optims = [build_optimizer(m.parameters(), 1e-3, config, 4)[0] for m in (models.actor, models.critic)]
+    ids_BT = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    for model in (models.actor, models.critic):
+        model(ids_BT).float().square().mean().backward()
+    grads = {
+        local_tensor(p.grad).untyped_storage().data_ptr(): local_tensor(p.grad).untyped_storage().nbytes()
+        for m in (models.actor, models.critic)
+        for p in m.parameters()
+        if p.grad is not None
+    }  # one reduce-scatter output per unit
+    for optim in optims:
+        optim.step()
+    modules = [models.actor, models.ref, models.critic, models.reward, models.generation]
+    metrics: dict[str, float] = {}
+    MemoryMetrics(lambda: modules, lambda: optims).on_metrics(None, metrics)
+    with gathered(sharded):  # the rollout: the models' parameters are their gathered weights
+        rollout = resident_bytes(*sharded)
+    return {
+        **metrics,
+        "param_bytes": float(resident_bytes(*modules)),
+        "optimizer_bytes": float(
+            sum(
+                local_tensor(t).numel() * t.element_size()
+                for o in optims
+                for state in o.state.values()
+                for t in state.values()
+                if isinstance(t, torch.Tensor)
+            )
+        ),
+        "gradients": float(sum(grads.values())),
+        "master_weights": float(
+            sum(local_tensor(t).numel() * t.element_size() for o in optims for t in getattr(o, "masters", []))
+        ),
+        "rollout_gathered": float(rollout),
+    }
+
+
+def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        built = [_fsdp_rank(default_config(**o), p, r) for o, p, r in FSDP_CASES]
+        torch.save(built, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_fsdp_predicted_bytes_per_rank_equal_what_two_gloo_ranks_build(tmp_path: pathlib.Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_fsdp_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(200)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    keys = ("param_bytes", "optimizer_bytes", "gradients", "master_weights", "rollout_gathered")
+    for i, (overrides, precision, reshard) in enumerate(FSDP_CASES):
+        spec = ModelSpec.from_config(default_config(**overrides))
+        predicted = fsdp_rank_memories(
+            spec, spec, world=2, precision=precision, reward=spec, reshard_after_forward=reshard
+        )
+        for rank in range(2):
+            want = predicted[rank]
+            assert {k: ranks[rank][i][k] for k in keys} == {
+                "param_bytes": want.param_bytes,
+                "optimizer_bytes": want.optimizer_bytes,
+                "gradients": want.gradients,
+                "master_weights": want.master_weights,
+                "rollout_gathered": want.rollout_gathered,
+            }, f"rank {rank} of {overrides} {precision}"
+            # the logged metrics: the most any rank holds (rank 0: the longer shards)
+            assert ranks[rank][i]["memory/param_bytes"] == max(m.param_bytes for m in predicted)
+            assert ranks[rank][i]["memory/optimizer_bytes"] == predicted[0].optimizer_bytes
+        if "vocab_size" in overrides:  # the short and the empty shards: rank 1 holds less optimizer state
+            assert predicted[1].optimizer_bytes < predicted[0].optimizer_bytes
+        assert predicted[0].param_bytes == predicted[1].param_bytes  # padded shards: equal on every rank
+
+
+def test_fsdp_units_hold_every_tensor_and_shards_partition_them() -> None:
+    """`fsdp_units` lists the tensors `shard_count` counts (root first, then the decoder layers as the model's
+    `layers`); dim-0 shards partition every tensor, each padded to ceil(rows / world) rows."""
+    for overrides in ({}, dict(architecture="qwen2", vocab_size=127), dict(tie_word_embeddings=True)):
+        cfg = default_config(**overrides)
+        spec = ModelSpec.from_config(cfg)
+        for head in ("lm", "value"):
+            model = Transformer(cfg, head=head)
+            units = fsdp_units(spec, head)
+            layer = [sorted(p.shape[0] for p in m.parameters()) for m in model.layers]
+            assert [sorted(r for r, _ in u) for u in units[1:]] == layer, (overrides, head)
+            whole = shard_count(spec, head)
+            assert (sum(r * c for u in units for r, c in u), sum(map(len, units))) == (
+                whole.params,
+                whole.tensors,
+            )
+            for world in (1, 2, 3, 8):
+                shards = [fsdp_shard_count(spec, head, world, r) for r in range(world)]
+                assert sum(s.params for s in shards) == whole.params
+                assert all(s.tensors == whole.tensors for s in shards)
+                padded = fsdp_padded_count(spec, head, world)
+                assert padded >= shards[0].params and padded * world >= whole.params
+    # torch.chunk's split: 5 rows over 4 ranks are 2, 2, 1 and none
+    assert [dim0_rows(5, 4, r) for r in range(4)] == [2, 2, 1, 0]
+    assert [dim0_rows(1, 2, r) for r in range(2)] == [1, 0]
+
+
+def test_fsdp_phases_gather_what_the_runtime_gathers() -> None:
+    """Hand-derived phases of a 2-layer model with equal layers on 2 ranks: the rollout gathers the four models
+    whole in the compute dtype; training gathers both trained models' roots and two layers (all layers with
+    reshard_after_forward=False) and keeps two layers' unsharded gradients (the whole models' while several
+    micro-batches accumulate); the resident shards and the generation copy are the same in every phase."""
+    spec = ModelSpec("m", layers=2, hidden=64, heads=4, ffn=128, vocab=1000, kv_heads=2)
+    world = 2
+    root_lm, layer = 2 * 1000 * 64 + 64, shard_count(spec, "lm").params - (2 * 1000 * 64 + 64)
+    layer //= 2
+    root_value = 1000 * 64 + 64 + 2 * 64  # the one-row value head padded to one row per rank, gathered: two
+    for precision, gather, reduce in (("32-true", 4, 4), ("bf16-mixed", 2, 4), ("bf16-true", 2, 2)):
+        one = fsdp_rank_memory(spec, spec, world=world, precision=precision, reward=spec)
+        whole = 2 * (root_lm + 2 * layer) + 2 * (root_value + 2 * layer)
+        assert one.rollout_gathered == whole * gather
+        assert one.train_gathered == (root_lm + root_value + 2 * layer) * gather + 2 * layer * reduce
+        kept = fsdp_rank_memory(spec, spec, world=world, precision=precision, reshard_after_forward=False)
+        assert kept.train_gathered == (root_lm + root_value + 4 * layer) * gather + 2 * layer * reduce
+        accumulated = fsdp_rank_memory(spec, spec, world=world, precision=precision, microbatches=4)
+        models = root_lm + root_value + 4 * layer
+        assert accumulated.train_gathered == (root_lm + root_value + 2 * layer) * gather + models * reduce
+        assert one.peak == one.resident + max(one.training, one.rollout)
+    # sharding halves the trained state; the generation copy stays whole
+    a, b = (fsdp_rank_memory(spec, spec, world=w, precision="bf16-true") for w in (1, 2))
+    assert b.train_state == pytest.approx(a.train_state / 2, rel=1e-3)
+    assert a.generation_weights == b.generation_weights == 2 * shard_count(spec, "lm").params

@@ -1,7 +1,7 @@
 """pipeline=fsdp (FSDP2): over 2 gloo ranks the sharded update equals one process training on the whole
 mini-batches (float64), with ranks running unequal micro-batch counts; each rank holds about half of the weights
 and of the optimizer states; a non-finite loss on one rank stops both before any step; the weight sync gathers
-the whole Actor. From the command line: the default job's smoke preset trains, a run resumed from its sharded
+the whole Actor; inference of each rank's share with the sharded models equals whole-model inference. From the command line: the default job's smoke preset trains, a run resumed from its sharded
 checkpoint continues bit-identically, and the checkpoint loads on one process."""
 
 from __future__ import annotations
@@ -89,6 +89,40 @@ def _fsdp(reduction: str = "token"):
     return strategy, weights, stats, memory
 
 
+def _rollout():
+    """5 rows (rows of different lengths): ranks infer unequal shares in unequal numbers of forward passes."""
+    from rlhfuse.core.types import Rollout
+    from rlhfuse.testing.data import two_row_rollout
+
+    two = two_row_rollout(0)
+    return Rollout(**{k: torch.cat([v, v.flip(0), v[:1]]) for k, v in vars(two).items()})
+
+
+def _inference(sharded: bool):
+    """Whole-model inference of `_rollout()` (one process), or `ShardedInference` over sharded models."""
+    from rlhfuse.core.inference import InferencerConfig
+    from rlhfuse.data.synthetic import build_tokenizer
+    from rlhfuse.trainer.inferencer import ModelInferencer
+
+    actor, critic, ref = _models()
+    torch.manual_seed(1)
+    reward = Transformer(critic.config, head="value").double().eval().requires_grad_(False)
+    inferencer = ModelInferencer(
+        InferencerConfig(micro_batch_size=1), actor=actor, ref=ref, critic=critic, reward_model=reward,
+        rewards=None, tokenizer=build_tokenizer(), temperature=0.9,
+    )  # fmt: skip
+    if not sharded:
+        return inferencer.infer(_rollout())
+    import torch.distributed as dist
+
+    from rlhfuse.distributed.fsdp import ShardingPolicy, shard_model
+    from rlhfuse.trainer.fsdp import ShardedInference
+
+    for model in (actor, critic, ref, reward):
+        shard_model(model, model.layers, ShardingPolicy(), device_type="cpu")
+    return ShardedInference(inferencer, dist.group.WORLD).infer(_rollout())
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -116,6 +150,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         except NonFiniteError as err:
             after = strategy.actor_weights()
             result["nonfinite"] = (str(err), all(torch.equal(before[k], after[k]) for k in before))
+        result["inference"] = _inference(sharded=True)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -158,6 +193,11 @@ def test_two_rank_fsdp_update_equals_one_process_with_half_the_memory(tmp_path) 
         # the sync received the other rank's half of the Actor
         actor_bytes = sum(v.numel() * v.element_size() for k, v in want_weights.items() if k[:6] == "actor.")
         assert sync0 == pytest.approx(actor_bytes / 2)
+    # each rank inferred its share with the sharded models: every row equals whole-model inference
+    want = _inference(sharded=False)
+    for got in (ranks[0]["inference"], ranks[1]["inference"]):
+        for field in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
+            assert torch.allclose(getattr(got, field), getattr(want, field), rtol=0, atol=1e-12), field
     message0, unchanged0 = ranks[0]["nonfinite"]
     message1, unchanged1 = ranks[1]["nonfinite"]
     assert "another data-parallel rank" in message0 and "loss/policy is nan" in message1

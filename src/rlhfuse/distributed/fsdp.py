@@ -20,8 +20,7 @@ world size (DCP reshards on load).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +90,11 @@ def shard_model(
     )
     for layer in layers:
         fully_shard(layer, reshard_after_forward=policy.reshard_after_forward, **args)
-    fully_shard(model, **args)
+    # The root unit (embeddings, final norm, heads) of a trained model keeps its weights from its forward to its
+    # backward, which needs them at once (FSDP's default); a frozen model's has no backward: freed after each
+    # forward, or a Ref's or Reward's whole embedding table and head would stay on the rank after inference.
+    trained = any(p.requires_grad for p in model.parameters())
+    fully_shard(model, reshard_after_forward=not trained, **args)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
     for unit in units(model):
@@ -116,24 +119,6 @@ def set_gradient_sync(models: Iterable[nn.Module], enabled: bool) -> None:
     for model in models:
         assert isinstance(model, FSDPModule), type(model)
         model.set_requires_gradient_sync(enabled)
-
-
-@contextmanager
-def gathered(models: Iterable[nn.Module], *, reshard_after_forward: bool = True) -> Iterator[None]:
-    """Collective on entry: every unit of `models` all-gathered and kept whole inside the block, so their
-    forwards there are local (ranks may run different numbers of them); freed again on exit."""
-    found = [u for model in models for u in units(model)]
-    for unit in found:
-        unit.set_reshard_after_forward(False, recurse=False)
-        unit.unshard()
-    try:
-        yield
-    finally:
-        for model in models:
-            for unit in units(model):
-                unit.reshard()
-                # the root keeps its weights between its forward and backward (FSDP's own rule for the root)
-                unit.set_reshard_after_forward(reshard_after_forward and unit is not model, recurse=False)
 
 
 def full_state(model: nn.Module) -> dict[str, Tensor]:

@@ -32,10 +32,14 @@ from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.memory import (
     ModelLayout,
     RankMemory,
+    compute_bytes,
     frozen_bytes,
+    fsdp_padded_units,
+    fsdp_rank_memories,
     generation_bytes,
     kv_cache_bytes,
     local_stages,
+    reduce_bytes,
     shard_count,
     trained_bytes,
 )
@@ -216,6 +220,43 @@ class CostModel:
         out: NDArray = 2.0 * (n - 1) / n * nbytes / bw + lat
         return out
 
+    def allgather_time(self, nbytes: float, n: int, inter_node: bool = False, collectives: int = 1) -> float:
+        """Ring all-gather of `nbytes` in all (each of `n` devices contributing 1 / n) in `collectives` calls; a
+        ring reduce-scatter moves the same bytes: (n - 1) / n x bytes / bandwidth + each call's latency."""
+        if n <= 1:
+            return 0.0
+        bw, lat = self._link(inter_node)
+        hops = n - 1 if inter_node else 1
+        return (n - 1) / n * nbytes / bw + collectives * hops * lat
+
+    def fsdp_gather_time(self, model: ModelSpec, head: str, world: int, dtype_bytes: int) -> float:
+        """pipeline=fsdp: every unit of `model` all-gathered (or its gradients reduce-scattered) once over `world`
+        ranks, `dtype_bytes` per element of the padded shards, one collective per unit (FSDP2's)."""
+        units = fsdp_padded_units(model, head, world)
+        nbytes = world * sum(units) * dtype_bytes
+        return self.allgather_time(nbytes, world, world > self.cluster.gpus_per_node, len(units))
+
+    def fsdp_rank_memory(
+        self,
+        actor: ModelSpec,
+        critic: ModelSpec,
+        world: int,
+        *,
+        reshard_after_forward: bool = True,
+        microbatches: int = 1,
+        kv_tokens: float = 0.0,
+        activations: float = 0.0,
+    ) -> RankMemory:
+        """The busiest rank of pipeline=fsdp over `world` ranks (`rlhfuse.planner.memory.fsdp_rank_memories`:
+        rank 0): the four models sharded (the Reward the Critic's shape), the whole generation copy, the
+        rollout's KV cache of `kv_tokens` positions and training's `activations`, the gathered phases."""
+        ranks = fsdp_rank_memories(
+            actor, critic, world=world, precision=self.precision, reward=critic,
+            reshard_after_forward=reshard_after_forward, microbatches=microbatches, kv_tokens=kv_tokens,
+            activations=activations,
+        )  # fmt: skip
+        return max(ranks, key=lambda m: m.peak)
+
     def p2p_time(self, nbytes: float, inter_node: bool) -> float:
         bw, lat = self._link(inter_node)
         return nbytes / bw + lat
@@ -270,6 +311,14 @@ class CostModel:
 
     def _grad_bytes(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
         return model.params(head) * stage_fraction(model, pp) / tp * self.device.dtype_bytes
+
+    def fsdp_compute_bytes(self) -> int:
+        """Bytes per element pipeline=fsdp gathers (the compute dtype of `precision`)."""
+        return compute_bytes(self.precision)
+
+    def fsdp_reduce_bytes(self) -> int:
+        """Bytes per element pipeline=fsdp reduce-scatters (the reduce dtype of `precision`)."""
+        return reduce_bytes(self.precision)
 
     def optimizer_step_time(self, model: ModelSpec, head: str, tp: int, pp: int) -> float:
         """Adam step: read and write the 16 bytes/param of training state once (memory-bound)."""

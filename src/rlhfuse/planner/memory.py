@@ -31,6 +31,19 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
   activations during training, the KV cache during generation, offloaded frozen weights during inference; the
   weights, the master copies and the optimizer moments stay resident throughout. `RankMemory.peak` is the
   resident bytes plus the largest phase.
+- **pipeline=fsdp** (`fsdp_rank_memories`; `rlhfuse.distributed.fsdp.shard_model`): no stages; every model is
+  sharded over the world, each tensor on dim 0 (FSDP2's `torch.chunk` split, `dim0_rows`: ceil(rows / world) rows
+  per rank in rank order, the last ranks fewer or none). Each rank allocates its weight shards and its sharded
+  gradients padded to ceil(rows / world) rows (`fsdp_padded_count`: the same on every rank); AdamW's moments and
+  the master copies are made from the unpadded shard (`fsdp_shard_count`: rank 0 holds the most), and every rank
+  keeps one step counter per tensor, an empty shard's too. Under bf16-mixed the shards stay fp32 (FSDP's
+  param_dtype=bf16 casts what it gathers); under bf16-true they are bf16. Each rank also holds the whole
+  generation copy (`generator.instances` = world, `generator.tp` = 1). Two phases are its own: the rollout
+  gathers the four models whole on every rank, in the compute dtype (`rollout_gathered`, beside the KV cache),
+  and training gathers one layer at a time (two with the next one prefetched in backward) beside the root units
+  (embeddings, final norm, heads), or every layer from its forward to its backward with
+  `reshard_after_forward=False`, and keeps unsharded gradients: the whole trained models' while several
+  micro-batches accumulate (FSDP's no-sync accumulation), two layers' otherwise (`train_gathered`).
 
 `memory/param_bytes` of the runtime is `RankMemory.param_bytes` (weights of the four models and the generation
 copy materialised on the rank; offloaded frozen weights are host tensors, which the metric counts too: see
@@ -201,6 +214,10 @@ class RankMemory:
     generation_weights: float = 0.0
     kv_cache: float = 0.0
     activations: float = 0.0
+    rollout_gathered: float = 0.0
+    """pipeline=fsdp: the four models' whole weights, all-gathered on every rank for the rollout (0 otherwise)."""
+    train_gathered: float = 0.0
+    """pipeline=fsdp: the layers gathered while training and their unsharded gradients (0 otherwise)."""
 
     @property
     def param_bytes(self) -> float:
@@ -230,10 +247,22 @@ class RankMemory:
         return self.trained_weights + self.gradients + self.master_weights + self.optimizer_states
 
     @property
+    def training(self) -> float:
+        """What training adds to the resident bytes: gradients, activations (and pipeline=fsdp's gathered layers
+        and unsharded gradients)."""
+        return self.gradients + self.activations + self.train_gathered
+
+    @property
+    def rollout(self) -> float:
+        """What generation adds: the KV cache (and pipeline=fsdp's gathered models)."""
+        return self.kv_cache + self.rollout_gathered
+
+    @property
     def peak(self) -> float:
         """Device peak: resident bytes + the largest phase (training: gradients + activations; generation: the
-        KV cache; inference: the offloaded frozen weights swapped in)."""
-        return self.resident + max(self.gradients + self.activations, self.kv_cache, self.frozen_offloaded)
+        KV cache; inference: the offloaded frozen weights swapped in; pipeline=fsdp's gathered weights in the
+        phase that gathers them)."""
+        return self.resident + max(self.training, self.rollout, self.frozen_offloaded)
 
     def components(self) -> dict[str, float]:
         return {f.name: float(getattr(self, f.name)) for f in fields(self)}
@@ -333,3 +362,173 @@ def rank_memory(
 ) -> RankMemory:
     """The busiest rank of `rank_memories` (largest `peak`)."""
     return max(rank_memories(actor, critic, **kwargs), key=lambda m: m.peak)  # type: ignore[arg-type]
+
+
+# ---- pipeline=fsdp -------------------------------------------------------------------------------------------
+Unit = tuple[tuple[int, int], ...]
+"""One FSDP unit's parameter tensors as (rows, elements per row): dim 0 is what FSDP2 shards."""
+
+
+@functools.lru_cache(maxsize=1024)
+def fsdp_units(model: ModelSpec, head: str) -> tuple[Unit, ...]:
+    """Every parameter tensor of the whole model by FSDP unit (`rlhfuse.distributed.fsdp.shard_model`): the root
+    first (the embedding, the final norm and the head: an LM head is vocab x hidden unless tied, a value head one
+    row of hidden), then each decoder layer (nn.Linear weights are out x in: q / k / v / gate / up have a row per
+    output channel, o and down one per hidden channel; biases and norms are one row of one element per channel)."""
+    h, e = model.hidden, model.head_dim
+    q, kv = model.heads * e, model.n_kv_heads * e
+    root: list[tuple[int, int]] = [(model.vocab, h), (h, 1)]
+    if head == "lm":
+        root += [] if model.tied else [(model.vocab, h)]
+    else:
+        root.append((1, h))
+    attention: list[tuple[int, int]] = [(h, 1), (q, h), (kv, h), (kv, h), (h, q), (h, 1)]  # + both norms
+    if model.qkv_bias:
+        attention += [(q, 1), (kv, 1), (kv, 1)]
+    if model.o_bias:
+        attention.append((h, 1))
+    if model.qk_norm:
+        attention += [(e, 1), (e, 1)]
+    dense = [(model.ffn, h), (model.ffn, h), (h, model.ffn)]
+    f = model.expert_ffn
+    mixture = [(model.experts, h)] + [(f, h), (f, h), (h, f)] * model.experts
+    layers = tuple(tuple(attention + (mixture if model.is_moe(i) else dense)) for i in range(model.layers))
+    return (tuple(root), *layers)
+
+
+def dim0_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of a `rows`-row tensor that rank `rank` of `world` holds under FSDP2 (`torch.chunk` on dim 0):
+    ceil(rows / world) per rank in rank order, the last ranks fewer or none."""
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+@functools.lru_cache(maxsize=4096)
+def fsdp_shard_count(model: ModelSpec, head: str, world: int, rank: int) -> ShardCount:
+    """Elements of rank `rank`'s unpadded dim-0 shard of every tensor (what AdamW's moments and the master copies
+    are made from) and the tensors (an empty shard's too: each keeps a step counter)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be in [0, {world}) (pipeline=fsdp over world={world} ranks)")
+    out = ShardCount()
+    for unit in fsdp_units(model, head):
+        out += ShardCount(sum(dim0_rows(r, world, rank) * c for r, c in unit), len(unit))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def fsdp_padded_units(model: ModelSpec, head: str, world: int) -> tuple[int, ...]:
+    """Elements each rank allocates per FSDP unit, root first: every tensor's shard padded to ceil(rows / world)
+    rows (the same on every rank; FSDP2 pads a short or empty shard so that its all-gather is even). The weight
+    shards and the sharded gradients (one reduce-scatter output per unit) take this many elements; a gathered
+    unit `world` times as many."""
+    return tuple(sum(-(-r // world) * c for r, c in unit) for unit in fsdp_units(model, head))
+
+
+def fsdp_padded_count(model: ModelSpec, head: str, world: int) -> int:
+    """Elements of every padded shard of the model on one rank (`fsdp_padded_units`)."""
+    return sum(fsdp_padded_units(model, head, world))
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of what pipeline=fsdp gathers: the compute dtype (bf16 under bf16-mixed, FSDP's
+    param_dtype, and bf16-true; fp32 under 32-true)."""
+    return generation_bytes(precision)
+
+
+def reduce_bytes(precision: str) -> int:
+    """Bytes per element of pipeline=fsdp's unsharded gradients: FSDP's reduce dtype (fp32 under bf16-mixed,
+    the gradient's dtype otherwise)."""
+    return bytes_per_param(precision).grad
+
+
+def fsdp_trained_bytes(model: ModelSpec, head: str, world: int, rank: int, precision: str) -> RankMemory:
+    """One trained model on rank `rank` of pipeline=fsdp: padded weight shards and sharded gradients, the masters
+    and AdamW's states of the unpadded shard."""
+    b = bytes_per_param(precision)
+    padded = fsdp_padded_count(model, head, world)
+    local = fsdp_shard_count(model, head, world, rank)
+    return RankMemory(
+        trained_weights=padded * b.weight,
+        gradients=padded * b.grad,
+        master_weights=local.params * b.master,
+        optimizer_states=local.params * b.moments + local.tensors * ADAM_STEP_BYTES,
+    )
+
+
+def fsdp_gathered_bytes(model: ModelSpec, head: str, world: int, precision: str) -> float:
+    """The whole model all-gathered on one rank, in the compute dtype (a gathered unit is `world` padded shards)."""
+    return float(world * fsdp_padded_count(model, head, world) * compute_bytes(precision))
+
+
+def fsdp_train_gathered(
+    trained: list[tuple[ModelSpec, str]],
+    world: int,
+    precision: str,
+    *,
+    reshard_after_forward: bool = True,
+    microbatches: int = 1,
+) -> float:
+    """What pipeline=fsdp's training gathers on one rank beside its shards (an estimate of FSDP2's buffers): the
+    trained models' root units (kept from their forward to their backward), and their layers: with
+    `reshard_after_forward` the largest two (one computing, the next prefetched), else every layer (each kept from
+    its forward to its backward); in the compute dtype. Plus the unsharded gradients in the reduce dtype: the
+    whole models' while `microbatches` > 1 accumulate without a reduction, else the largest two layers' (one
+    layer's gradients and its reduce-scatter input)."""
+    gather, reduce = compute_bytes(precision), reduce_bytes(precision)
+    units = [fsdp_padded_units(m, h, world) for m, h in trained]
+    roots = sum(u[0] for u in units)
+    layers = sorted((n for u in units for n in u[1:]), reverse=True)
+    two = sum(layers[:2])
+    held = two if reshard_after_forward else sum(layers)
+    grads = sum(sum(u) for u in units) if microbatches > 1 else two
+    return float(world * ((roots + held) * gather + grads * reduce))
+
+
+def fsdp_rank_memories(
+    actor: ModelSpec,
+    critic: ModelSpec | None,
+    *,
+    world: int,
+    precision: str = "32-true",
+    reward: ModelSpec | None = None,
+    ref: bool = True,
+    reshard_after_forward: bool = True,
+    microbatches: int = 1,
+    kv_tokens: float = 0.0,
+    activations: float = 0.0,
+) -> list[RankMemory]:
+    """Each rank of pipeline=fsdp over `world` ranks: the Actor and (when `critic`) the Critic sharded and
+    trained, the Ref (when `ref`) and the Reward (`reward`; None: no reward model) sharded and frozen, the
+    whole generation copy, `kv_tokens` cached positions of the rank's generation instance, `activations` bytes
+    of training activations, and the gathered phases (`fsdp_train_gathered`, `microbatches` per rank and
+    mini-batch; the rollout's four whole models, `fsdp_gathered_bytes`). The weights and gradients are the same
+    on every rank; rank 0 holds the most optimizer state (the full first chunk of every tensor)."""
+    if world < 1:
+        raise ValueError(f"world={world} must be >= 1 (pipeline=fsdp: one rank per generation instance)")
+    trained = [(actor, "lm")] + ([] if critic is None else [(critic, "value")])
+    frozen = ([(actor, "lm")] if ref else []) + ([] if reward is None else [(reward, "value")])
+    weight, gen = bytes_per_param(precision).weight, generation_bytes(precision)
+    shared = RankMemory(
+        frozen_weights=sum(fsdp_padded_count(m, h, world) for m, h in frozen) * weight,
+        generation_weights=shard_count(actor, "lm").params * gen,
+        kv_cache=kv_cache_bytes(actor, kv_tokens, 1, gen),
+        activations=activations,
+        rollout_gathered=sum(fsdp_gathered_bytes(m, h, world, precision) for m, h in trained + frozen),
+        train_gathered=fsdp_train_gathered(
+            trained, world, precision, reshard_after_forward=reshard_after_forward, microbatches=microbatches
+        ),
+    )
+    out = []
+    for rank in range(world):
+        mem = shared
+        for m, h in trained:
+            mem += fsdp_trained_bytes(m, h, world, rank, precision)
+        out.append(mem)
+    return out
+
+
+def fsdp_rank_memory(
+    actor: ModelSpec, critic: ModelSpec | None, **kwargs: float | int | str | bool | None
+) -> RankMemory:
+    """The busiest rank of `fsdp_rank_memories` (largest `peak`: rank 0)."""
+    return max(fsdp_rank_memories(actor, critic, **kwargs), key=lambda m: m.peak)  # type: ignore[arg-type]

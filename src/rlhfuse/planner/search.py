@@ -29,6 +29,10 @@ from rlhfuse.planner.simulate import (
     Workload,
     activation_peak,
     free_kv_bytes,
+    fsdp_activations,
+    fsdp_rollout,
+    fsdp_training,
+    fsdp_weight_sync_time,
     fused_bound,
     fused_training,
     gen_inf_serial,
@@ -157,8 +161,8 @@ def search_training(
     `runtime=True` keeps only pairs `rlhfuse.runtime` runs (it co-locates both on one layout for either
     schedule: `rlhfuse.planner.colocation`, the rule of `rlhfuse.runtime.ParallelLayout`): equal tp, or a smaller
     tp dividing the larger with the smaller-tp model's pp a multiple of their ratio; the larger number of merged
-    stages a multiple of the smaller; the larger model's micro-batches a multiple of the other's replicas. Each
-    refusal is counted under "runtime: <the rule>". Its pairs are costed as the runtime runs them
+    stages a multiple of the smaller; the larger model's micro-batches a multiple of the other's replicas; an
+    Actor with tied embeddings at pp = 1. Each refusal is counted under "runtime: <the rule>". Its pairs are costed as the runtime runs them
     (`merged=True`: the smaller-tp model's consecutive stages merged onto one larger-tp group, their time and
     memory per rank those of the sub-stages, `fused_problem`).
     """
@@ -166,6 +170,9 @@ def search_training(
     mb = workload.mini_batch
     la = train_layouts(cost, models.actor, "lm", workload, seq, stats, even_pp=even_pp)
     lc = train_layouts(cost, models.critic, "value", workload, seq, stats, even_pp=even_pp)
+    if runtime:
+        la = [a for a in la if _tied_allows(models, "actor", a, stats)]
+        lc = [c for c in lc if _tied_allows(models, "critic", c, stats)]
     if not la or not lc:
         raise ValueError(
             f"no training layout fits for {models.name} on {cost.cluster.gpus} x {cost.device.name} "
@@ -233,6 +240,19 @@ def search_training(
         bounds = [b for b, st, _, _ in fused_pairs if st <= states] + [r.per_minibatch]
         out.append(replace(r, bound=min(bounds)))
     return out
+
+
+def _tied_allows(models: RLHFModels, name: str, lay: TrainLayout, stats: PruneStats) -> bool:
+    """Whether `rlhfuse.runtime` runs `lay` for `name` beside a tied embedding / LM head
+    (tie_word_embeddings): a tied model's stages would hold one tensor on two ranks (pp = 1 only), and the tied
+    table is not split tensor-parallel (with a tied Actor, `validate` refuses every tp key: tp = 1)."""
+    if getattr(models, name).tied and lay.pp > 1:
+        stats.removed["runtime: tied embeddings need pp=1"] += 1
+        return False
+    if models.actor.tied and lay.tp > 1:
+        stats.removed["runtime: a tied Actor needs tp=1"] += 1
+        return False
+    return True
 
 
 def _frontier(items: list[Any]) -> list[Any]:
@@ -424,6 +444,9 @@ def _best_gen_inf(
     critic_train = (train.critic.tp, train.critic.pp)
     best: tuple[float, GenInfResult, int, list[tuple[float, GenInfResult]]] | None = None
     for gen_tp in tp_candidates(models.actor, cost.cluster, stats):
+        if runtime and models.actor.tied and gen_tp > 1:
+            stats.removed["runtime: a tied Actor needs tp=1"] += 1
+            continue
         # the generation copy stays on the device while training too (the runtime keeps it between updates)
         if train.memory + cost.generation_weight_bytes(models.actor, gen_tp) > cost.usable_memory():
             stats.removed["generation copy does not fit beside training"] += 1

@@ -18,6 +18,7 @@ from rlhfuse.pipeline import SearchConfig, solve
 from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
+from rlhfuse.planner.memory import bytes_per_param
 from rlhfuse.planner.migration import Mechanism, MigrationDecision, choose_mechanism, decide_migration
 from rlhfuse.planner.schedule import (
     PipeModel,
@@ -774,7 +775,7 @@ class TrainResult:
     fused lower bound (what the paper's annealing reaches on most settings; equal to per_minibatch for serial).
     """
 
-    mode: Literal["serial", "fused"]
+    mode: Literal["serial", "fused", "fsdp"]
     actor: TrainLayout
     critic: TrainLayout
     per_minibatch: float
@@ -787,6 +788,9 @@ class TrainResult:
     merged: bool = False
     """Modelled as `rlhfuse.runtime` runs unequal tp (`runtime=True`): the smaller-tp model's consecutive stages
     merged onto one larger-tp group, run one after the other (`fused_problem`)."""
+    reshard_after_forward: bool = True
+    """pipeline=fsdp (`mode` "fsdp"): each layer freed after its forward and gathered again for its backward
+    (false: kept from its forward to its backward, one all-gather less per layer and micro-batch)."""
     detail: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
@@ -1023,3 +1027,105 @@ def searched_training(
     detail = dict(train.detail, searched_makespan=solution.makespan, search_seconds=solution.seconds,
                   search_wall_capped=solution.stats.get("wall_capped", 0))  # fmt: skip
     return replace(train, per_minibatch=best, detail=detail)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pipeline=fsdp: sharded data parallelism (FSDP2) over every device
+# ---------------------------------------------------------------------------------------------------------
+def fsdp_model_step_time(
+    cost: CostModel,
+    model: ModelSpec,
+    head: str,
+    lay: TrainLayout,
+    mini_batch: int,
+    seq: float,
+    *,
+    reshard_after_forward: bool = True,
+) -> float:
+    """One model's mini-batch under pipeline=fsdp on `lay.dp` devices (tp = pp = 1): each rank runs its
+    `lay.microbatches(mini_batch)` micro-batches of `lay.micro_batch` samples whole, every forward all-gathering
+    each layer (prefetched: hidden under the compute when it is shorter) and every backward again unless
+    `reshard_after_forward` is off; the last backward also reduce-scatters the gradients (the earlier ones
+    accumulate unreduced); then the optimizer steps 1 / dp of the states."""
+    world = lay.dp
+    f, b = _stage(cost, model, head, lay, seq)
+    gather = cost.fsdp_gather_time(model, head, world, cost.fsdp_compute_bytes())
+    reduce = cost.fsdp_gather_time(model, head, world, cost.fsdp_reduce_bytes())
+    again = gather if reshard_after_forward else 0.0
+    m = lay.microbatches(mini_batch)
+    passes = m * max(f, gather) + (m - 1) * max(b, again) + max(b, again + reduce)
+    return passes + cost.optimizer_step_time(model, head, 1, 1) / world
+
+
+def fsdp_activations(cost: CostModel, models: RLHFModels, lay: TrainLayout, seq: float) -> float:
+    """Activations one rank keeps under pipeline=fsdp: one micro-batch of each trained model (the Actor's and the
+    Critic's forwards run before either backward), every layer on the rank."""
+    tokens = lay.micro_batch * seq
+    return sum(
+        cost.activation_bytes(m, tokens, 1, m.layers) for m in (models.actor, models.critic)
+    )
+
+
+def fsdp_training(
+    cost: CostModel,
+    models: RLHFModels,
+    lay: TrainLayout,
+    workload: Workload,
+    seq: float,
+    *,
+    reshard_after_forward: bool = True,
+) -> TrainResult:
+    """Both models trained under pipeline=fsdp with layout `lay` (dp = every device): their mini-batch one after
+    the other in each micro-batch (`fsdp_model_step_time` each), the busiest rank's training memory
+    (`CostModel.fsdp_rank_memory`: shards, gradients, optimizer states, frozen shards, the gathered layers and
+    unsharded gradients, activations; the generation copy aside, as for the pipelines)."""
+    mb = workload.mini_batch
+    times = {
+        name: fsdp_model_step_time(cost, m, head, lay, mb, seq, reshard_after_forward=reshard_after_forward)
+        for name, m, head in (("actor", models.actor, "lm"), ("critic", models.critic, "value"))
+    }
+    rm = cost.fsdp_rank_memory(
+        models.actor, models.critic, lay.dp, reshard_after_forward=reshard_after_forward,
+        microbatches=lay.microbatches(mb), activations=fsdp_activations(cost, models, lay, seq),
+    )  # fmt: skip
+    per = sum(times.values())
+    memory = rm.resident - rm.generation_weights + rm.training
+    return TrainResult(
+        "fsdp", lay, lay, per, per, memory, workload.global_batch // mb,
+        reshard_after_forward=reshard_after_forward, detail=times,
+    )  # fmt: skip
+
+
+def fsdp_inference_time(cost: CostModel, models: RLHFModels, samples: Samples, world: int) -> float:
+    """pipeline=fsdp's inference after generation (`rlhfuse.trainer.fsdp.ShardedInference`): every rank infers
+    1 / world of the batch's work (shares balanced by sequence cost) with the sharded Ref, Reward and Critic, in
+    passes of INFERENCE_BATCH rows; each pass all-gathers each model once, layer by layer, hidden under the pass's
+    compute when shorter (every rank runs as many passes)."""
+    per_rank = -(-len(samples) // world)
+    passes = max(1, -(-per_rank // INFERENCE_BATCH))
+    total = 0.0
+    for model, head in models.inference():
+        work, _ = inference_seconds(cost, [(model, head)], samples.seq, (1,))
+        gather = cost.fsdp_gather_time(model, head, world, cost.fsdp_compute_bytes())
+        total += max(float(work.sum()) / world, passes * gather)
+    return total
+
+
+def fsdp_rollout(
+    cost: CostModel, models: RLHFModels, samples: Samples, unmigrated: Unmigrated | None = None
+) -> GenInfResult:
+    """pipeline=fsdp's rollout: one generation instance of the whole Actor copy per device (sample i on device
+    i mod n, no migration: nothing would use a freed instance), then `fsdp_inference_time` on every device."""
+    world = cost.cluster.gpus
+    base = unmigrated if unmigrated is not None else generate_unmigrated(cost, models.actor, samples, 1)
+    gen = GenerationResult(base.finish, float(base.finish.max(initial=0.0)), world)
+    inference = fsdp_inference_time(cost, models, samples, world)
+    return GenInfResult(gen, gen.end + inference, 1, inference, None)
+
+
+def fsdp_weight_sync_time(cost: CostModel, actor: ModelSpec) -> float:
+    """pipeline=fsdp's weight sync: the Actor's shards all-gathered on every device (each holds a whole generation
+    copy), in the trained weights' dtype."""
+    world = cost.cluster.gpus
+    weight = bytes_per_param(cost.precision).weight
+    return cost.fsdp_gather_time(actor, "lm", world, weight)

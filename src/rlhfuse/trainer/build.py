@@ -45,7 +45,7 @@ from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
-from rlhfuse.trainer.fsdp import FSDPStrategy, GatheredRollout
+from rlhfuse.trainer.fsdp import FSDPStrategy, ShardedInference
 from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
@@ -313,10 +313,10 @@ def build_trainer(
     strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
     generator = GENERATORS.get(config.generator.name)(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
-    rollout = rollout_stage(ctx, generator, inferencer)
     sharded = isinstance(strategy, FSDPStrategy)  # pipeline=fsdp: the four models sharded over the ranks
-    if sharded:  # the rollout runs on them gathered whole
-        rollout = GatheredRollout(rollout, strategy)
+    if sharded:  # each rank infers its share of the rollout with them, in lockstep
+        inferencer = ShardedInference(inferencer, strategy.group)
+    rollout = rollout_stage(ctx, generator, inferencer)
     # generator.tp > 1: the generation copy is a tp shard; the export reassembles the whole Actor (collective)
     shard_export = config.checkpoint.export_hf and config.generator.tp > 1
     # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy

@@ -10,11 +10,12 @@ soon as they are final. A layer's weights are gathered for its forward and backw
 training forward is collective: a rank with fewer micro-batches runs its last one again with weight 0, and a
 non-finite loss does not skip a backward (every rank runs the same reductions; the step is then dropped on all).
 
-The rollout runs on whole models (`GatheredRollout`): generation and inference are fused across the ranks, each
-rank inferring the samples it finished or took over, so their forward counts differ. The four models are gathered
-once when every rank enters the rollout and freed when it ends; the rollout's memory is `pipeline=plain`'s,
-training's and the time between rollouts' is the sharded one. The weight sync gathers the Actor on every rank
-(each rank is a whole generation instance: it needs all of it) into the generator's copy.
+The rollout keeps the models sharded (`ShardedInference`): each rank is one generation instance with a whole
+Actor copy (the long tail migrates between them as under pipeline=plain), the samples are gathered on every rank,
+then every rank infers its share with the sharded models in lockstep (their forwards gather one layer at a time,
+so every rank runs as many). Inference does not overlap the generation tail here (no inter-stage fusion): the
+price of never holding a whole Ref, Reward or Critic. The weight sync gathers the Actor on every rank (each rank
+is a whole generation instance: it needs all of it) into the generator's copy.
 
 Checkpoints (`FSDPCheckpointer`): the sharded model and optimizer states through torch.distributed.checkpoint
 (every rank writes its shards; the files load on any world size), the schedulers and the trainer's state written
@@ -26,8 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +38,16 @@ from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.balance import karmarkar_karp, sample_costs
 from rlhfuse.core.checkpoint import fsync, mismatch_error, prune_run, remove_checkpoint, seal_fields, sha256
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, set_peak_lr
-from rlhfuse.core.protocols import Checkpointer, RolloutStage, StageHook
-from rlhfuse.core.sampling import Sampling
-from rlhfuse.core.stats import RolloutStats, TrainStats
-from rlhfuse.core.types import Experience, PromptBatch, TrainBatch
+from rlhfuse.core.protocols import Checkpointer
+from rlhfuse.core.stats import TrainStats
+from rlhfuse.core.types import Experience, Rollout, TrainBatch
 from rlhfuse.distributed.fsdp import (
     ShardingPolicy,
     full_state,
-    gathered,
     load_state,
     save_state,
     set_gradient_sync,
@@ -59,6 +58,7 @@ from rlhfuse.distributed.fsdp import (
 from rlhfuse.models import Transformer
 from rlhfuse.models.lora import LoraConfig, merge_state
 from rlhfuse.runtime.checkpoint import all_ok
+from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
 
 KIND, FORMAT = "fsdp", 1
@@ -160,17 +160,6 @@ class FSDPStrategy:
 
     def optimizers_in_use(self) -> list[torch.optim.Optimizer]:
         return self.update.optimizers
-
-    @property
-    def sharded_models(self) -> list[torch.nn.Module]:
-        """Every sharded model: the trained ones, then the Ref and the Reward."""
-        return [*self.update.models, *self.frozen]
-
-    @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Collective on entry: the four models whole on every rank inside the block (their forwards local)."""
-        with gathered(self.sharded_models, reshard_after_forward=self.policy.reshard_after_forward):
-            yield
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance);
@@ -345,19 +334,58 @@ def check_fsdp_checkpoint(path: Path, models: list[str], algorithm: str) -> dict
     return meta
 
 
-class GatheredRollout:
-    """A rollout stage over `pipeline=fsdp`'s sharded models: they are gathered whole for the rollout (every
-    rank enters it together) and freed after it, so the ranks' unequal inference work runs without collectives."""
+class ShardedInference:
+    """`pipeline=fsdp`'s inference stage: every rank holds the whole rollout (the generation instances gather
+    it), infers its share (Karmarkar-Karp by sequence cost, as training splits a mini-batch) with the sharded
+    models, and the shares are summed back into the rollout's rows on every rank (each row computed by exactly
+    one rank, zeros elsewhere: the sum is exact).
 
-    def __init__(self, stage: RolloutStage, strategy: FSDPStrategy) -> None:
-        self.stage, self.strategy = stage, strategy
+    The sharded models' forwards gather each layer from every rank, so every rank runs as many forward passes:
+    one with fewer groups of rows runs its last group again (its results dropped). The models are never whole on
+    a rank, so the rollout's memory is the generation copy, its KV cache and one gathered layer at a time."""
 
-    def run(
-        self,
-        prompts: PromptBatch,
-        iteration: int,
-        on_stage: StageHook | None = None,
-        sampling: Sampling | None = None,
-    ) -> tuple[Experience, RolloutStats]:
-        with self.strategy.gathered():
-            return self.stage.run(prompts, iteration, on_stage, sampling)
+    def __init__(self, inferencer: ModelInferencer, group: Any) -> None:
+        self.inferencer, self.group = inferencer, group
+
+    def prefetch(self) -> None:
+        self.inferencer.prefetch()
+
+    def release(self) -> None:
+        self.inferencer.release()
+
+    @torch.no_grad()
+    def infer(self, rollout: Rollout) -> Experience:
+        world, rank = distributed.world_size(self.group), distributed.rank(self.group)
+        lengths = rollout.attention_mask_BT.sum(dim=1).tolist()  # the generator's host copy: no device sync
+        mine = karmarkar_karp(sample_costs(lengths), world)[rank] if len(rollout) >= world else []
+        if len(rollout) < world and rank < len(rollout):
+            mine = [rank]
+        groups = self.inferencer.groups(rollout, mine)
+        device = next(self.inferencer.actor.parameters()).device
+        count = torch.tensor([float(len(groups))], dtype=torch.float64, device=device)
+        distributed.all_reduce(count, op="max", group=self.group)
+        rollout = rollout.to(device)
+        out: list[Tensor] = []
+        for i in range(int(count.item())):
+            real = i < len(groups)
+            rows = groups[i] if real else (groups[-1] if groups else [0])  # a repeat: dropped
+            index_G = torch.tensor(rows, device=device)
+            part = self.inferencer.infer_rows(rollout, index_G)
+            if not out:
+                out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype, device=device) for p in part]
+            if real:
+                for whole, piece in zip(out, part, strict=True):
+                    whole[index_G] = piece
+        return Experience(rollout, *sum_over_ranks(out, self.group))
+
+
+def sum_over_ranks(tensors: Sequence[Tensor], group: Any) -> list[Tensor]:
+    """`tensors` summed over the ranks of `group` in one all-reduce (flattened into one float64 buffer on
+    their device, so that every dtype's values survive the sum exactly when one rank holds each)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    distributed.all_reduce(flat, group=group)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].view(t.shape).to(t.dtype))
+        start += t.numel()
+    return out

@@ -84,40 +84,39 @@ class ModelInferencer:
 
     @torch.no_grad()
     def infer(self, rollout: Rollout) -> Experience:
-        if self.micro_batch_tokens > 0 and self.config.micro_batch_size == 0:
-            return self._infer_by_tokens(rollout)
-        size = self.config.micro_batch_size or len(rollout)
-        parts = [self._infer(self._rows(rollout, start, size)) for start in range(0, len(rollout), size)]
-        # on the models' device: rewards, KL and GAE (the Triton kernel on CUDA) run there
-        return Experience(
-            rollout=rollout.to(next(self.actor.parameters()).device),
-            logprobs_BR=torch.cat([p[0] for p in parts]),
-            ref_logprobs_BR=torch.cat([p[1] for p in parts]),
-            values_BR=torch.cat([p[2] for p in parts]),
-            scores_B=torch.cat([p[3] for p in parts]),
-            rule_scores_BK=torch.cat([p[4] for p in parts]),
-        )
-
-    def _infer_by_tokens(self, rollout: Rollout) -> Experience:
-        """Forward passes over groups of rows of at most `micro_batch_tokens` real tokens (`token_groups`), the
-        results put back in row order, on the models' device (as `infer` returns them)."""
-        # the lengths are read where the rollout is (the generator's host copy: no device sync)
-        groups = token_groups(rollout.attention_mask_BT.sum(dim=1).tolist(), self.micro_batch_tokens)
+        """Every model's forward pass over `rollout`, in groups of rows (`groups`), the results in row order on
+        the models' device (rewards, KL and GAE, the Triton kernel on CUDA, run there)."""
         device = next(self.actor.parameters()).device
+        groups = self.groups(rollout)
         rollout = rollout.to(device)
         out: list[Tensor] = []
         for g in groups:
             index_G = torch.tensor(g, device=device)
-            part = self._infer(Rollout(**{k: v[index_G] for k, v in vars(rollout).items()}))
+            part = self.infer_rows(rollout, index_G)
             if not out:
                 out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype, device=device) for p in part]
             for whole, piece in zip(out, part, strict=True):
                 whole[index_G] = piece
         return Experience(rollout, *out)
 
-    @staticmethod
-    def _rows(rollout: Rollout, start: int, size: int) -> Rollout:
-        return Rollout(**{k: v[start : start + size] for k, v in vars(rollout).items()})
+    def groups(self, rollout: Rollout, rows: Sequence[int] | None = None) -> list[list[int]]:
+        """The rows of `rollout` (or its `rows`) each forward pass takes: groups of at most `micro_batch_tokens`
+        real tokens (`token_groups`) unless inferencer.micro_batch_size is set, else consecutive runs of
+        inferencer.micro_batch_size rows (all of them at 0). Read on the host: no device sync."""
+        rows = list(range(len(rollout))) if rows is None else list(rows)
+        if self.micro_batch_tokens > 0 and self.config.micro_batch_size == 0:
+            lengths = rollout.attention_mask_BT.sum(dim=1).tolist()
+            return [
+                [rows[i] for i in g]
+                for g in token_groups([lengths[r] for r in rows], self.micro_batch_tokens)
+            ]
+        size = self.config.micro_batch_size or max(len(rows), 1)
+        return [rows[start : start + size] for start in range(0, len(rows), size)]
+
+    def infer_rows(self, rollout: Rollout, index_G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """One forward pass of each model over the rows `index_G` of `rollout` (on the models' device): their
+        Actor and Ref log-probs, values, scores and rule scores."""
+        return self._infer(Rollout(**{k: v[index_G] for k, v in vars(rollout).items()}))
 
     def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         live = [self.actor] if self.critic is None else [self.actor, self.critic]
