@@ -278,13 +278,16 @@ def build_trainer(
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
     shard = sharded_construction(config, fabric)
+    # pipeline=fsdp: the models are read into host memory and each unit moves to the device as it is sharded, so
+    # no model is ever whole on the device (the generation copy moves there whole: `fsdp_strategy`)
+    load_device = torch.device("cpu") if config.pipeline.name == "fsdp" else device
     if warm:
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
         models = load_models(
             m,
             sft_path=str(sft_path),
             reward_path=str(reward_path),
-            device=device,
+            device=load_device,
             critic=critic,
             reward=config.inferencer.use_reward_model,
             shard=shard,
@@ -296,7 +299,7 @@ def build_trainer(
             m,
             sft_path=m.sft_path,
             reward_path=m.reward_path,
-            device=device,
+            device=load_device,
             critic=critic,
             reward=config.inferencer.use_reward_model,
             shard=shard,

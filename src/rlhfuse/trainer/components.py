@@ -192,6 +192,7 @@ def fsdp_strategy(ctx: BuildContext) -> Any:
     precision = resolve_precision(cfg.pipeline.optim.precision, device.type)
     if models.generation is None:
         models.generation = cast_copy(models.actor, generation_dtype(precision))
+    models.generation.to(device)  # read into host memory (`build_trainer`), like the models sharded below
     policy = ShardingPolicy(
         # bf16-mixed: layers compute in bf16 (the shards, and the gradient reduction, stay fp32)
         param_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,

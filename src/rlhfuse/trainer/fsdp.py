@@ -118,7 +118,7 @@ class FSDPStrategy:
         # the Ref and the Reward (frozen: sharded weights, no gradients or optimizer)
         self.frozen = [m for m in frozen if m is not None and m is not actor and m is not critic]
         self.policy, self.config = policy, config
-        device_type = next(actor.parameters()).device.type
+        device_type = fabric.device.type  # the models may still be in host memory: sharding moves them
         trained = [actor] if critic is None else [actor, critic]
         for model in (*trained, *self.frozen):
             shard_model(
