@@ -1102,6 +1102,11 @@ class TrainerSetting:
 TRAINER_SETTINGS = {
     "bf16-true": TrainerSetting(("pipeline.precision=bf16-true",), ("memory/param_bytes",)),
     "micro_batch_tokens": TrainerSetting(("data.micro_batch_tokens=48",)),
+    # FSDP2 over a one-rank NCCL group: bf16-mixed units, DCP-free; then the shards in pinned host memory
+    "fsdp": TrainerSetting(("pipeline=fsdp",), ("memory/param_bytes", "memory/optimizer_bytes")),
+    "fsdp cpu_offload": TrainerSetting(
+        ("pipeline=fsdp", "pipeline.cpu_offload=true"), ("memory/param_bytes", "memory/optimizer_bytes")
+    ),
     "offload": TrainerSetting(("inferencer.offload_frozen=true",), ("memory/param_bytes",)),
     "speculative": TrainerSetting(
         ("generator=engine", "generator.speculative=ngram"),
