@@ -313,3 +313,32 @@ def test_a_lora_actor_under_fsdp_trains_as_under_plain_and_checkpoints_its_adapt
     ).read_metadata()
     actor = [k for k in keys.state_dict_metadata if k.startswith("actor.")]
     assert actor and all(".lora_" in k for k in actor)  # the base is the SFT checkpoint, not saved again
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_mixture_of_experts_checkpoint_trains_under_fsdp_with_its_balancing_loss(
+    tmp_path: Path, chat_checkpoint_of, hf_local_grpo
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from test_trainer_architectures import FAMILIES
+
+    sft = chat_checkpoint_of("qwen3_moe", **FAMILIES["qwen3_moe"]).path
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "7 + 5 ="}], "answer": "12"}] * 2
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = hf_local_grpo(
+        sft, prompts, "data.micro_batch_size=2", "generator.max_new_tokens=8", "iterations=2",
+        "pipeline=fsdp", "generator.instances=2", "pipeline.router_aux_loss_coef=0.01",
+        "inferencer.reward_fn=rlhfuse_test_rewards:distinct_tokens", f"hydra.run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    exe = Path(sys.executable).with_name("rlhfuse-train")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run(
+        [str(exe), *overrides], capture_output=True, text=True, timeout=250, env=env, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows_out = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows_out) == 2 and all(r["loss/router_aux"] > 0 and r["actor/grad_norm"] > 0 for r in rows_out)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "actor_hf")
+    assert type(hf_model).__name__ == "Qwen3MoeForCausalLM"
