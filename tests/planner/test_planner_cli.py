@@ -85,3 +85,16 @@ def test_memory_prints_each_rank_by_component(capsys):
     assert [line.split()[0] for line in merged[2:]] == ["0.0", "0.1", "1.0", "1.1"]
     with pytest.raises(SystemExit):  # argparse refuses a precision the runtime does not have
         main(["memory", "--precision", "fp16"])
+
+
+def test_memory_prints_each_fsdp_rank(capsys):
+    """`--fsdp N`: one row per rank of pipeline=fsdp, its gathered phases as columns; the padded weight shards are
+    the same on every rank."""
+    assert (
+        main(["memory", "--actor", "7b", "--critic", "7b", "--fsdp", "4", "--precision", "bf16-mixed"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert "pipeline=fsdp over 4 ranks" in lines[0] and "rollout_gathered" in lines[1]
+    ranks = [list(map(float, line.split()[1:])) for line in lines[2:]]
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2", "3"]
+    assert len({r[0] for r in ranks}) == 1  # trained weights (GiB, 3 decimals)

@@ -150,3 +150,22 @@ def test_reshard_and_swap():
     swap = cost.swap_in_time([(m, "lm")], 8)
     assert swap == pytest.approx(m.params() * 2 / 8 / (H100.host_bw * cost.eff.link_eff))
     assert math.isfinite(swap)
+
+
+def test_fsdp_gathers_are_ring_all_gathers_of_the_padded_units():
+    """An all-gather (or reduce-scatter) moves (n - 1) / n of the bytes over each link, one latency per collective
+    inside a node (n - 1 across nodes); pipeline=fsdp gathers every unit once: world x its padded shards."""
+    from rlhfuse.planner.memory import fsdp_padded_count
+
+    cost = CostModel(cluster("h100", 2))
+    bw = H100.intra_bw * cost.eff.link_eff
+    assert cost.allgather_time(1e12, 1) == 0.0
+    assert cost.allgather_time(1e12, 8) == pytest.approx(7 / 8 * 1e12 / bw + H100.intra_latency, rel=1e-12)
+    assert cost.allgather_time(1e12, 8) == pytest.approx(cost.allreduce_time(1e12, 8) / 2, rel=1e-4)
+    m = model("7b")
+    gather = cost.fsdp_gather_time(m, "lm", 8, 2)
+    assert gather == pytest.approx(
+        7 / 8 * 8 * fsdp_padded_count(m, "lm", 8) * 2 / bw + (m.layers + 1) * H100.intra_latency, rel=1e-12
+    )
+    # 16 ranks span both nodes: the gathers cross the network
+    assert cost.fsdp_gather_time(m, "lm", 16, 2) > 5 * gather

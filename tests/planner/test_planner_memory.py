@@ -30,8 +30,12 @@ import torch
 from rlhfuse.core.optim import MasterWeightAdamW, OptimConfig
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained, stage_ranges
 from rlhfuse.planner.memory import (
+    bytes_per_param,
+    compute_bytes,
     dim0_rows,
+    fsdp_kept_units,
     fsdp_padded_count,
+    fsdp_padded_units,
     fsdp_rank_memories,
     fsdp_rank_memory,
     fsdp_shard_count,
@@ -271,13 +275,14 @@ def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: in
 
 
 # ---- pipeline=fsdp -------------------------------------------------------------------------------------------
+QWEN2_ODD = dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3)
 FSDP_CASES = [
     # (model overrides, precision, reshard_after_forward): grouped-query attention with q/k/v biases, an odd
     # vocabulary (rank 1's embedding and LM-head shards one row short) and a value head of one row (rank 1's
     # shard empty), in each precision; a tied Qwen3-MoE (q/k norms, a dense first layer, three experts)
-    (dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3), "32-true", True),
-    (dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3), "bf16-mixed", True),
-    (dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3), "bf16-true", False),
+    (QWEN2_ODD, "32-true", True),
+    (QWEN2_ODD, "bf16-mixed", True),
+    (QWEN2_ODD, "bf16-true", False),
     (
         dict(architecture="qwen3_moe", num_experts=3, moe_intermediate_size=24, mlp_only_layers=(0,),
              tie_word_embeddings=True, head_dim=16),
@@ -289,9 +294,10 @@ FSDP_CASES = [
 
 def _fsdp_rank(cfg: ModelConfig, precision: str, reshard_after_forward: bool) -> dict[str, float]:
     """One rank of pipeline=fsdp built with the runtime's pieces: what `MemoryMetrics` logs (collective: the most
-    any rank holds), this rank's own figures, its gradients, masters and the rollout's gathered weights."""
+    any rank holds), this rank's own figures, its gradients and masters, and what its models hold after a
+    forward of each without gradients (inference, as `ShardedInference` runs them)."""
     from rlhfuse.core.optim import build_optimizer, generation_dtype
-    from rlhfuse.distributed.fsdp import ShardingPolicy, gathered, local_tensor, shard_model
+    from rlhfuse.distributed.fsdp import ShardingPolicy, local_tensor, shard_model
     from rlhfuse.models import cast_copy, resident_bytes
 
     torch.manual_seed(0)
@@ -331,9 +337,7 @@ def _fsdp_rank(cfg: ModelConfig, precision: str, reshard_after_forward: bool) ->
     modules = [models.actor, models.ref, models.critic, models.reward, models.generation]
     metrics: dict[str, float] = {}
     MemoryMetrics(lambda: modules, lambda: optims).on_metrics(None, metrics)
-    with gathered(sharded):  # the rollout: the models' parameters are their gathered weights
-        rollout = resident_bytes(*sharded)
-    return {
+    built = {
         **metrics,
         "param_bytes": float(resident_bytes(*modules)),
         "optimizer_bytes": float(
@@ -349,8 +353,12 @@ def _fsdp_rank(cfg: ModelConfig, precision: str, reshard_after_forward: bool) ->
         "master_weights": float(
             sum(local_tensor(t).numel() * t.element_size() for o in optims for t in getattr(o, "masters", []))
         ),
-        "rollout_gathered": float(rollout),
     }
+    with torch.no_grad():  # inference: a unit still gathered shows its whole weights in place of its shard
+        for model in sharded:
+            model(ids_BT)
+    built["after_inference"] = float(resident_bytes(*sharded))
+    return built
 
 
 def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
@@ -365,6 +373,18 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(built, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _after_inference(spec: ModelSpec, world: int, precision: str, reshard_after_forward: bool) -> float:
+    """The four sharded models' bytes after inference by `fsdp_kept_units`: a kept unit gathered whole in the
+    compute dtype, every other unit its padded shard in the weights' dtype."""
+    weight, gather = bytes_per_param(precision).weight, compute_bytes(precision)
+    total = 0.0
+    for head, trained in (("lm", True), ("value", True), ("lm", False), ("value", False)):
+        kept = fsdp_kept_units(trained, spec.layers, reshard_after_forward=reshard_after_forward)
+        for i, n in enumerate(fsdp_padded_units(spec, head, world)):
+            total += world * n * gather if i in kept else n * weight
+    return total
 
 
 @pytest.mark.distributed
@@ -384,25 +404,23 @@ def test_fsdp_predicted_bytes_per_rank_equal_what_two_gloo_ranks_build(tmp_path:
             p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    keys = ("param_bytes", "optimizer_bytes", "gradients", "master_weights", "rollout_gathered")
+    keys = ("param_bytes", "optimizer_bytes", "gradients", "master_weights")
     for i, (overrides, precision, reshard) in enumerate(FSDP_CASES):
         spec = ModelSpec.from_config(default_config(**overrides))
         predicted = fsdp_rank_memories(
             spec, spec, world=2, precision=precision, reward=spec, reshard_after_forward=reshard
         )
         for rank in range(2):
-            want = predicted[rank]
-            assert {k: ranks[rank][i][k] for k in keys} == {
-                "param_bytes": want.param_bytes,
-                "optimizer_bytes": want.optimizer_bytes,
-                "gradients": want.gradients,
-                "master_weights": want.master_weights,
-                "rollout_gathered": want.rollout_gathered,
-            }, f"rank {rank} of {overrides} {precision}"
+            built, want = ranks[rank][i], predicted[rank]
+            assert {k: built[k] for k in keys} == {k: getattr(want, k) for k in keys}, (
+                f"rank {rank} of {overrides} {precision}"
+            )
             # the logged metrics: the most any rank holds (rank 0: the longer shards)
-            assert ranks[rank][i]["memory/param_bytes"] == max(m.param_bytes for m in predicted)
-            assert ranks[rank][i]["memory/optimizer_bytes"] == predicted[0].optimizer_bytes
-        if "vocab_size" in overrides:  # the short and the empty shards: rank 1 holds less optimizer state
+            assert built["memory/param_bytes"] == max(m.param_bytes for m in predicted)
+            assert built["memory/optimizer_bytes"] == predicted[0].optimizer_bytes
+            # what inference leaves gathered: the trained roots, and every layer without reshard_after_forward
+            assert built["after_inference"] == _after_inference(spec, 2, precision, reshard)
+        if overrides is QWEN2_ODD:  # the short and the empty shards: rank 1 holds less optimizer state
             assert predicted[1].optimizer_bytes < predicted[0].optimizer_bytes
         assert predicted[0].param_bytes == predicted[1].param_bytes  # padded shards: equal on every rank
 
@@ -435,25 +453,30 @@ def test_fsdp_units_hold_every_tensor_and_shards_partition_them() -> None:
 
 
 def test_fsdp_phases_gather_what_the_runtime_gathers() -> None:
-    """Hand-derived phases of a 2-layer model with equal layers on 2 ranks: the rollout gathers the four models
-    whole in the compute dtype; training gathers both trained models' roots and two layers (all layers with
-    reshard_after_forward=False) and keeps two layers' unsharded gradients (the whole models' while several
-    micro-batches accumulate); the resident shards and the generation copy are the same in every phase."""
+    """Hand-derived phases of a 2-layer model with equal layers on 2 ranks (all but the one-row value head split
+    evenly): inference keeps the trained roots gathered (and every layer with reshard_after_forward=False) beside
+    the two largest other units; training gathers both trained roots and two layers (all layers, and the frozen
+    ones inference left, with reshard_after_forward=False) and keeps two layers' unsharded gradients (the whole
+    models' while several micro-batches accumulate); the resident shards are the same in every phase."""
     spec = ModelSpec("m", layers=2, hidden=64, heads=4, ffn=128, vocab=1000, kv_heads=2)
-    world = 2
-    root_lm, layer = 2 * 1000 * 64 + 64, shard_count(spec, "lm").params - (2 * 1000 * 64 + 64)
-    layer //= 2
-    root_value = 1000 * 64 + 64 + 2 * 64  # the one-row value head padded to one row per rank, gathered: two
+    lm = 2 * 1000 * 64 + 64  # embedding, final norm, LM head
+    value = 1000 * 64 + 64 + 2 * 64  # the one-row value head padded to a row per rank: two rows gathered
+    layer = (shard_count(spec, "lm").params - lm) // 2
     for precision, gather, reduce in (("32-true", 4, 4), ("bf16-mixed", 2, 4), ("bf16-true", 2, 2)):
-        one = fsdp_rank_memory(spec, spec, world=world, precision=precision, reward=spec)
-        whole = 2 * (root_lm + 2 * layer) + 2 * (root_value + 2 * layer)
-        assert one.rollout_gathered == whole * gather
-        assert one.train_gathered == (root_lm + root_value + 2 * layer) * gather + 2 * layer * reduce
-        kept = fsdp_rank_memory(spec, spec, world=world, precision=precision, reshard_after_forward=False)
-        assert kept.train_gathered == (root_lm + root_value + 4 * layer) * gather + 2 * layer * reduce
-        accumulated = fsdp_rank_memory(spec, spec, world=world, precision=precision, microbatches=4)
-        models = root_lm + root_value + 4 * layer
-        assert accumulated.train_gathered == (root_lm + root_value + 2 * layer) * gather + models * reduce
+        one = fsdp_rank_memory(spec, spec, world=2, precision=precision, reward=spec)
+        # inference: both trained roots kept; the two largest others are the Ref's root and the Reward's
+        assert one.rollout_gathered == (lm + value + lm + value) * gather
+        assert one.train_gathered == (lm + value + 2 * layer) * gather + 2 * layer * reduce
+        kept = fsdp_rank_memory(
+            spec, spec, world=2, precision=precision, reward=spec, reshard_after_forward=False
+        )
+        assert kept.rollout_gathered == (lm + value + 8 * layer + lm + value) * gather
+        assert kept.train_gathered == (lm + value + 8 * layer) * gather + 2 * layer * reduce
+        accumulated = fsdp_rank_memory(spec, spec, world=2, precision=precision, microbatches=4)
+        assert (
+            accumulated.train_gathered
+            == (lm + value + 2 * layer) * gather + (lm + value + 4 * layer) * reduce
+        )
         assert one.peak == one.resident + max(one.training, one.rollout)
     # sharding halves the trained state; the generation copy stays whole
     a, b = (fsdp_rank_memory(spec, spec, world=w, precision="bf16-true") for w in (1, 2))

@@ -14,8 +14,20 @@ from rlhfuse.planner import (
 )
 from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.memory import rank_memory
-from rlhfuse.planner.search import search_plan, search_training, tp_candidates
-from rlhfuse.planner.simulate import TrainLayout, fused_problem, model_step_time, serial_training
+from rlhfuse.planner.search import (
+    fsdp_plan,
+    search_fsdp,
+    search_plan,
+    search_training,
+    tp_candidates,
+)
+from rlhfuse.planner.simulate import (
+    TrainLayout,
+    fsdp_model_step_time,
+    fused_problem,
+    model_step_time,
+    serial_training,
+)
 from rlhfuse.planner.specs import ModelSpec
 
 
@@ -205,3 +217,120 @@ def test_runtime_search_evaluates_merged_layouts_and_costs_them_as_the_runtime_r
     serial = serial_training(cost, models, a, c, w, 300.0, merged=True)
     assert serial.detail["critic"] == model_step_time(cost, MERGED_CRITIC, "value", c, 64, 300.0, merge=2)
     assert serial.detail["critic"] > serial_training(cost, models, a, c, w, 300.0).detail["critic"]
+
+
+# ---- pipeline=fsdp -------------------------------------------------------------------------------------------
+# Qwen2.5-3B's shape with its tied embedding / LM head (the runtime refuses pp > 1 and tp > 1 for it), Qwen2.5-0.5B's
+# untied, and the trainer's default job's iteration: 128 samples, mini-batch 64, 48 new tokens, prompts <= 64
+TIED_3B = ModelSpec(
+    "q3b", 36, 2048, 16, 11008, vocab=151936, kv_heads=2, head_size=128, qkv_bias=True, tied=True
+)
+SMALL = ModelSpec("q05b", 24, 896, 14, 4864, vocab=151936, kv_heads=2, head_size=64, qkv_bias=True)
+JOB = Workload(global_batch=128, mini_batch=64, max_len=48, prompt_cap=64)
+
+
+def _runtime_cost(device: str) -> CostModel:
+    """8 devices of one node as the trainer's plan=auto prices them: bf16-mixed, the Ref and Reward resident."""
+    return CostModel(cluster(device, 1, 8, 8), precision="bf16-mixed", offload_frozen=False)
+
+
+def test_fsdp_step_prices_the_gathers_and_the_last_reduce_scatter():
+    """One rank alone communicates nothing: its micro-batches' forwards and backwards and 1/1 of the optimizer
+    step. Over 8 ranks each forward all-gathers the model (and each backward again unless reshard_after_forward is
+    off), the last backward reduce-scatters it; communication hidden under compute where shorter."""
+    m, mb, seq = model("7b"), 64, 300.0
+    alone = CostModel(cluster("h100", 1, 1))
+    lay = TrainLayout(1, 1, 1, 4)
+    f, b = alone.stage_times(m, "lm", 1, 1, 1, 4, seq)
+    assert fsdp_model_step_time(alone, m, "lm", lay, mb, seq) == pytest.approx(
+        16 * (f + b) + alone.optimizer_step_time(m, "lm", 1, 1)
+    )
+    cost = CostModel(cluster("h100", 1, 8))
+    for micro in (1, 8):
+        lay = TrainLayout(1, 1, 8, micro)
+        f, b = cost.stage_times(m, "lm", 1, 1, 8, micro, seq)
+        g = cost.fsdp_gather_time(m, "lm", 8, 2)
+        r = cost.fsdp_gather_time(m, "lm", 8, 2)  # bf16-true: gradients reduced in bf16
+        n = mb // (8 * micro)
+        want = (
+            n * max(f, g) + (n - 1) * max(b, g) + max(b, g + r) + cost.optimizer_step_time(m, "lm", 1, 1) / 8
+        )
+        assert fsdp_model_step_time(cost, m, "lm", lay, mb, seq) == pytest.approx(want)
+        kept = fsdp_model_step_time(cost, m, "lm", lay, mb, seq, reshard_after_forward=False)
+        if micro == 1:  # one-sample micro-batches of a 7B model: each pass's gather outlasts its compute
+            assert g > b > f and kept < fsdp_model_step_time(cost, m, "lm", lay, mb, seq)
+        else:  # eight-sample ones hide it: keeping the layers gathered saves nothing
+            assert b > f > g and kept == fsdp_model_step_time(cost, m, "lm", lay, mb, seq)
+
+
+def test_search_plan_chooses_fsdp_where_no_pipeline_layout_fits():
+    """A tied 3B Actor and Critic on 8 H100s: the runtime runs them only at pp = tp = 1, whole replicas whose
+    training state (16 bytes per parameter, twice) does not fit; sharded over the 8 they do, so fsdp=True plans
+    pipeline=fsdp and without it there is no plan, with the reasons counted."""
+    cost, models = _runtime_cost("h100"), RLHFModels(TIED_3B, TIED_3B)
+    stats = PruneStats()
+    with pytest.raises(ValueError, match="no training layout") as err:
+        search_plan(cost, models, JOB, fused=True, even_pp=False, runtime=True, stats=stats)
+    assert "runtime: tied embeddings need pp=1" in str(err.value)
+    assert stats.removed["runtime: a tied Actor needs tp=1"] > 0
+    plan = search_plan(cost, models, JOB, fused=True, even_pp=False, runtime=True, fsdp=True)
+    assert plan.train.mode == "fsdp" and plan.gen_tp == 1 and plan.rt_fraction is None
+    assert (plan.train.actor.dp, plan.train.actor.pp, plan.train.actor.tp) == (8, 1, 1)
+    rows = dict(plan.layout_rows())
+    assert "fsdp over 8 ranks" in rows["training schedule"] and rows["generation (Actor)"] == "dp=8 pp=1 tp=1"
+    assert plan.to_dict()["training"]["schedule"] == "fsdp"
+    # the whole replica's trained state alone exceeds the device; the busiest fsdp rank's peak fits
+    assert cost.train_state_bytes(TIED_3B, "lm", 1, 1) * 2 > cost.usable_memory()
+    memory = cost.fsdp_rank_memory(
+        TIED_3B, TIED_3B, 8, reshard_after_forward=plan.train.reshard_after_forward
+    )
+    assert memory.resident < cost.usable_memory() / 2
+    assert plan.breakdown.others > 0  # the weight sync gathers the Actor on every device
+
+
+def test_search_plan_chooses_fsdp_where_it_is_predicted_faster_and_keeps_a_pipeline_where_not():
+    """Qwen2.5-0.5B's shape on 8 A100s: pipelines fit (pp = 8 fused), but sharded data parallelism trains without
+    bubbles and is predicted faster over the iteration, so it is chosen. A 7B model on 8 H100s: fsdp fits but its
+    gathers over every forward and its rollout (whole-model generation, inference after it) are slower than the
+    pipeline's tensor- and pipeline-parallel plan, which is kept."""
+    for device, shape, want in (("a100", SMALL, "fsdp"), ("h100", model("7b"), "pipeline")):
+        cost, models = _runtime_cost(device), RLHFModels(shape, shape)
+        samples = JOB.sample()
+        pipeline = search_plan(cost, models, JOB, fused=True, even_pp=False, runtime=True, samples=samples)
+        assert pipeline.train.mode in ("fused", "serial")
+        stats = PruneStats()
+        sharded = [
+            fsdp_plan(cost, models, JOB, samples, t, fused=True, stats=stats, cache={})
+            for t in search_fsdp(cost, models, JOB, float(samples.seq.mean()), stats)
+        ]
+        fastest = min((p for p in sharded if p is not None), key=lambda p: p.breakdown.total)
+        both = search_plan(
+            cost, models, JOB, fused=True, even_pp=False, runtime=True, samples=samples, fsdp=True
+        )
+        if want == "fsdp":
+            assert fastest.breakdown.total < pipeline.breakdown.total
+            assert fastest.breakdown.training < pipeline.breakdown.training  # no pipeline bubbles
+            assert both == fastest
+        else:
+            assert fastest.breakdown.total > pipeline.breakdown.total
+            assert both == pipeline
+
+
+def test_fsdp_plans_are_pruned_by_the_rollout_memory_and_the_mini_batch_split():
+    """A 7B model's 512 samples at 1024 tokens each reserve more KV cache than an H100 holds beside its shards
+    and generation copy; a mini-batch of 12 splits over 8 ranks into no micro-batch size."""
+    cost, models = _runtime_cost("h100"), RLHFModels(model("7b"), model("7b"))
+    w = Workload(global_batch=512, mini_batch=64, max_len=1024)
+    samples = w.sample()
+    stats = PruneStats()
+    trains = search_fsdp(cost, models, w, float(samples.seq.mean()), stats)
+    assert (
+        stats.removed["fsdp: memory"] > 0
+    )  # b = 8: activations; b = 1: the unsharded gradients of 8 micro-batches
+    assert all(
+        fsdp_plan(cost, models, w, samples, t, fused=True, stats=stats, cache={}) is None for t in trains
+    )
+    assert stats.removed["fsdp: KV cache does not fit"] == len(trains)
+    stats = PruneStats()
+    assert search_fsdp(cost, models, Workload(global_batch=48, mini_batch=12), 300.0, stats) == []
+    assert stats.removed["fsdp: mini-batch does not split into devices x micro-batch"] == 4

@@ -320,3 +320,75 @@ def test_plan_auto_may_choose_uneven_stages_the_runtime_splits(tmp_path):
     # the slowest stage holds ceil(30 / pp) layers, as the planner costs it
     assert max(hi - lo for lo, hi in stage_ranges(30, p.actor_pp)) == -(-30 // p.actor_pp)
     assert validate_runtime(result.config) == []
+
+
+def _hf_job(tmp_path, shape):
+    """plan=auto on 8 processes for a Llama config.json of `shape` (Actor and reward model), with a prompts file."""
+    for name in ("sft", "rm"):
+        (tmp_path / name).mkdir()
+        hf = {"model_type": "llama", "vocab_size": 128256, **shape}
+        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
+    return compose_config(
+        [
+            "plan=auto", "distributed.nproc_per_node=8", f"model.sft_path={tmp_path / 'sft'}",
+            f"model.reward_path={tmp_path / 'rm'}", "data.source=file", f"data.path={tmp_path / 'p.jsonl'}",
+        ]
+    )  # fmt: skip
+
+
+def test_plan_auto_chooses_fsdp_where_no_pipeline_fits_and_the_config_validates(tmp_path):
+    """Llama-3.2-3B's shape, whose embedding is its LM head (tie_word_embeddings), on 8 H100s: the runtime runs it
+    only at pp = tp = 1 under the pipeline strategies, whole replicas whose training state does not fit, so
+    plan=auto chooses pipeline=fsdp (every model sharded over the 8), one generation instance per process, and the
+    configuration it writes passes `validate`."""
+    shape = {"num_hidden_layers": 28, "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+             "intermediate_size": 8192, "head_dim": 128, "tie_word_embeddings": True}  # fmt: skip
+    cfg = _hf_job(tmp_path, shape)
+    result = plan_config(cfg, "h100", "test")
+    planned, train = result.config, result.plan.train
+    assert train.mode == "fsdp" and (train.actor.dp, train.actor.pp, train.actor.tp) == (8, 1, 1)
+    p, g = planned.pipeline, planned.generator
+    assert (p.name, p.reshard_after_forward, p.actor_tp, p.critic_tp) == (
+        "fsdp",
+        train.reshard_after_forward,
+        1,
+        1,
+    )
+    assert (g.instances, g.tp, planned.migration.name) == (8, 1, "off")
+    assert planned.data.micro_batch_size == train.actor.micro_batch
+    assert ("pipeline", "fsdp") in result.applied and ("generator.instances", 8) in result.applied
+    validate(planned)
+    # only the planned keys moved
+    unplanned = dataclasses.replace(
+        planned, pipeline=cfg.pipeline, generator=cfg.generator, migration=cfg.migration, data=cfg.data
+    )
+    assert unplanned == cfg
+    table = "\n".join(result.table())
+    assert "pipeline=fsdp" in table and "fsdp over 8 ranks" in table
+
+
+def test_plan_auto_keeps_a_pipeline_where_fsdp_fits_but_is_slower():
+    """The LLaMA-7B-shaped embedded model on 8 H100s: pipeline=fsdp fits (its shards, its rollout's KV cache and
+    the layers it gathers), but the planner predicts the tensor- and pipeline-parallel plan faster, which is the
+    one applied."""
+    from rlhfuse.planner import CostModel, RLHFModels, cluster
+    from rlhfuse.planner.search import PruneStats, fsdp_plan, search_fsdp
+
+    shape = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.num_kv_heads=32",
+             "model.head_dim=128", "model.intermediate_size=11008"]  # fmt: skip
+    cfg = compose_config(["plan=auto", "distributed.nproc_per_node=8", *shape])
+    result = plan_config(cfg, "h100", "test")
+    assert result.config.pipeline.name in ("fused", "serial_1f1b") and result.plan.train.mode != "fsdp"
+    actor, critic = planning.model_shapes(cfg)
+    models = RLHFModels(actor.spec, critic.spec)
+    cost = CostModel(cluster("h100", 1, 8, 8), **planning.memory_facts(cfg, "gpu"))
+    workload = planning.workload_for(cfg)
+    samples = workload.sample()
+    stats = PruneStats()
+    sharded = [
+        fsdp_plan(cost, models, workload, samples, t, fused=True, stats=stats, cache={})
+        for t in search_fsdp(cost, models, workload, float(samples.seq.mean()), stats)
+    ]
+    fitting = [p for p in sharded if p is not None]
+    assert fitting and min(p.breakdown.total for p in fitting) > result.plan.breakdown.total

@@ -7,7 +7,8 @@
   generation engine reuses them.
 - `simulate`: generation with a long-tailed length distribution and migration, fused or serial inference,
   fused or serial training, the Rt sweep.
-- `search`: per-task (dp, pp, tp) candidates pruned by Megatron-LM's guidelines, searched exhaustively.
+- `search`: per-task (dp, pp, tp) candidates pruned by Megatron-LM's guidelines, searched exhaustively; with
+  `fsdp=True`, pipeline=fsdp (sharded data parallelism over every device) beside them.
 - `grid`, `cli`: RLHFuse vs RLHFuse-Base, the paper's grid, `rlhfuse-plan`.
 - `plan_for`: what the trainer's `plan=auto` calls.
 """
@@ -16,7 +17,14 @@ from rlhfuse.planner.api import as_model_spec, plan_for
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import LengthDistribution
-from rlhfuse.planner.memory import RankMemory, rank_memories, rank_memory, shard_count
+from rlhfuse.planner.memory import (
+    RankMemory,
+    fsdp_rank_memories,
+    fsdp_rank_memory,
+    rank_memories,
+    rank_memory,
+    shard_count,
+)
 from rlhfuse.planner.migration import (
     MigrationDecision,
     choose_mechanism,
@@ -32,7 +40,15 @@ from rlhfuse.planner.schedule import (
     one_f_one_b,
     serial_makespan,
 )
-from rlhfuse.planner.search import Breakdown, Plan, PruneStats, search_plan, search_training, train_layouts
+from rlhfuse.planner.search import (
+    Breakdown,
+    Plan,
+    PruneStats,
+    search_fsdp,
+    search_plan,
+    search_training,
+    train_layouts,
+)
 from rlhfuse.planner.simulate import (
     RLHFModels,
     Samples,
@@ -87,6 +103,8 @@ __all__ = [
     "compare",
     "decide_migration",
     "destination_count",
+    "fsdp_rank_memories",
+    "fsdp_rank_memory",
     "fused_lower_bound",
     "gen_inf_fused",
     "gen_inf_serial",
@@ -98,6 +116,7 @@ __all__ = [
     "rank_memories",
     "rank_memory",
     "rt_sweep",
+    "search_fsdp",
     "search_plan",
     "search_training",
     "serial_makespan",

@@ -35,6 +35,7 @@ def plan_for(
     precision: str = "bf16-true",
     offload_frozen: bool = True,
     runtime: bool = False,
+    fsdp: bool = False,
 ) -> Plan:
     """The least-iteration-time execution plan for an Actor / Critic pair on a cluster.
 
@@ -45,7 +46,9 @@ def plan_for(
     `precision` and `offload_frozen` what each device holds (`rlhfuse.planner.memory`: the
     defaults are the paper's bf16 training with Ref / Reward in host memory; the trainer passes the run's);
     `runtime=True` (the trainer's) only plans that `rlhfuse.runtime` runs: one tp for both trained models, nested
-    pipelines (any generation tp: the runtime reshards to it).
+    pipelines (any generation tp: the runtime reshards to it); `fsdp=True` also plans pipeline=fsdp (sharded data
+    parallelism over every device, `search.search_fsdp`), chosen where its iteration is the shortest or where no
+    pipeline layout fits.
     """
     spec = cluster(device, nodes, gpus_per_node, max_tp)
     models = RLHFModels(as_model_spec(actor, "actor"), as_model_spec(critic, "critic"))
@@ -56,4 +59,6 @@ def plan_for(
         precision=precision,
         offload_frozen=offload_frozen,
     )
-    return search_plan(cost, models, workload or Workload(), fused=fused, even_pp=even_pp, runtime=runtime)
+    return search_plan(
+        cost, models, workload or Workload(), fused=fused, even_pp=even_pp, runtime=runtime, fsdp=fsdp
+    )

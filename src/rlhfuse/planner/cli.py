@@ -5,6 +5,7 @@ rlhfuse-plan paper-grid --out GRID.json --png grid.png
 rlhfuse-plan sensitivity --max-lens 1024                   # ratio bands as each assumed input moves
 rlhfuse-plan rt-sweep --actor 33b --critic 65b --max-len 1024 --png rt.png
 rlhfuse-plan memory --actor 7b --critic 7b --actor-pp 2 --critic-pp 2 --tp 2 --gen-tp 2 --precision bf16-true
+rlhfuse-plan memory --actor 7b --critic 7b --fsdp 8 --precision bf16-mixed   # pipeline=fsdp over 8 ranks
 rlhfuse-plan calibrate            # CPU spec vs measured tiny-model runs (needs torch)
 rlhfuse-plan calibrate --from gpu_check.json --out h200.json   # a GPU's factors fitted to make gpu-check
 rlhfuse-plan paper-grid --device h200.json                      # ... and used: any --device takes the file
@@ -24,7 +25,7 @@ from rlhfuse.pipeline import SearchConfig
 from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.grid import GRID_SEARCH, PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
-from rlhfuse.planner.memory import PRECISIONS, rank_memories
+from rlhfuse.planner.memory import PRECISIONS, fsdp_rank_memories, rank_memories
 from rlhfuse.planner.simulate import RLHFModels, Speculation, Workload
 from rlhfuse.planner.specs import DEVICES, DeviceProfile, ModelSpec, cluster, device_profile, model
 
@@ -169,10 +170,18 @@ def split_table(comps: Sequence[Comparison]) -> str:
     return "\n".join(rows)
 
 
+# what depends on the workload (the KV cache, activations) or is pipeline=fsdp's own
+WORKLOAD_COMPONENTS = ("kv_cache", "activations")
+FSDP_COMPONENTS = ("rollout_gathered", "train_gathered")
+
+
 def memory_table(args: argparse.Namespace) -> str:
     """`rlhfuse-plan memory`: one row per pipeline rank of a fused group (every tp rank of it holds the same); with
-    unequal tp, one per sub-rank of each pipeline rank (rank "v.j": the smaller-tp model's sub-stage j)."""
+    unequal tp, one per sub-rank of each pipeline rank (rank "v.j": the smaller-tp model's sub-stage j); with
+    `--fsdp N`, one per rank of pipeline=fsdp over N ranks."""
     critic = None if args.critic_free else args.critic
+    if args.fsdp:
+        return fsdp_memory_table(args, critic)
     critic_tp = args.tp if args.critic_tp is None else args.critic_tp
     ranks = rank_memories(
         args.actor, critic, actor_pp=args.actor_pp, critic_pp=args.critic_pp, actor_tp=args.tp,
@@ -180,7 +189,7 @@ def memory_table(args: argparse.Namespace) -> str:
         reward=args.critic,
     )  # fmt: skip
     width = Colocation(args.actor_pp, args.tp, args.critic_pp, critic_tp).width
-    cols = list(ranks[0].components())[:-2]  # KV cache and activations depend on the workload
+    cols = [c for c in ranks[0].components() if c not in (*WORKLOAD_COMPONENTS, *FSDP_COMPONENTS)]
     gib = 2**30
     tps = f"tp={args.tp}" if critic_tp == args.tp else f"actor_tp={args.tp} critic_tp={critic_tp}"
     rows = [
@@ -196,6 +205,32 @@ def memory_table(args: argparse.Namespace) -> str:
         label = str(r) if width == 1 else f"{r // width}.{r % width}"
         rows.append(
             f"{label:>4} " + " ".join(f"{comp[c] / gib:>18.3f}" for c in cols)
+            + f" {m.param_bytes / gib:>12.3f} {m.optimizer_bytes / gib:>16.3f}"
+        )  # fmt: skip
+    return "\n".join(rows)
+
+
+def fsdp_memory_table(args: argparse.Namespace, critic: ModelSpec | None) -> str:
+    """`rlhfuse-plan memory --fsdp N`: each rank of pipeline=fsdp over N ranks (`fsdp_rank_memories`), its gathered
+    phases included (the workload's KV cache and activations are not)."""
+    ranks = fsdp_rank_memories(
+        args.actor, critic, world=args.fsdp, precision=args.precision, reward=args.critic,
+        reshard_after_forward=not args.keep_gathered,
+    )  # fmt: skip
+    cols = [c for c in ranks[0].components() if c not in (*WORKLOAD_COMPONENTS, "frozen_offloaded")]
+    gib = 2**30
+    rows = [
+        f"{args.actor.name}/{'-' if critic is None else critic.name}: pipeline=fsdp over {args.fsdp} ranks "
+        f"{args.precision} reshard_after_forward={str(not args.keep_gathered).lower()} (GiB per device; KV cache "
+        "and activations not included)",
+        f"{'rank':>4} "
+        + " ".join(f"{c:>18}" for c in cols)
+        + f" {'param_bytes':>12} {'optimizer_bytes':>16}",
+    ]
+    for r, m in enumerate(ranks):
+        comp = m.components()
+        rows.append(
+            f"{r:>4} " + " ".join(f"{comp[c] / gib:>18.3f}" for c in cols)
             + f" {m.param_bytes / gib:>12.3f} {m.optimizer_bytes / gib:>16.3f}"
         )  # fmt: skip
     return "\n".join(rows)
@@ -277,6 +312,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_mem.add_argument("--gen-tp", type=int, default=1, help="generator.tp")
     p_mem.add_argument("--precision", default="32-true", choices=PRECISIONS, help="pipeline.optim.precision")
     p_mem.add_argument("--offload-frozen", action="store_true", help="inferencer.offload_frozen=true")
+    p_mem.add_argument(
+        "--fsdp",
+        type=int,
+        default=0,
+        metavar="WORLD",
+        help="pipeline=fsdp over WORLD ranks (the pp/tp flags unused)",
+    )
+    p_mem.add_argument(
+        "--keep-gathered", action="store_true", help="with --fsdp: pipeline.reshard_after_forward=false"
+    )
     p_cal = sub.add_parser(
         "calibrate",
         help="--from gpu_check.json: fit a GPU's factors to make gpu-check's figures and write a device file; "

@@ -38,23 +38,28 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
   the master copies are made from the unpadded shard (`fsdp_shard_count`: rank 0 holds the most), and every rank
   keeps one step counter per tensor, an empty shard's too. Under bf16-mixed the shards stay fp32 (FSDP's
   param_dtype=bf16 casts what it gathers); under bf16-true they are bf16. Each rank also holds the whole
-  generation copy (`generator.instances` = world, `generator.tp` = 1). Two phases are its own: the rollout
-  gathers the four models whole on every rank, in the compute dtype (`rollout_gathered`, beside the KV cache),
-  and training gathers one layer at a time (two with the next one prefetched in backward) beside the root units
-  (embeddings, final norm, heads), or every layer from its forward to its backward with
-  `reshard_after_forward=False`, and keeps unsharded gradients: the whole trained models' while several
-  micro-batches accumulate (FSDP's no-sync accumulation), two layers' otherwise (`train_gathered`).
+  generation copy (`generator.instances` = world, `generator.tp` = 1). What FSDP gathers, in the compute dtype,
+  makes two phases of its own: inference (after generation, every rank its share in lockstep forwards of the
+  sharded models) gathers a unit at a time (two with the next one prefetched) and keeps what a forward without
+  gradients does not free (`fsdp_kept_units`: the trained models' roots; every layer with
+  `reshard_after_forward=False`) beside the KV cache (`rollout_gathered`); training gathers the trained models'
+  roots and two layers at a time, or every layer from its forward to its backward with
+  `reshard_after_forward=False` (and then the frozen models' layers, which inference left gathered), and keeps
+  unsharded gradients: the whole trained models' while several micro-batches accumulate (FSDP's no-sync
+  accumulation), two layers' otherwise (`train_gathered`). These phases are estimates, but for what stays
+  gathered after inference; the resident bytes are exact.
 
 `memory/param_bytes` of the runtime is `RankMemory.param_bytes` (weights of the four models and the generation
 copy materialised on the rank; offloaded frozen weights are host tensors, which the metric counts too: see
 `param_bytes`) and `memory/optimizer_bytes` is `RankMemory.optimizer_bytes` (moments and step counters; the
 masters are not optimizer state). `tests/planner/test_planner_memory.py` checks both against modules the runtime
-builds, exactly.
+builds, exactly (pipeline=fsdp on 2 gloo ranks, per rank: the metric itself logs the most any rank holds).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -215,9 +220,9 @@ class RankMemory:
     kv_cache: float = 0.0
     activations: float = 0.0
     rollout_gathered: float = 0.0
-    """pipeline=fsdp: the four models' whole weights, all-gathered on every rank for the rollout (0 otherwise)."""
+    """pipeline=fsdp: the units inference gathers beside the KV cache (`fsdp_rollout_gathered`; 0 otherwise)."""
     train_gathered: float = 0.0
-    """pipeline=fsdp: the layers gathered while training and their unsharded gradients (0 otherwise)."""
+    """pipeline=fsdp: the units training gathers and their unsharded gradients (`fsdp_train_gathered`)."""
 
     @property
     def param_bytes(self) -> float:
@@ -455,31 +460,62 @@ def fsdp_trained_bytes(model: ModelSpec, head: str, world: int, rank: int, preci
     )
 
 
-def fsdp_gathered_bytes(model: ModelSpec, head: str, world: int, precision: str) -> float:
-    """The whole model all-gathered on one rank, in the compute dtype (a gathered unit is `world` padded shards)."""
-    return float(world * fsdp_padded_count(model, head, world) * compute_bytes(precision))
+def fsdp_kept_units(trained: bool, layers: int, *, reshard_after_forward: bool = True) -> tuple[int, ...]:
+    """Units of a sharded model (0: the root, 1..`layers`: the decoder layers) that stay gathered after a forward
+    without gradients (inference), until a backward frees them (`rlhfuse.distributed.fsdp.shard_model`): FSDP2
+    frees a unit after its forward only where it reshards after forward, which a trained model's root never does
+    (its backward needs it) and a frozen model's root always does; the layers do with `reshard_after_forward`."""
+    root = (0,) if trained else ()
+    return root if reshard_after_forward else (*root, *range(1, layers + 1))
 
 
-def fsdp_train_gathered(
-    trained: list[tuple[ModelSpec, str]],
+def fsdp_rollout_gathered(
+    trained: Sequence[tuple[ModelSpec, str]],
+    frozen: Sequence[tuple[ModelSpec, str]],
     world: int,
     precision: str,
     *,
+    reshard_after_forward: bool = True,
+) -> float:
+    """What pipeline=fsdp's inference (`rlhfuse.trainer.fsdp.ShardedInference`: lockstep forwards of the sharded
+    models after generation) gathers on one rank beside its shards, in the compute dtype: the units that stay
+    gathered after their forward (`fsdp_kept_units`), and the two largest of the others (one computing, the next
+    prefetched: an estimate of FSDP2's buffers)."""
+    kept, rest = 0, []
+    for models, is_trained in ((trained, True), (frozen, False)):
+        for m, h in models:
+            units = fsdp_padded_units(m, h, world)
+            keep = set(fsdp_kept_units(is_trained, m.layers, reshard_after_forward=reshard_after_forward))
+            kept += sum(n for i, n in enumerate(units) if i in keep)
+            rest += [n for i, n in enumerate(units) if i not in keep]
+    two = sum(sorted(rest, reverse=True)[:2])
+    return float(world * (kept + two) * compute_bytes(precision))
+
+
+def fsdp_train_gathered(
+    trained: Sequence[tuple[ModelSpec, str]],
+    world: int,
+    precision: str,
+    *,
+    frozen: Sequence[tuple[ModelSpec, str]] = (),
     reshard_after_forward: bool = True,
     microbatches: int = 1,
 ) -> float:
     """What pipeline=fsdp's training gathers on one rank beside its shards (an estimate of FSDP2's buffers): the
     trained models' root units (kept from their forward to their backward), and their layers: with
     `reshard_after_forward` the largest two (one computing, the next prefetched), else every layer (each kept from
-    its forward to its backward); in the compute dtype. Plus the unsharded gradients in the reduce dtype: the
-    whole models' while `microbatches` > 1 accumulate without a reduction, else the largest two layers' (one
-    layer's gradients and its reduce-scatter input)."""
+    its forward to its backward), and then the `frozen` models' layers too (gathered by inference and never freed:
+    a frozen model has no backward, `fsdp_kept_units`); in the compute dtype. Plus the unsharded gradients in the
+    reduce dtype: the whole trained models' while `microbatches` > 1 accumulate without a reduction (FSDP's
+    no-sync accumulation), else the largest two layers' (one layer's gradients and its reduce-scatter input)."""
     gather, reduce = compute_bytes(precision), reduce_bytes(precision)
     units = [fsdp_padded_units(m, h, world) for m, h in trained]
     roots = sum(u[0] for u in units)
     layers = sorted((n for u in units for n in u[1:]), reverse=True)
     two = sum(layers[:2])
     held = two if reshard_after_forward else sum(layers)
+    if not reshard_after_forward:
+        held += sum(sum(fsdp_padded_units(m, h, world)[1:]) for m, h in frozen)
     grads = sum(sum(u) for u in units) if microbatches > 1 else two
     return float(world * ((roots + held) * gather + grads * reduce))
 
@@ -500,9 +536,9 @@ def fsdp_rank_memories(
     """Each rank of pipeline=fsdp over `world` ranks: the Actor and (when `critic`) the Critic sharded and
     trained, the Ref (when `ref`) and the Reward (`reward`; None: no reward model) sharded and frozen, the
     whole generation copy, `kv_tokens` cached positions of the rank's generation instance, `activations` bytes
-    of training activations, and the gathered phases (`fsdp_train_gathered`, `microbatches` per rank and
-    mini-batch; the rollout's four whole models, `fsdp_gathered_bytes`). The weights and gradients are the same
-    on every rank; rank 0 holds the most optimizer state (the full first chunk of every tensor)."""
+    of training activations, and the gathered phases (`fsdp_rollout_gathered` beside the KV cache;
+    `fsdp_train_gathered`, `microbatches` per rank and mini-batch). The weights and gradients are the same on
+    every rank; rank 0 holds the most optimizer state (the full first chunk of every tensor)."""
     if world < 1:
         raise ValueError(f"world={world} must be >= 1 (pipeline=fsdp: one rank per generation instance)")
     trained = [(actor, "lm")] + ([] if critic is None else [(critic, "value")])
@@ -513,9 +549,16 @@ def fsdp_rank_memories(
         generation_weights=shard_count(actor, "lm").params * gen,
         kv_cache=kv_cache_bytes(actor, kv_tokens, 1, gen),
         activations=activations,
-        rollout_gathered=sum(fsdp_gathered_bytes(m, h, world, precision) for m, h in trained + frozen),
+        rollout_gathered=fsdp_rollout_gathered(
+            trained, frozen, world, precision, reshard_after_forward=reshard_after_forward
+        ),
         train_gathered=fsdp_train_gathered(
-            trained, world, precision, reshard_after_forward=reshard_after_forward, microbatches=microbatches
+            trained,
+            world,
+            precision,
+            frozen=frozen,
+            reshard_after_forward=reshard_after_forward,
+            microbatches=microbatches,
         ),
     )
     out = []

@@ -29,7 +29,6 @@ from rlhfuse.planner.simulate import (
     Workload,
     activation_peak,
     free_kv_bytes,
-    fsdp_activations,
     fsdp_rollout,
     fsdp_training,
     fsdp_weight_sync_time,
@@ -242,6 +241,32 @@ def search_training(
     return out
 
 
+def search_fsdp(
+    cost: CostModel, models: RLHFModels, workload: Workload, seq: float, stats: PruneStats | None = None
+) -> list[TrainResult]:
+    """pipeline=fsdp's training plans, fastest first: sharded data parallelism over every device (tp = pp = 1,
+    dp = the devices), each micro-batch size of MICRO_BATCHES that splits the mini-batch evenly over the ranks,
+    with `reshard_after_forward` on and off; kept when the busiest rank's training peak fits beside the whole
+    generation copy (`CostModel.fsdp_rank_memory`: its shards, gradients and optimizer states, the gathered layers
+    and unsharded gradients, activations). Refusals are counted under "fsdp: ..."."""
+    stats = stats if stats is not None else PruneStats()
+    world = cost.cluster.gpus
+    out = []
+    for b in MICRO_BATCHES:
+        if workload.mini_batch % (world * b):
+            stats.removed["fsdp: mini-batch does not split into devices x micro-batch"] += 1
+            continue
+        lay = TrainLayout(1, 1, world, b)
+        for reshard in (True, False):
+            train = fsdp_training(cost, models, lay, workload, seq, reshard_after_forward=reshard)
+            if train.memory + cost.generation_weight_bytes(models.actor, 1) > cost.usable_memory():
+                stats.removed["fsdp: memory"] += 1
+                continue
+            out.append(train)
+    stats.kept += len(out)
+    return sorted(out, key=lambda r: (r.per_minibatch, r.memory))
+
+
 def _tied_allows(models: RLHFModels, name: str, lay: TrainLayout, stats: PruneStats) -> bool:
     """Whether `rlhfuse.runtime` runs `lay` for `name` beside a tied embedding / LM head
     (tie_word_embeddings): a tied model's stages would hold one tensor on two ranks (pp = 1 only), and the tied
@@ -323,6 +348,21 @@ class Plan:
         """(task, layout) rows of the plan table."""
         g = self.cluster.gpus
         rows = [("generation (Actor)", f"dp={g // self.gen_tp} pp=1 tp={self.gen_tp}")]
+        if self.train.mode == "fsdp":
+            lay, reshard = self.train.actor, str(self.train.reshard_after_forward).lower()
+            return [
+                *rows,
+                (
+                    "inference (Ref, RW, Critic)",
+                    f"after generation, every device its share, sharded over {g}",
+                ),
+                ("migration", "off (pipeline=fsdp infers after generation: no freed instance to fuse into)"),
+                (
+                    "training (Actor, Critic)",
+                    f"dp={lay.dp} sharded (FSDP2) pp=1 tp=1 micro-batch={lay.micro_batch}",
+                ),
+                ("training schedule", f"fsdp over {lay.dp} ranks, reshard_after_forward={reshard}"),
+            ]
         if self.rt_fraction is None:
             if self.system == "RLHFuse":
                 rows.append(("migration", "off (no Rt beat generating first, then inferring)"))
@@ -358,6 +398,12 @@ class Plan:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._dict()
+        if self.train.mode == "fsdp":
+            out["training"]["reshard_after_forward"] = self.train.reshard_after_forward
+        return out
+
+    def _dict(self) -> dict[str, Any]:
         b = self.breakdown
         return {
             "system": self.system,
@@ -400,32 +446,95 @@ def search_plan(
     stats: PruneStats | None = None,
     even_pp: bool = True,
     runtime: bool = False,
+    fsdp: bool = False,
 ) -> Plan:
     """The least-iteration-time plan for RLHFuse (`fused=True`) or RLHFuse-Base (`fused=False`).
 
     `even_pp=False` admits uneven pipeline stages (see `train_layouts`); `runtime=True` only plans that
-    `rlhfuse.runtime` can run (`search_training`; any generation tp: `rlhfuse.runtime.reshard`)."""
+    `rlhfuse.runtime` can run (`search_training`; any generation tp: `rlhfuse.runtime.reshard`). `fsdp=True`
+    also plans pipeline=fsdp (`search_fsdp`, `fsdp_plan`): the plan with the least iteration time wins, and it
+    is the only candidate where no pipeline layout fits."""
     workload.validate()
     samples = samples if samples is not None else workload.sample()
     stats = stats if stats is not None else PruneStats()
     seq = float(samples.seq.mean())
     best: Plan | None = None
     cache: dict[int, Unmigrated] = {}
-    trains = search_training(
-        cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp, runtime=runtime
-    )
-    for train in trains:
-        plan = _best_gen_inf(
+    trains: list[TrainResult] = []
+    try:
+        trains = search_training(
+            cost, models, workload, seq, fused=fused, stats=stats, even_pp=even_pp, runtime=runtime
+        )
+    except ValueError:
+        if not fsdp:
+            raise
+    plans = [
+        _best_gen_inf(
             cost, models, workload, samples, train, fused=fused, stats=stats, cache=cache, runtime=runtime
         )
+        for train in trains
+    ]
+    if fsdp:
+        sharded = search_fsdp(cost, models, workload, seq, stats)
+        plans += [
+            fsdp_plan(cost, models, workload, samples, t, fused=fused, stats=stats, cache=cache)
+            for t in sharded
+        ]
+    for plan in plans:
         if plan is not None and (best is None or plan.breakdown.total < best.breakdown.total):
             best = plan
     if best is None:
         raise ValueError(
-            f"no generation layout fits for {models.name} with max_len={workload.max_len} "
+            f"no {'plan (pipelines or pipeline=fsdp)' if fsdp else 'generation layout'} fits for {models.name} "
+            f"with max_len={workload.max_len} on {cost.cluster.gpus} x {cost.device.name} "
             f"(pruned: {dict(stats.removed)}): lower max_len or use devices with more memory"
         )
     return best
+
+
+def fsdp_plan(
+    cost: CostModel,
+    models: RLHFModels,
+    workload: Workload,
+    samples: Samples,
+    train: TrainResult,
+    *,
+    fused: bool,
+    stats: PruneStats,
+    cache: dict[int, Unmigrated],
+) -> Plan | None:
+    """The iteration of pipeline=fsdp's `train` (`search_fsdp`): one generation instance per device (the whole
+    Actor copy), inference after generation on every device with the sharded models (`fsdp_rollout`), the weight
+    sync all-gathering the Actor (others); None when the busiest rank's rollout does not fit (its resident shards,
+    the generation copy and the KV cache of its samples at maximum length, the layers inference gathers)."""
+    world = cost.cluster.gpus
+    per_instance = -(-len(samples) // world)
+    memory = cost.fsdp_rank_memory(
+        models.actor, models.critic, world, reshard_after_forward=train.reshard_after_forward,
+        microbatches=train.actor.microbatches(workload.mini_batch), kv_tokens=per_instance * workload.max_context,
+    )  # fmt: skip
+    if memory.resident + memory.rollout > cost.usable_memory():
+        stats.removed["fsdp: KV cache does not fit"] += 1
+        return None
+    if 1 not in cache:
+        cache[1] = generate_unmigrated(cost, models.actor, samples, 1)
+    res = fsdp_rollout(cost, models, samples, cache[1])
+    return Plan(
+        system="RLHFuse" if fused else "RLHFuse-Base",
+        models=models,
+        cluster=cost.cluster,
+        workload=workload,
+        gen_tp=1,
+        inference_tp=1,
+        rt_fraction=None,
+        migration=None,
+        mechanism=None,
+        train=train,
+        breakdown=Breakdown(
+            res.generation.end, res.inference_exposed, train.total, fsdp_weight_sync_time(cost, models.actor)
+        ),
+        train_bound=train.total_bound,
+    )
 
 
 def _best_gen_inf(

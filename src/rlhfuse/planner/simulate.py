@@ -1061,9 +1061,7 @@ def fsdp_activations(cost: CostModel, models: RLHFModels, lay: TrainLayout, seq:
     """Activations one rank keeps under pipeline=fsdp: one micro-batch of each trained model (the Actor's and the
     Critic's forwards run before either backward), every layer on the rank."""
     tokens = lay.micro_batch * seq
-    return sum(
-        cost.activation_bytes(m, tokens, 1, m.layers) for m in (models.actor, models.critic)
-    )
+    return sum(cost.activation_bytes(m, tokens, 1, m.layers) for m in (models.actor, models.critic))
 
 
 def fsdp_training(

@@ -6,6 +6,11 @@ plan into the configuration the run uses:
 
 - `pipeline.actor_pp`, `pipeline.critic_pp`, `pipeline.microbatches` and the schedule (`pipeline=fused` or
   `pipeline=serial_1f1b`) when the world has more than one process; one process keeps `pipeline=plain`;
+- or, when the planner finds sharded data parallelism the better plan (the models fit sharded but no pipeline
+  layout the runtime runs fits, or it is predicted faster), `pipeline=fsdp` with its
+  `pipeline.reshard_after_forward`, `generator.instances` = the world (one generation instance per process),
+  `generator.tp=1` and `data.micro_batch_size` (unless a token budget, `data.micro_batch_tokens`, sets the
+  micro-batches);
 - `migration.threshold` (a fraction of the batch, `migration=fixed`, or `migration=auto` starting from it) or
   `migration=off` when `generator.instances > 1`.
 
@@ -34,6 +39,7 @@ from rlhfuse.planner.simulate import Workload
 from rlhfuse.planner.specs import DeviceProfile, ModelSpec, device_profile, gpu_preset
 from rlhfuse.runtime.config import launched_world_size, validate_runtime
 from rlhfuse.trainer.config import PLAN_MODES, RLHFConfig
+from rlhfuse.trainer.data_parallel import validate_plain_launch
 
 __all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "plan_config", "workload_for"]
 
@@ -160,14 +166,22 @@ class TrainerPlan:
             lines.append("  one process: pipeline=plain (the planner's training layouts are pp=1, dp=1)")
         applied = " ".join(f"{k}={_fmt(v)}" for k, v in self.applied)
         lines.append("  applied: " + (applied or "nothing to change"))
-        lines.append(
-            "  not applied (rlhfuse.runtime replicates them on every rank): generation and inference layouts, "
-            "per-model micro-batch sizes"
-        )
+        if p.train.mode == "fsdp":
+            lines.append(
+                "  pipeline=fsdp: one generation instance per process, the four models sharded over all of them, "
+                "inference after generation (migration off)"
+            )
+        else:
+            lines.append(
+                "  not applied (rlhfuse.runtime replicates them on every rank): generation and inference layouts, "
+                "per-model micro-batch sizes"
+            )
         return lines
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()  # as an override writes it
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
@@ -192,7 +206,7 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
     nodes, per_node = world_shape(cfg)
     world = nodes * per_node
 
-    def search(n: int, g: int) -> Plan:
+    def search(n: int, g: int, fsdp: bool = False) -> Plan:
         try:
             return plan_for(
                 actor.spec,
@@ -208,6 +222,7 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
                 # stages differing by one layer), so uneven pipelines are plans it runs
                 even_pp=False,
                 runtime=True,
+                fsdp=fsdp,
                 **memory_facts(cfg, kind),
             )
         except ValueError as err:
@@ -216,14 +231,31 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
                 f"(distributed.nproc_per_node={world}): {err}"
             ) from err
 
-    plan = search(nodes, per_node)
+    plan = search(nodes, per_node, fsdp=world > 1)
     a, c = plan.train.actor, plan.train.critic
     applied: list[tuple[str, Any]] = []
-    pipeline = cfg.pipeline
+    pipeline, data, generator = cfg.pipeline, cfg.data, cfg.generator
     if world == 1:
         if pipeline.name != "plain":
             applied.append(("pipeline", "plain"))
         pipeline = dataclasses.replace(pipeline, name="plain")
+    elif plan.train.mode == "fsdp":
+        # sharded data parallelism: one process per generation instance, each a whole Actor copy (tp 1)
+        reshard = plan.train.reshard_after_forward
+        pipeline = dataclasses.replace(pipeline, name="fsdp", reshard_after_forward=reshard)
+        applied += [("pipeline", "fsdp"), ("pipeline.reshard_after_forward", reshard)]
+        if (pipeline.actor_tp, pipeline.critic_tp) != (1, 1):
+            pipeline = dataclasses.replace(pipeline, actor_tp=1, critic_tp=1)
+            applied += [("pipeline.actor_tp", 1), ("pipeline.critic_tp", 1)]
+        if generator.instances != world:
+            generator = dataclasses.replace(generator, instances=world)
+            applied.append(("generator.instances", world))
+        if generator.tp != 1:
+            generator = dataclasses.replace(generator, tp=1)
+            applied.append(("generator.tp", 1))
+        if data.micro_batch_tokens == 0 and data.micro_batch_size != a.micro_batch:
+            data = dataclasses.replace(data, micro_batch_size=a.micro_batch)
+            applied.append(("data.micro_batch_size", a.micro_batch))
     else:
         # the runtime's co-location rule (a smaller-tp model's consecutive stages merged onto the larger-tp groups)
         colocation = Colocation(a.pp, a.tp, c.pp, c.tp)
@@ -262,7 +294,7 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
             applied += [("pipeline.actor_tp", a.tp), ("pipeline.critic_tp", c.tp)]
     migration = cfg.migration
     migration_plan: Plan | None = None
-    instances = cfg.generator.instances
+    instances = generator.instances
     if instances > 1:
         migration_plan = plan if instances == world else search(1, instances)
         rt = migration_plan.rt_fraction
@@ -278,12 +310,11 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
             name = "auto" if migration.name == "auto" else "fixed"
             migration = dataclasses.replace(migration, name=name, threshold=float(rt))
             applied += [("migration", name), ("migration.threshold", float(rt))]
-    generator = cfg.generator
     if world > 1 and plan.gen_tp > 1 and plan.gen_tp != generator.tp:
         generator = dataclasses.replace(generator, tp=plan.gen_tp)
         applied.append(("generator.tp", plan.gen_tp))
-    planned = dataclasses.replace(cfg, pipeline=pipeline, migration=migration, generator=generator)
-    problems = validate_runtime(planned)
+    planned = dataclasses.replace(cfg, pipeline=pipeline, migration=migration, generator=generator, data=data)
+    problems = _launch_problems(planned)
     if problems:
         raise ValueError(
             "plan=auto: the chosen plan ("
@@ -292,6 +323,17 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
             + "\n  - ".join(problems)
         )
     return TrainerPlan(plan, migration_plan, profile.device.name, device_reason, tuple(applied), planned)
+
+
+def _launch_problems(cfg: RLHFConfig) -> list[str]:
+    """The planned configuration against the launch: the pipeline strategies' layout rules
+    (`validate_runtime`), or pipeline=fsdp's (one process per generation instance, `validate_plain_launch`, and
+    its own keys)."""
+    if cfg.pipeline.name != "fsdp":
+        return validate_runtime(cfg)
+    from rlhfuse.trainer.validate import fsdp_problems
+
+    return validate_plain_launch(cfg) + fsdp_problems(cfg)
 
 
 def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print) -> RLHFConfig:
