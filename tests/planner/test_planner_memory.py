@@ -454,9 +454,9 @@ def test_fsdp_units_hold_every_tensor_and_shards_partition_them() -> None:
 
 def test_fsdp_phases_gather_what_the_runtime_gathers() -> None:
     """Hand-derived phases of a 2-layer model with equal layers on 2 ranks (all but the one-row value head split
-    evenly): inference keeps the trained roots gathered (and every layer with reshard_after_forward=False) beside
-    the two largest other units; training gathers both trained roots and two layers (all layers, and the frozen
-    ones inference left, with reshard_after_forward=False) and keeps two layers' unsharded gradients (the whole
+    evenly): inference keeps the trained roots gathered (and their layers with reshard_after_forward=False) beside
+    the two largest other units; training gathers both trained roots and two layers (all trained layers with
+    reshard_after_forward=False) and keeps two layers' unsharded gradients (the whole
     models' while several micro-batches accumulate); the resident shards are the same in every phase."""
     spec = ModelSpec("m", layers=2, hidden=64, heads=4, ffn=128, vocab=1000, kv_heads=2)
     lm = 2 * 1000 * 64 + 64  # embedding, final norm, LM head
@@ -470,8 +470,9 @@ def test_fsdp_phases_gather_what_the_runtime_gathers() -> None:
         kept = fsdp_rank_memory(
             spec, spec, world=2, precision=precision, reward=spec, reshard_after_forward=False
         )
-        assert kept.rollout_gathered == (lm + value + 8 * layer + lm + value) * gather
-        assert kept.train_gathered == (lm + value + 8 * layer) * gather + 2 * layer * reduce
+        # the trained models' layers kept too; a frozen model frees every unit after each forward
+        assert kept.rollout_gathered == (lm + value + 4 * layer + lm + value) * gather
+        assert kept.train_gathered == (lm + value + 4 * layer) * gather + 2 * layer * reduce
         accumulated = fsdp_rank_memory(spec, spec, world=2, precision=precision, microbatches=4)
         assert (
             accumulated.train_gathered

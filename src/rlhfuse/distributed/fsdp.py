@@ -88,12 +88,13 @@ def shard_model(
     args: dict[str, Any] = dict(
         mesh=mesh, mp_policy=policy.mixed_precision(), offload_policy=policy.offload()
     )
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=policy.reshard_after_forward, **args)
-    # The root unit (embeddings, final norm, heads) of a trained model keeps its weights from its forward to its
-    # backward, which needs them at once (FSDP's default); a frozen model's has no backward: freed after each
-    # forward, or a Ref's or Reward's whole embedding table and head would stay on the rank after inference.
+    # A frozen model (the Ref, the Reward) has no backward to free what a forward kept gathered: its units free
+    # their weights after every forward whatever the policy, or its layers (and its whole embedding table and
+    # head) would stay on the rank after inference. The root unit (embeddings, final norm, heads) of a trained
+    # model keeps its weights from its forward to its backward, which needs them at once (FSDP's default).
     trained = any(p.requires_grad for p in model.parameters())
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=policy.reshard_after_forward or not trained, **args)
     fully_shard(model, reshard_after_forward=not trained, **args)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)

@@ -464,9 +464,11 @@ def fsdp_kept_units(trained: bool, layers: int, *, reshard_after_forward: bool =
     """Units of a sharded model (0: the root, 1..`layers`: the decoder layers) that stay gathered after a forward
     without gradients (inference), until a backward frees them (`rlhfuse.distributed.fsdp.shard_model`): FSDP2
     frees a unit after its forward only where it reshards after forward, which a trained model's root never does
-    (its backward needs it) and a frozen model's root always does; the layers do with `reshard_after_forward`."""
-    root = (0,) if trained else ()
-    return root if reshard_after_forward else (*root, *range(1, layers + 1))
+    (its backward needs it); a trained model's layers do with `reshard_after_forward`; a frozen model (no
+    backward) frees every unit after each forward."""
+    if not trained:
+        return ()
+    return (0,) if reshard_after_forward else (0, *range(1, layers + 1))
 
 
 def fsdp_rollout_gathered(
@@ -497,15 +499,14 @@ def fsdp_train_gathered(
     world: int,
     precision: str,
     *,
-    frozen: Sequence[tuple[ModelSpec, str]] = (),
     reshard_after_forward: bool = True,
     microbatches: int = 1,
 ) -> float:
     """What pipeline=fsdp's training gathers on one rank beside its shards (an estimate of FSDP2's buffers): the
     trained models' root units (kept from their forward to their backward), and their layers: with
     `reshard_after_forward` the largest two (one computing, the next prefetched), else every layer (each kept from
-    its forward to its backward), and then the `frozen` models' layers too (gathered by inference and never freed:
-    a frozen model has no backward, `fsdp_kept_units`); in the compute dtype. Plus the unsharded gradients in the
+    its forward to its backward); in the compute dtype (a frozen model frees each unit after its forward:
+    `fsdp_kept_units`). Plus the unsharded gradients in the
     reduce dtype: the whole trained models' while `microbatches` > 1 accumulate without a reduction (FSDP's
     no-sync accumulation), else the largest two layers' (one layer's gradients and its reduce-scatter input)."""
     gather, reduce = compute_bytes(precision), reduce_bytes(precision)
@@ -514,8 +515,6 @@ def fsdp_train_gathered(
     layers = sorted((n for u in units for n in u[1:]), reverse=True)
     two = sum(layers[:2])
     held = two if reshard_after_forward else sum(layers)
-    if not reshard_after_forward:
-        held += sum(sum(fsdp_padded_units(m, h, world)[1:]) for m, h in frozen)
     grads = sum(sum(u) for u in units) if microbatches > 1 else two
     return float(world * ((roots + held) * gather + grads * reduce))
 
@@ -556,7 +555,6 @@ def fsdp_rank_memories(
             trained,
             world,
             precision,
-            frozen=frozen,
             reshard_after_forward=reshard_after_forward,
             microbatches=microbatches,
         ),
