@@ -816,7 +816,7 @@ def row_gqa_attention(device: torch.device, backend: str) -> Outcome:
 def check_engine(device: torch.device) -> str:
     from rlhfuse.core.types import PromptBatch
     from rlhfuse.generation.config import GenerationConfig
-    from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
+    from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
     from rlhfuse.models import ModelConfig, Transformer
 
     torch.manual_seed(0)
@@ -827,8 +827,8 @@ def check_engine(device: torch.device) -> str:
     prompts = PromptBatch(torch.randint(3, 128, (4, 6)), torch.ones(4, 6, dtype=torch.long), torch.arange(4))
     out = {}
     for where in (torch.device("cpu"), device):
-        gen = EngineGenerator(model.to(where), config, InstanceSetup(eos_token_id=1, pad_token_id=0,
-                              samples_per_prompt=1, seed=0))  # fmt: skip
+        gen = EngineGenerator(EnginePool(model.to(where), config.engine), config, InstanceSetup(
+                              eos_token_id=1, pad_token_id=0, samples_per_prompt=1, seed=0))  # fmt: skip
         (rollout,) = gen.generate(prompts.to(where), iteration=1)
         out[where.type] = rollout.response_ids_BR.cpu()
     assert torch.equal(out["cpu"], out[device.type]), out

@@ -193,11 +193,12 @@ def _fusion_worker(rank, port, out_dir):
     # the trainer's generator on the same world: one instance per rank, the whole rollout on every rank
     from rlhfuse.core.sampling import GeneratorConfig
     from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig, InstanceSetup
+    from rlhfuse.generation.generator import EnginePool
 
     sampling = GeneratorConfig(max_new_tokens=MAX_NEW, top_p=0.95, stop_token_ids=[6, 14])
     config = GenerationConfig(name="engine", sampling=sampling, instances=2)
     setup = InstanceSetup(EOS, PAD, samples_per_prompt=4, seed=3, policy=FixedThreshold(6), bs_max=16)
-    gen = EngineGenerator(_model(), config, setup, mechanism="kv")
+    gen = EngineGenerator(EnginePool(_model(), config.engine), config, setup, mechanism="kv")
     (rollout,) = gen.generate(_prompt_batch(), iteration=1)
     assert gen.is_distributed()
     moved = gen.migration.samples_moved  # generate(): DistributedCoordinator (the count watch, no lockstep)

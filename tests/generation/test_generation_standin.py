@@ -10,7 +10,7 @@ from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
 from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
+from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.standin import standin_device
@@ -130,9 +130,8 @@ def test_in_process_instances_migrate_on_the_standin_with_the_cpu_tokens(mechani
             policy=FixedThreshold(8),
             bs_max=4,
         )
-        generator = EngineGenerator(
-            model, GenerationConfig(name="engine", sampling=sampling, instances=3), setup, mechanism=mechanism
-        )
+        config = GenerationConfig(name="engine", sampling=sampling, instances=3)
+        generator = EngineGenerator(EnginePool(model, config.engine), config, setup, mechanism=mechanism)
         (rollout,) = generator.generate(_many_prompts(), iteration=1)
         report = generator.coordinator.report
         assert report.samples_moved > 0 and report.mechanism == mechanism  # the tail did migrate

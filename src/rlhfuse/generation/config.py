@@ -50,6 +50,10 @@ class VLLMOptions:
     # GPU backend: capture CUDA graphs for decode, vLLM's default (false = enforce_eager: no capture, no graph
     # memory, slower decode). The CPU backend always runs eagerly.
     vllm_cuda_graphs: bool = True
+    # GPU backend: vLLM's sleep level through each training step, after the rollout (2: weights discarded and
+    # KV cache freed, the weight sync reloads them; 1: weights offloaded to host memory; 0: stay awake). The CPU
+    # backend has no sleep mode.
+    vllm_sleep_level: int = 2
 
 
 @dataclass
@@ -92,4 +96,11 @@ class GenerationConfig:
                 "generator.speculative=off",
             )
         need(problems, self.instances >= 1, f"generator.instances={self.instances} must be >= 1")
+        level = self.vllm.vllm_sleep_level
+        need(
+            problems,
+            level in (0, 1, 2),
+            f"generator.vllm_sleep_level={level} is not one of vLLM's sleep levels: set 0 (stay awake), 1 (weights "
+            "to host memory) or 2 (weights discarded and reloaded by the weight sync)",
+        )
         return problems

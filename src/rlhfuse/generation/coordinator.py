@@ -15,8 +15,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from rlhfuse.core.balance import least_loaded
-from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest
+from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest, SamplingParams
 from rlhfuse.generation.migration import pick_mechanism
 from rlhfuse.generation.transport import InProcess, Transport
 from rlhfuse.planner.migration import MigrationDecision, decide_migration, should_migrate
@@ -84,6 +86,16 @@ class Instance(Protocol):
     def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]: ...
 
     def admit(self, samples: Sequence[MigratingSample]) -> None: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the instance computes (its collectives' tensors live there under NCCL)."""
+        ...
+
+    @property
+    def params(self) -> SamplingParams:
+        """The sampling parameters of the batch it runs."""
+        ...
 
 
 @dataclass

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from rlhfuse.generation.coordinator import MigrationReport, balance, migrate
-from rlhfuse.generation.engine import GenerationEngine, SampleRequest
+from rlhfuse.generation.coordinator import Instance, MigrationReport, balance, migrate
+from rlhfuse.generation.engine import SampleRequest
 from rlhfuse.generation.progress import CountWatch, control_group
 from rlhfuse.generation.transport import InstanceFailure, PointToPoint, collective_device
 from rlhfuse.generation.wire import SampleBatch
@@ -32,7 +32,7 @@ __all__ = ["DistributedCoordinator", "InstanceFailure", "decode_until_migration"
 
 
 def decode_until_migration(
-    engine: GenerationEngine,
+    engine: Instance,
     transport: PointToPoint,
     *,
     threshold: int,
@@ -81,7 +81,7 @@ def decode_until_migration(
 class DistributedCoordinator:
     """Drives this rank's `engine`; call `run` on every rank of `group` with the same requests and threshold."""
 
-    engine: GenerationEngine
+    engine: Instance
     bs_max: int
     mechanism: str = "auto"
     link_bytes_per_s: float = 1e9

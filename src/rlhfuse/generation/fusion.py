@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +38,9 @@ from torch import Tensor
 
 from rlhfuse.core.protocols import Inferencer, SwapsWeights
 from rlhfuse.core.types import Experience
-from rlhfuse.generation.coordinator import MigrationReport, balance
+from rlhfuse.generation.coordinator import Instance, MigrationReport, balance
 from rlhfuse.generation.distributed import InstanceFailure, decode_until_migration
-from rlhfuse.generation.engine import GenerationEngine, SampleRequest, to_rollout
+from rlhfuse.generation.engine import SampleRequest, to_rollout
 from rlhfuse.generation.progress import StealChannel, control_group
 from rlhfuse.generation.transport import PointToPoint, Sending, collective_device
 from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
@@ -79,7 +79,7 @@ def token_batches(samples: Sequence[SampleRequest], budget: int, most: int) -> I
 class _Inference:
     """This rank's inference calls, timed (seconds and tokens go to the engine's stats)."""
 
-    def __init__(self, inferencer: Inferencer, engine: GenerationEngine, pad: int, budget: int, most: int):
+    def __init__(self, inferencer: Inferencer, engine: Instance, pad: int, budget: int, most: int):
         self.inferencer, self.engine, self.pad, self.budget, self.most = inferencer, engine, pad, budget, most
         self.rows: list[InferredSample] = []
         self.seconds = 0.0
@@ -107,7 +107,7 @@ class _Inference:
 
 
 def fused_generate_infer(
-    engine: GenerationEngine,
+    engine: Instance,
     inferencer: Inferencer,
     requests: Sequence[SampleRequest],
     *,
@@ -119,10 +119,12 @@ def fused_generate_infer(
     pad_token_id: int = 0,
     group: dist.ProcessGroup | None = None,
     link_bytes_per_s: float = 1e9,
+    on_freed: Callable[[], object] = lambda: None,
 ) -> FusedResult:
     """One batch's generation + inference on this rank (see the module). `micro_batch`: most samples per
     inference forward; `infer_tokens`: padded tokens per forward (0 = `micro_batch` x the batch's longest
-    possible sequence, i.e. count-bounded)."""
+    possible sequence, i.e. count-bounded); `on_freed`: called on a rank the migration freed, before it infers
+    (a vLLM instance sleeps there)."""
     start = time.perf_counter()
     device = collective_device(group, engine.device)
     transport = PointToPoint(device, group)
@@ -147,6 +149,7 @@ def fused_generate_infer(
             inferencer.prefetch()
         if report.at and rank in report.freed:
             gen_end = time.perf_counter()
+            on_freed()  # the instance has nothing left to decode: its memory may go to inference
             infer.run(finished)
             stolen = _steal(infer, transport, StealChannel(control_device, control), report)
         elif report.at:
@@ -193,7 +196,7 @@ def _steal(infer: _Inference, transport: PointToPoint, channel: StealChannel, re
 
 
 def _serve(
-    engine: GenerationEngine,
+    engine: Instance,
     infer: _Inference,
     transport: PointToPoint,
     channel: StealChannel,

@@ -12,7 +12,7 @@ import copy
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,8 +23,8 @@ from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.core.wire import pack_tensors, unpack_tensors
-from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.generation.coordinator import Coordinator, MigrationReport
+from rlhfuse.generation.config import EngineOptions, GenerationConfig
+from rlhfuse.generation.coordinator import Coordinator, Instance, MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
 from rlhfuse.generation.engine import (
     GenerationEngine,
@@ -53,72 +53,59 @@ class InstanceSetup:
     bs_max: int = 32
 
 
-class EngineGenerator:
-    """`config.instances` engines, each with its own copy of the Actor.
-
-    On an initialised torch.distributed world of exactly `config.instances` ranks (e.g. `distributed.
-    nproc_per_node=2 generator.instances=2`), each rank is one instance (`DistributedCoordinator`: migration
-    point-to-point) and every rank gets the whole rollout (all-gathered); otherwise the instances are stepped in
-    turn in this process (`Coordinator`). Both give the same samples.
-    """
-
-    def __init__(
-        self,
-        actor: Transformer,
-        config: GenerationConfig,
-        setup: InstanceSetup,
-        *,
-        mechanism: str = "auto",
-        link_bytes_per_s: float = 1e9,
-    ) -> None:
-        if config.instances < 1:
-            raise ValueError(f"generator.instances={config.instances} must be >= 1")
-        self.config = config
-        self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
-        self.eos_token_id = setup.eos_token_id
-        # one copy now; the in-process mode adds the other instances' copies on first use
-        self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
-        self.pad_token_id = setup.pad_token_id
-        self.samples_per_prompt = setup.samples_per_prompt
-        self.seed = setup.seed
-        self.policy: MigrationPolicy = setup.policy
-        self.coordinator = Coordinator(
-            [], bs_max=setup.bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
-        )
-        self.distributed: DistributedCoordinator | None = None
-        self.engines: list[GenerationEngine] = []
-        self._predicted: tuple[object, object] | None = None
-
-    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        for model in self.models:
-            load_weights(model, named_tensors)
-
-    def actor_copies(self) -> list[torch.nn.Module]:
-        """One Actor copy per in-process instance."""
-        return list(self.models)
-
-    def close(self) -> None:
-        """In-process instances: nothing outlives the modules."""
+class InstancePool(Protocol):
+    """Where a multi-instance generator's instances come from, and the Actor weights they hold: `EnginePool`
+    (rlhfuse's `GenerationEngine` on copies of the Actor) or `VLLMPool` (vLLM engines,
+    `rlhfuse.generation.vllm_engine`). The generator drives whichever it is given the same way."""
 
     @property
     def device(self) -> torch.device:
-        """Where this rank's Actor copy (and so its collectives' tensors under NCCL) lives."""
+        """Where this process's instances compute (and so its collectives' tensors live under NCCL)."""
+        ...
+
+    def instances(self, count: int, prompt_width: int, batch: int, params: SamplingParams) -> list[Instance]:
+        """`count` instances able to run a batch of `batch` samples with prompts up to `prompt_width` tokens,
+        sampling with `params`, their statistics reset (kept instances are reused)."""
+        ...
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        """The Actor's weights (all of them, or the part that changed) into every instance."""
+        ...
+
+    def actor_copies(self) -> list[torch.nn.Module]:
+        """The Actor copies held as modules of this process (none for vLLM's engines)."""
+        ...
+
+    def release(self, index: int) -> None:
+        """Instance `index` was freed by a migration: release what memory it can until the next batch."""
+        ...
+
+    def rest(self) -> None:
+        """The rollout is over: release what memory the instances can until the next weight sync or batch
+        (vLLM's sleep mode through the training step)."""
+        ...
+
+    def close(self) -> None:
+        """Release what outlives the modules (vLLM's engine processes)."""
+        ...
+
+
+class EnginePool:
+    """`InstancePool` of rlhfuse's own engine: one copy of the Actor per instance (the in-process mode adds the
+    other instances' copies on first use), each with its KV cache."""
+
+    def __init__(self, actor: Transformer, options: EngineOptions) -> None:
+        self.options = options
+        self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
+        self.engines: list[GenerationEngine] = []
+
+    @property
+    def device(self) -> torch.device:
         return next(self.models[0].parameters()).device
 
-    def is_distributed(self) -> bool:
-        """One instance per rank: a torch.distributed world of exactly `generator.instances` ranks."""
-        return (
-            self.config.instances > 1
-            and distributed.is_initialized()
-            and distributed.world_size() == self.config.instances
-        )
-
-    def _engines_for(
-        self, prompt_width: int, batch: int, count: int, params: SamplingParams
-    ) -> list[GenerationEngine]:
-        """`count` engines whose caches hold this batch, sampling with `params` (kept engines take them)."""
+    def instances(self, count: int, prompt_width: int, batch: int, params: SamplingParams) -> list[Instance]:
         max_len = prompt_width + params.max_new_tokens
-        slots = self.config.engine.num_slots or batch
+        slots = self.options.num_slots or batch
         while len(self.models) < count:
             self.models.append(copy.deepcopy(self.models[0]))
         if (
@@ -130,18 +117,99 @@ class EngineGenerator:
             self.engines = [
                 GenerationEngine(
                     model,
-                    self.params,
+                    params,
                     num_slots=slots,
                     max_len=max_len,
-                    prefix_sharing=self.config.engine.prefix_sharing,
-                    speculative=self.config.engine.speculative,
-                    speculative_tokens=self.config.engine.speculative_tokens,
+                    prefix_sharing=self.options.prefix_sharing,
+                    speculative=self.options.speculative,
+                    speculative_tokens=self.options.speculative_tokens,
                 )
                 for model in self.models[:count]
             ]
         for engine in self.engines:
             engine.stats = type(engine.stats)()
             engine.params = params
+        return list(self.engines)
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        for model in self.models:
+            load_weights(model, named_tensors)
+
+    def actor_copies(self) -> list[torch.nn.Module]:
+        return list(self.models)
+
+    def release(self, index: int) -> None:
+        """The engine keeps its cache: nothing to release between batches."""
+
+    def rest(self) -> None:
+        """Nothing: the caches are reused by the next batch."""
+
+    def close(self) -> None:
+        """In-process modules: nothing outlives them."""
+
+
+class EngineGenerator:
+    """`config.instances` generation instances from an `InstancePool` (rlhfuse's engine, or vLLM's).
+
+    On an initialised torch.distributed world of exactly `config.instances` ranks (e.g. `distributed.
+    nproc_per_node=2 generator.instances=2`), each rank is one instance (`DistributedCoordinator`: migration
+    point-to-point) and every rank gets the whole rollout (all-gathered); otherwise the instances are stepped in
+    turn in this process (`Coordinator`). Both give the same samples.
+    """
+
+    def __init__(
+        self,
+        pool: InstancePool,
+        config: GenerationConfig,
+        setup: InstanceSetup,
+        *,
+        mechanism: str = "auto",
+        link_bytes_per_s: float = 1e9,
+    ) -> None:
+        if config.instances < 1:
+            raise ValueError(f"generator.instances={config.instances} must be >= 1")
+        self.pool = pool
+        self.config = config
+        self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
+        self.eos_token_id = setup.eos_token_id
+        self.pad_token_id = setup.pad_token_id
+        self.samples_per_prompt = setup.samples_per_prompt
+        self.seed = setup.seed
+        self.policy: MigrationPolicy = setup.policy
+        self.coordinator = Coordinator(
+            [], bs_max=setup.bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
+        )
+        self.distributed: DistributedCoordinator | None = None
+        self.engines: list[Instance] = []  # the last batch's instances (their statistics)
+        self._predicted: tuple[object, object] | None = None
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        self.pool.load_weights(named_tensors)
+
+    def actor_copies(self) -> list[torch.nn.Module]:
+        """The Actor copies of this process's instances (none for vLLM's engines)."""
+        return self.pool.actor_copies()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's instances compute (and so its collectives' tensors live under NCCL)."""
+        return self.pool.device
+
+    def is_distributed(self) -> bool:
+        """One instance per rank: a torch.distributed world of exactly `generator.instances` ranks."""
+        return (
+            self.config.instances > 1
+            and distributed.is_initialized()
+            and distributed.world_size() == self.config.instances
+        )
+
+    def _engines_for(
+        self, prompt_width: int, batch: int, count: int, params: SamplingParams
+    ) -> list[Instance]:
+        self.engines = self.pool.instances(count, prompt_width, batch, params)
         return self.engines
 
     def _settings(self, sampling: Sampling | None) -> tuple[SamplingParams, int]:
@@ -161,7 +229,13 @@ class EngineGenerator:
         if not self.is_distributed():
             self.distributed = None
             self.coordinator.engines = self._engines_for(width, len(requests), self.config.instances, params)
-            yield from self.coordinator.run(requests, threshold=threshold)
+            released = False
+            for index, sample in self.coordinator.run(requests, threshold=threshold):
+                yield index, sample
+                if not released and self.coordinator.report.at:  # the freed instances have nothing left
+                    released = True
+                    for freed in self.coordinator.report.freed:
+                        self.pool.release(freed)
             return
         # every rank must use the same Rt (policies tune on rank-local timings): rank 0's
         agreed = torch.tensor([threshold], dtype=torch.int64, device=collective_device(None, self.device))
@@ -172,8 +246,13 @@ class EngineGenerator:
             engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
         )
         rank = distributed.rank()
+        released = False
         for sample in self.distributed.run(requests, threshold=int(agreed)):
             yield rank, sample
+            report = self.distributed.report
+            if not released and report.at and rank in report.freed:
+                released = True
+                self.pool.release(0)
 
     def generate(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
@@ -183,6 +262,7 @@ class EngineGenerator:
         done = [sample for _, sample in self.stream(prompts, iteration=iteration, sampling=sampling)]
         done = gather_finished(done) if self.distributed is not None else sorted(done, key=lambda r: r.row)
         self.policy.observe(observation(done, self.params.max_new_tokens, self.engines))
+        self.pool.rest()
         yield to_rollout(done, self.pad_token_id)
 
     def fused_rollout(
@@ -216,8 +296,9 @@ class EngineGenerator:
         c = self.coordinator
         result = fused_generate_infer(
             engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
-            micro_batch=micro_batch, pad_token_id=self.pad_token_id,
+            micro_batch=micro_batch, pad_token_id=self.pad_token_id, on_freed=lambda: self.pool.release(0),
         )  # fmt: skip
+        self.pool.rest()
         self.distributed = DistributedCoordinator(engine, bs_max=c.bs_max, report=result.report)
         experience = result.experience.to(self.device)  # rewards, KL and GAE run on the device
         rollout = experience.rollout

@@ -3,14 +3,17 @@
 Legend: P prompt tokens, N max new tokens.
 
 Each instance is one in-process vLLM engine (`vllm.LLM`, V1 engine core in this process:
-`VLLM_ENABLE_V1_MULTIPROCESSING=0`), built once from an HF checkpoint of the Actor and driven request by request
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`; in a multi-process job one per rank, on vLLM's `external_launcher` executor),
+built once from an HF checkpoint of the Actor (`VLLMPool`) and driven request by request
 through its engine API (`add_request` / `step` / `abort_request`) so that finished samples leave as soon as vLLM
 reports them. Every sample is its own request with its own seed (`rlhfuse.trainer.generator.sample_seed`: run
 seed, iteration, prompt id, sample index); the n samples of a prompt share the prompt's KV blocks through vLLM's
 prefix caching.
 
-`VLLMInstance` offers the instance interface `rlhfuse.generation.Coordinator` drives (add / step / evict / admit
-and the counters), so migration is the same decision (`rlhfuse.planner.decide_migration`) with vLLM's mechanism:
+`VLLMInstance` offers the instance interface `rlhfuse.generation.Coordinator`, `DistributedCoordinator` and the
+fused rollout drive (add / step / evict / admit and the counters), and `VLLMPool` is the `InstancePool` that
+`EngineGenerator` takes: the one generator drives rlhfuse's engine and vLLM's the same way, in one process or one
+instance per rank. Migration is the same decision (`rlhfuse.planner.decide_migration`) with vLLM's mechanism:
 the tail's requests are aborted on their source and resubmitted on a destination as prompt + generated tokens
 (re-prefill), with the remaining token budget. Under greedy decoding a migrated sample ends with exactly the
 tokens it would have had without migration. Under sampling vLLM draws a request's random numbers from a generator
@@ -20,8 +23,8 @@ tokens after the move differ from an unmigrated run (rlhfuse's own engine, `gene
 identical).
 
 Weight sync goes through vLLM's in-place reload (`collective_rpc("reload_weights")`), then the prefix cache is
-reset. Instances freed by a migration release their memory with vLLM's sleep mode where the platform has it
-(CUDA/ROCm; not the CPU backend) and wake up at the next batch.
+reset. Instances freed by a migration, and every instance through the training step, release their memory with
+vLLM's sleep mode where the platform has it (CUDA/ROCm; not the CPU backend) and wake up at the next batch.
 """
 
 from __future__ import annotations
@@ -41,22 +44,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse._optional import require
-from rlhfuse.core.sampling import Sampling
-from rlhfuse.core.stats import GenerationStats
-from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.config import GenerationConfig
-from rlhfuse.generation.coordinator import Coordinator, MigrationReport
 from rlhfuse.generation.engine import (
     EngineStats,
     MigratingSample,
     SampleRequest,
     SamplingParams,
-    requests_for,
-    to_rollout,
 )
-from rlhfuse.generation.generator import InstanceSetup, generation_stats, observation, predictions
-from rlhfuse.generation.migration import MigrationPolicy
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
 from rlhfuse.models.checkpoint import hf_named_tensors
 
@@ -199,11 +195,18 @@ class VLLMInstance:
         seed: int = 0,
         speculative: str = "off",
         speculative_tokens: int = 4,
+        external_launcher: bool = False,
     ) -> None:
         vllm = import_vllm()
         check_vllm_supported(model_config, device)
         self.params = params
+        self.device = torch.device(device)
         kwargs: dict[str, Any] = {}
+        if external_launcher:
+            # vLLM in this rank of the job's world (its groups built from it; env:// names this rank)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            os.environ.setdefault("RANK", str(distributed.rank()))
+            os.environ.setdefault("LOCAL_RANK", str(distributed.local_rank()))
         if speculative == "ngram":
             kwargs["speculative_config"] = ngram_speculative_config(vllm, speculative_tokens)
         elif speculative != "off":
@@ -240,7 +243,10 @@ class VLLMInstance:
         self.running: dict[str, SampleRequest] = {}
         self.stats = EngineStats()
         self._unprefilled = 0  # tokens submitted since the last step: the next step prefills them
-        self.asleep = False
+        self.asleep = 0  # vLLM's sleep level (0: awake; 2: the weights were discarded)
+        self.weights: list[tuple[str, Tensor]] | None = (
+            None  # the last weights loaded (a level-2 wake reloads)
+        )
         self._next_id = 0
 
     # ------------------------------------------------------------------ queue
@@ -370,102 +376,122 @@ class VLLMInstance:
         """In-place weight reload (HF checkpoint names), then drop cached prefixes computed with old weights. On a
         GPU the tensors go as they are (vLLM's loaders copy each into its parameter, casting on the device: no
         host round trip); the CPU backend's float32 model gets float32 host tensors."""
-        self.wake_up()
+        self.weights = list(named_tensors)
+        self.wake_up()  # a level-2 sleeper reloads these while waking
+        if self.asleep:
+            return
+        self._reload()
+
+    def _reload(self) -> None:
+        assert self.weights is not None
         weights = [
             (name, t.detach().to("cpu", torch.float32) if self.cpu else t.detach())
-            for name, t in named_tensors
+            for name, t in self.weights
         ]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
 
-    def release(self) -> bool:
-        """Free the instance's device memory (vLLM sleep level 1) for inference; False where the platform has
-        no sleep mode (vLLM's CPU backend)."""
+    def release(self, level: int = 1) -> bool:
+        """Free the instance's device memory with vLLM's sleep mode until the next batch (level 1: weights to
+        host memory, KV cache freed; 2: both discarded, the weights reloaded on waking); False where the platform
+        has no sleep mode (vLLM's CPU backend) or the instance is busy or asleep already."""
         from vllm.platforms import current_platform
 
         if self.asleep or self.running or not current_platform.is_sleep_mode_available():
             return False
-        self.llm.sleep(level=1)
-        self.asleep = True
+        if level == 2 and self.weights is None:
+            level = 1  # nothing to reload from yet: keep a host copy
+        self.llm.sleep(level=level)
+        self.asleep = level
         return True
 
     def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        if not self.asleep:
+            return
+        discarded = self.asleep == 2
+        self.llm.wake_up()
+        self.asleep = 0
+        if discarded:
+            self._reload()
 
 
-class VLLMGenerator:
-    """The trainer's `Generator` on `config.instances` vLLM engines in this process, stepped in turn, with
-    long-tail migration by resubmission (`Coordinator`)."""
+class VLLMPool:
+    """`InstancePool` of vLLM engines (`rlhfuse.generation.generator.EngineGenerator` drives them as it drives its
+    own engine): built once, lazily, from an HF checkpoint of the Actor written to a temporary folder.
+
+    In a multi-process job (torch.distributed initialised, more than one rank) each rank builds one engine with
+    vLLM's `external_launcher` executor: vLLM runs in this process on this rank's device and builds its groups
+    from the job's own world (each rank one of vLLM's "external" data-parallel replicas, verl's integration), so
+    the engines of different ranks step independently. In one process the engines use vLLM's in-process
+    executor, stepped in turn (`VLLMInstance._ensure_parallel_state`).
+
+    Sleep mode (CUDA/ROCm; vLLM's CPU backend has none): an instance freed by a migration sleeps at level 1
+    until the next batch; after each rollout every instance sleeps at `generator.vllm_sleep_level` through the
+    training step (2: weights discarded, reloaded by the weight sync; 1: weights offloaded to host memory;
+    0: never), and wakes at the next weight sync or batch."""
 
     def __init__(
         self,
         actor: Transformer,
         config: GenerationConfig,
-        setup: InstanceSetup,
         *,
         max_prompt_len: int,
+        seed: int,
         device: torch.device | str = "cpu",
     ) -> None:
         import_vllm()  # fail now, before any model is written, if vLLM is missing
         check_vllm_supported(actor.config, device)
-        if config.instances < 1:
-            raise ValueError(f"generator.instances={config.instances} must be >= 1")
         self.config = config
-        self.params = SamplingParams.of(config.sampling, setup.eos_token_id)
-        self.eos_token_id = setup.eos_token_id
         self.actor_config = actor.config
-        self.pad_token_id = setup.pad_token_id
-        self.samples_per_prompt = setup.samples_per_prompt
-        self.seed = setup.seed
-        self.device = torch.device(device)
+        self.seed = seed
+        self._device = torch.device(device)
         self.max_len = max_prompt_len + config.sampling.max_new_tokens
-        self.policy: MigrationPolicy = setup.policy
-        self.coordinator = Coordinator([], bs_max=setup.bs_max, mechanism="reprefill")
         self._tmp = tempfile.TemporaryDirectory(prefix="rlhfuse-vllm-")
         self.checkpoint = Path(self._tmp.name) / "actor"
         save_pretrained(actor, self.checkpoint)  # vLLM builds each engine from an HF checkpoint
         # the Actor's current weights by name (references, no copy): a partial sync (a LoRA Actor's merged
         # projections) updates these, and vLLM's reload always gets the whole set
         self.weights: dict[str, Tensor] = {k: v.detach() for k, v in actor.state_dict().items()}
-        self.instances: list[VLLMInstance] = []
-        self._predicted: tuple[object, object] | None = None
+        self.built: list[VLLMInstance] = []
 
-    def _instances(self, batch: int) -> list[VLLMInstance]:
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def instances(self, count: int, prompt_width: int, batch: int, params: SamplingParams) -> list[Any]:
+        if prompt_width + params.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompts of {prompt_width} tokens + max_new_tokens={params.max_new_tokens} exceed the vLLM "
+                f"engines' max_model_len={self.max_len} (data.max_prompt_length + generator.max_new_tokens)"
+            )
         slots = self.config.engine.num_slots or batch
-        while len(self.instances) < self.config.instances:
-            self.instances.append(
+        external = distributed.is_initialized() and distributed.world_size() > 1
+        options = self.config.vllm
+        while len(self.built) < count:
+            self.built.append(
                 VLLMInstance(
                     self.checkpoint,
                     self.actor_config,
-                    self.params,
+                    params,
                     max_len=self.max_len,
                     max_num_seqs=slots,
                     prefix_caching=self.config.engine.prefix_sharing,
-                    device=self.device,
-                    kv_cache_bytes=int(self.config.vllm.vllm_kv_cache_gb * (1 << 30)),
-                    gpu_memory_utilization=self.config.vllm.vllm_gpu_memory_utilization,
-                    cuda_graphs=self.config.vllm.vllm_cuda_graphs,
+                    device=self._device,
+                    kv_cache_bytes=int(options.vllm_kv_cache_gb * (1 << 30)),
+                    gpu_memory_utilization=options.vllm_gpu_memory_utilization,
+                    cuda_graphs=options.vllm_cuda_graphs,
                     seed=self.seed,
                     speculative=self.config.engine.speculative,
                     speculative_tokens=self.config.engine.speculative_tokens,
+                    external_launcher=external,
                 )
             )
-        for instance in self.instances:
+        chosen = self.built[:count]
+        for instance in chosen:
+            instance.wake_up()
             instance.stats = EngineStats()
-        return self.instances
-
-    def close(self) -> None:
-        """Shut the vLLM engines down (`rlhfuse-train` calls this after `fit()`)."""
-        for instance in self.instances:
-            instance.close()
-        self.instances = []
-        self._tmp.cleanup()
-
-    def actor_copies(self) -> list[torch.nn.Module]:
-        """None in this process: the weights live in vLLM's engine (not counted in memory/param_bytes)."""
-        return []
+            instance.params = params  # read per request (vLLM's SamplingParams are made per request)
+        return list(chosen)
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         """The Actor's weights, all of them or the part that changed (a LoRA Actor's merged projections), into
@@ -476,55 +502,29 @@ class VLLMGenerator:
             raise KeyError(f"weight sync: the Actor has no tensors {unknown[:8]}")
         self.weights.update({k: v.detach() for k, v in named_tensors.items()})
         named = hf_named_tensors(self.weights, self.actor_config)
-        for instance in self.instances:
+        for instance in self.built:
             instance.load_weights(named)
-        if not self.instances:  # not built yet: they will start from the new weights
+        if not self.built:  # not built yet: they will start from the new weights
             model = Transformer(self.actor_config)
             model.load_state_dict(self.weights, strict=True)
             save_pretrained(model, self.checkpoint)
 
-    def stream(
-        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
-    ) -> Iterator[tuple[int, SampleRequest]]:
-        """(instance, finished sample) as each sample finishes; instances freed by the migration release
-        their memory. `sampling`: this call's settings in place of the generator's own."""
-        params, per_prompt = self.params, self.samples_per_prompt
-        if sampling is not None:
-            params = SamplingParams.of(sampling.config, self.eos_token_id)
-            per_prompt = sampling.samples_per_prompt
-        requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
-        self.coordinator.engines = self._instances(len(requests))
-        for instance in self.instances:
-            instance.params = params  # read per request (vLLM's SamplingParams are made per request)
-        released = False
-        for index, sample in self.coordinator.run(requests, threshold=self.policy.threshold(len(requests))):
-            yield index, sample
-            if not released and self.coordinator.report.at:
-                released = True
-                for freed in self.coordinator.report.freed:
-                    self.instances[freed].release()
+    def actor_copies(self) -> list[torch.nn.Module]:
+        """None in this process: the weights live in vLLM's engine (not counted in memory/param_bytes)."""
+        return []
 
-    def generate(
-        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
-    ) -> Iterator[Rollout]:
-        self._predicted = predictions(self.policy)
-        done = sorted(
-            (s for _, s in self.stream(prompts, iteration=iteration, sampling=sampling)), key=lambda r: r.row
-        )
-        self.policy.observe(observation(done, self.params.max_new_tokens, self.instances))
-        yield to_rollout(done, self.pad_token_id)
+    def release(self, index: int) -> None:
+        self.built[index].release(level=1)
 
-    @property
-    def migration(self) -> MigrationReport:
-        return self.coordinator.report
+    def rest(self) -> None:
+        level = self.config.vllm.vllm_sleep_level
+        if level:
+            for instance in self.built:
+                instance.release(level=level)
 
-    def generation_stats(self) -> GenerationStats:
-        """Statistics of the last `generate`: migration, running batch size, tokens/s."""
-        stats = [i.stats for i in self.instances]
-        return generation_stats(
-            [b for s in stats for b in s.batch_sizes],
-            sum(s.busy_seconds for s in stats),
-            sum(s.tokens for s in stats),
-            self.migration,
-            self._predicted,
-        )
+    def close(self) -> None:
+        """Shut the vLLM engines down (`rlhfuse-train` calls this after `fit()`)."""
+        for instance in self.built:
+            instance.close()
+        self.built = []
+        self._tmp.cleanup()

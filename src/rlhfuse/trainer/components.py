@@ -17,7 +17,7 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.rewards import RewardSet
-from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
+from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
 from rlhfuse.models import Transformer, cast_copy
@@ -78,7 +78,7 @@ def instance_setup(ctx: BuildContext) -> InstanceSetup:
 def engine_generator(ctx: BuildContext) -> EngineGenerator:
     mig = ctx.config.migration
     return EngineGenerator(
-        ctx.models.for_generation(),
+        EnginePool(ctx.models.for_generation(), ctx.config.generator.engine),
         ctx.config.generator,
         instance_setup(ctx),
         mechanism=mig.mechanism,
@@ -86,17 +86,19 @@ def engine_generator(ctx: BuildContext) -> EngineGenerator:
     )
 
 
-def vllm_generator(ctx: BuildContext) -> Any:
-    from rlhfuse.generation.vllm_engine import VLLMGenerator  # vLLM is an optional extra
+def vllm_generator(ctx: BuildContext) -> EngineGenerator:
+    """The same generator over vLLM engines (`VLLMPool`): migration by re-prefill (vLLM exports no KV)."""
+    from rlhfuse.generation.vllm_engine import VLLMPool  # vLLM is an optional extra
 
     actor = ctx.models.for_generation()
-    return VLLMGenerator(
+    pool = VLLMPool(
         actor,
         ctx.config.generator,
-        instance_setup(ctx),
         max_prompt_len=ctx.config.data.max_prompt_length,
+        seed=ctx.config.seed,
         device=next(actor.parameters()).device,
     )
+    return EngineGenerator(pool, ctx.config.generator, instance_setup(ctx), mechanism="reprefill")
 
 
 def model_inferencer(ctx: BuildContext) -> ModelInferencer:

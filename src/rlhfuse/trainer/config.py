@@ -168,13 +168,14 @@ def derived_counts(cfg: RLHFConfig) -> DerivedCounts:
 
 
 def fuses_rollout(cfg: RLHFConfig, world_size: int) -> bool:
-    """Whether the rollout fuses inference into generation across processes: generator=engine with one
+    """Whether the rollout fuses inference into generation across processes: generator=engine or vllm with one
     generation instance per rank (inter-stage fusion); otherwise generation and inference run in turn. Not under
     pipeline=fsdp: its models are sharded, so every forward is collective and inference runs in lockstep
     after generation (`rlhfuse.trainer.fsdp.ShardedInference`)."""
     instances = cfg.generator.instances
     sharded = cfg.pipeline.name == "fsdp"
-    return cfg.generator.name == "engine" and instances > 1 and instances == world_size and not sharded
+    multi_instance = cfg.generator.name in ("engine", "vllm")
+    return multi_instance and instances > 1 and instances == world_size and not sharded
 
 
 def actor_only_message(cfg: RLHFConfig) -> str:

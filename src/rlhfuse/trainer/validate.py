@@ -428,17 +428,16 @@ def _vllm_problems(cfg: RLHFConfig, model: ModelConfig | None) -> list[str]:
             "migration.mechanism=kv: vLLM engines cannot export a sample's KV cache; with generator=vllm set "
             "migration.mechanism=reprefill (or auto)"
         )
-    if not cfg.generator.in_process:
+    world = (
+        launched_world_size(cfg.distributed.nproc_per_node)
+        if cfg.pipeline.name in PIPELINE_STRATEGIES
+        else plain_world_size(cfg)
+    )
+    if cfg.generator.in_process and cfg.generator.instances > 1 and world > 1:
         problems.append(
-            "generator=vllm steps its engines in one process: set generator.in_process=true (the shipped "
-            "conf/generator/vllm.yaml does), or use generator=engine for one process per instance"
-        )
-    world = launched_world_size(cfg.distributed.nproc_per_node)
-    if world > 1:
-        problems.append(
-            f"generator=vllm runs its engines in one process, but this job has {world} processes "
-            f"(distributed.nproc_per_node={cfg.distributed.nproc_per_node}): use generator=engine for "
-            "multi-process generation, or distributed.nproc_per_node=1"
+            f"generator=vllm with generator.in_process=true steps {cfg.generator.instances} engines in one process, "
+            f"but this job has {world} processes, each of which builds one vLLM engine: set "
+            "generator.in_process=false (one instance per process)"
         )
     if model is None:
         return problems  # load_models names the missing file
