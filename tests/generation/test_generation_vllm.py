@@ -36,6 +36,11 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def model():
+    return make_model()
+
+
+def make_model() -> Transformer:
+    """A random GQA Llama whose greedy samples have varied lengths (frequent tokens stop them)."""
     torch.manual_seed(0)
     config = ModelConfig(
         vocab_size=64,

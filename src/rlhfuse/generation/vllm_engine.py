@@ -159,6 +159,23 @@ def _hidden_modules(*names: str) -> Iterator[None]:
         sys.modules.update(hidden)
 
 
+@contextlib.contextmanager
+def _keeping_default_group() -> Iterator[None]:
+    """`torch.distributed.destroy_process_group()` without a group does nothing inside the block (vLLM's engine
+    shutdown calls it to end its own world, which in the job's processes is the job's); its own groups still go."""
+    original = torch.distributed.destroy_process_group
+
+    def destroy(group: Any = None) -> None:
+        if group is not None:
+            original(group)
+
+    torch.distributed.destroy_process_group = destroy  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = original
+
+
 @dataclass(frozen=True)
 class KVBudget:
     """The KV-cache facts the migration decision reads (`Coordinator.migrate`), for a vLLM instance: bytes
@@ -201,6 +218,7 @@ class VLLMInstance:
         check_vllm_supported(model_config, device)
         self.params = params
         self.device = torch.device(device)
+        self.external_launcher = external_launcher
         kwargs: dict[str, Any] = {}
         if external_launcher:
             # vLLM in this rank of the job's world (its groups built from it; env:// names this rank)
@@ -349,9 +367,12 @@ class VLLMInstance:
         self.llm.collective_rpc(init)
 
     def close(self) -> None:
-        """Shut the engine down now (idempotent) rather than whenever the garbage collector gets to it."""
+        """Shut the engine down now (idempotent) rather than whenever the garbage collector gets to it. An engine
+        in the job's world (`external_launcher`) leaves that world alone: vLLM's shutdown ends by destroying the
+        default process group, which is the job's here, not vLLM's."""
         self.running.clear()
-        self.engine.engine_core.shutdown()
+        with _keeping_default_group() if self.external_launcher else contextlib.nullcontext():
+            self.engine.engine_core.shutdown()
 
     # ------------------------------------------------------------------ migration
     def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]:
