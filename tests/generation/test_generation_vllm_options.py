@@ -1,6 +1,8 @@
 """What `VLLMInstance` asks of `vllm.LLM` for each backend (runs without vLLM: `vllm.LLM` is replaced by a
-recorder of its arguments, so only the arguments are checked, not vLLM itself — `make test-vllm` runs the real
-engine on CPU): CUDA graphs on a GPU unless `generator.vllm_cuda_graphs=false`, always eager on the CPU."""
+recorder of its arguments and calls, so only those are checked, not vLLM itself — `make test-vllm` runs the real
+engine on CPU): CUDA graphs on a GPU unless `generator.vllm_cuda_graphs=false`, always eager on the CPU; the
+`external_launcher` executor for an engine in a multi-process job; sleep and wake around training where the
+platform has a sleep mode, a level-2 sleeper reloading its weights as it wakes."""
 
 import types
 from typing import ClassVar
@@ -23,15 +25,30 @@ class _RecordedLLM:
     def collective_rpc(self, method: str, kwargs: dict) -> None:
         assert method == "reload_weights"
         self.reloaded = list(kwargs["weights_iterator"])
+        _RecordedLLM.events.append(("reload", float(self.reloaded[0][1].sum())))
 
     def reset_prefix_cache(self) -> None:
         pass
 
+    def sleep(self, level: int) -> None:
+        _RecordedLLM.events.append(("sleep", level))
+
+    def wake_up(self) -> None:
+        _RecordedLLM.events.append(("wake", 0))
+
+    events: ClassVar[list[tuple[str, float]]] = []
+
+
+SLEEP_MODE = types.SimpleNamespace(
+    current_platform=types.SimpleNamespace(is_sleep_mode_available=lambda: True)
+)
+
 
 @pytest.fixture
 def recorded(monkeypatch):
-    _RecordedLLM.calls = []
-    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: types.SimpleNamespace(LLM=_RecordedLLM))
+    _RecordedLLM.calls, _RecordedLLM.events = [], []
+    vllm = types.SimpleNamespace(LLM=_RecordedLLM, platforms=SLEEP_MODE)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: vllm)
     monkeypatch.setattr(vllm_engine, "check_vllm_supported", lambda config, device: None)
     return _RecordedLLM.calls
 
@@ -66,3 +83,41 @@ def test_a_weight_sync_copies_to_the_host_only_for_the_cpu_backend(recorded, dev
         assert sent.dtype == torch.float32
     else:
         assert sent.dtype == torch.bfloat16 and sent.data_ptr() == weight.data_ptr()  # no copy
+
+
+def test_an_engine_in_a_multi_process_job_runs_on_the_external_launcher(recorded, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(1,))
+    vllm_engine.VLLMInstance("unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2)
+    vllm_engine.VLLMInstance(
+        "unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2, external_launcher=True
+    )
+    alone, launched = recorded
+    assert "distributed_executor_backend" not in alone
+    assert launched["distributed_executor_backend"] == "external_launcher"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_instances_sleep_through_training_and_a_level_2_sleeper_reloads_its_weights(recorded, device):
+    """A GPU engine sleeps at level 2 after the rollout and wakes at the weight sync, which it reloads then
+    (the new weights); before any weights were handed over it sleeps at level 1 (nothing to reload from); a
+    busy engine never sleeps; the CPU backend has no sleep mode: nothing happens."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(1,))
+    instance = vllm_engine.VLLMInstance(
+        "unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2, device=device
+    )
+    events = _RecordedLLM.events
+    assert instance.release(level=2) is (device == "cuda")
+    instance.wake_up()
+    instance.load_weights([("model.norm.weight", torch.ones(3))])
+    assert instance.release(level=2) is (device == "cuda")
+    instance.load_weights([("model.norm.weight", 2 * torch.ones(3))])  # the sync after training
+    instance.wake_up()  # the next batch: awake already
+    if device == "cpu":
+        assert events == [("reload", 3.0), ("reload", 6.0)]
+        return
+    assert events == [
+        ("sleep", 1), ("wake", 0), ("reload", 3.0), ("sleep", 2), ("wake", 0), ("reload", 6.0)
+    ]  # fmt: skip
+    instance.running["r0"] = object()  # a sample in flight
+    assert instance.release(level=2) is False

@@ -254,6 +254,8 @@ class VLLMInstance:
         self.engine = self.llm.llm_engine
         self._vllm = vllm
         self.cpu = cpu
+        # vLLM's sleep mode (CUDA/ROCm; not its CPU backend), which `enable_sleep_mode` asked for above
+        self.can_sleep = not cpu and bool(vllm.platforms.current_platform.is_sleep_mode_available())
         dtype_bytes = 4 if cpu else 2
         head_dim = model_config.head_dim or model_config.hidden_size // model_config.num_heads
         per_token = 2 * model_config.num_layers * model_config.num_kv_heads * head_dim * dtype_bytes
@@ -398,10 +400,10 @@ class VLLMInstance:
         GPU the tensors go as they are (vLLM's loaders copy each into its parameter, casting on the device: no
         host round trip); the CPU backend's float32 model gets float32 host tensors."""
         self.weights = list(named_tensors)
-        self.wake_up()  # a level-2 sleeper reloads these while waking
-        if self.asleep:
-            return
-        self._reload()
+        reloads = self.asleep == 2  # a level-2 sleeper reloads `self.weights` (these) as it wakes
+        self.wake_up()
+        if not reloads:
+            self._reload()
 
     def _reload(self) -> None:
         assert self.weights is not None
@@ -416,9 +418,7 @@ class VLLMInstance:
         """Free the instance's device memory with vLLM's sleep mode until the next batch (level 1: weights to
         host memory, KV cache freed; 2: both discarded, the weights reloaded on waking); False where the platform
         has no sleep mode (vLLM's CPU backend) or the instance is busy or asleep already."""
-        from vllm.platforms import current_platform
-
-        if self.asleep or self.running or not current_platform.is_sleep_mode_available():
+        if self.asleep or self.running or not self.can_sleep:
             return False
         if level == 2 and self.weights is None:
             level = 1  # nothing to reload from yet: keep a host copy
