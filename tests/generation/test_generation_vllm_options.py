@@ -49,6 +49,8 @@ def recorded(monkeypatch):
     _RecordedLLM.calls, _RecordedLLM.events = [], []
     vllm = types.SimpleNamespace(LLM=_RecordedLLM, platforms=SLEEP_MODE)
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: vllm)
+    # a GPU engine checks its memory fraction against what is free: 70 of 80 GiB here
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 << 30, 80 << 30))
     monkeypatch.setattr(vllm_engine, "check_vllm_supported", lambda config, device: None)
     return _RecordedLLM.calls
 
@@ -121,3 +123,12 @@ def test_instances_sleep_through_training_and_a_level_2_sleeper_reloads_its_weig
     ]  # fmt: skip
     instance.running["r0"] = object()  # a sample in flight
     assert instance.release(level=2) is False
+
+
+def test_a_memory_fraction_that_training_leaves_no_room_for_is_refused_naming_the_key():
+    gib = 1 << 30
+    vllm_engine.check_memory_fraction(0.5, free_bytes=60 * gib, total_bytes=80 * gib)
+    with pytest.raises(ValueError) as err:
+        vllm_engine.check_memory_fraction(0.9, free_bytes=40 * gib, total_bytes=80 * gib)
+    message = str(err.value)
+    assert "generator.vllm_gpu_memory_utilization=0.9" in message and "<=0.49" in message

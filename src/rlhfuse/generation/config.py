@@ -96,6 +96,19 @@ class GenerationConfig:
                 "generator.speculative=off",
             )
         need(problems, self.instances >= 1, f"generator.instances={self.instances} must be >= 1")
+        utilization = self.vllm.vllm_gpu_memory_utilization
+        need(
+            problems,
+            0 < utilization <= 1,
+            f"generator.vllm_gpu_memory_utilization={utilization} must be a fraction of the device's memory in "
+            "(0, 1]: set e.g. 0.5",
+        )
+        need(
+            problems,
+            self.vllm.vllm_kv_cache_gb > 0,
+            f"generator.vllm_kv_cache_gb={self.vllm.vllm_kv_cache_gb} must be > 0 (GiB of KV cache per vLLM engine "
+            "on the CPU backend)",
+        )
         level = self.vllm.vllm_sleep_level
         need(
             problems,

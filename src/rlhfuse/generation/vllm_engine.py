@@ -101,6 +101,22 @@ def check_vllm_supported(config: ModelConfig, device: torch.device | str) -> Non
         raise ValueError("generator=vllm cannot run this model:\n  " + "\n  ".join(problems))
 
 
+def check_memory_fraction(fraction: float, free_bytes: int, total_bytes: int) -> None:
+    """vLLM takes `fraction` of the whole device for its weights and KV cache when it starts; raise a ValueError
+    naming generator.vllm_gpu_memory_utilization and the fraction that fits when what training holds on the
+    device (its models, built before the engine) leaves less free (with 1 GiB left for activations)."""
+    fits = (free_bytes - (1 << 30)) / total_bytes
+    if fraction <= fits:
+        return
+    gib = 1 << 30
+    raise ValueError(
+        f"generator.vllm_gpu_memory_utilization={fraction}: the vLLM engine would take {fraction * total_bytes / gib:.1f}"
+        f" GiB of the device's {total_bytes / gib:.1f} GiB, but training's models leave {free_bytes / gib:.1f} GiB "
+        f"free: set generator.vllm_gpu_memory_utilization<={max(fits, 0.0):.2f}, or shard the trained models "
+        "(pipeline=fsdp, or a pipeline strategy)"
+    )
+
+
 def continuation_seed(seed: int, generated: int) -> int:
     """Seed of a sample resubmitted after `generated` tokens (a migrated sample's continued stream)."""
     digest = hashlib.blake2b(f"{seed}/resume/{generated}".encode(), digest_size=8)
@@ -236,6 +252,7 @@ class VLLMInstance:
         if cpu:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
+            check_memory_fraction(gpu_memory_utilization, *torch.cuda.mem_get_info(self.device))
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
         with _hidden_modules("llvmlite.binding.ffi"):
