@@ -122,3 +122,38 @@ def test_auto_keeps_rt_0_when_the_measured_lockstep_cost_eats_the_gain():
     # an Rt = 0 iteration measures decoding only: the lockstep figure is kept, so Rt stays 0
     policy.observe(BatchObservation(lengths, prompt_len=8, cap=200, slots=128, profile=cheap))
     assert policy.profile is not None and policy.profile.lockstep_s == 0.03 and policy.threshold(128) == 0
+
+
+def _measured_run(policy, lengths, profile, seconds_of, iterations):
+    """Run `iterations` batches: each 'measures' seconds_of(rt > 0) times the simulator's serial prediction of
+    the batch (a machine where migrating is that much slower or faster than predicted); the Rt of each."""
+    serial = simulate(lengths, 8, policy.instances, 0, profile, bs_max=64, slots=128).gen_inf_s
+    chosen = []
+    for _ in range(iterations):
+        rt = policy.threshold(len(lengths))
+        chosen.append(rt)
+        policy.observe(BatchObservation(lengths, prompt_len=8, cap=200, slots=128, profile=profile,
+                                        measured_s=seconds_of(rt > 0) * serial, rt=rt))  # fmt: skip
+    return chosen
+
+
+def test_auto_falls_back_to_off_when_migrating_measures_slower_than_predicted():
+    """The sweep predicts a gain (costly inference to hide), but on this machine a migrating iteration measures
+    twice the serial one (a loaded machine, unmodelled costs): after one Rt = 0 probe auto stays off, trying
+    the sweep's Rt again once every `check_every` iterations, which measures slow again."""
+    import numpy as np
+
+    lengths = LengthDistribution(median=20, sigma=1.0).sample(128, 200, np.random.default_rng(1)).tolist()
+    profile = CostProfile(step_base_s=0.01, step_per_sample_s=0.0, prefill_s_per_token=1e-5,
+                          inference_s_per_token=2e-3, inference_measured=True)  # fmt: skip
+    policy = AutoThreshold(0.5, instances=4, bs_max=64, check_every=4)
+    chosen = _measured_run(policy, lengths, profile, lambda migrating: 2.0 if migrating else 1.0, 12)
+    assert chosen[0] > 0 and chosen[1] == 0  # the initial Rt, then one Rt = 0 probe
+    assert policy.overruled and policy.pays() is False
+    migrating = [i for i, rt in enumerate(chosen) if rt > 0]
+    assert migrating == [0, 5, 10]  # one try after every 4 iterations off, once the measurements said off
+    # the same machine where migrating measures 30% faster: auto keeps migrating, probing Rt = 0 now and then
+    policy = AutoThreshold(0.5, instances=4, bs_max=64, check_every=4)
+    chosen = _measured_run(policy, lengths, profile, lambda migrating: 0.7 if migrating else 1.0, 12)
+    assert [i for i, rt in enumerate(chosen) if rt == 0] == [1, 6, 11]
+    assert policy.pays() is True and not policy.overruled

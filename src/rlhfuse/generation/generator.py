@@ -9,7 +9,9 @@ completion stream is `EngineGenerator.stream(prompts, iteration=...)`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -259,9 +261,17 @@ class EngineGenerator:
     ) -> Iterator[Rollout]:
         # what migration=auto predicted for this batch's Rt (made from the previous batches)
         self._predicted = predictions(self.policy)
+        start = time.perf_counter()
         done = [sample for _, sample in self.stream(prompts, iteration=iteration, sampling=sampling)]
+        seconds = time.perf_counter() - start
         done = gather_finished(done) if self.distributed is not None else sorted(done, key=lambda r: r.row)
-        self.policy.observe(observation(done, self.params.max_new_tokens, self.engines))
+        measured = dataclasses.replace(
+            observation(done, self.params.max_new_tokens, self.engines),
+            measured_s=seconds,
+            rt=self.migration.threshold,
+            fused=False,
+        )
+        self.policy.observe(measured)
         self.pool.rest()
         yield to_rollout(done, self.pad_token_id)
 
@@ -309,6 +319,8 @@ class EngineGenerator:
                 cap=self.params.max_new_tokens,
                 slots=engine.cache.num_slots,
                 profile=CostProfile.fit([engine.stats]),
+                measured_s=result.gen_inf_s,
+                rt=int(agreed),
             )
         )
         return experience, RolloutStats(

@@ -32,6 +32,11 @@ class BatchObservation:
     cap: int
     slots: int
     profile: CostProfile | None
+    # what the batch took, measured: generation + inference seconds of a fused rollout (generation alone when
+    # inference ran apart, `fused=False`), under the threshold `rt` it ran with; None: not measured
+    measured_s: float | None = None
+    rt: int = 0
+    fused: bool = True
 
 
 @runtime_checkable
