@@ -141,6 +141,37 @@ def test_auto_speculates_when_the_batch_is_small_from_measured_costs():
     assert not costs.pays(5, 4) and costs.decide(5, 4)
 
 
+def test_auto_keeps_measuring_plain_steps_while_it_speculates_and_stops_when_they_win():
+    """While verify steps win, a plain step runs after every `explore_every` of them; when the machine changes
+    (plain steps now measure cheaper than verify steps' seconds per token) auto stops speculating. A verify step
+    that only ties a plain one (within the margin) is not chosen."""
+    costs = SpeculationCosts(explore_every=8)
+    for rows in (1, 2):
+        costs.observe_decode(rows, 0.01)
+    for _ in range(10):
+        costs.observe_verify(1, 5, seconds=0.012, tokens=3)  # 3 tokens for 1.2 plain steps: verify wins
+    assert costs.pays(1, 4)
+    chosen = []
+    for _ in range(18):
+        verify = costs.decide(1, 4)
+        chosen.append(verify)
+        if verify:
+            costs.observe_verify(1, 5, seconds=0.012, tokens=3)
+        else:
+            costs.observe_decode(1, 0.01)
+    # 10 verify steps measured above: a plain one first, then one after every 8 verify steps
+    assert chosen == [False] + [True] * 8 + [False] + [True] * 8
+    # the load changed: plain steps now take 2 ms, verify 12 ms for ~3 tokens (4 ms per token): stop
+    for _ in range(40):
+        costs.observe_decode(1, 0.002)
+    assert not costs.pays(1, 4)
+    tie = SpeculationCosts(prior_weight=0.0)
+    for rows in (1, 2):
+        tie.observe_decode(rows, 0.01)
+    tie.observe_verify(1, 5, seconds=0.0198, tokens=2)  # 9.9 ms per token against 10: inside the margin
+    assert not tie.pays(1, 4)
+
+
 def test_bad_speculation_settings_fail_before_generation_naming_the_key(monkeypatch):
     model = _model()
     with pytest.raises(ValueError, match=r"generator\.speculative_tokens=0 must be >= 1"):

@@ -175,24 +175,29 @@ class SpeculationCosts:
 
     Step seconds are kept per batch-size band (B in [2^j, 2^(j+1)): 1, 2-3, 4-7, ...) as moving averages, for
     plain decode steps and verify steps separately (drafting and acceptance included). At batch B, when both
-    are measured for B's band, verify when `verify / tokens_per_row < decode` (a plain step makes one token per
-    row; `tokens_per_row` is measured over the verify steps, from an optimistic prior so that speculation is
-    tried). Before a verify step of that band has been measured the first guess prices a forward pass by its
+    are measured for B's band, verify when `verify / tokens_per_row < decode * (1 - margin)` (a plain step makes
+    one token per row; `tokens_per_row` is measured over the verify steps, from an optimistic prior so that
+    speculation is tried; the margin keeps measurement noise from choosing a verify step that only ties).
+    Before a verify step of that band has been measured the first guess prices a forward pass by its
     positions: `a + b B (K+1)` against `a + b B` (the line fitted on the plain steps, None before two batch
-    sizes: then no speculation). After `explore_every` plain steps in a row one verify step is tried anyway,
-    so a changed acceptance is noticed.
+    sizes: then no speculation). Both alternatives stay measured: after `explore_every` plain steps in a row
+    one verify step is tried anyway (a changed acceptance is noticed), and after `explore_every` verify steps
+    in a row one plain step runs (a machine whose load changed is noticed), so auto never keeps a choice the
+    other measures better than for more than `explore_every` steps.
     """
 
     prior_tokens_per_row: float = 2.0
     prior_weight: float = 4.0
     explore_every: int = 64
     smoothing: float = 0.2
+    margin: float = 0.05
     decode: LineFit = field(default_factory=LineFit)
     decode_s: dict[int, float] = field(default_factory=dict)
     verify_s: dict[int, float] = field(default_factory=dict)
     rows_verified: int = 0
     tokens_verified: int = 0
     plain_since_verify: int = 0
+    verify_since_plain: int = 0
 
     def _average(self, table: dict[int, float], rows: int, seconds: float) -> None:
         band = rows.bit_length()
@@ -203,12 +208,14 @@ class SpeculationCosts:
         self.decode.add(rows, seconds)
         self._average(self.decode_s, rows, seconds)
         self.plain_since_verify += 1
+        self.verify_since_plain = 0
 
     def observe_verify(self, rows: int, positions: int, seconds: float, tokens: int) -> None:
         self._average(self.verify_s, rows, seconds)
         self.rows_verified += rows
         self.tokens_verified += tokens
         self.plain_since_verify = 0
+        self.verify_since_plain += 1
 
     @property
     def tokens_per_row(self) -> float:
@@ -220,7 +227,7 @@ class SpeculationCosts:
         """Whether a verify step of `rows` x (draft_tokens + 1) positions is predicted to beat a decode step."""
         band = rows.bit_length()
         if band in self.verify_s and band in self.decode_s:
-            return self.verify_s[band] / self.tokens_per_row < self.decode_s[band]
+            return self.verify_s[band] / self.tokens_per_row < self.decode_s[band] * (1 - self.margin)
         line = self.decode.line()
         if line is None:
             return False
@@ -228,7 +235,8 @@ class SpeculationCosts:
         return (a + b * rows * (draft_tokens + 1)) / self.tokens_per_row < a + b * rows
 
     def decide(self, rows: int, draft_tokens: int) -> bool:
-        """`pays`, or an exploring verify step after `explore_every` plain ones."""
+        """`pays`, but an exploring plain step after `explore_every` verify ones, and an exploring verify step
+        after `explore_every` plain ones."""
         if self.pays(rows, draft_tokens):
-            return True
+            return self.verify_since_plain < self.explore_every
         return self.decode.n > 0 and self.plain_since_verify >= self.explore_every
