@@ -17,6 +17,7 @@ and fused against the ideal-overlap bound of the same round (docs/generation.md)
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import socket
@@ -32,7 +33,13 @@ from rlhfuse.generation.engine import EngineStats
 
 
 def _worker(
-    rank: int, port: int, out: str, rounds: int, fractions: tuple[float, ...], overrides: tuple[str, ...]
+    rank: int,
+    port: int,
+    out: str,
+    rounds: int,
+    fractions: tuple[float, ...],
+    overrides: tuple[str, ...],
+    backend: str = "engine",
 ) -> None:
     import torch.distributed as dist
 
@@ -58,12 +65,24 @@ def _worker(
         PromptLoader(load_prompts(cfg.data, tok, seed=cfg.seed), cfg.data.prompts_per_iteration, seed=cfg.seed)
         .next_batch(), tok.pad_id)  # fmt: skip
     inferencer = ModelInferencer(cfg.inferencer, actor=models.actor, ref=models.ref, critic=models.critic,
-                                 reward_model=models.reward, reward_fn=None, tokenizer=tok, temperature=1.0)  # fmt: skip
+                                 reward_model=models.reward, rewards=None, tokenizer=tok, temperature=1.0)  # fmt: skip
     params = SamplingParams(
         max_new_tokens=cfg.generator.sampling.max_new_tokens, stop_token_ids=(tok.eos_id,)
     )
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))  # fmt: skip
+    batch = cfg.data.prompts_per_iteration * cfg.data.samples_per_prompt
+    width = prompts.input_ids_BP.shape[1]
+    mechanism = "kv"
+    if backend == "vllm":  # one engine per rank in the job's world, built once as an RLHF run builds it
+        from rlhfuse.generation.vllm_engine import VLLMPool
+
+        config = dataclasses.replace(cfg.generator, name="vllm")
+        config.vllm.vllm_kv_cache_gb = 0.25
+        pool = VLLMPool(models.actor, config, max_prompt_len=width, seed=0)
+        (vllm,) = pool.instances(1, width, batch, params)
+        mechanism = "reprefill"
     results: dict[str, list[float]] = {}
     # per round: (this rank's generation end, its inference seconds, Gen+Inf, samples it stole) from the start
     breakdown: dict[str, list[tuple[float, float, float, int]]] = {}
@@ -75,12 +94,16 @@ def _worker(
             requests = requests_for(
                 prompts, samples_per_prompt=cfg.data.samples_per_prompt, seed=0, iteration=r
             )
-            engine = GenerationEngine(models.actor, params, num_slots=len(requests),
-                                      max_len=prompts.input_ids_BP.shape[1] + params.max_new_tokens)  # fmt: skip
+            if backend == "vllm":
+                engine = vllm
+                engine.stats = EngineStats()
+            else:
+                engine = GenerationEngine(models.actor, params, num_slots=len(requests),
+                                          max_len=width + params.max_new_tokens)  # fmt: skip
             threshold = round(fraction * len(requests))
             dist.barrier()
             res = fused_generate_infer(engine, inferencer, requests, threshold=threshold, bs_max=len(requests),
-                                       mechanism="kv", micro_batch=16, pad_token_id=tok.pad_id)  # fmt: skip
+                                       mechanism=mechanism, micro_batch=16, pad_token_id=tok.pad_id)  # fmt: skip
             ids = res.experience.rollout.response_ids_BR
             if serial_ids is None:
                 serial_ids = ids
@@ -96,10 +119,15 @@ def _worker(
         {"results": results, "lengths": lengths, "breakdown": breakdown, "identical": identical},
         f"{out}.{rank}",
     )
+    if backend == "vllm":
+        pool.close()
     dist.destroy_process_group()
 
 
-def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "default job") -> None:
+def _measured(
+    quick: bool, overrides: tuple[str, ...] = (), label: str = "default job", backend: str = "engine"
+) -> dict[str, float]:
+    """The paired serial / fused speedups (median per Rt) of `backend`'s instances (engine | vllm)."""
     rounds = 2 if quick else 5
     fractions = (0.1, 0.2, 0.4)
     with socket.socket() as s:
@@ -109,7 +137,8 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
         out = str(Path(tmp) / "fusion.pt")
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_worker, args=(r, port, out, rounds, fractions, overrides)) for r in range(2)
+            ctx.Process(target=_worker, args=(r, port, out, rounds, fractions, overrides, backend))
+            for r in range(2)
         ]
         for p in procs:
             p.start()
@@ -122,9 +151,9 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
             raise RuntimeError(f"fusion benchmark workers failed: exit codes {[p.exitcode for p in procs]}")
         data, peer = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     lengths = sorted(data["lengths"])
-    print(f"{label}, first batch: {len(lengths)} samples, response length p50 {lengths[len(lengths) // 2]}, "
-          f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = 2 gloo processes, "
-          f"{rounds} rounds")  # fmt: skip
+    print(f"{label}, {backend} instances, first batch: {len(lengths)} samples, response length p50 "
+          f"{lengths[len(lengths) // 2]}, p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}; 2 instances = "
+          f"2 gloo processes, {rounds} rounds")  # fmt: skip
     serial = data["results"]["serial"]
     same = all(data["identical"]) and all(peer["identical"])
     print(f"  serial generation then inference: median {statistics.median(serial) * 1e3:7.1f} ms; fused samples "
@@ -135,10 +164,12 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
     bounds = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2) for a, b in serial_rows]
     print(f"  ideal-overlap bound max(max_r G_r, sum_r (G_r + I_r) / 2): median {statistics.median(bounds) * 1e3:7.1f}"
           " ms")  # fmt: skip
+    speedups: dict[str, float] = {}
     for name, times in data["results"].items():
         if name == "serial":
             continue
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
+        speedups[name] = statistics.median(ratios)
         of_bound = [b / f for b, f in zip(bounds, times, strict=True)]
         # the same bound from the fused round's own work (its generation includes the migrated tail)
         own = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2)
@@ -161,6 +192,7 @@ def _measured(quick: bool, overrides: tuple[str, ...] = (), label: str = "defaul
                          f"{(total - gen - inf) * 1e3:6.1f} stolen {stolen:4.0f}")  # fmt: skip
         print(f"  {name:>14}: " + " | ".join(parts))
     print(f"  1-minute load average after the run: {os.getloadavg()[0]:.2f}")
+    return speedups
 
 
 def _simulated() -> None:
@@ -283,8 +315,50 @@ def _speculative(quick: bool) -> None:
             print(line)
 
 
+def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]) -> None:
+    """`rlhfuse-train experiment=longtail generator.instances=2` once per setting (rounds alternating between
+    them), each a whole run: the median of `time/generation_inference` (generation + inference, what migration
+    and speculation change) over its iterations past the first, and each setting's ratio to the first one's."""
+    import json
+    import subprocess
+    import sys
+
+    iterations, rounds = (3, 1) if quick else (8, 2)
+    medians: dict[str, list[float]] = {name: [] for name in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for name, overrides in settings.items():
+                run_dir = Path(tmp) / f"{name.replace('=', '-')}-{r}"
+                cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=longtail", f"generator={generator}",
+                       "generator.instances=2", f"iterations={iterations}", "logger=quiet", *overrides,
+                       f"hydra.run.dir={run_dir}"]  # fmt: skip
+                done = subprocess.run(
+                    cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+                )
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                medians[name].append(statistics.median(row["time/generation_inference"] for row in rows[1:]))
+    first = next(iter(settings))
+    print(f"whole runs, experiment=longtail generator={generator} generator.instances=2, {iterations} iterations, "
+          f"{rounds} round(s): median time/generation_inference over iterations 2..{iterations}")  # fmt: skip
+    for name in settings:
+        ratio = statistics.median(a / b for a, b in zip(medians[first], medians[name], strict=True))
+        print(f"  {name:>22}: {statistics.median(medians[name]):6.3f} s | {first} / this: {ratio:.2f}x")
+    print(f"  1-minute load average after the runs: {os.getloadavg()[0]:.2f}")
+
+
 def run(quick: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    whole_runs(
+        quick,
+        "engine",
+        {
+            "migration=off": ("migration=off",),
+            "migration=auto": ("migration=auto",),
+            "speculative=auto": ("migration=off", "generator.speculative=auto"),
+        },
+    )
     _speculative(quick)
     _measured(quick)
     _measured(quick, ("experiment=longtail",), "experiment=longtail")

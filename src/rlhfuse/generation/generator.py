@@ -193,6 +193,10 @@ class EngineGenerator:
         return self.pool.actor_copies()
 
     def close(self) -> None:
+        """The pool's instances shut down, and no reference to them kept here: an engine holding process-wide
+        state (vLLM's groups) must not outlive its shutdown until the interpreter's exit tears things down in
+        arbitrary order."""
+        self.engines, self.coordinator.engines, self.distributed = [], [], None
         self.pool.close()
 
     @property

@@ -30,6 +30,7 @@ vLLM's sleep mode where the platform has it (CUDA/ROCm; not the CPU backend) and
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import sys
@@ -565,4 +566,5 @@ class VLLMPool:
         for instance in self.built:
             instance.close()
         self.built = []
+        gc.collect()  # the engines' objects go now, while the process group they were built in still exists
         self._tmp.cleanup()
