@@ -127,8 +127,7 @@ def test_invalid_migration_settings_name_the_fix():
 
 
 def test_every_migration_choice_composes():
-    for choice in ("none", "off", "fixed", "auto"):
+    for choice in ("off", "fixed", "auto"):
         cfg = compose_config([f"migration={choice}", "generator=engine", "generator.instances=2"])
-        # migration=none is an alias of off: one policy, one name
-        assert cfg.migration.name == {"none": "off"}.get(choice, choice)
+        assert cfg.migration.name == choice
         validate(cfg)

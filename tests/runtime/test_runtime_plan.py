@@ -10,7 +10,7 @@ import pytest
 from rlhfuse.pipeline import serial_one_f_one_b
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.pipeline.simulate import simulate
-from rlhfuse.runtime.config import PIPELINE_STRATEGIES
+from rlhfuse.trainer.components import STRATEGIES
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.plan import (
     PLANNERS,
@@ -46,7 +46,8 @@ def test_profile_floors_scales_and_round_trips() -> None:
 
 
 def test_serial_and_fused_are_two_planning_functions_chosen_by_name() -> None:
-    assert set(PLANNERS) == set(PIPELINE_STRATEGIES)
+    # the runtime's schedules are the strategies registered with a pipeline layout
+    assert set(PLANNERS) == {n for n in STRATEGIES.names() if STRATEGIES.get(n).kind == "pipelines"}
     assert planner_for("fused") is plan_fused and planner_for("serial_1f1b") is plan_serial_1f1b
     with pytest.raises(ValueError, match=r"schedule='zigzag' is not one of \['fused', 'serial_1f1b'\]"):
         planner_for("zigzag")

@@ -81,7 +81,7 @@ def test_unknown_component_names_list_the_known_ones():
     with pytest.raises(ValueError) as err:
         validate(cfg)
     assert (
-        "unknown strategy pipeline.name='fusd': known strategy names are ['fused', 'plain', 'serial_1f1b']"
+        "unknown strategy pipeline.name='fusd': known strategy names are ['fsdp', 'fused', 'plain', 'serial_1f1b']"
         in str(err.value)
     )
     # the registry gained the verifiable rewards (issue 14): exact_match, numeric_match, answer_format

@@ -6,7 +6,7 @@ prefetches, every device copy recorded on the compute stream, and the CPU's infe
 import torch
 
 from rlhfuse.core.inference import InferencerConfig
-from rlhfuse.core.protocols import SwapsWeights
+from rlhfuse.core.protocols import Inferencer
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
@@ -62,7 +62,7 @@ def test_offloaded_inference_outputs_are_unchanged() -> None:
             actor=_model("lm", 0), ref=_model("lm", 1), critic=_model("value", 2),
             reward_model=_model("value", 3), rewards=None, tokenizer=build_tokenizer(), temperature=1.0,
         )  # fmt: skip
-        assert isinstance(inf, SwapsWeights) and len(inf.offloaded) == (2 if offload else 0)
+        assert isinstance(inf, Inferencer) and len(inf.offloaded) == (2 if offload else 0)
         inf.prefetch()
         exp = inf.infer(rollout)
         inf.release()

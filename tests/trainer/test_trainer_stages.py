@@ -8,7 +8,7 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.inference import InferencerConfig
-from rlhfuse.core.optim import StrategyConfig, lr_lambda, micro_batches
+from rlhfuse.core.optim import OptimConfig, lr_lambda, micro_batches
 from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
@@ -81,7 +81,7 @@ def test_advantages_are_zero_on_padding_and_the_score_lands_on_the_last_token():
 def _strategy(micro, tokens=0):
     actor, _, critic, _ = _models()
     return PlainStrategy(
-        actor, critic, StrategyConfig(warmup_steps=0), AlgorithmConfig(),
+        actor, critic, OptimConfig(warmup_steps=0), AlgorithmConfig(),
         fabric=Fabric(accelerator="cpu", devices=1, precision="32-true"),
         total_steps=10, micro_batch_size=micro, micro_batch_tokens=tokens,
     )  # fmt: skip

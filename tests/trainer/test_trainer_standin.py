@@ -11,7 +11,7 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.inference import InferencerConfig
-from rlhfuse.core.optim import StrategyConfig
+from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.data.prompts import PromptLoader, load_prompts
@@ -81,7 +81,7 @@ def test_inference_runs_on_the_standin_with_the_cpu_values(how) -> None:
 
 def _strategy(actor: Transformer, critic: Transformer, micro: int, tokens: int, **kw) -> PlainStrategy:
     return PlainStrategy(
-        actor, critic, StrategyConfig(warmup_steps=0, **kw), AlgorithmConfig(),
+        actor, critic, OptimConfig(warmup_steps=0, **kw), AlgorithmConfig(),
         fabric=Fabric(accelerator="cpu", devices=1, precision="32-true"),
         total_steps=10, micro_batch_size=micro, micro_batch_tokens=tokens,
     )  # fmt: skip

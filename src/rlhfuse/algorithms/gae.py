@@ -456,7 +456,7 @@ def compute_gae(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked GAE (eq. 1–3 of this module's docstring); returns (advantages_BT, returns_BT), 0 at masked tokens.
 
-    `backend` ("auto", "torch", "triton"; see `rlhfuse.ops`) picks the Triton reverse-scan kernel on CUDA. Off
+    `backend` ("auto", "torch", "triton"; see `rlhfuse.algorithms.ops`) picks the Triton reverse-scan kernel on CUDA. Off
     that path, `method` picks the implementation: "auto" (default) = `compute_gae_numba` on CPU tensors when numba
     is installed and no input requires grad, `compute_gae_scan` otherwise; "numba", "scan" or "matrix"
     (`compute_gae_matrix`, the one-product-per-chunk form, with `chunk_size`) force one.

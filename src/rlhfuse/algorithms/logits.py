@@ -154,7 +154,7 @@ def logprobs_from_logits(
 
     Never materialises a full log_softmax copy: rows of the flattened (B·T, V) logits are processed `chunk_size`
     at a time, and the backward pass recomputes softmax per chunk from the saved logits. Returns `logprobs_BT` in
-    fp32. Dispatches through `rlhfuse.ops.chosen_logprobs` (Triton on CUDA, `chosen_logprobs_torch` elsewhere).
+    fp32. Dispatches through `rlhfuse.algorithms.ops.chosen_logprobs` (Triton on CUDA, `chosen_logprobs_torch` elsewhere).
     """
     from rlhfuse.algorithms import ops  # deferred: ops imports this module for the reference
 

@@ -88,9 +88,6 @@ class OptimConfig:
         return problems
 
 
-StrategyConfig = OptimConfig  # the name earlier releases and docs used
-
-
 def resolve_precision(precision: str, device_type: str) -> str:
     """pipeline.precision with `auto` resolved for the device: bf16-mixed on CUDA, 32-true elsewhere."""
     if precision == "auto":

@@ -73,6 +73,15 @@ class Inferencer(Protocol):
 
     def infer(self, rollout: Rollout) -> Experience: ...
 
+    def prefetch(self) -> None:
+        """The generation tail starts: frozen models kept in host memory start moving onto the device (the copy
+        overlaps with decoding); nothing for an inferencer whose models stay where they are."""
+        ...
+
+    def release(self) -> None:
+        """After the rollout's last inference: frozen models back to host memory (or nothing)."""
+        ...
+
 
 StageHook = Callable[[str], None]
 """Told the name of each sub-stage as it starts ("generation", "inference"), e.g. to show progress."""
@@ -176,16 +185,6 @@ class Callback(Protocol):
     def on_exception(self, trainer: Any, error: BaseException) -> None:
         """When fit stops with an error (the error is re-raised afterwards)."""
         ...
-
-
-@runtime_checkable
-class SwapsWeights(Protocol):
-    """An inferencer whose frozen models live in host memory between rollouts: `prefetch` when the generation
-    tail starts (the copy overlaps with decoding), `release` after the rollout's last inference."""
-
-    def prefetch(self) -> None: ...
-
-    def release(self) -> None: ...
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhfuse.core.protocols import Inferencer, SwapsWeights
+from rlhfuse.core.protocols import Inferencer
 from rlhfuse.core.types import Experience
 from rlhfuse.generation.coordinator import Instance, MigrationReport, balance
 from rlhfuse.generation.distributed import InstanceFailure, decode_until_migration
@@ -143,10 +143,9 @@ def fused_generate_infer(
             finished += decode_until_migration(engine, transport, threshold=threshold, bs_max=bs_max,
                                                mechanism=mechanism, link_bytes_per_s=link_bytes_per_s,
                                                report=report, group=group)  # fmt: skip
-        if isinstance(inferencer, SwapsWeights):
-            # the tail starts here (a destination decodes it next; a freed rank infers now; without migration
-            # generation is over): frozen models' weights start moving onto the device
-            inferencer.prefetch()
+        # the tail starts here (a destination decodes it next; a freed rank infers now; without migration
+        # generation is over): frozen models' weights start moving onto the device
+        inferencer.prefetch()
         if report.at and rank in report.freed:
             gen_end = time.perf_counter()
             on_freed()  # the instance has nothing left to decode: its memory may go to inference

@@ -37,7 +37,7 @@ from rlhfuse.generation.engine import (
 )
 from rlhfuse.generation.fusion import fused_generate_infer
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
-from rlhfuse.generation.transport import collective_device
+from rlhfuse.generation.transport import PointToPoint, collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer, load_weights
 
@@ -181,7 +181,8 @@ class EngineGenerator:
         self.coordinator = Coordinator(
             [], bs_max=setup.bs_max, mechanism=mechanism, link_bytes_per_s=link_bytes_per_s
         )
-        self.distributed: DistributedCoordinator | None = None
+        # the last batch's migration report (one per batch, whichever path ran it)
+        self.report = MigrationReport()
         self.engines: list[Instance] = []  # the last batch's instances (their statistics)
         self._predicted: tuple[object, object] | None = None
 
@@ -196,7 +197,7 @@ class EngineGenerator:
         """The pool's instances shut down, and no reference to them kept here: an engine holding process-wide
         state (vLLM's groups) must not outlive its shutdown until the interpreter's exit tears things down in
         arbitrary order."""
-        self.engines, self.coordinator.engines, self.distributed = [], [], None
+        self.engines, self.coordinator.engines = [], []
         self.pool.close()
 
     @property
@@ -233,14 +234,14 @@ class EngineGenerator:
         width = max(len(r.prompt_P) for r in requests)
         threshold = self.policy.threshold(len(requests))
         if not self.is_distributed():
-            self.distributed = None
             self.coordinator.engines = self._engines_for(width, len(requests), self.config.instances, params)
             released = False
             for index, sample in self.coordinator.run(requests, threshold=threshold):
                 yield index, sample
-                if not released and self.coordinator.report.at:  # the freed instances have nothing left
+                self.report = self.coordinator.report
+                if not released and self.report.at:  # the freed instances have nothing left
                     released = True
-                    for freed in self.coordinator.report.freed:
+                    for freed in self.report.freed:
                         self.pool.release(freed)
             return
         # every rank must use the same Rt (policies tune on rank-local timings): rank 0's
@@ -248,14 +249,14 @@ class EngineGenerator:
         distributed.broadcast(agreed, 0)
         (engine,) = self._engines_for(width, len(requests), 1, params)
         c = self.coordinator
-        self.distributed = DistributedCoordinator(
+        coordinator = DistributedCoordinator(
             engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
         )
         rank = distributed.rank()
         released = False
-        for sample in self.distributed.run(requests, threshold=int(agreed)):
+        for sample in coordinator.run(requests, threshold=int(agreed)):
             yield rank, sample
-            report = self.distributed.report
+            report = self.report = coordinator.report
             if not released and report.at and rank in report.freed:
                 released = True
                 self.pool.release(0)
@@ -268,7 +269,7 @@ class EngineGenerator:
         start = time.perf_counter()
         done = [sample for _, sample in self.stream(prompts, iteration=iteration, sampling=sampling)]
         seconds = time.perf_counter() - start
-        done = gather_finished(done) if self.distributed is not None else sorted(done, key=lambda r: r.row)
+        done = gather_finished(done) if self.is_distributed() else sorted(done, key=lambda r: r.row)
         measured = dataclasses.replace(
             observation(done, self.params.max_new_tokens, self.engines),
             measured_s=seconds,
@@ -313,7 +314,7 @@ class EngineGenerator:
             micro_batch=micro_batch, pad_token_id=self.pad_token_id, on_freed=lambda: self.pool.release(0),
         )  # fmt: skip
         self.pool.rest()
-        self.distributed = DistributedCoordinator(engine, bs_max=c.bs_max, report=result.report)
+        self.report = result.report
         experience = result.experience.to(self.device)  # rewards, KL and GAE run on the device
         rollout = experience.rollout
         self.policy.observe(
@@ -336,7 +337,7 @@ class EngineGenerator:
 
     @property
     def migration(self) -> MigrationReport:
-        return self.distributed.report if self.distributed is not None else self.coordinator.report
+        return self.report
 
     def generation_stats(self) -> GenerationStats:
         """Statistics of the last `generate`: migration, running batch size, engine tokens/s (over every
@@ -351,9 +352,10 @@ class EngineGenerator:
             sum(s.spec_accepted for s in stats),
             sum(sum(s.step_tokens) for s in stats),
         ]
-        if self.distributed is not None:  # every instance's counts, decode batch sizes and busy seconds
+        if self.is_distributed():  # every instance's counts, decode batch sizes and busy seconds
             mine = pack_tensors([*counts, *sizes], [torch.tensor([busy], dtype=torch.float64)])
-            parts = [unpack_tensors(p) for p in self.distributed.transport.all_gather(mine)]
+            transport = PointToPoint(collective_device(None, self.device))
+            parts = [unpack_tensors(p) for p in transport.all_gather(mine)]
             sizes = [b for ints, _ in parts for b in ints[len(counts) :]]
             busy = sum(float(t[0]) for _, (t,) in parts)
             counts = [sum(ints[i] for ints, _ in parts) for i in range(len(counts))]

@@ -10,8 +10,6 @@ from typing import Any, Literal
 from rlhfuse.core.config import choice_problems, flat_field, need, positive
 from rlhfuse.core.optim import OptimConfig
 
-PIPELINE_STRATEGIES = ("fused", "serial_1f1b")
-
 
 @dataclass
 class PipelineConfig:
@@ -32,8 +30,9 @@ class PipelineConfig:
     critic_pp: int = 2
     # Tensor-parallel degree of the Actor / the Critic, for training and pipeline inference: each stage is split
     # Megatron-style over tp consecutive ranks (`rlhfuse.runtime.tensor_parallel`). Must divide the heads and
-    # the intermediate size (and the kv heads, or be a multiple of them). World size must be
-    # max(actor_pp, critic_pp) * tp * data-parallel groups; both models use the same tp (actor_tp == critic_tp).
+    # the intermediate size (and the kv heads, or be a multiple of them). The two may differ when the smaller
+    # divides the larger: the smaller-tp model's consecutive stages merge onto the larger-tp groups (docs/
+    # distributed.md, "Merged stages"). World size: the fused group's width times the data-parallel groups.
     actor_tp: int = 1
     critic_tp: int = 1
     # Micro-batches per mini-batch and data-parallel group (0 = data.mini_batch_size / data.micro_batch_size /
@@ -88,12 +87,13 @@ def launched_world_size(nproc_per_node: int) -> int:
 def validate_runtime(cfg: Any) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, actor_only_layout
+    from rlhfuse.runtime.plan import PLANNERS  # the runtime's pipeline schedules, by name
 
     d = cfg.distributed
     problems: list[str] = []
     p = cfg.pipeline
     world = launched_world_size(max(d.nproc_per_node, 1))
-    if p.name not in PIPELINE_STRATEGIES:
+    if p.name not in PLANNERS:
         if world > 1:
             problems.append(
                 f"pipeline={p.name} runs in one process but distributed.nproc_per_node={world}: use "

@@ -275,7 +275,8 @@ class PipelineInferencer:
         self.rewards, self.tokenizer = rewards, tokenizer
         self.rows = rows  # the dataset rows' fields by prompt id, for the reward function's records
         self.temperature = temperature if temperature > 0 else 1.0
-        self.timeout_s, self.prefetch, self.autocast = timeout_s, prefetch, autocast
+        # receives posted this many compute ops before their consumer (pipeline.prefetch)
+        self.timeout_s, self.recv_prefetch, self.autocast = timeout_s, prefetch, autocast
         self.rank = distributed.rank()
         # collective, same order on every rank: one point-to-point group per inference model (its messages
         # never match another model's, nor the training's)
@@ -329,9 +330,15 @@ class PipelineInferencer:
     def program(self, microbatches: int) -> tuple[Problem, Program]:
         if microbatches not in self.programs:
             self.programs[microbatches] = forward_program(
-                self.layout, microbatches, self.names, prefetch=self.prefetch
+                self.layout, microbatches, self.names, prefetch=self.recv_prefetch
             )
         return self.programs[microbatches]
+
+    def prefetch(self) -> None:
+        """The stages stay on their ranks' devices: nothing to bring in."""
+
+    def release(self) -> None:
+        """Nothing to send back to host memory."""
 
     def infer(self, rollout: Rollout) -> Experience:
         device = next(iter(self.stages.values())).parameters().__next__().device

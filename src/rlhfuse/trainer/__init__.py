@@ -11,7 +11,6 @@ from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.checkpoint import CheckpointConfig, load_checkpoint, save_checkpoint
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.inference import InferencerConfig
-from rlhfuse.core.optim import StrategyConfig
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
 from rlhfuse.core.sampling import GeneratorConfig
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
@@ -48,7 +47,6 @@ __all__ = [
     "Rollout",
     "SamplingGenerator",
     "Strategy",
-    "StrategyConfig",
     "TrainBatch",
     "build_trainer",
     "compose_config",

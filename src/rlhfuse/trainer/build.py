@@ -29,7 +29,6 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.distributed.fsdp import full_state
 from rlhfuse.models import Transformer, cast_copy
-from rlhfuse.runtime.config import PIPELINE_STRATEGIES, launched_world_size
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import (
     ExportActor,
@@ -40,9 +39,8 @@ from rlhfuse.trainer.callbacks import (
     SampleTable,
     TaskScore,
 )
-from rlhfuse.trainer.components import GENERATORS, INFERENCERS, STRATEGIES, BuildContext
-from rlhfuse.trainer.config import RLHFConfig, fuses_rollout, resolve_components
-from rlhfuse.trainer.data_parallel import plain_world_size
+from rlhfuse.trainer.components import INFERENCERS, BuildContext
+from rlhfuse.trainer.config import RLHFConfig, resolve_components
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
 from rlhfuse.trainer.fsdp import FSDPStrategy, ShardedInference
@@ -51,15 +49,16 @@ from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
+from rlhfuse.trainer.topology import Topology, generator_entry, strategy_entry, topology
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import check_context, raise_problems, validate
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
 
 def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> RolloutStage:
-    """Step 1's form, chosen once: fused generation + inference when each rank is one generation instance of
-    the engine (`fuses_rollout`), the serial stage otherwise."""
-    if fuses_rollout(ctx.config, ctx.fabric.world_size):
+    """Step 1's form, chosen once: fused generation + inference when each rank is one generation instance
+    (`Topology.fused_rollout`), the serial stage otherwise."""
+    if ctx.topology.fused_rollout:
         assert isinstance(generator, FusingGenerator), type(generator)
         return FusedRollout(generator, inferencer)
     return SerialRollout(generator, inferencer, pad_token_id=ctx.models.tokenizer.pad_id)
@@ -81,21 +80,23 @@ def embedded_task(config: RLHFConfig) -> WarmStartTask:
     )
 
 
-def sharded_construction(config: RLHFConfig, fabric: Fabric) -> dict[str, tuple[int, set[int]]] | None:
-    """Under pipeline=fused|serial_1f1b with the pipeline inferencer: role -> (stages, the stages this rank
+def sharded_construction(
+    config: RLHFConfig, layout: Topology, fabric: Fabric
+) -> dict[str, tuple[int, set[int]]] | None:
+    """Under a pipeline strategy with the pipeline inferencer: role -> (stages, the stages this rank
     holds), so that each rank materialises only its stages of the four models (Ref placed like the Actor, Reward
     like the Critic). None (whole models on every rank) otherwise, e.g. when each rank is one generation instance
     that infers its own samples with whole models."""
-    if config.pipeline.name not in PIPELINE_STRATEGIES or config.inferencer.name != "pipeline":
+    if not layout.pipelines or config.inferencer.name != "pipeline":
         return None
     from rlhfuse.runtime.strategy import pipeline_layout
 
     d, with_critic = config.data, uses_critic(config.algorithm)
-    layout = pipeline_layout(
+    stages = pipeline_layout(
         config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size, critic=with_critic
     )
-    held = layout.held_stages(fabric.global_rank)  # critic-free: the critic slot places only the Reward
-    actor, critic = (layout.stages("actor"), held["actor"]), (layout.stages("critic"), held["critic"])
+    held = stages.held_stages(fabric.global_rank)  # critic-free: the critic slot places only the Reward
+    actor, critic = (stages.stages("actor"), held["actor"]), (stages.stages("critic"), held["critic"])
     return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
 
 
@@ -122,20 +123,16 @@ def add_stop_tokens(config: RLHFConfig, tokenizer: Tokenizer) -> None:
     sampling.stop_token_ids = [*sampling.stop_token_ids, *sorted(extra)]
 
 
-def make_fabric(config: RLHFConfig, device: torch.device) -> Fabric:
+def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> Fabric:
     precision = resolve_precision(config.pipeline.optim.precision, device.type)
     if precision == "bf16-true":
         # the models themselves hold bf16 weights (`cast_models`) and compute in them: no autocast, and
         # MasterWeightAdamW keeps fp32 masters (Fabric's own bf16-true would keep bf16 optimizer states)
         precision = "32-true"
     accelerator = "cuda" if device.type == "cuda" else "cpu"
-    if config.pipeline.name in PIPELINE_STRATEGIES:
-        world = launched_world_size(config.distributed.nproc_per_node)
-    else:
-        world = plain_world_size(config)  # one process per generation instance
-    if world > 1 or config.pipeline.name == "fsdp":  # FSDP shards over a process group, of one rank too
+    if layout.process_group:  # several processes, or models sharded over a group (of one rank too)
         return distributed_fabric(
-            nproc_per_node=world,
+            nproc_per_node=layout.world,
             backend=config.distributed.backend,
             timeout_s=config.distributed.timeout_s,
             device_type=device.type,
@@ -224,6 +221,7 @@ def build_trainer(
         config = apply_plan(config, resolve_device(config.device), log=log)
     config = resolve_components(config, log=log)
     counts = validate(config)
+    layout = topology(config)  # the processes and what they are, derived once
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
@@ -232,7 +230,7 @@ def build_trainer(
     # a resume that changes what may not change, or has nothing left to train, fails before anything is built
     record = config_record(config)  # as validated (the tokenizer's stop ids are added below)
     check_resume_config(config, run_dir, checkpoint_dir, record)
-    if config.pipeline.name in PIPELINE_STRATEGIES:  # a layout mismatch fails before any model is built
+    if layout.pipelines:  # a layout mismatch fails before any model is built
         from rlhfuse.runtime.checkpoint import check_resume
 
         check_resume(config, checkpoint_dir, run_dir)
@@ -272,15 +270,15 @@ def build_trainer(
     device = resolve_device(config.device)  # this rank's: cuda:LOCAL_RANK under torchrun
     claim_device(device)  # before the process group: NCCL, Triton launches and current_device() follow it
     allow_tf32(device)
-    fabric = make_fabric(config, device)
+    fabric = make_fabric(config, layout, device)
     if fabric.world_size > 1:
         device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
-    shard = sharded_construction(config, fabric)
+    shard = sharded_construction(config, layout, fabric)
     # pipeline=fsdp: the models are read into host memory and each unit moves to the device as it is sharded, so
     # no model is ever whole on the device (the generation copy moves there whole: `fsdp_strategy`)
-    load_device = torch.device("cpu") if config.pipeline.name == "fsdp" else device
+    load_device = torch.device("cpu") if layout.sharded else device
     if warm:
         sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
         models = load_models(
@@ -312,9 +310,12 @@ def build_trainer(
     )
     fabric.seed_everything(config.seed, verbose=False)
 
-    ctx = BuildContext(config, models, fabric, counts.total_optimizer_steps, rows=rows, rewards=rewards)
-    strategy = ctx.strategy = STRATEGIES.get(config.pipeline.name)(ctx)
-    generator = GENERATORS.get(config.generator.name)(ctx)
+    ctx = BuildContext(
+        config, layout, models, fabric, counts.total_optimizer_steps, rows=rows, rewards=rewards
+    )
+    # the strategy first: it may shard or place the models the generator copies and the inferencer runs
+    strategy = ctx.strategy = strategy_entry(config.pipeline.name).build(ctx)
+    generator = generator_entry(config.generator.name).build(ctx)
     inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
     sharded = isinstance(strategy, FSDPStrategy)  # pipeline=fsdp: the four models sharded over the ranks
     if sharded:  # each rank infers its share of the rollout with them, in lockstep

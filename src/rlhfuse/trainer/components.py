@@ -27,11 +27,13 @@ from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
 from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.topology import GeneratorEntry, StrategyEntry, Topology
 
 
 @dataclass
 class BuildContext:
     config: RLHFConfig
+    topology: Topology
     models: Models
     fabric: Fabric
     total_steps: int
@@ -43,11 +45,9 @@ class BuildContext:
 
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator | InstanceGenerator:
-    """Under pipeline=fused|serial_1f1b: world / generator.tp generation instances over consecutive ranks, each
+    """Under the pipeline strategies: world / generator.tp generation instances over consecutive ranks, each
     decoding its own share of the samples (`InstanceGenerator`; generator.tp = 1 included); one process: a
     whole Actor copy (`SamplingGenerator`)."""
-    from rlhfuse.runtime.config import PIPELINE_STRATEGIES
-
     cfg = ctx.config
     args: dict[str, Any] = dict(
         eos_token_id=ctx.models.tokenizer.eos_id,
@@ -55,7 +55,7 @@ def sampling_generator(ctx: BuildContext) -> SamplingGenerator | InstanceGenerat
         samples_per_prompt=cfg.data.samples_per_prompt,
         seed=cfg.seed,
     )
-    if cfg.pipeline.name in PIPELINE_STRATEGIES and ctx.fabric.world_size > 1:
+    if ctx.topology.pipelines and ctx.topology.world > 1:
         return InstanceGenerator(
             ctx.models.for_generation(), cfg.generator.sampling, tp=cfg.generator.tp, **args
         )
@@ -269,14 +269,15 @@ def auto_threshold(ctx: BuildContext) -> AutoThreshold:
 
 Builder = Callable[[BuildContext], Any]
 
-# The registry table: every name a config group may choose, and the builder it selects.
-GENERATORS: Registry[Builder] = Registry(
+# The registry table: every name a config group may choose, and the entry it selects (what it can do, and the
+# builder that makes it: `rlhfuse.trainer.topology`).
+GENERATORS: Registry[GeneratorEntry] = Registry(
     "generator",
     "generator.name",
     {
-        "sampling": sampling_generator,
-        "engine": engine_generator,
-        "vllm": vllm_generator,
+        "sampling": GeneratorEntry(sampling_generator, instances=False),
+        "engine": GeneratorEntry(engine_generator, instances=True),
+        "vllm": GeneratorEntry(vllm_generator, instances=True),
     },
 )
 INFERENCERS: Registry[Builder] = Registry(
@@ -287,14 +288,14 @@ INFERENCERS: Registry[Builder] = Registry(
         "pipeline": pipeline_inferencer,
     },
 )
-STRATEGIES: Registry[Builder] = Registry(
+STRATEGIES: Registry[StrategyEntry] = Registry(
     "strategy",
     "pipeline.name",
     {
-        "plain": plain_strategy,
-        "fsdp": fsdp_strategy,
-        "fused": fused_strategy,
-        "serial_1f1b": serial_1f1b_strategy,
+        "plain": StrategyEntry(plain_strategy, "replicas"),
+        "fsdp": StrategyEntry(fsdp_strategy, "sharded"),
+        "fused": StrategyEntry(fused_strategy, "pipelines"),
+        "serial_1f1b": StrategyEntry(serial_1f1b_strategy, "pipelines"),
     },
 )
 MIGRATION_POLICIES: Registry[Builder] = Registry(

@@ -18,12 +18,7 @@ from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.data.config import DataConfig
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.planner.specs import DeviceProfile
-from rlhfuse.runtime.config import (
-    PIPELINE_STRATEGIES,
-    DistributedConfig,
-    PipelineConfig,
-    launched_world_size,
-)
+from rlhfuse.runtime.config import DistributedConfig, PipelineConfig
 from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, ACTOR_ONLY_RUN
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
@@ -36,7 +31,7 @@ PLAN_MODES = get_args(PlanMode)
 @dataclass
 class MigrationConfig:
     # Sample-migration policy of a multi-instance generator (inter-stage fusion): off = no migration (the only
-    # policy the single-process generator supports; `migration=none` selects it too) | fixed | auto.
+    # policy the single-process generator supports) | fixed | auto.
     name: str = "off"
     # Rt (migration=fixed|auto): migrate the long tail when this many samples (>= 1) or this fraction of the
     # batch (< 1) remain unfinished; migration=auto starts from it and re-tunes Rt from observed lengths.
@@ -167,17 +162,6 @@ def derived_counts(cfg: RLHFConfig) -> DerivedCounts:
     return DerivedCounts(samples, minis, per_iteration, accumulation, per_iteration * cfg.iterations)
 
 
-def fuses_rollout(cfg: RLHFConfig, world_size: int) -> bool:
-    """Whether the rollout fuses inference into generation across processes: generator=engine or vllm with one
-    generation instance per rank (inter-stage fusion); otherwise generation and inference run in turn. Not under
-    pipeline=fsdp: its models are sharded, so every forward is collective and inference runs in lockstep
-    after generation (`rlhfuse.trainer.fsdp.ShardedInference`)."""
-    instances = cfg.generator.instances
-    sharded = cfg.pipeline.name == "fsdp"
-    multi_instance = cfg.generator.name in ("engine", "vllm")
-    return multi_instance and instances > 1 and instances == world_size and not sharded
-
-
 def actor_only_message(cfg: RLHFConfig) -> str:
     """What pipeline=fused / serial_1f1b runs with a critic-free algorithm (the plan's own note, with the keys)."""
     p, a = cfg.pipeline, cfg.algorithm.name
@@ -193,32 +177,34 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     """The component choices a layout implies, applied before validation and printed with their rule (never a
     silent swap); every other choice is taken as given and validated.
 
-    - generator=sampling with generator.instances > 1 -> generator=engine (only the engine has instances);
-    - inferencer=models under pipeline=fused / serial_1f1b -> inferencer=pipeline (the same forward passes over
-      the training layout), unless each rank is one generation instance and infers its own samples;
+    - a generator without instances (generator=sampling) with generator.instances > 1 -> generator=engine;
+    - inferencer=models under a pipeline strategy -> inferencer=pipeline (the same forward passes over the
+      training layout), unless each rank is one generation instance and infers its own samples;
     - algorithm.loss_reduction=sequence_sum with algorithm.loss_constant_length=0 -> the constant length is
       generator.max_new_tokens (the documented meaning of 0).
 
     A critic-free algorithm under pipeline=fused / serial_1f1b is printed too (`actor_only_message`): the
     pipeline trains the Actor alone with 1F1B.
     """
+    from rlhfuse.trainer.topology import generator_entry, topology
+
     g, i = cfg.generator, cfg.inferencer
-    if g.name == "sampling" and g.instances > 1:
+    if g.instances > 1 and not generator_entry(g.name).instances:
         log(
-            f"rlhfuse: generator=sampling -> engine (rule: generator.instances={g.instances} > 1 needs the "
+            f"rlhfuse: generator={g.name} -> engine (rule: generator.instances={g.instances} > 1 needs the "
             "engine's instances; set generator=engine to choose it yourself)"
         )
         g = dataclasses.replace(g, name="engine")
     resolved = dataclasses.replace(cfg, generator=g)
-    world = launched_world_size(cfg.distributed.nproc_per_node)
-    if i.name == "models" and cfg.pipeline.name in PIPELINE_STRATEGIES and not fuses_rollout(resolved, world):
+    layout = topology(resolved)
+    if i.name == "models" and layout.pipelines and not layout.fused_rollout:
         log(
             f"rlhfuse: inferencer=models -> pipeline (rule: pipeline={cfg.pipeline.name} runs the Ref / Reward "
             "/ Critic forward passes over the training layout's stages)"
         )
         i = dataclasses.replace(i, name="pipeline")
     a = cfg.algorithm
-    if cfg.pipeline.name in PIPELINE_STRATEGIES and a.name in ALGORITHMS and not uses_critic(a):
+    if layout.pipelines and a.name in ALGORITHMS and not uses_critic(a):
         log(actor_only_message(cfg))
     if a.loss_reduction == "sequence_sum" and a.loss_constant_length == 0:
         length = g.sampling.max_new_tokens

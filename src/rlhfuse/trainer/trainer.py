@@ -32,7 +32,7 @@ from rlhfuse.core.checkpoint import (
     set_rng_state,
 )
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy, SwapsWeights
+from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy
 from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, TrainBatch
@@ -110,8 +110,7 @@ class RLHFTrainer:
                 f"iteration {it}: reward/mean is {err.value}: {err}; stopped before training, no checkpoint "
                 "written for this iteration"
             ) from None
-        if isinstance(self.inferencer, SwapsWeights):
-            self.inferencer.release()  # frozen models back to host memory until the next rollout
+        self.inferencer.release()  # frozen models back to host memory until the next rollout (or nothing)
         metrics: dict[str, float] = {}
         self._call("on_rollout_end", experience, metrics)
         # 2. rewards, KL penalty and the algorithm's advantages (GAE, or a group / batch baseline)
@@ -239,7 +238,7 @@ class RLHFTrainer:
 
     @property
     def _rank0(self) -> bool:
-        return bool(getattr(self.fabric, "global_rank", 0) == 0)
+        return self.fabric.global_rank == 0
 
     def resume(self) -> None:
         """Apply `config.resume`: never | auto (the run recorded in run_dir, if any: `resume_path`) | a

@@ -22,17 +22,13 @@ from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
-from rlhfuse.runtime.config import (
-    PIPELINE_STRATEGIES,
-    PipelineConfig,
-    launched_world_size,
-    validate_runtime,
-)
+from rlhfuse.runtime.config import PipelineConfig, validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
-from rlhfuse.trainer.data_parallel import plain_world_size, validate_plain_launch
+from rlhfuse.trainer.data_parallel import validate_plain_launch
 from rlhfuse.trainer.device import device_problems, resolve_device
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.topology import Topology, generator_entry, topology
 
 
 def validate(cfg: RLHFConfig) -> DerivedCounts:
@@ -102,19 +98,15 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         (MIGRATION_POLICIES, cfg.migration.name),
     ):
         need(problems, value in registry, registry.unknown_message(value))
-    if cfg.pipeline.name in PIPELINE_STRATEGIES:
-        problems += validate_runtime(cfg)
-        world = launched_world_size(cfg.distributed.nproc_per_node)
-    else:
-        problems += validate_plain_launch(cfg)
-        world = plain_world_size(cfg)
-    problems += device_problems(cfg.device, world)
+    layout = topology(cfg)
+    problems += validate_runtime(cfg) if layout.pipelines else validate_plain_launch(cfg)
+    problems += device_problems(cfg.device, layout.world)
     model, where = _model_shape(cfg, problems)
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
     coef = cfg.pipeline.optim.router_aux_loss_coef
-    if coef > 0 and cfg.pipeline.name in PIPELINE_STRATEGIES:
+    if coef > 0 and layout.pipelines:
         problems.append(
             f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain and fsdp "
             f"only (pipeline={cfg.pipeline.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
@@ -124,18 +116,14 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             f"pipeline.router_aux_loss_coef={coef}: the Actor ({where}) has no mixture-of-experts layers, so "
             "there is no load to balance: set pipeline.router_aux_loss_coef=0"
         )
-    problems += generation_tp_problems(cfg)
+    problems += generation_tp_problems(cfg, layout)
     problems += fsdp_problems(cfg)
     problems += attention_problems(cfg)
-    problems += lora_problems(cfg, model, where)
+    problems += lora_problems(cfg, layout, model, where)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     pipe = cfg.pipeline
-    if (
-        pipe.name in PIPELINE_STRATEGIES
-        and max(pipe.actor_tp, pipe.critic_tp) > 1
-        and cfg.inferencer.name != "pipeline"
-    ):
+    if layout.pipelines and max(pipe.actor_tp, pipe.critic_tp) > 1 and cfg.inferencer.name != "pipeline":
         problems.append(
             f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
             "but "
@@ -143,7 +131,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             "whole models on every rank: use generator.instances=1 (inference then runs over the training layout, "
             "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
         )
-    if cfg.pipeline.name not in PIPELINE_STRATEGIES:
+    if not layout.pipelines:
         for key in ("actor_tp", "critic_tp"):
             if getattr(cfg.pipeline, key) != 1:
                 problems.append(
@@ -152,7 +140,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
                     f"pipeline.{key}=1"
                 )
     if g.name == "vllm":
-        problems += _vllm_problems(cfg, model)
+        problems += _vllm_problems(cfg, layout, model)
     return problems
 
 
@@ -249,29 +237,25 @@ def attention_problems(cfg: RLHFConfig) -> list[str]:
     return problems
 
 
-def generation_tp_problems(cfg: RLHFConfig) -> list[str]:
+def generation_tp_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
     """generator.tp: each generation instance spans generator.tp ranks, so it must divide the world."""
     g, problems = cfg.generator, list[str]()
     if g.tp < 1:
         return [f"generator.tp={g.tp} must be >= 1"]
     if g.tp == 1:
         return problems
-    world = (
-        launched_world_size(cfg.distributed.nproc_per_node)
-        if cfg.pipeline.name in PIPELINE_STRATEGIES
-        else g.instances
-    )
+    world = layout.world if layout.pipelines else g.instances
     if world % g.tp:
         problems.append(
             f"generator.tp={g.tp} does not divide the world size {world} ({world} % {g.tp} = {world % g.tp}; "
             f"generation instances = world size / generator.tp): set generator.tp to a divisor of {world}"
         )
-    if g.name != "sampling":
+    if g.name in GENERATORS and generator_entry(g.name).instances:
         problems.append(
             f"generator.tp={g.tp}: tensor-parallel generation instances run generator=sampling (the engine's and "
             f"vLLM's tensor parallelism is not built): set generator=sampling or generator.tp=1"
         )
-    if cfg.pipeline.name not in PIPELINE_STRATEGIES:
+    if not layout.pipelines:
         problems.append(
             f"generator.tp={g.tp} spans ranks of the pipeline strategies; pipeline={cfg.pipeline.name} runs one "
             "process per generation instance: use pipeline=fused or pipeline=serial_1f1b, or generator.tp=1"
@@ -302,13 +286,14 @@ def algorithm_problems(cfg: RLHFConfig) -> list[str]:
 EMBEDDED_PROMPT_POSITIONS = 64 + 16
 
 
-def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> list[str]:
-    """model.lora: the plain strategy trains the adapters; every generator takes the merged weights."""
+def lora_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None, where: str) -> list[str]:
+    """model.lora: the replica and sharded strategies train the adapters; every generator takes the merged
+    weights."""
     rank = cfg.model.lora.rank
     if not cfg.model.lora.enabled:
         return []
     problems = []
-    if cfg.pipeline.name in PIPELINE_STRATEGIES:
+    if layout.pipelines:
         problems.append(
             f"model.lora.rank={rank}: LoRA adapters train under pipeline=plain and fsdp only (pipeline="
             f"{cfg.pipeline.name} shards the Actor over pipeline stages, which carry no adapters yet): set "
@@ -411,7 +396,7 @@ def _memory_bytes(device: str) -> int | None:
         return None
 
 
-def _vllm_problems(cfg: RLHFConfig, model: ModelConfig | None) -> list[str]:
+def _vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
     """generator=vllm: vLLM installed, re-prefill migration, a model vLLM's backend computes (read from the
     config or the checkpoint's config.json, before any model is built)."""
     from rlhfuse.generation.vllm_engine import check_vllm_supported
@@ -428,15 +413,10 @@ def _vllm_problems(cfg: RLHFConfig, model: ModelConfig | None) -> list[str]:
             "migration.mechanism=kv: vLLM engines cannot export a sample's KV cache; with generator=vllm set "
             "migration.mechanism=reprefill (or auto)"
         )
-    world = (
-        launched_world_size(cfg.distributed.nproc_per_node)
-        if cfg.pipeline.name in PIPELINE_STRATEGIES
-        else plain_world_size(cfg)
-    )
-    if cfg.generator.in_process and cfg.generator.instances > 1 and world > 1:
+    if cfg.generator.in_process and cfg.generator.instances > 1 and layout.world > 1:
         problems.append(
             f"generator=vllm with generator.in_process=true steps {cfg.generator.instances} engines in one process, "
-            f"but this job has {world} processes, each of which builds one vLLM engine: set "
+            f"but this job has {layout.world} processes, each of which builds one vLLM engine: set "
             "generator.in_process=false (one instance per process)"
         )
     if model is None:

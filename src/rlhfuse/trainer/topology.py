@@ -1,0 +1,103 @@
+"""The run's topology, derived once from the configuration: how the training strategy lays the models out over
+the processes, how many processes and generation instances there are, and so whether the rollout fuses
+inference into generation. Every "is this a pipeline strategy / how many processes / does the rollout fuse"
+is asked of a `Topology`, and what a component can do of its registry entry (`StrategyEntry`,
+`GeneratorEntry`), never of a component's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.trainer.data_parallel import plain_world_size
+
+if TYPE_CHECKING:
+    from rlhfuse.trainer.config import RLHFConfig
+
+StrategyKind = Literal["replicas", "sharded", "pipelines"]
+"""How a training strategy lays the models out: `replicas` (whole models on every rank: one process, or data
+parallel over one process per generation instance), `sharded` (the same processes, the models sharded over
+them), `pipelines` (the Actor and Critic cut into pipeline stages over `distributed.nproc_per_node` processes)."""
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """A registered training strategy (`pipeline=<name>`): its builder and its layout."""
+
+    build: Callable[[Any], Any]
+    kind: StrategyKind
+
+
+@dataclass(frozen=True)
+class GeneratorEntry:
+    """A registered generator (`generator=<name>`): its builder, and whether it drives generation instances
+    (several, migration between them, one per process, inference fused into the tail)."""
+
+    build: Callable[[Any], Any]
+    instances: bool
+
+
+def strategy_entry(name: str) -> StrategyEntry:
+    """`pipeline=<name>`'s entry; a user's own builder (`package.module:function`) lays out replicas."""
+    from rlhfuse.trainer.components import STRATEGIES
+
+    found = STRATEGIES.get(name)
+    return found if isinstance(found, StrategyEntry) else StrategyEntry(found, "replicas")
+
+
+def generator_entry(name: str) -> GeneratorEntry:
+    """`generator=<name>`'s entry; a user's own builder drives no instances."""
+    from rlhfuse.trainer.components import GENERATORS
+
+    found = GENERATORS.get(name)
+    return found if isinstance(found, GeneratorEntry) else GeneratorEntry(found, instances=False)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The processes of a run and what they are.
+
+    `world`: processes (torchrun's WORLD_SIZE when launched by it). `instances`: generation instances (one per
+    process under `replicas` / `sharded` unless `generator.in_process`; under `pipelines`, world /
+    generator.tp tensor-parallel instances with generator=sampling, else `generator.instances`).
+    `fused_rollout`: each process is one instance of a generator with instances, and the models it infers with
+    are whole on it, so the rollout fuses inference into generation across processes (inter-stage fusion)."""
+
+    strategy: StrategyKind
+    world: int
+    instances: int
+    fused_rollout: bool
+
+    @property
+    def pipelines(self) -> bool:
+        return self.strategy == "pipelines"
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "sharded"
+
+    @property
+    def process_group(self) -> bool:
+        """Whether the run needs a process group: several processes, or models sharded over a group (of one)."""
+        return self.world > 1 or self.sharded
+
+
+def topology(cfg: RLHFConfig) -> Topology:
+    """The topology `cfg` describes (a name no registry knows counts as replicas and no instances: validation
+    reports it)."""
+    from rlhfuse.trainer.components import GENERATORS, STRATEGIES
+
+    kind = strategy_entry(cfg.pipeline.name).kind if cfg.pipeline.name in STRATEGIES else "replicas"
+    g = cfg.generator
+    if kind == "pipelines":
+        world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
+    else:
+        world = plain_world_size(cfg)
+    with_instances = g.name in GENERATORS and generator_entry(g.name).instances
+    instances = world // max(g.tp, 1) if kind == "pipelines" and not with_instances else g.instances
+    # sharded models make every forward collective: inference runs in lockstep after generation
+    fused = with_instances and g.instances > 1 and g.instances == world and kind != "sharded"
+    return Topology(kind, world, instances, fused)
