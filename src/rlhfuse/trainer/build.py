@@ -26,7 +26,6 @@ from rlhfuse.data.prompts import (
     uses_chat_template,
 )
 from rlhfuse.data.synthetic import SyntheticTask
-from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.distributed.fsdp import full_state
 from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
@@ -40,7 +39,7 @@ from rlhfuse.trainer.callbacks import (
     TaskScore,
 )
 from rlhfuse.trainer.components import INFERENCERS, BuildContext
-from rlhfuse.trainer.config import RLHFConfig, resolve_components
+from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
 from rlhfuse.trainer.fsdp import FSDPStrategy, ShardedInference
@@ -49,9 +48,10 @@ from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
-from rlhfuse.trainer.topology import Topology, generator_entry, strategy_entry, topology
+from rlhfuse.trainer.spec import compile_run, with_stop_tokens
+from rlhfuse.trainer.topology import Topology, generator_entry, strategy_entry
 from rlhfuse.trainer.trainer import RLHFTrainer
-from rlhfuse.trainer.validate import check_context, raise_problems, validate
+from rlhfuse.trainer.validate import check_context, raise_problems
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
 
@@ -113,14 +113,6 @@ def generation_copy(generator: Generator, config: RLHFConfig) -> Transformer:
     copy = found[0]
     assert isinstance(copy, Transformer), type(copy)  # the in-process generators copy the Actor itself
     return copy
-
-
-def add_stop_tokens(config: RLHFConfig, tokenizer: Tokenizer) -> None:
-    """The tokenizer's stop ids besides its EOS (generation_config.json's eos list) join generator.stop_token_ids,
-    which every generator stops on."""
-    sampling = config.generator.sampling
-    extra = set(tokenizer.stop_ids) - {tokenizer.eos_id} - set(sampling.stop_token_ids)
-    sampling.stop_token_ids = [*sampling.stop_token_ids, *sorted(extra)]
 
 
 def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> Fabric:
@@ -214,14 +206,8 @@ def build_trainer(
     """The trainer `config` describes, everything built and checked (`fit()` runs it). `train_dataset` and
     `eval_dataset` (`datasets.Dataset`s, TRL's names) give the training and held-out prompts in place of
     `data.path` and `eval.path`."""
-    config = with_datasets(config, train_dataset, eval_dataset)
-    if config.plan == "auto":  # the planner chooses the layout before anything is built
-        from rlhfuse.trainer.planning import apply_plan
-
-        config = apply_plan(config, resolve_device(config.device), log=log)
-    config = resolve_components(config, log=log)
-    counts = validate(config)
-    layout = topology(config)  # the processes and what they are, derived once
+    spec = compile_run(with_datasets(config, train_dataset, eval_dataset), log=log)
+    config, layout, counts = spec.config, spec.topology, spec.counts
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     run_dir.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
@@ -246,7 +232,7 @@ def build_trainer(
     else:
         assert m.sft_path is not None
         tokenizer = load_tokenizer(m.tokenizer_path, m.sft_path)
-    add_stop_tokens(config, tokenizer)
+    config = with_stop_tokens(config, tokenizer)
     if uses_chat_template(config.data, tokenizer):
         log(f"rlhfuse: prompts rendered with the chat template of {tokenizer.template_source}")
     prompts = load_prompts(config.data, tokenizer, seed=config.seed, dataset=train_dataset)
