@@ -318,13 +318,18 @@ def _speculative(quick: bool) -> None:
 def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]) -> None:
     """`rlhfuse-train experiment=longtail generator.instances=2` once per setting (rounds alternating between
     them), each a whole run: the median of `time/generation_inference` (generation + inference, what migration
-    and speculation change) over its iterations past the first, and each setting's ratio to the first one's."""
+    and speculation change) over its iterations past the first, and each setting's ratio to the first one's.
+    The runs draw the same samples at first and drift apart later (float rounding: docs/generation.md, "What
+    stays identical"), and the policy's response lengths grow over a run, so the medians are also given per
+    1000 generated tokens of each iteration (its samples x mean response length)."""
     import json
     import subprocess
     import sys
 
     iterations, rounds = (3, 1) if quick else (8, 2)
     medians: dict[str, list[float]] = {name: [] for name in settings}
+    per_token: dict[str, list[float]] = {name: [] for name in settings}
+    migrating: dict[str, list[float]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for name, overrides in settings.items():
@@ -338,13 +343,24 @@ def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]
                 if done.returncode != 0:
                     raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
                 rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-                medians[name].append(statistics.median(row["time/generation_inference"] for row in rows[1:]))
+                later = rows[1:]
+                medians[name].append(statistics.median(row["time/generation_inference"] for row in later))
+                per_token[name].append(statistics.median(
+                    1000 * row["time/generation_inference"] / (row["response_length/mean"] * row["throughput/samples_per_s"]
+                                                               * row["time/iteration"]) for row in later
+                ))  # fmt: skip
+                migrating[name].append(
+                    sum(row.get("migration/threshold", 0) > 0 for row in later) / len(later)
+                )
     first = next(iter(settings))
     print(f"whole runs, experiment=longtail generator={generator} generator.instances=2, {iterations} iterations, "
           f"{rounds} round(s): median time/generation_inference over iterations 2..{iterations}")  # fmt: skip
     for name in settings:
         ratio = statistics.median(a / b for a, b in zip(medians[first], medians[name], strict=True))
-        print(f"  {name:>22}: {statistics.median(medians[name]):6.3f} s | {first} / this: {ratio:.2f}x")
+        token_ratio = statistics.median(a / b for a, b in zip(per_token[first], per_token[name], strict=True))
+        print(f"  {name:>22}: {statistics.median(medians[name]):6.3f} s ({first} / this {ratio:.2f}x) | "
+              f"{statistics.median(per_token[name]):6.3f} s per 1000 tokens ({first} / this {token_ratio:.2f}x) | "
+              f"migrating in {statistics.median(migrating[name]):.0%} of the iterations")  # fmt: skip
     print(f"  1-minute load average after the runs: {os.getloadavg()[0]:.2f}")
 
 
