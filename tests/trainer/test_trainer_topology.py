@@ -1,0 +1,82 @@
+"""The run's topology is derived once from the configuration and the registry entries (no component name is
+tested elsewhere): the layout kind of each registered strategy, processes, generation instances, and whether
+the rollout fuses inference into generation."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhfuse.trainer import compose_config
+from rlhfuse.trainer.components import GENERATORS, STRATEGIES
+from rlhfuse.trainer.spec import compile_run, with_stop_tokens
+from rlhfuse.trainer.topology import StrategyEntry, generator_entry, strategy_entry, topology
+
+
+@pytest.fixture(autouse=True)
+def _not_under_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def test_every_registered_strategy_and_generator_says_what_it_can_do():
+    kinds = {name: strategy_entry(name).kind for name in STRATEGIES.names()}
+    assert kinds == {"plain": "replicas", "fsdp": "sharded", "fused": "pipelines", "serial_1f1b": "pipelines"}
+    assert {name: generator_entry(name).instances for name in GENERATORS.names()} == {
+        "sampling": False,
+        "engine": True,
+        "vllm": True,
+    }
+    # a user's own builder named by import path lays out replicas, with no instances
+    own = strategy_entry("rlhfuse.trainer.components:plain_strategy")
+    assert isinstance(own, StrategyEntry) and own.kind == "replicas"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], ("replicas", 1, 1, False, False)),
+        (["generator=engine", "generator.instances=2"], ("replicas", 2, 2, True, True)),
+        (
+            ["generator=engine", "generator.instances=2", "generator.in_process=true"],
+            ("replicas", 1, 2, False, False),
+        ),
+        (["pipeline=fsdp", "generator=engine", "generator.instances=2"], ("sharded", 2, 2, False, True)),
+        (["pipeline=fsdp"], ("sharded", 1, 1, False, True)),
+        (
+            ["pipeline=fused", "distributed.nproc_per_node=4", "generator.tp=2"],
+            ("pipelines", 4, 2, False, True),
+        ),
+        (
+            [
+                "pipeline=serial_1f1b",
+                "distributed.nproc_per_node=2",
+                "generator=engine",
+                "generator.instances=2",
+            ],
+            ("pipelines", 2, 2, True, True),
+        ),
+    ],
+)
+def test_the_topology_of_each_layout(overrides, expected):
+    layout = topology(compose_config(overrides))
+    kind, world, instances, fused, group = expected
+    assert (layout.strategy, layout.world, layout.instances, layout.fused_rollout) == (
+        kind,
+        world,
+        instances,
+        fused,
+    )
+    assert layout.process_group is group
+
+
+def test_a_run_is_compiled_once_and_the_tokenizers_stops_make_a_new_configuration():
+    given = compose_config(["generator.instances=2"])  # sampling with 2 instances: the engine's
+    spec = compile_run(given, log=lambda _: None)
+    assert spec.config.generator.name == "engine" and given.generator.name == "sampling"
+    assert spec.topology.fused_rollout and spec.counts.samples_per_iteration == 128
+
+    class Stops:
+        eos_id, stop_ids = 1, (1, 7)
+
+    stopped = with_stop_tokens(spec.config, Stops())  # type: ignore[arg-type]
+    assert stopped.generator.sampling.stop_token_ids == [7]
+    assert spec.config.generator.sampling.stop_token_ids == []  # the compiled spec is left as it was
