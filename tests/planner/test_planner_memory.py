@@ -154,6 +154,17 @@ LAYOUTS = [
         "bf16-true",
         dict(num_heads=4, num_kv_heads=1, architecture="qwen2", vocab_size=127, num_layers=3),
     ),
+    # mixtures of experts: Qwen3-MoE with 4 experts (a dense second layer), 2 whole experts per rank in training
+    # and generation; Mixtral with 3 experts, each split over its width (96 of 192 per rank), a whole generation
+    # copy
+    (
+        (2, 2),
+        2,
+        2,
+        "32-true",
+        dict(architecture="qwen3_moe", num_experts=4, moe_intermediate_size=24, mlp_only_layers=(1,)),
+    ),
+    ((1, 1), 2, 1, "bf16-true", dict(architecture="mixtral", num_experts=3)),
 ]
 
 
@@ -200,6 +211,27 @@ def test_predicted_bytes_per_rank_equal_what_the_runtime_builds(
             "gradients": want.gradients,
             "master_weights": want.master_weights,
         }, f"rank {rank} of pp={pp} tp={tp} generator.tp={gen_tp} {precision}"
+
+
+def test_a_mixture_holds_whole_experts_when_tp_divides_them_and_slices_otherwise() -> None:
+    """One layer of 8 experts of width 96, hidden 64 (the router, 8 x 64, replicated): tp 2 and 4 hold 4 and 2
+    whole experts (3 x 64 x 96, 3 tensors each), tp 3 a third of every expert's width (3 x 64 x 32, 24 tensors)."""
+    import dataclasses
+
+    from rlhfuse.planner.memory import expert_shard
+
+    spec = ModelSpec("moe", layers=1, hidden=64, heads=12, head_size=16, ffn=128, vocab=12, experts=8,
+                     expert_ffn=96, experts_per_token=2, moe_layers=(True,))  # fmt: skip
+    no_mlp = dataclasses.replace(spec, ffn=0, moe_layers=(False,))  # a dense MLP of width 0: 3 empty tensors
+    assert [expert_shard(spec, tp) for tp in (1, 2, 3, 4)] == [(8, 96), (4, 96), (8, 32), (2, 96)]
+    for tp, params, tensors in (
+        (1, 8 * 64 + 8 * 3 * 64 * 96, 1 + 8 * 3),
+        (2, 8 * 64 + 4 * 3 * 64 * 96, 1 + 4 * 3),
+        (3, 8 * 64 + 8 * 3 * 64 * 32, 1 + 8 * 3),
+        (4, 8 * 64 + 2 * 3 * 64 * 96, 1 + 2 * 3),
+    ):
+        n, rest = shard_count(spec, "lm", tp=tp), shard_count(no_mlp, "lm", tp=tp)
+        assert (n.params - rest.params, n.tensors - rest.tensors + 3) == (params, tensors), tp
 
 
 def test_layer_ranges_are_the_runtime_split() -> None:

@@ -5,7 +5,9 @@ pipeline.actor_tp = 2, on 4 gloo ranks (float64), one process group for both lay
   loads it) and fused with actor_pp=1 x tp=2 (two data-parallel tp groups: 1F1B, nothing to fuse with);
 - two GRPO updates (KL in the loss) equal `PlainStrategy`'s on the whole model: loss, gradient norm, learning
   rate, the whole weights reassembled from the shards (`actor_weights`, generator.tp = 1) and each rank's shard
-  for generator.tp = 2 (`shard_state`) after every step;
+  for generator.tp = 2 (`shard_state` over the training tp group, and `Resharder`) after every step;
+- mixtures of experts the same way: Qwen3-MoE with 4 experts (2 whole experts per rank) and Mixtral with 3
+  (every expert split over its width);
 - what each rank holds equals the planner's memory model (`rlhfuse.planner.memory.rank_memories` for an Actor
   alone): parameter bytes of the trained shard and AdamW's state bytes after a step, exactly.
 """
@@ -44,6 +46,7 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
     from rlhfuse.planner.memory import rank_memories
     from rlhfuse.planner.specs import ModelSpec
     from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer
     from rlhfuse.trainer.strategy import PlainStrategy
@@ -87,6 +90,12 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
         for name, value in mine.items():
             err = float((value - expected[name]).abs().max())
             assert err < 2e-5, (rank, schedule, step, "shard", name, err)
+        resharded = Resharder(pipe.layout, rank, pipe.models["actor"], 2).run()
+        expected = shard_transformer(oracle.actor, rank % 2, 2).state_dict()
+        assert resharded.keys() == expected.keys()
+        for name, value in resharded.items():
+            err = float((value - expected[name]).abs().max())
+            assert err < 2e-5, (rank, schedule, step, "resharded", name, err)
     # the planner's memory model: this rank's trained shard and its optimizer state, byte for byte
     spec = ModelSpec.from_config(whole.config)
     local = layout.pipeline_rank(rank) % layout.group_size
@@ -120,12 +129,21 @@ def _moe_worker(rank: int, world: int, folder: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_mixture_of_experts_actor_with_tp2_equals_the_single_process_oracle() -> None:
-    """Qwen3-MoE (a dense second layer), every expert split over the 2 ranks of its tp group (`ParallelMoEBlock`),
-    the router's gradient summed: the same updates, shards and memory as above."""
+@pytest.mark.parametrize(
+    "moe",
+    [
+        # 4 experts at tp 2: 2 whole experts per rank (`ExpertParallelMoEBlock`); a dense second layer
+        dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             mlp_only_layers=(1,)),
+        # 3 experts at tp 2: every expert split over its width (`WidthSplitMoEBlock`)
+        dict(architecture="mixtral", num_experts=3, num_experts_per_tok=2, intermediate_size=96),
+    ],
+    ids=["whole-experts", "width-split"],
+)  # fmt: skip
+def test_a_mixture_of_experts_actor_with_tp2_equals_the_single_process_oracle(moe: dict) -> None:
+    """A mixture of experts over the 2 ranks of its tp group in either layout, the router's gradient summed: the
+    same updates, shards (the weight sync reassembling or resharding the experts) and memory as above."""
     torch.manual_seed(0)
-    moe = ModelConfig.tiny(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                           mlp_only_layers=(1,), **CONFIG)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(Transformer(moe, head="lm"), pathlib.Path(tmp) / "sft")
+        save_pretrained(Transformer(ModelConfig.tiny(**moe, **CONFIG), head="lm"), pathlib.Path(tmp) / "sft")
         run_distributed(_moe_worker, 2, tmp, timeout=280.0)

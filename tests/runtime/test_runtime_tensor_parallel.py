@@ -1,6 +1,10 @@
 """Tensor parallelism of the project's Transformer (tp=2 on 2 gloo ranks, float64) equals the single-process
 oracle: logits (this rank's vocabulary slice, padded rows zero), chosen-token log-probs, entropy, values,
-gradients of every shard, one AdamW step, greedy tokens; and the split's arithmetic errors name the key."""
+gradients of every shard, one AdamW step, greedy tokens; each rank holds what the planner's memory model counts
+(a mixture: its own whole experts, or every expert's slice of its width), and the shards reassemble into the
+stepped whole model (`unshard_state`, the weight sync's and the export's source) and back (`shard_state`); the
+resharding plan between whole-expert and width-split layouts covers every generation slice; and the split's
+arithmetic errors name the key."""
 
 from __future__ import annotations
 
@@ -60,12 +64,69 @@ def _worker(rank: int, world: int) -> None:
     # Gemma 2: soft-capped scores (the explicit path) and logits, read off the vocabulary slices
     caps = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     _check(rank, world, ModelConfig.tiny(architecture="gemma2", vocab_size=VOCAB, **windowed, **caps))
-    # mixtures of experts: every expert split over its width, the router's partial gradient summed; Qwen3-MoE
-    # with a dense second layer and top-2 of 4 renormalised, Mixtral top-2 of 3 (an odd expert count)
+    # mixtures of experts, the router's partial gradient summed: Qwen3-MoE with a dense second layer and top-2 of
+    # 4 renormalised, 2 whole experts per rank; top-1 of 8, 4 whole experts per rank, most of them given no token
+    # (each still gets its zero gradient); Mixtral top-2 of 3 (an odd expert count), every expert split over its
+    # width
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     _check(rank, world, ModelConfig.tiny(architecture="qwen3_moe", num_layers=2, vocab_size=VOCAB,
                                          mlp_only_layers=(1,), **moe))  # fmt: skip
+    _check(rank, world, ModelConfig.tiny(architecture="qwen3_moe", num_layers=1, vocab_size=VOCAB, num_experts=8,
+                                         num_experts_per_tok=1, moe_intermediate_size=24))  # fmt: skip
     _check(rank, world, ModelConfig.tiny(architecture="mixtral", vocab_size=VOCAB, num_experts=3))
+
+
+def _held(rank: int, world: int, cfg: ModelConfig, shards: dict[str, torch.nn.Module]) -> None:
+    """Each shard holds exactly what the planner's memory model counts (elements and tensors), and a mixture's
+    block holds its layout's experts: rank r's X / tp whole ones [r X / tp, (r + 1) X / tp) when tp divides X
+    (nothing in the other experts' places), otherwise every expert's width / tp slice."""
+    from rlhfuse.planner.memory import shard_count
+    from rlhfuse.planner.specs import ModelSpec
+    from rlhfuse.runtime.tensor_parallel import (
+        ExpertHeldElsewhere,
+        ExpertParallelMoEBlock,
+        WidthSplitMoEBlock,
+        expert_split,
+    )
+
+    spec = ModelSpec.from_config(cfg)
+    for head, shard in shards.items():
+        params = list(shard.parameters())
+        predicted = shard_count(spec, head, tp=world)
+        assert (sum(p.numel() for p in params), len(params)) == (predicted.params, predicted.tensors), head
+    x, f = cfg.num_experts, cfg.expert_intermediate_size
+    blocks = [m for m in shards["lm"].modules() if isinstance(m, ExpertParallelMoEBlock | WidthSplitMoEBlock)]
+    assert len(blocks) == sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    for block in blocks:
+        experts = dict(block.named_parameters())
+        if expert_split(x, world) == "experts":
+            assert isinstance(block, ExpertParallelMoEBlock)
+            mine = range(rank * x // world, (rank + 1) * x // world)
+            assert {n.split(".")[1] for n in experts if n.startswith("experts.")} == {str(e) for e in mine}
+            assert all(experts[f"experts.{e}.down_proj.weight"].shape == (cfg.hidden_size, f) for e in mine)
+            others = [e for e in range(x) if e not in mine]
+            assert all(isinstance(block.experts[e], ExpertHeldElsewhere) for e in others)
+        else:
+            assert isinstance(block, WidthSplitMoEBlock)
+            assert all(experts[f"experts.{e}.gate_proj.weight"].shape == (f // world, cfg.hidden_size)
+                       for e in range(x))  # fmt: skip
+
+
+def _reassembled(rank: int, shard: torch.nn.Module, whole: torch.nn.Module) -> None:
+    """The shards gathered into whole tensors (`unshard_state`, what the weight sync and the export read) are
+    `whole`'s (to the step's tolerance), under its names and shapes (`full_shapes`); and `shard_state` cuts them
+    back into exactly this shard."""
+    from rlhfuse.runtime.tensor_parallel import full_shapes, shard_state, unshard_state
+
+    want = whole.state_dict()
+    got = unshard_state(shard)
+    assert got.keys() == want.keys() == full_shapes(shard).keys()
+    assert full_shapes(shard) == {k: v.shape for k, v in want.items()}
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-10, msg=f"rank {rank} {name}")
+    mine, back = shard.state_dict(), shard_state(shard, rank, got)
+    assert back.keys() == mine.keys()
+    assert all(torch.equal(back[name], value) for name, value in mine.items()), rank
 
 
 def _check(rank: int, world: int, cfg: ModelConfig) -> None:
@@ -93,6 +154,8 @@ def _check(rank: int, world: int, cfg: ModelConfig) -> None:
     tp_critic = shard_transformer(critic, rank, world)
     shard = tp.vocab_shard
     assert (shard.size, shard.valid) == ((64, 64) if rank == 0 else (64, 63))
+    if not cfg.family.gemma:  # the planner does not count Gemma's sandwich norms
+        _held(rank, world, cfg, {"lm": tp, "value": tp_critic})
 
     # forward: this rank's logits slice, chosen log-probs (temperature), entropy, values
     logits_full = full(ids, attention_mask_BT=mask)
@@ -140,14 +203,19 @@ def _check(rank: int, world: int, cfg: ModelConfig) -> None:
         assert not bad, (rank, bad)  # (name, max |difference|, max |gradient|) of each mismatching shard
     opt.step()
     opt_full.step()
+    # AdamW's first step moves a weight by lr * g / (|g| + eps): a gradient's rounding difference d comes out as
+    # lr * eps * d / (|g| + eps)^2, 100 d for |g| = 1e-6 (a router row of an expert no token chose); a wrong
+    # update is off by ~lr = 1e-2
     for name, _ in tp.named_parameters():
         mine, want = _shard_of(full, tp, name, "data")
         torch.testing.assert_close(
-            mine, want, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"rank {rank} step {name}: {m}"
+            mine, want, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"rank {rank} step {name}: {m}"
         )
     # the step moved the weights (equal slices after a no-op step would prove nothing)
     fresh = shard_transformer(untouched, rank, world)
     assert not torch.equal(fresh.lm_head.weight, tp.lm_head.weight)
+    _reassembled(rank, tp, full)
+    _reassembled(rank, tp_critic, critic)
 
 
 def test_tp2_equals_the_single_process_oracle() -> None:
@@ -177,3 +245,65 @@ def test_split_arithmetic_names_the_key() -> None:
     assert [VocabShard.of(10, r, 4) for r in range(4)] == [
         VocabShard(0, 3, 3), VocabShard(3, 3, 3), VocabShard(6, 3, 3), VocabShard(9, 3, 1)
     ]  # fmt: skip
+
+
+# 6 experts: whole ones at tp 2 (3 per rank), split over their width at tp 4 (6 % 4 != 0, 32 % 4 == 0)
+SIX_EXPERTS = ModelConfig.tiny(architecture="qwen3_moe", vocab_size=130, num_experts=6, moe_intermediate_size=32,
+                               mlp_only_layers=(1,))  # fmt: skip
+
+
+@pytest.mark.parametrize(("pp", "tp"), [(1, 2), (2, 2), (1, 4)])
+def test_the_reshard_plan_moves_whole_experts_and_width_slices(pp: int, tp: int) -> None:
+    """Every rank of 4 plans, from its own training shard (whole experts at tp 2, width slices at tp 4), exactly
+    its generation slice of every tensor for generator.tp 1, 2 and 4 (whole experts at g = 2: nothing of another
+    position's experts; width slices at g = 4), each piece from a holder of the training shard that holds it;
+    the ranks plan the same pieces; and where both layouts hold the same whole experts on the same ranks
+    (tp = g = 2, one stage) nothing moves."""
+    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.reshard import Resharder
+    from rlhfuse.runtime.strategy import pipeline_layout
+    from rlhfuse.runtime.tensor_parallel import _split, expert_split, full_shapes, shard_transformer
+
+    world = 4
+    assert (expert_split(6, 2), expert_split(6, 4)) == ("experts", "width")
+    layout = pipeline_layout(
+        PipelineConfig(actor_pp=pp, critic_pp=pp, actor_tp=tp, critic_tp=tp), world, 8, 4
+    )
+    with torch.device("meta"):
+        whole = Transformer(SIX_EXPERTS, head="lm")
+    models = [shard_transformer(whole, layout.tp_rank(r), tp) for r in range(world)]
+    names = full_shapes(models[0]).keys()
+    assert all(full_shapes(m).keys() == names for m in models)  # the same names, in the same order
+    assert set(names) == set(whole.state_dict())
+    for g in (1, 2, 4):
+        plans = [Resharder(layout, r, models[r], g, ranks_per_node=0).plan for r in range(world)]
+        assert all(p.pieces == plans[0].pieces for p in plans)
+        gen = [_split(shard_transformer(whole, r % g, g)) if g > 1 else {} for r in range(world)]
+        shapes = full_shapes(models[0])
+        for rank in range(world):
+            plan, t = plans[rank], layout.tp_rank(rank)
+            for i, entry in enumerate(plan.entries):
+                name = entry.names[0]
+                mine = [p for p in plan.pieces if p.dst == rank and p.entry == i]
+                dim = gen[rank][name].dim if name in gen[rank] else _split(models[0]).get(name, (0,))[0]
+                covered = torch.zeros(shapes[name][dim], dtype=torch.int64)
+                for p in mine:
+                    covered[p.lo : p.hi] += 1
+                    assert p.src in layout.tp_grad_groups[("actor", entry.stage, layout.tp_rank(p.src))]
+                    lo, hi = (
+                        entry.train.bounds[layout.tp_rank(p.src)] if entry.train else (0, shapes[name][dim])
+                    )
+                    assert lo <= p.lo < p.hi <= hi, (g, rank, name)
+                lo, hi = gen[rank][name].bounds[rank % g] if name in gen[rank] else (0, shapes[name][dim])
+                want = torch.zeros_like(covered)
+                want[lo:hi] = 1
+                assert torch.equal(covered, want), (pp, tp, g, rank, name)
+                if ".experts." in name and tp == 2:  # expert e is whole on position e // 3 only
+                    owner = int(name.split(".experts.")[1].split(".")[0]) // 3
+                    assert all(layout.tp_rank(p.src) == owner for p in mine), (g, rank, name)
+                # what this rank's own training shard holds never comes from another rank
+                if rank in layout.tp_grad_groups[("actor", entry.stage, t)] and entry.train:
+                    t_lo, t_hi = entry.train.bounds[t]
+                    assert all(p.hi <= t_lo or p.lo >= t_hi for p in mine if p.src != rank), (rank, name)
+        if (pp, tp, g) == (1, 2, 2):
+            assert all(p.src == p.dst for p in plans[0].pieces)

@@ -10,6 +10,7 @@ Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -470,22 +471,27 @@ class MoEBlock(nn.Module):
         return logits_NX, experts_NK, weights_NK.to(x_ND.dtype)
 
     def forward(self, x_BTD: Tensor) -> Tensor:
+        return self.expert_sum(x_BTD, range(len(self.experts)))
+
+    def expert_sum(self, x_BTD: Tensor, experts: range) -> Tensor:
+        """The probability-weighted sum of the outputs of `experts` (every expert: the block's output; a tensor-
+        parallel block runs the ones its rank holds, `rlhfuse.runtime.tensor_parallel`), each run on the tokens
+        routed to it, an empty batch included; the routing is over every expert."""
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
         logits_NX, experts_NK, weights_NK = self.route(x_ND)
         if self.recorded is not None:
             self.recorded.append(logits_NX)
-        # (token, slot) pairs grouped by expert: pair p = n * K + k
+        # (token, slot) pairs grouped by expert: pair p = n * K + k; expert e's are [starts[e], starts[e + 1])
         order_P = experts_NK.flatten().argsort(stable=True)
         counts = torch.bincount(
             experts_NK.flatten(), minlength=len(self.experts)
         ).tolist()  # the one host read
+        starts = [0, *itertools.accumulate(counts)]
         out_ND = torch.zeros_like(x_ND)
-        start = 0
-        for expert, count in zip(self.experts, counts, strict=True):
-            pairs = order_P[start : start + count]
-            start += count
+        for e in experts:
+            pairs = order_P[starts[e] : starts[e + 1]]
             tokens = pairs // self.top_k
-            y_MD = expert(x_ND[tokens]) * weights_NK.flatten()[pairs, None]
+            y_MD = self.experts[e](x_ND[tokens]) * weights_NK.flatten()[pairs, None]
             out_ND = out_ND.index_add(0, tokens, y_MD)
         return out_ND.view_as(x_BTD)
 

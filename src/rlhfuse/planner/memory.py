@@ -16,7 +16,10 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
 - **Tensor parallelism** (`rlhfuse.runtime.tensor_parallel.shard_transformer`): q / k / v / gate / up split by
   rows, o / down by columns; kv heads split when tp divides them, otherwise one kv head per rank (replicated);
   the embedding and LM head hold ceil(vocab / tp) rows each (the vocabulary padded to a multiple of tp); norms,
-  the value head and the o bias are replicated. Every decoder block also holds its two RMSNorm weights.
+  the value head and the o bias are replicated. Every decoder block also holds its two RMSNorm weights. A
+  mixture's router is replicated; its experts are held whole, experts / tp per rank, when tp divides the expert
+  count, and each split over its width (every expert's gate / up by rows, down by columns) otherwise
+  (`expert_shard`).
 - **The generation copy**: the whole Actor with `gen_tp = 1`, its `gen_tp` shard (all layers, padded vocabulary)
   otherwise; frozen; bf16 under both bf16 precisions, fp32 under 32-true (`generation_bytes`; the trainer's
   `rlhfuse.core.optim.generation_dtype`), and its KV cache in the same dtype.
@@ -63,7 +66,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from rlhfuse.planner.colocation import Colocation
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.specs import ModelSpec
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -149,6 +152,15 @@ def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
     raise ValueError(f"tp={tp} neither divides kv_heads={kv} nor is a multiple of it")
 
 
+def expert_shard(model: ModelSpec, tp: int) -> tuple[int, int]:
+    """(experts, intermediate size of each) one tp rank holds of a mixture of experts: experts / tp whole ones
+    when tp divides the expert count, every expert's 1 / tp slice of its width otherwise (the runtime's
+    `rlhfuse.runtime.tensor_parallel.expert_split`)."""
+    if model.experts % tp == 0:
+        return model.experts // tp, model.expert_ffn
+    return model.experts, model.expert_ffn // tp
+
+
 @functools.lru_cache(maxsize=65536)
 def shard_count(
     model: ModelSpec, head: str, *, pp: int = 1, stage: int | None = None, tp: int = 1
@@ -170,10 +182,9 @@ def shard_count(
         6 + (3 if model.qkv_bias else 0) + (1 if model.o_bias else 0) + (2 if model.qk_norm else 0),
     )
     dense = ShardCount(3 * h * (model.ffn // tp), 3)
-    # a mixture: the router replicated, every expert split over its width (`ParallelMoEBlock`)
-    mixture = ShardCount(
-        h * model.experts + 3 * h * (model.expert_ffn // tp) * model.experts, 1 + 3 * model.experts
-    )
+    # a mixture: the router replicated; whole experts, or every expert's slice of its width (`expert_shard`)
+    experts, expert_ffn = expert_shard(model, tp)
+    mixture = ShardCount(h * model.experts + 3 * h * expert_ffn * experts, 1 + 3 * experts)
     ranges = _layer_ranges(model.layers, pp)
     stages = range(pp) if stage is None else [stage]
     vocab_rows = -(-model.vocab // tp) if tp > 1 else model.vocab

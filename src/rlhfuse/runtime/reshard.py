@@ -4,7 +4,8 @@ Training holds the Actor as pipeline stages, each split `T` ways tensor-parallel
 one stage's tp position are `ParallelLayout.tp_grad_groups`). Generation runs world / g instances of g
 consecutive ranks (generator.tp = g): rank r is position r % g of instance r // g and needs, of every Actor
 tensor, exactly the slice `shard_transformer(actor, r % g, g)` holds (vocabulary padded to a multiple of g, the
-padded rows zero; a kv head replicated when g exceeds the kv heads). Any T and any g dividing the world.
+padded rows zero; a kv head replicated when g exceeds the kv heads; a mixture's experts whole on the position
+that holds them, `ExpertParallelMoEBlock`, or split over their width). Any T and any g dividing the world.
 
 Planning is pure (`plan_reshard`): every tensor is cut along its split dimension into the intervals where one
 training shard's range meets one generation shard's range; each piece a rank lacks comes point to point from a
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 from rlhfuse import distributed
 from rlhfuse.models import Transformer, stage_of
 from rlhfuse.runtime.layout import ParallelLayout
-from rlhfuse.runtime.tensor_parallel import _split, full_shapes, shard_transformer
+from rlhfuse.runtime.tensor_parallel import _split, _twins, full_shapes, shard_transformer
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -38,7 +39,8 @@ Ranges = tuple[tuple[int, int], ...]
 @dataclass(frozen=True)
 class Split:
     """How one tensor is split over a tp group: along `dim`, position p holds the full tensor's [lo, hi) =
-    `bounds[p]` in its first hi - lo rows (then zero padding up to `local` rows along `dim`)."""
+    `bounds[p]` in its first hi - lo rows (then zero padding up to `local` rows along `dim`; an empty range: none
+    of it, a whole expert another position holds, `local` 0 here)."""
 
     dim: int
     bounds: Ranges
@@ -48,7 +50,8 @@ class Split:
 @dataclass(frozen=True)
 class Entry:
     """One distinct tensor of the Actor: its state-dict names (tied weights share one tensor), stage, full
-    shape, and its training and generation splits (None: replicated, every position holds it whole)."""
+    shape, and its training and generation splits (None: replicated, every position holds it whole). Every rank
+    plans over the same entries, the ones it holds or not (`full_shapes`)."""
 
     names: tuple[str, ...]
     stage: int
@@ -153,10 +156,15 @@ def plan_reshard(
 
 
 def _splits(module: nn.Module) -> dict[str, Split]:
-    """state-dict name -> Split of a `shard_transformer` shard's split tensors."""
+    """state-dict name -> Split of a `shard_transformer` shard's split tensors (whole experts held elsewhere
+    included)."""
     local = module.state_dict(keep_vars=True)
     return {
-        name: Split(dim, tuple(tuple(b) for b in bounds), int(local[name].shape[dim]))  # type: ignore[misc]
+        name: Split(
+            dim,
+            tuple(tuple(b) for b in bounds),  # type: ignore[misc]
+            int(local[name].shape[dim]) if name in local else 0,
+        )
         for name, (dim, bounds, _) in _split(module).items()
     }
 
@@ -204,18 +212,21 @@ class Resharder:
         state = model.state_dict(keep_vars=True)
         train_splits = _splits(model) if train_tp > 1 else {}
         shapes = full_shapes(model) if train_tp > 1 else {k: v.shape for k, v in state.items()}
+        # a whole expert another position holds has no tensor here: this rank's expert of the same slot stands for
+        # it (the same shape and dtype)
+        like = {each: k for k, names in _twins(model).items() for each in names} if train_tp > 1 else {}
         gen_splits, self.local_shapes = generation_spec(model, gen_tp, rank % gen_tp)
         n, layers = layout.stages("actor"), model.config.num_layers
-        by_tensor: dict[int, list[str]] = {}
-        for k in state:
-            by_tensor.setdefault(id(state[k]), []).append(k)
+        by_tensor: dict[object, list[str]] = {}
+        for k in shapes:  # the same names in the same order on every rank
+            by_tensor.setdefault(id(state[k]) if k in state else k, []).append(k)
         entries = [
             Entry(tuple(names), stage_of(names[0], layers, n), tuple(shapes[names[0]]),
                   train_splits.get(names[0]), gen_splits.get(names[0]))
             for names in by_tensor.values()
         ]  # fmt: skip
-        self.dtypes = [state[e.names[0]].dtype for e in entries]
-        sizes = [state[e.names[0]].element_size() for e in entries]
+        self.dtypes = [state[like.get(e.names[0], e.names[0])].dtype for e in entries]
+        sizes = [state[like.get(e.names[0], e.names[0])].element_size() for e in entries]
 
         def holders(stage: int, t: int) -> Sequence[int]:
             if everywhere:
@@ -235,10 +246,11 @@ class Resharder:
         """Entries whose generation shard is exactly this rank's own trained tensor (handed over, no copy)."""
         for i, e in enumerate(entries):
             own = [p for p in mine if p.entry == i]
-            if len(own) != 1 or state[e.names[0]].shape != self.local_shapes[e.names[0]]:
+            if len(own) != 1 or own[0].src != rank:  # (src == rank: the entry is held here)
                 continue
             p = own[0]
-            if p.src == rank and p.src_start == p.lo == p.dst_start and p.src_stop == p.hi:
+            same_shape = state[e.names[0]].shape == self.local_shapes[e.names[0]]
+            if same_shape and p.src_start == p.lo == p.dst_start and p.src_stop == p.hi:
                 self.aliased.add(i)
         messages: dict[tuple[int, int, str], list[Piece]] = {}
         for p in self.plan.pieces:
@@ -254,15 +266,19 @@ class Resharder:
         of this rank's own trained tensors is returned as it (detached, no copy)."""
         entries, rank = self.plan.entries, self.rank
         state = self.model.state_dict(keep_vars=True)
-        trained = [state[e.names[0]].detach() for e in entries]
+        # None: a whole expert this rank neither holds (training) nor gets (generation); no piece names it here
+        trained = [state[e.names[0]].detach() if e.names[0] in state else None for e in entries]
         out = [
             trained[i]
             if i in self.aliased
             else torch.zeros(self.local_shapes[e.names[0]], dtype=self.dtypes[i], device=self.device)
+            if e.names[0] in self.local_shapes
+            else None
             for i, e in enumerate(entries)
         ]
 
-        def piece_of(tensor: Tensor, p: Piece, start: int) -> Tensor:
+        def piece_of(tensor: Tensor | None, p: Piece, start: int) -> Tensor:
+            assert tensor is not None, f"{entries[p.entry].names[0]}: a piece of a tensor rank {rank} lacks"
             return tensor.narrow(p.dim, p.lo - start, p.hi - p.lo)
 
         works: list[distributed.Work] = []
@@ -294,4 +310,4 @@ class Resharder:
                     target.copy_(flat[offset : offset + target.numel()].view(target.shape))
                     offset += target.numel()
         self.received_bytes = received
-        return {name: out[i] for i, e in enumerate(entries) for name in e.names}
+        return {name: t for e, t in zip(entries, out, strict=True) if t is not None for name in e.names}

@@ -7,12 +7,25 @@ sliced in place, so the forward code is the one of `rlhfuse.models`).
   replicated otherwise (tp a multiple of them: each rank holds the one kv head its query heads read, and
   `sync_replicated_grads` sums that head's weight gradients over the ranks sharing it);
 - MLP: gate / up column-parallel over the intermediate size, down row-parallel;
-- mixture-of-experts MLP (`ParallelMoEBlock`): the router replicated, every expert split like a dense MLP over
-  its own intermediate size (every rank holds 1 / tp of every expert, Megatron's expert tensor parallelism, not
-  whole experts per rank); the block copies its input to the group once and sums its weighted partial output
-  over the group once, so a block costs one all-reduce forward and one backward whatever the expert count; the
-  router's weight gradient is then a partial sum (each rank saw its slices' outputs) until
-  `sync_replicated_grads` sums it;
+- mixture-of-experts MLP (`ParallelMoEBlock`, one of the two layouts of `MOE_SPLITS`, chosen by `expert_split`):
+  the router replicated (the hidden states entering an MLP are the same on every rank, so every rank routes
+  every token the same way and no token moves between ranks), and
+  - tp divides the expert count (`ExpertParallelMoEBlock`, expert parallelism over the tp group): rank r holds
+    X / tp whole experts, [r X / tp, (r + 1) X / tp), and runs only those, full width, on their tokens; an
+    `ExpertHeldElsewhere` (no tensors) takes the place of each other expert, so a shard's state dict names its
+    own experts only (`_split` and `_twins` describe the rest: the whole tensor at its owner, none elsewhere);
+  - otherwise (`WidthSplitMoEBlock`, Megatron's expert tensor parallelism: Mixtral's 8 experts at tp = 16, a
+    3-expert model at tp = 2): every expert split like a dense MLP over its own intermediate size, each rank
+    running 1 / tp of every expert;
+  either way the block copies its input to the group once and sums its weighted partial output over the group
+  once (one all-reduce forward, one backward per block, whatever the expert count), and the router's weight
+  gradient is a partial sum (each rank saw its own experts' or slices' outputs only) until
+  `sync_replicated_grads` sums it. Whole experts are chosen wherever they fit, not configured: the same FLOPs
+  and the same bytes per rank as the width split, in X / tp full-width expert calls instead of X calls 1 / tp
+  as wide (fewer, larger kernels), and no constraint on the expert width; the price is load imbalance (a rank
+  whose experts got more tokens computes longer, and the block's all-reduce waits for it). Both layouts keep
+  every token on every rank: an all-to-all dispatch of tokens to their experts' ranks would only pay across
+  data-parallel ranks, whose inputs differ;
 - embedding and LM head vocabulary-parallel: rank r holds rows [r * V_p / tp, (r + 1) * V_p / tp) of the
   vocabulary padded to V_p, a multiple of tp (padded rows are zero and their logits are masked to -inf, so they
   are never sampled and carry no probability); the LM head returns this rank's slice of the logits only;
@@ -23,15 +36,15 @@ sliced in place, so the forward code is the one of `rlhfuse.models`).
 The vocabulary-parallel read-outs (`vocab_parallel_logprobs`, `vocab_parallel_entropy`, `vocab_parallel_argmax`)
 never gather the full logits: one max, one sum and one chosen-logit reduction over the group.
 
-Legend: B batch rows, T tokens, D width, V vocabulary (Vl: this rank's slice).
+Legend: B batch rows, T tokens, D width, V vocabulary (Vl: this rank's slice), X experts.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -57,15 +70,41 @@ def tp_problems(config: ModelConfig, tp: int, key: str) -> list[str]:
     layers = range(config.num_layers)
     if any(not config.is_moe_layer(i) for i in layers):  # a dense MLP somewhere
         widths.append(("intermediate_size", config.intermediate_size))
-    if any(config.is_moe_layer(i) for i in layers):  # every expert is split over its own width
-        widths.append(("expert intermediate size", config.expert_intermediate_size))
     for name, value in widths:
         if value % tp:
             problems.append(
                 f"{key}={tp} does not divide the model's {name}={value} ({value} % {tp} = {value % tp}): "
                 f"set {key} to a divisor of {value}"
             )
+    x, f = config.num_experts, config.expert_intermediate_size
+    if any(config.is_moe_layer(i) for i in layers) and x % tp and f % tp:
+        problems.append(
+            f"{key}={tp} does not divide the model's expert intermediate size={f} ({f} % {tp} = {f % tp}: every "
+            f"expert split over its width) nor its num_experts={x} ({x} % {tp} = {x % tp}: whole experts per "
+            f"rank): set {key} to a divisor of {x} or of {f}"
+        )
     return problems
+
+
+ExpertSplit = Literal["experts", "width"]
+"""How `shard_transformer` splits a mixture's experts over a tp group: "experts", whole experts per rank (expert
+parallelism, `ExpertParallelMoEBlock`), or "width", every expert over its intermediate size (expert tensor
+parallelism, `WidthSplitMoEBlock`)."""
+
+
+def expert_split(num_experts: int, tp: int) -> ExpertSplit:
+    """Whole experts per rank when tp divides the expert count, every expert over its width otherwise (the module
+    docstring says why; `rlhfuse.planner.memory.expert_shard` counts the same)."""
+    return "experts" if num_experts % tp == 0 else "width"
+
+
+class TensorSplit(NamedTuple):
+    """How one tensor of the whole model is held over a tp group: along `dim`, position p holds [lo, hi) =
+    `bounds[p]` of its `full` rows (an empty range: none of it, a whole expert another position holds)."""
+
+    dim: int
+    bounds: list[tuple[int, int]]
+    full: int
 
 
 @dataclass(frozen=True)
@@ -139,9 +178,9 @@ def sync_replicated_grads(model: nn.Module, group: Any = None) -> None:
 
 
 def tp_copies(module: nn.Module, tp: int) -> dict[int, int]:
-    """id(parameter) -> how many ranks of the tp group hold an identical copy of it: 1 for the split weights,
-    tp / kv heads for a replicated kv head, tp for everything replicated (norms, row-parallel biases, the value
-    head). A gradient norm over the group divides each parameter's squared norm by it."""
+    """id(parameter) -> how many ranks of the tp group hold an identical copy of it: 1 for the split weights and
+    the whole experts, tp / kv heads for a replicated kv head, tp for everything replicated (norms, row-parallel
+    biases, the value head). A gradient norm over the group divides each parameter's squared norm by it."""
     out = {id(p): tp for p in module.parameters()}
     for sub in module.modules():
         if isinstance(sub, ColumnParallelLinear):
@@ -151,6 +190,10 @@ def tp_copies(module: nn.Module, tp: int) -> dict[int, int]:
                     out[id(p)] = copies
         elif isinstance(sub, RowParallelLinear | VocabParallelEmbedding):
             out[id(sub.weight)] = 1
+        elif isinstance(sub, ExpertParallelMoEBlock):  # whole experts, each on one rank of the group
+            for e in sub.computed:
+                for p in sub.experts[e].parameters():
+                    out[id(p)] = 1
     return out
 
 
@@ -194,25 +237,128 @@ class LocalRowLinear(RowParallelLinear):
         return F.linear(x, self.weight)
 
 
+_Block = TypeVar("_Block", bound="ParallelMoEBlock")
+
+
 class ParallelMoEBlock(MoEBlock):
     """`MoEBlock` over a tensor-parallel group (see the module docstring): the same routing on every rank (its
-    input is the same), each expert run on its tokens over this rank's slice of its width, one all-reduce of the
-    weighted sum."""
+    input is the same), the experts `computed` here run on their tokens, one all-reduce of the weighted sum. Built
+    by one of the layouts of `MOE_SPLITS`."""
 
     group: Any
+    computed: range
+    """The experts this rank runs: every one (each over this rank's slice of its width), or its whole ones."""
 
     @classmethod
-    def of(cls, full: MoEBlock, config: ModelConfig, group: Any) -> ParallelMoEBlock:
-        """A block holding `full`'s router and experts (not copied: `shard_transformer` splits the experts'
-        projections in place after)."""
+    def holding(cls: type[_Block], full: MoEBlock, config: ModelConfig, group: Any) -> _Block:
+        """A block of this layout holding `full`'s router and experts (not copied: the layout's `shard` splits or
+        drops the experts after)."""
         with torch.device("meta"):
             block = cls(config)
         block.gate, block.experts, block.group = full.gate, full.experts, group
         return block
 
     def forward(self, x_BTD: Tensor) -> Tensor:
-        partial_BTD = super().forward(distributed.copy_to_group(x_BTD, self.group))
+        partial_BTD = self.expert_sum(distributed.copy_to_group(x_BTD, self.group), self.computed)
         return distributed.reduce_from_group(partial_BTD, self.group)
+
+
+class WidthSplitMoEBlock(ParallelMoEBlock):
+    """Every expert split over its intermediate size like a dense MLP (Megatron's expert tensor parallelism): gate
+    / up column-parallel and down row-parallel over [r F / tp, (r + 1) F / tp), the block's one all-reduce
+    summing the slices; every rank runs every expert."""
+
+    @classmethod
+    def shard(cls, full: MoEBlock, config: ModelConfig, rank: int, tp: int, group: Any) -> ParallelMoEBlock:
+        block = cls.holding(full, config, group)
+        width = config.expert_intermediate_size // tp
+        spans = [(r * width, (r + 1) * width) for r in range(tp)]
+        expert: Any
+        for expert in block.experts:
+            expert.gate_proj = LocalColumnLinear(expert.gate_proj, *spans[rank], group)
+            expert.up_proj = LocalColumnLinear(expert.up_proj, *spans[rank], group)
+            expert.down_proj = LocalRowLinear(expert.down_proj, *spans[rank], group)
+            for proj in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                proj.bounds = spans
+        block.computed = range(len(block.experts))
+        return block
+
+
+EXPERT_PROJECTIONS = (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))
+"""An expert's weights and the dimension of its intermediate size (gate / up: out x in; down: in x out)."""
+
+
+class ExpertHeldElsewhere(nn.Module):
+    """The place of an expert that position `owner` of the tp group holds (`ExpertParallelMoEBlock`): no tensors,
+    so the shard's state dict, optimizer and gradients name its own experts only."""
+
+    def __init__(self, owner: int) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, x_MD: Tensor) -> Tensor:
+        raise RuntimeError(
+            f"this expert is held by tp position {self.owner}: a rank runs its own experts only"
+        )
+
+    def extra_repr(self) -> str:
+        return f"owner={self.owner}"
+
+
+class ExpertParallelMoEBlock(ParallelMoEBlock):
+    """Whole experts per rank (expert parallelism over the tp group): position p holds experts [p n, (p + 1) n),
+    n = X / tp, untouched, and runs only those on their tokens, full width; every other expert's place holds an
+    `ExpertHeldElsewhere`. Expert slot i of position p is expert p n + i, so every position holds the same
+    number of same-shaped tensors: gathering slot i over the group reassembles tp whole experts
+    (`unshard_state`)."""
+
+    tp: int
+
+    @classmethod
+    def shard(cls, full: MoEBlock, config: ModelConfig, rank: int, tp: int, group: Any) -> ParallelMoEBlock:
+        block = cls.holding(full, config, group)
+        n = config.num_experts // tp
+        block.tp, block.computed = tp, range(rank * n, (rank + 1) * n)
+        block.experts = nn.ModuleList(
+            e if i in block.computed else ExpertHeldElsewhere(i // n) for i, e in enumerate(full.experts)
+        )
+        return block
+
+    def held_by(self, position: int) -> range:
+        """The experts position `position` of the group holds."""
+        n = len(self.computed)
+        return range(position * n, (position + 1) * n)
+
+    def splits(self) -> dict[str, TensorSplit]:
+        """Name (relative to the block) -> split of every expert's weights, held here or elsewhere: the whole
+        tensor at its owner, an empty range at every other position."""
+        mine: Any = self.experts[self.computed[0]]
+        width = int(mine.gate_proj.weight.shape[0])
+        out: dict[str, TensorSplit] = {}
+        for p in range(self.tp):
+            bounds = [(0, width) if q == p else (0, 0) for q in range(self.tp)]
+            for e in self.held_by(p):
+                for proj, dim in EXPERT_PROJECTIONS:
+                    out[f"experts.{e}.{proj}.weight"] = TensorSplit(dim, bounds, width)
+        return out
+
+    def twins(self) -> dict[str, tuple[str, ...]]:
+        """Name (relative to the block) of each expert weight this rank holds -> the names of the weights every
+        position holds in its place (the same slot and projection; position order, this rank's own among them)."""
+        return {
+            f"experts.{e}.{proj}.weight": tuple(
+                f"experts.{self.held_by(p)[i]}.{proj}.weight" for p in range(self.tp)
+            )
+            for i, e in enumerate(self.computed)
+            for proj, _ in EXPERT_PROJECTIONS
+        }
+
+
+MOE_SPLITS: dict[ExpertSplit, Callable[[MoEBlock, ModelConfig, int, int, Any], ParallelMoEBlock]] = {
+    "experts": ExpertParallelMoEBlock.shard,
+    "width": WidthSplitMoEBlock.shard,
+}
+"""Each layout of a mixture over the tp group: (whole block, config, rank, tp, group) -> this rank's block."""
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -258,22 +404,15 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
         return [(lo, lo + width) for lo in starts]
 
     q_spans, f_spans = spans(h * e), spans(f)
-    expert_spans = spans(cfg.expert_intermediate_size // tp) if cfg.num_experts else []
     kv_spans = spans(k * e, lambda r: first_kv(r) * e)
 
-    def column(
-        full: nn.Linear,
-        bounds: list[tuple[int, int]],
-        kind: type[ColumnParallelLinear] = ColumnParallelLinear,
-    ) -> ColumnParallelLinear:
-        mod = kind(full, *bounds[rank], group)
+    def column(full: nn.Linear, bounds: list[tuple[int, int]]) -> ColumnParallelLinear:
+        mod = ColumnParallelLinear(full, *bounds[rank], group)
         mod.bounds = bounds
         return mod
 
-    def row(
-        full: nn.Linear, bounds: list[tuple[int, int]], kind: type[RowParallelLinear] = RowParallelLinear
-    ) -> RowParallelLinear:
-        mod = kind(full, *bounds[rank], group)
+    def row(full: nn.Linear, bounds: list[tuple[int, int]]) -> RowParallelLinear:
+        mod = RowParallelLinear(full, *bounds[rank], group)
         mod.bounds = bounds
         return mod
 
@@ -294,12 +433,7 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
         attn.num_heads, attn.num_kv_heads = h, k
         mlp: Any = layer.mlp
         if isinstance(mlp, MoEBlock):
-            layer.mlp = ParallelMoEBlock.of(mlp, cfg, group)
-            expert: Any
-            for expert in mlp.experts:
-                expert.gate_proj = column(expert.gate_proj, expert_spans, LocalColumnLinear)
-                expert.up_proj = column(expert.up_proj, expert_spans, LocalColumnLinear)
-                expert.down_proj = row(expert.down_proj, expert_spans, LocalRowLinear)
+            layer.mlp = MOE_SPLITS[expert_split(cfg.num_experts, tp)](mlp, cfg, rank, tp, group)
             continue
         mlp.gate_proj = column(mlp.gate_proj, f_spans)
         mlp.up_proj = column(mlp.up_proj, f_spans)
@@ -321,43 +455,66 @@ def shard_transformer(model: Transformer, rank: int, tp: int, group: Any = None)
     return out
 
 
-def _split(module: nn.Module) -> dict[str, tuple[int, list[tuple[int, int]], int]]:
-    """state-dict name -> (split dim, every rank's [lo, hi) along it, full size) of the split tensors of a
-    shard (`shard_transformer`); tensors not listed are replicated."""
-    out: dict[str, tuple[int, list[tuple[int, int]], int]] = {}
+def _split(module: nn.Module) -> dict[str, TensorSplit]:
+    """state-dict name -> how it is split over the tp group, for every split tensor of the whole model that a
+    shard (`shard_transformer`) stands for, held here or not (whole experts held elsewhere included); tensors not
+    listed are replicated."""
+    out: dict[str, TensorSplit] = {}
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(sub, ColumnParallelLinear | VocabParallelEmbedding):
-            out[prefix + "weight"] = (0, sub.bounds, sub.full_rows)
+            out[prefix + "weight"] = TensorSplit(0, sub.bounds, sub.full_rows)
             if getattr(sub, "bias", None) is not None:
-                out[prefix + "bias"] = (0, sub.bounds, sub.full_rows)
+                out[prefix + "bias"] = TensorSplit(0, sub.bounds, sub.full_rows)
         elif isinstance(sub, RowParallelLinear):
-            out[prefix + "weight"] = (1, sub.bounds, sub.full_cols)
+            out[prefix + "weight"] = TensorSplit(1, sub.bounds, sub.full_cols)
+        elif isinstance(sub, ExpertParallelMoEBlock):
+            out.update({prefix + k: v for k, v in sub.splits().items()})
+    return out
+
+
+def _twins(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """state-dict name of each whole expert weight of a shard -> the names of the weights every position of the
+    tp group holds in its place, in position order (`ExpertParallelMoEBlock.twins`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, sub in module.named_modules():
+        if isinstance(sub, ExpertParallelMoEBlock):
+            prefix = f"{name}." if name else ""
+            for k, names in sub.twins().items():
+                out[prefix + k] = tuple(prefix + n for n in names)
     return out
 
 
 def full_shapes(module: nn.Module) -> dict[str, torch.Size]:
-    """state-dict name -> the whole model's shape of every tensor of a shard (meta ones included)."""
-    split = _split(module)
+    """state-dict name -> the whole model's shape of every tensor of the whole model a shard stands for (meta
+    ones and whole experts held elsewhere included), the same names in the same order on every position of the
+    tp group (an expert weight stands for its twins, `_twins`)."""
+    split, twins = _split(module), _twins(module)
     out: dict[str, torch.Size] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         shape = list(t.shape)
         if name in split:
             dim, _, size = split[name]
             shape[dim] = size
-        out[name] = torch.Size(shape)
+        for each in twins.get(name, (name,)):
+            out[each] = torch.Size(shape)
     return out
 
 
 def unshard_state(module: nn.Module, group: Any = None) -> dict[str, Tensor]:
     """Collective over the tp group: the whole tensors of the shard's materialised entries (split ones
-    all-gathered and reassembled, padded vocabulary rows dropped; replicated ones this rank's own), and meta
-    tensors of the whole shape for the entries held elsewhere (other pipeline stages)."""
-    split, shapes = _split(module), full_shapes(module)
+    all-gathered and reassembled, padded vocabulary rows dropped; whole experts all-gathered slot by slot, each
+    position's expert of the slot whole; replicated ones this rank's own), and meta tensors of the whole shape for
+    the entries held elsewhere (other pipeline stages). Keyed like `full_shapes`."""
+    split, shapes, twins = _split(module), full_shapes(module), _twins(module)
     out: dict[str, Tensor] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         if t.is_meta:
-            out[name] = torch.empty(shapes[name], dtype=t.dtype, device="meta")
+            for each in twins.get(name, (name,)):
+                out[each] = torch.empty(shapes[each], dtype=t.dtype, device="meta")
+        elif name in twins:  # this slot's expert of every position: equal shapes, one all-gather
+            parts = distributed.all_gather(t.detach().contiguous(), group=group)
+            out.update(zip(twins[name], parts, strict=True))
         elif name not in split:
             out[name] = t.detach()
         else:
@@ -372,7 +529,7 @@ def unshard_state(module: nn.Module, group: Any = None) -> dict[str, Tensor]:
 
 def shard_state(module: nn.Module, rank: int, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The inverse of `unshard_state` for rank `rank`: this rank's slice of every whole tensor in `state` (padded
-    vocabulary rows zero), for the entries materialised in `module`."""
+    vocabulary rows zero; its own experts whole), for the entries materialised in `module`."""
     split = _split(module)
     out: dict[str, Tensor] = {}
     for name, t in module.state_dict(keep_vars=True).items():
