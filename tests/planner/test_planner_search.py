@@ -2,6 +2,7 @@
 
 import pytest
 
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner import (
     CostModel,
     PruneStats,
@@ -12,7 +13,6 @@ from rlhfuse.planner import (
     plan_for,
     train_layouts,
 )
-from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.memory import rank_memory
 from rlhfuse.planner.search import (
     fsdp_plan,

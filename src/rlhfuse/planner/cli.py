@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rlhfuse.pipeline import SearchConfig
-from rlhfuse.planner.colocation import Colocation
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.grid import GRID_SEARCH, PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.memory import PRECISIONS, fsdp_rank_memories, rank_memories

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from rlhfuse.planner.colocation import Colocation
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.memory import (
     ModelLayout,
     RankMemory,

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlhfuse.planner.colocation import Colocation
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.migration import MigrationDecision
 from rlhfuse.planner.simulate import (
@@ -158,7 +158,7 @@ def search_training(
     makespan is the time used (RLHFuse falls back to serial where fusion does not pay). Each result's `bound`
     is the best fused lower bound among layouts with no more resident memory (for the report's bound column).
     `runtime=True` keeps only pairs `rlhfuse.runtime` runs (it co-locates both on one layout for either
-    schedule: `rlhfuse.planner.colocation`, the rule of `rlhfuse.runtime.ParallelLayout`): equal tp, or a smaller
+    schedule: `rlhfuse.pipeline.colocation`, the rule of `rlhfuse.runtime.ParallelLayout`): equal tp, or a smaller
     tp dividing the larger with the smaller-tp model's pp a multiple of their ratio; the larger number of merged
     stages a multiple of the smaller; the larger model's micro-batches a multiple of the other's replicas; an
     Actor with tied embeddings at pp = 1. Each refusal is counted under "runtime: <the rule>". Its pairs are costed as the runtime runs them
@@ -391,9 +391,11 @@ class Plan:
         schedule = self.train.mode + (f" ({self.train.ranks} ranks)" if self.train.ranks else "")
         a, c = self.train.actor, self.train.critic
         if self.train.merged and a.tp != c.tp:
-            narrow, lay = ("actor", a) if a.tp < c.tp else ("critic", c)
-            k = max(a.tp, c.tp) // lay.tp
-            schedule += f", {narrow}: {k} consecutive stages merged per tp={max(a.tp, c.tp)} group"
+            placed = Colocation(a.pp, a.tp, c.pp, c.tp)
+            narrow = "actor" if a.tp < c.tp else "critic"
+            schedule += (
+                f", {narrow}: {placed.merge(narrow)} consecutive stages merged per tp={placed.tp} group"
+            )
         rows.append(("training schedule", schedule))
         return rows
 

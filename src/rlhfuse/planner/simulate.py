@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from rlhfuse.pipeline import SearchConfig, solve
-from rlhfuse.planner.colocation import Colocation
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.memory import bytes_per_param
@@ -26,7 +26,6 @@ from rlhfuse.planner.schedule import (
     greedy_fused_makespan,
     one_f_one_b,
     pipeline_problem,
-    reversed_blocks,
 )
 from rlhfuse.planner.specs import ModelSpec
 
@@ -806,12 +805,19 @@ def _stage(cost: CostModel, model: ModelSpec, head: str, lay: TrainLayout, seq: 
     return cost.stage_times(model, head, lay.tp, lay.pp, lay.dp, lay.micro_batch, seq)
 
 
+def colocation(actor: TrainLayout, critic: TrainLayout, merged: bool) -> Colocation:
+    """The co-location a pair is costed on: `merged`, the runtime's (`rlhfuse.pipeline.colocation`: the
+    smaller-tp model's consecutive stages merged; refused pairs raise); otherwise the paper grid's, each model's
+    pp stages on ranks of max(tp) devices (a smaller tp: lockstep sub-replicas side by side, nothing merged)."""
+    if merged:
+        return Colocation(actor.pp, actor.tp, critic.pp, critic.tp).check()
+    return Colocation(actor.pp, 1, critic.pp, 1)
+
+
 def merges(actor: TrainLayout, critic: TrainLayout, merged: bool) -> tuple[int, int]:
-    """Consecutive stages of the Actor and of the Critic that run as one merged stage (`merged`: the runtime's
-    placement of unequal tp, `rlhfuse.planner.colocation`; otherwise 1 and 1)."""
-    if not merged:
-        return 1, 1
-    lay = Colocation(actor.pp, actor.tp, critic.pp, critic.tp).check()
+    """Consecutive stages of the Actor and of the Critic that run as one merged stage (`colocation`; 1 and 1
+    unless `merged`)."""
+    lay = colocation(actor, critic, merged)
     return lay.merge("actor"), lay.merge("critic")
 
 
@@ -909,22 +915,25 @@ def fused_problem(
 
     A model with the smaller tp t < T = max(tp): by default (the paper's grid) it runs T / t lockstep
     sub-replicas side by side in a rank, one op each. `merged=True` is what `rlhfuse.runtime` runs
-    (`rlhfuse.planner.colocation`): its m = T / t consecutive stages form one merged stage on a rank, which runs
+    (`rlhfuse.pipeline.colocation`): its m = T / t consecutive stages form one merged stage on a rank, which runs
     the m sub-stages one after the other (m x a sub-stage's time), and the problem is over merged stages
     (pp / m per model; equal tp: the same problem)."""
-    ma, mc = merges(actor, critic, merged)
-    pa, pc = actor.pp // ma, critic.pp // mc
-    ranks = max(pa, pc)
+    placed = colocation(actor, critic, merged)
     mb = workload.mini_batch
     out = []
-    for (model, head), lay, m, stages, in_order in (
-        ((models.actor, "lm"), actor, ma, pa, pa == ranks),
-        ((models.critic, "value"), critic, mc, pc, pc == ranks and pa < ranks),
+    for (model, head), lay, name in (
+        ((models.actor, "lm"), actor, "actor"),
+        ((models.critic, "value"), critic, "critic"),
     ):
         f, b = _stage(cost, model, head, lay, seq)
-        placement = (tuple(range(ranks)),) if in_order else reversed_blocks(ranks, stages)
-        out.append(PipeModel(stages, ranks // stages, lay.microbatches(mb), m * f, m * b, placement))
-    return ranks, out
+        m = placed.merge(name)
+        placement = tuple(tuple(row) for row in placed.placement(name))
+        out.append(
+            PipeModel(
+                placed.positions(name), placed.replicas(name), lay.microbatches(mb), m * f, m * b, placement
+            )
+        )
+    return placed.ranks, out
 
 
 def iteration_reduction(cost: CostModel, models: RLHFModels, train: TrainResult, seq: float) -> float:
@@ -1008,11 +1017,15 @@ def searched_training(
         cost, models, train.actor, train.critic, workload, seq, merged=train.merged
     )
     mb = workload.mini_batch
-    ma, mc = merges(train.actor, train.critic, train.merged)
+    placed = colocation(train.actor, train.critic, train.merged)
     acts = [
-        activation_peak(cost, models.actor, train.actor, mb, seq, ma) / max(1, min(train.actor.pp // ma, train.actor.microbatches(mb))),
-        activation_peak(cost, models.critic, train.critic, mb, seq, mc) / max(1, min(train.critic.pp // mc, train.critic.microbatches(mb))),
-    ]  # fmt: skip
+        activation_peak(cost, model, lay, mb, seq, placed.merge(name))
+        / max(1, min(placed.positions(name), lay.microbatches(mb)))
+        for model, lay, name in (
+            (models.actor, train.actor, "actor"),
+            (models.critic, train.critic, "critic"),
+        )
+    ]
     searchable = pipeline_problem(
         ranks,
         problem,

@@ -3,6 +3,7 @@ multi-process launch (`distributed.*`), declared next to the runtime that reads 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,8 +87,8 @@ def launched_world_size(nproc_per_node: int) -> int:
 
 def validate_runtime(cfg: Any) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
-    from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, actor_only_layout
     from rlhfuse.runtime.plan import PLANNERS  # the runtime's pipeline schedules, by name
+    from rlhfuse.runtime.strategy import data_parallel_sizes, pipeline_layout  # what the strategy runs
 
     d = cfg.distributed
     problems: list[str] = []
@@ -120,25 +121,17 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
-    from rlhfuse.runtime.layout import fused_group_width
-
-    critic_pp = p.critic_pp if critic else p.actor_pp
-    tp = max(p.actor_tp, 1)
-    width = fused_group_width(p.actor_pp, tp, critic_pp, max(p.critic_tp, 1) if critic else tp)
-    dp = max(world // width, 1)
-    micro = p.microbatches or _derived_microbatches(cfg, dp)
+    data = cfg.data
+    # the layout the strategy will build, its tp keys read as at least 1 (those below are reported above)
+    sizes = dataclasses.replace(p, actor_tp=max(p.actor_tp, 1), critic_tp=max(p.critic_tp, 1))
     try:
-        actor = ModelParallel(p.actor_pp, tp)
-        if critic:
-            critic_tp = max(p.critic_tp, 1)
-            ParallelLayout(actor, ModelParallel(p.critic_pp, critic_tp), dp, world, max(micro, 1))
-        else:
-            actor_only_layout(actor, dp, world, max(micro, 1))
+        pipeline_layout(sizes, world, data.mini_batch_size, data.micro_batch_size, critic=critic)
     except ValueError as err:
         lines = str(err).splitlines()[1:]
         problems += [
             f"pipeline={p.name} with distributed.nproc_per_node={world}: {line.strip()[2:]}" for line in lines
         ]
+    dp, micro = data_parallel_sizes(p, world, data.mini_batch_size, data.micro_batch_size, critic=critic)
     if micro >= 1 and cfg.data.mini_batch_size < dp * micro:
         problems.append(
             f"data.mini_batch_size={cfg.data.mini_batch_size} < data-parallel groups * pipeline micro-batches "
@@ -152,10 +145,3 @@ def _uses_critic(cfg: Any) -> bool:
     from rlhfuse.core.advantages import ALGORITHMS, uses_critic
 
     return cfg.algorithm.name not in ALGORITHMS or uses_critic(cfg.algorithm)
-
-
-def _derived_microbatches(cfg: Any, dp: int) -> int:
-    d = cfg.data
-    if d.micro_batch_size <= 0:
-        return 1
-    return max(1, d.mini_batch_size // d.micro_batch_size // dp)

@@ -34,6 +34,7 @@ from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.buckets import DEFAULT_BUCKET_MB, GradReducer
 from rlhfuse.models import Stage
 from rlhfuse.models.masks import MaskLayout, mask_layout
+from rlhfuse.pipeline.colocation import placed_on
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups, RankGeometry
@@ -168,7 +169,6 @@ class PipelineExecutor:
         # tp group runs its group's stream on its own shards, and exchanges activations with its peer (same tp
         # position) in the neighbouring stage's tp group
         self.tp, self.tp_group = tp, tp_group
-        self.stream = program.streams[rank // tp]
         self.stages = dict(stages)
         self.losses = losses
         self.p2p = dict(p2p_groups or {})
@@ -180,22 +180,17 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.autocast = autocast
         self.track_memory = track_memory
-        self.group = (rank // tp) // program.group_size
         # per model: its tp degree and group, stages merged per pipeline rank, and this rank's sub-stage slot
         self.model_tp = {m.name: (model_tp or {}).get(m.name, tp) for m in problem.models}
         self.model_tp_groups = {m.name: (model_tp_groups or {}).get(m.name, tp_group) for m in problem.models}
-        bad = {m: t for m, t in self.model_tp.items() if t < 1 or tp % t}
-        if bad:
-            raise ValueError(f"model tp degrees {bad} must divide the pipeline rank's width tp={tp}")
         self.geometry = RankGeometry(rank, tp, self.model_tp)
-        n = problem.ranks
-        local = (rank // tp) % n
+        self.stream = program.streams[self.geometry.pipeline_rank]
+        self.group = self.geometry.pipeline_rank // program.group_size
+        local = self.geometry.pipeline_rank % problem.ranks
         expected = {
             (m.name, r, self.geometry.sub_stage(m.name, s))
             for m in problem.models
-            for r, row in enumerate(m.placement)
-            for s, k in enumerate(row)
-            if k == local
+            for r, s in placed_on(m.placement, local)
         }
         if set(self.stages) != expected:
             raise ValueError(
@@ -471,7 +466,7 @@ class PipelineExecutor:
         for (m, _, s), mod in self.stages.items():
             if m != model:
                 continue
-            copies = len(grad_peers(self.problem, self.program.dp, model, s // self.geometry.merge(m)))
+            copies = len(grad_peers(self.problem, self.program.dp, model, self.geometry.merged_stage(m, s)))
             for p in mod.parameters():
                 if p.grad is not None:
                     share = copies * self._tp_copies.get(id(p), 1)

@@ -160,7 +160,7 @@ class ForwardExecutor:
         self.geometry = RankGeometry(
             rank, tp, {m.name: (model_tp or {}).get(m.name, tp) for m in problem.models}
         )
-        self.stream = program.streams[rank // tp]
+        self.stream = program.streams[self.geometry.pipeline_rank]
         self.stages, self.heads = dict(stages), dict(heads)
         self.p2p = dict(p2p_groups or {})
         self.timeout_s, self.autocast = timeout_s, autocast

@@ -3,7 +3,8 @@
 docs/paper.md §3: the model with more pipeline stages occupies the ranks of a *fused group*
 in order; the other model is split into K = N / its stages replicas, each reversed over its block of ranks
 (e.g. actor 4 stages on ranks 0..3, critic 2 stages as replicas on 1,0 and 3,2). The fused group is replicated
-`dp` times (data parallelism); world size = N * dp.
+`dp` times (data parallelism); world size = N * dp. The merge, placement and co-location rules are
+`rlhfuse.pipeline.colocation`'s (`ParallelLayout.colocation`), the ones the planner reads.
 
 This module is pure except `build_process_groups`, which creates the groups (`rlhfuse.distributed.new_group`)
 on every rank in the same order (as torch requires).
@@ -18,7 +19,8 @@ from functools import cached_property
 from typing import Any
 
 from rlhfuse.core.types import ModelRole
-from rlhfuse.pipeline.problem import Problem, make_problem, reversed_blocks
+from rlhfuse.pipeline.colocation import Colocation, StageMerge, placed_on
+from rlhfuse.pipeline.problem import Problem, make_problem
 
 # the trained models (str enums: they key dicts, files and metrics as "actor" / "critic")
 MODELS: tuple[str, ...] = (ModelRole.ACTOR, ModelRole.CRITIC)
@@ -39,8 +41,9 @@ class ModelParallel:
 
 @dataclass(frozen=True)
 class RankGeometry:
-    """Where one global rank sits in the pipeline ranks and tp groups, per model: the one definition of the peer,
-    merge and position arithmetic (`ParallelLayout` and both stream interpreters read it).
+    """Where one global rank sits in the pipeline ranks and tp groups, per model: its peers, merges and positions,
+    by the merge rule of `rlhfuse.pipeline.colocation.StageMerge` (`ParallelLayout` and both stream interpreters
+    read it).
 
     tp: a pipeline rank's width (the larger tp degree); model_tp: each model's own tp degree (dividing tp). A
     model with model_tp < tp has merge = tp / model_tp consecutive stages merged onto each pipeline rank; this
@@ -51,29 +54,40 @@ class RankGeometry:
     tp: int
     model_tp: Mapping[str, int]
 
+    def __post_init__(self) -> None:
+        bad = {m: t for m, t in self.model_tp.items() if t < 1 or self.tp % t}
+        if bad:
+            raise ValueError(f"model tp degrees {bad} must divide the pipeline rank's width tp={self.tp}")
+
+    def merging(self, model: str) -> StageMerge:
+        return StageMerge(self.tp, self.model_tp[model])
+
     @property
     def pipeline_rank(self) -> int:
         return self.rank // self.tp
 
     def merge(self, model: str) -> int:
-        return self.tp // self.model_tp[model]
+        return self.merging(model).factor
 
     def position(self, model: str) -> int:
         """The sub-stage slot this rank runs of `model`'s merged stages (0 when not merged)."""
-        return (self.rank % self.tp) // self.model_tp[model]
+        return self.merging(model).slot_at(self.rank % self.tp)
 
     def model_tp_rank(self, model: str) -> int:
         return self.rank % self.model_tp[model]
 
     def sub_stage(self, model: str, merged: int) -> int:
         """The stage (module) this rank runs for merged stage `merged` of `model`."""
-        return merged * self.merge(model) + self.position(model)
+        return self.merging(model).stage(merged, self.position(model))
+
+    def merged_stage(self, model: str, stage: int) -> int:
+        """The merged stage of `model` that holds `stage`."""
+        return self.merging(model).merged_of(stage)
 
     def peer(self, pipeline_rank: int, model: str, slot: int = 0) -> int:
         """The global rank of this rank's peer (same tp position of `model`) in sub-stage slot `slot` of
         `pipeline_rank`."""
-        t = self.model_tp[model]
-        return pipeline_rank * self.tp + slot * t + self.rank % t
+        return pipeline_rank * self.tp + self.merging(model).offset(slot, self.model_tp_rank(model))
 
     def takes_part(self, send: bool, model: str, grad: bool) -> tuple[bool, int]:
         """Whether this rank sends (`send`) or receives a message between merged stages of `model`, and the peer's
@@ -119,53 +133,17 @@ class ParallelLayout:
         problems: list[str] = []
         if not self.trained or any(m not in MODELS for m in self.trained) or "actor" not in self.trained:
             problems.append(f"trained={self.trained} must be a non-empty subset of {MODELS} with the actor")
-        for name in MODELS:
-            m: ModelParallel = getattr(self, name)
-            if m.pp < 1:
-                problems.append(f"{name}.pp={m.pp} must be >= 1")
-            if m.tp < 1:
-                problems.append(f"{name}.tp={m.tp} must be >= 1")
+        colocation = self.colocation
+        problems += [refusal.message for refusal in colocation.size_refusals()]
         if self.dp < 1:
             problems.append(f"dp={self.dp} must be >= 1")
         if self.microbatches < 1:
             problems.append(f"microbatches={self.microbatches} must be >= 1")
-        if not problems and self.actor.tp != self.critic.tp:
-            wide = "actor" if self.actor.tp > self.critic.tp else "critic"
-            narrow = "critic" if wide == "actor" else "actor"
-            big_tp, small = getattr(self, wide).tp, getattr(self, narrow)
-            if big_tp % small.tp:
-                divisors = [d for d in range(1, big_tp + 1) if big_tp % d == 0]
-                problems.append(
-                    f"{narrow}.tp={small.tp} must divide {wide}.tp={big_tp} (consecutive {narrow} stages are "
-                    f"merged onto one {wide}.tp-wide group): set {narrow}.tp to one of {divisors}"
-                )
-            elif small.pp % (big_tp // small.tp):
-                merge = big_tp // small.tp
-                problems.append(
-                    f"{narrow}.pp={small.pp} must be a multiple of {wide}.tp / {narrow}.tp = {big_tp} / {small.tp} "
-                    f"= {merge} ({merge} consecutive {narrow} stages of tp={small.tp} are merged onto each "
-                    f"tp={big_tp} group): set {narrow}.pp to a multiple of {merge}"
-                )
         if not problems:
-            big, small_m = self.larger, self.smaller
-            n_big, n_small = self.merged_stages(big), self.merged_stages(small_m)
-
-            def pp_of(m: str) -> str:
-                k = self.merge(m)
-                return f"{m}.pp" if k == 1 else f"{m} merged stages ({m}.pp / {k})"
-
-            if n_big % n_small:
-                problems.append(
-                    f"{pp_of(small_m)}={n_small} must divide {pp_of(big)}={n_big} (the {small_m} is placed as "
-                    f"{n_big} / {n_small} replicas over blocks of ranks): set {small_m}.pp so that it does"
-                )
-            elif self.microbatches % (n_big // n_small):
-                k = n_big // n_small
-                problems.append(
-                    f"microbatches={self.microbatches} must be a multiple of the {k} {small_m} replicas "
-                    f"({pp_of(big)} / {pp_of(small_m)} = {n_big} / {n_small} = {k}): use a multiple of {k}"
-                )
-            tp = self.tp
+            problems += [refusal.message for refusal in colocation.merge_refusals()]
+        if not problems:
+            problems += [refusal.message for refusal in colocation.nest_refusals(self.microbatches)]
+            n_big, tp, big = colocation.ranks, colocation.tp, colocation.larger
             if n_big * tp * self.dp != self.world_size:
                 span = n_big * tp
                 hint = (
@@ -174,27 +152,33 @@ class ParallelLayout:
                     else f"use {span * self.dp} processes, or an {big}.pp * tp dividing {self.world_size}"
                 )
                 problems.append(
-                    f"{pp_of(big)} * tp * dp = {n_big} * {tp} * {self.dp} = {span * self.dp} != world size "
-                    f"{self.world_size}: " + hint
+                    f"{colocation.positions_name(big)} * tp * dp = {n_big} * {tp} * {self.dp} = {span * self.dp} "
+                    f"!= world size {self.world_size}: " + hint
                 )
         if problems:
             raise ValueError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+
+    @cached_property
+    def colocation(self) -> Colocation:
+        """The merge, positions and placement of the two models (`rlhfuse.pipeline.colocation`, shared with the
+        planner): the methods below read it."""
+        return Colocation(self.actor.pp, self.actor.tp, self.critic.pp, self.critic.tp)
 
     # --- sizes ---------------------------------------------------------------------------------------------
     @property
     def larger(self) -> str:
         """The model with more (merged) stages (the Actor on ties): placed in rank order."""
-        return "actor" if self.merged_stages("actor") >= self.merged_stages("critic") else "critic"
+        return self.colocation.larger
 
     @property
     def smaller(self) -> str:
-        return "critic" if self.larger == "actor" else "actor"
+        return self.colocation.smaller
 
     @property
     def tp(self) -> int:
         """Width of a pipeline rank's group of consecutive ranks: the larger of the two tp degrees (equal
         degrees: both models' tp)."""
-        return max(self.actor.tp, self.critic.tp)
+        return self.colocation.tp
 
     def model_tp(self, model: str) -> int:
         """`model`'s own tensor-parallel degree."""
@@ -208,7 +192,7 @@ class ParallelLayout:
         """Consecutive stages of `model` merged onto one pipeline rank: tp / the model's tp (1 for the model
         with the larger tp). Sub-stage j of a merged stage runs on ranks j*t .. j*t + t - 1 of the group (t the
         model's tp)."""
-        return self.geometry(0).merge(model)
+        return self.colocation.merge(model)
 
     @property
     def pipeline_ranks(self) -> int:
@@ -234,7 +218,7 @@ class ParallelLayout:
     @property
     def group_size(self) -> int:
         """N: pipeline ranks of one fused group."""
-        return max(self.merged_stages("actor"), self.merged_stages("critic"))
+        return self.colocation.ranks
 
     def stages(self, model: str) -> int:
         """The model's pipeline stages (`pp`: how its layers are split into modules)."""
@@ -242,16 +226,15 @@ class ParallelLayout:
 
     def merged_stages(self, model: str) -> int:
         """The model's stages in the schedule: pp / merge (each merged stage is one pipeline rank's subtask)."""
-        return self.stages(model) // max(self.merge(model), 1)
+        return self.colocation.positions(model)
 
     def sub_stages(self, model: str, merged: int) -> range:
         """The stages (modules) of merged stage `merged` of `model`, in execution order."""
-        k = self.merge(model)
-        return range(merged * k, (merged + 1) * k)
+        return self.colocation.sub_stages(model, merged)
 
     def replicas(self, model: str) -> int:
         """Replicas of `model` inside one fused group (1 for the larger model, K for the other)."""
-        return self.group_size // self.merged_stages(model)
+        return self.colocation.replicas(model)
 
     def microbatches_per_replica(self, model: str) -> int:
         return self.microbatches // self.replicas(model)
@@ -259,29 +242,27 @@ class ParallelLayout:
     # --- placement -----------------------------------------------------------------------------------------
     def local_placement(self, model: str) -> list[list[int]]:
         """placement[r][S]: pipeline rank inside a fused group of merged stage S of replica r."""
-        n = self.group_size
-        if model == self.larger:
-            return [list(range(n))]
-        return reversed_blocks(n, self.merged_stages(model))
+        return self.colocation.placement(model)
 
     def rank(self, model: str, group: int, replica: int, stage: int, tp_rank: int = 0) -> int:
         """Global rank of tp shard `tp_rank` (0 .. model_tp - 1) of `stage` (0 .. pp - 1) of `replica` of `model`
         in data-parallel fused group `group`."""
-        k = self.merge(model)
-        pipeline_rank = group * self.group_size + self.local_placement(model)[replica][stage // k]
-        return pipeline_rank * self.tp + (stage % k) * self.model_tp(model) + tp_rank
+        merging = self.colocation.merging(model)
+        local = self.local_placement(model)[replica][merging.merged_of(stage)]
+        return self.global_rank(
+            group * self.group_size + local, merging.offset(merging.slot_of(stage), tp_rank)
+        )
 
     def stages_on(self, rank: int) -> list[tuple[str, int, int]]:
         """(model, replica, stage) placed on a global rank (its tp shard of them; a merged stage: the one
         sub-stage at this rank's `position`), for every slot (the inference of a model placed like an untrained
         slot uses it too: `held_stages`)."""
         local = self.pipeline_rank(rank) % self.group_size
+        geometry = self.geometry(rank)
         return [
-            (model, r, s * self.merge(model) + self.position(model, rank))
+            (model, r, geometry.sub_stage(model, s))
             for model in MODELS
-            for r, row in enumerate(self.local_placement(model))
-            for s, k in enumerate(row)
-            if k == local
+            for r, s in placed_on(self.local_placement(model), local)
         ]
 
     def trained_stages_on(self, rank: int) -> list[tuple[str, int, int]]:
@@ -370,31 +351,33 @@ class ParallelLayout:
     def pipeline_groups(self) -> dict[tuple[str, int, int], tuple[int, ...]]:
         """(model, fused group, replica) -> the pipeline ranks of that pipeline, in merged-stage order."""
         return {
-            (m, g, r): tuple(
-                self.rank(m, g, r, s * self.merge(m)) // self.tp for s in range(self.merged_stages(m))
-            )
+            (m, g, r): tuple(g * self.group_size + v for v in row)
             for m in self.trained
             for g in range(self.dp)
-            for r in range(self.replicas(m))
+            for r, row in enumerate(self.local_placement(m))
         }
 
     def p2p_pairs(self, model: str) -> tuple[tuple[int, int], ...]:
         """The global rank pairs (low, high) that exchange `model`'s point-to-point messages, sorted: the last
         sub-stage of each merged stage with the first of the next (same tp position), and neighbouring sub-stages
         inside a merged stage. Activations go one way and gradients the other on every pair."""
-        t, k = self.model_tp(model), self.merge(model)
+        merging = self.colocation.merging(model)
         pairs: set[tuple[int, int]] = set()
         for g in range(self.dp):
             for row in self.local_placement(model):
-                ranks = [g * self.group_size + v for v in row]
-                for i in range(t):
-                    for v in ranks:
-                        pairs.update(
-                            (v * self.tp + j * t + i, v * self.tp + (j + 1) * t + i) for j in range(k - 1)
-                        )
-                    for a, b in itertools.pairwise(ranks):
-                        x, y = a * self.tp + (k - 1) * t + i, b * self.tp + i
-                        pairs.add((min(x, y), max(x, y)))
+                for i in range(merging.model_tp):
+                    # tp position i of each merged stage's sub-stages, in forward order
+                    subs = [
+                        [
+                            self.global_rank(g * self.group_size + v, merging.offset(j, i))
+                            for j in range(merging.factor)
+                        ]
+                        for v in row
+                    ]
+                    for ranks in subs:
+                        pairs.update(itertools.pairwise(ranks))
+                    for a, b in itertools.pairwise(subs):
+                        pairs.add((min(a[-1], b[0]), max(a[-1], b[0])))
         return tuple(sorted(pairs))
 
     @cached_property
@@ -421,16 +404,6 @@ class ParallelLayout:
         if len(self.trained) == 1:
             parts.append("no critic (critic-free algorithm: the Actor's pipeline alone)")
         return "; ".join(parts)
-
-
-def fused_group_width(actor_pp: int, actor_tp: int, critic_pp: int, critic_tp: int) -> int:
-    """Ranks of one fused group: the larger tp times the larger number of merged stages (pure arithmetic for
-    the data-parallel degree before a layout is validated; invalid sizes are reported by `ParallelLayout`)."""
-    tp = max(actor_tp, critic_tp, 1)
-    merged = (
-        max(pp, 1) // max(tp // max(t, 1), 1) for pp, t in ((actor_pp, actor_tp), (critic_pp, critic_tp))
-    )
-    return tp * max(max(merged), 1)
 
 
 def actor_only_layout(

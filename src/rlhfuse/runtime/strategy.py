@@ -28,6 +28,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
 from rlhfuse.runtime.checkpoint import ShardedCheckpointer
@@ -38,7 +39,6 @@ from rlhfuse.runtime.layout import (
     ParallelLayout,
     actor_only_layout,
     build_process_groups,
-    fused_group_width,
 )
 from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
@@ -55,6 +55,21 @@ from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 
+def data_parallel_sizes(
+    config: PipelineConfig, world: int, mini_batch_size: int, micro_batch_size: int, *, critic: bool = True
+) -> tuple[int, int]:
+    """(data-parallel fused groups, micro-batches per fused group and mini-batch) of `config` on `world` ranks:
+    the fused group's width from the co-location (`Colocation.group_ranks`), pipeline.microbatches or
+    mini_batch_size / micro_batch_size / dp. Pure; defined for sizes the layout refuses (each read as at least 1),
+    so that validation can report them. `critic=False`: the Actor's pipeline alone (the critic slot mirrors it)."""
+    critic_pp = config.critic_pp if critic else config.actor_pp
+    critic_tp = config.critic_tp if critic else config.actor_tp
+    sizes = Colocation(max(config.actor_pp, 1), max(config.actor_tp, 1), max(critic_pp, 1), max(critic_tp, 1))
+    dp = max(world // sizes.group_ranks, 1)
+    micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
+    return dp, micro
+
+
 def pipeline_layout(
     config: PipelineConfig,
     world: int,
@@ -64,24 +79,16 @@ def pipeline_layout(
     *,
     critic: bool = True,
 ) -> ParallelLayout:
-    """The layout of `config` on `world` ranks (pure: the builder computes it before any model is built, to load
-    only this rank's stages; the strategy computes the same one). `critic=False` (a critic-free algorithm): the
-    Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
-    critic_pp = config.critic_pp if critic else config.actor_pp
-    critic_tp = config.critic_tp if critic else config.actor_tp
-    dp = max(world // fused_group_width(config.actor_pp, config.actor_tp, critic_pp, critic_tp), 1)
-    micro = config.microbatches or max(1, mini_batch_size // max(micro_batch_size, 1) // dp)
+    """The layout of `config` on `world` ranks, the one derivation: the builder computes it before any model is
+    built (to load only this rank's stages), the strategy and the resume check compute the same one, and
+    `validate_runtime` reports its errors. Pure; raises `ParallelLayout`'s ValueError. `critic=False` (a
+    critic-free algorithm): the Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
+    dp, micro = data_parallel_sizes(config, world, mini_batch_size, micro_batch_size, critic=critic)
+    actor = ModelParallel(config.actor_pp, config.actor_tp)
     if not critic:
-        return actor_only_layout(
-            ModelParallel(config.actor_pp, config.actor_tp), dp, world, micro, device=str(device)
-        )
+        return actor_only_layout(actor, dp, world, micro, device=str(device))
     return ParallelLayout(
-        ModelParallel(config.actor_pp, config.actor_tp),
-        ModelParallel(config.critic_pp, config.critic_tp),
-        dp,
-        world,
-        micro,
-        device=str(device),
+        actor, ModelParallel(config.critic_pp, config.critic_tp), dp, world, micro, device=str(device)
     )
 
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.api import plan_for
-from rlhfuse.planner.colocation import Colocation
 from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan
 from rlhfuse.planner.simulate import Workload
