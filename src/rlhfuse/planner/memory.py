@@ -9,7 +9,7 @@ It counts the tensors the runtime builds (docs/distributed.md), not an average p
   reversed over blocks of its pp (`rlhfuse.runtime.ParallelLayout.local_placement`), so rank 0 holds the Actor's
   embedding and the Critic's last stage: the busiest rank is found by walking the group (`rank_memories`).
   The Ref is placed like the Actor and the Reward like the Critic (both frozen, no optimizer).
-- **Merged stages** (unequal Actor / Critic tp, `rlhfuse.planner.colocation`): with T the larger tp and t the
+- **Merged stages** (unequal Actor / Critic tp, `rlhfuse.pipeline.colocation`): with T the larger tp and t the
   smaller, the smaller-tp model's T / t consecutive stages share one T-wide pipeline rank, sub-stage j on its
   ranks j*t .. j*t + t - 1 (its tp shard at tp t); the placement above is then over merged stages, and each
   rank holds its own sub-stage (`local_stages`), 1 / (pp * tp) of each model.
