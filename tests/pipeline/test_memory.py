@@ -1,6 +1,7 @@
 """Memory at a makespan: the peak lower bound (by hand and against CP-SAT's optimum), the memory LNS, and
 trading makespan for memory (`makespan_slack`, the Pareto list)."""
 
+import itertools
 import json
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from rlhfuse.pipeline import SearchConfig, gpipe, make_problem, simulate, solve
 from rlhfuse.pipeline.bounds import hold_lengths, peak_lower_bound
 from rlhfuse.pipeline.cli import main
-from rlhfuse.pipeline.compiled import compile_problem
+from rlhfuse.pipeline.compiled import compile_problem, time_windows
 from rlhfuse.pipeline.exact import exact_search, memory_lns, prove
 from rlhfuse.pipeline.search import pareto_front
 
@@ -83,6 +84,102 @@ def test_memory_lns_lowers_a_gpipe_peak_to_the_bound_at_the_same_makespan():
     assert float(c.evaluate(best)[0]) <= 15 and c.peak(best) == peak_lower_bound(p, 15).peak == 2
     assert trace and trace[-1] == (15.0, 2.0)
     simulate(p, c.to_schedule(best))  # valid
+
+
+@pytest.mark.parametrize("limit", [42.0, 48.0, 55.0, 70.0])
+def test_memory_lns_reaches_the_exact_minimum_peak_of_a_small_problem(tiny_fused, limit):
+    # Small problems get whole-schedule neighbourhoods, so the LNS ends at the minimum peak that CP-SAT proves
+    # on the full model (6, 4.5, 4, 3): the reduced model of a step (time windows from the kept orders, kept
+    # ranks as constants, the window's part of a rank's prefix sums as its cumulative) loses no schedule.
+    c = compile_problem(tiny_fused)
+    fastest = exact_search(tiny_fused, compiled=c, analytic_bound=0.0, time_budget=10)
+    exact = prove(
+        tiny_fused, compiled=c, objective="peak", upper_order=fastest.order, makespan_limit=limit,
+        time_budget=20,
+    )  # fmt: skip
+    assert exact.optimal
+    best, _ = memory_lns(
+        tiny_fused,
+        compiled=c,
+        order=fastest.order,
+        makespan_limit=limit,
+        deterministic_budget=4.0,
+        patience=60,
+    )
+    assert 0 <= float(c.evaluate(best)[0]) <= limit
+    assert c.peak(best) == pytest.approx(exact.value)
+
+
+def _neighbourhood_optimum(c, order, start, t0, t1, band, limit):
+    """The reference for a neighbourhood of `memory_lns`: every op a variable, the kept orders as precedences,
+    every rank's whole cumulative; the minimum largest peak with makespan <= `limit` (times as given)."""
+    from ortools.sat.python import cp_model
+
+    model = cp_model.CpModel()
+    s = [model.new_int_var(0, int(limit - c.dur[i]), "") for i in range(c.n)]
+    after = [(int(op), int(nxt)) for op in range(c.n) for nxt in (c.succ1[op], c.succ2[op]) if nxt >= 0]
+    after += [(b + i, b + i + 1) for b, n in zip(c.stream_base, c.stream_len) for i in range(n - 1)]
+    for k in range(c.ranks):
+        ops = [int(op) for op in order[c.rank_ptr[k] : c.rank_ptr[k + 1]]]
+        if k not in band:
+            after += list(itertools.pairwise(ops))
+            continue
+        pre = [op for op in ops if start[op] < t0]
+        win = [op for op in ops if t0 <= start[op] < t1]
+        suf = [op for op in ops if start[op] >= t1]
+        after += list(itertools.pairwise(pre)) + list(itertools.pairwise(suf))
+        after += [(pre[-1], w) for w in win + suf[:1] if pre] + [(w, suf[0]) for w in win if suf]
+        model.add_no_overlap([model.new_fixed_size_interval_var(s[op], int(c.dur[op]), "") for op in ops])
+    for a, b in after:
+        model.add(s[b] >= s[a] + int(c.dur[a]))
+    peak = model.new_int_var(0, 1000, "")
+    for k in range(c.ranks):
+        f_ops = [int(op) for op in np.nonzero((c.rank == k) & (c.is_b == 0))[0]]
+        held = [
+            model.new_interval_var(s[f], model.new_int_var(0, int(limit), ""), s[b] + int(c.dur[b]), "")
+            for f, b in ((f, int(c.free_op[f])) for f in f_ops)
+        ]
+        model.add_cumulative(held, [round(10 * c.mem[f]) for f in f_ops], peak)
+    model.minimize(peak)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    assert solver.solve(model) == cp_model.OPTIMAL
+    return solver.objective_value / 10
+
+
+@pytest.mark.parametrize("band, fraction", [((1, 2), 0.4), ((0, 1, 2), 0.3), ((2, 3), 0.5), ((0, 3), 0.6)])
+def test_a_memory_lns_step_has_the_optimum_of_its_neighbourhood(tiny_fused, band, fraction):
+    # The reduced model of a step (time windows from the kept orders, kept ranks as constants, the window's
+    # part of a rank's prefix sums as its cumulative) has the same optimum as the whole neighbourhood written
+    # out, on windows that keep a prefix and a suffix of the band's ranks.
+    from ortools.sat.python import cp_model
+
+    from rlhfuse.pipeline.exact import _dependency_edges, _lns_step, _retime
+
+    c = compile_problem(tiny_fused)  # whole durations; activations 1.5 and 1.0 are 15 and 10 tenths
+    limit = 55
+    order = exact_search(tiny_fused, compiled=c, analytic_bound=0.0, time_budget=10).order  # 42, peak 6
+    dur = c.dur.astype(np.int64)
+    start = _retime(c, order, dur, 0) - dur
+    assert start.max() + 4 <= limit
+    t0 = int(start.max() * fraction / 2)
+    t1 = t0 + int(start.max() * fraction) + 1
+    demand = np.round(10 * np.abs(c.mem)).astype(np.int64)
+    _, new = _lns_step(
+        c, cp_model, order, start, dur, demand, _dependency_edges(c, dur, 0), limit, t0, t1, set(band),
+        round(10 * c.peak(order)), 5.0, True, 0,
+    )  # fmt: skip
+    assert new is not None and 0 <= c.evaluate(new)[0] <= limit
+    assert c.peak(new) == pytest.approx(_neighbourhood_optimum(c, order, start, t0, t1, set(band), limit))
+
+
+def test_time_windows_by_hand():
+    # 0 -> 1 (gap 2) -> 2 (gap 3), durations 2, 3, 1, horizon 10: earliest starts 0, 2, 5; latest 4, 6, 9.
+    edges = (np.array([0, 1]), np.array([1, 2]), np.array([2, 3]))
+    est, lst = time_windows(3, *edges, np.array([2, 3, 1]), 10)
+    assert est.tolist() == [0, 2, 5] and lst.tolist() == [4, 6, 9]
+    est, lst = time_windows(2, np.array([0, 1]), np.array([1, 0]), np.array([1, 1]), np.array([1, 1]), 10)
+    assert len(est) == len(lst) == 0  # a cycle has no windows
 
 
 def test_a_wall_clock_safety_cap_that_fires_is_counted(monkeypatch):

@@ -116,6 +116,7 @@ def prove(
     inflight_extra: tuple[int, ...] | None = None,
     cap_override: float | None = None,
     low_memory_search_order: bool = False,
+    light_propagation: bool = False,
 ) -> ExactResult:
     """Solve (or bound) `problem` exactly with CP-SAT, warm-started from `upper_order`.
 
@@ -140,6 +141,8 @@ def prove(
     low_memory_search_order: branch in a fixed order, every B as early as possible, then every F as late as
         possible: the first schedule found holds little activation (F's are started just in time). The search
         is still complete, so INFEASIBLE still proves the bound.
+    light_propagation: solve without the LP relaxation and the no-overlaps' precedence reasoning (always so for
+        an uncapped decision in the low-memory order, which then mostly propagates).
     """
     began = time.perf_counter()
     c = compiled or compile_problem(problem)
@@ -286,12 +289,15 @@ def prove(
         )
     else:
         solver.parameters.max_time_in_seconds = max(0.01, float(time_budget))
-    if low_memory_search_order and peak is None:
+    if light_propagation or (low_memory_search_order and peak is None):
         # The fixed search of an uncapped decision mostly propagates: without the LP relaxation and the
         # precedence reasoning of the no-overlaps it finds the same schedule with less work (09 at 606: 36 s
         # instead of 62 s on a loaded machine, 0.5 instead of 8.9 units of deterministic time).
         solver.parameters.linearization_level = 0
         solver.parameters.use_precedences_in_disjunctive_constraint = False
+        # The linear propagator of CP-SAT 9.10+ costs more than the older one on these precedence-only models:
+        # the same schedule on 09 at 606 with 14 instead of 17 s.
+        solver.parameters.new_linear_propagation = False
     status = solver.solve(model)
     name = solver.status_name(status)
     capped = _wall_capped(solver, status, deterministic_budget is not None)
@@ -536,11 +542,19 @@ def memory_ladder(
     time_budget: float = 4.0,
     deterministic_budget: float | None = None,
     seed: int = 0,
+    quick_share: float = 0.1,
 ) -> ExactResult | None:
     """A schedule with makespan <= `makespan` and a lower peak, or None: decisions "makespan <= M under a memory
-    cap of f x `target`?" (`target`: serial 1F1B's peak) for the factors below the current peak, tightest
-    first, each with an equal share of the budget and the low-memory branching order. The first "yes" is the
-    lowest cap met. A heuristic: an open or refuted decision proves nothing about the problem's memory.
+    cap of f x `target`?" (`target`: serial 1F1B's peak) for the factors below the current peak, each with an
+    equal share of the budget and the low-memory branching order. A heuristic: an open or refuted decision
+    proves nothing about the problem's memory.
+
+    First a quick try at the tightest cap, `quick_share` of a cap's share with light propagation (no LP
+    relaxation, no precedence reasoning in the no-overlaps): where the low-memory order meets that cap at all,
+    it often does so at once that way (06: 26.24 in 1.5 s, where the full propagation left both of its caps
+    open after 14 s). Then the caps loosest first, each "yes" lowering the peak to beat, until a decision is
+    not met: a decision that stays open spends its whole share, and on Table 3 a cap left open was never met
+    by a tighter one (00 and 01 meet 1.35 and 1.2 and not 1.1; 03 and 04 none: 1 decision instead of 4).
     """
     c = compiled or compile_problem(problem)
     caps = [f * target for f in factors if f * target < peak - 1e-6]
@@ -548,20 +562,31 @@ def memory_ladder(
         return None
     total = float(deterministic_budget) if deterministic_budget is not None else float(time_budget)
     share = total / len(caps)
-    for cap in caps:
+
+    def decide(cap: float, budget: float, light: bool, below: float) -> tuple[ExactResult, float] | None:
+        """The decision's schedule and its peak if it meets the makespan with a peak below `below`."""
         r = prove(
-            problem, compiled=c, at_most=makespan, seed=seed, time_budget=share, cap_override=cap,
-            deterministic_budget=share if deterministic_budget is not None else None, analytic_bound=makespan,
-            low_memory_search_order=True,
+            problem, compiled=c, at_most=makespan, seed=seed, time_budget=budget, cap_override=cap,
+            deterministic_budget=budget if deterministic_budget is not None else None, analytic_bound=makespan,
+            low_memory_search_order=True, light_propagation=light,
         )  # fmt: skip
-        if (
-            r.order is not None
-            and r.value is not None
-            and r.value <= makespan + 1e-9
-            and c.peak(r.order) < peak
-        ):
-            return r
-    return None
+        if r.order is None or r.value is None or r.value > makespan + 1e-9:
+            return None
+        found = c.peak(r.order)
+        return (r, found) if found < below - 1e-9 else None
+
+    quick = decide(caps[0], quick_share * share, True, peak)
+    if quick is not None:
+        return quick[0]
+    best = None
+    for cap in reversed(caps):
+        if cap >= peak - 1e-6:  # a looser cap's schedule is below this one already
+            continue
+        met = decide(cap, share, False, peak)
+        if met is None:
+            break
+        best, peak = met
+    return best
 
 
 def capped_memory_search(
@@ -694,10 +719,12 @@ def memory_lns(
     the band, the ops that start before t0 keep their order and precede the window, those from t1 on keep
     theirs and follow it; other ranks keep their whole order (their times stay free); the makespan is at most
     the limit (the horizon) and the cumulative memory of every rank counts. The current schedule is the hint,
-    so every step is feasible and never worse. Each step gets `per_solve` of the budget (CP-SAT deterministic
-    time when `deterministic_budget` is set: one worker, so the result is the same on any machine); the
-    window sizes and bands are drawn from `seed`; on small problems (at most 1000 ops) some steps free the
-    whole schedule. Stops at `target` or at the peak lower bound at the limit (`bounds.peak_lower_bound`: the
+    so every step is feasible and never worse; a step whose neighbourhood holds no lower peak asks again with
+    the window's ops unhinted, for another schedule of the same peak (a move on the plateau). The model of a
+    step holds only what the neighbourhood can change (`_lns_step`). Each step gets `per_solve` of the budget
+    (CP-SAT deterministic time when `deterministic_budget` is set: one worker, so the result is the same on
+    any machine); the window sizes and bands are drawn from `seed`; on small problems (at most 1000 ops) some
+    steps free the whole schedule. Stops at `target` or at the peak lower bound at the limit (`bounds.peak_lower_bound`: the
     result is then proven optimal), after `patience` steps without progress, or when the budget is spent.
 
     Returns the best order and the (makespan, peak) of every improvement, in order. A heuristic: it proves
@@ -720,11 +747,7 @@ def memory_lns(
     act = np.abs(c.mem)
     m_scale, m_exact = _scale(act)
     demand = _ints(act, m_scale, m_exact)
-    seq_head, seq_tail = _sequenced_heads_tails(
-        c.n, c.pred1, c.pred2, c.succ1, c.succ2, list(c.stream_base), list(c.stream_len), dur.astype(float)
-    )
-    head = np.round(seq_head).astype(np.int64)
-    tail = np.round(seq_tail).astype(np.int64)
+    dependencies = _dependency_edges(c, dur, lat_i)
     horizon = math.floor(makespan_limit * t_scale + 1e-6)
     cap_scaled = None if problem.memory_cap is None else math.floor(problem.memory_cap * m_scale + 1e-6)
     best = np.asarray(order, dtype=np.int64).copy()
@@ -758,7 +781,7 @@ def memory_lns(
         if hi_r - lo_r > max(4, c.ranks * 3 // 4):  # keep the neighbourhood small enough to solve
             lo_r, hi_r = max(0, k - band), min(c.ranks, k + band + 1)
         r = _lns_step(
-            c, cp_model, best, st, dur, lat_i, head, tail, demand, horizon, t0, t0 + width, range(lo_r, hi_r),
+            c, cp_model, best, st, dur, demand, dependencies, horizon, t0, t0 + width, range(lo_r, hi_r),
             round(best_peak * m_scale) if cap_scaled is None else min(cap_scaled, round(best_peak * m_scale)),
             share, deterministic, seed + len(trace),
         )  # fmt: skip
@@ -784,74 +807,172 @@ def memory_lns(
     return kept[2], trace
 
 
+def _dependency_edges(c: Compiled, dur: np.ndarray, lat_i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(from, to, gap) of every precedence `start[to] >= start[from] + gap` that holds in every schedule: the
+    dependencies (plus the latency across ranks) and each stream's micro-batch order."""
+    ops = np.arange(c.n)
+    froms, tos, gaps = [], [], []
+    for succ, lat in ((c.succ1, c.lat_succ1), (c.succ2, c.lat_succ2)):
+        has = succ >= 0
+        froms.append(ops[has])
+        tos.append(succ[has])
+        gaps.append(dur[has] + np.where(lat[has] > 0, lat_i, 0))
+    in_stream = np.ones(c.n, dtype=bool)
+    in_stream[c.stream_base + c.stream_len - 1] = False  # the last op of each stream has no next
+    froms.append(ops[in_stream])
+    tos.append(ops[in_stream] + 1)
+    gaps.append(dur[in_stream])
+    return np.concatenate(froms), np.concatenate(tos), np.concatenate(gaps).astype(np.int64)
+
+
 def _lns_step(
-    c: Compiled, cp_model, order, st, dur, lat_i, head, tail, demand, horizon, t0, t1, band, cap, share,
+    c: Compiled, cp_model, order, st, dur, demand, dependencies, horizon, t0, t1, band, cap, share,
     deterministic, seed,
 ):  # type: ignore[no-untyped-def]  # fmt: skip
-    """One neighbourhood of `memory_lns`: (deterministic time or seconds spent, new order or None)."""
-    model = cp_model.CpModel()
-    start = [
-        model.new_int_var(int(head[i]), max(int(head[i]), int(horizon - dur[i] - tail[i])), f"s{i}")
-        for i in range(c.n)
-    ]
-    intervals = [model.new_fixed_size_interval_var(start[i], int(dur[i]), f"i{i}") for i in range(c.n)]
-    for op in range(c.n):
-        for succ, has_lat in ((c.succ1[op], c.lat_succ1[op] > 0), (c.succ2[op], c.lat_succ2[op] > 0)):
-            if succ >= 0:
-                model.add(start[succ] >= start[op] + int(dur[op]) + (lat_i if has_lat else 0))
-    for base, length in zip(c.stream_base, c.stream_len):
-        for i in range(int(base), int(base) + int(length) - 1):
-            model.add(start[i + 1] >= start[i] + int(dur[i]))
-    free_ranks = set(band)
+    """One neighbourhood of `memory_lns`: (deterministic time or seconds spent, new order or None).
+
+    The model holds only what the neighbourhood can change. The kept orders are precedences; with the
+    dependencies and the horizon they give every op a time window (`compiled.time_windows`), and an op whose
+    window is a single time is a constant. A rank that keeps its whole order keeps its peak (the largest
+    prefix sum of its list), so it enters as a lower bound on the peak, not as a cumulative; on a band rank
+    only the window's part of the prefix sums can change (below).
+    """
+    from rlhfuse.pipeline.compiled import time_windows
+
+    froms, tos, gaps = [dependencies[0]], [dependencies[1]], [dependencies[2]]
+    kept_peak = 0
+    windows: list[tuple[list[int], list[int], list[int]]] = []  # (pre, win, suf) of each band rank
+    signed = np.where(c.mem >= 0, demand, -demand)
     for k in range(c.ranks):
-        ops = [int(op) for op in order[c.rank_ptr[k] : c.rank_ptr[k + 1]]]
-        if k not in free_ranks:
-            for a, b in itertools.pairwise(ops):
-                model.add(start[b] >= start[a] + int(dur[a]))
+        ops = order[c.rank_ptr[k] : c.rank_ptr[k + 1]]
+        if k not in band:
+            froms.append(ops[:-1])
+            tos.append(ops[1:])
+            gaps.append(dur[ops[:-1]])
+            kept_peak = max(kept_peak, int(np.cumsum(signed[ops]).max(initial=0)))
             continue
-        pre = [op for op in ops if st[op] < t0]
-        win = [op for op in ops if t0 <= st[op] < t1]
-        suf = [op for op in ops if st[op] >= t1]
-        for chain in (pre, suf):
-            for a, b in itertools.pairwise(chain):
-                model.add(start[b] >= start[a] + int(dur[a]))
-        if pre:
-            for w in win + suf[:1]:
-                model.add(start[w] >= start[pre[-1]] + int(dur[pre[-1]]))
-        if suf:
-            for w in win:
-                model.add(start[suf[0]] >= start[w] + int(dur[w]))
-        model.add_no_overlap([intervals[op] for op in win + pre[-1:] + suf[:1]])
-    peak = model.new_int_var(0, cap, "peak")
-    for k in range(c.ranks):
-        held, demands = [], []
-        for op in map(int, np.nonzero((c.rank == k) & (c.is_b == 0))[0]):
-            b = int(c.free_op[op])
-            size = model.new_int_var(int(dur[op] + dur[b]), int(horizon), f"h{op}")
-            held.append(model.new_interval_var(start[op], size, start[b] + int(dur[b]), f"m{op}"))
+        pre = [int(op) for op in ops if st[op] < t0]
+        win = [int(op) for op in ops if t0 <= st[op] < t1]
+        suf = [int(op) for op in ops if st[op] >= t1]
+        windows.append((pre, win, suf))
+        # pre and suf keep their chains; the last of pre precedes the window and the first of suf follows it
+        chain = list(itertools.pairwise(pre)) + list(itertools.pairwise(suf))
+        chain += [(a, w) for a in pre[-1:] for w in win + suf[:1]] + [(w, b) for b in suf[:1] for w in win]
+        if chain:
+            froms.append(np.array([a for a, _ in chain], dtype=np.int64))
+            tos.append(np.array([b for _, b in chain], dtype=np.int64))
+            gaps.append(dur[froms[-1]])
+    e_from, e_to, e_gap = np.concatenate(froms), np.concatenate(tos), np.concatenate(gaps).astype(np.int64)
+    est, lst = time_windows(c.n, e_from, e_to, e_gap, dur, int(horizon))
+    assert len(est) == c.n and np.all(est <= st) and np.all(st <= lst), "the current schedule fits the model"
+    model = cp_model.CpModel()
+    free = est < lst
+    start = [model.new_int_var(int(est[i]), int(lst[i]), "") if free[i] else int(est[i]) for i in range(c.n)]
+    both = free[e_from] & free[e_to]  # a precedence with a constant end is in the other end's window already
+    for a, b, gap in zip(e_from[both].tolist(), e_to[both].tolist(), e_gap[both].tolist()):
+        model.add(start[b] >= start[a] + gap)
+    for pre, win, suf in windows:
+        model.add_no_overlap(
+            [
+                model.new_fixed_size_interval_var(start[op], int(dur[op]), "")
+                for op in win + pre[-1:] + suf[:1]
+            ]
+        )
+    hints: list[tuple[Any, int]] = []
+
+    def held(first: int, last: int) -> Any:
+        """Activation held from the start of op `first` (time 0 if -1) to the end of op `last` (the horizon
+        if -1), as an interval."""
+        begin = (0, 0, 0, 0) if first < 0 else (start[first], est[first], lst[first], st[first])
+        d = 0 if last < 0 else int(dur[last])
+        end = (horizon,) * 4 if last < 0 else (start[last] + d, est[last] + d, lst[last] + d, st[last] + d)
+        if begin[1] == begin[2] and end[1] == end[2]:
+            return model.new_fixed_size_interval_var(int(begin[1]), int(end[1] - begin[1]), "")
+        size = model.new_int_var(int(max(0, end[1] - begin[2])), int(end[2] - begin[1]), "")
+        hints.append((size, int(end[3] - begin[3])))
+        return model.new_interval_var(begin[0], size, end[0], "")
+
+    # A band rank's peak is the largest prefix sum ending in `pre`, in the window or in `suf`; only the middle
+    # one can change. It is the level held when the window begins plus the largest prefix sum of the window's
+    # ops: a cumulative of the window's F (held until their B ends, or to the horizon when the B follows the
+    # window) and of the window's B whose F came before it (held from time 0), whose capacity is the peak
+    # minus (that level less those B's activations).
+    f_ops = np.nonzero(c.is_b == 0)[0]
+    freed_by = np.full(c.n, -1, dtype=np.int64)  # the F whose activation an op frees
+    freed_by[c.free_op[f_ops]] = f_ops
+    cumulatives = []
+    for pre, win, suf in windows:
+        level = int(signed[pre].sum())
+        kept_peak = max(kept_peak, int(np.cumsum(signed[pre]).max(initial=0)))
+        kept_peak = max(
+            kept_peak, level + int(signed[win].sum()) + int(np.cumsum(signed[suf]).max(initial=0))
+        )
+        in_window = set(win)
+        items, demands, base = [], [], level
+        for op in win:
+            if c.is_b[op] == 0:
+                b = int(c.free_op[op])
+                items.append(held(op, b if b in in_window else -1))
+            elif c.mem[op] < 0 and int(freed_by[op]) not in in_window:
+                items.append(held(-1, op))
+                base -= int(demand[op])
+            else:
+                continue
             demands.append(int(demand[op]))
-            model.add_hint(size, int(st[b] + dur[b] - st[op]))
-        model.add_cumulative(held, demands, peak)
+        cumulatives.append((items, demands, base))
+    peak = model.new_int_var(kept_peak, max(kept_peak, cap), "peak")
+    for items, demands, base in cumulatives:
+        if items:
+            model.add_cumulative(items, demands, peak - base)
     model.minimize(peak)
-    model.add_hint(peak, int(cap))
-    for op in range(c.n):
+    for op in np.nonzero(free)[0].tolist():
         model.add_hint(start[op], int(st[op]))
+    for var, value in hints:
+        model.add_hint(var, value)
+    model.add_hint(peak, int(cap))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = int(seed)
     # Without the LP relaxation a neighbourhood solves several times faster (09: 5 s instead of 15 s for the
-    # same optimum); the cumulative and no-overlap propagators do the work here.
+    # same optimum); the cumulative and no-overlap propagators do the work here. Without presolve: on the
+    # whole-schedule model CP-SAT's presolve (probing, its fixpoint over 14 000 precedences) took most of a
+    # step, and this model is reduced already; and with the linear propagator of before 9.10, the cheaper one
+    # on precedences (09: the LNS 34 s -> 12 s, 36.76 instead of 37.40 with the same budget).
     solver.parameters.linearization_level = 0
-    if deterministic:
-        solver.parameters.max_deterministic_time = float(share)
-        solver.parameters.max_time_in_seconds = SAFETY_SECONDS_PER_UNIT * float(share) + SAFETY_SECONDS_BASE
-    else:
-        solver.parameters.max_time_in_seconds = max(0.01, float(share))
-    began = time.perf_counter()
-    status = solver.solve(model)
-    spent = float(solver.response_proto.deterministic_time) if deterministic else time.perf_counter() - began
-    _wall_capped(solver, status, deterministic)
+    solver.parameters.cp_model_presolve = False
+    solver.parameters.new_linear_propagation = False
+
+    def solve(budget: float) -> tuple[Any, float]:
+        if deterministic:
+            solver.parameters.max_deterministic_time = float(budget)
+            solver.parameters.max_time_in_seconds = (
+                SAFETY_SECONDS_PER_UNIT * float(budget) + SAFETY_SECONDS_BASE
+            )
+        else:
+            solver.parameters.max_time_in_seconds = max(0.01, float(budget))
+        began = time.perf_counter()
+        status = solver.solve(model)
+        _wall_capped(solver, status, deterministic)
+        used = (
+            float(solver.response_proto.deterministic_time) if deterministic else time.perf_counter() - began
+        )
+        return status, used
+
+    status, spent = solve(share)
+    if status == cp_model.OPTIMAL and round(solver.objective_value) >= cap and spent < 0.9 * share:
+        # No lower peak here, and the solver returned the hint. Without presolve it always does, and the search
+        # stalls on plateaus (03 stopped at 18.60): ask again with the window's ops unhinted, for another
+        # schedule of the same peak (a move on the plateau).
+        model.clear_hints()
+        window_ops = {op for _, win, _ in windows for op in win}
+        for op in np.nonzero(free)[0].tolist():
+            if op not in window_ops:
+                model.add_hint(start[op], int(st[op]))
+        status, more = solve(share - spent)
+        spent += more
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return spent, None
-    starts = np.array([solver.value(s) for s in start], dtype=np.int64)
+    starts = np.array(
+        [solver.value(s) if free[i] else int(est[i]) for i, s in enumerate(start)], dtype=np.int64
+    )
     return spent, _order_from_starts(c, starts)

@@ -78,10 +78,11 @@ class SearchConfig:
             thread, so the result is still the same on any machine).
         exact_max_ops: problems with more ops skip the exact step (the analytic bound stands).
         exact_memory_ladder: before the memory annealing (worker 0, at most `exact_memory_ops` ops), exact
-            decisions at the best makespan under caps of 1.01, 1.1, 1.2, 1.35 x serial 1F1B's peak, tightest
-            first, in the low-memory branching order (`exact.memory_ladder`; a quarter of the exact budget).
-            Skipped when the schedule is the exact step's own (its low-memory decision already chose the
-            memory; on 03, 09 and 10 no cap of the ladder was met from there).
+            decisions at the best makespan under caps of 1.01, 1.1, 1.2, 1.35 x serial 1F1B's peak in the
+            low-memory branching order (`exact.memory_ladder`: a quick try at the tightest cap, then the caps
+            loosest first while they are met; a quarter of the exact budget). Skipped when the schedule is the
+            exact step's own (its low-memory decision already chose the memory; on 03, 09 and 10 no cap of the
+            ladder was met from there).
         exact_memory: experimental, off by default: exact decisions for memory at the best makespan, i.e. the
             restricted decisions of `exact.low_memory_search` before the memory annealing and, for problems
             of at most `exact_memory_ops` ops, decisions under a memory cap (`exact.capped_memory_search`,
@@ -95,7 +96,8 @@ class SearchConfig:
         memory_lns: after the memory annealing (worker 0, at most `exact_memory_ops` ops), large-neighbourhood
             search for memory at the best makespan (`exact.memory_lns`: CP-SAT re-optimises the peak on a time
             window of a band of ranks around the peak, the rest of the schedule kept), `lns_effort` units of
-            CP-SAT deterministic time (`lns_share` of the time budget in wall-clock runs).
+            CP-SAT deterministic time (`lns_share` of the time budget in wall-clock runs). On the exact step's
+            own schedule it runs instead of the memory annealing (which never moved from there).
         makespan_slack: trade makespan for memory: after the search, the memory steps may lengthen the
             schedule up to (1 + makespan_slack) x the proven lower bound (never below the best makespan
             found). The result is then the lowest-peak schedule within that limit, and `Solution.pareto`
@@ -121,7 +123,7 @@ class SearchConfig:
     exact_memory_ops: int = 5000
     split_backward: bool = False
     memory_lns: bool = True
-    lns_effort: float = 1.5
+    lns_effort: float = 0.75
     lns_share: float = 0.25
     makespan_slack: float = 0.0
 
@@ -599,13 +601,22 @@ def _search(
     memory_cap_iters = int(config.memory_effort * cap_iters) if fixed else cap_iters
     rates = [rate, rate]  # the two kinds of rounds run at different speeds
     # Low-memory starts (list schedules under the serial 1F1B peak): slower, but annealing them with memory
-    # charged keeps their memory while it brings the makespan down.
-    low_starts: list[tuple[float, float, np.ndarray]] = []
-    if best_peak > serial + 1e-9 and time.perf_counter() < end - 0.2 * budget:
-        low_starts = constructive_starts(
-            c, by(0.05, time.perf_counter()), seed=config.seed + worker,
-            cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
-        )  # fmt: skip
+    # charged keeps their memory while it brings the makespan down. Decided here, swept on first use: the
+    # memory phase often stops before its third round, the first to ask for one (09: 6 s of list schedules).
+    wants_low_starts = best_peak > serial + 1e-9 and time.perf_counter() < end - 0.2 * budget
+    low_starts: list[tuple[float, float, np.ndarray]] | None = None
+
+    def low_memory_starts() -> list[tuple[float, float, np.ndarray]]:
+        nonlocal low_starts
+        if low_starts is None:
+            low_starts = []
+            if wants_low_starts:
+                low_starts = constructive_starts(
+                    c, by(0.05, time.perf_counter()), seed=config.seed + worker,
+                    cap=serial * (1 + 1e-9), planned_cache=planned_cache, **sweep,
+                )  # fmt: skip
+        return low_starts
+
     mem_goal = max(bounds.memory, config.memory_target * serial)
     if (
         exact_on
@@ -650,8 +661,9 @@ def _search(
     patience = config.memory_patience
     if lns_on and lns_first and best_peak > mem_goal + 1e-9:
         lns()
-        # From there the annealing never moved (09 and 10, with and without the LNS): two rounds, not eight.
-        patience = max(1, config.memory_patience // 4)
+        # From there the annealing never moved (09 and 10, in every run with two rounds, with and without the
+        # LNS before them): it is skipped (09: 4.5 s).
+        patience = 0
     while stale < patience and stats["memory_iters"] < memory_cap_iters:
         now = time.perf_counter()
         if now >= end or best_peak <= mem_goal + 1e-9:
@@ -666,8 +678,9 @@ def _search(
         if kind == 0:
             ref = serial if best_peak > serial + 1e-9 else bounds.memory
             start = best
-            if low_starts and rounds % 4 == 2:
-                start = low_starts[int(rng.integers(0, len(low_starts)))][2]
+            lows = low_memory_starts() if rounds % 4 == 2 else []
+            if lows:
+                start = lows[int(rng.integers(0, len(lows)))][2]
             order, ms, peak, done = _anneal_latency(
                 c, start, iters, rng, best_ms, float(rng.choice([2.0, 5.0, 20.0])), ref
             )
