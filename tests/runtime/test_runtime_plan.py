@@ -10,7 +10,6 @@ import pytest
 from rlhfuse.pipeline import serial_one_f_one_b
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.pipeline.simulate import simulate
-from rlhfuse.trainer.components import STRATEGIES
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.plan import (
     PLANNERS,
@@ -21,6 +20,7 @@ from rlhfuse.runtime.plan import (
     planner_for,
     unprofiled_plan,
 )
+from rlhfuse.trainer.components import STRATEGIES
 
 LAYOUT = ParallelLayout(ModelParallel(2), ModelParallel(1), dp=1, world_size=2, microbatches=4)
 # hand-picked seconds per micro-batch: (actor, stage, F/B) and the critic's single stage; one below the floor
