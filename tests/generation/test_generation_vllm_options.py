@@ -88,7 +88,10 @@ def test_a_weight_sync_copies_to_the_host_only_for_the_cpu_backend(recorded, dev
 
 
 def test_an_engine_in_a_multi_process_job_runs_on_the_external_launcher(recorded, monkeypatch):
+    # the engine names this rank to vLLM in the environment (env://): undone after the test, or a later
+    # rlhfuse-train launched from this process would take itself for an already launched rank
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(1,))
     vllm_engine.VLLMInstance("unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2)
     vllm_engine.VLLMInstance(
