@@ -4,6 +4,7 @@ engine on CPU): CUDA graphs on a GPU unless `generator.vllm_cuda_graphs=false`, 
 `external_launcher` executor for an engine in a multi-process job; sleep and wake around training where the
 platform has a sleep mode, a level-2 sleeper reloading its weights as it wakes."""
 
+import os
 import types
 from typing import ClassVar
 
@@ -89,9 +90,11 @@ def test_a_weight_sync_copies_to_the_host_only_for_the_cpu_backend(recorded, dev
 
 def test_an_engine_in_a_multi_process_job_runs_on_the_external_launcher(recorded, monkeypatch):
     # the engine names this rank to vLLM in the environment (env://): undone after the test, or a later
-    # rlhfuse-train launched from this process would take itself for an already launched rank
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # rlhfuse-train launched from this process would take itself for an already launched rank (setenv first:
+    # monkeypatch restores what it changed, and a delenv of an absent variable changes nothing)
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(1,))
     vllm_engine.VLLMInstance("unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2)
     vllm_engine.VLLMInstance(
@@ -100,6 +103,7 @@ def test_an_engine_in_a_multi_process_job_runs_on_the_external_launcher(recorded
     alone, launched = recorded
     assert "distributed_executor_backend" not in alone
     assert launched["distributed_executor_backend"] == "external_launcher"
+    assert os.environ["RANK"] == os.environ["LOCAL_RANK"] == "0"  # env:// names this rank
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
