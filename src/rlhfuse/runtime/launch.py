@@ -44,7 +44,9 @@ def distributed_fabric(
 ) -> Fabric:
     """A launched Fabric with its process group initialised; returns on every rank."""
     world = int(os.environ.get("WORLD_SIZE", nproc_per_node))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node))
+    # LOCAL_WORLD_SIZE counts only beside torchrun's WORLD_SIZE: vLLM sets it to 1 in any process that built an
+    # engine, which would make a launch from that process wait for processes of another node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) if "WORLD_SIZE" in os.environ else world
     if world % local:
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     if backend == "auto":

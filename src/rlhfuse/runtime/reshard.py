@@ -233,8 +233,9 @@ class Resharder:
                 return range(world)
             return layout.tp_grad_groups[("actor", stage, t)]
 
-        if ranks_per_node is None:
-            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if ranks_per_node is None:  # torchrun's (vLLM sets a LOCAL_WORLD_SIZE of its own without WORLD_SIZE)
+            launched = "WORLD_SIZE" in os.environ
+            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) if launched else 0
         self.plan = plan_reshard(
             entries, train_tp, gen_tp, world, holders, lambda i: sizes[i], ranks_per_node
         )
