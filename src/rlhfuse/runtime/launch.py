@@ -46,7 +46,13 @@ def distributed_fabric(
     world = int(os.environ.get("WORLD_SIZE", nproc_per_node))
     # LOCAL_WORLD_SIZE counts only beside torchrun's WORLD_SIZE: vLLM sets it to 1 in any process that built an
     # engine, which would make a launch from that process wait for processes of another node
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node)) if "WORLD_SIZE" in os.environ else world
+    if "WORLD_SIZE" in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node))
+    else:
+        # this process launches the ranks of this host: they inherit the count (Fabric's launcher sets
+        # WORLD_SIZE, LOCAL_RANK and NODE_RANK for them, not LOCAL_WORLD_SIZE)
+        local = world
+        os.environ["LOCAL_WORLD_SIZE"] = str(local)
     if world % local:
         raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     if backend == "auto":
