@@ -1,7 +1,15 @@
 """LoRA (model.lora) in the trainer: the Actor trains its adapters only, the Reference is the Actor with them
 switched off (no Ref copy), the generators' plain copy holds the merged weights, a checkpoint holds the adapters
 and resumes bit-identically, and `actor_hf/` is a PEFT adapter folder that peft loads onto the SFT checkpoint
-(with the merged model beside it on request). Refused, with the key, where it does not run."""
+(with the merged model beside it on request). On the Actor pipeline (serial_1f1b, fused; 2 gloo ranks) the
+adapters ride on the stages and train as under plain, the weight sync sends the merged projections, the stage
+shards hold the adapters and resume bit-identically. Refused, with the key, where it does not run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlhfuse.models.convert import is_converted, real_model_dir
 from rlhfuse.models.lora import merged_model
-from rlhfuse.trainer import build_trainer, compose_config
+from rlhfuse.trainer import build_trainer, compose_config, validate
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -102,8 +110,12 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
     ("overrides", "message"),
     [
         (
-            ["pipeline=serial_1f1b"],
-            "model.lora.rank=4: LoRA adapters train under pipeline=plain and fsdp only",
+            ["pipeline=serial_1f1b", "distributed.nproc_per_node=2", "pipeline.actor_tp=2"],
+            "model.lora.rank=4 with pipeline.actor_tp=2: the adapters of tensor-parallel shards",
+        ),
+        (
+            ["pipeline=fused", "distributed.nproc_per_node=2", "generator.tp=2"],
+            "set generator.tp=1",
         ),
         (["model.lora.target_modules=[qkv_proj]"], r"model.lora.target_modules=\['qkv_proj'\]"),
         (["model.architecture=phi3"], "model.lora on phi3 is not supported"),
@@ -111,7 +123,76 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
 )
 def test_lora_is_refused_with_the_key_where_it_does_not_run(cache, overrides, message):
     with pytest.raises(ValueError, match=message):
-        build_trainer(smoke(cache, "model.lora.rank=4", *overrides), log=quiet)
+        validate(smoke(cache, "model.lora.rank=4", *overrides))
+
+
+def _cli(tmp_path: Path, run: str, *overrides: str) -> list[dict[str, float]]:
+    """`rlhfuse-train` of the smoke job with a LoRA Actor (2 layers, constant LR); its metric rows, less those
+    read off the clock (the pipeline's makespans and bubble ratio among them)."""
+    cmd = [
+        str(Path(sys.executable).with_name("rlhfuse-train")),
+        "experiment=smoke",
+        "model.num_layers=2",
+        *LORA,
+        "model.lora.export_merged=true",
+        "pipeline.lr_schedule=constant",
+        "pipeline.warmup_steps=0",
+        "distributed.nproc_per_node=2",
+        "distributed.timeout_s=60",
+        "checkpoint.every=2",
+        "checkpoint.export_hf=true",
+        f"model.warmstart.cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={tmp_path / run}",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    timed = (
+        "time/",
+        "throughput/",
+        "train/predicted_makespan_s",
+        "train/measured_makespan_s",
+        "train/bubble_ratio",
+    )
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith(timed)} for x in lines]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_lora_actor_on_the_actor_pipeline_trains_as_under_plain_and_resumes_from_its_adapters(tmp_path):
+    pp = ("pipeline=serial_1f1b", "pipeline.actor_pp=2", "pipeline.critic_pp=2", "pipeline.microbatches=2")
+    piped = _cli(tmp_path, "pp", *pp)
+    plain = _cli(tmp_path, "plain", "pipeline=plain", "generator.instances=2")
+    assert len(piped) == len(plain) == 3
+    for got, want in zip(piped, plain, strict=True):
+        assert got["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
+        assert got["loss/policy"] == pytest.approx(want["loss/policy"], rel=1e-5, abs=1e-7)
+        assert got["kl/mean"] == pytest.approx(want["kl/mean"], rel=1e-5, abs=1e-7)
+        # each rank steps the adapters of its stage only, and holds no Ref copy
+        assert got["memory/optimizer_bytes"] < 0.6 * want["memory/optimizer_bytes"]
+        # the weight sync sends the other stage's merged projections, not the whole model
+        assert 0 < got["weight_sync/bytes_per_rank"] < 0.2 * got["memory/param_bytes"]
+    assert piped[0]["kl/mean"] == 0.0  # the Reference is the Actor with its adapters off (B = 0 at first)
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        wa = load_file(tmp_path / "pp" / "actor_hf" / name)
+        wb = load_file(tmp_path / "plain" / "actor_hf" / name)
+        assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa), name
+    for rank in range(2):  # a stage shard holds its adapters: the base is the SFT checkpoint
+        shard = load_file(
+            tmp_path / "pp" / "checkpoints" / "iter_00000002" / f"rank_{rank:05d}" / "stages.safetensors"
+        )
+        actor = [k for k in shard if k.startswith("actor.")]
+        assert actor and all(".lora_" in k for k in actor), actor
+
+    # 3 iterations straight == 2, then resumed from the adapters' checkpoint for a third (the fused schedule)
+    fused = ("pipeline=fused", "pipeline.actor_pp=2", "pipeline.critic_pp=2", "pipeline.microbatches=2")
+    straight = _cli(tmp_path, "a", *fused, "iterations=3")
+    _cli(tmp_path, "b", *fused, "iterations=2")
+    resumed = _cli(tmp_path, "b", *fused, "iterations=3", "resume=auto")
+    assert [r["iteration"] for r in resumed] == [1, 2, 3] and resumed == straight
 
 
 @pytest.mark.slow

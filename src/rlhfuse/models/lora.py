@@ -5,7 +5,7 @@ wrapped projection computes W x + (alpha / r) B A x, with A and B the only train
 library needs of an adapted model lives here, so no other module knows peft's layer types:
 
 - `apply_lora`: wrap the projections, freeze everything but the adapters;
-- `adapters_disabled`: the base model, for the Reference's log-probs (no Ref copy is built);
+- `adapters_disabled` / `without_adapters`: the base model, for the Reference's log-probs (no Ref copy is built);
 - `trained_state` / `load_trained_state`: what a checkpoint holds (the adapters only; the base is the SFT
   checkpoint, reloaded on resume);
 - `merged_weights`: the adapted projections' merged weights W + (alpha / r) B A under the plain model's names,
@@ -156,6 +156,25 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
+class _BaseOnly(nn.Module):
+    """`inner` computing as its base model: its adapters switched off around each forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config  # the model config a `Stage` or `Transformer` carries, kept in view
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with adapters_disabled(self.inner):
+            return self.inner(*args, **kwargs)
+
+
+def without_adapters(module: nn.Module) -> nn.Module:
+    """`module` itself, or for an adapted module (a LoRA Actor's pipeline stage) a module sharing its weights
+    that computes as the base model: the Reference's forward on the Actor's own stages."""
+    return _BaseOnly(module) if adapted_layers(module) else module
+
+
 def trained_state(model: nn.Module) -> dict[str, Tensor]:
     """What a checkpoint holds of `model`: its whole state, or only its adapters' tensors."""
     state = model.state_dict()
@@ -167,10 +186,13 @@ def trained_state(model: nn.Module) -> dict[str, Tensor]:
 def load_trained_state(model: nn.Module, state: Mapping[str, Tensor]) -> None:
     """Restore `trained_state(model)`'s tensors; an adapter state missing a tensor, or the whole model's state
     for an adapted model (or the other way round), is an error naming what differs."""
+    adapted = bool(adapted_layers(model))
+    if not adapted and not any(".lora_" in k for k in state):
+        model.load_state_dict(dict(state))  # a whole model's state: torch's strict check names what differs
+        return
     expected = set(trained_state(model))
     got = set(state)
     if expected != got:
-        adapted = bool(adapted_layers(model))
         raise CheckpointError(
             f"the checkpoint holds {'no ' if not any('.lora_' in k for k in got) else ''}LoRA adapter tensors but this "
             f"run {'trains an adapter' if adapted else 'trains the whole Actor'} (model.lora.rank): missing "

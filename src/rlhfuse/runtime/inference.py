@@ -40,6 +40,7 @@ from rlhfuse.core.rewards import RewardSet
 from rlhfuse.core.types import Experience, ModelRole, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, split_stages
+from rlhfuse.models.lora import without_adapters
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import Problem, make_problem
 from rlhfuse.runtime.layout import ParallelLayout, RankGeometry, warm_up_pairs
@@ -290,7 +291,9 @@ class PipelineInferencer:
             split = split_stages(self.models[m], layout.stages(PLACED_AS[m]))
             for model, replica, stage in layout.stages_on(self.rank):
                 if model == PLACED_AS[m]:
-                    self.stages[(m, replica, stage)] = split[stage]
+                    # a LoRA Actor is its own Reference: the Ref runs its stages with the adapters off
+                    module = without_adapters(split[stage]) if m == ModelRole.REF else split[stage]
+                    self.stages[(m, replica, stage)] = module
         logprobs: Head = lambda out, rows: logprobs_from_output(out, rows, self.temperature)  # noqa: E731
         if (
             layout.model_tp(ModelRole.ACTOR) > 1

@@ -1,5 +1,6 @@
-"""The optimizers of a pipeline rank: AdamW with its LR schedule per model, over the parameters of the stages
-placed on this rank (`RankStages.parameters`); `step` is what the executor's OPTIMIZER_STEP calls."""
+"""The optimizers of a pipeline rank: AdamW with its LR schedule per model, over the trained parameters of the
+stages placed on this rank (`RankStages.parameters`; a LoRA Actor's adapters only); `step` is what the
+executor's OPTIMIZER_STEP calls."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, set_peak_lr
+from rlhfuse.models.lora import trainable
 from rlhfuse.runtime.partition import RankStages
 
 
@@ -24,7 +26,7 @@ class StageOptimizers:
         self.models = stages.layout.trained  # no Critic optimizer for a critic-free algorithm
         for m in self.models:
             self.optims[m], self.scheds[m] = build_optimizer(
-                stages.parameters(m), self.lrs[m], config, total_steps
+                trainable(stages.parameters(m)), self.lrs[m], config, total_steps
             )
 
     @property

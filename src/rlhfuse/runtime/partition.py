@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from rlhfuse import distributed
 from rlhfuse.models import Transformer, split_stages, stage_of
+from rlhfuse.models.lora import load_trained_state, trained_state
 from rlhfuse.runtime.layout import ParallelLayout
 
 StageKey = tuple[str, int, int]  # (model, replica, stage)
@@ -114,16 +115,20 @@ class RankStages:
             out.update({r: holders[i % len(holders)] for i, r in enumerate(needers)})
         return out
 
-    def _exchange(self, model: str, shards: bool = False) -> list[tuple[list[list[str]], list[Tensor], bool]]:
+    def _exchange(
+        self, model: str, shards: bool = False, state: Mapping[str, Tensor] | None = None
+    ) -> list[tuple[list[list[str]], list[Tensor], bool]]:
         """Collective: every stage of `model` to the ranks that lack it (point to point, holders -> needers,
         one flat buffer per stage and dtype on the layout's device; shards=True: each rank's tensor-parallel shard
         of the stage, from a holder of the same shard, `shard_senders`). Per (stage, dtype): the state-dict names of
         each distinct tensor, this rank's values (its own tensors, or views of the received buffer) and whether
-        they were received. Counts `received_bytes`."""
+        they were received. Counts `received_bytes`. `state`: these tensors of `model` instead of its state
+        (names of its parameters' stages; real on the stages held here, meta elsewhere)."""
         module = self.models[model]
         n, layers = self.layout.stages(model), module.config.num_layers
         # tied weights appear under both names, once in memory
-        state = module.state_dict(keep_vars=True) if shards else self._whole_state(model)
+        if state is None:
+            state = module.state_dict(keep_vars=True) if shards else self._whole_state(model)
         device = torch.device(self.layout.device)
         works: list[distributed.Work] = []
         keep: list[Tensor] = []
@@ -171,6 +176,21 @@ class RankStages:
                     out[k] = value
         return out
 
+    def full_tensors(self, model: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Collective: `full_state` of some tensors of `model` only (`state`: real on the stages held here, meta of
+        the whole shape elsewhere, e.g. a LoRA Actor's adapters or merged projections): every rank gets them all,
+        each rank receiving only the stages it does not hold (tp = 1)."""
+        if self.layout.model_tp(model) > 1:
+            raise ValueError(
+                f"full_tensors reassembles whole tensors of a tp = 1 model; {model} is tp-sharded"
+            )
+        out: dict[str, Tensor] = {}
+        for entries, values, _ in self._exchange(model, state=state):
+            for keys, value in zip(entries, values, strict=True):
+                for k in keys:
+                    out[k] = value
+        return out
+
     def shard_state(self, model: str) -> dict[str, Tensor]:
         """Collective: this rank's tensor-parallel shard of every stage of `model` (a generation instance of the
         training tp degree over the same consecutive ranks): each rank receives only the shards of the stages it
@@ -208,18 +228,21 @@ class RankStages:
         return {m: [stage.layer_range for stage in self.every[m]] for m in self.layout.trained}
 
     def shard(self) -> dict[str, Tensor]:
-        """This rank's stage weights, keyed `<model>.r<replica>.s<stage>.<parameter>`."""
+        """This rank's trained stage weights (a LoRA Actor's adapters only: its base is the SFT checkpoint,
+        reloaded on resume), keyed `<model>.r<replica>.s<stage>.<parameter>`."""
         return {
             f"{m}.r{r}.s{s}.{name}": tensor
             for (m, r, s), module in sorted(self.local.items())
-            for name, tensor in module.state_dict().items()
+            for name, tensor in trained_state(module).items()
         }
 
     def load_shard(self, weights: Mapping[str, Tensor]) -> None:
-        """The inverse of `shard`."""
+        """The inverse of `shard` (a shard missing a tensor, or holding others, is an error naming them)."""
         for (m, r, s), module in self.local.items():
             prefix = f"{m}.r{r}.s{s}."
-            module.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
+            load_trained_state(
+                module, {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+            )
 
     def gather(self) -> None:
         """Collective: every rank's full copies of both models brought up to the trained weights: each rank

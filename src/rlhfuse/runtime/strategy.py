@@ -28,6 +28,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
+from rlhfuse.models.lora import adapted_layers, merged_weights
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
@@ -247,12 +248,18 @@ class FusedPipelineStrategy:
         """Collective: this rank's generation shard of the Actor (generator.tp = g: position rank % g of
         instance rank // g; g = 1: the whole Actor), resharded from the training layout by `resharder`
         (`rlhfuse.runtime.reshard`): each rank receives, point to point from the stage owners, exactly the parts
-        of its shard it does not hold, for any training tp and any g dividing the world. Full copies on every
+        of its shard it does not hold, for any training tp and any g dividing the world. A LoRA Actor (tp = 1,
+        g = 1): only its adapted projections, merged (W + scale B A) on the stages that hold them and sent to the
+        other ranks; the copies' frozen rest never changes. Full copies on every
         rank (a per-rank inferencer reads whole models): both models' copies are first brought up to date in
         place (`RankStages.gather`), then the shard is cut locally. `weight_sync_bytes`: the most bytes any rank
         received."""
-        if self.shards.sharded:
-            weights: Mapping[str, Tensor] = self.resharder.run()
+        actor = self.models["actor"]
+        if adapted_layers(actor):  # a LoRA Actor: its adapted projections merged on their stages, sent whole
+            weights: Mapping[str, Tensor] = self.shards.full_tensors("actor", merged_weights(actor))
+            received = self.shards.received_bytes
+        elif self.shards.sharded:
+            weights = self.resharder.run()
             received = self.resharder.received_bytes
         else:
             self.shards.gather()

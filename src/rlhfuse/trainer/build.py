@@ -4,7 +4,7 @@ built), then models (warm start if needed), then the components chosen by name f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -338,9 +338,14 @@ def build_trainer(
                 write=rank0,
             )
         )
-    elif config.checkpoint.export_hf and m.lora.enabled and (rank0 or sharded):
-        # a sharded Actor's tensors gathered on every rank (collective), written by rank 0
-        whole = (lambda: full_state(strategy.actor)) if sharded else models.actor.state_dict
+    elif config.checkpoint.export_hf and m.lora.enabled and (rank0 or sharded or bool(shard)):
+        # a sharded Actor's tensors gathered on every rank (collective), written by rank 0: from the fsdp shards
+        # or the pipeline stages
+        whole: Callable[[], Mapping[str, torch.Tensor]] = models.actor.state_dict
+        if sharded:
+            whole = lambda: full_state(strategy.actor)  # noqa: E731
+        elif shard:
+            whole = lambda: strategy.shards.full_state("actor")  # noqa: E731
         adapter = ExportAdapter(
             whole,
             models.actor.config,

@@ -198,16 +198,17 @@ def load_models(
         return model.to(device) if role not in shard else to_device(model, device)  # type: ignore[return-value]
 
     actor = load(sft, "lm", "actor")
+    # the generators' plain copy of a sharded Actor: the whole SFT model
+    generation = (
+        _frozen(from_pretrained(sft, head="lm", attention_backend=backend).to(device)) if shard else None
+    )
     if config.lora.enabled:
-        assert not shard, "model.lora is refused under the pipeline strategies (trainer.validate)"
-        # the generators' plain copy is the SFT Actor as loaded (its adapters start at B = 0: the same model)
-        generation: Transformer | None = _frozen(copy.deepcopy(actor))
-        # the Reference is the Actor itself, its adapters switched off for its log-probs: no Ref copy
+        if generation is None:  # or the SFT Actor as loaded (its adapters start at B = 0: the same model)
+            generation = _frozen(copy.deepcopy(actor))
+        # the Reference is the Actor itself, its adapters switched off for its log-probs: no Ref copy (a sharded
+        # Actor: adapters on its held stages only, the others' meta like their weights)
         ref = apply_lora(actor, config.lora, seed=seed)
     else:
-        generation = (
-            _frozen(from_pretrained(sft, head="lm", attention_backend=backend).to(device)) if shard else None
-        )
         ref = _frozen(load(sft, "lm", "ref"))
     return Models(
         actor=actor,

@@ -287,17 +287,31 @@ EMBEDDED_PROMPT_POSITIONS = 64 + 16
 
 
 def lora_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None, where: str) -> list[str]:
-    """model.lora: the replica and sharded strategies train the adapters; every generator takes the merged
-    weights."""
+    """model.lora: plain, fsdp and the pipeline strategies train the adapters; every generator takes the merged
+    weights. Under a pipeline strategy the adapters ride on the Actor's stages (pipeline.actor_tp = 1: a
+    tensor-parallel shard of a projection has no PEFT layout) and the Ref's forward runs on the same stages
+    with them switched off (the pipeline inferencer)."""
     rank = cfg.model.lora.rank
     if not cfg.model.lora.enabled:
         return []
     problems = []
-    if layout.pipelines:
+    pipe = cfg.pipeline
+    if layout.pipelines and pipe.actor_tp > 1:
         problems.append(
-            f"model.lora.rank={rank}: LoRA adapters train under pipeline=plain and fsdp only (pipeline="
-            f"{cfg.pipeline.name} shards the Actor over pipeline stages, which carry no adapters yet): set "
-            "pipeline=plain or pipeline=fsdp, or model.lora.rank=0"
+            f"model.lora.rank={rank} with pipeline.actor_tp={pipe.actor_tp}: the adapters of tensor-parallel "
+            "shards of a projection have no PEFT layout: set pipeline.actor_tp=1 (pipeline stages only), "
+            "pipeline=fsdp, or model.lora.rank=0"
+        )
+    if layout.pipelines and cfg.inferencer.name != "pipeline":
+        problems.append(
+            f"model.lora.rank={rank} under pipeline={pipe.name} needs inferencer=pipeline (the Reference is the "
+            f"Actor's stages with the adapters off), not inferencer={cfg.inferencer.name}: set "
+            "inferencer=pipeline, or pipeline=plain"
+        )
+    if layout.pipelines and cfg.generator.tp > 1:
+        problems.append(
+            f"model.lora.rank={rank} under pipeline={pipe.name} syncs merged projections to whole generation "
+            f"copies: set generator.tp=1 (not {cfg.generator.tp}), or pipeline=plain"
         )
     if model is not None and (problem := lora_problem(model)) is not None:
         problems.append(f"{problem} ({where})")
