@@ -282,7 +282,7 @@ def test_fsdp_keys_are_validated_with_the_fix() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_a_lora_actor_under_fsdp_trains_as_under_plain_and_checkpoints_its_adapters_only(
+def test_a_lora_actor_under_fsdp_trains_as_under_plain_syncs_its_merged_projections_and_checkpoints_its_adapters(
     tmp_path: Path,
 ) -> None:
     import torch.distributed.checkpoint as dcp
@@ -308,6 +308,10 @@ def test_a_lora_actor_under_fsdp_trains_as_under_plain_and_checkpoints_its_adapt
         wa = safetensors.torch.load_file(str(tmp_path / "fsdp" / "actor_hf" / name))
         wb = safetensors.torch.load_file(str(tmp_path / "plain" / "actor_hf" / name))
         assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa), name
+    # the weight sync gathers the adapted projections, merged on the shards, and nothing else: half of them
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    merged = sum(t.numel() * 4 for k, t in wa.items() if k.split(".")[-2] in projections)
+    assert all(r["weight_sync/bytes_per_rank"] == merged / 2 for r in a)
     keys = dcp.FileSystemReader(
         str(tmp_path / "fsdp" / "checkpoints" / "iter_00000003" / "dcp")
     ).read_metadata()

@@ -128,6 +128,12 @@ def full_state(model: nn.Module) -> dict[str, Tensor]:
     return {name: t for name, t in state.items() if isinstance(t, Tensor)}
 
 
+def whole_tensor(t: Tensor) -> Tensor:
+    """Collective for a sharded (DTensor) `t`: the whole tensor on every rank (each rank receives the shards it
+    lacks); `t` itself otherwise."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def local_tensor(t: Tensor) -> Tensor:
     """What this rank holds of `t`: its shard for a sharded (DTensor) parameter, `t` itself otherwise."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -54,9 +54,10 @@ from rlhfuse.distributed.fsdp import (
     set_sharded_state,
     shard_model,
     sharded_state,
+    whole_tensor,
 )
 from rlhfuse.models import Transformer
-from rlhfuse.models.lora import LoraConfig, merge_state
+from rlhfuse.models.lora import LoraConfig, merged_weights
 from rlhfuse.runtime.checkpoint import all_ok
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
@@ -163,13 +164,17 @@ class FSDPStrategy:
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance);
-        each rank receives the shards it lacks."""
-        full = full_state(self.actor)
+        each rank receives the shards it lacks. A LoRA Actor: only its adapted projections, each merged on the
+        shards (W + scale B A on this rank's rows of W and B, the small A gathered) and then gathered whole; the
+        copies' frozen rest never changes."""
+        if self.lora is None:
+            full = full_state(self.actor)
+        else:
+            full = {name: whole_tensor(t) for name, t in merged_weights(self.actor).items()}
         world = distributed.world_size(self.group)
         total = sum(t.numel() * t.element_size() for t in full.values())
         self.weight_sync_bytes = float(total * (world - 1) / world)
-        # a LoRA Actor: the adapted projections merged (the copies' frozen rest never changes)
-        return full if self.lora is None else merge_state(full, self.lora)
+        return full
 
     def sharded_state(self) -> dict[str, Any]:
         """The trained models' and optimizers' states (DTensors: this rank's shards)."""
