@@ -249,6 +249,11 @@ def test_fsdp_job_resumes_bit_identically_and_its_checkpoint_loads_on_one_proces
     assert "1 iterations this run" in resumed.stdout + resumed.stderr
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert [r["iteration"] for r in b] == [1, 2, 3] and a == b
+    # the sync gathers the whole Actor on each rank, half of it received (and the padding of the shards that
+    # do not divide evenly: the gathered buffers are allocated padded)
+    for r in a:
+        whole = 2 * r["weight_sync/bytes_per_rank"]
+        assert 0 < whole <= r["weight_sync/peak_extra_bytes"] < 1.01 * whole
     export = "actor_hf/model.safetensors"
     wa = safetensors.torch.load_file(str(tmp_path / "a" / export))
     wb = safetensors.torch.load_file(str(tmp_path / "b" / export))
@@ -312,6 +317,8 @@ def test_a_lora_actor_under_fsdp_trains_as_under_plain_syncs_its_merged_projecti
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     merged = sum(t.numel() * 4 for k, t in wa.items() if k.split(".")[-2] in projections)
     assert all(r["weight_sync/bytes_per_rank"] == merged / 2 for r in a)
+    # each rank holds them all until its copy has loaded them, as a LoRA Actor's plain replica does
+    assert all(r["weight_sync/peak_extra_bytes"] == merged for r in a + b)
     keys = dcp.FileSystemReader(
         str(tmp_path / "fsdp" / "checkpoints" / "iter_00000003" / "dcp")
     ).read_metadata()

@@ -61,6 +61,10 @@ def test_a_lora_actor_trains_its_adapters_against_itself_as_the_reference(tmp_pa
     # one Actor copy fewer than full fine-tuning (no Ref); optimizer states for the adapters only
     last = rows[-1]
     assert last["memory/param_bytes"] < full_row["memory/param_bytes"]
+    # the sync hands a full Actor's own tensors on, and allocates a LoRA Actor's merged projections
+    assert full_row["weight_sync/peak_extra_bytes"] == 0
+    projections = [p for n, p in actor.named_parameters() if n.endswith(".base_layer.weight")]
+    assert last["weight_sync/peak_extra_bytes"] == sum(p.numel() * p.element_size() for p in projections)
     assert last["memory/optimizer_bytes"] < full_row["memory/optimizer_bytes"]
 
     folder = tmp_path / "run" / "actor_hf"
@@ -173,8 +177,10 @@ def test_a_lora_actor_on_the_actor_pipeline_trains_as_under_plain_and_resumes_fr
         assert got["kl/mean"] == pytest.approx(want["kl/mean"], rel=1e-5, abs=1e-7)
         # each rank steps the adapters of its stage only, and holds no Ref copy
         assert got["memory/optimizer_bytes"] < 0.6 * want["memory/optimizer_bytes"]
-        # the weight sync sends the other stage's merged projections, not the whole model
+        # the weight sync sends the other stage's merged projections, not the whole model; each rank holds
+        # the whole set (its own merged, the other's received) until its copy loaded it, as plain's replicas
         assert 0 < got["weight_sync/bytes_per_rank"] < 0.2 * got["memory/param_bytes"]
+        assert got["weight_sync/peak_extra_bytes"] == want["weight_sync/peak_extra_bytes"] > 0
     assert piped[0]["kl/mean"] == 0.0  # the Reference is the Actor with its adapters off (B = 0 at first)
     for name in ("adapter_model.safetensors", "merged/model.safetensors"):
         wa = load_file(tmp_path / "pp" / "actor_hf" / name)

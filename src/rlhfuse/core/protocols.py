@@ -157,6 +157,10 @@ class Strategy(Protocol):
     weight_sync_bytes: float
     """The most bytes any rank received in the last `actor_weights()` (0: nothing moved, e.g. one process)."""
 
+    weight_sync_extra_bytes: float
+    """The bytes this rank allocated for the last `actor_weights()` (received buffers, gathered or merged
+    tensors; 0: the Actor's own tensors handed on as they are), held until the generator has loaded them."""
+
     @property
     def checkpointer(self) -> Checkpointer:
         """How this strategy's checkpoints are written and read."""

@@ -12,6 +12,7 @@ from rlhfuse.models.stages import (
     stage_of,
     stage_ranges,
     to_device,
+    unshared_bytes,
 )
 from rlhfuse.models.transformer import Transformer, load_balancing_loss, record_router_logits
 
@@ -36,5 +37,6 @@ __all__ = [
     "stage_of",
     "stage_ranges",
     "to_device",
+    "unshared_bytes",
     "upload",
 ]

@@ -8,7 +8,7 @@ Stages hold the original modules (no copies), so a step through the stages train
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -190,6 +190,28 @@ def resident_bytes(*modules: nn.Module | None) -> int:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
     return total
+
+
+def unshared_bytes(tensors: Iterable[Tensor], *modules: nn.Module) -> int:
+    """Bytes of the storages behind `tensors` that no parameter or buffer of `modules` uses, each storage once:
+    what producing them allocated (received buffers, gathered or merged tensors), as opposed to the models' own
+    tensors handed on as they are."""
+    own = {
+        (str(t.device), t.untyped_storage().data_ptr())
+        for module in modules
+        for t in (
+            p.to_local() if isinstance(p, DTensor) else p for p in [*module.parameters(), *module.buffers()]
+        )
+        if not t.is_meta
+    }
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t.is_meta:
+            continue
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if key not in own:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:

@@ -27,7 +27,7 @@ from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
-from rlhfuse.models import Transformer
+from rlhfuse.models import Transformer, unshared_bytes
 from rlhfuse.models.lora import adapted_layers, merged_weights
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
@@ -182,6 +182,7 @@ class FusedPipelineStrategy:
         self.plan = unprofiled_plan(self.layout, micro, prefetch=config.prefetch)
         self.steps = 0
         self.weight_sync_bytes = 0.0
+        self.weight_sync_extra_bytes = 0.0
         self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
@@ -268,6 +269,7 @@ class FusedPipelineStrategy:
         total = torch.tensor([float(received)], dtype=torch.float64, device=self.device)
         distributed.all_reduce(total, op="max")
         self.weight_sync_bytes = float(total)
+        self.weight_sync_extra_bytes = float(unshared_bytes(weights.values(), actor))
         return weights
 
     @functools.cached_property

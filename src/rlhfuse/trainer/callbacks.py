@@ -138,8 +138,10 @@ class ExportShardedActor:
 
 class MemoryMetrics:
     """Adds `memory/param_bytes` (the most parameter + buffer bytes any rank holds: the four models, only their
-    materialised stages, and the generation copies) and `memory/optimizer_bytes` (the same for optimizer
-    states). Collective under torch.distributed: every rank must have this callback."""
+    materialised stages, and the generation copies), `memory/optimizer_bytes` (the same for optimizer
+    states) and `weight_sync/peak_extra_bytes` (the most memory any rank took for the iteration's weight sync
+    beside its resident models: `RLHFTrainer.sync_weights`). Collective under torch.distributed: every rank
+    must have this callback."""
 
     def __init__(self, modules: Callable[[], Sequence[Any]], optimizers: Callable[[], Sequence[Any]]) -> None:
         self.modules, self.optimizers = modules, optimizers
@@ -157,11 +159,14 @@ class MemoryMetrics:
             if isinstance(t, torch.Tensor)
         )
         device = next((p.device for m in mods for p in m.parameters() if not p.is_meta), torch.device("cpu"))
-        figures = torch.tensor([float(param), float(optim)], dtype=torch.float64, device=device)
+        sync = 0.0 if trainer is None else float(trainer.sync_extra_bytes)  # None: read outside a run
+        figures = torch.tensor([float(param), float(optim), sync], dtype=torch.float64, device=device)
         if distributed.is_initialized():
             figures = figures.to(distributed.group_device(None, device))
             distributed.all_reduce(figures, op="max")
-        metrics["memory/param_bytes"], metrics["memory/optimizer_bytes"] = figures.tolist()
+        param_bytes, optimizer_bytes, sync_bytes = figures.tolist()
+        metrics["memory/param_bytes"], metrics["memory/optimizer_bytes"] = param_bytes, optimizer_bytes
+        metrics["weight_sync/peak_extra_bytes"] = sync_bytes
 
 
 class TableSink(Protocol):

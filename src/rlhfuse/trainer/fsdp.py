@@ -56,7 +56,7 @@ from rlhfuse.distributed.fsdp import (
     sharded_state,
     whole_tensor,
 )
-from rlhfuse.models import Transformer
+from rlhfuse.models import Transformer, unshared_bytes
 from rlhfuse.models.lora import LoraConfig, merged_weights
 from rlhfuse.runtime.checkpoint import all_ok
 from rlhfuse.trainer.inferencer import ModelInferencer
@@ -143,6 +143,7 @@ class FSDPStrategy:
         self.group = group
         self.checkpointer: Checkpointer = FSDPCheckpointer(self)
         self.weight_sync_bytes = 0.0
+        self.weight_sync_extra_bytes = 0.0
 
     @property
     def actor(self) -> Transformer:
@@ -174,6 +175,7 @@ class FSDPStrategy:
         world = distributed.world_size(self.group)
         total = sum(t.numel() * t.element_size() for t in full.values())
         self.weight_sync_bytes = float(total * (world - 1) / world)
+        self.weight_sync_extra_bytes = float(unshared_bytes(full.values(), self.actor))
         return full
 
     def sharded_state(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, 
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.buckets import GradReducer
 from rlhfuse.distributed.fsdp import grad_norm_value
-from rlhfuse.models import Transformer, load_balancing_loss, record_router_logits
+from rlhfuse.models import Transformer, load_balancing_loss, record_router_logits, unshared_bytes
 from rlhfuse.models.lora import load_trained_state, merged_weights, trainable, trained_state
 from rlhfuse.models.packing import check_packing
 
@@ -89,6 +89,7 @@ class PlainStrategy:
             self.state_dict, self.load_state_dict, writer=fabric.is_global_zero
         )
         self.weight_sync_bytes = 0.0  # the generator copies the Actor in process: nothing crosses ranks
+        self.weight_sync_extra_bytes = 0.0
         # how the ranks' gradients meet: whole replicas sum them in buckets (the default over a group)
         self.sync: GradientSync | None = sync
         if sync is None and group is not None:
@@ -97,7 +98,9 @@ class PlainStrategy:
 
     def actor_weights(self) -> Mapping[str, Tensor]:
         """What the generators' plain copies load: the Actor's state, or a LoRA Actor's merged projections."""
-        return merged_weights(self.actor)
+        weights = merged_weights(self.actor)
+        self.weight_sync_extra_bytes = float(unshared_bytes(weights.values(), self.actor))
+        return weights
 
     @property
     def models(self) -> list[torch.nn.Module]:

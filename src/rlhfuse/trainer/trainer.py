@@ -78,6 +78,8 @@ class RLHFTrainer:
         self.callbacks = list(callbacks)
         self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
         self.iteration = 0
+        # this rank's extra memory during the last weight sync (`sync_weights`), for `MemoryMetrics`
+        self.sync_extra_bytes = 0.0
         self.history: list[dict[str, float]] = []
         self.run: RunIdentity | None = None  # set by resume(); names the run in each checkpoint's meta.json
 
@@ -122,9 +124,7 @@ class RLHFTrainer:
         train_stats = self.train(batch, it)
         training_s = time.perf_counter() - t0
         # 4. weight sync to the generator
-        t0 = time.perf_counter()
-        self.generator.load_weights(self.strategy.actor_weights())
-        sync_s = time.perf_counter() - t0
+        sync_s = self.sync_weights()
         # 5. callbacks, logging, checkpoint
         timings = {**rollout_stats.metrics(), "time/training": training_s, "time/weight_sync": sync_s}
         timings["time/iteration"] = time.perf_counter() - start
@@ -148,6 +148,24 @@ class RLHFTrainer:
             self.save_checkpoint()
         self._call("on_iteration_end", it, metrics)
         return metrics
+
+    def sync_weights(self) -> float:
+        """The trained Actor's weights into the generator; its seconds. `sync_extra_bytes`: the memory the sync
+        took beside the resident models on this rank, the strategy's received, gathered or merged tensors (and on
+        a GPU the allocator's peak over the whole sync, the generator's loading included, if more)."""
+        device = self.fabric.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        self.generator.load_weights(self.strategy.actor_weights())
+        seconds = time.perf_counter() - start
+        self.sync_extra_bytes = self.strategy.weight_sync_extra_bytes
+        if cuda:
+            self.sync_extra_bytes = max(self.sync_extra_bytes, torch.cuda.max_memory_allocated(device) - base)
+        return seconds
 
     def _call(self, hook: str, *args: Any) -> None:
         """Call `hook(self, *args)` on every callback that has it (a callback may implement any subset)."""
@@ -268,7 +286,7 @@ class RLHFTrainer:
             self.prompts.load_state_dict(trainer_state["loader"])
             set_rng_state(trainer_state["rng"])
             self.iteration = int(trainer_state["iteration"])
-            self.generator.load_weights(self.strategy.actor_weights())
+            self.sync_weights()
         if self._rank0:
             digest = config_hash(self.config)
             previous = read_runs(self.run_dir)
