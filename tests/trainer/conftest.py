@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhfuse.core.protocols import Callback
 from rlhfuse.data import Tokenizer
 
 CHAT_TEMPLATE = (
@@ -91,7 +92,7 @@ def chat_checkpoint(chat_checkpoint_of) -> ChatCheckpoint:
     return chat_checkpoint_of("llama")
 
 
-class CrashAfter:
+class CrashAfter(Callback):
     """A trainer callback that raises KeyboardInterrupt (a simulated kill) at the end of iteration `at`."""
 
     def __init__(self, at: int) -> None:

@@ -190,3 +190,14 @@ def test_missing_model_and_checkpoint_files_are_clear_errors(cache_dir, tmp_path
     trainer = _smoke(cache_dir, tmp_path / "r", f"resume={tmp_path / 'no_such_checkpoint'}")
     with pytest.raises(CheckpointError, match=r"not a complete rlhfuse checkpoint"):
         trainer.fit()
+
+
+def test_a_callback_that_does_not_subclass_callback_is_refused_with_its_hooks(cache_dir, tmp_path):
+    class Probe:  # a duck-typed callback: its hook would silently never run under a typo'd name
+        def on_iteration_end(self, trainer, iteration, metrics): ...
+
+    cfg = compose_config(["experiment=smoke", f"model.warmstart.cache_dir={cache_dir}"])
+    with pytest.raises(
+        TypeError, match=r"callbacks \['Probe'\] do not subclass rlhfuse.core.protocols.Callback"
+    ):
+        build_trainer(cfg, run_dir=tmp_path, log=lambda _: None, callbacks=[Probe()])

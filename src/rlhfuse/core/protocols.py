@@ -167,28 +167,30 @@ class Strategy(Protocol):
         ...
 
 
-@runtime_checkable
-class Callback(Protocol):
-    """Hooks called by `RLHFTrainer` through `fabric.call`. A callback may implement any subset of them (the
-    trainer accepts any object and calls only the hooks it has); this Protocol documents their signatures."""
+class Callback:
+    """The hooks `RLHFTrainer` calls, in this order over a run, on every callback it holds (a subclass
+    overrides the ones it needs; the others do nothing). `trainer` is the `RLHFTrainer`."""
 
-    def on_fit_start(self, trainer: Any) -> None: ...
+    def on_fit_start(self, trainer: Any) -> None:
+        """Before the first iteration (after a resume restored the state)."""
 
-    def on_stage_start(self, trainer: Any, stage: str) -> None: ...
+    def on_stage_start(self, trainer: Any, stage: str) -> None:
+        """A stage of the iteration begins (generation, inference, training, ...)."""
 
     def on_rollout_end(self, trainer: Any, experience: Experience, metrics: dict[str, float]) -> None:
         """After inference; a callback may add evaluation metrics to `metrics` (they are logged)."""
-        ...
 
-    def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None: ...
+    def on_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
+        """The iteration's metrics before they are logged: the last additions (every rank calls it)."""
+
+    def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None:
+        """After the iteration's metrics are logged and its checkpoint, if any, is written."""
 
     def on_fit_end(self, trainer: Any) -> None:
         """After the last iteration of a successful fit."""
-        ...
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:
         """When fit stops with an error (the error is re-raised afterwards)."""
-        ...
 
 
 @runtime_checkable

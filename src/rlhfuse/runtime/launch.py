@@ -38,6 +38,8 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
+from rlhfuse.core.protocols import Callback
+
 
 def distributed_fabric(
     *, nproc_per_node: int, backend: str, timeout_s: float, device_type: str, precision: str
@@ -144,7 +146,7 @@ def exit_status(returncode: int) -> str:
         return f"killed by signal {-returncode}"
 
 
-class Watchdog:
+class Watchdog(Callback):
     """Ends this rank promptly, with one line, when another rank of the job dies (see the module docstring).
     `step` is what this rank was doing last (set by the trainer's stages); `disarm()` before an orderly exit."""
 

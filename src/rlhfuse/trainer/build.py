@@ -15,7 +15,7 @@ from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.config import need
 from rlhfuse.core.optim import generation_dtype, resolve_precision
-from rlhfuse.core.protocols import FusingGenerator, Generator, RolloutStage
+from rlhfuse.core.protocols import Callback, FusingGenerator, Generator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import (
     PromptLoader,
@@ -50,7 +50,7 @@ from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
 from rlhfuse.trainer.topology import Topology, generator_entry, strategy_entry
-from rlhfuse.trainer.trainer import RLHFTrainer
+from rlhfuse.trainer.trainer import RLHFTrainer, check_callbacks
 from rlhfuse.trainer.validate import check_context, raise_problems
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
@@ -198,7 +198,7 @@ def build_trainer(
     config: RLHFConfig,
     *,
     run_dir: str | Path | None = None,
-    callbacks: list[object] | None = None,
+    callbacks: list[Callback] | None = None,
     log: Callable[[str], None] = print,
     train_dataset: Any = None,
     eval_dataset: Any = None,
@@ -206,6 +206,7 @@ def build_trainer(
     """The trainer `config` describes, everything built and checked (`fit()` runs it). `train_dataset` and
     `eval_dataset` (`datasets.Dataset`s, TRL's names) give the training and held-out prompts in place of
     `data.path` and `eval.path`."""
+    check_callbacks(callbacks or [])  # before anything is built
     spec = compile_run(with_datasets(config, train_dataset, eval_dataset), log=log)
     config, layout, counts = spec.config, spec.topology, spec.counts
     run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
@@ -314,7 +315,7 @@ def build_trainer(
     actor_export = generation_copy(generator, config) if export else models.actor
     models.generation = None  # the generator holds its own copy now
 
-    all_callbacks: list[object] = [
+    all_callbacks: list[Callback] = [
         RichProgress(
             config.iterations,
             enabled=config.logger.progress and rank0,

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlhfuse.core.protocols import Callback
 from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
@@ -18,7 +19,7 @@ from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretra
 from rlhfuse.models.lora import LoraConfig, merged_state, plain_model, save_adapter
 
 
-class TaskScore:
+class TaskScore(Callback):
     """Logs `task/score` (or `key`): the mean of a rule (the synthetic task's hidden topic rule, the arithmetic
     task's numeric match) over the rollout, whatever reward the run optimises; the honest measure of whether RLHF
     improved the policy."""
@@ -37,7 +38,7 @@ class TaskScore:
         metrics[self.key] = float(scores_B.sum()) / max(1, len(scores_B))
 
 
-class RewardMetrics:
+class RewardMetrics(Callback):
     """Logs each rule-based reward function's mean, unweighted, as `reward/<name>/mean` (TRL's
     `rewards/<name>/mean`), and `reward/truncated_fraction`: the share of samples whose score
     `inferencer.truncated_score` replaced (0 when it replaces nothing)."""
@@ -61,7 +62,7 @@ class RewardMetrics:
         )
 
 
-class ExportActor:
+class ExportActor(Callback):
     """At the end of `fit`, write the trained Actor as a complete Hugging Face checkpoint: config.json and
     model.safetensors, tokenizer.json, tokenizer_config.json (special tokens, chat template) and
     generation_config.json (stop tokens), loadable with transformers' AutoTokenizer / AutoModelForCausalLM."""
@@ -75,7 +76,7 @@ class ExportActor:
         self.tokenizer.save_generation_config(self.path)
 
 
-class ExportAdapter:
+class ExportAdapter(Callback):
     """`ExportActor` for a LoRA Actor (model.lora): at the end of `fit`, write its adapters as a PEFT adapter
     folder (adapter_config.json + adapter_model.safetensors, `base_model_name_or_path` = the SFT checkpoint) with
     the tokenizer files, which `peft.PeftModel.from_pretrained(<the SFT model>, path)` loads; with
@@ -108,7 +109,7 @@ class ExportAdapter:
             ExportActor(merged, self.tokenizer, self.path / "merged").on_fit_end(trainer)
 
 
-class ExportShardedActor:
+class ExportShardedActor(Callback):
     """`ExportActor` when the generation copy is a tensor-parallel shard (generator.tp > 1): at the end of `fit`
     every rank joins the collective that reassembles the Actor's whole tensors (`whole_state`), and the writing
     rank (rank 0) saves them as one Hugging Face checkpoint. Every rank must have this callback."""
@@ -136,7 +137,7 @@ class ExportShardedActor:
         self.tokenizer.save(self.path)
 
 
-class MemoryMetrics:
+class MemoryMetrics(Callback):
     """Adds `memory/param_bytes` (the most parameter + buffer bytes any rank holds: the four models, only their
     materialised stages, and the generation copies), `memory/optimizer_bytes` (the same for optimizer
     states) and `weight_sync/peak_extra_bytes` (the most memory any rank took for the iteration's weight sync
@@ -189,7 +190,7 @@ SAMPLE_COLUMNS = [
 ]
 
 
-class SampleTable:
+class SampleTable(Callback):
     """Every `every` iterations, the first `count` samples (0 = all) of the rollout — prompt, response, score,
     finished flag, length — appended to `path` (samples.jsonl, one object per sample) and logged to each table
     sink as the Table `samples`. A resumed run drops the rows after its checkpoint's iteration."""

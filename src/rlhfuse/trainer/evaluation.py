@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rlhfuse.core.config import need, non_negative, positive
-from rlhfuse.core.protocols import RolloutStage
+from rlhfuse.core.protocols import Callback, RolloutStage
 from rlhfuse.core.sampling import GeneratorConfig, Sampling
 from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.config import DataConfig
@@ -116,7 +116,7 @@ def held_out_prompts(
     return split_prompts(prompts, config.split_fraction, seed)
 
 
-class Evaluator:
+class Evaluator(Callback):
     """Runs the evaluation every `config.every` iterations, after the weight sync, and adds its metrics to the
     iteration's row before logging (`on_metrics`; every rank calls it: the rollout stage may be collective).
 

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rlhfuse._optional import MissingDependencyError
 from rlhfuse.core.config import choice_problems, non_negative
-from rlhfuse.core.protocols import Logger
+from rlhfuse.core.protocols import Callback, Logger
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def table_sinks(config: LoggerConfig, loggers: list[Logger]) -> list[Any]:
 STAGES = ("generation", "inference", "training")
 
 
-class RichProgress:
+class RichProgress(Callback):
     """Progress bar over iterations showing the current stage and the last iteration's stage timings."""
 
     def __init__(

@@ -32,7 +32,7 @@ from rlhfuse.core.checkpoint import (
     set_rng_state,
 )
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.protocols import Generator, Inferencer, Logger, RolloutStage, Strategy
+from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, RolloutStage, Strategy
 from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, TrainBatch
@@ -44,6 +44,18 @@ from rlhfuse.trainer.resume import check_resume_config, config_hash, config_reco
 from rlhfuse.trainer.rollout import SerialRollout
 
 log = logging.getLogger(__name__)
+
+
+def check_callbacks(callbacks: Sequence[object]) -> None:
+    """Every callback subclasses `Callback` (the trainer calls its hooks by name in the code), else a TypeError
+    naming the ones that do not."""
+    strays = [type(c).__name__ for c in callbacks if not isinstance(c, Callback)]
+    if strays:
+        raise TypeError(
+            f"callbacks {strays} do not subclass rlhfuse.core.protocols.Callback: derive them from it and override "
+            "the hooks they need (on_fit_start, on_stage_start, on_rollout_end, on_metrics, on_iteration_end, "
+            "on_fit_end, on_exception)"
+        )
 
 
 class RLHFTrainer:
@@ -58,7 +70,7 @@ class RLHFTrainer:
         prompts: PromptLoader,
         pad_token_id: int,
         run_dir: str | Path,
-        callbacks: Sequence[object] = (),
+        callbacks: Sequence[Callback] = (),
         logger: Logger | Sequence[Logger] = (),
         fabric: Fabric | None = None,
         record: Mapping[str, Any] | None = None,
@@ -75,7 +87,8 @@ class RLHFTrainer:
         )
         self.run_dir = Path(run_dir)
         self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else list(logger)
-        self.callbacks = list(callbacks)
+        check_callbacks(callbacks)
+        self.callbacks: list[Callback] = list(callbacks)
         self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
         self.iteration = 0
         # this rank's extra memory during the last weight sync (`sync_weights`), for `MemoryMetrics`
@@ -86,16 +99,19 @@ class RLHFTrainer:
     # ---------------------------------------------------------------- the loop
     def fit(self) -> list[dict[str, float]]:
         self.resume()
-        self._call("on_fit_start")
+        for callback in self.callbacks:
+            callback.on_fit_start(self)
         try:
             while self.iteration < self.config.iterations:
                 self.run_iteration()
         except BaseException as err:
-            self._call("on_exception", err)
+            for callback in self.callbacks:
+                callback.on_exception(self, err)
             for logger in self.loggers:
                 logger.finalize("failed")
             raise
-        self._call("on_fit_end")
+        for callback in self.callbacks:
+            callback.on_fit_end(self)
         for logger in self.loggers:
             logger.finalize("success")
         return self.history
@@ -114,7 +130,8 @@ class RLHFTrainer:
             ) from None
         self.inferencer.release()  # frozen models back to host memory until the next rollout (or nothing)
         metrics: dict[str, float] = {}
-        self._call("on_rollout_end", experience, metrics)
+        for callback in self.callbacks:
+            callback.on_rollout_end(self, experience, metrics)
         # 2. rewards, KL penalty and the algorithm's advantages (GAE, or a group / batch baseline)
         batch, stats = compute_train_batch(experience, self.config.algorithm)
         self._check_finite(it, stats)
@@ -138,7 +155,8 @@ class RLHFTrainer:
             "weight_sync/bytes_per_rank": self.strategy.weight_sync_bytes,
             **metrics,
         }
-        self._call("on_metrics", metrics)  # last additions before logging (every rank calls it)
+        for callback in self.callbacks:  # last additions before logging (every rank calls it)
+            callback.on_metrics(self, metrics)
         self.iteration = it
         self.history.append(metrics)
         for logger in self.loggers:
@@ -146,7 +164,8 @@ class RLHFTrainer:
         every = self.config.checkpoint.every
         if every > 0 and (it % every == 0 or it == self.config.iterations):
             self.save_checkpoint()
-        self._call("on_iteration_end", it, metrics)
+        for callback in self.callbacks:
+            callback.on_iteration_end(self, it, metrics)
         return metrics
 
     def sync_weights(self) -> float:
@@ -167,15 +186,9 @@ class RLHFTrainer:
             self.sync_extra_bytes = max(self.sync_extra_bytes, torch.cuda.max_memory_allocated(device) - base)
         return seconds
 
-    def _call(self, hook: str, *args: Any) -> None:
-        """Call `hook(self, *args)` on every callback that has it (a callback may implement any subset)."""
-        for callback in self.callbacks:
-            method = getattr(callback, hook, None)
-            if callable(method):
-                method(self, *args)
-
     def _on_stage(self, stage: str) -> None:
-        self._call("on_stage_start", stage)
+        for callback in self.callbacks:
+            callback.on_stage_start(self, stage)
 
     def train(self, batch: TrainBatch, iteration: int) -> TrainStats:
         size = self.config.data.mini_batch_size
