@@ -13,11 +13,11 @@ from __future__ import annotations
 import sys
 import time
 
-from rlhfuse.trainer import build_trainer, compose_config
+from rlhfuse.trainer import Callback, build_trainer, compose_config
 
 
-class PrintBest:
-    """A user callback: any object with some of the hooks of `rlhfuse.trainer.Callback`."""
+class PrintBest(Callback):
+    """A user callback: a `rlhfuse.trainer.Callback` overriding the hooks it needs."""
 
     def __init__(self) -> None:
         self.best = float("-inf")
