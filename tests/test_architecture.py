@@ -96,3 +96,33 @@ def test_distributed_sits_just_above_core() -> None:
     graph = package_graph()
     assert graph["distributed"] <= {"core"}, graph["distributed"] - {"core"}
     assert "distributed" not in graph["core"]
+
+
+def _untyped_config_parameters(tree: ast.AST) -> list[str]:
+    """Functions of `tree` taking the run's root config below the trainer: a parameter named `cfg` (its name
+    throughout the trainer), or one named `config` annotated `Any`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                untyped = isinstance(arg.annotation, ast.Name) and arg.annotation.id == "Any"
+                if arg.arg == "cfg" or (arg.arg == "config" and untyped):
+                    found.append(f"{node.name}({arg.arg})")
+    return found
+
+
+def test_no_layer_below_the_trainer_reads_the_root_config() -> None:
+    """Below the composition root each component takes its own typed part of the configuration (a runtime
+    check takes `PipelineRun`, a model helper its `ModelConfig`), never the whole config typed `Any`."""
+    offenders = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).parts[0] != "trainer"
+        and (found := _untyped_config_parameters(ast.parse(path.read_text())))
+    }
+    # the planner reads any ModelConfig-shaped object by attribute, so that it needs no torch import
+    assert offenders == {"planner/specs.py": ["from_config(config)"]}, offenders
+    assert _untyped_config_parameters(ast.parse("def f(cfg): ...\ndef g(config: Any): ...")) == [
+        "f(cfg)",
+        "g(config)",
+    ]

@@ -111,12 +111,13 @@ def test_resume_check_names_every_mismatch(tmp_path: Path) -> None:
     (ckpt / "meta.json").write_text(json.dumps({"kind": "pipeline", "iteration": 4, "layout": saved}))
     same = compose_config(["pipeline=fused", "distributed.nproc_per_node=2", "model.num_layers=2",
                            "pipeline.microbatches=2", "resume=auto"])  # fmt: skip
-    assert check_resume(same, tmp_path / "checkpoints") == ckpt
-    assert check_resume(compose_config(["pipeline=fused"]), tmp_path / "checkpoints") is None  # resume=never
+    assert check_resume(same.pipeline_run(), same.resume, tmp_path / "checkpoints") == ckpt
+    never = compose_config(["pipeline=fused"])
+    assert check_resume(never.pipeline_run(), never.resume, tmp_path / "checkpoints") is None  # resume=never
     other = compose_config(["pipeline=fused", "distributed.nproc_per_node=2", "model.num_layers=4",
                             "pipeline.critic_pp=1", "pipeline.microbatches=4", f"resume={ckpt}"])  # fmt: skip
     with pytest.raises(CheckpointError) as err:
-        check_resume(other, tmp_path / "elsewhere")
+        check_resume(other.pipeline_run(), other.resume, tmp_path / "elsewhere")
     msg = str(err.value)
     assert str(ckpt / "meta.json") in msg
     for part in (
@@ -128,7 +129,7 @@ def test_resume_check_names_every_mismatch(tmp_path: Path) -> None:
         assert part in msg, msg
     (ckpt / "meta.json").write_text(json.dumps({"format": 1, "iteration": 4, "sha256": {}}))
     with pytest.raises(CheckpointError, match="single-process checkpoint"):
-        check_resume(same, tmp_path / "checkpoints")
+        check_resume(same.pipeline_run(), same.resume, tmp_path / "checkpoints")
 
 
 def _save_worker(rank: int, world: int, root: str) -> None:

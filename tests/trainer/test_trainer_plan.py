@@ -64,11 +64,11 @@ def test_plan_auto_on_one_process_keeps_plain_and_produces_a_plan():
 def test_plan_auto_on_two_processes_passes_the_runtime_validation(extra):
     cfg = compose_config(["plan=auto", "distributed.nproc_per_node=2", *extra])
     # the manual default is refused on 2 processes (pipeline=plain runs in one process) ...
-    assert validate_runtime(cfg)
+    assert validate_runtime(cfg.pipeline_run())
     result = plan_config(cfg, "cpu", "test")
     planned = result.config
     # ... the planned one is not
-    assert validate_runtime(planned) == []
+    assert validate_runtime(planned.pipeline_run()) == []
     validate(planned)
     a, c = result.plan.train.actor, result.plan.train.critic
     assert planned.pipeline.name == ("fused" if result.plan.train.mode == "fused" else "serial_1f1b")
@@ -209,19 +209,19 @@ def test_plan_auto_applies_tensor_parallelism(monkeypatch):
     assert (p.name, p.actor_pp, p.critic_pp, p.actor_tp, p.critic_tp) == ("fused", 2, 2, 2, 2)
     assert result.config.generator.tp == 2
     assert ("pipeline.actor_tp", 2) in result.applied and ("generator.tp", 2) in result.applied
-    assert validate_runtime(result.config) == []
+    assert validate_runtime(result.config.pipeline_run()) == []
     # unequal tp: the Critic's 2 stages of tp=1 merge onto one tp=2 group (2 Critic replicas)
     monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(2, 1, 1, 4))
     result = plan_config(cfg, "cpu", "test")
     p = result.config.pipeline
     assert (p.actor_pp, p.critic_pp, p.actor_tp, p.critic_tp) == (2, 2, 2, 1)
     assert ("pipeline.critic_tp", 1) in result.applied
-    assert validate_runtime(result.config) == []
+    assert validate_runtime(result.config.pipeline_run()) == []
     # a generation tp other than the training tp is resharded to (rlhfuse.runtime.reshard): applied
     monkeypatch.setattr(planning, "plan_for", _fake_tp_plan(1, 1, 2, 4))
     result = plan_config(cfg, "cpu", "test")
     assert (result.config.pipeline.actor_tp, result.config.generator.tp) == (1, 2)
-    assert ("generator.tp", 2) in result.applied and validate_runtime(result.config) == []
+    assert ("generator.tp", 2) in result.applied and validate_runtime(result.config.pipeline_run()) == []
 
 
 def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
@@ -235,7 +235,7 @@ def test_plan_auto_chooses_tensor_parallelism_the_runtime_runs():
     )
     p = result.config.pipeline
     assert p.actor_tp == p.critic_tp > 1 and result.config.generator.tp > 1
-    assert validate_runtime(result.config) == []
+    assert validate_runtime(result.config.pipeline_run()) == []
 
 
 def _plan_on_8_h100s(tmp_path, shapes):
@@ -269,7 +269,7 @@ def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
     p = result.config.pipeline
     assert (p.actor_tp, p.critic_tp) == (train.actor.tp, train.critic.tp)
     assert p.actor_tp != p.critic_tp and train.merged
-    assert validate_runtime(result.config) == []
+    assert validate_runtime(result.config.pipeline_run()) == []
     from rlhfuse.runtime.strategy import pipeline_layout
 
     layout = pipeline_layout(p, 8, result.config.data.mini_batch_size, 1)
@@ -319,7 +319,7 @@ def test_plan_auto_may_choose_uneven_stages_the_runtime_splits(tmp_path):
     assert 30 % p.actor_pp, "the chosen Actor pipeline splits 30 layers unevenly"
     # the slowest stage holds ceil(30 / pp) layers, as the planner costs it
     assert max(hi - lo for lo, hi in stage_ranges(30, p.actor_pp)) == -(-30 // p.actor_pp)
-    assert validate_runtime(result.config) == []
+    assert validate_runtime(result.config.pipeline_run()) == []
 
 
 def _hf_job(tmp_path, shape):

@@ -8,7 +8,10 @@ import dataclasses
 import functools
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 C = TypeVar("C")
 
@@ -40,17 +43,18 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def choice_problems(config: Any, prefix: str) -> list[str]:
-    """One problem per field of the dataclass `config` whose value is not among its `Literal` choices."""
+def choice_problems(section: DataclassInstance, prefix: str) -> list[str]:
+    """One problem per field of the dataclass `section` (a config group) whose value is not among its `Literal`
+    choices."""
     problems = []
-    for f in dataclasses.fields(config):
+    for f in dataclasses.fields(section):
         if is_flat(f):
-            problems += choice_problems(getattr(config, f.name), prefix)
+            problems += choice_problems(getattr(section, f.name), prefix)
             continue
-        choices = literal_choices(_hints(type(config))[f.name])  # type: ignore[arg-type]
+        choices = literal_choices(_hints(type(section))[f.name])  # type: ignore[arg-type]
         if choices is None:
             continue
-        value = getattr(config, f.name)
+        value = getattr(section, f.name)
         key = f"{prefix}.{f.name}" if prefix else f.name
         values = value if isinstance(value, list) else [value]
         for v in values:

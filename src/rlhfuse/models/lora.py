@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from rlhfuse._optional import require
 from rlhfuse.models.checkpoint import CheckpointError, hf_layout, write_folder
+from rlhfuse.models.config import ModelConfig
 from rlhfuse.models.transformer import Transformer
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -88,7 +89,7 @@ class LoraConfig:
         return problems
 
 
-def lora_problem(config: Any) -> str | None:
+def lora_problem(config: ModelConfig) -> str | None:
     """Why `config` (a ModelConfig) cannot carry adapters, or None."""
     family = config.family
     if family.moe != "none":
@@ -237,7 +238,7 @@ def merged_state(state: Mapping[str, Tensor], config: LoraConfig) -> dict[str, T
     return {**plain, **merge_state(state, config)}
 
 
-def plain_model(state: Mapping[str, Tensor], model_config: Any, head: str) -> Transformer:
+def plain_model(state: Mapping[str, Tensor], model_config: ModelConfig, head: str) -> Transformer:
     """A frozen `Transformer` of `model_config` holding `state`'s tensors themselves (no copy)."""
     with torch.device("meta"):
         plain = Transformer(copy.copy(model_config), head=head)
@@ -254,7 +255,7 @@ def adapter_state(model: nn.Module) -> dict[str, Tensor]:
     return {name: t.detach() for name, t in model.state_dict().items() if ".lora_" in name}
 
 
-def adapter_tensors(state: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+def adapter_tensors(state: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """The adapters of `state` (`adapter_state`'s, or any state holding them whole) under PEFT's checkpoint keys
     (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) for a model of `config` (a ModelConfig):
     the Hugging Face key of each adapted projection, its adapter name dropped."""
@@ -287,7 +288,7 @@ def merge_state(state: Mapping[str, Tensor], config: LoraConfig) -> dict[str, Te
 
 def save_adapter(
     adapters: Mapping[str, Tensor],
-    model_config: Any,
+    model_config: ModelConfig,
     config: LoraConfig,
     path: str | os.PathLike,
     *,

@@ -49,7 +49,7 @@ from rlhfuse.core.checkpoint import (
 )
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
-from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.config import PipelineRun
 from rlhfuse.runtime.layout import MODELS, ParallelLayout
 from rlhfuse.runtime.partition import RankStages
 
@@ -158,22 +158,21 @@ def check_layout(path: str | Path, current: Mapping[str, Any]) -> dict[str, Any]
     return meta
 
 
-def check_resume(cfg: Any, checkpoint_dir: str | Path, run_dir: str | Path | None = None) -> Path | None:
-    """Before any model is built: the checkpoint `cfg.resume` designates (None: fresh start) after checking its
-    manifest against the layout `cfg` will run (stage layer ranges too when the model is built from config;
+def check_resume(
+    run: PipelineRun, resume: str, checkpoint_dir: str | Path, run_dir: str | Path | None = None
+) -> Path | None:
+    """Before any model is built: the checkpoint `resume` designates (None: fresh start) after checking its
+    manifest against the layout `run` will have (stage layer ranges too when the model is built from config;
     a Hugging Face model's layers are checked when the strategy loads the shards)."""
-    path = resume_path(run_dir or Path(checkpoint_dir).parent, checkpoint_dir, cfg.resume)
+    path = resume_path(run_dir or Path(checkpoint_dir).parent, checkpoint_dir, resume)
     if path is None:
         return None
-    from rlhfuse.core.advantages import uses_critic
     from rlhfuse.runtime.strategy import pipeline_layout
 
-    world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
-    d = cfg.data
     layout = pipeline_layout(  # as the strategy
-        cfg.pipeline, world, d.mini_batch_size, d.micro_batch_size, critic=uses_critic(cfg.algorithm)
+        run.pipeline, run.world, run.mini_batch_size, run.micro_batch_size, critic=run.critic
     )
-    layers = None if cfg.model.sft_path is not None else {m: cfg.model.num_layers for m in layout.trained}
+    layers = None if run.num_layers is None else {m: run.num_layers for m in layout.trained}
     check_layout(path, expected_record(layout, layers))
     return path
 

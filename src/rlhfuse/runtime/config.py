@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from rlhfuse.core.config import choice_problems, flat_field, need, positive
 from rlhfuse.core.optim import OptimConfig
@@ -85,15 +85,33 @@ def launched_world_size(nproc_per_node: int) -> int:
     return int(env) if env and env.isdigit() else nproc_per_node
 
 
-def validate_runtime(cfg: Any) -> list[str]:
+@dataclass(frozen=True)
+class PipelineRun:
+    """What the pipeline runtime reads of a run's configuration (`RLHFConfig.pipeline_run()`): the strategy's
+    keys, the launch, the batch sizes, whether the algorithm trains a Critic (an unknown algorithm: assumed so,
+    its own check names it) and the layers of a model built from config (None: read from a checkpoint)."""
+
+    pipeline: PipelineConfig
+    nproc_per_node: int
+    mini_batch_size: int
+    micro_batch_size: int
+    critic: bool
+    num_layers: int | None
+
+    @property
+    def world(self) -> int:
+        """The processes the layout spans: torchrun's WORLD_SIZE, else distributed.nproc_per_node."""
+        return launched_world_size(max(self.nproc_per_node, 1))
+
+
+def validate_runtime(run: PipelineRun) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
     from rlhfuse.runtime.plan import PLANNERS  # the runtime's pipeline schedules, by name
     from rlhfuse.runtime.strategy import data_parallel_sizes, pipeline_layout  # what the strategy runs
 
-    d = cfg.distributed
     problems: list[str] = []
-    p = cfg.pipeline
-    world = launched_world_size(max(d.nproc_per_node, 1))
+    p = run.pipeline
+    world = run.world
     if p.name not in PLANNERS:
         if world > 1:
             problems.append(
@@ -102,8 +120,7 @@ def validate_runtime(cfg: Any) -> list[str]:
             )
         return problems
     # a critic-free algorithm pipelines the Actor alone (`actor_only_layout`): pipeline.critic_pp is unused
-    critic = _uses_critic(cfg)
-    layers = cfg.model.num_layers if cfg.model.sft_path is None else None
+    critic, layers = run.critic, run.num_layers
     keys = ("actor_pp", "critic_pp", "actor_tp", "critic_tp") if critic else ("actor_pp", "actor_tp")
     for key in keys:
         value = getattr(p, key)
@@ -121,27 +138,20 @@ def validate_runtime(cfg: Any) -> list[str]:
         problems.append(f"pipeline.prefetch={p.prefetch} must be >= 0")
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
-    data = cfg.data
+    mini, micro_size = run.mini_batch_size, run.micro_batch_size
     # the layout the strategy will build, its tp keys read as at least 1 (those below are reported above)
     sizes = dataclasses.replace(p, actor_tp=max(p.actor_tp, 1), critic_tp=max(p.critic_tp, 1))
     try:
-        pipeline_layout(sizes, world, data.mini_batch_size, data.micro_batch_size, critic=critic)
+        pipeline_layout(sizes, world, mini, micro_size, critic=critic)
     except ValueError as err:
         lines = str(err).splitlines()[1:]
         problems += [
             f"pipeline={p.name} with distributed.nproc_per_node={world}: {line.strip()[2:]}" for line in lines
         ]
-    dp, micro = data_parallel_sizes(p, world, data.mini_batch_size, data.micro_batch_size, critic=critic)
-    if micro >= 1 and cfg.data.mini_batch_size < dp * micro:
+    dp, micro = data_parallel_sizes(p, world, mini, micro_size, critic=critic)
+    if micro >= 1 and mini < dp * micro:
         problems.append(
-            f"data.mini_batch_size={cfg.data.mini_batch_size} < data-parallel groups * pipeline micro-batches "
+            f"data.mini_batch_size={mini} < data-parallel groups * pipeline micro-batches "
             f"= {dp} * {micro}: raise data.mini_batch_size or lower pipeline.microbatches"
         )
     return problems
-
-
-def _uses_critic(cfg: Any) -> bool:
-    """Whether cfg's algorithm trains a Critic (an unknown name: assumed so; AlgorithmConfig names it)."""
-    from rlhfuse.core.advantages import ALGORITHMS, uses_critic
-
-    return cfg.algorithm.name not in ALGORITHMS or uses_critic(cfg.algorithm)

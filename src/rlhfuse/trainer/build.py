@@ -220,7 +220,7 @@ def build_trainer(
     if layout.pipelines:  # a layout mismatch fails before any model is built
         from rlhfuse.runtime.checkpoint import check_resume
 
-        check_resume(config, checkpoint_dir, run_dir)
+        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, run_dir)
     log(f"rlhfuse: {counts.describe()}")
 
     # Data before models: malformed or over-long prompts, and rows without the field the reward function

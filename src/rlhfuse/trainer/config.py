@@ -18,7 +18,7 @@ from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.data.config import DataConfig
 from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.planner.specs import DeviceProfile
-from rlhfuse.runtime.config import DistributedConfig, PipelineConfig
+from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, PipelineRun
 from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, ACTOR_ONLY_RUN
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
@@ -131,6 +131,21 @@ class RLHFConfig:
             except ValueError as err:
                 problems.append(f"plan_device: {err}")
         return problems
+
+    def pipeline_run(self) -> PipelineRun:
+        """What the pipeline runtime reads of this configuration (`validate_runtime`, `check_resume`)."""
+        a = self.algorithm
+        critic = a.name not in ALGORITHMS or uses_critic(
+            a
+        )  # unknown: assumed so (`AlgorithmConfig` names it)
+        return PipelineRun(
+            pipeline=self.pipeline,
+            nproc_per_node=self.distributed.nproc_per_node,
+            mini_batch_size=self.data.mini_batch_size,
+            micro_batch_size=self.data.micro_batch_size,
+            critic=critic,
+            num_layers=self.model.num_layers if self.model.sft_path is None else None,
+        )
 
 
 @dataclass(frozen=True)

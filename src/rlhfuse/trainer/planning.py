@@ -330,7 +330,7 @@ def _launch_problems(cfg: RLHFConfig) -> list[str]:
     (`validate_runtime`), or pipeline=fsdp's (one process per generation instance, `validate_plain_launch`, and
     its own keys)."""
     if cfg.pipeline.name != "fsdp":
-        return validate_runtime(cfg)
+        return validate_runtime(cfg.pipeline_run())
     from rlhfuse.trainer.validate import fsdp_problems
 
     return validate_plain_launch(cfg) + fsdp_problems(cfg)

@@ -99,7 +99,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     ):
         need(problems, value in registry, registry.unknown_message(value))
     layout = topology(cfg)
-    problems += validate_runtime(cfg) if layout.pipelines else validate_plain_launch(cfg)
+    problems += validate_runtime(cfg.pipeline_run()) if layout.pipelines else validate_plain_launch(cfg)
     problems += device_problems(cfg.device, layout.world)
     model, where = _model_shape(cfg, problems)
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
