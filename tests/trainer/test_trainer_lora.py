@@ -121,6 +121,15 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
             ["pipeline=fused", "distributed.nproc_per_node=2", "generator.tp=2"],
             "set generator.tp=1",
         ),
+        (
+            [
+                "pipeline=serial_1f1b",
+                "distributed.nproc_per_node=2",
+                "generator=engine",
+                "generator.instances=2",
+            ],
+            "needs the pipeline inferencer .* set generator.instances=1",
+        ),
         (["model.lora.target_modules=[qkv_proj]"], r"model.lora.target_modules=\['qkv_proj'\]"),
         (["model.architecture=phi3"], "model.lora on phi3 is not supported"),
     ],

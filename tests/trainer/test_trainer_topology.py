@@ -80,3 +80,22 @@ def test_a_run_is_compiled_once_and_the_tokenizers_stops_make_a_new_configuratio
     stopped = with_stop_tokens(spec.config, Stops())  # type: ignore[arg-type]
     assert stopped.generator.sampling.stop_token_ids == [7]
     assert spec.config.generator.sampling.stop_token_ids == []  # the compiled spec is left as it was
+
+
+def test_the_pipeline_inferencer_is_refused_beside_a_rollout_fused_across_ranks():
+    """Each rank of a fused rollout infers its own samples as they finish; the pipeline inferencer runs every
+    rank on rank 0's rows, so together they would score one rank's samples twice (and drop the other's)."""
+    from rlhfuse.trainer import validate
+
+    two = [
+        "pipeline=serial_1f1b",
+        "distributed.nproc_per_node=2",
+        "generator=engine",
+        "generator.instances=2",
+    ]
+    validate(compose_config(two))  # the models inferencer: each rank infers its own samples
+    with pytest.raises(ValueError, match=r"inferencer\.name=pipeline with generator\.instances=2"):
+        validate(compose_config([*two, "inferencer.name=pipeline"]))
+    validate(
+        compose_config([*two[:2], "inferencer.name=pipeline"])
+    )  # one instance: the training layout infers

@@ -123,6 +123,13 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     pipe = cfg.pipeline
+    if layout.fused_rollout and cfg.inferencer.name == "pipeline":
+        problems.append(
+            f"inferencer.name=pipeline with generator.instances={cfg.generator.instances} (one generation instance "
+            "per rank, each inferring its own samples as they finish): the pipeline inferencer runs every rank "
+            "on the same rows, so it would infer one rank's samples only; set inferencer.name=models, or "
+            "generator.instances=1 (inference over the training layout)"
+        )
     if layout.pipelines and max(pipe.actor_tp, pipe.critic_tp) > 1 and cfg.inferencer.name != "pipeline":
         problems.append(
             f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
@@ -304,9 +311,10 @@ def lora_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None, 
         )
     if layout.pipelines and cfg.inferencer.name != "pipeline":
         problems.append(
-            f"model.lora.rank={rank} under pipeline={pipe.name} needs inferencer=pipeline (the Reference is the "
-            f"Actor's stages with the adapters off), not inferencer={cfg.inferencer.name}: set "
-            "inferencer=pipeline, or pipeline=plain"
+            f"model.lora.rank={rank} under pipeline={pipe.name} needs the pipeline inferencer (the Reference is "
+            f"the Actor's stages with the adapters off), not inferencer.name={cfg.inferencer.name} (each rank a "
+            "generation instance inferring its own samples with whole models): set generator.instances=1 "
+            "(inference then runs over the training layout), or pipeline=plain"
         )
     if layout.pipelines and cfg.generator.tp > 1:
         problems.append(
