@@ -10,7 +10,8 @@ Rounds alternate between the three so machine noise hits all of them.
 Then inter-stage fusion on vLLM (`bench_fusion`'s measurement with a vLLM engine per process in place of
 rlhfuse's engine): 2 instances on experiment=longtail's first batch, serial vs fused generation + inference,
 next to rlhfuse's engine on the same workload, and whole `rlhfuse-train generator=vllm` runs, migration off vs
-auto. Sampled (temperature 1): a migrated vLLM sample continues from a new seed (`continuation_seed`), so the
+auto. Last, the weight sync's bytes, memory and time per rank on 2-process layouts (plain, serial_1f1b, fsdp,
+fsdp with LoRA), vLLM next to the engine. Sampled (temperature 1): a migrated vLLM sample continues from a new seed (`continuation_seed`), so the
 fused samples equal the serial ones only where nothing moved; greedy tokens are identical (`make test-vllm`).
 """
 
@@ -42,6 +43,54 @@ def run(quick: bool = False) -> None:
         return
     _throughput(quick)
     _fusion(quick)
+    _weight_sync(quick)
+
+
+# (name, overrides) of the 2-process layouts whose weight sync feeds the generator
+SYNC_LAYOUTS = (
+    ("plain, 2 replicas", ("pipeline=plain", "generator.instances=2")),
+    ("serial_1f1b pp=2", ("pipeline=serial_1f1b", "pipeline.actor_pp=2", "pipeline.critic_pp=2",
+                          "pipeline.microbatches=2", "pipeline.search_budget_s=0.5")),
+    ("fsdp", ("pipeline=fsdp", "generator.instances=2")),
+    ("fsdp, LoRA r=8", ("pipeline=fsdp", "generator.instances=2", "model.lora.rank=8")),
+)  # fmt: skip
+
+
+def _weight_sync(quick: bool) -> None:
+    """The weight sync after each training step, vLLM next to rlhfuse's engine on the same 2-process layouts
+    (the smoke job, 2 layers): `weight_sync/bytes_per_rank` (the most bytes a rank received),
+    `weight_sync/peak_extra_bytes` (the most memory a rank held for it beside its models) and the median of
+    `time/weight_sync` (the strategy's exchange and the generator's load: vLLM's in-place reload) over the
+    iterations past the first."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    iterations = 3 if quick else 5
+    print(f"weight sync, experiment=smoke model.num_layers=2, 2 processes, {iterations} iterations:")
+    print(f"  {'layout':>18} | {'generator':>9} | {'bytes/rank':>10} | {'peak extra':>10} | time/weight_sync")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in SYNC_LAYOUTS:
+            for generator in ("engine", "vllm"):
+                run_dir = Path(tmp) / f"{len(os.listdir(tmp))}"
+                cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=smoke", "model.num_layers=2",
+                       "distributed.nproc_per_node=2", f"generator={generator}", f"iterations={iterations}",
+                       "logger=quiet", f"model.warmstart.cache_dir={tmp}/cache", *overrides,
+                       f"hydra.run.dir={run_dir}"]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                env.pop("WORLD_SIZE", None)
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+                last = rows[-1]
+                seconds = statistics.median(r["time/weight_sync"] for r in rows)
+                print(f"  {name:>18} | {generator:>9} | {last['weight_sync/bytes_per_rank']:10.0f} | "
+                      f"{last['weight_sync/peak_extra_bytes']:10.0f} | {1000 * seconds:8.1f} ms")  # fmt: skip
+    print(f"  1-minute load average after the runs: {os.getloadavg()[0]:.2f}")
 
 
 def _fusion(quick: bool) -> None:
