@@ -159,6 +159,10 @@ class GenerationStats(NamedTuple):
     predicted_serial_s: float | None = None
     spec_accept_rate: float | None = None
     spec_tokens_per_step: float | None = None
+    # migration=auto's check against measurement after this batch: the median measured seconds over the
+    # simulator's serial prediction of migrating (Rt > 0) and of Rt = 0 batches (None until measured)
+    measured_migrating: float | None = None
+    measured_serial: float | None = None
 
     def metrics(self) -> dict[str, float]:
         predicted = {}
@@ -167,6 +171,12 @@ class GenerationStats(NamedTuple):
                 "migration/predicted_gen_inf_s": self.predicted_gen_inf_s,
                 "migration/predicted_serial_s": self.predicted_serial_s,
             }
+        for key, value in (
+            ("migration/measured_migrating", self.measured_migrating),
+            ("migration/measured_serial", self.measured_serial),
+        ):
+            if value is not None:
+                predicted[key] = value
         speculative = {}
         if self.spec_accept_rate is not None and self.spec_tokens_per_step is not None:
             speculative = {

@@ -366,7 +366,12 @@ class EngineGenerator:
                 accepted / proposed if proposed else 0.0,
                 step_tokens / sum(sizes) if sizes else 0.0,
             )
-        return generation_stats(sizes, busy, tokens, self.migration, self._predicted, speculation)
+        measured = (
+            (self.policy.migrating.median, self.policy.serial.median)
+            if isinstance(self.policy, AutoThreshold)
+            else (None, None)
+        )
+        return generation_stats(sizes, busy, tokens, self.migration, self._predicted, speculation, measured)
 
 
 def predictions(policy: MigrationPolicy) -> tuple[object, object] | None:
@@ -394,10 +399,12 @@ def generation_stats(
     report: MigrationReport,
     predicted: tuple[object, object] | None,
     speculation: tuple[float, float] | None = None,
+    measured: tuple[float | None, float | None] = (None, None),
 ) -> GenerationStats:
     """One batch's generation statistics: running batch sizes of every decode step, busy seconds and generated
-    tokens summed over the instances, the migration report, the auto-tuner's predictions and, with speculative
-    decoding on, (acceptance rate, tokens per sample per decode step)."""
+    tokens summed over the instances, the migration report, the auto-tuner's predictions, with speculative
+    decoding on (acceptance rate, tokens per sample per decode step), and migration=auto's measured ratios
+    (migrating, Rt = 0) after this batch."""
     fused = serial = None
     if predicted is not None and all(isinstance(p, SimResult) for p in predicted):
         fused, serial = (p.gen_inf_s for p in predicted)  # type: ignore[attr-defined]
@@ -411,4 +418,6 @@ def generation_stats(
         predicted_serial_s=serial,
         spec_accept_rate=None if speculation is None else speculation[0],
         spec_tokens_per_step=None if speculation is None else speculation[1],
+        measured_migrating=measured[0],
+        measured_serial=measured[1],
     )

@@ -1,0 +1,64 @@
+"""migration=auto on a loaded machine: `rlhfuse-train generator.instances=2 migration=auto` (2 processes) runs
+beside a busy loop on each core, and every iteration's Rt follows what auto had measured until then. Once
+migrating measured no faster than Rt = 0 (`migration/measured_migrating` * (1 + MIN_GAIN) not below
+`migration/measured_serial`, the medians of measured over predicted-serial seconds), the next iteration runs
+Rt = 0, but for one migrating probe after every CHECK_EVERY iterations off: what `off` would run, up to those
+probes. The timings themselves are the machine's (nothing here compares seconds with a bound); the test checks
+that the choices follow them, whatever they are under this load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhfuse.generation.tuning import CHECK_EVERY, MIN_GAIN
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.timeout(900)
+def test_migration_auto_follows_its_own_measurements_beside_busy_loops(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhfuse.trainer.cli",
+        "generator.instances=2",
+        "migration=auto",
+        "iterations=12",
+        "logger=quiet",
+        "distributed.timeout_s=120",
+        f"model.warmstart.cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=env, cwd=tmp_path)
+    finally:
+        for loop in busy:
+            loop.kill()
+            loop.wait()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 12
+    rts = [row["migration/threshold"] for row in rows]
+    assert rts[0] > 0  # the configured initial Rt, before anything is measured
+    measured = [
+        row for row in rows if "migration/measured_migrating" in row and "migration/measured_serial" in row
+    ]
+    assert measured, "auto measured both modes within 12 iterations"
+    for i in range(1, len(rows)):
+        before = rows[i - 1]
+        migrating = before.get("migration/measured_migrating")
+        serial = before.get("migration/measured_serial")
+        if migrating is None or serial is None or migrating * (1 + MIN_GAIN) < serial or rts[i] == 0:
+            continue
+        # migrating measured no faster, yet Rt > 0: only as the probe after CHECK_EVERY iterations off
+        assert i >= CHECK_EVERY and all(rt == 0 for rt in rts[i - CHECK_EVERY : i]), (i, rts, rows[i - 1])
