@@ -164,43 +164,21 @@ class RankStages:
         distributed.wait_all(works)
         return out
 
-    def full_state(self, model: str) -> dict[str, Tensor]:
+    def full_state(self, model: str, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
         """Collective: `model`'s whole state dict on every rank (every rank is a generation instance under the
         pipeline strategies): each rank receives only the stages it does not hold, each once, from a holder
         (`senders`), into buffers allocated on the layout's device from the shapes the meta tensors keep; its own
-        stages are its live tensors (detached, no copy)."""
-        out: dict[str, Tensor] = {}
-        for entries, values, _ in self._exchange(model):
-            for keys, value in zip(entries, values, strict=True):
-                for k in keys:
-                    out[k] = value
-        return out
-
-    def full_tensors(self, model: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Collective: `full_state` of some tensors of `model` only (`state`: real on the stages held here, meta of
-        the whole shape elsewhere, e.g. a LoRA Actor's adapters or merged projections): every rank gets them all,
-        each rank receiving only the stages it does not hold (tp = 1)."""
-        if self.layout.model_tp(model) > 1:
-            raise ValueError(
-                f"full_tensors reassembles whole tensors of a tp = 1 model; {model} is tp-sharded"
-            )
-        out: dict[str, Tensor] = {}
-        for entries, values, _ in self._exchange(model, state=state):
-            for keys, value in zip(entries, values, strict=True):
-                for k in keys:
-                    out[k] = value
-        return out
+        stages are its live tensors (detached, no copy). `state`: these tensors of a tp = 1 `model` only (real on
+        the stages held here, meta of the whole shape elsewhere: a LoRA Actor's merged projections)."""
+        if state is not None and self.layout.model_tp(model) > 1:
+            raise ValueError(f"full_state of given tensors reassembles whole tensors; {model} is tp-sharded")
+        return _by_name(self._exchange(model, state=state))
 
     def shard_state(self, model: str) -> dict[str, Tensor]:
         """Collective: this rank's tensor-parallel shard of every stage of `model` (a generation instance of the
         training tp degree over the same consecutive ranks): each rank receives only the shards of the stages it
         does not hold, from a holder of the same shard, never a whole tensor (`shard_senders`)."""
-        out: dict[str, Tensor] = {}
-        for entries, values, _ in self._exchange(model, shards=True):
-            for keys, value in zip(entries, values, strict=True):
-                for k in keys:
-                    out[k] = value
-        return out
+        return _by_name(self._exchange(model, shards=True))
 
     def load_resident(self, model: str, state: Mapping[str, Tensor]) -> None:
         """Copy `state`'s entries (whole tensors) into the tensors materialised on this rank (meta ones are held
@@ -262,3 +240,13 @@ class RankStages:
                             state[keys[0]].copy_(value)
             total += self.received_bytes
         self.received_bytes = total
+
+
+def _by_name(exchanged: list[tuple[list[list[str]], list[Tensor], bool]]) -> dict[str, Tensor]:
+    """`RankStages._exchange`'s result as a state dict: each tensor under every name it has (tied weights)."""
+    return {
+        k: value
+        for entries, values, _ in exchanged
+        for keys, value in zip(entries, values, strict=True)
+        for k in keys
+    }

@@ -257,7 +257,7 @@ class FusedPipelineStrategy:
         received."""
         actor = self.models["actor"]
         if adapted_layers(actor):  # a LoRA Actor: its adapted projections merged on their stages, sent whole
-            weights: Mapping[str, Tensor] = self.shards.full_tensors("actor", merged_weights(actor))
+            weights: Mapping[str, Tensor] = self.shards.full_state("actor", merged_weights(actor))
             received = self.shards.received_bytes
         elif self.shards.sharded:
             weights = self.resharder.run()
