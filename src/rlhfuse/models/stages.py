@@ -8,7 +8,7 @@ Stages hold the original modules (no copies), so a step through the stages train
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -171,47 +171,38 @@ def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model._apply(lambda t: t if t.is_meta else t.to(device))
 
 
+def _storages(tensors: Iterable[Tensor]) -> dict[tuple[str, int], int]:
+    """(device, storage address) -> bytes of each storage behind `tensors`, once (of a sharded DTensor: this
+    rank's shard; meta tensors hold none)."""
+    out: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if not t.is_meta:
+            out[(str(t.device), t.untyped_storage().data_ptr())] = t.untyped_storage().nbytes()
+    return out
+
+
+def _module_tensors(modules: Iterable[nn.Module | None]) -> Iterator[Tensor]:
+    for module in modules:
+        if module is not None:
+            yield from module.parameters()
+            yield from module.buffers()
+
+
 def resident_bytes(*modules: nn.Module | None) -> int:
     """Bytes of the parameters and buffers materialised on this rank (meta tensors hold none; of a sharded one,
     its shard), each storage counted once over all `modules` (tied weights, a stage and its model, shared
     copies)."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for module in modules:
-        if module is None:
-            continue
-        for t in [*module.parameters(), *module.buffers()]:
-            if isinstance(t, DTensor):
-                t = t.to_local()  # sharded (pipeline=fsdp): this rank's shard
-            if t.is_meta:
-                continue
-            key = (str(t.device), t.untyped_storage().data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-    return total
+    return sum(_storages(_module_tensors(modules)).values())
 
 
 def unshared_bytes(tensors: Iterable[Tensor], *modules: nn.Module) -> int:
     """Bytes of the storages behind `tensors` that no parameter or buffer of `modules` uses, each storage once:
     what producing them allocated (received buffers, gathered or merged tensors), as opposed to the models' own
     tensors handed on as they are."""
-    own = {
-        (str(t.device), t.untyped_storage().data_ptr())
-        for module in modules
-        for t in (
-            p.to_local() if isinstance(p, DTensor) else p for p in [*module.parameters(), *module.buffers()]
-        )
-        if not t.is_meta
-    }
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        if t.is_meta:
-            continue
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        if key not in own:
-            seen[key] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    own = _storages(_module_tensors(modules))
+    return sum(n for key, n in _storages(tensors).items() if key not in own)
 
 
 def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:
