@@ -1,6 +1,10 @@
-"""Fixtures of the trainer tests: a tiny random-weight Llama checkpoint whose tokenizer has a chat template."""
+"""Fixtures of the trainer tests: a tiny random-weight Llama checkpoint whose tokenizer has a chat template, a
+callback that simulates a kill, and `rlhfuse-train` run as a subprocess."""
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +111,20 @@ class CrashAfter(Callback):
 def crash_after():
     """`CrashAfter`, for the resume tests of this folder."""
     return CrashAfter
+
+
+def run_train(run_dir: Path, *overrides: str, timeout: float) -> list[dict[str, float]]:
+    """`rlhfuse-train *overrides` in a subprocess writing to `run_dir` (its own launch: no WORLD_SIZE from this
+    process, one OpenMP thread per rank), which must succeed; the rows of its metrics.jsonl."""
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=run_dir.parent)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def train_cli():
+    """`run_train`, for the command-line tests of this folder."""
+    return run_train

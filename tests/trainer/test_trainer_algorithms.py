@@ -3,9 +3,6 @@ the critic-free ones build, infer, train and save no Critic; bad choices fail in
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -206,30 +203,23 @@ def test_critic_free_resume_is_bit_identical_and_refuses_a_ppo_checkpoint(cache_
 @pytest.mark.parametrize(
     "adapter", [[], ["model.lora.rank=4", "pipeline.actor_lr=1e-2"]], ids=["full", "lora"]
 )
-def test_grpo_two_instance_processes_with_migration_data_parallel(tmp_path, adapter):
+def test_grpo_two_instance_processes_with_migration_data_parallel(tmp_path, adapter, train_cli):
     """generator.instances=2 migration=auto: 2 gloo processes, generation fused with inference (inter-stage
     fusion) and data-parallel Actor-only training (all its weights, or its LoRA adapters: the gradient buckets
     hold the trained tensors only); the same results as the single-process GRPO job."""
     job = ["experiment=smoke", "iterations=3", "algorithm=grpo", "generator.stop_token_ids=[10,20,30,40,50]"]
     job += adapter
     run_dir = tmp_path / "dp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhfuse.trainer.cli",
+    rows = train_cli(
+        run_dir,
         *job,
         "generator.instances=2",
         "migration=auto",
         "checkpoint.every=3",
         "distributed.timeout_s=60",
         f"model.warmstart.cache_dir={tmp_path / 'cache'}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        timeout=240,
+    )
     assert len(rows) == 3 and all("migration/threshold" in r for r in rows)
     assert not any(set(CRITIC_METRICS) & set(r) for r in rows)
     assert sorted(p.name for p in (run_dir / "checkpoints" / "iter_00000003").iterdir()) == [

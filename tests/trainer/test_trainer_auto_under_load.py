@@ -8,8 +8,6 @@ that the choices follow them, whatever they are under this load."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,31 +20,23 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.timeout(900)
-def test_migration_auto_follows_its_own_measurements_beside_busy_loops(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhfuse.trainer.cli",
-        "generator.instances=2",
-        "migration=auto",
-        "iterations=12",
-        "logger=quiet",
-        "distributed.timeout_s=120",
-        f"model.warmstart.cache_dir={tmp_path / 'cache'}",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
+def test_migration_auto_follows_its_own_measurements_beside_busy_loops(tmp_path: Path, train_cli) -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=env, cwd=tmp_path)
+        rows = train_cli(
+            tmp_path / "run",
+            "generator.instances=2",
+            "migration=auto",
+            "iterations=12",
+            "logger=quiet",
+            "distributed.timeout_s=120",
+            f"model.warmstart.cache_dir={tmp_path / 'cache'}",
+            timeout=800,
+        )
     finally:
         for loop in busy:
             loop.kill()
             loop.wait()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 12
     rts = [row["migration/threshold"] for row in rows]
     assert rts[0] > 0  # the configured initial Rt, before anything is measured

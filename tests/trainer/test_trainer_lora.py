@@ -6,9 +6,6 @@ adapters ride on the stages and train as under plain, the weight sync sends the 
 shards hold the adapters and resume bit-identically. Refused, with the key, where it does not run."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +84,6 @@ def test_a_lora_actor_trains_its_adapters_against_itself_as_the_reference(tmp_pa
 
 def cfg_sft_path(trainer) -> str:
     """The SFT checkpoint the adapter folder names as its base."""
-    import json
 
     adapter = trainer.run_dir / "actor_hf" / "adapter_config.json"
     return json.loads(adapter.read_text())["base_model_name_or_path"]
@@ -139,11 +135,11 @@ def test_lora_is_refused_with_the_key_where_it_does_not_run(cache, overrides, me
         validate(smoke(cache, "model.lora.rank=4", *overrides))
 
 
-def _cli(tmp_path: Path, run: str, *overrides: str) -> list[dict[str, float]]:
+def _cli(train_cli, tmp_path: Path, run: str, *overrides: str) -> list[dict[str, float]]:
     """`rlhfuse-train` of the smoke job with a LoRA Actor (2 layers, constant LR); its metric rows, less those
     read off the clock (the pipeline's makespans and bubble ratio among them)."""
-    cmd = [
-        str(Path(sys.executable).with_name("rlhfuse-train")),
+    rows = train_cli(
+        tmp_path / run,
         "experiment=smoke",
         "model.num_layers=2",
         *LORA,
@@ -155,14 +151,9 @@ def _cli(tmp_path: Path, run: str, *overrides: str) -> list[dict[str, float]]:
         "checkpoint.every=2",
         "checkpoint.export_hf=true",
         f"model.warmstart.cache_dir={tmp_path / 'cache'}",
-        f"hydra.run.dir={tmp_path / run}",
         *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        timeout=300,
+    )
     timed = (
         "time/",
         "throughput/",
@@ -170,15 +161,17 @@ def _cli(tmp_path: Path, run: str, *overrides: str) -> list[dict[str, float]]:
         "train/measured_makespan_s",
         "train/bubble_ratio",
     )
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith(timed)} for x in lines]
+    return [{k: v for k, v in row.items() if not k.startswith(timed)} for row in rows]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_a_lora_actor_on_the_actor_pipeline_trains_as_under_plain_and_resumes_from_its_adapters(tmp_path):
+def test_a_lora_actor_on_the_actor_pipeline_trains_as_under_plain_and_resumes_from_its_adapters(
+    tmp_path, train_cli
+):
     pp = ("pipeline=serial_1f1b", "pipeline.actor_pp=2", "pipeline.critic_pp=2", "pipeline.microbatches=2")
-    piped = _cli(tmp_path, "pp", *pp)
-    plain = _cli(tmp_path, "plain", "pipeline=plain", "generator.instances=2")
+    piped = _cli(train_cli, tmp_path, "pp", *pp)
+    plain = _cli(train_cli, tmp_path, "plain", "pipeline=plain", "generator.instances=2")
     assert len(piped) == len(plain) == 3
     for got, want in zip(piped, plain, strict=True):
         assert got["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)
@@ -204,9 +197,9 @@ def test_a_lora_actor_on_the_actor_pipeline_trains_as_under_plain_and_resumes_fr
 
     # 3 iterations straight == 2, then resumed from the adapters' checkpoint for a third (the fused schedule)
     fused = ("pipeline=fused", "pipeline.actor_pp=2", "pipeline.critic_pp=2", "pipeline.microbatches=2")
-    straight = _cli(tmp_path, "a", *fused, "iterations=3")
-    _cli(tmp_path, "b", *fused, "iterations=2")
-    resumed = _cli(tmp_path, "b", *fused, "iterations=3", "resume=auto")
+    straight = _cli(train_cli, tmp_path, "a", *fused, "iterations=3")
+    _cli(train_cli, tmp_path, "b", *fused, "iterations=2")
+    resumed = _cli(train_cli, tmp_path, "b", *fused, "iterations=3", "resume=auto")
     assert [r["iteration"] for r in resumed] == [1, 2, 3] and resumed == straight
 
 
