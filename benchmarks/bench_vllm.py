@@ -51,7 +51,11 @@ SYNC_LAYOUTS = (
     ("plain, 2 replicas", ("pipeline=plain", "generator.instances=2")),
     ("serial_1f1b pp=2", ("pipeline=serial_1f1b", "pipeline.actor_pp=2", "pipeline.critic_pp=2",
                           "pipeline.microbatches=2", "pipeline.search_budget_s=0.5")),
+    ("serial_1f1b, 16K buckets", ("pipeline=serial_1f1b", "pipeline.actor_pp=2", "pipeline.critic_pp=2",
+                                  "pipeline.microbatches=2", "pipeline.search_budget_s=0.5",
+                                  "pipeline.weight_sync_bucket_mb=0.015625")),
     ("fsdp", ("pipeline=fsdp", "generator.instances=2")),
+    ("fsdp, 16K buckets", ("pipeline=fsdp", "generator.instances=2", "pipeline.weight_sync_bucket_mb=0.015625")),
     ("fsdp, LoRA r=8", ("pipeline=fsdp", "generator.instances=2", "model.lora.rank=8")),
 )  # fmt: skip
 
@@ -71,7 +75,7 @@ def _weight_sync(quick: bool) -> None:
 
     iterations = 3 if quick else 5
     print(f"weight sync, experiment=smoke model.num_layers=2, 2 processes, {iterations} iterations:")
-    print(f"  {'layout':>18} | {'generator':>9} | {'bytes/rank':>10} | {'peak extra':>10} | time/weight_sync")
+    print(f"  {'layout':>24} | {'generator':>9} | {'bytes/rank':>10} | {'peak extra':>10} | time/weight_sync")
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in SYNC_LAYOUTS:
             for generator in ("engine", "vllm"):
@@ -88,7 +92,7 @@ def _weight_sync(quick: bool) -> None:
                 rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
                 last = rows[-1]
                 seconds = statistics.median(r["time/weight_sync"] for r in rows)
-                print(f"  {name:>18} | {generator:>9} | {last['weight_sync/bytes_per_rank']:10.0f} | "
+                print(f"  {name:>24} | {generator:>9} | {last['weight_sync/bytes_per_rank']:10.0f} | "
                       f"{last['weight_sync/peak_extra_bytes']:10.0f} | {1000 * seconds:8.1f} ms")  # fmt: skip
     print(f"  1-minute load average after the runs: {os.getloadavg()[0]:.2f}")
 

@@ -72,7 +72,9 @@ def _prompts(count: int, seed: int = 1) -> PromptBatch:
     return PromptBatch(ids, mask, torch.arange(100, 100 + count))
 
 
-def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, bs_max=4, speculative="off"):
+def _generator(
+    model, *, temperature=0.0, instances=1, policy=None, samples=2, bs_max=4, speculative="off", frozen=None
+):
     config = GenerationConfig(
         name="vllm",
         sampling=GeneratorConfig(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=STOPS),
@@ -84,7 +86,7 @@ def _generator(model, *, temperature=0.0, instances=1, policy=None, samples=2, b
     setup = InstanceSetup(
         EOS, PAD, samples_per_prompt=samples, seed=0, policy=policy or NoMigration(), bs_max=bs_max
     )
-    pool = VLLMPool(model, config, max_prompt_len=16, seed=setup.seed)
+    pool = VLLMPool(model, config, max_prompt_len=16, seed=setup.seed, frozen=frozen)
     return EngineGenerator(pool, config, setup, mechanism="reprefill")
 
 
@@ -214,17 +216,20 @@ def test_weight_sync_reaches_the_engine(model, greedy):
     assert _rows(again) == _rows(before)  # the prefix cache of the old weights was dropped
 
 
-def test_a_lora_actors_merged_projections_reach_the_engine(model, greedy):
-    """model.lora with generator=vllm: a weight sync sends only the adapted projections' merged weights (vLLM
-    loads q and v into its stacked qkv slices); the engine then decodes the merged model's greedy tokens."""
+def test_a_lora_actors_merged_projections_reach_the_engine(model):
+    """model.lora with generator=vllm: a weight sync sends only the adapted projections' merged weights, and
+    the pool completes vLLM's reload from the frozen rest it keeps (k beside q and v in vLLM's stacked qkv, the
+    gate beside down's neighbours, embeddings and norms); the engine then decodes the merged model's greedy
+    tokens, and a sync without the frozen rest is refused with the names missing."""
     pytest.importorskip("peft")
     from rlhfuse.models.lora import LoraConfig, apply_lora, merged_model, merged_weights
 
+    lora = LoraConfig(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    frozen = {k: v for k, v in model.state_dict().items() if not lora.merges(k)}
+    greedy = _generator(model, frozen=frozen)
     prompts = _prompts(4, seed=4)
     (before,) = greedy.generate(prompts, iteration=0)
-    adapted = apply_lora(
-        copy.deepcopy(model), LoraConfig(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
-    )
+    adapted = apply_lora(copy.deepcopy(model), lora)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, param in adapted.named_parameters():
@@ -236,13 +241,20 @@ def test_a_lora_actors_merged_projections_reach_the_engine(model, greedy):
         for i in range(2)
         for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
     )
-    greedy.load_weights(synced)
+    assert sorted(k for k in model.state_dict() if lora.merges(k)) == sorted(synced)
     try:
+        greedy.load_weight_buckets([{k: synced[k]} for k in sorted(synced)])  # one tensor per bucket
         (after,) = greedy.generate(prompts, iteration=0)
         assert _rows(after) == _engine_tokens(merged_model(adapted), prompts, 2)
         assert _rows(after) != _rows(before)
+        plain = _generator(model)  # no frozen rest: a partial sync cannot make a whole model
+        try:
+            with pytest.raises(KeyError, match="neither synced nor frozen"):
+                list(plain.pool.hf_stream([synced]))
+        finally:
+            plain.close()
     finally:
-        greedy.load_weights(model.state_dict())
+        greedy.close()
 
 
 def test_sampled_outputs_reproducible_per_seed(model):

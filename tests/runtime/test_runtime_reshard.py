@@ -13,6 +13,7 @@ Two runs (each spawn costs seconds on this machine):
 
 from __future__ import annotations
 
+import math
 import pathlib
 import tempfile
 from typing import Any
@@ -146,6 +147,12 @@ def _check_reshard(rank: int, fused: Any, trained: Transformer, gen_tps: tuple[i
             assert held and all(got[n].data_ptr() == live[n].data_ptr() for n in held), rank
         want = _expected_received(model, fused.layout, rank, g)
         assert resharder.received_bytes == want, (rank, g, resharder.received_bytes, want)
+        # streamed in buckets of the largest tensor (the weight sync's way): the same shard, the same bytes
+        whole = [math.prod(e.shape) * resharder.element_size[i] for i, e in enumerate(resharder.plan.entries)]
+        buckets = list(resharder.buckets(max(whole)))
+        assert len(buckets) > 2
+        _check_shard(rank, {k: v for b in buckets for k, v in b.items()}, trained, g)
+        assert resharder.received_bytes == want, (rank, g, "streamed")
         # at most its own generation shard, never a whole model (g > 1)
         mine = trained if g == 1 else shard_transformer(trained, rank % g, g)
         assert resharder.received_bytes <= resident_bytes(mine)

@@ -104,11 +104,12 @@ def _problems(*overrides):
 
 def test_optimizer_values_are_checked_before_any_model_is_built():
     msg = _problems("pipeline.actor_lr=inf", "pipeline.critic_lr=nan", "pipeline.betas=[1.5,0.9]",
-                    "pipeline.weight_decay=-0.1")  # fmt: skip
-    assert "4 problem(s)" in msg
+                    "pipeline.weight_decay=-0.1", "pipeline.weight_sync_bucket_mb=0")  # fmt: skip
+    assert "5 problem(s)" in msg
     for part in ("pipeline.actor_lr=inf must be a finite number > 0", "pipeline.critic_lr=nan",
                  "pipeline.betas=[1.5, 0.9] must be two numbers in [0, 1)",
-                 "pipeline.weight_decay=-0.1 must be a finite number >= 0"):  # fmt: skip
+                 "pipeline.weight_decay=-0.1 must be a finite number >= 0",
+                 "pipeline.weight_sync_bucket_mb=0.0 must be a number > 0"):  # fmt: skip
         assert part in msg, msg
 
 

@@ -123,6 +123,22 @@ def _inference(sharded: bool):
     return ShardedInference(inferencer, dist.group.WORLD).infer(_rollout())
 
 
+def _streamed_sync(strategy):
+    """The weight sync streamed in buckets of about two of the largest tensors: each bucket's names and bytes,
+    whether the buckets joined equal the sync all at once, and the peak extra bytes of each."""
+    whole = strategy.actor_weights()
+    whole_peak = strategy.weight_sync_extra_bytes
+    largest = max(t.numel() * t.element_size() for t in whole.values())
+    strategy.config.weight_sync_bucket_mb = 2 * largest / (1 << 20)
+    buckets = [dict(b) for b in strategy.actor_weight_buckets()]
+    joined = {k: v for b in buckets for k, v in b.items()}
+    equal = joined.keys() == whole.keys() and all(torch.equal(joined[k], whole[k]) for k in whole)
+    sizes = [
+        sum(t.numel() * t.element_size() for t in {id(t): t for t in b.values()}.values()) for b in buckets
+    ]
+    return [list(b) for b in buckets], sizes, 2 * largest, equal, strategy.weight_sync_extra_bytes, whole_peak
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -151,6 +167,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             after = strategy.actor_weights()
             result["nonfinite"] = (str(err), all(torch.equal(before[k], after[k]) for k in before))
         result["inference"] = _inference(sharded=True)
+        result["buckets"] = _streamed_sync(strategy)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -202,6 +219,12 @@ def test_two_rank_fsdp_update_equals_one_process_with_half_the_memory(tmp_path) 
     message1, unchanged1 = ranks[1]["nonfinite"]
     assert "another data-parallel rank" in message0 and "loss/policy is nan" in message1
     assert unchanged0 and unchanged1
+    # the sync streamed in buckets: the same tensors, gathered a bucket at a time, the peak one bucket's
+    names0, sizes, cap, equal, peak, whole_peak = ranks[0]["buckets"]
+    assert ranks[1]["buckets"][0] == names0 and ranks[1]["buckets"][3]  # the same cut on both ranks
+    assert equal and len(names0) > 3
+    assert all(size <= cap or len(names) == 1 for size, names in zip(sizes, names0, strict=True))
+    assert max(sizes) <= peak <= 1.1 * max(sizes) and peak < whole_peak / 3  # (gathered buffers are padded)
 
 
 def _train(tmp: Path, run: str, *overrides: str) -> subprocess.CompletedProcess[str]:

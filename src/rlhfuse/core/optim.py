@@ -32,6 +32,10 @@ class OptimConfig:
     # Data-parallel gradient reduction: buckets of this many MiB, each all-reduced asynchronously as soon as its
     # gradients are final in the last micro-batch's backward (rlhfuse.distributed.buckets; DDP's bucket_cap_mb).
     grad_bucket_mb: float = 25.0
+    # The weight sync into the generator streams the Actor in buckets of this many MiB (whole tensors, a larger
+    # one alone): each is gathered or resharded, loaded by the generator and freed before the next, so a sync
+    # holds one bucket beside the models, not a whole Actor (`Strategy.actor_weight_buckets`).
+    weight_sync_bucket_mb: float = 256.0
     # auto (bf16-mixed on CUDA, 32-true on CPU) | 32-true | bf16-mixed (fp32 weights and optimizer states,
     # bf16 autocast of training and inference compute, generation in a bf16 copy with a bf16 KV cache) |
     # bf16-true (bf16 weights in every model, the generator's too; the optimizer steps fp32 master copies with
@@ -85,7 +89,17 @@ class OptimConfig:
             math.isfinite(self.grad_bucket_mb) and self.grad_bucket_mb > 0,
             f"pipeline.grad_bucket_mb={self.grad_bucket_mb} must be a number > 0 (MiB per gradient bucket, e.g. 25)",
         )
+        need(
+            problems,
+            math.isfinite(self.weight_sync_bucket_mb) and self.weight_sync_bucket_mb > 0,
+            f"pipeline.weight_sync_bucket_mb={self.weight_sync_bucket_mb} must be a number > 0 (MiB per weight-sync "
+            "bucket, e.g. 256)",
+        )
         return problems
+
+    @property
+    def weight_sync_bucket_bytes(self) -> int:
+        return max(1, int(self.weight_sync_bucket_mb * (1 << 20)))
 
 
 def resolve_precision(precision: str, device_type: str) -> str:

@@ -7,7 +7,7 @@ pipeline strategy) implement the same Protocols.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,7 +32,14 @@ class Generator(Protocol):
         ...
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        """Weight sync: replace the generator's Actor weights by the trained ones."""
+        """Weight sync: replace the generator's Actor weights by the trained ones (all of them, or the part that
+        changed: a LoRA Actor's merged projections)."""
+        ...
+
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        """The weight sync streamed (`Strategy.actor_weight_buckets`): load each bucket as it comes, ask for the
+        next only once done with it (its memory may then be freed), and consume every bucket (the stream's
+        collectives run as it is read). The effect is `load_weights` of their union."""
         ...
 
     def generation_stats(self) -> GenerationStats | None:
@@ -138,7 +145,14 @@ class Strategy(Protocol):
         ...
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """The Actor's current weights, for the weight sync to the generator."""
+        """The Actor's current weights, all at once (`actor_weight_buckets` joined)."""
+        ...
+
+    def actor_weight_buckets(self) -> Iterator[Mapping[str, Tensor]]:
+        """The weight sync to the generator: `actor_weights()`'s tensors in buckets of whole tensors of at most
+        pipeline.weight_sync_bucket_mb (a larger one alone), each produced (gathered, resharded or merged) when
+        it is asked for. Collective where the strategy's layout is: every rank consumes every bucket, in order.
+        `weight_sync_bytes` and `weight_sync_extra_bytes` are final once the last one is consumed."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -158,8 +172,8 @@ class Strategy(Protocol):
     """The most bytes any rank received in the last `actor_weights()` (0: nothing moved, e.g. one process)."""
 
     weight_sync_extra_bytes: float
-    """The bytes this rank allocated for the last `actor_weights()` (received buffers, gathered or merged
-    tensors; 0: the Actor's own tensors handed on as they are), held until the generator has loaded them."""
+    """The most bytes one bucket of the last sync allocated on this rank (received buffers, gathered or merged
+    tensors; 0: the Actor's own tensors handed on as they are), held until the generator has loaded it."""
 
     @property
     def checkpointer(self) -> Checkpointer:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlhfuse.core.buckets import split_consecutive
 from rlhfuse.distributed.collectives import Work, all_reduce
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
@@ -43,28 +44,13 @@ def plan_buckets(params: Sequence[Tensor], cap_bytes: int) -> list[Bucket]:
     at most `cap_bytes` (a larger parameter alone)."""
     if cap_bytes <= 0:
         raise ValueError(f"gradient bucket size must be > 0 bytes, got {cap_bytes}")
+    sizes = [p.numel() * p.element_size() for p in params]
     buckets: list[Bucket] = []
-    current: list[int] = []
-
-    def close() -> None:
-        if current:
-            offsets, total = [], 0
-            for i in current:
-                offsets.append(total)
-                total += params[i].numel()
-            buckets.append(Bucket(tuple(current), tuple(offsets), total, params[current[0]].dtype))
-            current.clear()
-
-    size = 0
-    for i in range(len(params)):
-        p = params[i]
-        nbytes = p.numel() * p.element_size()
-        if current and (p.dtype != params[current[0]].dtype or size + nbytes > cap_bytes):
-            close()
-            size = 0
-        current.append(i)
-        size += nbytes
-    close()
+    for run in split_consecutive(sizes, cap_bytes, kinds=[p.dtype for p in params]):
+        offsets = [0]
+        for i in run:
+            offsets.append(offsets[-1] + params[i].numel())
+        buckets.append(Bucket(tuple(run), tuple(offsets[:-1]), offsets[-1], params[run[0]].dtype))
     return buckets
 
 

@@ -20,7 +20,7 @@ world size (DCP reshards on load).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor
+
+from rlhfuse.core.buckets import split_consecutive
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,28 @@ def full_state(model: nn.Module) -> dict[str, Tensor]:
     """Collective: `model`'s whole state dict on every rank (each rank receives the shards it lacks)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {name: t for name, t in state.items() if isinstance(t, Tensor)}
+
+
+def whole_state_buckets(model: nn.Module, cap_bytes: int) -> Iterator[dict[str, Tensor]]:
+    """Collective (every rank consumes every bucket): `full_state(model)` in buckets of consecutive tensors of at
+    most `cap_bytes` whole (a larger one alone), each gathered when it is asked for, so a rank holds one bucket's
+    gathered tensors at a time rather than the whole model. Tied names share one gathered tensor."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, Tensor] = {}
+    for name, t in model.state_dict().items():
+        if isinstance(t, Tensor):
+            names.setdefault(id(t), []).append(name)
+            tensors.setdefault(id(t), t)
+    order = list(tensors)
+    sizes = [
+        tensors[k].numel() * tensors[k].element_size() for k in order
+    ]  # whole shapes: the same on every rank
+    for run in split_consecutive(sizes, cap_bytes):
+        bucket: dict[str, Tensor] = {}
+        for k in (order[i] for i in run):
+            whole = whole_tensor(tensors[k]).detach()
+            bucket.update(dict.fromkeys(names[k], whole))
+        yield bucket
 
 
 def whole_tensor(t: Tensor) -> Tensor:

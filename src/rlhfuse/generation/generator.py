@@ -12,7 +12,7 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,8 +70,9 @@ class InstancePool(Protocol):
         sampling with `params`, their statistics reset (kept instances are reused)."""
         ...
 
-    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        """The Actor's weights (all of them, or the part that changed) into every instance."""
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        """The Actor's weights (all of them, or the part that changed) into every instance, streamed in buckets
+        (`rlhfuse.core.protocols.Generator.load_weight_buckets`: each consumed, in order, before the next)."""
         ...
 
     def actor_copies(self) -> list[torch.nn.Module]:
@@ -133,9 +134,10 @@ class EnginePool:
             engine.params = params
         return list(self.engines)
 
-    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        for model in self.models:
-            load_weights(model, named_tensors)
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        for bucket in buckets:  # copied into every instance's copy, then freed
+            for model in self.models:
+                load_weights(model, bucket)
 
     def actor_copies(self) -> list[torch.nn.Module]:
         return list(self.models)
@@ -187,7 +189,10 @@ class EngineGenerator:
         self._predicted: tuple[object, object] | None = None
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        self.pool.load_weights(named_tensors)
+        self.pool.load_weight_buckets([named_tensors])
+
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        self.pool.load_weight_buckets(buckets)
 
     def actor_copies(self) -> list[torch.nn.Module]:
         """The Actor copies of this process's instances (none for vLLM's engines)."""
@@ -277,8 +282,15 @@ class EngineGenerator:
             fused=False,
         )
         self.policy.observe(measured)
-        self.pool.rest()
+        self._rest_after(sampling)
         yield to_rollout(done, self.pad_token_id)
+
+    def _rest_after(self, sampling: Sampling | None) -> None:
+        """After a training rollout (no `sampling` of its own) training and a weight sync follow: the pool may
+        release its memory until then (vLLM's sleep, weights discarded at level 2). An evaluation's rollout may be
+        followed by the next one with no sync between: its instances stay as they are."""
+        if sampling is None:
+            self.pool.rest()
 
     def fused_rollout(
         self,
@@ -313,7 +325,7 @@ class EngineGenerator:
             engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
             micro_batch=micro_batch, pad_token_id=self.pad_token_id, on_freed=lambda: self.pool.release(0),
         )  # fmt: skip
-        self.pool.rest()
+        self._rest_after(sampling)
         self.report = result.report
         experience = result.experience.to(self.device)  # rewards, KL and GAE run on the device
         rollout = experience.rollout

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import typing
+from collections import ChainMap
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +55,8 @@ from rlhfuse.generation.engine import (
     SampleRequest,
     SamplingParams,
 )
-from rlhfuse.models import ModelConfig, Transformer, save_pretrained
-from rlhfuse.models.checkpoint import hf_named_tensors
+from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained
+from rlhfuse.models.checkpoint import hf_layout, load_weights
 
 # vLLM's CPU attention backend (0.32) computes only these head sizes.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -282,9 +283,7 @@ class VLLMInstance:
         self.stats = EngineStats()
         self._unprefilled = 0  # tokens submitted since the last step: the next step prefills them
         self.asleep = 0  # vLLM's sleep level (0: awake; 2: the weights were discarded)
-        self.weights: list[tuple[str, Tensor]] | None = (
-            None  # the last weights loaded (a level-2 wake reloads)
-        )
+        self.synced = False  # a weight sync has come: a level-2 sleeper's weights come back with the next one
         self._next_id = 0
 
     # ------------------------------------------------------------------ queue
@@ -414,44 +413,47 @@ class VLLMInstance:
 
     # ------------------------------------------------------------------ weights and memory
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """In-place weight reload (HF checkpoint names), then drop cached prefixes computed with old weights. On a
+        """In-place weight reload (HF checkpoint names) of a complete set, read one tensor at a time (a stream: vLLM's
+        layer-wise reload processes each of its layers as soon as all its tensors arrived, so a stream ordered by
+        layer holds about one layer beside the model), then drop cached prefixes computed with old weights. On a
         GPU the tensors go as they are (vLLM's loaders copy each into its parameter, casting on the device: no
-        host round trip); the CPU backend's float32 model gets float32 host tensors."""
-        self.weights = list(named_tensors)
-        reloads = self.asleep == 2  # a level-2 sleeper reloads `self.weights` (these) as it wakes
-        self.wake_up()
-        if not reloads:
-            self._reload()
-
-    def _reload(self) -> None:
-        assert self.weights is not None
-        weights = [
+        host round trip); the CPU backend's float32 model gets float32 host tensors, converted one at a time. A
+        level-2 sleeper wakes and takes these as its weights."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = 0
+        weights = (
             (name, t.detach().to("cpu", torch.float32) if self.cpu else t.detach())
-            for name, t in self.weights
-        ]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            for name, t in named_tensors
+        )
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+        self.synced = True
 
     def release(self, level: int = 1) -> bool:
         """Free the instance's device memory with vLLM's sleep mode until the next batch (level 1: weights to
-        host memory, KV cache freed; 2: both discarded, the weights reloaded on waking); False where the platform
-        has no sleep mode (vLLM's CPU backend) or the instance is busy or asleep already."""
+        host memory, KV cache freed; 2: both discarded, the next weight sync reloads them); False where the
+        platform has no sleep mode (vLLM's CPU backend) or the instance is busy or asleep already."""
         if self.asleep or self.running or not self.can_sleep:
             return False
-        if level == 2 and self.weights is None:
-            level = 1  # nothing to reload from yet: keep a host copy
+        if level == 2 and not self.synced:
+            level = 1  # no sync has come yet (the next may be far): keep a host copy
         self.llm.sleep(level=level)
         self.asleep = level
         return True
 
     def wake_up(self) -> None:
+        """Awake for a batch. A level-2 sleeper has no weights until a sync brings them (`load_weights`)."""
         if not self.asleep:
             return
-        discarded = self.asleep == 2
+        if self.asleep == 2:
+            raise RuntimeError(
+                "a vLLM engine asleep at level 2 discarded its weights and gets them back with the next weight "
+                "sync; nothing may generate before it (a callback's rollout between the rollout and the sync): "
+                "set generator.vllm_sleep_level=1"
+            )
         self.llm.wake_up()
         self.asleep = 0
-        if discarded:
-            self._reload()
 
 
 class VLLMPool:
@@ -465,9 +467,12 @@ class VLLMPool:
     executor, stepped in turn (`VLLMInstance._ensure_parallel_state`).
 
     Sleep mode (CUDA/ROCm; vLLM's CPU backend has none): an instance freed by a migration sleeps at level 1
-    until the next batch; after each rollout every instance sleeps at `generator.vllm_sleep_level` through the
-    training step (2: weights discarded, reloaded by the weight sync; 1: weights offloaded to host memory;
-    0: never), and wakes at the next weight sync or batch."""
+    until the next batch; after each training rollout every instance sleeps at `generator.vllm_sleep_level`
+    through the training step (2: weights discarded, brought back by the weight sync; 1: weights offloaded to
+    host memory; 0: never), and wakes at the next weight sync or batch.
+
+    Weight syncs stream (`load_weight_buckets`): nothing of a sync is kept after the engines loaded it. Only
+    `frozen` (references to the tensors syncs leave out, a LoRA Actor's frozen rest) is kept to complete them."""
 
     def __init__(
         self,
@@ -477,6 +482,7 @@ class VLLMPool:
         max_prompt_len: int,
         seed: int,
         device: torch.device | str = "cpu",
+        frozen: Mapping[str, Tensor] | None = None,
     ) -> None:
         import_vllm()  # fail now, before any model is written, if vLLM is missing
         check_vllm_supported(actor.config, device)
@@ -488,9 +494,20 @@ class VLLMPool:
         self._tmp = tempfile.TemporaryDirectory(prefix="rlhfuse-vllm-")
         self.checkpoint = Path(self._tmp.name) / "actor"
         save_pretrained(actor, self.checkpoint)  # vLLM builds each engine from an HF checkpoint
-        # the Actor's current weights by name (references, no copy): a partial sync (a LoRA Actor's merged
-        # projections) updates these, and vLLM's reload always gets the whole set
-        self.weights: dict[str, Tensor] = {k: v.detach() for k, v in actor.state_dict().items()}
+        names = list(actor.state_dict())
+        # HF key -> the Actor tensors it is made of (a fused projection's parts), the tied head left out
+        self.layout = {
+            key: parts
+            for key, parts in hf_layout(actor.config, names).items()
+            if not (actor.config.tie_word_embeddings and parts == ["lm_head.weight"])
+        }
+        unknown = sorted(set(frozen or {}) - set(names))
+        if unknown:
+            raise KeyError(f"VLLMPool: frozen tensors {unknown[:8]} are not the Actor's")
+        # references (no copy) to the tensors weight syncs leave out (a LoRA Actor's frozen rest): they complete
+        # each reload; nothing else of `actor` is kept (a generation copy is freed once the trainer drops it)
+        self.frozen: dict[str, Tensor] = {k: v.detach() for k, v in (frozen or {}).items()}
+        self._synced = 0  # syncs before the engines were built (each writes a new checkpoint)
         self.built: list[VLLMInstance] = []
 
     @property
@@ -532,21 +549,55 @@ class VLLMPool:
             instance.params = params  # read per request (vLLM's SamplingParams are made per request)
         return list(chosen)
 
-    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
         """The Actor's weights, all of them or the part that changed (a LoRA Actor's merged projections), into
-        every engine. vLLM's reload rebuilds the whole model from what it is given, so it always gets the
-        whole set: the new tensors over the last ones."""
-        unknown = sorted(set(named_tensors) - set(self.weights))
-        if unknown:
-            raise KeyError(f"weight sync: the Actor has no tensors {unknown[:8]}")
-        self.weights.update({k: v.detach() for k, v in named_tensors.items()})
-        named = hf_named_tensors(self.weights, self.actor_config)
-        for instance in self.built:
-            instance.load_weights(named)
-        if not self.built:  # not built yet: they will start from the new weights
-            model = Transformer(self.actor_config)
-            model.load_state_dict(self.weights, strict=True)
+        every engine, streamed: one engine per process (the multi-process job) reads the buckets as they come;
+        several in one process share one list of the sync's tensors. Before the engines exist, the sync becomes
+        the checkpoint they will be built from."""
+        if not self.built:
+            model = from_pretrained(self.checkpoint, head="lm")
+            for bucket in buckets:
+                load_weights(model, bucket)
+            self._synced += 1
+            self.checkpoint = Path(self._tmp.name) / f"actor-sync{self._synced}"
             save_pretrained(model, self.checkpoint)
+            return
+        stream: Iterable[tuple[str, Tensor]] = self.hf_stream(buckets)
+        if len(self.built) > 1:
+            stream = list(stream)
+        for instance in self.built:
+            instance.load_weights(stream)
+
+    def hf_stream(self, buckets: Iterable[Mapping[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """(HF key, tensor) of a sync's buckets as they arrive (a fused projection once all its parts did), then
+        every key the sync left out from the frozen tensors: vLLM reloads a whole model each time."""
+        key_of = {name: key for key, parts in self.layout.items() for name in parts}
+        pending: dict[str, dict[str, Tensor]] = {}
+        sent: set[str] = set()
+        for bucket in buckets:
+            for name, t in bucket.items():
+                if name == "lm_head.weight" and name not in key_of:
+                    continue  # the tied head: the embedding table stands for it
+                if name not in key_of:
+                    raise KeyError(f"weight sync: the Actor has no tensor {name!r}")
+                key = key_of[name]
+                parts = pending.setdefault(key, {})
+                parts[name] = t
+                if len(parts) == len(self.layout[key]):
+                    yield key, self._joined(key, pending.pop(key))
+                    sent.add(key)
+        for key, names in self.layout.items():
+            if key in sent:
+                continue
+            known = ChainMap(pending.get(key, {}), self.frozen)
+            missing = [n for n in names if n not in known]
+            if missing:
+                raise KeyError(f"weight sync: no tensor {missing[:8]} (neither synced nor frozen)")
+            yield key, self._joined(key, known)
+
+    def _joined(self, key: str, parts: Mapping[str, Tensor]) -> Tensor:
+        tensors = [parts[n] for n in self.layout[key]]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     def actor_copies(self) -> list[torch.nn.Module]:
         """None in this process: the weights live in vLLM's engine (not counted in memory/param_bytes)."""

@@ -70,6 +70,12 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def merges(self, name: str) -> bool:
+        """Whether a plain model's tensor `name` is an adapted projection's weight (a weight sync sends it merged;
+        the rest of the model is frozen)."""
+        module, _, leaf = name.rpartition(".")
+        return self.enabled and leaf == "weight" and module.rpartition(".")[2] in self.target_modules
+
     def problems(self, prefix: str = "model.lora") -> list[str]:
         problems = []
         if not isinstance(self.rank, int) or self.rank < 0:
@@ -208,16 +214,17 @@ def _plain_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def merged_weights(model: nn.Module) -> dict[str, Tensor]:
+def merged_weights(model: nn.Module, layers: Sequence[str] | None = None) -> dict[str, Tensor]:
     """The weights a plain copy of `model` loads to compute what `model` computes: its whole state for a model
     without adapters; for an adapted one, only the adapted projections' merged weights (W + scale B A), detached,
-    under the plain names."""
-    layers = adapted_layers(model)
-    if not layers:
+    under the plain names (`layers`: only those adapted layers', by name)."""
+    adapted = adapted_layers(model)
+    if not adapted:
         return model.state_dict()
     out: dict[str, Tensor] = {}
     with torch.no_grad():
-        for name, layer in layers.items():
+        for name in adapted if layers is None else layers:
+            layer = adapted[name]
             base = layer.get_base_layer()
             out[f"{name}.weight"] = base.weight + layer.get_delta_weight(ADAPTER).to(base.weight.dtype)
     return out

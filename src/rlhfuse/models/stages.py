@@ -8,7 +8,7 @@ Stages hold the original modules (no copies), so a step through the stages train
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -203,6 +203,22 @@ def unshared_bytes(tensors: Iterable[Tensor], *modules: nn.Module) -> int:
     tensors handed on as they are."""
     own = _storages(_module_tensors(modules))
     return sum(n for key, n in _storages(tensors).items() if key not in own)
+
+
+def joined(buckets: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """A streamed weight sync's buckets as one mapping (every bucket consumed, so a stream's collectives run)."""
+    return {name: t for bucket in buckets for name, t in bucket.items()}
+
+
+def metered(
+    buckets: Iterable[Mapping[str, Tensor]], *modules: nn.Module
+) -> Iterator[tuple[Mapping[str, Tensor], int]]:
+    """Each bucket of a streamed weight sync with the most `unshared_bytes` any bucket so far allocated beside
+    `modules` (a stream frees a bucket before producing the next: its peak is its largest bucket's)."""
+    peak = 0
+    for bucket in buckets:
+        peak = max(peak, unshared_bytes(bucket.values(), *modules))
+        yield bucket, peak
 
 
 def cast_copy(model: Transformer, dtype: torch.dtype) -> Transformer:

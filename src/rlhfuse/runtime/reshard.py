@@ -21,14 +21,16 @@ Legend: T training tp degree, g generation tp degree; a range [lo, hi) is in the
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from rlhfuse import distributed
+from rlhfuse.core.buckets import split_consecutive
 from rlhfuse.models import Transformer, stage_of
 from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.tensor_parallel import _split, _twins, full_shapes, shard_transformer
@@ -265,18 +267,37 @@ class Resharder:
         """Collective (every rank): this rank's generation shard of every Actor tensor, keyed like the state dict
         of `shard_transformer(actor, rank % g, g)` (g = 1: the whole Actor's). A tensor whose shard is exactly one
         of this rank's own trained tensors is returned as it (detached, no copy)."""
+        return {name: t for bucket in self.buckets(None) for name, t in bucket.items()}
+
+    def buckets(self, cap_bytes: int | None) -> Iterator[dict[str, Tensor]]:
+        """Collective (every rank consumes every bucket): `run()`'s tensors in buckets of consecutive entries whose
+        whole tensors hold at most `cap_bytes` (one larger entry alone; None: one bucket), each resharded when it
+        is asked for, so at most one bucket's received and copied tensors exist at a time (beyond what the
+        consumer keeps). Every rank cuts the same buckets (from the full shapes) and sends a pair's pieces in the
+        same order, bucket after bucket."""
+        entries = self.plan.entries
+        whole = [math.prod(e.shape) * self.element_size[i] for i, e in enumerate(entries)]
+        runs = [range(len(entries))] if cap_bytes is None else split_consecutive(whole, cap_bytes)
+        self.received_bytes = 0
+        for run in runs:
+            yield self._run_entries(run)
+
+    def _run_entries(self, chosen: range) -> dict[str, Tensor]:
         entries, rank = self.plan.entries, self.rank
         state = self.model.state_dict(keep_vars=True)
         # None: a whole expert this rank neither holds (training) nor gets (generation); no piece names it here
-        trained = [state[e.names[0]].detach() if e.names[0] in state else None for e in entries]
-        out = [
-            trained[i]
+        trained = {
+            i: state[entries[i].names[0]].detach() if entries[i].names[0] in state else None for i in chosen
+        }
+        out: dict[int, Tensor | None] = {
+            i: trained[i]
             if i in self.aliased
             else torch.zeros(self.local_shapes[e.names[0]], dtype=self.dtypes[i], device=self.device)
             if e.names[0] in self.local_shapes
             else None
-            for i, e in enumerate(entries)
-        ]
+            for i in chosen
+            for e in [entries[i]]
+        }
 
         def piece_of(tensor: Tensor | None, p: Piece, start: int) -> Tensor:
             assert tensor is not None, f"{entries[p.entry].names[0]}: a piece of a tensor rank {rank} lacks"
@@ -286,7 +307,10 @@ class Resharder:
         keep: list[Tensor] = []  # send buffers stay alive until every send completed
         inbox: list[tuple[Tensor, list[Piece]]] = []
         received = 0
-        for (src, dst, _), pieces in self.messages:
+        for (src, dst, _), every in self.messages:
+            pieces = [p for p in every if p.entry in chosen]
+            if not pieces:
+                continue
             if src == rank:
                 flat = torch.cat([piece_of(trained[p.entry], p, p.src_start).reshape(-1) for p in pieces])
                 keep.append(flat)
@@ -300,7 +324,7 @@ class Resharder:
                 received += flat.numel() * flat.element_size()
         with torch.no_grad():
             for p in self.local:  # overlapped with the messages in flight
-                if p.entry not in self.aliased:
+                if p.entry in chosen and p.entry not in self.aliased:
                     piece_of(out[p.entry], p, p.dst_start).copy_(piece_of(trained[p.entry], p, p.src_start))
         distributed.wait_all(works)
         with torch.no_grad():
@@ -310,5 +334,5 @@ class Resharder:
                     target = piece_of(out[p.entry], p, p.dst_start)
                     target.copy_(flat[offset : offset + target.numel()].view(target.shape))
                     offset += target.numel()
-        self.received_bytes = received
-        return {name: t for e, t in zip(entries, out, strict=True) if t is not None for name in e.names}
+        self.received_bytes += received
+        return {name: t for i, t in out.items() if t is not None for name in entries[i].names}

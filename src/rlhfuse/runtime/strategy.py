@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
-from rlhfuse.models import Transformer, unshared_bytes
+from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import adapted_layers, merged_weights
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
@@ -246,31 +246,37 @@ class FusedPipelineStrategy:
         return list(self.optimizers.optims.values())
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: this rank's generation shard of the Actor (generator.tp = g: position rank % g of
-        instance rank // g; g = 1: the whole Actor), resharded from the training layout by `resharder`
-        (`rlhfuse.runtime.reshard`): each rank receives, point to point from the stage owners, exactly the parts
-        of its shard it does not hold, for any training tp and any g dividing the world. A LoRA Actor (tp = 1,
-        g = 1): only its adapted projections, merged (W + scale B A) on the stages that hold them and sent to the
-        other ranks; the copies' frozen rest never changes. Full copies on every
-        rank (a per-rank inferencer reads whole models): both models' copies are first brought up to date in
-        place (`RankStages.gather`), then the shard is cut locally. `weight_sync_bytes`: the most bytes any rank
-        received."""
+        """Collective: `actor_weight_buckets()` all at once."""
+        return joined(self.actor_weight_buckets())
+
+    def actor_weight_buckets(self) -> Iterator[Mapping[str, Tensor]]:
+        """Collective (every rank consumes every bucket): this rank's generation shard of the Actor
+        (generator.tp = g: position rank % g of instance rank // g; g = 1: the whole Actor), resharded from the
+        training layout by `resharder` (`rlhfuse.runtime.reshard`) bucket by bucket (pipeline.
+        weight_sync_bucket_mb): each rank receives, point to point from the stage owners, exactly the parts of
+        its shard it does not hold, for any training tp and any g dividing the world, and holds one bucket of
+        them at a time. A LoRA Actor (tp = 1, g = 1): only its adapted projections, merged (W + scale B A) on the
+        stages that hold them and sent to the other ranks, in one bucket; the copies' frozen rest never changes.
+        Full copies on every rank (a per-rank inferencer reads whole models): both models' copies are first
+        brought up to date in place (`RankStages.gather`), then the shard is cut locally. `weight_sync_bytes`:
+        the most bytes any rank received (known once the last bucket is consumed)."""
         actor = self.models["actor"]
+        cap = self.config.optim.weight_sync_bucket_bytes
+        buckets: Iterable[Mapping[str, Tensor]]
+        counted: RankStages | Resharder = self.shards  # whoever received this sync's bytes
         if adapted_layers(actor):  # a LoRA Actor: its adapted projections merged on their stages, sent whole
-            weights: Mapping[str, Tensor] = self.shards.full_state("actor", merged_weights(actor))
-            received = self.shards.received_bytes
+            buckets = [self.shards.full_state("actor", merged_weights(actor))]
         elif self.shards.sharded:
-            weights = self.resharder.run()
-            received = self.resharder.received_bytes
-        else:
+            buckets, counted = self.resharder.buckets(cap), self.resharder
+        else:  # full copies: brought up to date in place, then handed on (g = 1) or cut locally
             self.shards.gather()
-            received = self.shards.received_bytes
-            weights = self.models["actor"].state_dict() if self.generation_tp == 1 else self.resharder.run()
-        total = torch.tensor([float(received)], dtype=torch.float64, device=self.device)
+            buckets = [actor.state_dict()] if self.generation_tp == 1 else self.resharder.buckets(cap)
+        for bucket, peak in metered(buckets, actor):
+            self.weight_sync_extra_bytes = float(peak)
+            yield bucket
+        total = torch.tensor([float(counted.received_bytes)], dtype=torch.float64, device=self.device)
         distributed.all_reduce(total, op="max")
         self.weight_sync_bytes = float(total)
-        self.weight_sync_extra_bytes = float(unshared_bytes(weights.values(), actor))
-        return weights
 
     @functools.cached_property
     def resharder(self) -> Resharder:

@@ -91,12 +91,15 @@ def vllm_generator(ctx: BuildContext) -> EngineGenerator:
     from rlhfuse.generation.vllm_engine import VLLMPool  # vLLM is an optional extra
 
     actor = ctx.models.for_generation()
+    lora = ctx.config.model.lora
     pool = VLLMPool(
         actor,
         ctx.config.generator,
         max_prompt_len=ctx.config.data.max_prompt_length,
         seed=ctx.config.seed,
         device=next(actor.parameters()).device,
+        # a LoRA Actor's syncs send its merged projections only: the pool keeps the frozen rest to complete them
+        frozen={k: v for k, v in actor.state_dict().items() if not lora.merges(k)} if lora.enabled else None,
     )
     return EngineGenerator(pool, ctx.config.generator, instance_setup(ctx), mechanism="reprefill")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,20 +47,20 @@ from rlhfuse.core.stats import TrainStats
 from rlhfuse.core.types import Experience, Rollout, TrainBatch
 from rlhfuse.distributed.fsdp import (
     ShardingPolicy,
-    full_state,
     load_state,
     save_state,
     set_gradient_sync,
     set_sharded_state,
     shard_model,
     sharded_state,
+    whole_state_buckets,
     whole_tensor,
 )
-from rlhfuse.models import Transformer, unshared_bytes
-from rlhfuse.models.lora import LoraConfig, merged_weights
+from rlhfuse.models import Transformer, joined, metered
+from rlhfuse.models.lora import LoraConfig
 from rlhfuse.runtime.checkpoint import all_ok
 from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.strategy import PlainStrategy, merged_buckets
 
 KIND, FORMAT = "fsdp", 1
 DCP_DIR, STATE = "dcp", "state.pt"
@@ -164,19 +164,27 @@ class FSDPStrategy:
         return self.update.optimizers
 
     def actor_weights(self) -> Mapping[str, Tensor]:
-        """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance);
-        each rank receives the shards it lacks. A LoRA Actor: only its adapted projections, each merged on the
-        shards (W + scale B A on this rank's rows of W and B, the small A gathered) and then gathered whole; the
-        copies' frozen rest never changes."""
+        """Collective: `actor_weight_buckets()` all at once (the whole Actor on every rank)."""
+        return joined(self.actor_weight_buckets())
+
+    def actor_weight_buckets(self) -> Iterator[Mapping[str, Tensor]]:
+        """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance),
+        gathered bucket by bucket (pipeline.weight_sync_bucket_mb): each rank receives the shards it lacks and
+        holds one bucket of gathered tensors at a time. A LoRA Actor: only its adapted projections, each merged
+        on the shards (W + scale B A on this rank's rows of W and B, the small A gathered) and then gathered
+        whole; the copies' frozen rest never changes."""
+        cap = self.config.weight_sync_bucket_bytes
         if self.lora is None:
-            full = full_state(self.actor)
+            buckets: Iterator[Mapping[str, Tensor]] = whole_state_buckets(self.actor, cap)
         else:
-            full = {name: whole_tensor(t) for name, t in merged_weights(self.actor).items()}
+            buckets = ({n: whole_tensor(t) for n, t in b.items()} for b in merged_buckets(self.actor, cap))
         world = distributed.world_size(self.group)
-        total = sum(t.numel() * t.element_size() for t in full.values())
-        self.weight_sync_bytes = float(total * (world - 1) / world)
-        self.weight_sync_extra_bytes = float(unshared_bytes(full.values(), self.actor))
-        return full
+        total = 0
+        for bucket, peak in metered(buckets, self.actor):
+            total += sum(t.numel() * t.element_size() for t in {id(t): t for t in bucket.values()}.values())
+            self.weight_sync_bytes = float(total * (world - 1) / world)
+            self.weight_sync_extra_bytes = float(peak)
+            yield bucket
 
     def sharded_state(self) -> dict[str, Any]:
         """The trained models' and optimizers' states (DTensors: this rank's shards)."""

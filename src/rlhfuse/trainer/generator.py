@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -171,6 +171,10 @@ class SamplingGenerator:
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         load_weights(self.model, named_tensors)
 
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        for bucket in buckets:  # copied into the generation copy, then freed
+            load_weights(self.model, bucket)
+
     def generation_stats(self) -> None:
         """One batched decode, no instances: nothing to report beyond the stage's timings."""
         return None
@@ -289,6 +293,10 @@ class InstanceGenerator:
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         load_weights(self.model, named_tensors)
+
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        for bucket in buckets:  # copied into the generation copy, then freed
+            load_weights(self.model, bucket)
 
     def generation_stats(self) -> None:
         """One batched decode per instance: nothing to report beyond the stage's timings."""

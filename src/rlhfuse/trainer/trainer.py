@@ -169,9 +169,10 @@ class RLHFTrainer:
         return metrics
 
     def sync_weights(self) -> float:
-        """The trained Actor's weights into the generator; its seconds. `sync_extra_bytes`: the memory the sync
-        took beside the resident models on this rank, the strategy's received, gathered or merged tensors (and on
-        a GPU the allocator's peak over the whole sync, the generator's loading included, if more)."""
+        """The trained Actor's weights into the generator, streamed in buckets (pipeline.weight_sync_bucket_mb);
+        its seconds. `sync_extra_bytes`: the memory the sync took beside the resident models on this rank, the
+        largest bucket of received, gathered or merged tensors (and on a GPU the allocator's peak over the whole
+        sync, the generator's loading included, if more)."""
         device = self.fabric.device
         cuda = device.type == "cuda"
         if cuda:
@@ -179,7 +180,10 @@ class RLHFTrainer:
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         start = time.perf_counter()
-        self.generator.load_weights(self.strategy.actor_weights())
+        buckets = self.strategy.actor_weight_buckets()
+        self.generator.load_weight_buckets(buckets)
+        if next(buckets, None) is not None:  # every rank reads every bucket: the stream's collectives run
+            raise RuntimeError(f"{type(self.generator).__name__}.load_weight_buckets left buckets unread")
         seconds = time.perf_counter() - start
         self.sync_extra_bytes = self.strategy.weight_sync_extra_bytes
         if cuda:
