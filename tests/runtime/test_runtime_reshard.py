@@ -13,6 +13,7 @@ Two runs (each spawn costs seconds on this machine):
 
 from __future__ import annotations
 
+import copy
 import math
 import pathlib
 import tempfile
@@ -153,6 +154,12 @@ def _check_reshard(rank: int, fused: Any, trained: Transformer, gen_tps: tuple[i
         assert len(buckets) > 2
         _check_shard(rank, {k: v for b in buckets for k, v in b.items()}, trained, g)
         assert resharder.received_bytes == want, (rank, g, "streamed")
+        # for a bf16 generator: the same shard cast (no tensor handed over as it is), in bf16's bytes
+        half = Resharder(fused.layout, rank, model, g, dtype=torch.bfloat16)
+        bf16 = half.run()
+        size = next(model.parameters()).element_size()  # the trained dtype's (bf16: 2 bytes)
+        assert all(t.dtype == torch.bfloat16 for t in bf16.values()) and size * half.received_bytes == 2 * want
+        _check_shard(rank, bf16, copy.deepcopy(trained).to(torch.bfloat16), g)
         # at most its own generation shard, never a whole model (g > 1)
         mine = trained if g == 1 else shard_transformer(trained, rank % g, g)
         assert resharder.received_bytes <= resident_bytes(mine)

@@ -136,7 +136,16 @@ def _streamed_sync(strategy):
     sizes = [
         sum(t.numel() * t.element_size() for t in {id(t): t for t in b.values()}.values()) for b in buckets
     ]
-    return [list(b) for b in buckets], sizes, 2 * largest, equal, strategy.weight_sync_extra_bytes, whole_peak
+    peak, received = strategy.weight_sync_extra_bytes, strategy.weight_sync_bytes
+    # for a bf16 generator (pipeline.precision=bf16-mixed): the shards cast before the gather, bf16's bytes
+    strategy.config.precision = "bf16-mixed"
+    half = strategy.actor_weights()
+    cast = half.keys() == whole.keys() and all(
+        torch.equal(half[k], whole[k].to(torch.bfloat16)) for k in whole
+    )
+    size = next(iter(whole.values())).element_size()  # the trained dtype's (float64 here)
+    halved = size * strategy.weight_sync_bytes == 2 * received  # bf16: 2 bytes an element
+    return [list(b) for b in buckets], sizes, 2 * largest, equal, peak, whole_peak, cast, halved
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -220,7 +229,8 @@ def test_two_rank_fsdp_update_equals_one_process_with_half_the_memory(tmp_path) 
     assert "another data-parallel rank" in message0 and "loss/policy is nan" in message1
     assert unchanged0 and unchanged1
     # the sync streamed in buckets: the same tensors, gathered a bucket at a time, the peak one bucket's
-    names0, sizes, cap, equal, peak, whole_peak = ranks[0]["buckets"]
+    names0, sizes, cap, equal, peak, whole_peak, cast, halved = ranks[0]["buckets"]
+    assert cast and halved  # the sync in the generator's dtype
     assert ranks[1]["buckets"][0] == names0 and ranks[1]["buckets"][3]  # the same cut on both ranks
     assert equal and len(names0) > 3
     assert all(size <= cap or len(names) == 1 for size, names in zip(sizes, names0, strict=True))

@@ -101,6 +101,13 @@ class OptimConfig:
     def weight_sync_bucket_bytes(self) -> int:
         return max(1, int(self.weight_sync_bucket_mb * (1 << 20)))
 
+    def weight_sync_dtype(self, device_type: str) -> torch.dtype | None:
+        """What a weight sync that moves tensors between ranks sends floating-point weights in on `device_type`:
+        bf16 for a bf16 generator (`generation_dtype`; under bf16-mixed half the bytes of the fp32 training
+        weights), None (as trained) otherwise."""
+        dtype = generation_dtype(resolve_precision(self.precision, device_type))
+        return dtype if dtype in LOW_PRECISION else None
+
 
 def resolve_precision(precision: str, device_type: str) -> str:
     """pipeline.precision with `auto` resolved for the device: bf16-mixed on CUDA, 32-true elsewhere."""
@@ -114,6 +121,12 @@ def generation_dtype(precision: str) -> torch.dtype:
     both bf16 precisions (decoding is memory-bound: half the bytes of weights and cache per token; the training
     weights of bf16-mixed stay fp32), fp32 under 32-true."""
     return torch.bfloat16 if precision.startswith("bf16") else torch.float32
+
+
+def cast_to(have: torch.dtype, want: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of dtype `have` is sent in when the receiver wants `want` (None: as it is): floating
+    point is cast, integers and booleans go as they are."""
+    return want if want is not None and have.is_floating_point else have
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:

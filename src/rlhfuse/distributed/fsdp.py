@@ -48,6 +48,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from rlhfuse.core.buckets import split_consecutive
+from rlhfuse.core.optim import cast_to
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,14 @@ def full_state(model: nn.Module) -> dict[str, Tensor]:
     return {name: t for name, t in state.items() if isinstance(t, Tensor)}
 
 
-def whole_state_buckets(model: nn.Module, cap_bytes: int) -> Iterator[dict[str, Tensor]]:
+def whole_state_buckets(
+    model: nn.Module, cap_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[dict[str, Tensor]]:
     """Collective (every rank consumes every bucket): `full_state(model)` in buckets of consecutive tensors of at
     most `cap_bytes` whole (a larger one alone), each gathered when it is asked for, so a rank holds one bucket's
-    gathered tensors at a time rather than the whole model. Tied names share one gathered tensor."""
+    gathered tensors at a time rather than the whole model. Tied names share one gathered tensor. `dtype`: the
+    floating-point tensors cast to it on their shards before the gather (a bf16 generator receives half the
+    bytes of fp32 training weights)."""
     names: dict[int, list[str]] = {}
     tensors: dict[int, Tensor] = {}
     for name, t in model.state_dict().items():
@@ -141,13 +146,13 @@ def whole_state_buckets(model: nn.Module, cap_bytes: int) -> Iterator[dict[str, 
             names.setdefault(id(t), []).append(name)
             tensors.setdefault(id(t), t)
     order = list(tensors)
-    sizes = [
-        tensors[k].numel() * tensors[k].element_size() for k in order
-    ]  # whole shapes: the same on every rank
+    sent = {k: cast_to(tensors[k].dtype, dtype) for k in order}
+    # whole shapes, the same on every rank
+    sizes = [tensors[k].numel() * torch.empty((), dtype=sent[k]).element_size() for k in order]
     for run in split_consecutive(sizes, cap_bytes):
         bucket: dict[str, Tensor] = {}
         for k in (order[i] for i in run):
-            whole = whole_tensor(tensors[k]).detach()
+            whole = whole_tensor(tensors[k].detach().to(sent[k]))
             bucket.update(dict.fromkeys(names[k], whole))
         yield bucket
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from rlhfuse import distributed
 from rlhfuse.core.buckets import split_consecutive
+from rlhfuse.core.optim import cast_to
 from rlhfuse.models import Transformer, stage_of
 from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.tensor_parallel import _split, _twins, full_shapes, shard_transformer
@@ -202,6 +203,7 @@ class Resharder:
         *,
         everywhere: bool = False,
         ranks_per_node: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         world = layout.world_size
         if gen_tp < 1 or world % gen_tp:
@@ -227,8 +229,10 @@ class Resharder:
                   train_splits.get(names[0]), gen_splits.get(names[0]))
             for names in by_tensor.values()
         ]  # fmt: skip
-        self.dtypes = [state[like.get(e.names[0], e.names[0])].dtype for e in entries]
-        sizes = [state[like.get(e.names[0], e.names[0])].element_size() for e in entries]
+        trained_dtypes = [state[like.get(e.names[0], e.names[0])].dtype for e in entries]
+        # what each tensor is sent and held in: the generator's dtype for floating point (None: as trained)
+        self.dtypes = [cast_to(d, dtype) for d in trained_dtypes]
+        sizes = [torch.empty((), dtype=d).element_size() for d in self.dtypes]
 
         def holders(stage: int, t: int) -> Sequence[int]:
             if everywhere:
@@ -253,7 +257,8 @@ class Resharder:
                 continue
             p = own[0]
             same_shape = state[e.names[0]].shape == self.local_shapes[e.names[0]]
-            if same_shape and p.src_start == p.lo == p.dst_start and p.src_stop == p.hi:
+            same = same_shape and trained_dtypes[i] == self.dtypes[i]
+            if same and p.src_start == p.lo == p.dst_start and p.src_stop == p.hi:
                 self.aliased.add(i)
         messages: dict[tuple[int, int, str], list[Piece]] = {}
         for p in self.plan.pieces:
@@ -312,7 +317,12 @@ class Resharder:
             if not pieces:
                 continue
             if src == rank:
-                flat = torch.cat([piece_of(trained[p.entry], p, p.src_start).reshape(-1) for p in pieces])
+                flat = torch.cat(
+                    [
+                        piece_of(trained[p.entry], p, p.src_start).reshape(-1).to(self.dtypes[p.entry])
+                        for p in pieces
+                    ]
+                )
                 keep.append(flat)
                 works.append(distributed.isend(flat, dst))
             else:

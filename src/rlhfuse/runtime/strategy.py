@@ -287,6 +287,7 @@ class FusedPipelineStrategy:
             self.models["actor"],
             self.generation_tp,
             everywhere=not self.shards.sharded,
+            dtype=self.config.optim.weight_sync_dtype(self.device.type),  # sent as the generator holds them
         )
 
     def state_dict(self) -> dict[str, Any]:

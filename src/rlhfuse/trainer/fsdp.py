@@ -41,7 +41,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import karmarkar_karp, sample_costs
 from rlhfuse.core.checkpoint import fsync, mismatch_error, prune_run, remove_checkpoint, seal_fields, sha256
 from rlhfuse.core.errors import CheckpointError
-from rlhfuse.core.optim import OptimConfig, set_peak_lr
+from rlhfuse.core.optim import OptimConfig, cast_to, set_peak_lr
 from rlhfuse.core.protocols import Checkpointer
 from rlhfuse.core.stats import TrainStats
 from rlhfuse.core.types import Experience, Rollout, TrainBatch
@@ -169,15 +169,20 @@ class FSDPStrategy:
 
     def actor_weight_buckets(self) -> Iterator[Mapping[str, Tensor]]:
         """Collective: the Actor's whole weights on every rank (each rank's generator copy is a whole instance),
-        gathered bucket by bucket (pipeline.weight_sync_bucket_mb): each rank receives the shards it lacks and
-        holds one bucket of gathered tensors at a time. A LoRA Actor: only its adapted projections, each merged
-        on the shards (W + scale B A on this rank's rows of W and B, the small A gathered) and then gathered
-        whole; the copies' frozen rest never changes."""
+        gathered bucket by bucket (pipeline.weight_sync_bucket_mb) in the generator's dtype (each shard cast
+        before the gather): each rank receives the shards it lacks and holds one bucket of gathered tensors at a
+        time. A LoRA Actor: only its adapted projections, each merged on the shards (W + scale B A on this
+        rank's rows of W and B, the small A gathered) and then gathered whole; the copies' frozen rest never
+        changes."""
         cap = self.config.weight_sync_bucket_bytes
+        dtype = self.config.weight_sync_dtype(self.update.fabric.device.type)  # bf16: half the bytes
         if self.lora is None:
-            buckets: Iterator[Mapping[str, Tensor]] = whole_state_buckets(self.actor, cap)
+            buckets: Iterator[Mapping[str, Tensor]] = whole_state_buckets(self.actor, cap, dtype)
         else:
-            buckets = ({n: whole_tensor(t) for n, t in b.items()} for b in merged_buckets(self.actor, cap))
+            buckets = (
+                {n: whole_tensor(t.to(cast_to(t.dtype, dtype))) for n, t in b.items()}
+                for b in merged_buckets(self.actor, cap)
+            )
         world = distributed.world_size(self.group)
         total = 0
         for bucket, peak in metered(buckets, self.actor):
