@@ -126,3 +126,49 @@ def test_no_layer_below_the_trainer_reads_the_root_config() -> None:
         "f(cfg)",
         "g(config)",
     ]
+
+
+def _name_tests(tree: ast.AST) -> list[str]:
+    """Comparisons of a component's name (`x.name`, or a recorded `...get("<group>.name")`) with string literals:
+    asking which component was chosen rather than what it can do."""
+
+    def is_name(node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr == "name" and not (isinstance(node.value, ast.Name) and node.value.id == "os")
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "get"
+            and any(isinstance(a, ast.Constant) and str(a.value).endswith(".name") for a in node.args)
+        )
+
+    def is_literal(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str)
+        return isinstance(node, ast.Tuple | ast.List | ast.Set) and all(is_literal(e) for e in node.elts)
+
+    return [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare)
+        and any(is_name(s) for s in [node.left, *node.comparators])
+        and any(is_literal(s) for s in [node.left, *node.comparators])
+    ]
+
+
+def test_capabilities_are_asked_of_registry_entries_not_of_names() -> None:
+    """No module tests a component's name against a string ("is this vllm / fsdp / the pipeline inferencer"):
+    what a strategy, generator, inferencer or migration policy is and what rules it brings are fields of its
+    registry entry (`rlhfuse.trainer.topology`, the table in `rlhfuse.trainer.components`)."""
+    offenders = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted(ROOT.rglob("*.py"))
+        if (found := _name_tests(ast.parse(path.read_text())))
+    }
+    assert offenders == {}, offenders
+    probe = 'a = g.name == "vllm"\nb = p.name in ("fixed", "auto")\nc = r.get("pipeline.name") != "fsdp"\nd = os.name == "nt"'
+    assert _name_tests(ast.parse(probe)) == [
+        "g.name == 'vllm'",
+        "p.name in ('fixed', 'auto')",
+        "r.get('pipeline.name') != 'fsdp'",
+    ]

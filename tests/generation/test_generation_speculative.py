@@ -185,11 +185,20 @@ def test_bad_speculation_settings_fail_before_generation_naming_the_key(monkeypa
     monkeypatch.setattr("rlhfuse.generation.speculative.MULTI_POSITION_BACKENDS", frozenset({"flash"}))
     with pytest.raises(ValueError, match=r"attention_backend='sdpa' cannot"):
         _engine(model, GREEDY, "ngram")
-    config = GenerationConfig(name="sampling")
-    config.engine.speculative = "ngram"
-    assert any("set generator=engine" in p for p in config.problems())
-    config.engine.speculative_tokens = 0
+    assert any("set generator=engine" in p for p in _rules("generator=sampling", "generator.speculative=ngram"))
+    assert _rules("generator=engine", "generator.speculative=ngram") == []
+    config = GenerationConfig(name="engine")
+    config.engine.speculative, config.engine.speculative_tokens = "ngram", 0
     assert any("generator.speculative_tokens=0" in p for p in config.problems())
+
+
+def _rules(*overrides: str) -> list[str]:
+    """The chosen generator's own rules (its registry entry's) for a composed configuration."""
+    from rlhfuse.trainer import compose_config
+    from rlhfuse.trainer.topology import generator_entry, topology
+
+    cfg = compose_config(list(overrides))
+    return generator_entry(cfg.generator.name).problems(cfg, topology(cfg), None)
 
 
 def test_speculation_metrics_are_logged_only_when_it_is_on():
@@ -207,11 +216,9 @@ def test_vllm_passes_ngram_through_and_refuses_the_rest():
 
     from rlhfuse.generation.vllm_engine import ngram_speculative_config
 
-    config = GenerationConfig(name="vllm")
-    config.engine.speculative = "ngram"
-    assert config.problems() == []
-    config.engine.speculative = "auto"
-    assert any("only ngram is passed through" in p for p in config.problems())
+    ngram = _rules("generator=vllm", "generator.speculative=ngram")
+    assert not any("speculative" in p for p in ngram), ngram
+    assert any("only ngram is passed through" in p for p in _rules("generator=vllm", "generator.speculative=auto"))
     no_ngram = SimpleNamespace(__version__="0.4.0", config=SimpleNamespace())  # what an old vllm exposes
     with pytest.raises(
         ValueError, match=r"generator\.speculative=ngram with generator=vllm .* 0\.4\.0 does not"

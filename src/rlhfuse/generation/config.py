@@ -79,22 +79,8 @@ class GenerationConfig:
     def problems(self) -> list[str]:
         problems = self.sampling.problems() + self.engine.problems()
         e = self.engine
+        # which generators speculate is their registry entries' rule (`rlhfuse.trainer.rules`)
         problems += speculation_problems(e.speculative, e.speculative_tokens, self.sampling.max_new_tokens)
-        if e.speculative != "off" and self.name == "vllm":  # vLLM's own n-gram speculation, passed through
-            need(
-                problems,
-                e.speculative == "ngram",
-                f"generator.speculative={e.speculative} with generator=vllm: only ngram is passed through to "
-                "vLLM's own speculation (auto needs rlhfuse's engine): set generator.speculative=ngram or off",
-            )
-        elif e.speculative != "off":
-            need(
-                problems,
-                self.name == "engine",
-                f"generator.speculative={e.speculative} runs in the generation engine (or vLLM's own n-gram "
-                f"speculation with generator=vllm), not generator={self.name}: set generator=engine or "
-                "generator.speculative=off",
-            )
         need(problems, self.instances >= 1, f"generator.instances={self.instances} must be >= 1")
         utilization = self.vllm.vllm_gpu_memory_utilization
         need(

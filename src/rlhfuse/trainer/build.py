@@ -38,7 +38,7 @@ from rlhfuse.trainer.callbacks import (
     SampleTable,
     TaskScore,
 )
-from rlhfuse.trainer.components import INFERENCERS, BuildContext
+from rlhfuse.trainer.components import BuildContext
 from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
@@ -49,7 +49,7 @@ from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
-from rlhfuse.trainer.topology import Topology, generator_entry, strategy_entry
+from rlhfuse.trainer.topology import Topology, generator_entry, inferencer_entry, strategy_entry
 from rlhfuse.trainer.trainer import RLHFTrainer, check_callbacks
 from rlhfuse.trainer.validate import check_context, raise_problems
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
@@ -87,7 +87,7 @@ def sharded_construction(
     holds), so that each rank materialises only its stages of the four models (Ref placed like the Actor, Reward
     like the Critic). None (whole models on every rank) otherwise, e.g. when each rank is one generation instance
     that infers its own samples with whole models."""
-    if not layout.pipelines or config.inferencer.name != "pipeline":
+    if not layout.pipelines or not inferencer_entry(config.inferencer.name).over_stages:
         return None
     from rlhfuse.runtime.strategy import pipeline_layout
 
@@ -303,7 +303,7 @@ def build_trainer(
     # the strategy first: it may shard or place the models the generator copies and the inferencer runs
     strategy = ctx.strategy = strategy_entry(config.pipeline.name).build(ctx)
     generator = generator_entry(config.generator.name).build(ctx)
-    inferencer = INFERENCERS.get(config.inferencer.name)(ctx)
+    inferencer = inferencer_entry(config.inferencer.name).build(ctx)
     sharded = isinstance(strategy, FSDPStrategy)  # pipeline=fsdp: the four models sharded over the ranks
     if sharded:  # each rank infers its share of the rollout with them, in lockstep
         inferencer = ShardedInference(inferencer, strategy.group)

@@ -26,8 +26,16 @@ from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
+from rlhfuse.trainer.rules import fsdp_problems, no_problems, vllm_problems
 from rlhfuse.trainer.strategy import PlainStrategy
-from rlhfuse.trainer.topology import GeneratorEntry, StrategyEntry, Topology
+from rlhfuse.trainer.topology import (
+    GeneratorEntry,
+    InferencerEntry,
+    MigrationEntry,
+    StrategyEntry,
+    Topology,
+    migration_entry,
+)
 
 
 @dataclass
@@ -70,7 +78,7 @@ def instance_setup(ctx: BuildContext) -> InstanceSetup:
         pad_token_id=ctx.models.tokenizer.pad_id,
         samples_per_prompt=ctx.config.data.samples_per_prompt,
         seed=ctx.config.seed,
-        policy=MIGRATION_POLICIES.get(mig.name)(ctx),
+        policy=migration_entry(mig.name).build(ctx),
         bs_max=mig.bs_max,
     )
 
@@ -279,16 +287,16 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
     "generator.name",
     {
         "sampling": GeneratorEntry(sampling_generator, instances=False),
-        "engine": GeneratorEntry(engine_generator, instances=True),
-        "vllm": GeneratorEntry(vllm_generator, instances=True),
+        "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems),
+        "vllm": GeneratorEntry(vllm_generator, instances=True, problems=vllm_problems),
     },
 )
-INFERENCERS: Registry[Builder] = Registry(
+INFERENCERS: Registry[InferencerEntry] = Registry(
     "inferencer",
     "inferencer.name",
     {
-        "models": model_inferencer,
-        "pipeline": pipeline_inferencer,
+        "models": InferencerEntry(model_inferencer),
+        "pipeline": InferencerEntry(pipeline_inferencer, over_stages=True),
     },
 )
 STRATEGIES: Registry[StrategyEntry] = Registry(
@@ -296,17 +304,17 @@ STRATEGIES: Registry[StrategyEntry] = Registry(
     "pipeline.name",
     {
         "plain": StrategyEntry(plain_strategy, "replicas"),
-        "fsdp": StrategyEntry(fsdp_strategy, "sharded"),
-        "fused": StrategyEntry(fused_strategy, "pipelines"),
+        "fsdp": StrategyEntry(fsdp_strategy, "sharded", problems=fsdp_problems),
+        "fused": StrategyEntry(fused_strategy, "pipelines", fuses_training=True),
         "serial_1f1b": StrategyEntry(serial_1f1b_strategy, "pipelines"),
     },
 )
-MIGRATION_POLICIES: Registry[Builder] = Registry(
+MIGRATION_POLICIES: Registry[MigrationEntry] = Registry(
     "migration policy",
     "migration.name",
     {
-        "off": migration_off,
-        "fixed": fixed_threshold,
-        "auto": auto_threshold,
+        "off": MigrationEntry(migration_off, moves=False),
+        "fixed": MigrationEntry(fixed_threshold, moves=True),
+        "auto": MigrationEntry(auto_threshold, moves=True, tuned=True),
     },
 )

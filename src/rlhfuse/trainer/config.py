@@ -179,8 +179,10 @@ def derived_counts(cfg: RLHFConfig) -> DerivedCounts:
 
 def actor_only_message(cfg: RLHFConfig) -> str:
     """What pipeline=fused / serial_1f1b runs with a critic-free algorithm (the plan's own note, with the keys)."""
+    from rlhfuse.trainer.topology import strategy_entry
+
     p, a = cfg.pipeline, cfg.algorithm.name
-    what = ACTOR_ONLY_NOTE if p.name == "fused" else f"no Critic, {ACTOR_ONLY_RUN}"
+    what = ACTOR_ONLY_NOTE if strategy_entry(p.name).fuses_training else f"no Critic, {ACTOR_ONLY_RUN}"
     return (
         f"rlhfuse: pipeline={p.name} with algorithm={a}: {what} (pipeline.actor_pp={p.actor_pp}); "
         f"pipeline.critic_pp={p.critic_pp} is unused (a Reward model, when used, runs on the Actor's stages in "
@@ -201,7 +203,8 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     A critic-free algorithm under pipeline=fused / serial_1f1b is printed too (`actor_only_message`): the
     pipeline trains the Actor alone with 1F1B.
     """
-    from rlhfuse.trainer.topology import generator_entry, topology
+    from rlhfuse.trainer.components import INFERENCERS
+    from rlhfuse.trainer.topology import generator_entry, inferencer_entry, topology
 
     g, i = cfg.generator, cfg.inferencer
     if g.instances > 1 and not generator_entry(g.name).instances:
@@ -212,7 +215,8 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
         g = dataclasses.replace(g, name="engine")
     resolved = dataclasses.replace(cfg, generator=g)
     layout = topology(resolved)
-    if i.name == "models" and layout.pipelines and not layout.fused_rollout:
+    whole_models = i.name in INFERENCERS and not inferencer_entry(i.name).over_stages
+    if whole_models and layout.pipelines and not layout.fused_rollout:
         log(
             f"rlhfuse: inferencer=models -> pipeline (rule: pipeline={cfg.pipeline.name} runs the Ref / Reward "
             "/ Critic forward passes over the training layout's stages)"

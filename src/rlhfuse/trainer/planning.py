@@ -40,6 +40,7 @@ from rlhfuse.planner.specs import DeviceProfile, ModelSpec, device_profile, gpu_
 from rlhfuse.runtime.config import launched_world_size, validate_runtime
 from rlhfuse.trainer.config import PLAN_MODES, RLHFConfig
 from rlhfuse.trainer.data_parallel import validate_plain_launch
+from rlhfuse.trainer.topology import migration_entry, strategy_entry, topology
 
 __all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "plan_config", "workload_for"]
 
@@ -236,9 +237,10 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
     applied: list[tuple[str, Any]] = []
     pipeline, data, generator = cfg.pipeline, cfg.data, cfg.generator
     if world == 1:
-        if pipeline.name != "plain":
-            applied.append(("pipeline", "plain"))
-        pipeline = dataclasses.replace(pipeline, name="plain")
+        plain = dataclasses.replace(pipeline, name="plain")
+        if plain.name != pipeline.name:
+            applied.append(("pipeline", plain.name))
+        pipeline = plain
     elif plan.train.mode == "fsdp":
         # sharded data parallelism: one process per generation instance, each a whole Actor copy (tp 1)
         reshard = plan.train.reshard_after_forward
@@ -307,7 +309,7 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
                     f"plan=auto: the planner's Rt fraction {rt} is not in (0, 1), so migration.threshold "
                     "cannot be set to it"
                 )
-            name = "auto" if migration.name == "auto" else "fixed"
+            name = migration.name if migration_entry(migration.name).tuned else "fixed"
             migration = dataclasses.replace(migration, name=name, threshold=float(rt))
             applied += [("migration", name), ("migration.threshold", float(rt))]
     if world > 1 and plan.gen_tp > 1 and plan.gen_tp != generator.tp:
@@ -329,11 +331,10 @@ def _launch_problems(cfg: RLHFConfig) -> list[str]:
     """The planned configuration against the launch: the pipeline strategies' layout rules
     (`validate_runtime`), or pipeline=fsdp's (one process per generation instance, `validate_plain_launch`, and
     its own keys)."""
-    if cfg.pipeline.name != "fsdp":
+    entry = strategy_entry(cfg.pipeline.name)
+    if entry.kind != "sharded":
         return validate_runtime(cfg.pipeline_run())
-    from rlhfuse.trainer.validate import fsdp_problems
-
-    return validate_plain_launch(cfg) + fsdp_problems(cfg)
+    return validate_plain_launch(cfg) + entry.problems(cfg, topology(cfg), None)
 
 
 def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print) -> RLHFConfig:

@@ -62,8 +62,12 @@ def is_mutable(key: str, prefixes: tuple[str, ...] = MUTABLE_ON_RESUME) -> bool:
 def mutable_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, ...]:
     """The key prefixes a resume from the `recorded` configuration to the `current` one may change: also the
     world size when both shard with pipeline=fsdp."""
-    fsdp = all(flat_keys(r).get("pipeline.name") == "fsdp" for r in (recorded, current))
-    return MUTABLE_ON_RESUME + (RESHARDABLE_ON_RESUME if fsdp else ())
+    from rlhfuse.trainer.components import STRATEGIES
+    from rlhfuse.trainer.topology import strategy_entry
+
+    names = [str(flat_keys(r).get("pipeline.name", "")) for r in (recorded, current)]
+    sharded = all(n in STRATEGIES and strategy_entry(n).kind == "sharded" for n in names)
+    return MUTABLE_ON_RESUME + (RESHARDABLE_ON_RESUME if sharded else ())
 
 
 # ---------------------------------------------------------------- the record

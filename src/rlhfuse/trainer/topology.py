@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlhfuse.runtime.config import launched_world_size
 from rlhfuse.trainer.data_parallel import plain_world_size
+from rlhfuse.trainer.rules import not_speculating, unsharded_problems
 
 if TYPE_CHECKING:
     from rlhfuse.trainer.config import RLHFConfig
@@ -23,21 +24,50 @@ parallel over one process per generation instance), `sharded` (the same processe
 them), `pipelines` (the Actor and Critic cut into pipeline stages over `distributed.nproc_per_node` processes)."""
 
 
+Rules = Callable[["RLHFConfig", "Topology", Any], list[str]]
+"""A component's own rules against the whole configuration, the topology and the Actor's shape (a `ModelConfig`,
+None when unknown): `rlhfuse.trainer.rules`."""
+
+
 @dataclass(frozen=True)
 class StrategyEntry:
-    """A registered training strategy (`pipeline=<name>`): its builder and its layout."""
+    """A registered training strategy (`pipeline=<name>`): its builder, its layout, whether it fuses the Actor's
+    and the Critic's training (two pipelines in opposite directions on the same devices), and its own rules."""
 
     build: Callable[[Any], Any]
     kind: StrategyKind
+    fuses_training: bool = False
+    problems: Rules = unsharded_problems
 
 
 @dataclass(frozen=True)
 class GeneratorEntry:
-    """A registered generator (`generator=<name>`): its builder, and whether it drives generation instances
-    (several, migration between them, one per process, inference fused into the tail)."""
+    """A registered generator (`generator=<name>`): its builder, whether it drives generation instances
+    (several, migration between them, one per process, inference fused into the tail), and its own rules."""
 
     build: Callable[[Any], Any]
     instances: bool
+    problems: Rules = not_speculating
+
+
+@dataclass(frozen=True)
+class InferencerEntry:
+    """A registered inferencer (`inferencer=<name>`): its builder, and whether it runs the Ref / Reward / Critic
+    forward passes over the training layout's pipeline stages (else each rank infers its own samples with whole
+    models)."""
+
+    build: Callable[[Any], Any]
+    over_stages: bool = False
+
+
+@dataclass(frozen=True)
+class MigrationEntry:
+    """A registered migration policy (`migration=<name>`): its builder, whether it moves samples between
+    generation instances, and whether it tunes its threshold from measurements."""
+
+    build: Callable[[Any], Any]
+    moves: bool
+    tuned: bool = False
 
 
 def strategy_entry(name: str) -> StrategyEntry:
@@ -54,6 +84,22 @@ def generator_entry(name: str) -> GeneratorEntry:
 
     found = GENERATORS.get(name)
     return found if isinstance(found, GeneratorEntry) else GeneratorEntry(found, instances=False)
+
+
+def inferencer_entry(name: str) -> InferencerEntry:
+    """`inferencer=<name>`'s entry; a user's own builder infers with whole models."""
+    from rlhfuse.trainer.components import INFERENCERS
+
+    found = INFERENCERS.get(name)
+    return found if isinstance(found, InferencerEntry) else InferencerEntry(found)
+
+
+def migration_entry(name: str) -> MigrationEntry:
+    """`migration=<name>`'s entry; a user's own policy is taken to move samples with a threshold it sets."""
+    from rlhfuse.trainer.components import MIGRATION_POLICIES
+
+    found = MIGRATION_POLICIES.get(name)
+    return found if isinstance(found, MigrationEntry) else MigrationEntry(found, moves=True)
 
 
 @dataclass(frozen=True)

