@@ -63,7 +63,7 @@ def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
 
 
 def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
     init_worker(rank, world, init)

@@ -244,7 +244,7 @@ def kv_memory(experiment: str) -> None:
 def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
     """Syncs of each decode step of the engine (all samples admitted by its first step) and of `decode_chunk`
     (between consecutive model calls), sampled, on the quick workload. Uses only what BASELINE has too."""
-    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.core.syncs import SyncCounter
     from rlhfuse.trainer.generator import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
 
@@ -261,7 +261,7 @@ def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
             out["engine"].append(counter.count)
         ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(w.prompts, w.n)
         uniforms_BN = sample_uniforms(0, 0, prompt_index_B, sample_index_B, max_new)
-        pick = single_process_pick(GeneratorConfig(max_new_tokens=max_new))
+        pick = single_process_pick(SamplingConfig(max_new_tokens=max_new))
         marks: list[int] = []
         with SyncCounter(device="cpu") as counter:
             hook = w.model.register_forward_pre_hook(lambda *_: marks.append(counter.count))

@@ -33,7 +33,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import Rollout, TrainBatch
-from rlhfuse.data.config import DataConfig
+from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from rlhfuse.core.rewards import exact_match, numeric_match
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import apply_prompt_template, tokenize_prompts, uses_chat_template
 from rlhfuse.models import from_pretrained
@@ -76,7 +76,7 @@ class HeldOut:
             chat=uses_chat_template(cfg.data, self.tokenizer),
         )
         self.batch = collate_prompts(prompts, self.tokenizer.pad_id)
-        greedy = GeneratorConfig(
+        greedy = SamplingConfig(
             max_new_tokens=cfg.generator.sampling.max_new_tokens,
             temperature=0.0,
             stop_token_ids=list(self.tokenizer.stop_ids),

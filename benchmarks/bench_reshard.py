@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.strategy import pipeline_layout
 from rlhfuse.runtime.tensor_parallel import shard_transformer

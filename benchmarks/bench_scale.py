@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, resident_bytes, save_pretrained
-from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.strategy import pipeline_layout
 
 
@@ -186,7 +186,7 @@ def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queu
     from benchmarks.bench_fused_training import _batch
     from benchmarks.two_ranks import SHAPES, init_worker
     from rlhfuse.core.advantages import AlgorithmConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
 
     init_worker(rank, world, init)

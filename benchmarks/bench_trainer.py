@@ -20,7 +20,7 @@ import time
 import torch
 from torch import Tensor
 
-from rlhfuse.core.sampling import GeneratorConfig, filter_logits
+from rlhfuse.core.sampling import SamplingConfig, filter_logits
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer.generator import SamplingGenerator
@@ -72,7 +72,7 @@ def run(quick: bool = False) -> None:
 
     def make(lengths_B: Tensor, multinomial: bool) -> _ForcedLengths:
         return _ForcedLengths(
-            model, GeneratorConfig(max_new_tokens=max_new), eos_token_id=EOS, pad_token_id=0,
+            model, SamplingConfig(max_new_tokens=max_new), eos_token_id=EOS, pad_token_id=0,
             samples_per_prompt=1, seed=0, lengths_B=lengths_B, multinomial=multinomial,
         )  # fmt: skip
 

@@ -500,7 +500,7 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -629,7 +629,7 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer, from_pretrained, save_pretrained, to_device
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer
@@ -815,7 +815,7 @@ def row_gqa_attention(device: torch.device, backend: str) -> Outcome:
 
 def check_engine(device: torch.device) -> str:
     from rlhfuse.core.types import PromptBatch
-    from rlhfuse.generation.config import GenerationConfig
+    from rlhfuse.generation.generation_config import GenerationConfig
     from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
     from rlhfuse.models import ModelConfig, Transformer
 

@@ -191,11 +191,11 @@ def _fusion_worker(rank, port, out_dir):
                     "stolen": result.stolen, "profile": CostProfile.fit([engine.stats]),
                     "migrations": engine.stats.migrations}, os.path.join(out_dir, f"{name}-rank{rank}.pt"))  # fmt: skip
     # the trainer's generator on the same world: one instance per rank, the whole rollout on every rank
-    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig, InstanceSetup
     from rlhfuse.generation.generator import EnginePool
 
-    sampling = GeneratorConfig(max_new_tokens=MAX_NEW, top_p=0.95, stop_token_ids=[6, 14])
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, top_p=0.95, stop_token_ids=[6, 14])
     config = GenerationConfig(name="engine", sampling=sampling, instances=2)
     setup = InstanceSetup(EOS, PAD, samples_per_prompt=4, seed=3, policy=FixedThreshold(6), bs_max=16)
     gen = EngineGenerator(EnginePool(_model(), config.engine), config, setup, mechanism="kv")

@@ -5,7 +5,7 @@ conditions, slot reuse, and the running batch size shrinking as samples leave.""
 import pytest
 import torch
 
-from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from
+from rlhfuse.core.sampling import SamplingConfig, filter_logits, sample_from
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for, to_rollout
 from rlhfuse.models import ModelConfig, Transformer
@@ -143,7 +143,7 @@ def test_engine_equals_sampling_generator_and_reuses_freed_slots():
     model = _model(1)
     gen = SamplingGenerator(
         model,
-        GeneratorConfig(max_new_tokens=MAX_NEW, temperature=1.0, top_k=12, top_p=0.9, stop_token_ids=[6, 14]),
+        SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0, top_k=12, top_p=0.9, stop_token_ids=[6, 14]),
         eos_token_id=EOS,
         pad_token_id=PAD,
         samples_per_prompt=N_SAMPLES,

@@ -4,9 +4,9 @@ bucket by bucket into every instance's copy."""
 
 import torch
 
-from rlhfuse.core.sampling import GeneratorConfig, Sampling
+from rlhfuse.core.sampling import Sampling, SamplingConfig
 from rlhfuse.core.types import PromptBatch
-from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import NoMigration
 from rlhfuse.models import ModelConfig, Transformer
@@ -22,7 +22,7 @@ class CountingPool(EnginePool):
 def test_only_a_training_rollout_rests_the_pool_and_a_sync_streams_into_every_copy() -> None:
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(vocab_size=24), head="lm").eval()
-    config = GenerationConfig(name="engine", sampling=GeneratorConfig(max_new_tokens=3), instances=2)
+    config = GenerationConfig(name="engine", sampling=SamplingConfig(max_new_tokens=3), instances=2)
     pool = CountingPool(model, config.engine)
     setup = InstanceSetup(2, 0, samples_per_prompt=2, seed=0, policy=NoMigration(), bs_max=4)
     generator = EngineGenerator(pool, config, setup, mechanism="reprefill")
@@ -31,7 +31,7 @@ def test_only_a_training_rollout_rests_the_pool_and_a_sync_streams_into_every_co
     )
     list(generator.generate(prompts, iteration=1))
     assert pool.rests == 1
-    evaluation = Sampling(GeneratorConfig(max_new_tokens=3, temperature=0.0), samples_per_prompt=1)
+    evaluation = Sampling(SamplingConfig(max_new_tokens=3, temperature=0.0), samples_per_prompt=1)
     list(generator.generate(prompts, iteration=1, sampling=evaluation))
     assert pool.rests == 1  # the next rollout may come before any sync: nothing released
 

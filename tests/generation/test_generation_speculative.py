@@ -185,7 +185,9 @@ def test_bad_speculation_settings_fail_before_generation_naming_the_key(monkeypa
     monkeypatch.setattr("rlhfuse.generation.speculative.MULTI_POSITION_BACKENDS", frozenset({"flash"}))
     with pytest.raises(ValueError, match=r"attention_backend='sdpa' cannot"):
         _engine(model, GREEDY, "ngram")
-    assert any("set generator=engine" in p for p in _rules("generator=sampling", "generator.speculative=ngram"))
+    assert any(
+        "set generator=engine" in p for p in _rules("generator=sampling", "generator.speculative=ngram")
+    )
     assert _rules("generator=engine", "generator.speculative=ngram") == []
     config = GenerationConfig(name="engine")
     config.engine.speculative, config.engine.speculative_tokens = "ngram", 0
@@ -218,7 +220,9 @@ def test_vllm_passes_ngram_through_and_refuses_the_rest():
 
     ngram = _rules("generator=vllm", "generator.speculative=ngram")
     assert not any("speculative" in p for p in ngram), ngram
-    assert any("only ngram is passed through" in p for p in _rules("generator=vllm", "generator.speculative=auto"))
+    assert any(
+        "only ngram is passed through" in p for p in _rules("generator=vllm", "generator.speculative=auto")
+    )
     no_ngram = SimpleNamespace(__version__="0.4.0", config=SimpleNamespace())  # what an old vllm exposes
     with pytest.raises(
         ValueError, match=r"generator\.speculative=ngram with generator=vllm .* 0\.4\.0 does not"

@@ -6,10 +6,10 @@ each giving the CPU's tokens."""
 import pytest
 import torch
 
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
-from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold
 from rlhfuse.models import ModelConfig, Transformer
@@ -121,7 +121,7 @@ def test_in_process_instances_migrate_on_the_standin_with_the_cpu_tokens(mechani
             vocab_size=24, hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1
         )
         model = Transformer(config, head="lm").eval().to(device)
-        sampling = GeneratorConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, stop_token_ids=[6, 14])
+        sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, stop_token_ids=[6, 14])
         setup = InstanceSetup(
             eos_token_id=EOS,
             pad_token_id=PAD,

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.syncs import SyncCounter
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
@@ -71,7 +71,7 @@ def test_an_engine_decode_step_reads_the_device_at_most_once(temperature, specul
 def test_a_decode_chunk_step_reads_the_device_at_most_once():
     """Each model call after the prefill starts a step; the syncs between two calls are one step's."""
     model = _model()
-    config = GeneratorConfig(max_new_tokens=MAX_NEW, temperature=1.0)
+    config = SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0)
     ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(_prompts(), 4)
     uniforms_BN = sample_uniforms(1, 0, prompt_index_B, sample_index_B, MAX_NEW)
     marks: list[int] = []

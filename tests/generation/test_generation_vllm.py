@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import (
     CostProfile,
@@ -21,7 +21,7 @@ from rlhfuse.generation import (
     SamplingParams,
     requests_for,
 )
-from rlhfuse.generation.config import VLLMOptions
+from rlhfuse.generation.generation_config import VLLMOptions
 from rlhfuse.generation.vllm_engine import VLLMPool  # imports vllm only when an engine is built
 from rlhfuse.models import ModelConfig, Transformer
 
@@ -77,7 +77,7 @@ def _generator(
 ):
     config = GenerationConfig(
         name="vllm",
-        sampling=GeneratorConfig(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=STOPS),
+        sampling=SamplingConfig(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=STOPS),
         instances=instances,
         vllm=VLLMOptions(vllm_kv_cache_gb=0.25),
     )

@@ -16,7 +16,7 @@ import torch
 from hf_helpers import HF_COMMON, exact_norms_, float64_softmax, randomize_, write_hf
 
 from rlhfuse.models import KVCache, ModelConfig, Transformer, from_pretrained, save_pretrained
-from rlhfuse.models.config import ARCHITECTURES
+from rlhfuse.models.model_config import ARCHITECTURES
 from rlhfuse.models.packing import pack_rows
 
 transformers = pytest.importorskip("transformers")

@@ -126,7 +126,7 @@ def test_reward_checkpoint_values_match_score_layer(hf_llama_reward):
 
 def test_value_head_from_causal_checkpoint_is_fresh_and_logged(hf_llama, caplog):
     hf_model, path = hf_llama
-    with caplog.at_level(logging.WARNING, logger="rlhfuse.models.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhfuse.models.hf_checkpoint"):
         critic = from_pretrained(path, head="value")
     assert "value_head initialised fresh" in caplog.text
     input_ids_BT = torch.arange(6)[None]

@@ -91,7 +91,7 @@ def test_smollm2_logits_and_chat_prompt_equal_transformers():
 @needs_model
 @pytest.mark.slow
 def test_smollm2_greedy_generation_with_the_kv_cache_equals_transformers():
-    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.core.types import PromptBatch
     from rlhfuse.data import Tokenizer
     from rlhfuse.models import from_pretrained
@@ -106,7 +106,7 @@ def test_smollm2_greedy_generation_with_the_kv_cache_equals_transformers():
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    greedy = GeneratorConfig(max_new_tokens=8, temperature=0.0)
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0)
     generator = SamplingGenerator(
         from_pretrained(folder),
         greedy,

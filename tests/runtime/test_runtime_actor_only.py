@@ -16,9 +16,9 @@ from runtime_helpers import random_batch, run_distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline import serial_one_f_one_b
-from rlhfuse.runtime.checkpoint import expected_record, layout_record
 from rlhfuse.runtime.layout import ModelParallel, actor_only_layout
 from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, PlanOptions, StageProfile, plan_fused
+from rlhfuse.runtime.sharded_checkpoint import expected_record, layout_record
 
 
 def test_actor_only_layout_plans_the_actor_alone_and_fused_falls_back_to_1f1b() -> None:
@@ -59,7 +59,7 @@ def _strategies(actor_pp: int, schedule: str, total_steps: int = 4):  # type: ig
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 

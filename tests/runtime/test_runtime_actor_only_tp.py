@@ -45,7 +45,7 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.planner.memory import rank_memories
     from rlhfuse.planner.specs import ModelSpec
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer

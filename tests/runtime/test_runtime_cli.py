@@ -169,7 +169,7 @@ def test_tensor_parallel_config_errors_list_every_problem() -> None:
         validate(cfg)
     with pytest.raises(ValueError, match=r"pipeline.actor_tp=2 splits the model over ranks"):
         validate(compose_config(["pipeline.actor_tp=2"]))
-    from rlhfuse.trainer.config import resolve_components
+    from rlhfuse.trainer.run_config import resolve_components
 
     tp2 = ["pipeline=fused", "distributed.nproc_per_node=4", "pipeline.actor_tp=2", "pipeline.critic_tp=2"]
     validate(resolve_components(compose_config(tp2), log=lambda _: None))

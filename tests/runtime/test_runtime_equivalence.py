@@ -149,7 +149,7 @@ def _strategy_worker(rank: int, world: int) -> None:
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -208,7 +208,7 @@ def _token_budget_worker(rank: int, world: int) -> None:
     from the profiled times) and the updates still equal PlainStrategy's (its own token-budget packing)."""
     from lightning.fabric import Fabric
 
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 

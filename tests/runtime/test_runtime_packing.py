@@ -70,7 +70,7 @@ def _strategy_check(rank: int, world: int) -> None:
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 

@@ -93,7 +93,7 @@ def _trained_strategy(rank: int, world: int, root: pathlib.Path, tp: int, gen_tp
     """A FusedPipelineStrategy (pp=2 x tp over sharded models) after one optimizer update, and the whole
     trained Actor (its state reassembled on every rank)."""
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
 
     cfg = PipelineConfig(
@@ -158,7 +158,9 @@ def _check_reshard(rank: int, fused: Any, trained: Transformer, gen_tps: tuple[i
         half = Resharder(fused.layout, rank, model, g, dtype=torch.bfloat16)
         bf16 = half.run()
         size = next(model.parameters()).element_size()  # the trained dtype's (bf16: 2 bytes)
-        assert all(t.dtype == torch.bfloat16 for t in bf16.values()) and size * half.received_bytes == 2 * want
+        assert (
+            all(t.dtype == torch.bfloat16 for t in bf16.values()) and size * half.received_bytes == 2 * want
+        )
         _check_shard(rank, bf16, copy.deepcopy(trained).to(torch.bfloat16), g)
         # at most its own generation shard, never a whole model (g > 1)
         mine = trained if g == 1 else shard_transformer(trained, rank % g, g)
@@ -189,17 +191,17 @@ def _tokens(chunks: list[Any]) -> list[list[int]]:
 def _check_generation(rank: int, world: int, trained: Transformer, weights: dict[int, Any]) -> None:
     """Every generation tp in `weights` (tp -> this rank's shard) decodes only its instance's share and yields
     the single-process generator's tokens, greedy and sampled with top-k / top-p."""
-    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 
     prompts = _prompts()
     args: dict[str, Any] = dict(eos_token_id=1, pad_token_id=0, samples_per_prompt=2, seed=3)
     for temperature, top_k, top_p in ((0.0, 0, 1.0), (1.3, 9, 0.85)):
-        cfg = GeneratorConfig(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p)
+        cfg = SamplingConfig(max_new_tokens=6, temperature=temperature, top_k=top_k, top_p=top_p)
         want = list(SamplingGenerator(trained, cfg, **args).generate(prompts, iteration=1))
         for tp, shard in weights.items():
             # sampled: generator.max_batch_size=2 cuts an instance's share into chunks of at most 2
-            chunked = GeneratorConfig(**{**vars(cfg), "max_batch_size": 2 if temperature else 0})
+            chunked = SamplingConfig(**{**vars(cfg), "max_batch_size": 2 if temperature else 0})
             gen = InstanceGenerator(trained, chunked, tp=tp, **args)
             gen.load_weights(shard)
             prefill: list[int] = []

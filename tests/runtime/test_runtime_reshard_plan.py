@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.strategy import pipeline_layout
 from rlhfuse.runtime.tensor_parallel import _split, full_shapes, shard_transformer

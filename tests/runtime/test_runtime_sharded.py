@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
 
     from rlhfuse import distributed
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategy import PlainStrategy
 

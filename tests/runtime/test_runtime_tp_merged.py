@@ -286,7 +286,7 @@ def _check_strategy(
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -414,7 +414,7 @@ def test_trainer_validation_of_unequal_tp_names_the_keys() -> None:
     """Unequal tp passes validation where the layout can merge (tensor-parallel generation over a merged Actor
     included: it is resharded to); otherwise one error with the arithmetic."""
     from rlhfuse.trainer import compose_config, validate
-    from rlhfuse.trainer.config import resolve_components
+    from rlhfuse.trainer.run_config import resolve_components
 
     base = ["pipeline=fused", "distributed.nproc_per_node=4", "model.num_layers=4"]
     merged = [

@@ -41,7 +41,7 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.config import PipelineConfig
+    from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -120,7 +120,7 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
     """generator.tp = 2: each instance (2 ranks) receives exactly its tp shard of the stage it lacks, equal to
     the trained weights' shard on every instance, and the two instances' rollouts equal one whole-model
     generator's (greedy and sampled)."""
-    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.core.types import PromptBatch
     from rlhfuse.runtime.tensor_parallel import shard_transformer
     from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
@@ -146,13 +146,13 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
     prompts = PromptBatch(ids * mask, mask, torch.tensor([4, 9, 2]))
     for temperature in (0.0, 0.8):
         # sampled: generator.max_batch_size=2 splits each instance's 3 samples into chunks of 2 and 1
-        cfg = GeneratorConfig(
+        cfg = SamplingConfig(
             max_new_tokens=6, temperature=temperature, max_batch_size=2 if temperature else 0
         )
         args: dict[str, Any] = dict(eos_token_id=1, pad_token_id=0, samples_per_prompt=2, seed=3)
         tp_gen = InstanceGenerator(trained, cfg, tp=2, group=fused.groups.tp, **args)
         tp_gen.load_weights(shard)
-        one = SamplingGenerator(trained, GeneratorConfig(max_new_tokens=6, temperature=temperature), **args)
+        one = SamplingGenerator(trained, SamplingConfig(max_new_tokens=6, temperature=temperature), **args)
         one.load_weights(whole)
         chunks = list(tp_gen.generate(prompts, iteration=1))
         assert len(chunks) == (4 if temperature else 2)  # world / generator.tp instances, 3 samples each

@@ -67,7 +67,7 @@ def test_group_baseline_needs_two_samples_per_prompt():
 
 
 def test_pipeline_strategies_run_critic_free_algorithms_actor_only_saying_what_fusion_remains():
-    from rlhfuse.trainer.config import resolve_components
+    from rlhfuse.trainer.run_config import resolve_components
 
     # critic_pp=3 divides no actor_pp=2 layout: refused with a Critic, unused without one
     layout = ["distributed.nproc_per_node=2", "pipeline.actor_pp=2", "pipeline.critic_pp=3"]
@@ -257,7 +257,7 @@ def test_grpo_from_checkpoints_with_a_rule_reward_asks_for_no_reward_or_critic_c
 
 
 def test_sequence_sum_constant_length_defaults_to_max_new_tokens_and_says_so():
-    from rlhfuse.trainer.config import resolve_components
+    from rlhfuse.trainer.run_config import resolve_components
 
     said = []
     cfg = resolve_components(

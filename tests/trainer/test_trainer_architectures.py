@@ -9,7 +9,7 @@ import torch
 from rlhfuse_test_rewards import distinct_tokens
 
 from rlhfuse.models import from_pretrained
-from rlhfuse.models.config import ARCHITECTURES
+from rlhfuse.models.model_config import ARCHITECTURES
 from rlhfuse.trainer import build_trainer, compose_config
 
 transformers = pytest.importorskip("transformers")

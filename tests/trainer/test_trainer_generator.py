@@ -4,7 +4,7 @@ EOS/stop tokens, top-k/top-p filtering."""
 import pytest
 import torch
 
-from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from
+from rlhfuse.core.sampling import SamplingConfig, filter_logits, sample_from
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer.generator import SamplingGenerator
@@ -44,7 +44,7 @@ def _samples(generator, ids, iteration=0):
 
 
 def _generator(model, **overrides):
-    config = GeneratorConfig(max_new_tokens=12, **overrides)
+    config = SamplingConfig(max_new_tokens=12, **overrides)
     return SamplingGenerator(model, config, eos_token_id=EOS, pad_token_id=PAD, samples_per_prompt=3, seed=5)
 
 
@@ -123,7 +123,7 @@ def test_a_call_may_sample_its_own_way_for_evaluation():
     from rlhfuse.core.sampling import Sampling
 
     gen = _generator(_model(), temperature=1.0)
-    greedy = Sampling(GeneratorConfig(max_new_tokens=12, temperature=0.0), samples_per_prompt=2)
+    greedy = Sampling(SamplingConfig(max_new_tokens=12, temperature=0.0), samples_per_prompt=2)
     (rollout,) = gen.generate(_batch([7, 11]), iteration=0, sampling=greedy)
     assert rollout.sample_index_B.tolist() == [0, 1, 0, 1]
     out = _samples(gen, [7, 11])

@@ -9,7 +9,7 @@ import torch
 
 from rlhfuse.planner.simulate import TrainLayout, TrainResult
 from rlhfuse.planner.specs import gpu_preset
-from rlhfuse.runtime.config import validate_runtime
+from rlhfuse.runtime.pipeline_config import validate_runtime
 from rlhfuse.trainer import build_trainer, compose_config, planning, validate
 from rlhfuse.trainer.planning import plan_config
 

@@ -185,7 +185,7 @@ def test_eval_problems_name_the_keys():
 
 
 def test_held_out_prompts_from_a_file_are_numbered_after_the_training_ones(tmp_path):
-    from rlhfuse.data.config import DataConfig
+    from rlhfuse.data.data_config import DataConfig
     from rlhfuse.data.prompts import load_prompts
     from rlhfuse.trainer.evaluation import EvalConfig, held_out_prompts, split_prompts
 

@@ -113,13 +113,13 @@ def test_lr_schedule_warmup_then_decay():
 
 def test_shipped_components_satisfy_the_protocols(tmp_path):
     from rlhfuse.core.protocols import Generator, Inferencer, Logger, Strategy
-    from rlhfuse.core.sampling import GeneratorConfig
+    from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.trainer.generator import SamplingGenerator
     from rlhfuse.trainer.logging import JsonlLogger
 
     actor = _models()[0]
     generator = SamplingGenerator(
-        actor, GeneratorConfig(), eos_token_id=2, pad_token_id=0, samples_per_prompt=1, seed=0
+        actor, SamplingConfig(), eos_token_id=2, pad_token_id=0, samples_per_prompt=1, seed=0
     )
     assert isinstance(generator, Generator)
     assert isinstance(_inferencer()[0], Inferencer)

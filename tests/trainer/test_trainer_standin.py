@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.optim import OptimConfig
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
@@ -124,7 +124,7 @@ def test_a_sampling_generator_decodes_on_the_standin_with_the_cpu_tokens() -> No
     rollouts = []
     for device in ("cpu", STANDIN):
         actor = _models(device)[0]
-        config = GeneratorConfig(max_new_tokens=8, temperature=1.0, top_k=10, top_p=0.9, max_batch_size=4)
+        config = SamplingConfig(max_new_tokens=8, temperature=1.0, top_k=10, top_p=0.9, max_batch_size=4)
         generator = SamplingGenerator(
             actor, config, eos_token_id=EOS, pad_token_id=PAD, samples_per_prompt=3, seed=5
         )

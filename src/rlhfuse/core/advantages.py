@@ -32,7 +32,7 @@ from rlhfuse.algorithms import (
     whiten,
     zero_std_fraction,
 )
-from rlhfuse.core.config import choice_problems, need, non_negative, positive
+from rlhfuse.core.config_checks import choice_problems, need, non_negative, positive
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.types import Experience, TrainBatch
 

@@ -16,7 +16,7 @@ run's older checkpoints, newest kept by iteration and time.
 
 `PlainCheckpointer` is the `Checkpointer` of strategies whose ranks hold the same state (one process, or data
 parallel): rank 0 writes, every rank loads. The pipeline strategies' sharded format is in
-`rlhfuse.runtime.checkpoint`.
+`rlhfuse.runtime.sharded_checkpoint`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from rlhfuse.core.config import non_negative
+from rlhfuse.core.config_checks import non_negative
 from rlhfuse.core.errors import CheckpointError
 
 FORMAT = 1
@@ -247,7 +247,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
         if not isinstance(meta, dict):
             raise TypeError(f"a JSON object expected, got a {type(meta).__name__}")
-        if meta.get("kind") == "pipeline":  # rlhfuse.runtime.checkpoint
+        if meta.get("kind") == "pipeline":  # rlhfuse.runtime.sharded_checkpoint
             layout = meta.get("layout", {})
             raise CheckpointError(
                 f"{meta_path} is a sharded pipeline checkpoint ({layout.get('world_size')} ranks, actor.pp="

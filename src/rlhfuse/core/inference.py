@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse.algorithms import logprobs_from_logits
-from rlhfuse.core.config import need, non_negative
+from rlhfuse.core.config_checks import need, non_negative
 from rlhfuse.core.rewards import Decoder, RewardSet, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.models import Transformer

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhfuse.core.config import choice_problems, need, non_negative
+from rlhfuse.core.config_checks import choice_problems, need, non_negative
 from rlhfuse.core.types import TrainBatch
 
 

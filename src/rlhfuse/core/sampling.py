@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhfuse.core.config import need, non_negative, positive
+from rlhfuse.core.config_checks import need, non_negative, positive
 
 
 @dataclass
-class GeneratorConfig:
+class SamplingConfig:
     """The sampling settings every generator reads (keys `generator.*`, composed into `GenerationConfig`)."""
 
     # Longest response, in tokens (EOS included).
@@ -51,7 +51,7 @@ class Sampling:
     """How one `generate` call samples when it differs from the generator's own settings (held-out evaluation:
     greedy, or another number of samples per prompt): the sampling settings and the samples per prompt."""
 
-    config: GeneratorConfig
+    config: SamplingConfig
     samples_per_prompt: int
 
 

@@ -1,7 +1,7 @@
 """Prompt data, tokenizers and the embedded tasks (`rlhfuse.data.synthetic`, `rlhfuse.data.arithmetic`)."""
 
 from rlhfuse.data.arithmetic import ArithmeticTask
-from rlhfuse.data.config import DataConfig
+from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import (
     DatasetError,
     Prompt,

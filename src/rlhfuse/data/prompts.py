@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rlhfuse.data.arithmetic import ArithmeticTask
-from rlhfuse.data.config import DataConfig
+from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 

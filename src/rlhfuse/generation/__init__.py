@@ -3,7 +3,6 @@ slots with prefix sharing and per-sample RNG streams, several instances with lon
 or re-prefill) decided by `rlhfuse.planner`'s pure functions.
 """
 
-from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance, migrate
 from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure, gather_finished
 from rlhfuse.generation.engine import (
@@ -16,6 +15,7 @@ from rlhfuse.generation.engine import (
     to_rollout,
 )
 from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
+from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
 from rlhfuse.generation.migration import (
     MECHANISMS,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhfuse.core.sampling import GeneratorConfig, filter_logits, sample_from, sample_seed
+from rlhfuse.core.sampling import SamplingConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
 from rlhfuse.models import KVCache, SlotState, Transformer, load_weights, upload
@@ -45,7 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     @staticmethod
-    def of(config: GeneratorConfig, eos_token_id: int) -> SamplingParams:
+    def of(config: SamplingConfig, eos_token_id: int) -> SamplingParams:
         """The `generator.*` sampling settings, with the tokenizer's EOS among the stop tokens."""
         return SamplingParams(
             max_new_tokens=config.max_new_tokens,

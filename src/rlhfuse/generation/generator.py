@@ -25,7 +25,6 @@ from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.core.wire import pack_tensors, unpack_tensors
-from rlhfuse.generation.config import EngineOptions, GenerationConfig
 from rlhfuse.generation.coordinator import Coordinator, Instance, MigrationReport
 from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
 from rlhfuse.generation.engine import (
@@ -36,6 +35,7 @@ from rlhfuse.generation.engine import (
     to_rollout,
 )
 from rlhfuse.generation.fusion import fused_generate_infer
+from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
 from rlhfuse.generation.transport import PointToPoint, collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult

@@ -48,15 +48,15 @@ from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse._optional import require
-from rlhfuse.generation.config import GenerationConfig
 from rlhfuse.generation.engine import (
     EngineStats,
     MigratingSample,
     SampleRequest,
     SamplingParams,
 )
+from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained
-from rlhfuse.models.checkpoint import hf_layout, load_weights
+from rlhfuse.models.hf_checkpoint import hf_layout, load_weights
 
 # vLLM's CPU attention backend (0.32) computes only these head sizes.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

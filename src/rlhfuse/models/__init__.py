@@ -2,8 +2,8 @@
 
 from rlhfuse.models.attention import ATTENTION_BACKENDS, MULTI_POSITION_BACKENDS, get_attention
 from rlhfuse.models.cache import KVCache, SlotState, upload
-from rlhfuse.models.checkpoint import CheckpointError, from_pretrained, load_weights, save_pretrained
-from rlhfuse.models.config import ModelConfig
+from rlhfuse.models.hf_checkpoint import CheckpointError, from_pretrained, load_weights, save_pretrained
+from rlhfuse.models.model_config import ModelConfig
 from rlhfuse.models.stages import (
     Stage,
     cast_copy,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhfuse.models.config import ModelConfig
+from rlhfuse.models.model_config import ModelConfig
 
 
 @dataclass

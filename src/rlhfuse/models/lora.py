@@ -34,8 +34,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from rlhfuse._optional import require
-from rlhfuse.models.checkpoint import CheckpointError, hf_layout, write_folder
-from rlhfuse.models.config import ModelConfig
+from rlhfuse.models.hf_checkpoint import CheckpointError, hf_layout, write_folder
+from rlhfuse.models.model_config import ModelConfig
 from rlhfuse.models.transformer import Transformer
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

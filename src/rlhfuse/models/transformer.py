@@ -1,4 +1,4 @@
-"""One decoder-only transformer for the LLaMA, Qwen2, Qwen3 and Mistral families (`rlhfuse.models.config.
+"""One decoder-only transformer for the LLaMA, Qwen2, Qwen3 and Mistral families (`rlhfuse.models.model_config.
 ARCHITECTURES`), with an LM head or a scalar value head.
 
 Legend: B batch rows, T new tokens per row, S key positions attended over, D model width (hidden_size),
@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from rlhfuse.models.attention import AttentionSpec, get_attention, get_packed_attention
 from rlhfuse.models.cache import CacheCall, KVCache
-from rlhfuse.models.config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.masks import Padding, padding_of
+from rlhfuse.models.model_config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.packing import PackedSequences
 
 CheckpointingMode = Literal["none", "full", "selective"]

@@ -32,8 +32,6 @@ from rlhfuse.models.lora import adapted_layers, merged_weights
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
-from rlhfuse.runtime.checkpoint import ShardedCheckpointer
-from rlhfuse.runtime.config import PipelineConfig
 from rlhfuse.runtime.executor import PlanExecutor, StepResult, StepWork, ppo_losses
 from rlhfuse.runtime.layout import (
     ModelParallel,
@@ -43,6 +41,7 @@ from rlhfuse.runtime.layout import (
 )
 from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
+from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.plan import (
     PipelinePlan,
     PlanOptions,
@@ -53,6 +52,7 @@ from rlhfuse.runtime.plan import (
     unprofiled_plan,
 )
 from rlhfuse.runtime.reshard import Resharder
+from rlhfuse.runtime.sharded_checkpoint import ShardedCheckpointer
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 

@@ -12,14 +12,14 @@ from rlhfuse.core.checkpoint import CheckpointConfig, load_checkpoint, save_chec
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
-from rlhfuse.generation.config import EngineOptions, GenerationConfig, VLLMOptions
+from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig, VLLMOptions
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.hydra import compose_config, to_config
 from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import validate
@@ -33,7 +33,7 @@ __all__ = [
     "Generator",
     "EngineOptions",
     "GenerationConfig",
-    "GeneratorConfig",
+    "SamplingConfig",
     "VLLMOptions",
     "Inferencer",
     "InferencerConfig",

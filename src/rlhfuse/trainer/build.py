@@ -13,7 +13,7 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
-from rlhfuse.core.config import need
+from rlhfuse.core.config_checks import need
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.protocols import Callback, FusingGenerator, Generator, RolloutStage
 from rlhfuse.data.arithmetic import ArithmeticTask
@@ -39,7 +39,6 @@ from rlhfuse.trainer.callbacks import (
     TaskScore,
 )
 from rlhfuse.trainer.components import BuildContext
-from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
 from rlhfuse.trainer.fsdp import FSDPStrategy, ShardedInference
@@ -48,6 +47,7 @@ from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
+from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
 from rlhfuse.trainer.topology import Topology, generator_entry, inferencer_entry, strategy_entry
 from rlhfuse.trainer.trainer import RLHFTrainer, check_callbacks
@@ -218,7 +218,7 @@ def build_trainer(
     record = config_record(config)  # as validated (the tokenizer's stop ids are added below)
     check_resume_config(config, run_dir, checkpoint_dir, record)
     if layout.pipelines:  # a layout mismatch fails before any model is built
-        from rlhfuse.runtime.checkpoint import check_resume
+        from rlhfuse.runtime.sharded_checkpoint import check_resume
 
         check_resume(config.pipeline_run(), config.resume, checkpoint_dir, run_dir)
     log(f"rlhfuse: {counts.describe()}")

@@ -22,11 +22,11 @@ from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
 from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.models.packing import check_packing
-from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
 from rlhfuse.trainer.rules import fsdp_problems, no_problems, vllm_problems
+from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.topology import (
     GeneratorEntry,

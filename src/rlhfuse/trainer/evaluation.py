@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from rlhfuse.core.config import need, non_negative, positive
+from rlhfuse.core.config_checks import need, non_negative, positive
 from rlhfuse.core.protocols import Callback, RolloutStage
-from rlhfuse.core.sampling import GeneratorConfig, Sampling
+from rlhfuse.core.sampling import Sampling, SamplingConfig
 from rlhfuse.data.collate import collate_prompts
-from rlhfuse.data.config import DataConfig
+from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import Prompt, load_prompts
 from rlhfuse.data.tokenizer import Tokenizer
 
@@ -130,7 +130,7 @@ class Evaluator(Callback):
         prompts: Sequence[Prompt],
         rollout: RolloutStage,
         *,
-        generator: GeneratorConfig,
+        generator: SamplingConfig,
         pad_token_id: int,
         batch_prompts: int,
         names: Sequence[str] = (),

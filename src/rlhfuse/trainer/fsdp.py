@@ -58,7 +58,7 @@ from rlhfuse.distributed.fsdp import (
 )
 from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
-from rlhfuse.runtime.checkpoint import all_ok
+from rlhfuse.runtime.sharded_checkpoint import all_ok
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy, merged_buckets
 

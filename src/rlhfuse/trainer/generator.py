@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.core.sampling import GeneratorConfig, Sampling, filter_logits, sample_from, sample_seed
+from rlhfuse.core.sampling import Sampling, SamplingConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.models import KVCache, ModelConfig, Transformer, load_weights, upload
 
@@ -49,7 +49,7 @@ def sample_uniforms(
     return torch.stack(streams)
 
 
-def single_process_pick(config: GeneratorConfig) -> PickTokens:
+def single_process_pick(config: SamplingConfig) -> PickTokens:
     """Greedy argmax, or `filter_logits` + `sample_from` over whole logits."""
 
     def pick(logits_AV: Tensor, uniforms_A: Tensor, rows_A: Tensor) -> Tensor:
@@ -153,7 +153,7 @@ class SamplingGenerator:
     def __init__(
         self,
         actor: Transformer,
-        config: GeneratorConfig,
+        config: SamplingConfig,
         *,
         eos_token_id: int,
         pad_token_id: int,
@@ -239,7 +239,7 @@ class InstanceGenerator:
     def __init__(
         self,
         actor: Transformer,
-        config: GeneratorConfig,
+        config: SamplingConfig,
         *,
         tp: int,
         eos_token_id: int,
@@ -272,7 +272,7 @@ class InstanceGenerator:
         self.decoded_rows = torch.zeros(0, dtype=torch.long)
         """The sample rows (indices into the iteration's prompt-major samples) this rank decoded last."""
 
-    def _picker(self, config: GeneratorConfig) -> PickTokens:
+    def _picker(self, config: SamplingConfig) -> PickTokens:
         """Token choice under `config` for this instance: over whole logits (tp = 1) or vocabulary-parallel."""
         if self.tp == 1:
             return single_process_pick(config)

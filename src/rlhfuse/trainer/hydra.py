@@ -14,8 +14,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from rlhfuse._resources import conf_dir
-from rlhfuse.core.config import is_flat
-from rlhfuse.trainer.config import RLHFConfig
+from rlhfuse.core.config_checks import is_flat
+from rlhfuse.trainer.run_config import RLHFConfig
 
 SCHEMA_NAME = "rlhfuse_schema"
 
@@ -43,7 +43,7 @@ def _schema_type(annotation: Any) -> Any:
 @functools.cache
 def schema(cls: type) -> type:
     """The OmegaConf structured-config twin of the config dataclass `cls`: the same keys and defaults, with
-    the fields of flat-composed parts (`rlhfuse.core.config.flat_field`) at the parent's level."""
+    the fields of flat-composed parts (`rlhfuse.core.config_checks.flat_field`) at the parent's level."""
     fields: list[tuple[str, Any, Any]] = []
     for f, kind in _leaf_fields(cls):
         if f.default_factory is not dataclasses.MISSING:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlhfuse._optional import MissingDependencyError
-from rlhfuse.core.config import choice_problems, non_negative
+from rlhfuse.core.config_checks import choice_problems, non_negative
 from rlhfuse.core.protocols import Callback, Logger
 
 log = logging.getLogger(__name__)

@@ -17,13 +17,13 @@ from typing import Literal
 
 import torch
 
-from rlhfuse.core.config import choice_problems, need
+from rlhfuse.core.config_checks import choice_problems, need
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer, from_pretrained, to_device
 from rlhfuse.models.attention import AttentionBackend
-from rlhfuse.models.config import ARCHITECTURES, ArchitectureName
 from rlhfuse.models.convert import real_model_dir
 from rlhfuse.models.lora import LoraConfig, apply_lora
+from rlhfuse.models.model_config import ARCHITECTURES, ArchitectureName
 
 
 @dataclass

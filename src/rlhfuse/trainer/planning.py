@@ -37,9 +37,9 @@ from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.search import Plan
 from rlhfuse.planner.simulate import Workload
 from rlhfuse.planner.specs import DeviceProfile, ModelSpec, device_profile, gpu_preset
-from rlhfuse.runtime.config import launched_world_size, validate_runtime
-from rlhfuse.trainer.config import PLAN_MODES, RLHFConfig
+from rlhfuse.runtime.pipeline_config import launched_world_size, validate_runtime
 from rlhfuse.trainer.data_parallel import validate_plain_launch
+from rlhfuse.trainer.run_config import PLAN_MODES, RLHFConfig
 from rlhfuse.trainer.topology import migration_entry, strategy_entry, topology
 
 __all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "plan_config", "workload_for"]
@@ -78,7 +78,7 @@ def model_shapes(cfg: RLHFConfig) -> tuple[_Shape, _Shape]:
             kv_heads=m.num_kv_heads,
         )
         return _Shape(spec, False), _Shape(spec, False)
-    from rlhfuse.models.config import ModelConfig
+    from rlhfuse.models.model_config import ModelConfig
 
     def read(path: str | None, key: str, name: str) -> _Shape:
         file = Path(path or "").expanduser() / "config.json"

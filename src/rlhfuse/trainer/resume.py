@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlhfuse.core.checkpoint import RunIdentity, checkpoint_meta, read_runs, resume_path
-from rlhfuse.core.config import is_flat
+from rlhfuse.core.config_checks import is_flat
 from rlhfuse.core.errors import CheckpointError
 
 # Dotted key prefixes (as on the command line) that may change when a run resumes; a prefix covers the key
@@ -80,7 +80,7 @@ def callable_name(value: Any) -> str:
 
 def config_record(config: Any) -> dict[str, Any]:
     """`config` (a config dataclass) as JSON-ready nested dicts keyed as on the command line: the fields of a
-    flat-composed part (`rlhfuse.core.config.flat_field`) at its parent's level, as `dataclasses.asdict` gives
+    flat-composed part (`rlhfuse.core.config_checks.flat_field`) at its parent's level, as `dataclasses.asdict` gives
     them otherwise; callables (a reward function given in Python) as 'module:qualname', other non-JSON values
     as their str()."""
     out: dict[str, Any] = {}

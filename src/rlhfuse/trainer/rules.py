@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhfuse.models import ModelConfig
-from rlhfuse.runtime.config import PipelineConfig
+from rlhfuse.runtime.pipeline_config import PipelineConfig
 
 if TYPE_CHECKING:
-    from rlhfuse.trainer.config import RLHFConfig
+    from rlhfuse.trainer.run_config import RLHFConfig
     from rlhfuse.trainer.topology import Topology
 
 

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlhfuse.runtime.config import launched_world_size
+from rlhfuse.runtime.pipeline_config import launched_world_size
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.rules import not_speculating, unsharded_problems
 
 if TYPE_CHECKING:
-    from rlhfuse.trainer.config import RLHFConfig
+    from rlhfuse.trainer.run_config import RLHFConfig
 
 StrategyKind = Literal["replicas", "sharded", "pipelines"]
 """How a training strategy lays the models out: `replicas` (whole models on every rank: one process, or data

@@ -38,10 +38,10 @@ from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, TrainBatch
 from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.prompts import PromptLoader
-from rlhfuse.trainer.config import RLHFConfig
 from rlhfuse.trainer.logging import JsonlLogger, keep_csv_rows
 from rlhfuse.trainer.resume import check_resume_config, config_hash, config_record
 from rlhfuse.trainer.rollout import SerialRollout
+from rlhfuse.trainer.run_config import RLHFConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,19 +16,19 @@ import torch
 
 from rlhfuse._resources import read_json
 from rlhfuse.core.advantages import ALGORITHMS, algorithm_of
-from rlhfuse.core.config import need
+from rlhfuse.core.config_checks import need
 from rlhfuse.core.inference import reward_choices
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
-from rlhfuse.runtime.config import validate_runtime
+from rlhfuse.runtime.pipeline_config import validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
-from rlhfuse.trainer.config import DerivedCounts, RLHFConfig, derived_counts
 from rlhfuse.trainer.data_parallel import validate_plain_launch
 from rlhfuse.trainer.device import device_problems, resolve_device
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 from rlhfuse.trainer.rules import uses_cuda
+from rlhfuse.trainer.run_config import DerivedCounts, RLHFConfig, derived_counts
 from rlhfuse.trainer.topology import (
     Topology,
     generator_entry,

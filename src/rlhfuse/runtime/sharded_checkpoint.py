@@ -49,9 +49,9 @@ from rlhfuse.core.checkpoint import (
 )
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
-from rlhfuse.runtime.config import PipelineRun
 from rlhfuse.runtime.layout import MODELS, ParallelLayout
 from rlhfuse.runtime.partition import RankStages
+from rlhfuse.runtime.pipeline_config import PipelineRun
 
 KIND = "pipeline"
 FORMAT = 1

@@ -13,12 +13,12 @@ from typing import Literal, get_args
 
 from rlhfuse.core.advantages import ALGORITHMS, AlgorithmConfig, uses_critic
 from rlhfuse.core.checkpoint import CheckpointConfig
-from rlhfuse.core.config import choice_problems, need, positive
+from rlhfuse.core.config_checks import choice_problems, need, positive
 from rlhfuse.core.inference import InferencerConfig
-from rlhfuse.data.config import DataConfig
-from rlhfuse.generation.config import GenerationConfig
+from rlhfuse.data.data_config import DataConfig
+from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.planner.specs import DeviceProfile
-from rlhfuse.runtime.config import DistributedConfig, PipelineConfig, PipelineRun
+from rlhfuse.runtime.pipeline_config import DistributedConfig, PipelineConfig, PipelineRun
 from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, ACTOR_ONLY_RUN
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
@@ -60,7 +60,7 @@ class MigrationConfig:
 class RLHFConfig:
     model: ModelsConfig = field(default_factory=ModelsConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    # The generator's schema: GeneratorConfig plus the engine's fields (generator=engine).
+    # The generator's schema: SamplingConfig plus the engine's fields (generator=engine).
     generator: GenerationConfig = field(default_factory=GenerationConfig)
     inferencer: InferencerConfig = field(default_factory=InferencerConfig)
     # The training strategy (Hydra group `pipeline`): plain = no pipeline (one process, or data-parallel over one

@@ -2,7 +2,7 @@
 
 Read: config.json + model.safetensors, or shards listed in model.safetensors.index.json, written by
 <Family>ForCausalLM (head "lm" or "value") or <Family>ForSequenceClassification with num_labels=1 (head
-"value"), for the families of `rlhfuse.models.config.ARCHITECTURES` (Llama, Qwen2, Qwen3, Mistral). Written: config.json + model.safetensors that `transformers` loads with the matching class.
+"value"), for the families of `rlhfuse.models.model_config.ARCHITECTURES` (Llama, Qwen2, Qwen3, Mistral). Written: config.json + model.safetensors that `transformers` loads with the matching class.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from rlhfuse._resources import read_json
 from rlhfuse.models.attention import AttentionBackend
-from rlhfuse.models.config import ARCHITECTURES, SUPPORTED_HEADS, ModelConfig
+from rlhfuse.models.model_config import ARCHITECTURES, SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.stages import stage_of
 from rlhfuse.models.transformer import Transformer
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfuse.core.config import choice_problems, flat_field, need, positive
+from rlhfuse.core.config_checks import choice_problems, flat_field, need, positive
 from rlhfuse.core.optim import OptimConfig
 
 

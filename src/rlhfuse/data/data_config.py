@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfuse.core.config import choice_problems, need, positive
+from rlhfuse.core.config_checks import choice_problems, need, positive
 
 TruncateMode = Literal["error", "left", "right"]
 

@@ -1,6 +1,6 @@
 """Configuration of the Hydra group `generator`, for every generator.
 
-`GenerationConfig` composes the sampling settings every generator reads (`GeneratorConfig`), the generation
+`GenerationConfig` composes the sampling settings every generator reads (`SamplingConfig`), the generation
 instances, and each backend's own options (`EngineOptions` for generator=engine, `VLLMOptions` for
 generator=vllm). The composed parts are flat in YAML: `generator.num_slots` is `GenerationConfig.engine.num_slots`.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfuse.core.config import flat_field, need, non_negative
-from rlhfuse.core.sampling import GeneratorConfig
+from rlhfuse.core.config_checks import flat_field, need, non_negative
+from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.generation.speculative import speculation_problems
 
 
@@ -61,7 +61,7 @@ class GenerationConfig:
     # Registered generator name: sampling (single process, batched, KV cache) | engine (continuous batching,
     # instances, migration) | vllm.
     name: str = "sampling"
-    sampling: GeneratorConfig = flat_field(GeneratorConfig)
+    sampling: SamplingConfig = flat_field(SamplingConfig)
     # Generation instances (data-parallel copies of the Actor; > 1 selects the engine). With pipeline=plain the
     # job runs one process per instance (rlhfuse.trainer.data_parallel), training data-parallel over them.
     instances: int = 1
