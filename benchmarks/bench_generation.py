@@ -246,7 +246,7 @@ def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
     (between consecutive model calls), sampled, on the quick workload. Uses only what BASELINE has too."""
     from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.core.syncs import SyncCounter
-    from rlhfuse.trainer.generator import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
+    from rlhfuse.generation.batched import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
 
     out: dict[str, list[int]] = {"engine": [], "sampling": []}
     with workload(True) as w, torch.no_grad():

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from rlhfuse.core.sampling import SamplingConfig, filter_logits
 from rlhfuse.core.types import PromptBatch
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.generator import SamplingGenerator
 
 EOS = 2
 

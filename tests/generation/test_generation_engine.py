@@ -8,8 +8,8 @@ import torch
 from rlhfuse.core.sampling import SamplingConfig, filter_logits, sample_from
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for, to_rollout
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.generator import SamplingGenerator
 
 EOS, PAD = 2, 0
 PROMPTS = {7: [1, 5, 6, 7, 8], 11: [1, 9], 3: [1, 10, 11, 12], 4: [1, 13, 5]}

@@ -16,8 +16,8 @@ from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.syncs import SyncCounter
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
+from rlhfuse.generation.batched import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.generator import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
 
 EOS, PAD, MAX_NEW = 2, 0, 16
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11, 12]]

@@ -94,8 +94,8 @@ def test_smollm2_greedy_generation_with_the_kv_cache_equals_transformers():
     from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.core.types import PromptBatch
     from rlhfuse.data import Tokenizer
+    from rlhfuse.generation.batched import SamplingGenerator
     from rlhfuse.models import from_pretrained
-    from rlhfuse.trainer.generator import SamplingGenerator
 
     folder = real_model_dir()
     tokenizer = Tokenizer.from_dir(folder)

@@ -286,9 +286,9 @@ def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: in
     """The KV cache of `slots x max_len` positions on one rank of a generation instance of tp ranks: the K and V
     buffers `InstanceGenerator` allocates for its shard (its kv heads; one replicated head when tp is a
     multiple of them), fp32 like the generation copy (the per-slot lengths and validity flags aside)."""
+    from rlhfuse.generation.batched import shard_cache_config
     from rlhfuse.models.cache import KVCache
     from rlhfuse.planner.memory import kv_cache_bytes
-    from rlhfuse.trainer.generator import shard_cache_config
 
     cfg = default_config(num_heads=4, num_kv_heads=kv_heads, head_dim=16)
     model = Transformer(cfg, head="lm")

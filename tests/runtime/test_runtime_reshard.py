@@ -37,8 +37,8 @@ def _check_vocab_parallel_filter(rank: int, world: int) -> None:
     single-process ones."""
     from rlhfuse import distributed
     from rlhfuse.core.sampling import filter_logits, sample_from
+    from rlhfuse.generation.vocab_parallel import vocab_parallel_filter, vocab_parallel_filtered_sample
     from rlhfuse.runtime.tensor_parallel import VocabShard
-    from rlhfuse.runtime.vocab_sampling import vocab_parallel_filter, vocab_parallel_filtered_sample
 
     g = torch.Generator().manual_seed(8)
     vocab = 37  # padded to a multiple of 2 and 4: the last slice has padded rows
@@ -192,7 +192,7 @@ def _check_generation(rank: int, world: int, trained: Transformer, weights: dict
     """Every generation tp in `weights` (tp -> this rank's shard) decodes only its instance's share and yields
     the single-process generator's tokens, greedy and sampled with top-k / top-p."""
     from rlhfuse.core.sampling import SamplingConfig
-    from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
+    from rlhfuse.generation.batched import InstanceGenerator, SamplingGenerator
 
     prompts = _prompts()
     args: dict[str, Any] = dict(eos_token_id=1, pad_token_id=0, samples_per_prompt=2, seed=3)

@@ -131,6 +131,7 @@ def _reassembled(rank: int, shard: torch.nn.Module, whole: torch.nn.Module) -> N
 
 def _check(rank: int, world: int, cfg: ModelConfig) -> None:
     from rlhfuse.core.sampling import sample_from
+    from rlhfuse.generation.vocab_parallel import vocab_parallel_filtered_sample
     from rlhfuse.runtime.tensor_parallel import (
         shard_transformer,
         sync_replicated_grads,
@@ -138,7 +139,6 @@ def _check(rank: int, world: int, cfg: ModelConfig) -> None:
         vocab_parallel_entropy,
         vocab_parallel_logprobs,
     )
-    from rlhfuse.runtime.vocab_sampling import vocab_parallel_filtered_sample
 
     torch.manual_seed(0)
     full = Transformer(cfg, head="lm").double()

@@ -122,8 +122,8 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
     generator's (greedy and sampled)."""
     from rlhfuse.core.sampling import SamplingConfig
     from rlhfuse.core.types import PromptBatch
+    from rlhfuse.generation.batched import InstanceGenerator, SamplingGenerator
     from rlhfuse.runtime.tensor_parallel import shard_transformer
-    from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 
     shard = fused.shards.shard_state("actor")
     mine = fused.models["actor"]

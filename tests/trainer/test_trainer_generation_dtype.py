@@ -9,10 +9,10 @@ import torch
 
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.types import PromptBatch
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer, cast_copy
 from rlhfuse.trainer import build_trainer, compose_config
 from rlhfuse.trainer.build import allow_tf32, prepare_generation_copy
-from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.models import Models
 
 

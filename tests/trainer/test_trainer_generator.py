@@ -6,8 +6,8 @@ import torch
 
 from rlhfuse.core.sampling import SamplingConfig, filter_logits, sample_from
 from rlhfuse.core.types import PromptBatch
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.generator import SamplingGenerator
 
 EOS, PAD = 2, 0
 

@@ -114,7 +114,7 @@ def test_lr_schedule_warmup_then_decay():
 def test_shipped_components_satisfy_the_protocols(tmp_path):
     from rlhfuse.core.protocols import Generator, Inferencer, Logger, Strategy
     from rlhfuse.core.sampling import SamplingConfig
-    from rlhfuse.trainer.generator import SamplingGenerator
+    from rlhfuse.generation.batched import SamplingGenerator
     from rlhfuse.trainer.logging import JsonlLogger
 
     actor = _models()[0]

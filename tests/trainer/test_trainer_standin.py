@@ -16,12 +16,12 @@ from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
 from rlhfuse.trainer.callbacks import MemoryMetrics
-from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.strategy import PlainStrategy
 

@@ -1,6 +1,8 @@
-"""Generation engine and inter-stage fusion (docs/paper.md §2): continuous batching over engine-owned KV-cache
-slots with prefix sharing and per-sample RNG streams, several instances with long-tail migration (KV transfer
-or re-prefill) decided by `rlhfuse.planner`'s pure functions.
+"""Every generator and what they decode with: the generation engine and inter-stage fusion (docs/paper.md §2):
+continuous batching over engine-owned KV-cache slots with prefix sharing and per-sample RNG streams, several
+instances with long-tail migration (KV transfer or re-prefill) decided by `rlhfuse.planner`'s pure functions
+(`generator`, `engine`, `coordinator`, `distributed`, `fusion`, `vllm_engine`); batched sampling in one process
+or over tensor-parallel instances (`batched`, sampling vocabulary-parallel with `vocab_parallel`).
 """
 
 from rlhfuse.generation.coordinator import Coordinator, MigrationReport, balance, migrate

@@ -9,7 +9,7 @@ its slot the KV of prompt + all generated tokens but the last one, which the nex
 state migration moves (`evict` / `admit`), by KV transfer or by re-prefilling prompt + tokens[:-1].
 
 Token t of a sample is drawn with uniform t of the sample's own stream, seeded by (run seed, iteration, prompt
-id, sample index) exactly as `rlhfuse.trainer.generator.SamplingGenerator` does, with the same filtering and
+id, sample index) exactly as `rlhfuse.generation.batched.SamplingGenerator` does, with the same filtering and
 inverse-CDF sampling: a sample's tokens do not depend on its batch, its slot, its instance or a migration.
 
 With `speculative="ngram"|"auto"` a decode step may instead verify k drafted tokens per sample in one forward

@@ -6,7 +6,7 @@ Each instance is one in-process vLLM engine (`vllm.LLM`, V1 engine core in this 
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`; in a multi-process job one per rank, on vLLM's `external_launcher` executor),
 built once from an HF checkpoint of the Actor (`VLLMPool`) and driven request by request
 through its engine API (`add_request` / `step` / `abort_request`) so that finished samples leave as soon as vLLM
-reports them. Every sample is its own request with its own seed (`rlhfuse.trainer.generator.sample_seed`: run
+reports them. Every sample is its own request with its own seed (`rlhfuse.generation.batched.sample_seed`: run
 seed, iteration, prompt id, sample index); the n samples of a prompt share the prompt's KV blocks through vLLM's
 prefix caching.
 

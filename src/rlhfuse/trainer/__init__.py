@@ -14,9 +14,9 @@ from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, Strategy
 from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig, VLLMOptions
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.generator import SamplingGenerator
 from rlhfuse.trainer.hydra import compose_config, to_config
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.run_config import RLHFConfig

@@ -17,12 +17,12 @@ from lightning.fabric import Fabric
 
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.rewards import RewardSet
+from rlhfuse.generation.batched import InstanceGenerator, SamplingGenerator
 from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
 from rlhfuse.generation.tuning import AutoThreshold
 from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.models.packing import check_packing
-from rlhfuse.trainer.generator import InstanceGenerator, SamplingGenerator
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
 from rlhfuse.trainer.rules import fsdp_problems, no_problems, vllm_problems

@@ -230,7 +230,7 @@ class InstanceGenerator:
 
     tp = 1: a whole Actor copy per rank. tp > 1: the instance's ranks hold `shard_transformer` shards of the
     Actor (its KV cache holds the shard's kv heads only) and sample vocabulary-parallel from the logit slices
-    (`rlhfuse.runtime.vocab_sampling`: temperature, top-k and top-p without gathering the logits; greedy:
+    (`rlhfuse.generation.vocab_parallel`: temperature, top-k and top-p without gathering the logits; greedy:
     `vocab_parallel_argmax`). Tokens equal `SamplingGenerator`'s for every tp (each sample's own uniforms).
     `load_weights` takes this rank's generation shard (`FusedPipelineStrategy.actor_weights`).
 
@@ -278,8 +278,8 @@ class InstanceGenerator:
             return single_process_pick(config)
 
         def pick(logits_AV: Tensor, uniforms_A: Tensor, rows_A: Tensor) -> Tensor:
+            from rlhfuse.generation.vocab_parallel import vocab_parallel_filtered_sample
             from rlhfuse.runtime.tensor_parallel import vocab_parallel_argmax
-            from rlhfuse.runtime.vocab_sampling import vocab_parallel_filtered_sample
 
             shard: Any = self.model.vocab_shard
             if config.temperature == 0:
