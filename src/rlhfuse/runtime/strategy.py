@@ -25,11 +25,11 @@ from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
-from rlhfuse.core.buckets import split_consecutive
+from rlhfuse.core.buckets import merged_weight_buckets
 from rlhfuse.core.stats import PipelineStats, TrainStats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer, joined, metered, stage_of
-from rlhfuse.models.lora import adapted_layers, merged_weights
+from rlhfuse.models.lora import adapted_layers
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
 from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
@@ -184,7 +184,6 @@ class FusedPipelineStrategy:
         self.steps = 0
         self.weight_sync_bytes = 0.0
         self.weight_sync_extra_bytes = 0.0
-        self.merged_received_bytes = 0  # a LoRA Actor's last sync: the bytes of merged projections received
         self.last_result: StepResult | None = None
         if self.rank == 0:
             log(f"rlhfuse: pipeline={schedule}: {self.layout.describe()}; {micro} micro-batches per group")
@@ -259,7 +258,7 @@ class FusedPipelineStrategy:
         its shard it does not hold, for any training tp and any g dividing the world, and holds one bucket of
         them at a time. A LoRA Actor (tp = 1, g = 1): only its adapted projections, merged (W + scale B A) on the
         stages that hold them and sent to the other ranks stage by stage, in runs of at most a bucket
-        (`_merged_buckets`); the copies' frozen rest never changes.
+        (`_adapted_by_stage`); the copies' frozen rest never changes.
         Full copies on every rank (a per-rank inferencer reads whole models): both models' copies are first
         brought up to date in place (`RankStages.gather`), then the shard is cut locally. `weight_sync_bytes`:
         the most bytes any rank received (known once the last bucket is consumed)."""
@@ -268,43 +267,33 @@ class FusedPipelineStrategy:
         buckets: Iterable[Mapping[str, Tensor]]
         lora, gathered = bool(adapted_layers(actor)), 0
         if lora:  # a LoRA Actor: its adapted projections merged on their stages and sent, run by run
-            buckets = self._merged_buckets(actor, cap)
+            buckets = (
+                self.shards.full_state("actor", merged)
+                for merged in merged_weight_buckets(actor, cap, self._adapted_by_stage(actor))
+            )
         elif self.shards.sharded:
             buckets = self.resharder.buckets(cap)
         else:  # full copies: brought up to date in place, then handed on (g = 1) or cut locally
             self.shards.gather()
             gathered = self.shards.received_bytes
             buckets = [actor.state_dict()] if self.generation_tp == 1 else self.resharder.buckets(cap)
+        received = 0  # what this rank received: the merged runs', the resharder's or the in-place gather's
         for bucket, peak in metered(buckets, actor):
             self.weight_sync_extra_bytes = float(peak)
+            received += self.shards.received_bytes if lora else 0  # the run's exchange just ran
             yield bucket
-        # what this rank received: the merged runs', the resharder's or the in-place gather's
-        received = (
-            self.merged_received_bytes
-            if lora
-            else self.resharder.received_bytes
-            if self.shards.sharded
-            else gathered
-        )
+        if not lora:
+            received = self.resharder.received_bytes if self.shards.sharded else gathered
         total = torch.tensor([float(received)], dtype=torch.float64, device=self.device)
         distributed.all_reduce(total, op="max")
         self.weight_sync_bytes = float(total)
 
-    def _merged_buckets(self, actor: Transformer, cap: int) -> Iterator[dict[str, Tensor]]:
-        """Collective: a LoRA Actor's merged projections, whole on every rank, stage by stage and within a stage
-        in runs of at most `cap` bytes: each run merged on the stages that hold it (meta elsewhere) and sent to
-        the ranks that lack it (`RankStages.full_state`) when it is asked for."""
-        layers = adapted_layers(actor)
-        names = list(layers)
+    def _adapted_by_stage(self, actor: Transformer) -> list[list[str]]:
+        """A LoRA Actor's adapted layers per pipeline stage, the groups its merged projections are sent in (each
+        run merged on the stages that hold it, meta elsewhere, and sent by `RankStages.full_state`)."""
+        names = list(adapted_layers(actor))
         stages, depth = self.layout.stages("actor"), actor.config.num_layers
-        self.merged_received_bytes = 0
-        for stage in range(stages):
-            mine = [n for n in names if stage_of(f"{n}.weight", depth, stages) == stage]
-            weights = [layers[n].get_base_layer().weight for n in mine]
-            for run in split_consecutive([w.numel() * w.element_size() for w in weights], cap):
-                merged = self.shards.full_state("actor", merged_weights(actor, [mine[i] for i in run]))
-                self.merged_received_bytes += self.shards.received_bytes
-                yield merged
+        return [[n for n in names if stage_of(f"{n}.weight", depth, stages) == s] for s in range(stages)]
 
     @functools.cached_property
     def resharder(self) -> Resharder:

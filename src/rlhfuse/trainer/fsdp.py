@@ -39,6 +39,7 @@ from torch import Tensor
 from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import karmarkar_karp, sample_costs
+from rlhfuse.core.buckets import merged_weight_buckets
 from rlhfuse.core.checkpoint import fsync, mismatch_error, prune_run, remove_checkpoint, seal_fields, sha256
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, cast_to, set_peak_lr
@@ -60,7 +61,7 @@ from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
 from rlhfuse.runtime.sharded_checkpoint import all_ok
 from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.strategy import PlainStrategy, merged_buckets
+from rlhfuse.trainer.strategy import PlainStrategy
 
 KIND, FORMAT = "fsdp", 1
 DCP_DIR, STATE = "dcp", "state.pt"
@@ -181,7 +182,7 @@ class FSDPStrategy:
         else:
             buckets = (
                 {n: whole_tensor(t.to(cast_to(t.dtype, dtype))) for n, t in b.items()}
-                for b in merged_buckets(self.actor, cap)
+                for b in merged_weight_buckets(self.actor, cap)
             )
         world = distributed.world_size(self.group)
         total = 0

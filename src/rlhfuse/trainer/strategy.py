@@ -29,7 +29,7 @@ from rlhfuse import distributed
 from rlhfuse.core import losses
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
-from rlhfuse.core.buckets import split_consecutive
+from rlhfuse.core.buckets import merged_weight_buckets
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_peak_lr
@@ -39,22 +39,8 @@ from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.buckets import GradReducer
 from rlhfuse.distributed.fsdp import grad_norm_value
 from rlhfuse.models import Transformer, joined, load_balancing_loss, metered, record_router_logits
-from rlhfuse.models.lora import adapted_layers, load_trained_state, merged_weights, trainable, trained_state
+from rlhfuse.models.lora import adapted_layers, load_trained_state, trainable, trained_state
 from rlhfuse.models.packing import check_packing
-
-
-def merged_buckets(model: torch.nn.Module, cap_bytes: int) -> Iterator[dict[str, Tensor]]:
-    """`merged_weights(model)` streamed: a model without adapters its state (its own tensors, one bucket); an
-    adapted one its merged projections in buckets of consecutive layers of at most `cap_bytes` (whole shapes, so
-    ranks holding DTensor shards cut the same buckets), each merged when asked for."""
-    layers = adapted_layers(model)
-    if not layers:
-        yield model.state_dict()
-        return
-    names = list(layers)
-    weights = [layers[n].get_base_layer().weight for n in names]
-    for run in split_consecutive([w.numel() * w.element_size() for w in weights], cap_bytes):
-        yield merged_weights(model, [names[i] for i in run])
 
 
 class PlainStrategy:
@@ -119,9 +105,10 @@ class PlainStrategy:
     def actor_weight_buckets(self) -> Iterator[Mapping[str, Tensor]]:
         """`actor_weights()` streamed: the Actor's own tensors (no copy) in one bucket, or a LoRA Actor's merged
         projections merged bucket by bucket."""
-        for bucket, peak in metered(
-            merged_buckets(self.actor, self.config.weight_sync_bucket_bytes), self.actor
-        ):
+        cap = self.config.weight_sync_bucket_bytes
+        adapted = bool(adapted_layers(self.actor))
+        buckets = merged_weight_buckets(self.actor, cap) if adapted else [self.actor.state_dict()]
+        for bucket, peak in metered(buckets, self.actor):
             self.weight_sync_extra_bytes = float(peak)
             yield bucket
 
