@@ -284,12 +284,12 @@ class Resharder:
         whole = [math.prod(e.shape) * self.element_size[i] for i, e in enumerate(entries)]
         runs = [range(len(entries))] if cap_bytes is None else split_consecutive(whole, cap_bytes)
         self.received_bytes = 0
-        for run in runs:
-            yield self._run_entries(run)
-
-    def _run_entries(self, chosen: range) -> dict[str, Tensor]:
-        entries, rank = self.plan.entries, self.rank
         state = self.model.state_dict(keep_vars=True)
+        for run in runs:
+            yield self._run_entries(run, state)
+
+    def _run_entries(self, chosen: range, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        entries, rank = self.plan.entries, self.rank
         # None: a whole expert this rank neither holds (training) nor gets (generation); no piece names it here
         trained = {
             i: state[entries[i].names[0]].detach() if entries[i].names[0] in state else None for i in chosen
