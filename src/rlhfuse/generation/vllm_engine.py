@@ -56,7 +56,7 @@ from rlhfuse.generation.engine import (
 )
 from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained
-from rlhfuse.models.hf_checkpoint import hf_layout, load_weights
+from rlhfuse.models.hf_checkpoint import hf_layout, hf_named_tensors, load_weights
 
 # vLLM's CPU attention backend (0.32) computes only these head sizes.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -584,7 +584,7 @@ class VLLMPool:
                 parts = pending.setdefault(key, {})
                 parts[name] = t
                 if len(parts) == len(self.layout[key]):
-                    yield key, self._joined(key, pending.pop(key))
+                    yield from hf_named_tensors(pending.pop(key), self.actor_config)
                     sent.add(key)
         for key, names in self.layout.items():
             if key in sent:
@@ -593,11 +593,7 @@ class VLLMPool:
             missing = [n for n in names if n not in known]
             if missing:
                 raise KeyError(f"weight sync: no tensor {missing[:8]} (neither synced nor frozen)")
-            yield key, self._joined(key, known)
-
-    def _joined(self, key: str, parts: Mapping[str, Tensor]) -> Tensor:
-        tensors = [parts[n] for n in self.layout[key]]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+            yield from hf_named_tensors({n: known[n] for n in names}, self.actor_config)
 
     def actor_copies(self) -> list[torch.nn.Module]:
         """None in this process: the weights live in vLLM's engine (not counted in memory/param_bytes)."""
