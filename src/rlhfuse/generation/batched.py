@@ -147,7 +147,30 @@ def decode_chunk(
     )
 
 
-class SamplingGenerator:
+class ActorCopy:
+    """What both batched generators do with their one Actor copy (`model`): a weight sync copies into it, bucket
+    by bucket; they measure nothing beyond the stage's timings; nothing outlives this process's modules."""
+
+    model: Transformer
+
+    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        load_weights(self.model, named_tensors)
+
+    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
+        for bucket in buckets:  # copied into the generation copy, then freed
+            load_weights(self.model, bucket)
+
+    def generation_stats(self) -> None:
+        return None
+
+    def actor_copies(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    def close(self) -> None:
+        """Nothing outlives this process's modules."""
+
+
+class SamplingGenerator(ActorCopy):
     """Single-process generator owning a copy of the Actor (the "engine" weights, updated by `load_weights`)."""
 
     def __init__(
@@ -167,23 +190,6 @@ class SamplingGenerator:
         self.samples_per_prompt = samples_per_prompt
         self.seed = seed
         self.pick = single_process_pick(config)
-
-    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        load_weights(self.model, named_tensors)
-
-    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
-        for bucket in buckets:  # copied into the generation copy, then freed
-            load_weights(self.model, bucket)
-
-    def generation_stats(self) -> None:
-        """One batched decode, no instances: nothing to report beyond the stage's timings."""
-        return None
-
-    def actor_copies(self) -> list[torch.nn.Module]:
-        return [self.model]
-
-    def close(self) -> None:
-        """Nothing outlives this process's modules."""
 
     @torch.no_grad()
     def generate(
@@ -222,7 +228,7 @@ def instance_group(world: int, tp: int) -> Any:
     return groups[distributed.rank() // tp]
 
 
-class InstanceGenerator:
+class InstanceGenerator(ActorCopy):
     """The generator of the pipeline strategies: world / tp generation instances (generator.tp = tp, 1
     included), instance i on ranks i*tp .. i*tp + tp - 1, each decoding only its contiguous share of the
     iteration's samples; then every instance's rollout chunks are broadcast from its first rank, so every rank
@@ -290,23 +296,6 @@ class InstanceGenerator:
             )  # fmt: skip
 
         return pick
-
-    def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
-        load_weights(self.model, named_tensors)
-
-    def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
-        for bucket in buckets:  # copied into the generation copy, then freed
-            load_weights(self.model, bucket)
-
-    def generation_stats(self) -> None:
-        """One batched decode per instance: nothing to report beyond the stage's timings."""
-        return None
-
-    def actor_copies(self) -> list[torch.nn.Module]:
-        return [self.model]
-
-    def close(self) -> None:
-        """Nothing outlives this process's modules."""
 
     def shares(self, samples: int) -> list[list[Tensor]]:
         """Per instance, its rows in decode chunks of at most generator.max_batch_size: contiguous shares of
