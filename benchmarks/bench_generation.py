@@ -11,17 +11,16 @@ Then generation's memory and host syncs, before (`BASELINE`: main before the blo
 decode bookkeeping) and after:
 
 - **peak KV bytes** of one iteration's generation of the default job and of `experiment=longtail` (their
-  warm-started Actors, their prompts, both generators: `generator=sampling`'s `decode_chunk` and the engine):
+  warm-started Actors, their prompts, both generators: `generator=sampling`'s plain engine and the engine):
   before, the dense cache allocated every slot at max_len (prompt width + max_new_tokens); after, the block cache
   holds `peak_nbytes_in_use` at most (the pool it allocated, grown on demand, is printed too);
 - **syncs per decode step** (`rlhfuse.core.syncs.SyncCounter`, the CPU standing in for the device: an upper
-  bound of the GPU's) of the engine and of `decode_chunk` on this benchmark's workload, measured on this tree and
+  bound of the GPU's) of the engine and of `SamplingGenerator` on this benchmark's workload, measured on this tree and
   on BASELINE's (exported with `git archive` when this is a git checkout).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -223,10 +222,9 @@ def kv_memory(experiment: str) -> None:
         f"p90 {s[int(0.9 * len(s))]}, max {s[-1]}"
     )
     print(f"  {'generator':<24} {'dense (before)':>16} {'blocks (after)':>16} {'pool allocated':>16}  ratio")
-    print(f"  {'sampling (decode_chunk)':<24} {_mib(dense):>16} {_mib(block):>16} {_mib(pool):>16}  "
+    print(f"  {'sampling (plain engine)':<24} {_mib(dense):>16} {_mib(block):>16} {_mib(pool):>16}  "
           f"{dense / block:.1f}x")  # fmt: skip
-    stops = [int(t) for t in generator.stop_ids.tolist()]  # the tokenizer's EOS and the job's stop tokens
-    params = SamplingParams.of(dataclasses.replace(sampling, stop_token_ids=stops[1:]), stops[0])
+    params = generator.params  # type: ignore[attr-defined]  # the tokenizer's EOS and the job's stop tokens
     requests = requests_for(prompts, samples_per_prompt=n, seed=config.seed, iteration=1)
     width = max(len(r.prompt_P) for r in requests)
     engine = GenerationEngine(model, params, num_slots=len(requests), max_len=width + params.max_new_tokens)
@@ -242,11 +240,16 @@ def kv_memory(experiment: str) -> None:
 
 
 def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
-    """Syncs of each decode step of the engine (all samples admitted by its first step) and of `decode_chunk`
-    (between consecutive model calls), sampled, on the quick workload. Uses only what BASELINE has too."""
-    from rlhfuse.core.sampling import SamplingConfig
+    """Syncs of each decode step of the engine (all samples admitted by its first step) and of
+    `SamplingGenerator` (between consecutive model calls), sampled, on the quick workload. Uses only what
+    BASELINE has too (whose SamplingGenerator had its own decode loop)."""
     from rlhfuse.core.syncs import SyncCounter
-    from rlhfuse.generation.batched import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
+    from rlhfuse.trainer import SamplingGenerator
+
+    try:
+        from rlhfuse.core.sampling import SamplingConfig
+    except ImportError:  # BASELINE's name for it
+        from rlhfuse.core.sampling import GeneratorConfig as SamplingConfig  # type: ignore[attr-defined,no-redef]
 
     out: dict[str, list[int]] = {"engine": [], "sampling": []}
     with workload(True) as w, torch.no_grad():
@@ -259,17 +262,15 @@ def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
             with SyncCounter(device="cpu") as counter:
                 engine.step()
             out["engine"].append(counter.count)
-        ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(w.prompts, w.n)
-        uniforms_BN = sample_uniforms(0, 0, prompt_index_B, sample_index_B, max_new)
-        pick = single_process_pick(SamplingConfig(max_new_tokens=max_new))
+        generator = SamplingGenerator(
+            w.model, SamplingConfig(max_new_tokens=max_new), eos_token_id=EOS, pad_token_id=PAD,
+            samples_per_prompt=w.n, seed=0,
+        )  # fmt: skip
         marks: list[int] = []
         with SyncCounter(device="cpu") as counter:
-            hook = w.model.register_forward_pre_hook(lambda *_: marks.append(counter.count))
+            hook = generator.model.register_forward_pre_hook(lambda *_: marks.append(counter.count))
             try:
-                decode_chunk(
-                    w.model, w.config, pick, ids_BP, mask_BP, prompt_index_B, sample_index_B, uniforms_BN,
-                    stop_ids=torch.tensor([EOS]), pad_token_id=PAD,
-                )  # fmt: skip
+                list(generator.generate(w.prompts, iteration=0))
             finally:
                 hook.remove()
         out["sampling"] = [b - a for a, b in itertools.pairwise(marks[1:])]

@@ -58,7 +58,7 @@ def _reference(model, params, ids, iteration=0):
                 probs = filter_logits(
                     logits_V[None], temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
                 )
-                token = int(sample_from(probs, uniforms[len(tokens)][None])[0])
+                token = int(sample_from(probs, torch.tensor([uniforms[len(tokens)]], dtype=torch.float64))[0])
             tokens.append(token)
             if token in params.stop_token_ids:
                 break

@@ -9,6 +9,7 @@ from test_generation_migration import _prompts  # the same 6 prompts, vocabulary
 
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.generation import Coordinator, GenerationConfig, GenerationEngine, SamplingParams, requests_for
+from rlhfuse.generation.engine import WholeVocabulary
 from rlhfuse.generation.speculative import GroupIndex, SpeculationCosts, speculation_problems
 from rlhfuse.models import ModelConfig, Transformer
 
@@ -192,6 +193,20 @@ def test_bad_speculation_settings_fail_before_generation_naming_the_key(monkeypa
     config = GenerationConfig(name="engine")
     config.engine.speculative, config.engine.speculative_tokens = "ngram", 0
     assert any("generator.speculative_tokens=0" in p for p in config.problems())
+
+
+def test_an_engine_choosing_tokens_across_ranks_refuses_timing_driven_speculation():
+    """Ranks that choose tokens together (a tensor-parallel instance's `VocabularyShards`) must make the same
+    decisions each step: speculative=auto decides from rank-local timings, so it is refused; ngram (decided from
+    the tokens, the same on every rank) is not."""
+
+    class Together(WholeVocabulary):
+        lockstep = True
+
+    model = _model()
+    with pytest.raises(ValueError, match=r"speculative=auto chooses from this rank's timings"):
+        GenerationEngine(model, GREEDY, num_slots=2, max_len=64, speculative="auto", choice=Together())
+    GenerationEngine(model, GREEDY, num_slots=2, max_len=64, speculative="ngram", choice=Together())
 
 
 def _rules(*overrides: str) -> list[str]:

@@ -1,9 +1,11 @@
-"""Host syncs per decode step: the engine's and the sampling generator's decode steps read the device at most
-once (the sampled tokens), counted by `SyncCounter` on the CPU (which stands in for the GPU: every read counts).
+"""Host syncs per decode step: the engine's decode steps (the one decode loop of every rlhfuse generator: the
+sampling generator's plain mode included) read the device at most once (the sampled tokens), counted by
+`SyncCounter` on the CPU (which stands in for the GPU: every read counts).
 
 Before the host-side bookkeeping (main at 5c2ba0a), on these cases: the engine's plain decode step made 18-26
 syncs greedy and 12-16 sampled (one stop check per running sample, plus the cache addressing), its verify step
-12-53, and `decode_chunk`'s step 12; after, every one of them makes exactly 1."""
+12-53, and the sampling generator's own loop (since replaced by the engine's) 12; after, every one of them
+makes exactly 1."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.syncs import SyncCounter
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
-from rlhfuse.generation.batched import decode_chunk, expand_prompts, sample_uniforms, single_process_pick
+from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
 
 EOS, PAD, MAX_NEW = 2, 0, 16
@@ -68,20 +70,18 @@ def test_an_engine_decode_step_reads_the_device_at_most_once(temperature, specul
     assert max(counts) <= 1, f"syncs per decode step: {counts}"
 
 
-def test_a_decode_chunk_step_reads_the_device_at_most_once():
+def test_the_sampling_generator_decode_step_reads_the_device_at_most_once():
     """Each model call after the prefill starts a step; the syncs between two calls are one step's."""
     model = _model()
-    config = SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0)
-    ids_BP, mask_BP, prompt_index_B, sample_index_B = expand_prompts(_prompts(), 4)
-    uniforms_BN = sample_uniforms(1, 0, prompt_index_B, sample_index_B, MAX_NEW)
+    config = SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=STOPS[1:])
+    generator = SamplingGenerator(
+        model, config, eos_token_id=EOS, pad_token_id=PAD, samples_per_prompt=4, seed=1
+    )
     marks: list[int] = []
     with SyncCounter(device="cpu") as counter:
-        hook = model.register_forward_pre_hook(lambda *_: marks.append(counter.count))
+        hook = generator.model.register_forward_pre_hook(lambda *_: marks.append(counter.count))
         try:
-            rollout = decode_chunk(
-                model, model.config, single_process_pick(config), ids_BP, mask_BP, prompt_index_B,
-                sample_index_B, uniforms_BN, stop_ids=torch.tensor(STOPS), pad_token_id=PAD,
-            )  # fmt: skip
+            (rollout,) = generator.generate(_prompts(), iteration=0)
         finally:
             hook.remove()
     per_step = [b - a for a, b in itertools.pairwise(marks[1:])]

@@ -284,16 +284,16 @@ def test_edge_stages_vocab_padding_and_the_generation_copy_show_in_the_busiest_r
 @pytest.mark.parametrize(("kv_heads", "tp"), [(2, 1), (2, 2), (1, 2)])
 def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: int, tp: int) -> None:
     """The KV cache of `slots x max_len` positions on one rank of a generation instance of tp ranks: the K and V
-    buffers `InstanceGenerator` allocates for its shard (its kv heads; one replicated head when tp is a
-    multiple of them), fp32 like the generation copy (the per-slot lengths and validity flags aside)."""
-    from rlhfuse.generation.batched import shard_cache_config
+    buffers the generation engine allocates for its shard (`Transformer.cache_config`: its kv heads; one
+    replicated head when tp is a multiple of them), fp32 like the generation copy (the per-slot lengths and
+    validity flags aside)."""
     from rlhfuse.models.cache import KVCache
     from rlhfuse.planner.memory import kv_cache_bytes
 
     cfg = default_config(num_heads=4, num_kv_heads=kv_heads, head_dim=16)
     model = Transformer(cfg, head="lm")
     shard = shard_transformer(model, tp - 1, tp) if tp > 1 else model
-    cache_cfg = shard_cache_config(shard) if tp > 1 else cfg
+    cache_cfg = shard.cache_config()
     slots, max_len, block_size = 3, 40, 8
     # the block pool at its largest, every slot full (the pool grows to it on demand)
     cache = KVCache.allocate(

@@ -56,7 +56,7 @@ def test_hf_checkpoint_with_chat_template_round_trips_template_and_stop_tokens(
     cfg = compose_config(hf_local_grpo(sft, prompts, *overrides, "iterations=1"))
     trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
     assert (
-        end in trainer.generator.stop_ids.tolist()
+        end in trainer.generator.params.stop_token_ids
     )  # generation_config.json's second eos id stops generation
     (row,) = trainer.fit()
     assert row["response_length/max"] <= 4

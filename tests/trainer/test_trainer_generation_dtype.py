@@ -75,13 +75,12 @@ def test_32_true_generates_the_same_tokens_from_an_fp32_copy(tmp_path, cache_dir
     # what the generator did before the generation dtype existed: a plain copy of the trained Actor
     direct = SamplingGenerator(
         trainer.strategy.actor,  # type: ignore[attr-defined]
-        cfg.generator.sampling,
-        eos_token_id=int(trainer.generator.stop_ids[0]),  # type: ignore[attr-defined]
+        trainer.generator.config,  # type: ignore[attr-defined]
+        eos_token_id=trainer.generator.eos_token_id,  # type: ignore[attr-defined]
         pad_token_id=trainer.pad_token_id,
         samples_per_prompt=cfg.data.samples_per_prompt,
         seed=cfg.seed,
     )
-    direct.stop_ids = trainer.generator.stop_ids  # type: ignore[attr-defined]
     want = list(direct.generate(_prompts(), iteration=3))
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a.response_ids_BR, b.response_ids_BR)

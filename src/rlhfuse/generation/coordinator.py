@@ -165,7 +165,7 @@ def migrate(
     stats = [e.stats for e in instances.values()]
     tokens, prefill_s, prefill_tokens = transport.all_sum(
         [
-            sum(len(r.prompt_P) + len(r.tokens) for r in moving),
+            sum(r.prompt_len + len(r.tokens) for r in moving),
             sum(s.prefill_seconds for s in stats),
             sum(s.prefill_tokens for s in stats),
         ]

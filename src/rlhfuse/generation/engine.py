@@ -22,11 +22,12 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from rlhfuse.core.sampling import SamplingConfig, filter_logits, sample_from, sample_seed
+from rlhfuse.core.sampling import Sampling, SamplingConfig, filter_logits, sample_from, sample_seed
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
 from rlhfuse.models import KVCache, SlotState, Transformer, load_weights, upload
@@ -56,6 +57,48 @@ class SamplingParams:
         )
 
 
+def call_settings(
+    sampling: Sampling | None, params: SamplingParams, samples_per_prompt: int, eos_token_id: int
+) -> tuple[SamplingParams, int]:
+    """The sampling parameters and samples per prompt of one `generate` call: `sampling`'s when it has its own
+    (held-out evaluation), else the generator's (`params`, `samples_per_prompt`)."""
+    if sampling is None:
+        return params, samples_per_prompt
+    return SamplingParams.of(sampling.config, eos_token_id), sampling.samples_per_prompt
+
+
+class TokenChoice(Protocol):
+    """How a step's tokens are chosen from its logits rows (one row per token to choose: a sample's next
+    position, or each position of a verify step). `lockstep`: the choice is a collective over ranks that must
+    therefore make every step's decisions alike (no timing-driven choice such as speculative="auto")."""
+
+    lockstep: bool
+
+    def greedy(self, logits_NV: Tensor) -> Tensor:
+        """The most likely token of each row (long [N])."""
+        ...
+
+    def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
+        """Each row's token after temperature / top-k / top-p filtering, drawn by inverse CDF with its uniform
+        (float64 [N], on the logits' device)."""
+        ...
+
+
+class WholeVocabulary:
+    """`TokenChoice` over whole logits in one process (`filter_logits` + `sample_from`)."""
+
+    lockstep = False
+
+    def greedy(self, logits_NV: Tensor) -> Tensor:
+        return logits_NV.argmax(dim=-1)
+
+    def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
+        probs_NV = filter_logits(
+            logits_NV.float(), temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
+        )
+        return sample_from(probs_NV, uniforms_N)
+
+
 @dataclass
 class SampleRequest:
     """One sample to generate and its progress (what migration moves besides the KV cache).
@@ -73,14 +116,20 @@ class SampleRequest:
     seed: int
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False
-    _uniforms_N: Tensor | None = field(default=None, repr=False)
+    _uniforms: list[float] | None = field(default=None, repr=False)
+    prompt_len: int = field(init=False, repr=False)
+    """len(prompt_P), kept as a host int (a tensor's len() is a Python call the decode loop would pay per row)."""
 
-    def uniforms(self, max_new_tokens: int) -> Tensor:
-        """The sample's stream, float64 [N] (drawn as SamplingGenerator draws it)."""
-        if self._uniforms_N is None:
+    def __post_init__(self) -> None:
+        self.prompt_len = int(self.prompt_P.shape[0])
+
+    def uniforms(self, max_new_tokens: int) -> list[float]:
+        """The sample's stream of `max_new_tokens` float64 uniforms, as host floats (exact: a Python float is a
+        float64), so that a decode step gathers its rows' uniforms into one tensor without indexing tensors."""
+        if self._uniforms is None:
             rng = torch.Generator().manual_seed(self.seed)
-            self._uniforms_N = torch.rand(max_new_tokens, generator=rng, dtype=torch.float64)
-        return self._uniforms_N
+            self._uniforms = torch.rand(max_new_tokens, generator=rng, dtype=torch.float64).tolist()
+        return self._uniforms
 
 
 @dataclass
@@ -154,24 +203,19 @@ def requests_for(
 def to_rollout(requests: Sequence[SampleRequest], pad_token_id: int) -> Rollout:
     """Finished samples as a Rollout, rows in the given order: prompts left-padded to the longest, responses
     right-padded (the layout SamplingGenerator produces)."""
-    width_p = max(len(r.prompt_P) for r in requests)
+    prompt_lengths = torch.tensor([r.prompt_len for r in requests])
+    width_p = int(prompt_lengths.max())
+    prompt_BP = torch.nn.utils.rnn.pad_sequence(
+        [r.prompt_P for r in requests], batch_first=True, padding_value=pad_token_id, padding_side="left"
+    )
     width_r = max(max((len(r.tokens) for r in requests), default=1), 1)
-    batch = len(requests)
-    prompt_BP = torch.full((batch, width_p), pad_token_id, dtype=torch.long)
-    prompt_mask_BP = torch.zeros((batch, width_p), dtype=torch.long)
-    response_BR = torch.full((batch, width_r), pad_token_id, dtype=torch.long)
-    response_mask_BR = torch.zeros((batch, width_r), dtype=torch.long)
-    for b, r in enumerate(requests):
-        p, n = len(r.prompt_P), len(r.tokens)
-        prompt_BP[b, width_p - p :] = r.prompt_P
-        prompt_mask_BP[b, width_p - p :] = 1
-        response_BR[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
-        response_mask_BR[b, :n] = 1
+    responses = [r.tokens + [pad_token_id] * (width_r - len(r.tokens)) for r in requests]
+    lengths = torch.tensor([len(r.tokens) for r in requests])
     return Rollout(
         prompt_ids_BP=prompt_BP,
-        prompt_mask_BP=prompt_mask_BP,
-        response_ids_BR=response_BR,
-        response_mask_BR=response_mask_BR,
+        prompt_mask_BP=(torch.arange(width_p) >= width_p - prompt_lengths[:, None]).long(),
+        response_ids_BR=torch.tensor(responses, dtype=torch.long),
+        response_mask_BR=(torch.arange(width_r) < lengths[:, None]).long(),
         prompt_index_B=torch.tensor([r.prompt_index for r in requests], dtype=torch.long),
         sample_index_B=torch.tensor([r.sample_index for r in requests], dtype=torch.long),
         finished_B=torch.tensor([r.stopped for r in requests], dtype=torch.bool),
@@ -179,7 +223,12 @@ def to_rollout(requests: Sequence[SampleRequest], pad_token_id: int) -> Rollout:
 
 
 class GenerationEngine:
-    """One generation instance: a copy of the Actor and a KV cache of `num_slots` x `max_len` positions."""
+    """One generation instance: a copy of the Actor (or its tensor-parallel shard) and a KV cache of `num_slots`
+    x `max_len` positions (the kv heads the model computes).
+
+    `choice`: how tokens are chosen from the logits (default `WholeVocabulary`; a shard's instance passes
+    `rlhfuse.generation.vocab_parallel.VocabularyShards`, and its ranks then step in lockstep: the same requests
+    in the same order give the same admissions, forward calls and tokens on each of them)."""
 
     def __init__(
         self,
@@ -191,12 +240,19 @@ class GenerationEngine:
         prefix_sharing: bool = True,
         speculative: str = "off",
         speculative_tokens: int = 4,
+        choice: TokenChoice | None = None,
     ) -> None:
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} must be >= 1")
+        self.choice: TokenChoice = WholeVocabulary() if choice is None else choice
         problems = speculation_problems(
             speculative, speculative_tokens, params.max_new_tokens, model.config.attention_backend
         )
+        if self.choice.lockstep and speculative == "auto":
+            problems.append(
+                "speculative=auto chooses from this rank's timings, which ranks choosing tokens together would "
+                "not share: use speculative=off or ngram"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         self.model = model
@@ -209,7 +265,7 @@ class GenerationEngine:
         parameter = next(model.parameters())
         self.device = parameter.device
         self.cache = KVCache.allocate(
-            model.config, num_slots, max_len, dtype=parameter.dtype, device=self.device
+            model.cache_config(), num_slots, max_len, dtype=parameter.dtype, device=self.device
         )
         # checked on the host, against the tokens a step reads once
         self.stop_ids = frozenset(params.stop_token_ids)
@@ -232,10 +288,10 @@ class GenerationEngine:
         if not self.has_work():
             self.drafter.clear()  # a new batch: its prompt groups are new
         for request in requests:
-            longest = len(request.prompt_P) + self.params.max_new_tokens
+            longest = request.prompt_len + self.params.max_new_tokens
             if longest > self.cache.max_len:
                 raise ValueError(
-                    f"sample row {request.row}: prompt of {len(request.prompt_P)} tokens + max_new_tokens="
+                    f"sample row {request.row}: prompt of {request.prompt_len} tokens + max_new_tokens="
                     f"{self.params.max_new_tokens} needs {longest} cache positions but max_len="
                     f"{self.cache.max_len}; build the engine with a larger max_len"
                 )
@@ -243,6 +299,14 @@ class GenerationEngine:
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         load_weights(self.model, named_tensors)
+
+    def run(self, requests: Sequence[SampleRequest]) -> list[SampleRequest]:
+        """Queue `requests` and step until every sample this engine holds finished: the requests, in the order
+        given, with their tokens (static batching when they fit the slots; continuous batching beyond)."""
+        self.add(requests)
+        while self.has_work():
+            self.step()
+        return list(requests)
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
@@ -277,13 +341,13 @@ class GenerationEngine:
             for k in members:
                 logits_rows[k] = g
         first_B = self._sample(logits_GV[upload(logits_rows, self.device)], take)
-        finished = []
+        done = []
         for request, slot, token in zip(take, slots, first_B.tolist(), strict=True):  # the one read
             self.running[slot] = request
             self._track(request)
             if self._append(request, token):
-                finished.append(self._release(slot))
-        return finished
+                done.append(slot)
+        return self._release(done)
 
     def _prefill(self, sequences: Sequence[Tensor], slots: Sequence[int]) -> Tensor:
         """Left-padded prefill of `sequences` into `slots` (emptied first); last-position logits [G, V]."""
@@ -312,14 +376,28 @@ class GenerationEngine:
         drafts = self._drafts(slots, requests)
         if drafts:
             return self._verify(start, slots, requests, drafts)
-        # slots, lengths and stops are host bookkeeping: the step's one device read is the sampled tokens
-        last_B1 = upload([[r.tokens[-1]] for r in requests], self.device)
-        logits_BV = self.model(last_B1, cache=self.cache, cache_slots_B=slots)[:, -1]
+        # slots, lengths, positions and stops are host bookkeeping: the step's one device read is the sampled
+        # tokens. The last token's position: the real tokens before it (the prompt's and the earlier generated).
+        inputs_2B = upload(
+            [[r.tokens[-1] for r in requests], [r.prompt_len + len(r.tokens) - 1 for r in requests]],
+            self.device,
+        )
+        logits_BV = self.model(
+            inputs_2B[0][:, None],
+            position_ids_BT=inputs_2B[1][:, None],
+            cache=self.cache,
+            cache_slots_B=slots,
+        )[:, -1]
         tokens_B = self._sample(logits_BV, requests)
-        finished = []
-        for slot, request, token in zip(slots, requests, tokens_B.tolist(), strict=True):  # the one read
-            if self._append(request, token):
-                finished.append(self._release(slot))
+        finished = self._release(
+            [
+                slot
+                for slot, request, token in zip(
+                    slots, requests, tokens_B.tolist(), strict=True
+                )  # the one read
+                if self._append(request, token)
+            ]
+        )
         seconds = self._record_step(start, len(slots), 1, len(slots))
         if self.speculative == "auto":
             self.costs.observe_decode(len(slots), seconds)
@@ -386,7 +464,7 @@ class GenerationEngine:
                 self.stats.spec_accepted += 1
         # the slot keeps [last token, accepted drafts]: again prompt + tokens[:-1]
         self.cache.truncate(slots, [n + k for n, k in zip(lengths, kept_B, strict=True)])
-        finished = [self._release(slots[b]) for b in done]
+        finished = self._release([slots[b] for b in done])
         tokens = sum(kept_B)
         seconds = self._record_step(start, len(slots), width, tokens)
         if self.speculative == "auto":
@@ -396,29 +474,29 @@ class GenerationEngine:
     def _sample(self, logits_BV: Tensor, requests: Sequence[SampleRequest]) -> Tensor:
         p = self.params
         if p.temperature == 0:
-            return logits_BV.argmax(dim=-1)
+            return self.choice.greedy(logits_BV)
         n = p.max_new_tokens
-        uniforms_B = torch.stack([r.uniforms(n)[len(r.tokens)] for r in requests])
-        probs_BV = filter_logits(logits_BV.float(), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        return sample_from(probs_BV, upload(uniforms_B, probs_BV.device))
+        uniforms_B = torch.tensor([r.uniforms(n)[len(r.tokens)] for r in requests], dtype=torch.float64)
+        return self.choice.sample(logits_BV, upload(uniforms_B, logits_BV.device), p)
 
     def _sample_positions(self, logits_BTV: Tensor, requests: Sequence[SampleRequest], width: int) -> Tensor:
         """Token t + j of each row sampled from position j's distribution with uniform u(s, t + j): what plain
         decoding samples for that position when the row's earlier tokens are the drafts (long [B, width])."""
         p = self.params
+        logits_NV = logits_BTV.flatten(0, 1)
         if p.temperature == 0:
-            return logits_BTV.argmax(dim=-1)
+            return self.choice.greedy(logits_NV).view(len(requests), width)
         n = p.max_new_tokens
         # positions past max_new_tokens are never kept: any uniform will do for them
-        uniforms_BT = torch.stack(
+        uniforms_N = torch.tensor(
             [
-                r.uniforms(n)[torch.arange(len(r.tokens), len(r.tokens) + width).clamp(max=n - 1)]
+                r.uniforms(n)[min(t, n - 1)]
                 for r in requests
-            ]
+                for t in range(len(r.tokens), len(r.tokens) + width)
+            ],
+            dtype=torch.float64,
         )
-        logits_NV = logits_BTV.flatten(0, 1).float()
-        probs_NV = filter_logits(logits_NV, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-        tokens_N = sample_from(probs_NV, upload(uniforms_BT.flatten(), probs_NV.device))
+        tokens_N = self.choice.sample(logits_NV, upload(uniforms_N, logits_NV.device), p)
         return tokens_N.view(len(requests), width)
 
     def _track(self, request: SampleRequest) -> None:
@@ -434,12 +512,15 @@ class GenerationEngine:
         request.stopped = token in self.stop_ids
         return request.stopped or len(request.tokens) >= self.params.max_new_tokens
 
-    def _release(self, slot: int) -> SampleRequest:
-        request = self.running.pop(slot)
-        self.cache.reset(slot)
-        self.free_slots.append(slot)
+    def _release(self, slots: Sequence[int]) -> list[SampleRequest]:
+        """Finished (or leaving) samples out of `slots`, whose blocks go back to the pool in one reset."""
+        if not slots:
+            return []
+        requests = [self.running.pop(slot) for slot in slots]
+        self.cache.reset(list(slots))
+        self.free_slots.extend(slots)
         self.free_slots.sort()
-        return request
+        return requests
 
     # ------------------------------------------------------------------ migration
     def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]:
@@ -452,7 +533,8 @@ class GenerationEngine:
             out.append(MigratingSample(self.waiting.pop(), None))
         for slot in sorted(self.running, reverse=True)[: count - len(out)]:
             kv = self.cache.export_slot(slot) if with_kv else None
-            out.append(MigratingSample(self._release(slot), kv))
+            (request,) = self._release([slot])
+            out.append(MigratingSample(request, kv))
         if len(out) < count:
             raise ValueError(f"evict({count}): this instance holds only {len(out)} unfinished samples")
         return out

@@ -66,7 +66,7 @@ def token_batches(samples: Sequence[SampleRequest], budget: int, most: int) -> I
     batch: list[SampleRequest] = []
     longest = 0
     for s in samples:
-        n = len(s.prompt_P) + len(s.tokens)
+        n = s.prompt_len + len(s.tokens)
         if batch and (len(batch) >= most or (len(batch) + 1) * max(longest, n) > budget):
             yield batch
             batch, longest = [], 0
@@ -103,7 +103,7 @@ class _Inference:
         seconds = time.perf_counter() - start
         self.seconds += seconds
         self.engine.stats.inference_seconds += seconds
-        self.engine.stats.inference_tokens += sum(len(r.prompt_P) + len(r.tokens) for r in samples)
+        self.engine.stats.inference_tokens += sum(r.prompt_len + len(r.tokens) for r in samples)
 
 
 def fused_generate_infer(
@@ -129,7 +129,7 @@ def fused_generate_infer(
     device = collective_device(group, engine.device)
     transport = PointToPoint(device, group)
     rank, world = transport.rank, transport.world
-    width = max(len(r.prompt_P) for r in requests) + engine.params.max_new_tokens
+    width = max(r.prompt_len for r in requests) + engine.params.max_new_tokens
     infer = _Inference(inferencer, engine, pad_token_id, infer_tokens or micro_batch * width, micro_batch)
     report = MigrationReport(threshold=threshold)
     finished: list[SampleRequest] = []

@@ -31,6 +31,7 @@ from rlhfuse.generation.engine import (
     GenerationEngine,
     SampleRequest,
     SamplingParams,
+    call_settings,
     requests_for,
     to_rollout,
 )
@@ -224,19 +225,13 @@ class EngineGenerator:
         self.engines = self.pool.instances(count, prompt_width, batch, params)
         return self.engines
 
-    def _settings(self, sampling: Sampling | None) -> tuple[SamplingParams, int]:
-        """The sampling parameters and samples per prompt of one call (`sampling`, else the generator's own)."""
-        if sampling is None:
-            return self.params, self.samples_per_prompt
-        return SamplingParams.of(sampling.config, self.eos_token_id), sampling.samples_per_prompt
-
     def stream(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
     ) -> Iterator[tuple[int, SampleRequest]]:
         """(instance, finished sample) as each sample finishes."""
-        params, per_prompt = self._settings(sampling)
+        params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
-        width = max(len(r.prompt_P) for r in requests)
+        width = max(r.prompt_len for r in requests)
         threshold = self.policy.threshold(len(requests))
         if not self.is_distributed():
             self.coordinator.engines = self._engines_for(width, len(requests), self.config.instances, params)
@@ -309,7 +304,7 @@ class EngineGenerator:
                 f"{self.config.instances} on a world of "
                 f"{distributed.world_size()} process(es)"
             )
-        params, per_prompt = self._settings(sampling)
+        params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
         self._predicted = predictions(self.policy)
         agreed = torch.tensor(
@@ -318,7 +313,7 @@ class EngineGenerator:
             device=collective_device(None, self.device),
         )
         distributed.broadcast(agreed, 0)
-        width = max(len(r.prompt_P) for r in requests)
+        width = max(r.prompt_len for r in requests)
         (engine,) = self._engines_for(width, len(requests), 1, params)
         c = self.coordinator
         result = fused_generate_infer(
@@ -397,7 +392,7 @@ def observation(done: Sequence[SampleRequest], cap: int, engines: Sequence[Any])
     """A finished batch as a migration policy sees it (lengths, prompt length, KV slots, fitted costs)."""
     return BatchObservation(
         response_lengths=[len(r.tokens) for r in done],
-        prompt_len=round(sum(len(r.prompt_P) for r in done) / len(done)),
+        prompt_len=round(sum(r.prompt_len for r in done) / len(done)),
         cap=cap,
         slots=engines[0].cache.num_slots,
         profile=CostProfile.fit([e.stats for e in engines]),

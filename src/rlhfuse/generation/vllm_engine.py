@@ -318,7 +318,7 @@ class VLLMInstance:
             ids = request.prompt_P.tolist() + list(request.tokens)
             if len(ids) + self.params.max_new_tokens - len(request.tokens) > self.cache.max_len:
                 raise ValueError(
-                    f"sample row {request.row}: prompt of {len(request.prompt_P)} tokens + max_new_tokens="
+                    f"sample row {request.row}: prompt of {request.prompt_len} tokens + max_new_tokens="
                     f"{self.params.max_new_tokens} exceeds the vLLM engine's max_model_len={self.cache.max_len}"
                 )
             request_id = f"r{self._next_id}"

@@ -25,7 +25,9 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.runtime.tensor_parallel import VocabShard, mask_padded_vocab
+from rlhfuse.generation.engine import SamplingParams
+from rlhfuse.models import Transformer
+from rlhfuse.runtime.tensor_parallel import VocabShard, mask_padded_vocab, vocab_parallel_argmax
 
 SPLITS = 16
 CANDIDATES = 64
@@ -160,3 +162,26 @@ def vocab_parallel_filtered_sample(
         logits_BV, shard, group, vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p
     )
     return vocab_parallel_sample_from(probs_BV, uniforms_B, shard, group)
+
+
+class VocabularyShards:
+    """`TokenChoice` (`rlhfuse.generation.engine`) of a tensor-parallel instance: each rank holds a
+    `shard_transformer` shard of the Actor whose logits are its vocabulary slice; greedy tokens by
+    `vocab_parallel_argmax`, sampled ones by `vocab_parallel_filtered_sample`, the same on every rank of `group`
+    (so the instance's ranks step in lockstep)."""
+
+    lockstep = True
+
+    def __init__(self, shard: Transformer, group: Any) -> None:
+        self.vocab: VocabShard = shard.vocab_shard  # type: ignore[assignment]
+        self.vocab_size = shard.config.vocab_size
+        self.group = group
+
+    def greedy(self, logits_NV: Tensor) -> Tensor:
+        return vocab_parallel_argmax(logits_NV, self.vocab, self.group)
+
+    def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
+        return vocab_parallel_filtered_sample(
+            logits_NV, uniforms_N, self.vocab, self.group, vocab_size=self.vocab_size,
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        )  # fmt: skip

@@ -29,7 +29,7 @@ _INTS = 9  # per sample: row, prompt_index, sample_index, group, seed, prompt le
 
 def _request_ints(r: SampleRequest, kv: SlotState | None = None) -> list[int]:
     kv_len = kv.length if kv is not None else -1
-    return [r.row, r.prompt_index, r.sample_index, r.group, r.seed, len(r.prompt_P), len(r.tokens), int(r.stopped),
+    return [r.row, r.prompt_index, r.sample_index, r.group, r.seed, r.prompt_len, len(r.tokens), int(r.stopped),
             kv_len]  # fmt: skip
 
 

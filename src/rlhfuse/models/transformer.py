@@ -625,6 +625,12 @@ class Transformer(nn.Module):
             name == "lm_head.weight" and self.head == "lm" and self.lm_head.weight is self.embed_tokens.weight
         )
 
+    def cache_config(self) -> ModelConfig:
+        """The shape a KV cache for this module is allocated with: the kv heads its attention computes (a
+        tensor-parallel shard's own, `rlhfuse.runtime.tensor_parallel.shard_transformer`)."""
+        attention: Any = self.layers[0].self_attn
+        return replace(self.config, num_kv_heads=int(attention.num_kv_heads))
+
     def embed(self, input_ids: Tensor) -> Tensor:
         """Token embeddings; Gemma scales them by sqrt(hidden_size) (rounded to the weights' dtype, as HF does)."""
         x = self.embed_tokens(input_ids)
