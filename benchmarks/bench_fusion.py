@@ -334,7 +334,7 @@ def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]
         for r in range(rounds):
             for name, overrides in settings.items():
                 run_dir = Path(tmp) / f"{name.replace('=', '-')}-{r}"
-                cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=longtail", f"generator={generator}",
+                cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", "experiment=longtail", f"generator={generator}",
                        "generator.instances=2", f"iterations={iterations}", "logger=quiet", *overrides,
                        f"hydra.run.dir={run_dir}"]  # fmt: skip
                 done = subprocess.run(

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from rlhfuse.planner.cli import grid_table
 from rlhfuse.planner.grid import PAPER_RANGES, paper_grid
+from rlhfuse.planner.plan_command import grid_table
 
 
 def run(quick: bool = False) -> None:

@@ -19,8 +19,8 @@ import time
 
 from rlhfuse.pipeline import greedy, make_problem, simulate
 from rlhfuse.pipeline.baselines import serial_peak
-from rlhfuse.pipeline.cli import BENCH_ITERATIONS, bench, default_table_path
 from rlhfuse.pipeline.problem import Problem, scale_check_problem
+from rlhfuse.pipeline.schedule_command import BENCH_ITERATIONS, bench, default_table_path
 from rlhfuse.pipeline.search import SearchConfig, solve
 
 

@@ -80,7 +80,7 @@ def _weight_sync(quick: bool) -> None:
         for name, overrides in SYNC_LAYOUTS:
             for generator in ("engine", "vllm"):
                 run_dir = Path(tmp) / f"{len(os.listdir(tmp))}"
-                cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=smoke", "model.num_layers=2",
+                cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", "experiment=smoke", "model.num_layers=2",
                        "distributed.nproc_per_node=2", f"generator={generator}", f"iterations={iterations}",
                        "logger=quiet", f"model.warmstart.cache_dir={tmp}/cache", *overrides,
                        f"hydra.run.dir={run_dir}"]  # fmt: skip

@@ -74,6 +74,6 @@ def test_the_repository_cites_only_what_it_ships():
         if needle in (ROOT / name).read_text(errors="replace")
     ]
     assert not found
-    from rlhfuse.pipeline.cli import default_table_path
+    from rlhfuse.pipeline.schedule_command import default_table_path
 
     assert default_table_path().is_file() and ROOT in default_table_path().resolve().parents

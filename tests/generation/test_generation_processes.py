@@ -27,7 +27,7 @@ def _cli(tmp_path: Path, name: str, *overrides: str) -> tuple[str, list[dict[str
     cmd = [
         sys.executable,
         "-m",
-        "rlhfuse.trainer.cli",
+        "rlhfuse.trainer.train_command",
         *JOB,
         *overrides,
         "distributed.timeout_s=60",

@@ -3,8 +3,8 @@
 import pytest
 
 from rlhfuse.pipeline import make_problem
-from rlhfuse.pipeline.cli import default_table_path
 from rlhfuse.pipeline.problem import load_problems
+from rlhfuse.pipeline.schedule_command import default_table_path
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from rlhfuse.pipeline import SearchConfig, lower_bounds, make_problem, simulate, solve
-from rlhfuse.pipeline.cli import main
 from rlhfuse.pipeline.compiled import compile_problem
 from rlhfuse.pipeline.exact import exact_search, prove
 from rlhfuse.pipeline.ir import parse_action
 from rlhfuse.pipeline.problem import min_feasible_cap, problem_from_dict
+from rlhfuse.pipeline.schedule_command import main
 
 
 def _single(stages, micro, f, b, cap=None):

@@ -9,9 +9,9 @@ import pytest
 
 from rlhfuse.pipeline import SearchConfig, gpipe, make_problem, simulate, solve
 from rlhfuse.pipeline.bounds import hold_lengths, peak_lower_bound
-from rlhfuse.pipeline.cli import main
 from rlhfuse.pipeline.compiled import compile_problem, time_windows
 from rlhfuse.pipeline.exact import exact_search, memory_lns, prove
+from rlhfuse.pipeline.schedule_command import main
 from rlhfuse.pipeline.search import pareto_front
 
 

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlhfuse.pipeline import SearchConfig, greedy, lower_bounds, make_problem, simulate, solve
-from rlhfuse.pipeline.cli import main
 from rlhfuse.pipeline.problem import scale_check_problem
+from rlhfuse.pipeline.schedule_command import main
 
 
 def test_bounds_match_the_papers_column(table3):

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from rlhfuse.planner.calibrate import GpuFigures, calibrate_from
-from rlhfuse.planner.cli import main
 from rlhfuse.planner.cost import CostModel
+from rlhfuse.planner.plan_command import main
 from rlhfuse.planner.specs import (
     DEFAULT_EFFICIENCY,
     H200,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlhfuse.planner.cli import main
+from rlhfuse.planner.plan_command import main
 
 GRID_KEYS = {"actor", "critic", "max_len", "throughput_ratio", "gen_inf_ratio", "train_ratio", "plan"}
 

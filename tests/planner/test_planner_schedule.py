@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlhfuse.pipeline.cli import default_table_path
+from rlhfuse.pipeline.schedule_command import default_table_path
 from rlhfuse.planner import PipeModel, fused_lower_bound, greedy_fused_makespan, one_f_one_b, serial_makespan
 from rlhfuse.planner.schedule import reversed_blocks
 

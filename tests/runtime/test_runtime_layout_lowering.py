@@ -6,7 +6,7 @@ import pytest
 from runtime_helpers import random_schedule
 
 from rlhfuse.pipeline import Action, Kind, Schedule, greedy, load_problems, serial_one_f_one_b
-from rlhfuse.pipeline.cli import default_table_path
+from rlhfuse.pipeline.schedule_command import default_table_path
 from rlhfuse.pipeline.simulate import simulate
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, Message, Program, check_program, lower, lower_checked

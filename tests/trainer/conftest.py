@@ -116,7 +116,7 @@ def crash_after():
 def run_train(run_dir: Path, *overrides: str, timeout: float) -> list[dict[str, float]]:
     """`rlhfuse-train *overrides` in a subprocess writing to `run_dir` (its own launch: no WORLD_SIZE from this
     process, one OpenMP thread per rank), which must succeed; the rows of its metrics.jsonl."""
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", *overrides, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=run_dir.parent)

@@ -164,7 +164,7 @@ def test_a_mixture_of_experts_trains_tensor_parallel_from_the_cli(
         "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", *job]
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", *job]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

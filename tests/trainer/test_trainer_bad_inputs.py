@@ -18,7 +18,7 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import CheckpointError as ModelCheckpointError
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, save_pretrained
 from rlhfuse.trainer import build_trainer, compose_config
-from rlhfuse.trainer.cli import USER_ERRORS
+from rlhfuse.trainer.train_command import USER_ERRORS
 from rlhfuse.trainer.validate import check_context, validate
 
 
@@ -140,7 +140,7 @@ def test_unknown_keys_are_all_listed_with_the_closest_known_key():
 
 
 def test_cli_lists_every_rejected_key_in_one_error_exit_2(tmp_path):
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "data.batchsize=4", "generator.max_tokens=3",
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", "data.batchsize=4", "generator.max_tokens=3",
            f"hydra.run.dir={tmp_path}"]  # fmt: skip
     env = {**os.environ, "RLHFUSE_DEBUG": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -155,7 +155,7 @@ def test_error_line_prints_brackets_in_the_message_as_text():
 
     from rich.console import Console
 
-    from rlhfuse.trainer.cli import print_error
+    from rlhfuse.trainer.train_command import print_error
 
     out = io.StringIO()
     print_error(Console(file=out, width=200), "rank 1 died [/x] at [/__w/pytorch/pair.cc:553]")

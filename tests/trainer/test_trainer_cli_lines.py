@@ -17,7 +17,7 @@ import pytest
 @pytest.mark.timeout(300)
 def test_ctrl_c_mid_run_is_one_line_naming_the_resume_point(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=smoke", "iterations=100000",
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", "experiment=smoke", "iterations=100000",
            "checkpoint.every=1", f"hydra.run.dir={run}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
@@ -44,7 +44,7 @@ def test_ctrl_c_mid_run_is_one_line_naming_the_resume_point(tmp_path: Path) -> N
 def test_summary_time_counts_start_up(tmp_path: Path) -> None:
     """'done in Ns' is the process's whole time (imports, composing, building), not only fit(): before, a run
     that took 19 s said 'done in 1s'."""
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=smoke", "iterations=1",
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", "experiment=smoke", "iterations=1",
            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
@@ -60,7 +60,7 @@ def test_summary_time_counts_start_up(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_run_refused_before_it_starts_leaves_no_run_folder(tmp_path: Path) -> None:
     run = tmp_path / "outputs" / "run"
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", "experiment=smoke", "generator.max_new_tokens=0",
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", "experiment=smoke", "generator.max_new_tokens=0",
            f"hydra.run.dir={run}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)

@@ -17,7 +17,13 @@ def test_default_job_reward_rises_with_long_tailed_lengths(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "RLHFUSE_CACHE": str(tmp_path / "cache")}  # cold: trains the warm start as well
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhfuse.trainer.cli", f"hydra.run.dir={run}", "logger.progress=false"],
+        [
+            sys.executable,
+            "-m",
+            "rlhfuse.trainer.train_command",
+            f"hydra.run.dir={run}",
+            "logger.progress=false",
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -147,7 +147,11 @@ def test_rule_reward_by_import_path_and_hf_export(cache_dir, tmp_path):
 def _cli(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     return subprocess.run(
-        [sys.executable, "-m", "rlhfuse.trainer.cli", *args], capture_output=True, text=True, cwd=cwd, env=env
+        [sys.executable, "-m", "rlhfuse.trainer.train_command", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
     )
 
 

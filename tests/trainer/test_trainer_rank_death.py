@@ -68,7 +68,7 @@ def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, _O
         run_dir=tmp_path / "warm",
         log=lambda _: None,
     )
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.cli", *SMOKE, f"model.warmstart.cache_dir={cache}",
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", *SMOKE, f"model.warmstart.cache_dir={cache}",
            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)

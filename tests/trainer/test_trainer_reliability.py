@@ -20,9 +20,9 @@ from rlhfuse.core.checkpoint import (
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, set_peak_lr
 from rlhfuse.trainer import build_trainer, compose_config
-from rlhfuse.trainer.cli import USER_ERRORS
 from rlhfuse.trainer.logging import JsonlLogger
 from rlhfuse.trainer.resume import MUTABLE_ON_RESUME, config_record, is_mutable
+from rlhfuse.trainer.train_command import USER_ERRORS
 
 
 @pytest.fixture(scope="module")

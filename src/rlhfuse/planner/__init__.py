@@ -9,7 +9,7 @@
   fused or serial training, the Rt sweep.
 - `search`: per-task (dp, pp, tp) candidates pruned by Megatron-LM's guidelines, searched exhaustively; with
   `fsdp=True`, pipeline=fsdp (sharded data parallelism over every device) beside them.
-- `grid`, `cli`: RLHFuse vs RLHFuse-Base, the paper's grid, `rlhfuse-plan`.
+- `grid`, `plan_command`: RLHFuse vs RLHFuse-Base, the paper's grid, `rlhfuse-plan`.
 - `plan_for`: what the trainer's `plan=auto` calls.
 """
 

@@ -116,7 +116,7 @@ def run(cfg: DictConfig) -> None:
 
 
 # What Hydra writes into a run folder before the job starts; a folder holding nothing else was never used.
-HYDRA_FILES = frozenset({"cli.log", ".hydra"})
+HYDRA_FILES = frozenset({"rlhfuse-train.log", ".hydra"})
 
 
 def _remove_if_unused(run_dir: Path) -> None:
