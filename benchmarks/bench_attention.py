@@ -1,11 +1,11 @@
 """Grouped-query SDPA layouts side by side (`make bench BENCH=attention`): native (enable_gqa), K / V repeated to
-H heads, query heads folded onto the kv heads (`rlhfuse.models.attention.sdpa_plan`), for a decode step, a
+H heads, query heads folded onto the kv heads (`rlhfuse.models.attention.sdpa_call`), for a decode step, a
 speculative verify step and a padded prefill of a LLaMA-like attention layer (32 query heads, 8 kv heads, head
 dim 128), each with a padding mask.
 
 Prints the median time per call of each layout, the largest difference from the native layout, the bytes each
 layout materialises besides the inputs (repeat: K and V at H heads; fold: the mask's rows G times), and which
-layout the CUDA plan picks. On CUDA (bf16) the native layout of a masked grouped-query call is the math kernel,
+layout the CUDA call picks. On CUDA (bf16) the native layout of a masked grouped-query call is the math kernel,
 which also materialises the [B, H, T, S] scores; on CPU (fp32) every layout runs the CPU flash kernel.
 """
 
@@ -17,7 +17,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend
 
-from rlhfuse.models.attention import KvLayout, SdpaPlan, planned_sdpa, sdpa_plan
+from rlhfuse.models.attention import KvLayout, SdpaCall, sdpa_as_called, sdpa_call
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -62,7 +62,7 @@ def run(quick: bool = False) -> None:
         )
         allowed = torch.ones(batch, 1, t, s, dtype=torch.bool, device=device).tril(s - t)
         allowed[0, :, :, :3] = False  # row 0's first keys are padding
-        chosen = sdpa_plan(
+        chosen = sdpa_call(
             "cuda",
             dtype,
             masked=True,
@@ -71,16 +71,16 @@ def run(quick: bool = False) -> None:
             num_queries=t,
             head_dim=HEAD_DIM,
         ).kv
-        native = planned_sdpa(q, k, v, allowed, SdpaPlan("native", ()))
+        native = sdpa_as_called(q, k, v, allowed, SdpaCall("native", ()))
         cells = []
         for layout in ("native", "repeat", "fold"):
-            plan = SdpaPlan(layout, (SDPBackend.FLASH_ATTENTION,))
-            out = planned_sdpa(q, k, v, allowed, plan)
-            ms = _time_ms(lambda args=(q, k, v, allowed, plan): planned_sdpa(*args), rounds, device)
+            call = SdpaCall(layout, (SDPBackend.FLASH_ATTENTION,))
+            out = sdpa_as_called(q, k, v, allowed, call)
+            ms = _time_ms(lambda args=(q, k, v, allowed, call): sdpa_as_called(*args), rounds, device)
             diff = float((out.float() - native.float()).abs().max())
             extra = _extra_bytes(layout, batch, t, s, q.element_size()) / 2**20
             cells.append(f"{layout} {ms:.2f} ms (+{extra:.1f} MiB, max diff {diff:.1e})")
-        print(f"{name:10s} T={t:<4d} S={s:<5d} " + " | ".join(cells) + f"  -> CUDA plan: {chosen}")
+        print(f"{name:10s} T={t:<4d} S={s:<5d} " + " | ".join(cells) + f"  -> CUDA choice: {chosen}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Which SDPA kernel each attention call reaches (`rlhfuse.models.attention.sdpa_plan`), and that every kv layout
-the plan chooses gives the same numbers.
+"""Which SDPA kernel each attention call reaches (`rlhfuse.models.attention.sdpa_call`), and that every kv layout
+the call chooses gives the same numbers.
 
-On CPU the model's calls run under `sdpa_kernel` restricted to exactly the kernels the plan claims (MATH
-disabled), so a call that would fall back to the math kernel raises instead of passing. The CUDA plans' layouts
+On CPU the model's calls run under `sdpa_kernel` restricted to exactly the kernels the call claims (MATH
+disabled), so a call that would fall back to the math kernel raises instead of passing. The CUDA calls' layouts
 (repeated and folded kv heads) are checked for exactness here on CPU tensors, and against the CUDA kernels by the
 gpu-marked test.
 
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlhfuse.models import KVCache, ModelConfig, Transformer
-from rlhfuse.models.attention import planned_sdpa, sdpa_attention, sdpa_plan
+from rlhfuse.models.attention import sdpa_as_called, sdpa_attention, sdpa_call
 from rlhfuse.models.packing import pack_rows
 
 CPU_KERNELS = [SDPBackend.FLASH_ATTENTION]
-"""What `sdpa_plan` claims for every CPU call (torch's CPU flash kernel, which takes masks and GQA)."""
+"""What `sdpa_call` claims for every CPU call (torch's CPU flash kernel, which takes masks and GQA)."""
 
 
 def reference_attention(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS):
@@ -68,62 +68,62 @@ CUDA_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("masked,heads,kv_heads,t,s", CUDA_SHAPES)
 def test_cuda_plans_never_name_the_math_kernel(dtype, masked, heads, kv_heads, t, s):
-    plan = sdpa_plan(
+    call = sdpa_call(
         "cuda", dtype, masked=masked, num_heads=heads, num_kv_heads=kv_heads, num_queries=t, head_dim=64
     )
-    assert SDPBackend.MATH not in plan.kernels
-    if kv_heads < heads and SDPBackend.FLASH_ATTENTION not in plan.kernels:
+    assert SDPBackend.MATH not in call.kernels
+    if kv_heads < heads and SDPBackend.FLASH_ATTENTION not in call.kernels:
         # the memory-efficient kernel takes no grouped-query K / V: they reach it repeated or folded
-        assert plan.kv in ("repeat", "fold")
+        assert call.kv in ("repeat", "fold")
 
 
 def test_cuda_plan_table():
-    def plan(dtype, masked, kv_heads=8, t=1):
-        return sdpa_plan(
+    def call(dtype, masked, kv_heads=8, t=1):
+        return sdpa_call(
             "cuda", dtype, masked=masked, num_heads=32, num_kv_heads=kv_heads, num_queries=t, head_dim=128
         )
 
     bf16 = torch.bfloat16
-    assert plan(bf16, False, t=2048) == plan(bf16, False, kv_heads=32, t=2048)  # flash takes GQA natively
+    assert call(bf16, False, t=2048) == call(bf16, False, kv_heads=32, t=2048)  # flash takes GQA natively
     assert (
-        plan(bf16, False, t=2048).kv == "native" and SDPBackend.FLASH_ATTENTION in plan(bf16, False).kernels
+        call(bf16, False, t=2048).kv == "native" and SDPBackend.FLASH_ATTENTION in call(bf16, False).kernels
     )
-    assert plan(torch.float32, False, t=2048).kv == "repeat"  # fp32: memory-efficient, no GQA
-    assert plan(bf16, True, t=1).kv == "fold"  # decode: no copy of the cache
-    assert plan(bf16, True, t=5).kv == "fold"  # speculative verify
-    assert plan(bf16, True, t=4096).kv == "repeat"  # long padded prefill: 4 x [T, S] mask > K, V at 32 heads
-    assert plan(bf16, True, kv_heads=32, t=4096).kv == "native"
-    assert SDPBackend.EFFICIENT_ATTENTION in plan(bf16, True).kernels
-    assert plan(torch.float64, True).kernels == (SDPBackend.MATH,)  # no fused CUDA kernel takes float64
-    other = sdpa_plan("mps", bf16, masked=True, num_heads=32, num_kv_heads=8, num_queries=1, head_dim=128)
+    assert call(torch.float32, False, t=2048).kv == "repeat"  # fp32: memory-efficient, no GQA
+    assert call(bf16, True, t=1).kv == "fold"  # decode: no copy of the cache
+    assert call(bf16, True, t=5).kv == "fold"  # speculative verify
+    assert call(bf16, True, t=4096).kv == "repeat"  # long padded prefill: 4 x [T, S] mask > K, V at 32 heads
+    assert call(bf16, True, kv_heads=32, t=4096).kv == "native"
+    assert SDPBackend.EFFICIENT_ATTENTION in call(bf16, True).kernels
+    assert call(torch.float64, True).kernels == (SDPBackend.MATH,)  # no fused CUDA kernel takes float64
+    other = sdpa_call("mps", bf16, masked=True, num_heads=32, num_kv_heads=8, num_queries=1, head_dim=128)
     assert other.kv == "native" and other.kernels == ()  # no claim where the rules were not read
 
 
 @pytest.mark.parametrize("layout_of", ["cuda", "cpu"])
 @pytest.mark.parametrize("masked,heads,kv_heads,t,s", CUDA_SHAPES)
 def test_every_kv_layout_is_exact(layout_of, masked, heads, kv_heads, t, s):
-    """The layouts the CUDA plans choose (repeat, fold), run here on CPU tensors, equal the definition."""
+    """The layouts the CUDA calls choose (repeat, fold), run here on CPU tensors, equal the definition."""
     q, k, v = _qkv(heads, kv_heads, t, s)
     allowed = _padding_mask(t, s) if masked else None
     if not masked and t != s:
         pytest.skip("causal calls have T == S")
-    plan = sdpa_plan(
+    call = sdpa_call(
         layout_of, q.dtype, masked=masked, num_heads=heads, num_kv_heads=kv_heads, num_queries=t, head_dim=16
     )
     with sdpa_kernel(CPU_KERNELS):
-        got = planned_sdpa(q, k, v, allowed, plan)
+        got = sdpa_as_called(q, k, v, allowed, call)
     torch.testing.assert_close(got, reference_attention(q, k, v, allowed), atol=1e-12, rtol=0)
 
 
 def test_fold_with_many_queries_repeats_the_mask_rows():
     q, k, v = _qkv(6, 2, 5, 7)
     allowed = _padding_mask(5, 7)
-    fold = sdpa_plan(
+    fold = sdpa_call(
         "cuda", torch.float32, masked=True, num_heads=6, num_kv_heads=2, num_queries=5, head_dim=16
     )
     assert fold.kv == "fold"
     torch.testing.assert_close(
-        planned_sdpa(q, k, v, allowed, fold), reference_attention(q, k, v, allowed), atol=1e-12, rtol=0
+        sdpa_as_called(q, k, v, allowed, fold), reference_attention(q, k, v, allowed), atol=1e-12, rtol=0
     )
 
 
@@ -136,7 +136,7 @@ def _model(dtype: torch.dtype, kv_heads: int) -> Transformer:
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_model_calls_on_cpu_reach_only_the_claimed_kernel(dtype, kv_heads):
     """No mask / causal, padding mask, prefill and decode with a KV cache, packed: under sdpa_kernel restricted to
-    the CPU plan's kernels (MATH off), so a fallback raises; outputs equal the unrestricted run."""
+    the CPU call's kernels (MATH off), so a fallback raises; outputs equal the unrestricted run."""
     model = _model(dtype, kv_heads)
     gen = torch.Generator().manual_seed(1)
     ids_BT = torch.randint(1, 128, (3, 7), generator=gen)
@@ -219,11 +219,11 @@ def test_cuda_calls_reach_only_the_claimed_kernels(dtype, masked, heads, kv_head
     q, k, v = (x.to("cuda", dtype) for x in _qkv(heads, kv_heads, t, s, dtype=torch.float32))
     q, k, v = (F.pad(x, (0, 48)) for x in (q, k, v))  # head_dim 64
     allowed = _padding_mask(t, s).cuda() if masked else None
-    plan = sdpa_plan(
+    call = sdpa_call(
         "cuda", dtype, masked=masked, num_heads=heads, num_kv_heads=kv_heads, num_queries=t, head_dim=64
     )
-    with sdpa_kernel(list(plan.kernels)):
-        got = planned_sdpa(q, k, v, allowed, plan)
+    with sdpa_kernel(list(call.kernels)):
+        got = sdpa_as_called(q, k, v, allowed, call)
     atol = 1e-3 if dtype == torch.float32 else 2e-2  # fp32 may run on TF32 tensor cores
     torch.testing.assert_close(
         got.double(), reference_attention(q.double(), k.double(), v.double(), allowed), atol=atol, rtol=0

@@ -17,7 +17,7 @@ Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, 
 `PACKED_ATTENTION_BACKENDS[config.attention_backend]`: q_NHE, k_NKE, v_NKE (K kv heads, E head channels) and the
 `PackedSequences`, causal inside each sequence, nothing across sequences.
 
-Which torch SDPA kernel each call reaches is decided by `sdpa_plan` (a pure function of the call's shape, dtype
+Which torch SDPA kernel each call reaches is decided by `sdpa_call` (a pure function of the call's shape, dtype
 and device; docs/models.md, "Precision and attention kernels", has the table). The point is that no call of the
 model reaches SDPA's math kernel in bf16 / fp16 / fp32, which materialises the [B, H, T, S] scores (and, for
 grouped-query attention, K and V repeated to H heads). The one exception is a soft-capped layer (Gemma 2) under
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
 
 AttentionBackend = Literal["sdpa", "flash", "te"]
-"""sdpa = torch's scaled_dot_product_attention (any device; its kernel per call: `sdpa_plan`); flash = flash-attn
+"""sdpa = torch's scaled_dot_product_attention (any device; its kernel per call: `sdpa_call`); flash = flash-attn
 (CUDA, fp16/bf16); te = Transformer Engine (CUDA). flash and te run unpadded causal calls themselves and hand
 masked ones (padding, KV cache) to sdpa."""
 
@@ -59,7 +59,7 @@ the mask's rows repeat G times instead)."""
 
 
 @dataclass(frozen=True)
-class SdpaPlan:
+class SdpaCall:
     """How one SDPA call is made: the kv layout, and the kernels torch may pick for it (in torch's order; empty
     where no claim is made)."""
 
@@ -71,7 +71,7 @@ class SdpaPlan:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def sdpa_plan(
+def sdpa_call(
     device_type: str,
     dtype: torch.dtype,
     *,
@@ -80,7 +80,7 @@ def sdpa_plan(
     num_kv_heads: int,
     num_queries: int,
     head_dim: int,
-) -> SdpaPlan:
+) -> SdpaCall:
     """The kv layout and the kernels of one SDPA call (torch 2.13's dispatch rules, `sdp_utils.cpp`):
 
     CPU: the CPU flash kernel (`SDPBackend.FLASH_ATTENTION`) takes every call the model makes: masks ([B, 1, T, S]
@@ -95,26 +95,26 @@ def sdpa_plan(
     no fused CUDA kernel (math). Other devices (mps, xpu, ...): native K / V and no claim (`kernels` empty)."""
     gqa = num_kv_heads != num_heads
     if device_type == "cpu":
-        return SdpaPlan("native", (SDPBackend.FLASH_ATTENTION,))
+        return SdpaCall("native", (SDPBackend.FLASH_ATTENTION,))
     if device_type != "cuda":
-        return SdpaPlan("native", ())  # another accelerator: torch's own choice, no claim made
+        return SdpaCall("native", ())  # another accelerator: torch's own choice, no claim made
     if dtype not in (*_HALF, torch.float32):
-        return SdpaPlan("native", (SDPBackend.MATH,))
+        return SdpaCall("native", (SDPBackend.MATH,))
     if not masked and dtype in _HALF:
-        return SdpaPlan("native", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
+        return SdpaCall("native", (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
     fused = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
     if not gqa:
-        return SdpaPlan("native", fused)
+        return SdpaCall("native", fused)
     group = num_heads // num_kv_heads
     # elements each layout materialises per batch row and key: fold repeats the mask's T rows G times, repeat
     # copies K and V to H heads of D channels; causal calls have no mask to fold
     if masked and group * num_queries <= 2 * num_heads * head_dim:
-        return SdpaPlan("fold", fused)
-    return SdpaPlan("repeat", fused)
+        return SdpaCall("fold", fused)
+    return SdpaCall("repeat", fused)
 
 
-def plan_of(q_BHTD: Tensor, k_BKSD: Tensor, allowed_B1TS: Tensor | None) -> SdpaPlan:
-    return sdpa_plan(
+def sdpa_call_of(q_BHTD: Tensor, k_BKSD: Tensor, allowed_B1TS: Tensor | None) -> SdpaCall:
+    return sdpa_call(
         q_BHTD.device.type,
         q_BHTD.dtype,
         masked=allowed_B1TS is not None,
@@ -140,26 +140,26 @@ class AttentionSpec:
 PLAIN = AttentionSpec()
 
 
-def planned_sdpa(
+def sdpa_as_called(
     q_BHTD: Tensor,
     k_BKSD: Tensor,
     v_BKSD: Tensor,
     allowed_B1TS: Tensor | None,
-    plan: SdpaPlan,
+    call: SdpaCall,
     scale: float | None = None,
 ) -> Tensor:
-    """One SDPA call laid out as `plan` says (the same numbers whatever the layout: each is exact)."""
+    """One SDPA call laid out as `call` says (the same numbers whatever the layout: each is exact)."""
     b, h, t, d = q_BHTD.shape
     kv_heads = k_BKSD.shape[1]
     causal = allowed_B1TS is None
-    if plan.kv == "repeat":
+    if call.kv == "repeat":
         group = h // kv_heads
         k_BHSD = k_BKSD.repeat_interleave(group, dim=1)
         v_BHSD = v_BKSD.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(
             q_BHTD, k_BHSD, v_BHSD, attn_mask=allowed_B1TS, is_causal=causal, scale=scale
         )
-    if plan.kv == "fold":
+    if call.kv == "fold":
         assert allowed_B1TS is not None, "fold needs a mask (causal calls repeat)"
         group = h // kv_heads
         # query head h = k * G + g: row g * T + t of kv head k (a view when T == 1)
@@ -206,7 +206,7 @@ def sdpa_attention(
     allowed_B1TS: Tensor | None,
     spec: AttentionSpec = PLAIN,
 ) -> Tensor:
-    """torch's fused scaled-dot-product attention, laid out by `sdpa_plan`; with no mask it runs the causal
+    """torch's fused scaled-dot-product attention, laid out by `sdpa_call`; with no mask it runs the causal
     kernel, building nothing (a window narrower than the call becomes a band mask; soft-capped scores go through
     `softcapped_attention`)."""
     window = spec.window
@@ -214,8 +214,8 @@ def sdpa_attention(
         allowed_B1TS = band_mask(q_BHTD.shape[2], window, q_BHTD.device)
     if spec.softcap is not None:
         return softcapped_attention(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, spec)
-    plan = plan_of(q_BHTD, k_BKSD, allowed_B1TS)
-    return planned_sdpa(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, plan, spec.scale)
+    call = sdpa_call_of(q_BHTD, k_BKSD, allowed_B1TS)
+    return sdpa_as_called(q_BHTD, k_BKSD, v_BKSD, allowed_B1TS, call, spec.scale)
 
 
 _warned_fallback: set[str] = set()

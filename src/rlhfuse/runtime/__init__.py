@@ -18,9 +18,9 @@ from rlhfuse.runtime.lower import Instr, LoweringError, Message, Program, check_
 from rlhfuse.runtime.partition import RankStages, stages_for_rank
 from rlhfuse.runtime.plan import (
     PLANNERS,
-    PipelinePlan,
     PlanOptions,
     StageProfile,
+    StepSchedule,
     plan_fused,
     plan_serial_1f1b,
 )
@@ -34,7 +34,7 @@ __all__ = [
     "ParallelLayout",
     "PipelineError",
     "PipelineExecutor",
-    "PipelinePlan",
+    "StepSchedule",
     "PlanExecutor",
     "PlanOptions",
     "ProcessGroups",

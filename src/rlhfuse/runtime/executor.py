@@ -1,5 +1,5 @@
 """Executor: runs one rank's instruction stream (from `rlhfuse.runtime.lower`) over torch.distributed;
-`PlanExecutor` runs and measures the training steps of a `PipelinePlan` (`rlhfuse.runtime.plan`).
+`PlanExecutor` runs and measures the training steps of a `StepSchedule` (`rlhfuse.runtime.plan`).
 
 Receives are posted early with `irecv` and waited just before their consumer; sends are `isend`s kept alive
 until the optimizer step (both through `rlhfuse.runtime.streams.StreamComm`, shared with pipeline inference, one
@@ -39,7 +39,7 @@ from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups, RankGeometry
 from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
-from rlhfuse.runtime.plan import PipelinePlan, StageProfile
+from rlhfuse.runtime.plan import StageProfile, StepSchedule
 from rlhfuse.runtime.streams import PipelineError as PipelineError  # re-exported: raised by the executor
 from rlhfuse.runtime.streams import StreamComm, wait_for
 
@@ -485,7 +485,7 @@ class StepMeasurement(NamedTuple):
 
 
 class PlanExecutor:
-    """Runs training steps of `PipelinePlan`s on this rank's stages and measures them (collective: every rank
+    """Runs training steps of `StepSchedule`s on this rank's stages and measures them (collective: every rank
     runs its stream of the same plan).
 
     stages: this rank's (model, replica, stage) modules; groups: the layout's process groups; losses: the
@@ -520,7 +520,7 @@ class PlanExecutor:
         return next(next(iter(self.stages.values())).parameters()).device
 
     def run(
-        self, plan: PipelinePlan, work: StepWork, optimizer_step: Callable[[str, float], None]
+        self, plan: StepSchedule, work: StepWork, optimizer_step: Callable[[str, float], None]
     ) -> StepMeasurement:
         device = self.device
         if work.layout is None and work.micro[0][0].attention_mask_BT.device.type == "cpu":

@@ -1,4 +1,4 @@
-"""Pure planning of a pipelined training step: profiled stage times -> `PipelinePlan` (the schedule, its
+"""Pure planning of a pipelined training step: profiled stage times -> `StepSchedule` (the schedule, its
 lowered program and the predicted makespans). Nothing here touches a process group; the one collective choice
 (rank 0 searches the fused schedule, the other ranks receive it) is passed in as `agree`.
 
@@ -97,7 +97,7 @@ class StageProfile:
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class StepSchedule:
     """What one training step runs, and what the planner predicted for it.
 
     microbatches: per data-parallel group; problem: the layout's scheduling problem for that count (unit
@@ -128,18 +128,18 @@ def lowered_plan(
     predicted_s: float = math.nan,
     predicted_serial_s: float = math.nan,
     note: str = "",
-) -> PipelinePlan:
+) -> StepSchedule:
     """`schedule` (default serial 1F1B) for `microbatches` micro-batches, lowered and checked."""
     problem = dataclasses.replace(layout, microbatches=microbatches).problem()
     schedule = schedule if schedule is not None else serial_one_f_one_b(problem)
     program = lower_checked(problem, schedule, dp=layout.dp, prefetch=prefetch)
     profiled = profile.problem(layout, microbatches) if profile is not None else None
-    return PipelinePlan(
+    return StepSchedule(
         microbatches, problem, schedule, program, profiled, predicted_s, predicted_serial_s, note
     )
 
 
-def unprofiled_plan(layout: ParallelLayout, microbatches: int, *, prefetch: int) -> PipelinePlan:
+def unprofiled_plan(layout: ParallelLayout, microbatches: int, *, prefetch: int) -> StepSchedule:
     """Serial 1F1B on unit durations: the plan of the profiling step (no stage times yet)."""
     return lowered_plan(layout, microbatches, prefetch=prefetch)
 
@@ -167,7 +167,7 @@ class Planner(Protocol):
         microbatches: int,
         options: PlanOptions,
         agree: Agree = ...,
-    ) -> PipelinePlan: ...
+    ) -> StepSchedule: ...
 
 
 # what pipeline=fused runs with one trained model (logged by the strategy, also the validation's auto-resolution)
@@ -186,7 +186,7 @@ def plan_serial_1f1b(
     microbatches: int,
     options: PlanOptions,
     agree: Agree = here,
-) -> PipelinePlan:
+) -> StepSchedule:
     """The baseline: serial 1F1B, with its makespan predicted from the profiled stage times (no search)."""
     serial = _serial_makespan(profile.problem(layout, microbatches))
     return lowered_plan(
@@ -205,7 +205,7 @@ def plan_fused(
     microbatches: int,
     options: PlanOptions,
     agree: Agree = here,
-) -> PipelinePlan:
+) -> StepSchedule:
     """The fused schedule searched on the profiled stage times (`options.search_budget_s` seconds of annealing,
     0 = the paper's greedy); `agree` makes every rank use the same one. An Actor-only layout (a critic-free
     algorithm) has no second model to fill the bubbles with: it runs the Actor's 1F1B (`plan_serial_1f1b`)."""
@@ -249,7 +249,7 @@ def planner_for(name: str) -> Planner:
     return PLANNERS[name]
 
 
-def replay(plan: PipelinePlan, action_seconds: Mapping[Action, float]) -> float:
+def replay(plan: StepSchedule, action_seconds: Mapping[Action, float]) -> float:
     """The makespan the simulator gives `plan`'s schedule with each op's own measured seconds."""
     assert plan.profiled is not None, "replay needs a profiled plan"
     return simulate(plan.profiled, plan.schedule, durations=lambda a: action_seconds[a]).makespan

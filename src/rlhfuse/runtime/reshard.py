@@ -81,7 +81,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class ReshardPlan:
+class ReshardRoutes:
     entries: tuple[Entry, ...]
     pieces: tuple[Piece, ...]
     gen_tp: int
@@ -108,7 +108,7 @@ def plan_reshard(
     holders: Callable[[int, int], Sequence[int]],
     element_size: Callable[[int], int] = lambda _: 1,
     ranks_per_node: int = 0,
-) -> ReshardPlan:
+) -> ReshardRoutes:
     """Pure: every piece every rank of `world` needs for its generation shard (position r % gen_tp), and who
     sends it. `holders(stage, t)`: the ranks holding training shard t of `stage` (a receiver that is one of them
     copies locally); among several holders, one on the receiver's node (`ranks_per_node` consecutive ranks per
@@ -155,7 +155,7 @@ def plan_reshard(
                     shape[dim] = end - cursor
                     sent[src] = sent.get(src, 0) + int(torch.Size(shape).numel()) * element_size(i)
                 cursor = end
-    return ReshardPlan(tuple(entries), tuple(pieces), gen_tp)
+    return ReshardRoutes(tuple(entries), tuple(pieces), gen_tp)
 
 
 def _splits(module: nn.Module) -> dict[str, Split]:

@@ -6,7 +6,7 @@ models) it still trains only its stages and brings the copies back in sync after
 groups and micro-batches by token cost, and the rank's instruction stream runs it (compute, async p2p,
 gradient reduction, one optimizer step per model).
 
-The strategy composes one part per job: planning is pure (`rlhfuse.runtime.plan`: profile -> `PipelinePlan`,
+The strategy composes one part per job: planning is pure (`rlhfuse.runtime.plan`: profile -> `StepSchedule`,
 by the planning function of `schedule`, `plan_fused` or `plan_serial_1f1b`), `PlanExecutor` runs a plan,
 `StageOptimizers` steps the rank's stages, `ShardedCheckpointer` saves and loads its shard. The first step runs
 serial 1F1B and profiles the stages; every micro-batch count is then planned once from the profile (rank 0
@@ -44,9 +44,9 @@ from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.plan import (
-    PipelinePlan,
     PlanOptions,
     StageProfile,
+    StepSchedule,
     lowered_plan,
     planner_for,
     replay,
@@ -179,7 +179,7 @@ class FusedPipelineStrategy:
         # micro-batch count, and the plan the next step runs
         self.profile: StageProfile | None = None
         self.plan_options = PlanOptions(config.prefetch, config.search_budget_s)
-        self.plans: dict[int, PipelinePlan] = {}
+        self.plans: dict[int, StepSchedule] = {}
         self.plan = unprofiled_plan(self.layout, micro, prefetch=config.prefetch)
         self.steps = 0
         self.weight_sync_bytes = 0.0
@@ -339,7 +339,7 @@ class FusedPipelineStrategy:
         return replay(self.plan, self.executor.action_seconds(self.last_result))
 
     # --- planning ------------------------------------------------------------------------------------------------
-    def _plan_for(self, microbatches: int) -> PipelinePlan:
+    def _plan_for(self, microbatches: int) -> StepSchedule:
         """Collective (same count on every rank): the plan for `microbatches` micro-batches per group, planned
         from the profile the first time it is needed (cached); before profiling, the serial 1F1B stand-in."""
         if microbatches == self.plan.microbatches:
@@ -350,7 +350,7 @@ class FusedPipelineStrategy:
             return unprofiled_plan(self.layout, microbatches, prefetch=self.config.prefetch)
         return self._planned(microbatches)
 
-    def _planned(self, microbatches: int) -> PipelinePlan:
+    def _planned(self, microbatches: int) -> StepSchedule:
         """Collective: a new plan from the profile, cached."""
         assert self.profile is not None
         plan = self.planner(self.layout, self.profile, microbatches, self.plan_options, self._from_rank0)

@@ -42,7 +42,7 @@ from rlhfuse.trainer.data_parallel import validate_plain_launch
 from rlhfuse.trainer.run_config import PLAN_MODES, RLHFConfig
 from rlhfuse.trainer.topology import migration_entry, strategy_entry, topology
 
-__all__ = ["PLAN_MODES", "TrainerPlan", "apply_plan", "plan_config", "workload_for"]
+__all__ = ["PLAN_MODES", "AppliedPlan", "apply_plan", "plan_config", "workload_for"]
 
 
 def device_preset(device: Any) -> tuple[str, str]:
@@ -127,7 +127,7 @@ def world_shape(cfg: RLHFConfig) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class TrainerPlan:
+class AppliedPlan:
     """The planner's plan for this run, what was applied, and the configuration that results."""
 
     plan: Plan
@@ -196,7 +196,7 @@ def memory_facts(cfg: RLHFConfig, device: str) -> dict[str, Any]:
     return {"precision": precision, "offload_frozen": bool(cfg.inferencer.offload_frozen)}
 
 
-def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_reason: str = "") -> TrainerPlan:
+def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_reason: str = "") -> AppliedPlan:
     """Run the planner for `cfg` on devices of preset `device` (or of a device file's profile) and return the
     configuration with its plan applied (the input is not modified). Raises ValueError naming the key when the
     plan cannot be applied."""
@@ -324,7 +324,7 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
             + ") cannot run:\n  - "
             + "\n  - ".join(problems)
         )
-    return TrainerPlan(plan, migration_plan, profile.device.name, device_reason, tuple(applied), planned)
+    return AppliedPlan(plan, migration_plan, profile.device.name, device_reason, tuple(applied), planned)
 
 
 def _launch_problems(cfg: RLHFConfig) -> list[str]:
