@@ -73,12 +73,22 @@ def _prompts(count: int, seed: int = 1) -> PromptBatch:
 
 
 def _generator(
-    model, *, temperature=0.0, instances=1, policy=None, samples=2, bs_max=4, speculative="off", frozen=None
+    model,
+    *,
+    temperature=0.0,
+    instances=1,
+    policy=None,
+    samples=2,
+    bs_max=4,
+    speculative="off",
+    frozen=None,
+    tp=1,
 ):
     config = GenerationConfig(
         name="vllm",
         sampling=SamplingConfig(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=STOPS),
         instances=instances,
+        tp=tp,
         vllm=VLLMOptions(vllm_kv_cache_gb=0.25),
     )
     config.engine.speculative, config.engine.speculative_tokens = speculative, 3

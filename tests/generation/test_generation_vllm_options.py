@@ -103,7 +103,17 @@ def test_an_engine_in_a_multi_process_job_runs_on_the_external_launcher(recorded
     alone, launched = recorded
     assert "distributed_executor_backend" not in alone
     assert launched["distributed_executor_backend"] == "external_launcher"
+    assert launched["tensor_parallel_size"] == 1
     assert os.environ["RANK"] == os.environ["LOCAL_RANK"] == "0"  # env:// names this rank
+    vllm_engine.VLLMInstance(
+        "unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2, external_launcher=True,
+        tensor_parallel=2, device="cuda",
+    )  # fmt: skip
+    assert recorded[-1]["tensor_parallel_size"] == 2  # one engine over 2 ranks of the job's world
+    with pytest.raises(ValueError, match=r"generator.tp=2: a tensor-parallel vLLM engine spans"):
+        vllm_engine.VLLMInstance(
+            "unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2, tensor_parallel=2
+        )
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

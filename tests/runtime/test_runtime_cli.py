@@ -179,3 +179,40 @@ def test_tensor_parallel_config_errors_list_every_problem() -> None:
     )
     with pytest.raises(ValueError, match=r"inferencer=models .* needs whole models on every rank"):
         validate(per_rank)
+
+
+def test_generation_tp_rules_name_the_layout_each_generator_can_run() -> None:
+    """generator.tp > 1: vLLM's engines span generator.tp ranks of instances x tp processes and move nothing
+    between them (migration refused); the engine generator has no tensor-parallel instances; a plain job's process
+    count follows instances x tp. Each problem names the key and the fix."""
+
+    def problems(*overrides: str) -> str:
+        try:
+            validate(compose_config(list(overrides)))
+        except ValueError as err:
+            return str(err)
+        return ""
+
+    vllm_tp = ["generator=vllm", "generator.tp=2"]
+    moving = problems(*vllm_tp, "generator.instances=2", "migration=fixed")
+    assert "migration=fixed with generator.tp=2" in moving and "set migration=off or generator.tp=1" in moving
+    assert "generator.tp=2 does not divide" not in problems(*vllm_tp) and "with generator.tp" not in problems(
+        *vllm_tp
+    )
+    launch = problems(*vllm_tp, "distributed.nproc_per_node=4")
+    assert (
+        "generator.instances=1 x generator.tp=2 (4 != 2)" in launch and "set generator.instances=2" in launch
+    )
+    pipelines = problems(*vllm_tp, "pipeline=serial_1f1b", "distributed.nproc_per_node=4")
+    assert "the job needs 2 processes but has 4: set distributed.nproc_per_node=2" in pipelines
+    engine = problems("generator=engine", "generator.instances=2", "generator.tp=2")
+    assert (
+        "generator=engine's instances are one rank each" in engine
+        and "generator=vllm or generator.tp=1" in engine
+    )
+    from rlhfuse.trainer.topology import topology
+
+    layout = topology(compose_config([*vllm_tp, "generator.instances=2"]))
+    assert (layout.world, layout.instances, layout.weight_shards, layout.fused_rollout) == (4, 2, 1, False)
+    sampling = topology(compose_config(["pipeline=fused", "distributed.nproc_per_node=4", "generator.tp=2"]))
+    assert (sampling.instances, sampling.weight_shards) == (2, 2)

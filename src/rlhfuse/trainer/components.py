@@ -257,7 +257,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         schedule=schedule,
         timeout_s=cfg.distributed.timeout_s,
         autocast=ctx.fabric.autocast,
-        generation_tp=cfg.generator.tp,
+        generation_tp=ctx.topology.weight_shards,
     )
     # tp > 1: the strategy trains tensor-parallel shards of the models; the rest of the job (inference,
     # memory metrics) reads those, and the whole models it was given are dropped
@@ -288,7 +288,9 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
     {
         "sampling": GeneratorEntry(sampling_generator, instances=False),
         "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems),
-        "vllm": GeneratorEntry(vllm_generator, instances=True, problems=vllm_problems),
+        "vllm": GeneratorEntry(
+            vllm_generator, instances=True, problems=vllm_problems, own_tensor_parallel=True
+        ),
     },
 )
 INFERENCERS: Registry[InferencerEntry] = Registry(

@@ -15,13 +15,14 @@ from typing import Any
 
 def plain_world_size(cfg: Any) -> int:
     """Processes of a pipeline=plain run: torchrun's WORLD_SIZE when launched by it, else
-    distributed.nproc_per_node when set above 1, else generator.instances (1 with generator.in_process=true)."""
+    distributed.nproc_per_node when set above 1, else generator.instances x generator.tp (one process per rank of
+    each instance; 1 with generator.in_process=true)."""
     env = os.environ.get("WORLD_SIZE")
     if env and env.isdigit():
         return int(env)
     if cfg.distributed.nproc_per_node > 1 or cfg.generator.in_process:
         return int(cfg.distributed.nproc_per_node)
-    return int(cfg.generator.instances)
+    return int(cfg.generator.instances) * max(int(cfg.generator.tp), 1)
 
 
 def validate_plain_launch(cfg: Any) -> list[str]:
@@ -39,11 +40,13 @@ def validate_plain_launch(cfg: Any) -> list[str]:
             f"generator.in_process=true steps every instance in this one process, but {source} gives {world} "
             "processes: set generator.in_process=false (one process per instance) or distributed.nproc_per_node=1"
         )
-    elif world != g.instances and not g.in_process:
+    elif world != g.instances * max(g.tp, 1) and not g.in_process:
+        ranks = g.instances * max(g.tp, 1)
+        per = f" x generator.tp={g.tp}" if g.tp > 1 else ""
         problems.append(
-            f"pipeline=plain runs in one process per generation instance: {source} gives {world} processes but "
-            f"generator.instances={g.instances} ({world} != {g.instances}): set generator.instances={world}, "
-            f"or distributed.nproc_per_node={g.instances}, or pipeline=fused / serial_1f1b"
+            f"pipeline=plain runs in one process per rank of each generation instance: {source} gives {world} "
+            f"processes but generator.instances={g.instances}{per} ({world} != {ranks}): set generator.instances="
+            f"{max(world // max(g.tp, 1), 1)}, or distributed.nproc_per_node={ranks}, or pipeline=fused / serial_1f1b"
         )
     elif world > 1 and cfg.data.mini_batch_size < world:
         problems.append(

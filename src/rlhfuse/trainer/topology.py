@@ -48,6 +48,10 @@ class GeneratorEntry:
     build: Callable[[Any], Any]
     instances: bool
     problems: Rules = not_speculating
+    own_tensor_parallel: bool = False
+    """Its instances span generator.tp ranks with the backend's own tensor parallelism (vLLM's), and a weight
+    sync hands each rank whole tensors that the backend cuts itself (rlhfuse's tensor-parallel instances take
+    their shard, resharded from the training layout)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,10 @@ class Topology:
     world: int
     instances: int
     fused_rollout: bool
+    weight_shards: int = 1
+    """The tensor-parallel degree of what each rank's generator takes at a weight sync: generator.tp for
+    rlhfuse's tensor-parallel instances (each rank its shard), 1 for whole tensors (a backend with its own
+    tensor parallelism cuts them itself)."""
 
     @property
     def pipelines(self) -> bool:
@@ -142,8 +150,10 @@ def topology(cfg: RLHFConfig) -> Topology:
         world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
     else:
         world = plain_world_size(cfg)
-    with_instances = g.name in GENERATORS and generator_entry(g.name).instances
+    entry = generator_entry(g.name) if g.name in GENERATORS else None
+    with_instances = entry is not None and entry.instances
     instances = world // max(g.tp, 1) if kind == "pipelines" and not with_instances else g.instances
     # sharded models make every forward collective: inference runs in lockstep after generation
     fused = with_instances and g.instances > 1 and g.instances == world and kind != "sharded"
-    return Topology(kind, world, instances, fused)
+    shards = 1 if entry is not None and entry.own_tensor_parallel else max(g.tp, 1)
+    return Topology(kind, world, instances, fused, shards)

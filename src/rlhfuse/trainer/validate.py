@@ -228,11 +228,29 @@ def attention_problems(cfg: RLHFConfig) -> list[str]:
 
 
 def generation_tp_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
-    """generator.tp: each generation instance spans generator.tp ranks, so it must divide the world."""
+    """generator.tp: each generation instance spans generator.tp ranks, so the ranks must be exactly the
+    instances' (vLLM: generator.instances engines of generator.tp ranks each) or a multiple of generator.tp
+    (rlhfuse's tensor-parallel instances under the pipeline strategies: world / generator.tp of them)."""
     g, problems = cfg.generator, list[str]()
     if g.tp < 1:
         return [f"generator.tp={g.tp} must be >= 1"]
     if g.tp == 1:
+        return problems
+    entry = generator_entry(g.name) if g.name in GENERATORS else None
+    if entry is not None and entry.own_tensor_parallel:
+        need = g.instances * g.tp
+        if layout.pipelines and layout.world != need:  # pipeline=plain / fsdp: their launch rule says it
+            problems.append(
+                f"generator={g.name} with generator.tp={g.tp}: each of generator.instances={g.instances} engines "
+                f"spans generator.tp ranks, so the job needs {need} processes but has {layout.world}: set "
+                f"distributed.nproc_per_node={need}, or generator.instances={max(layout.world // g.tp, 1)}"
+            )
+        if cfg.migration.name in MIGRATION_POLICIES and migration_entry(cfg.migration.name).moves:
+            problems.append(
+                f"migration={cfg.migration.name} with generator.tp={g.tp}: migration moves samples between "
+                f"engines of one rank each, and a tensor-parallel {g.name} engine spans {g.tp}: set migration=off "
+                "or generator.tp=1"
+            )
         return problems
     world = layout.world if layout.pipelines else g.instances
     if world % g.tp:
@@ -240,10 +258,11 @@ def generation_tp_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
             f"generator.tp={g.tp} does not divide the world size {world} ({world} % {g.tp} = {world % g.tp}; "
             f"generation instances = world size / generator.tp): set generator.tp to a divisor of {world}"
         )
-    if g.name in GENERATORS and generator_entry(g.name).instances:
+    if entry is not None and entry.instances:
         problems.append(
-            f"generator.tp={g.tp}: tensor-parallel generation instances run generator=sampling (the engine's and "
-            f"vLLM's tensor parallelism is not built): set generator=sampling or generator.tp=1"
+            f"generator.tp={g.tp}: generator={g.name}'s instances are one rank each (tensor-parallel instances "
+            "are generator=sampling's under the pipeline strategies, and vLLM's engines): set generator=sampling, "
+            "generator=vllm or generator.tp=1"
         )
     if not layout.pipelines:
         problems.append(
