@@ -131,24 +131,32 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
 
 
-def _tp_worker(rank: int, port: int, out_dir: str) -> None:
-    """One rank of a 2-rank gloo world holding half of one vLLM engine (generator.tp = 2), greedy."""
+def _tp_worker(rank: int, port: int, out_dir: str, world: int) -> None:
+    """One rank of a gloo world of `world` ranks, each pair of ranks one vLLM engine (generator.tp = 2), greedy;
+    with 2 engines, also with the tail migrated between them."""
     import torch
     import torch.distributed as dist
     from test_generation_vllm import _generator, _prompts, _rows, make_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     from vllm.distributed import parallel_state
 
+    from rlhfuse.generation import FixedThreshold, NoMigration
+
     actor = make_model()
-    generator = _generator(actor, instances=1, tp=2)
+    generator = _generator(actor, instances=world // 2, tp=2, policy=NoMigration(), bs_max=16)
     prompts = _prompts(8, seed=6)
     out: dict[str, object] = {}
     assert generator.is_distributed()
     (rollout,) = generator.generate(prompts, iteration=0)
     out["rows"], out["tokens"] = _rows(rollout), int(rollout.response_mask_BR.sum())
+    if world > 2:  # the 8 capped samples: the tail moves to one engine (both of its ranks)
+        generator.policy = FixedThreshold(8)
+        (rollout,) = generator.generate(prompts, iteration=0)
+        out["fixed"], out["report"] = _rows(rollout), vars(generator.migration).copy()
+        generator.policy = NoMigration()
     out["counted"] = generator.generation_stats().tokens_per_s > 0
     out["counted_tokens"] = sum(e.stats.tokens for e in generator.engines)
     out["tp"] = parallel_state.get_tensor_model_parallel_world_size()
@@ -167,15 +175,16 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
 
 
-def _two_ranks(target, tmp_path: Path) -> list[dict]:
-    """`target(rank, port, out_dir)` on 2 spawned ranks; what each saved."""
+def _ranks(target, tmp_path: Path, *args) -> list[dict]:
+    """`target(rank, port, out_dir, *args)` on spawned ranks (2, or `args[0]`); what each saved."""
     import torch
 
+    world = args[0] if args else 2
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path), *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -183,8 +192,8 @@ def _two_ranks(target, tmp_path: Path) -> list[dict]:
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive and [p.exitcode for p in procs] == [0, 0]
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert not alive and [p.exitcode for p in procs] == [0] * world
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.mark.timeout(600)
@@ -195,7 +204,7 @@ def test_one_vllm_engine_per_rank_migrates_fuses_inference_and_syncs_weights(tmp
     import torch
     from test_generation_vllm import _engine_tokens, _prompts, make_model
 
-    ranks = _two_ranks(_worker, tmp_path)
+    ranks = _ranks(_worker, tmp_path)
     prompts = _prompts(8, seed=6)
     expected = _engine_tokens(make_model(), prompts, 2)
     for out in ranks:
@@ -208,24 +217,33 @@ def test_one_vllm_engine_per_rank_migrates_fuses_inference_and_syncs_weights(tmp
         assert out["after"] == _engine_tokens(trained, prompts, 2) != expected
 
 
-@pytest.mark.timeout(600)
-def test_one_vllm_engine_over_two_ranks_generates_and_syncs_as_rlhfuses_engine(tmp_path: Path) -> None:
-    """generator.tp = 2: one vLLM engine with vLLM's own tensor parallelism over the 2 ranks (its groups cut
-    from the job's world): both ranks get the whole rollout, equal to rlhfuse's engine's greedy tokens, before
-    and after a weight sync of whole tensors (each rank's engine loads its half); the instance's tokens are
-    counted once."""
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 4])
+def test_vllm_engines_over_two_ranks_each_generate_migrate_and_sync_as_rlhfuses_engine(
+    tmp_path: Path, world: int
+) -> None:
+    """generator.tp = 2: each vLLM engine spans 2 ranks with vLLM's own tensor parallelism (its groups cut from
+    the job's world): every rank gets the whole rollout, equal to rlhfuse's engine's greedy tokens, before and
+    after a weight sync of whole tensors (each rank's engine loads its half); an instance's tokens are counted
+    once. With 2 engines (4 ranks) the tail also migrates between them: the engines' first ranks decide and send,
+    their second ranks repeat each engine call, and the tokens stay the same."""
     from test_generation_vllm import _engine_tokens, _prompts, make_model
 
-    ranks = _two_ranks(_tp_worker, tmp_path)
+    ranks = _ranks(_tp_worker, tmp_path, world)
     prompts = _prompts(8, seed=6)
     expected = _engine_tokens(make_model(), prompts, 2)
     trained = make_model()
     trained.load_state_dict(ranks[0]["trained"])
-    assert [(r["tp"], r["tp_rank"]) for r in ranks] == [(2, 0), (2, 1)]  # one engine, half on each rank
+    assert [(r["tp"], r["tp_rank"]) for r in ranks] == [(2, 0), (2, 1)] * (world // 2)  # half an engine each
     for out in ranks:
         assert out["rows"] == expected
         assert out["after"] == _engine_tokens(trained, prompts, 2) != expected
-    assert ranks[0]["counted_tokens"] == ranks[0]["tokens"] and ranks[0]["counted"]
+        if world > 2:
+            assert out["fixed"] == expected
+    if world > 2:
+        report = ranks[0]["report"]
+        assert report["samples_moved"] > 0 and report["mechanism"] == "reprefill"
+    assert sum(r["counted_tokens"] for r in ranks[::2]) == ranks[0]["tokens"] and ranks[0]["counted"]
 
 
 @pytest.mark.timeout(900)

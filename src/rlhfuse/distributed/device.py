@@ -71,7 +71,35 @@ def new_group(ranks: Sequence[int], timeout_s: float | None = None) -> Any:
     return dist.new_group(list(ranks), **kwargs)
 
 
+def global_rank(group: Any, group_rank: int) -> int:
+    """The world rank of rank `group_rank` of `group` (torch's point-to-point calls name peers by world rank,
+    whatever group they run on); the rank itself for the world (None)."""
+    return group_rank if group is None else int(dist.get_global_rank(group, group_rank))
+
+
+def rank_in(group: Any, world_rank: int) -> int:
+    """`global_rank`'s inverse: the rank in `group` of world rank `world_rank`."""
+    return world_rank if group is None else int(dist.get_group_rank(group, world_rank))
+
+
 _CPU_GROUPS: dict[int, Any] = {}
+
+
+def control_subgroups(rank_lists: Sequence[Sequence[int]]) -> Any:
+    """Collective over the world (every rank calls it, same order): a gloo control group per list of ranks (each
+    made on every rank, as torch requires), each its own `cpu_group`; this rank's group (None when it is in
+    none). For control messages among some ranks only: `cpu_group` of a group that some ranks are not in would
+    be made by its members alone."""
+    from rlhfuse.distributed import ordering
+
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(list(ranks), backend="gloo")
+        if rank() in ranks:
+            ordering.mark_control(group)
+            _CPU_GROUPS[id(group)] = group
+            mine = group
+    return mine
 
 
 def cpu_group(group: Any = None) -> Any:

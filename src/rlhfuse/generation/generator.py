@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ from rlhfuse.generation.engine import (
 )
 from rlhfuse.generation.fusion import fused_generate_infer
 from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig
+from rlhfuse.generation.lockstep import LockstepLeader, follow
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
 from rlhfuse.generation.transport import PointToPoint, collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
@@ -188,6 +190,8 @@ class EngineGenerator:
         self.report = MigrationReport()
         self.engines: list[Instance] = []  # the last batch's instances (their statistics)
         self._predicted: tuple[object, object] | None = None
+        # instances of generator.tp ranks: (this rank's instance control group, the instances' first ranks' group)
+        self._lockstep_groups: tuple[Any, Any] | None = None
 
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
         self.pool.load_weight_buckets([named_tensors])
@@ -252,14 +256,8 @@ class EngineGenerator:
         agreed = torch.tensor([threshold], dtype=torch.int64, device=collective_device(None, self.device))
         distributed.broadcast(agreed, 0)
         (engine,) = self._engines_for(width, len(requests), 1, params)
-        if (
-            self.config.tp > 1
-        ):  # tensor-parallel instances: each decodes its share; nothing moves between them
-            instance = distributed.rank() // self.config.tp
-            engine.add(balance(requests, self.config.instances)[instance])
-            while engine.has_work():
-                for sample in engine.step():
-                    yield instance, sample
+        if self.config.tp > 1:
+            yield from self._stream_lockstep(engine, requests, int(agreed))
             return
         c = self.coordinator
         coordinator = DistributedCoordinator(
@@ -273,6 +271,42 @@ class EngineGenerator:
             if not released and report.at and rank in report.freed:
                 released = True
                 self.pool.release(0)
+
+    def _stream_lockstep(
+        self, engine: Instance, requests: Sequence[SampleRequest], threshold: int
+    ) -> Iterator[tuple[int, SampleRequest]]:
+        """`stream` with instances of generator.tp ranks (`rlhfuse.generation.lockstep`): the instances' first
+        ranks run the coordinator among themselves (migration included), each instance's other ranks repeat its
+        engine calls; (instance, finished sample) on every rank of the instance."""
+        tp = self.config.tp
+        instance, position = divmod(distributed.rank(), tp)
+        if self._lockstep_groups is None:  # collective over the world, once: every rank makes every group
+            self._lockstep_groups = (
+                distributed.control_subgroups(
+                    [range(i * tp, (i + 1) * tp) for i in range(self.config.instances)]
+                ),
+                distributed.control_subgroups([range(0, self.config.instances * tp, tp)]),
+            )
+        group, leaders = self._lockstep_groups
+        release = functools.partial(self.pool.release, 0)
+        if position:
+            engine.add(balance(requests, self.config.instances)[instance])
+            for sample in follow(engine, group, instance * tp, release):
+                yield instance, sample
+            return
+        lead = LockstepLeader(engine, group, instance * tp, release)
+        c = self.coordinator
+        coordinator = DistributedCoordinator(
+            lead, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s, group=leaders
+        )
+        released = False
+        for sample in coordinator.run(requests, threshold=threshold):
+            yield instance, sample
+            report = self.report = coordinator.report
+            if not released and report.at and instance in report.freed:
+                released = True
+                lead.release()
+        lead.finish()
 
     def generate(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None

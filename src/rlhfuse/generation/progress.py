@@ -100,11 +100,17 @@ class CountWatch:
                     self._post(peer)
         else:
             buf = _buffer(self.device)
-            self._go = (distributed.irecv(buf, 0, group=self.group, tag=GO_TAG), buf)
+            self._go = (distributed.irecv(buf, self._world_rank(0), group=self.group, tag=GO_TAG), buf)
+
+    def _world_rank(self, peer: int) -> int:
+        """Rank `peer` of the group as point-to-point calls name it (its world rank)."""
+        return distributed.global_rank(self.group, peer)
 
     def _post(self, peer: int) -> None:
         buf = _buffer(self.device)
-        self._recv[peer].append((distributed.irecv(buf, peer, group=self.group, tag=COUNT_TAG), buf))
+        self._recv[peer].append(
+            (distributed.irecv(buf, self._world_rank(peer), group=self.group, tag=COUNT_TAG), buf)
+        )
 
     def _drain(self, *, until_final: bool) -> None:
         """Rank 0: read every count message that arrived (with `until_final`: until each peer's final one and
@@ -153,7 +159,8 @@ class CountWatch:
                 return False
             go = torch.ones(1, dtype=torch.int64, device=self.device)
             works = [
-                distributed.isend(go, peer, group=self.group, tag=GO_TAG) for peer in range(1, self.world)
+                distributed.isend(go, self._world_rank(peer), group=self.group, tag=GO_TAG)
+                for peer in range(1, self.world)
             ]
             self._drain(until_final=True)
             for work in works:
@@ -166,7 +173,9 @@ class CountWatch:
     def _send(self, value: int) -> None:
         self._last = value
         buf = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._sending.append((distributed.isend(buf, 0, group=self.group, tag=COUNT_TAG), buf))
+        self._sending.append(
+            (distributed.isend(buf, self._world_rank(0), group=self.group, tag=COUNT_TAG), buf)
+        )
 
     def close(self) -> None:
         for work, _ in self._sending:
@@ -196,7 +205,9 @@ class StealChannel:
     def request(self, destination: int, rank: int) -> distributed.Work | None:
         """Ask `destination` for work (non-blocking; its reply is a `SampleBatch`, empty = no more work)."""
         buf = torch.tensor([rank], dtype=torch.int64, device=self.device)
-        work = distributed.isend(buf, destination, group=self.group, tag=STEAL_TAG)
+        work = distributed.isend(
+            buf, distributed.global_rank(self.group, destination), group=self.group, tag=STEAL_TAG
+        )
         if work is not None:
             work.wait()
         return work

@@ -122,17 +122,19 @@ class PointToPoint:
         packed = packed.to(self.device)
         frame = torch.tensor(packed.frame, dtype=torch.int64, device=self.device)
         tensors = (frame, packed.header_H, packed.payload_N)
-        works = [distributed.isend(t, dst, group=self.group) for t in tensors]
+        peer = distributed.global_rank(self.group, dst)
+        works = [distributed.isend(t, peer, group=self.group) for t in tensors]
         return Sending([w for w in works if w is not None], tensors)
 
     def recv_packed(self, src: int | None = None) -> tuple[int, Packed]:
-        """(sender, message); `src=None` receives the next message from any rank."""
+        """(sender, message); `src=None` receives the next message from any rank (ranks of `group`)."""
         frame = torch.empty(2, dtype=torch.int64, device=self.device)
-        sender = distributed.recv(frame, src, group=self.group)
+        peer = None if src is None else distributed.global_rank(self.group, src)
+        sender = distributed.recv(frame, peer, group=self.group)  # a world rank
         packed = Packed.empty(frame.tolist(), self.device)
         distributed.recv(packed.header_H, sender, group=self.group)
         distributed.recv(packed.payload_N, sender, group=self.group)
-        return sender, packed
+        return distributed.rank_in(self.group, sender), packed
 
     def all_gather(self, packed: Packed) -> list[Packed]:
         """Every rank's message, in rank order (messages padded to the longest for the collective)."""

@@ -245,12 +245,6 @@ def generation_tp_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
                 f"spans generator.tp ranks, so the job needs {need} processes but has {layout.world}: set "
                 f"distributed.nproc_per_node={need}, or generator.instances={max(layout.world // g.tp, 1)}"
             )
-        if cfg.migration.name in MIGRATION_POLICIES and migration_entry(cfg.migration.name).moves:
-            problems.append(
-                f"migration={cfg.migration.name} with generator.tp={g.tp}: migration moves samples between "
-                f"engines of one rank each, and a tensor-parallel {g.name} engine spans {g.tp}: set migration=off "
-                "or generator.tp=1"
-            )
         return problems
     world = layout.world if layout.pipelines else g.instances
     if world % g.tp:

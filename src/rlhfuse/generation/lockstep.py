@@ -1,0 +1,123 @@
+"""A generation instance over several ranks (one tensor-parallel vLLM engine on generator.tp ranks), driven as one.
+
+The instance's first rank (its leader) takes part in generation like a one-rank instance: the coordinator, the
+count watch and the migration run among the leaders only (`DistributedCoordinator` on the leaders' group). Every
+call that changes the engine is repeated on the instance's other ranks in the same order: the leader's
+`LockstepLeader` tells them each call before it makes it (over the instance's gloo control group), and `follow`
+makes it on theirs, so the engine's own collectives inside a step (vLLM's tensor-parallel all-reduces) meet on
+every rank. A call is one small broadcast of two ints on the CPU; migrated-in samples follow as one `SampleBatch`
+message. Reads (`num_unfinished`, `has_work`) are the same on every rank and are not sent.
+
+Every rank first queues the instance's share itself (the same requests in the same order), so the engines start
+alike; the calls keep them alike. Under greedy or seeded sampling the backend chooses the same tokens on every
+rank of a tensor-parallel group (vLLM's `external_launcher` contract).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlhfuse import distributed
+from rlhfuse.core.wire import Packed
+from rlhfuse.generation.coordinator import Instance, KVCapacity
+from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest, SamplingParams
+from rlhfuse.generation.wire import SampleBatch
+
+STEP, EVICT, ADMIT, RELEASE, DONE = range(5)
+CPU = torch.device("cpu")
+
+
+class LockstepLeader:
+    """`Instance` of the leader of an instance over the ranks of `group` (its first, global rank `leader`): each
+    changing call is broadcast to the other ranks, then made here."""
+
+    def __init__(self, engine: Instance, group: Any, leader: int, on_release: Callable[[], None]) -> None:
+        self.engine, self.group, self.leader, self.on_release = engine, group, leader, on_release
+
+    def _say(self, op: int, arg: int = 0) -> None:
+        distributed.broadcast(torch.tensor([op, arg], dtype=torch.int64), self.leader, group=self.group)
+
+    # ------------------------------------------------------------------ the calls repeated on every rank
+    def step(self) -> list[SampleRequest]:
+        self._say(STEP)
+        return self.engine.step()
+
+    def evict(self, count: int, *, with_kv: bool) -> list[MigratingSample]:
+        self._say(EVICT, count)
+        return self.engine.evict(count, with_kv=with_kv)
+
+    def admit(self, samples: Sequence[MigratingSample]) -> None:
+        self._say(ADMIT)
+        distributed.broadcast_packed(SampleBatch(list(samples)).pack(CPU), self.leader, CPU, group=self.group)
+        self.engine.admit(samples)
+
+    def release(self) -> None:
+        """Freed by a migration: every rank releases its part of the engine until the next batch."""
+        self._say(RELEASE)
+        self.on_release()
+
+    def finish(self) -> None:
+        """The batch is over on this instance: the other ranks stop following."""
+        self._say(DONE)
+
+    # ------------------------------------------------------------------ read here only
+    def add(self, requests: Iterable[SampleRequest]) -> None:
+        """The share every rank of the instance has already queued itself (`follow`'s caller)."""
+        self.engine.add(requests)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.engine.num_unfinished
+
+    @property
+    def cache(self) -> KVCapacity:
+        return self.engine.cache
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    @property
+    def running(self) -> Mapping[Any, SampleRequest]:
+        return self.engine.running
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.engine.params
+
+
+def follow(
+    engine: Instance, group: Any, leader: int, on_release: Callable[[], None]
+) -> Iterator[SampleRequest]:
+    """On a rank of an instance other than its first (`leader`): make on `engine` every call the leader's
+    `LockstepLeader` makes, in its order, until it says the batch is over; yield the samples finished here (the
+    same as the leader's)."""
+    while True:
+        said = torch.zeros(2, dtype=torch.int64)
+        distributed.broadcast(said, leader, group=group)
+        op, arg = said.tolist()
+        if op == STEP:
+            yield from engine.step()
+        elif op == EVICT:
+            engine.evict(
+                arg, with_kv=False
+            )  # the same samples leave (the engines are alike); the leader sends them
+        elif op == ADMIT:
+            packed: Packed = distributed.broadcast_packed(None, leader, CPU, group=group)
+            engine.admit(SampleBatch.unpack(packed).samples)
+        elif op == RELEASE:
+            on_release()
+        elif op == DONE:
+            return
+        else:
+            raise RuntimeError(f"lockstep: unknown call {op} from rank {leader}")
