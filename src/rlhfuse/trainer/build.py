@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.config_checks import need
 from rlhfuse.core.optim import generation_dtype, resolve_precision
-from rlhfuse.core.protocols import Callback, FusingGenerator, Generator, RolloutStage
+from rlhfuse.core.protocols import Callback, FusingGenerator, Generator, Inferencer, RolloutStage, Strategy
+from rlhfuse.core.rewards import RewardSet
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import (
+    Prompt,
     PromptLoader,
     completion_rows,
     dataset_label,
@@ -26,6 +29,7 @@ from rlhfuse.data.prompts import (
     uses_chat_template,
 )
 from rlhfuse.data.synthetic import SyntheticTask
+from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.distributed.fsdp import full_state
 from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
@@ -194,6 +198,30 @@ def with_datasets(config: RLHFConfig, train_dataset: Any, eval_dataset: Any) -> 
     return dataclasses.replace(config, data=data, eval=held)
 
 
+@dataclass(frozen=True)
+class RunData:
+    """What the data phase gives the rest of the build: the configuration with the tokenizer's stop ids, the
+    tokenizer, the training prompts' loader and the held-out prompts, every prompt's dataset row (by prompt id)
+    and the rule-based rewards (checked against those rows)."""
+
+    config: RLHFConfig
+    tokenizer: Tokenizer
+    loader: PromptLoader
+    held_out: list[Prompt]
+    rows: list[Mapping[str, Any]]
+    rewards: RewardSet | None
+
+
+@dataclass(frozen=True)
+class Components:
+    """The plug points of one run, built in this order from the registries (`build_components`)."""
+
+    strategy: Strategy
+    generator: Generator
+    inferencer: Inferencer
+    rollout: RolloutStage
+
+
 def build_trainer(
     config: RLHFConfig,
     *,
@@ -205,31 +233,98 @@ def build_trainer(
 ) -> RLHFTrainer:
     """The trainer `config` describes, everything built and checked (`fit()` runs it). `train_dataset` and
     `eval_dataset` (`datasets.Dataset`s, TRL's names) give the training and held-out prompts in place of
-    `data.path` and `eval.path`."""
+    `data.path` and `eval.path`.
+
+    The build in order: the run spec (every configuration problem at once), the run folder (a resume that may
+    not continue fails here), the data (bad prompts and rows fail before any model is built), the device and
+    process group, the models, the components (strategy, generator, inferencer, rollout stage), the callbacks."""
     check_callbacks(callbacks or [])  # before anything is built
     spec = compile_run(with_datasets(config, train_dataset, eval_dataset), log=log)
-    config, layout, counts = spec.config, spec.topology, spec.counts
-    run_dir = Path(run_dir or config.run_dir or "outputs/rlhfuse")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log(f"rlhfuse: experiment {config.experiment!r}, run directory {run_dir}")
-    checkpoint_dir = run_dir / config.checkpoint.dir
+    config, layout = spec.config, spec.topology
+    run_dir, record = prepare_run_folder(config, layout, run_dir, log)
+    log(f"rlhfuse: {spec.counts.describe()}")
+    data = load_data(config, train_dataset, eval_dataset, log)
+    config = data.config
+
+    device = resolve_device(config.device)  # this rank's: cuda:LOCAL_RANK under torchrun
+    claim_device(device)  # before the process group: NCCL, Triton launches and current_device() follow it
+    allow_tf32(device)
+    fabric = make_fabric(config, layout, device)
+    if fabric.world_size > 1:
+        device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
+    shard = sharded_construction(config, layout, fabric)
+    models = build_models(config, layout, device, shard, log)
+    fabric.seed_everything(config.seed, verbose=False)
+
+    ctx = BuildContext(
+        config,
+        layout,
+        models,
+        fabric,
+        spec.counts.total_optimizer_steps,
+        rows=data.rows,
+        rewards=data.rewards,
+    )
+    parts = build_components(ctx)
+    rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
+    export = export_callback(config, layout, models, parts, run_dir, sharded_stages=bool(shard), rank0=rank0)
+    models.generation = None  # the generator holds its own copy now
+    loggers = build_loggers(config.logger, run_dir) if rank0 else []
+    # the watchdog keeps the last step for its dead-rank message
+    extra = [c for c in (export, Watchdog.current if fabric.world_size > 1 else None) if c is not None]
+    all_callbacks = [
+        *run_callbacks(config, models, parts, data, run_dir, loggers, extra, rank0=rank0),
+        *(callbacks or []),
+    ]
+    for logger in loggers:
+        try:
+            logger.log_hyperparams(dataclasses.asdict(config))
+        except NotImplementedError:  # Fabric's CSVLogger keeps no hyperparameters
+            pass
+    return RLHFTrainer(
+        config,
+        generator=parts.generator,
+        inferencer=parts.inferencer,
+        strategy=parts.strategy,
+        rollout=parts.rollout,
+        prompts=data.loader,
+        pad_token_id=models.tokenizer.pad_id,
+        run_dir=run_dir,
+        callbacks=all_callbacks,
+        logger=loggers,
+        fabric=fabric,
+        record=record,
+    )
+
+
+def prepare_run_folder(
+    config: RLHFConfig, layout: Topology, run_dir: str | Path | None, log: Callable[[str], None]
+) -> tuple[Path, dict[str, Any]]:
+    """The run folder, made; a fresh start over old checkpoints, a resume that changes what may not change or
+    has nothing left to train, and a pipeline layout that does not match the checkpoint fail here, before
+    anything is built. Returns the folder and the configuration record run.json keeps (as validated)."""
+    folder = Path(run_dir or config.run_dir or "outputs/rlhfuse")
+    folder.mkdir(parents=True, exist_ok=True)
+    log(f"rlhfuse: experiment {config.experiment!r}, run directory {folder}")
+    checkpoint_dir = folder / config.checkpoint.dir
     check_fresh_start(checkpoint_dir, config.resume, config.checkpoint.overwrite)
-    # a resume that changes what may not change, or has nothing left to train, fails before anything is built
-    record = config_record(config)  # as validated (the tokenizer's stop ids are added below)
-    check_resume_config(config, run_dir, checkpoint_dir, record)
-    if layout.pipelines:  # a layout mismatch fails before any model is built
+    record = config_record(config)  # as validated (the tokenizer's stop ids are added later)
+    check_resume_config(config, folder, checkpoint_dir, record)
+    if layout.pipelines:
         from rlhfuse.runtime.sharded_checkpoint import check_resume
 
-        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, run_dir)
-    log(f"rlhfuse: {counts.describe()}")
+        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, folder)
+    return folder, record
 
-    # Data before models: malformed or over-long prompts, and rows without the field the reward function
-    # reads, fail fast.
+
+def load_data(
+    config: RLHFConfig, train_dataset: Any, eval_dataset: Any, log: Callable[[str], None]
+) -> RunData:
+    """Data before models: the tokenizer (the embedded task's, or the SFT model's), the prompts (malformed or
+    over-long ones fail here), the held-out split, and the rows the reward functions read (checked now)."""
     m = config.model
-    warm = m.sft_path is None and m.reward_path is None
-    task = embedded_task(config)
-    if warm:
-        tokenizer = task.tokenizer()
+    if m.sft_path is None and m.reward_path is None:  # the warm start's models: the embedded task's tokenizer
+        tokenizer = embedded_task(config).tokenizer()
     else:
         assert m.sft_path is not None
         tokenizer = load_tokenizer(m.tokenizer_path, m.sft_path)
@@ -253,127 +348,135 @@ def build_trainer(
     if rewards is not None:
         rewards.check_rows(rows, config.data.path or f"data.source={config.data.source}")
     loader = PromptLoader(prompts, config.data.prompts_per_iteration, seed=config.seed)
+    return RunData(config, tokenizer, loader, held_out, rows, rewards)
 
-    device = resolve_device(config.device)  # this rank's: cuda:LOCAL_RANK under torchrun
-    claim_device(device)  # before the process group: NCCL, Triton launches and current_device() follow it
-    allow_tf32(device)
-    fabric = make_fabric(config, layout, device)
-    if fabric.world_size > 1:
-        device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
-    rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
-    critic = uses_critic(config.algorithm)  # critic-free algorithms load, train and save no Critic
-    shard = sharded_construction(config, layout, fabric)
-    # pipeline=fsdp: the models are read into host memory and each unit moves to the device as it is sharded, so
-    # no model is ever whole on the device (the generation copy moves there whole: `fsdp_strategy`)
-    load_device = torch.device("cpu") if layout.sharded else device
-    if warm:
-        sft_path, reward_path = warm_start(m, task, seed=config.seed, log=log)
-        models = load_models(
-            m,
-            sft_path=str(sft_path),
-            reward_path=str(reward_path),
-            device=load_device,
-            critic=critic,
-            reward=config.inferencer.use_reward_model,
-            shard=shard,
-            seed=config.seed,
-        )
+
+def build_models(
+    config: RLHFConfig,
+    layout: Topology,
+    device: torch.device,
+    shard: Any,
+    log: Callable[[str], None],
+) -> Models:
+    """The run's models on `device`: the embedded task's warm-started SFT Actor and reward model when no model
+    is given, else the checkpoints; a Critic only for the algorithms that use one; cast for bf16-true; the
+    generation copy in the generator's dtype. pipeline=fsdp reads them into host memory (each unit moves to the
+    device as it is sharded, so no model is ever whole on the device)."""
+    m = config.model
+    reward_path: str | None
+    if m.sft_path is None and m.reward_path is None:
+        sft, reward = warm_start(m, embedded_task(config), seed=config.seed, log=log)
+        sft_path, reward_path = str(sft), str(reward)
     else:
         assert m.sft_path is not None
-        models = load_models(
-            m,
-            sft_path=m.sft_path,
-            reward_path=m.reward_path,
-            device=load_device,
-            critic=critic,
-            reward=config.inferencer.use_reward_model,
-            shard=shard,
-            seed=config.seed,
-        )
+        sft_path, reward_path = m.sft_path, m.reward_path
+    models = load_models(
+        m,
+        sft_path=sft_path,
+        reward_path=reward_path,
+        device=torch.device("cpu") if layout.sharded else device,
+        critic=uses_critic(config.algorithm),  # critic-free algorithms load, train and save no Critic
+        reward=config.inferencer.use_reward_model,
+        shard=shard,
+        seed=config.seed,
+    )
     if config.pipeline.optim.precision == "bf16-true":
         cast_models(models, torch.bfloat16)
     prepare_generation_copy(
         models, generation_dtype(resolve_precision(config.pipeline.optim.precision, device.type))
     )
-    fabric.seed_everything(config.seed, verbose=False)
+    return models
 
-    ctx = BuildContext(
-        config, layout, models, fabric, counts.total_optimizer_steps, rows=rows, rewards=rewards
-    )
-    # the strategy first: it may shard or place the models the generator copies and the inferencer runs
+
+def build_components(ctx: BuildContext) -> Components:
+    """The strategy first (it may shard or place the models the generator copies and the inferencer runs),
+    then the generator, the inferencer (under pipeline=fsdp each rank infers its share with the sharded models,
+    in lockstep) and the rollout stage that joins them."""
+    config = ctx.config
     strategy = ctx.strategy = strategy_entry(config.pipeline.name).build(ctx)
     generator = generator_entry(config.generator.name).build(ctx)
     inferencer = inferencer_entry(config.inferencer.name).build(ctx)
-    sharded = isinstance(strategy, FSDPStrategy)  # pipeline=fsdp: the four models sharded over the ranks
-    if sharded:  # each rank infers its share of the rollout with them, in lockstep
+    if isinstance(strategy, FSDPStrategy):
         inferencer = ShardedInference(inferencer, strategy.group)
-    rollout = rollout_stage(ctx, generator, inferencer)
-    # the generation copy is a tp shard: the export reassembles the whole Actor (collective)
-    shard_export = config.checkpoint.export_hf and layout.weight_shards > 1
-    # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy
-    export = config.checkpoint.export_hf and rank0 and bool(shard) and not shard_export
-    actor_export = generation_copy(generator, config) if export else models.actor
-    models.generation = None  # the generator holds its own copy now
+    return Components(strategy, generator, inferencer, rollout_stage(ctx, generator, inferencer))
 
-    all_callbacks: list[Callback] = [
+
+def export_callback(
+    config: RLHFConfig,
+    layout: Topology,
+    models: Models,
+    parts: Components,
+    run_dir: Path,
+    *,
+    sharded_stages: bool,
+    rank0: bool,
+) -> Callback | None:
+    """checkpoint.export_hf's callback: the Actor written as a Hugging Face checkpoint (or a PEFT adapter) at the
+    end of `fit`, reassembled by every rank from whatever holds it (a tensor-parallel generation copy, the fsdp
+    shards, the pipeline stages), written by rank 0. None without an export, or on a rank with no part in it."""
+    if not config.checkpoint.export_hf:
+        return None
+    strategy: Any = parts.strategy
+    fsdp = isinstance(strategy, FSDPStrategy)
+    path = run_dir / "actor_hf"
+    if layout.weight_shards > 1:  # the generation copy is a tp shard: the export reassembles the whole Actor
+        return ExportShardedActor(
+            lambda: strategy.shards.full_state("actor"), strategy.models["actor"].config, models.tokenizer, path,
+            write=rank0,
+        )  # fmt: skip
+    if config.model.lora.enabled and (rank0 or fsdp or sharded_stages):
+        # a sharded Actor's tensors gathered on every rank (collective), written by rank 0: from the fsdp shards
+        # or the pipeline stages
+        whole: Callable[[], Mapping[str, torch.Tensor]] = models.actor.state_dict
+        if fsdp:
+            whole = lambda: full_state(strategy.actor)  # noqa: E731
+        elif sharded_stages:
+            whole = lambda: strategy.shards.full_state("actor")  # noqa: E731
+        return ExportAdapter(
+            whole, models.actor.config, config.model.lora, models.tokenizer, path, base=models.sft_path,
+            write=rank0,
+        )  # fmt: skip
+    if fsdp:
+        return ExportShardedActor(
+            lambda: full_state(strategy.actor), strategy.actor.config, models.tokenizer, path, write=rank0
+        )
+    if not rank0:
+        return None
+    # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy
+    actor = generation_copy(parts.generator, config) if sharded_stages else models.actor
+    return ExportActor(actor, models.tokenizer, path)
+
+
+def run_callbacks(
+    config: RLHFConfig,
+    models: Models,
+    parts: Components,
+    data: RunData,
+    run_dir: Path,
+    loggers: list[Any],
+    extra: list[Callback],
+    *,
+    rank0: bool,
+) -> list[Callback]:
+    """The run's own callbacks, in the order they are called: progress, reward and task metrics, `extra` (the
+    export, the watchdog), the sample table, held-out evaluation, memory metrics last."""
+    names = data.rewards.names if data.rewards is not None else ()
+    out: list[Callback] = [
         RichProgress(
             config.iterations,
             enabled=config.logger.progress and rank0,
             print_every=config.logger.print_every if rank0 else 0,
-        )
+        ),
+        RewardMetrics(names, config.inferencer.replaces_truncated()),
     ]
-    names = rewards.names if rewards is not None else ()
-    all_callbacks.append(RewardMetrics(names, config.inferencer.replaces_truncated()))
     if config.data.source == "synthetic":
-        all_callbacks.append(TaskScore(rule_reward("topic_fraction", "task/score"), models.tokenizer))
+        out.append(TaskScore(rule_reward("topic_fraction", "task/score"), models.tokenizer))
     elif config.data.source == "arithmetic":  # the share of right answers, whatever reward the run optimises
         rule = rule_reward("numeric_match", "task/accuracy")
-        all_callbacks.append(TaskScore(rule, models.tokenizer, key="task/accuracy", rows=rows))
-    if shard_export:
-        all_callbacks.append(
-            ExportShardedActor(
-                lambda: strategy.shards.full_state("actor"),
-                strategy.models["actor"].config,
-                models.tokenizer,
-                run_dir / "actor_hf",
-                write=rank0,
-            )
-        )
-    elif config.checkpoint.export_hf and m.lora.enabled and (rank0 or sharded or bool(shard)):
-        # a sharded Actor's tensors gathered on every rank (collective), written by rank 0: from the fsdp shards
-        # or the pipeline stages
-        whole: Callable[[], Mapping[str, torch.Tensor]] = models.actor.state_dict
-        if sharded:
-            whole = lambda: full_state(strategy.actor)  # noqa: E731
-        elif shard:
-            whole = lambda: strategy.shards.full_state("actor")  # noqa: E731
-        adapter = ExportAdapter(
-            whole,
-            models.actor.config,
-            m.lora,
-            models.tokenizer,
-            run_dir / "actor_hf",
-            base=models.sft_path,
-            write=rank0,
-        )
-        all_callbacks.append(adapter)
-    elif config.checkpoint.export_hf and sharded:
-        all_callbacks.append(
-            ExportShardedActor(
-                lambda: full_state(strategy.actor),
-                strategy.actor.config,
-                models.tokenizer,
-                run_dir / "actor_hf",
-                write=rank0,
-            )
-        )
-    elif config.checkpoint.export_hf and rank0:
-        all_callbacks.append(ExportActor(actor_export, models.tokenizer, run_dir / "actor_hf"))
-    if Watchdog.current is not None and fabric.world_size > 1:
-        all_callbacks.append(Watchdog.current)  # keeps the last step for its dead-rank message
-    loggers = build_loggers(config.logger, run_dir) if rank0 else []
+        out.append(TaskScore(rule, models.tokenizer, key="task/accuracy", rows=data.rows))
+    out.extend(extra)
     if config.logger.log_samples_every > 0 and rank0:
-        all_callbacks.append(
+        out.append(
             SampleTable(
                 run_dir / "samples.jsonl",
                 models.tokenizer,
@@ -383,11 +486,11 @@ def build_trainer(
             )
         )
     if config.eval.every > 0:  # every rank: the evaluation rollout may be collective
-        all_callbacks.append(
+        out.append(
             Evaluator(
                 config.eval,
-                held_out,
-                rollout,
+                data.held_out,
+                parts.rollout,
                 generator=config.generator.sampling,
                 pad_token_id=models.tokenizer.pad_id,
                 batch_prompts=config.data.prompts_per_iteration,
@@ -395,29 +498,11 @@ def build_trainer(
                 verifier=verifier_index(config.inferencer),
             )
         )
-    all_callbacks.append(
+    strategy, generator = parts.strategy, parts.generator
+    out.append(
         MemoryMetrics(
             lambda: [models.actor, models.ref, models.critic, models.reward, *generator.actor_copies()],
             lambda: list(strategy.optimizers_in_use()),
         )
     )
-    all_callbacks.extend(callbacks or [])
-    for logger in loggers:
-        try:
-            logger.log_hyperparams(dataclasses.asdict(config))
-        except NotImplementedError:  # Fabric's CSVLogger keeps no hyperparameters
-            pass
-    return RLHFTrainer(
-        config,
-        generator=generator,
-        inferencer=inferencer,
-        strategy=strategy,
-        rollout=rollout,
-        prompts=loader,
-        pad_token_id=models.tokenizer.pad_id,
-        run_dir=run_dir,
-        callbacks=all_callbacks,
-        logger=loggers,
-        fabric=fabric,
-        record=record,
-    )
+    return out
