@@ -86,6 +86,27 @@ def _inferencer(actor):
     )  # fmt: skip
 
 
+def _sync_and_finish(generator, actor, prompts, out: dict, out_dir: str) -> None:
+    """A weight sync of perturbed weights into the generator, its next greedy rollout recorded with them; then
+    this rank's results saved and the process ended."""
+    import torch
+    import torch.distributed as dist
+    from test_generation_vllm import _rows
+
+    torch.manual_seed(11)
+    trained = copy.deepcopy(actor)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    generator.load_weights(trained.state_dict())
+    (after,) = generator.generate(prompts, iteration=0)
+    out["after"], out["trained"] = _rows(after), trained.state_dict()
+    generator.close()
+    torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     """One rank of a 2-rank gloo world: one vLLM engine (instances = world), greedy."""
     import torch
@@ -116,19 +137,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     generator.policy = NoMigration()
     experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
     out["serial_logprobs"] = experience.logprobs_BR
-    # a weight sync into each rank's engine
-    torch.manual_seed(11)
-    trained = copy.deepcopy(actor)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    generator.load_weights(trained.state_dict())
-    (after,) = generator.generate(prompts, iteration=0)
-    out["after"], out["trained"] = _rows(after), trained.state_dict()
-    generator.close()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
+    _sync_and_finish(generator, actor, prompts, out, out_dir)  # a weight sync into each rank's engine
 
 
 def _tp_worker(rank: int, port: int, out_dir: str, world: int) -> None:
@@ -161,18 +170,7 @@ def _tp_worker(rank: int, port: int, out_dir: str, world: int) -> None:
     out["counted_tokens"] = sum(e.stats.tokens for e in generator.engines)
     out["tp"] = parallel_state.get_tensor_model_parallel_world_size()
     out["tp_rank"] = parallel_state.get_tensor_model_parallel_rank()
-    torch.manual_seed(11)  # a weight sync of whole tensors, each rank's engine keeping its half
-    trained = copy.deepcopy(actor)
-    with torch.no_grad():
-        for p in trained.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    generator.load_weights(trained.state_dict())
-    (after,) = generator.generate(prompts, iteration=0)
-    out["after"], out["trained"] = _rows(after), trained.state_dict()
-    generator.close()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
+    _sync_and_finish(generator, actor, prompts, out, out_dir)  # whole tensors: each engine keeps its half
 
 
 def _ranks(target, tmp_path: Path, *args) -> list[dict]:
