@@ -165,7 +165,14 @@ def _tp_worker(rank: int, port: int, out_dir: str, world: int) -> None:
         generator.policy = FixedThreshold(8)
         (rollout,) = generator.generate(prompts, iteration=0)
         out["fixed"], out["report"] = _rows(rollout), vars(generator.migration).copy()
+        # fused with inference: the freed engine's first rank infers and steals, its second repeats its calls
+        inferencer = _inferencer(actor)
+        experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
+        out["fused"], out["fused_report"] = _rows(experience.rollout), vars(generator.migration).copy()
+        out["fused_logprobs"] = experience.logprobs_BR
         generator.policy = NoMigration()
+        experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
+        out["serial_logprobs"] = experience.logprobs_BR
     out["counted"] = generator.generation_stats().tokens_per_s > 0
     out["counted_tokens"] = sum(e.stats.tokens for e in generator.engines)
     out["tp"] = parallel_state.get_tensor_model_parallel_world_size()
@@ -224,7 +231,9 @@ def test_vllm_engines_over_two_ranks_each_generate_migrate_and_sync_as_rlhfuses_
     the job's world): every rank gets the whole rollout, equal to rlhfuse's engine's greedy tokens, before and
     after a weight sync of whole tensors (each rank's engine loads its half); an instance's tokens are counted
     once. With 2 engines (4 ranks) the tail also migrates between them: the engines' first ranks decide and send,
-    their second ranks repeat each engine call, and the tokens stay the same."""
+    their second ranks repeat each engine call, and the tokens stay the same; and generation fused with inference
+    (the freed engine's first rank infers and steals) gives every rank the serial baseline's Experience."""
+    import torch
     from test_generation_vllm import _engine_tokens, _prompts, make_model
 
     ranks = _ranks(_tp_worker, tmp_path, world)
@@ -236,11 +245,13 @@ def test_vllm_engines_over_two_ranks_each_generate_migrate_and_sync_as_rlhfuses_
     for out in ranks:
         assert out["rows"] == expected
         assert out["after"] == _engine_tokens(trained, prompts, 2) != expected
-        if world > 2:
-            assert out["fixed"] == expected
+        if world > 2:  # every rank, followers included, holds the same fused Experience
+            assert out["fixed"] == out["fused"] == expected
+            assert torch.allclose(out["fused_logprobs"], out["serial_logprobs"], atol=1e-5)
     if world > 2:
         report = ranks[0]["report"]
         assert report["samples_moved"] > 0 and report["mechanism"] == "reprefill"
+        assert ranks[0]["fused_report"]["samples_moved"] > 0
     assert sum(r["counted_tokens"] for r in ranks[::2]) == ranks[0]["tokens"] and ranks[0]["counted"]
 
 

@@ -182,10 +182,9 @@ def test_tensor_parallel_config_errors_list_every_problem() -> None:
 
 
 def test_generation_tp_rules_name_the_layout_each_generator_can_run() -> None:
-    """generator.tp > 1: vLLM's engines span generator.tp ranks of instances x tp processes (migration between
-    them allowed, the rollout not fused: an instance's ranks are not one process each); the engine generator has
-    no tensor-parallel instances; a plain job's process count follows instances x tp. Each problem names the key
-    and the fix."""
+    """generator.tp > 1: vLLM's engines span generator.tp ranks of instances x tp processes (migration and the
+    fused rollout between them); the engine generator has no tensor-parallel instances; a plain job's process
+    count follows instances x tp. Each problem names the key and the fix."""
 
     def problems(*overrides: str) -> str:
         try:
@@ -213,6 +212,6 @@ def test_generation_tp_rules_name_the_layout_each_generator_can_run() -> None:
     from rlhfuse.trainer.topology import topology
 
     layout = topology(compose_config([*vllm_tp, "generator.instances=2"]))
-    assert (layout.world, layout.instances, layout.weight_shards, layout.fused_rollout) == (4, 2, 1, False)
+    assert (layout.world, layout.instances, layout.weight_shards, layout.fused_rollout) == (4, 2, 1, True)
     sampling = topology(compose_config(["pipeline=fused", "distributed.nproc_per_node=4", "generator.tp=2"]))
     assert (sampling.instances, sampling.weight_shards) == (2, 2)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,8 @@ class FusedResult:
     gen_inf_s: float
     inference_s: float = 0.0
     stolen: int = 0
+    rows: list[InferredSample] = field(default_factory=list)
+    """Every sample's inference results in row order, what `experience` was assembled from."""
 
 
 def token_batches(samples: Sequence[SampleRequest], budget: int, most: int) -> Iterator[list[SampleRequest]]:
@@ -172,8 +174,9 @@ def fused_generate_infer(
             f"fused generation+inference lost samples: got rows {[r.request.row for r in all_rows]}"
         )
     return FusedResult(
-        _assemble(all_rows, pad_token_id), report, gen_end - start, gen_inf, infer.seconds, stolen
-    )
+        assemble_experience(all_rows, pad_token_id), report, gen_end - start, gen_inf, infer.seconds, stolen,
+        all_rows,
+    )  # fmt: skip
 
 
 def _steal(infer: _Inference, transport: PointToPoint, channel: StealChannel, report: MigrationReport) -> int:
@@ -250,7 +253,8 @@ def _serve(
     return gen_end
 
 
-def _assemble(rows: list[InferredSample], pad: int) -> Experience:
+def assemble_experience(rows: list[InferredSample], pad: int) -> Experience:
+    """The batch's Experience from every sample's inference results (row order)."""
     rollout = to_rollout([r.request for r in rows], pad)
     width = rollout.response_ids_BR.shape[1]
 

@@ -70,7 +70,8 @@ class GenerationConfig:
     # size / generator.tp (any divisor, whatever pipeline.actor_tp), each rank receiving exactly its tp shard of
     # the trained Actor after every update (rlhfuse.runtime.reshard). generator=vllm: generator.instances engines
     # with vLLM's own tensor parallelism over instances x tp processes, fed whole tensors (vLLM keeps each rank's
-    # slice), the tail migrating between them (rlhfuse.generation.lockstep). 1 = a whole copy per rank.
+    # slice), the tail migrating between them and inference fused into it (rlhfuse.generation.lockstep). 1 = a
+    # whole copy per rank.
     tp: int = 1
     # true = keep every instance in this one process, stepped in turn (no launch, no speed-up: a correctness
     # mode for tests and scripts that cannot re-launch themselves).

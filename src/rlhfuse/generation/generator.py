@@ -36,9 +36,9 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
-from rlhfuse.generation.fusion import fused_generate_infer
+from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
 from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig
-from rlhfuse.generation.lockstep import LockstepLeader, follow
+from rlhfuse.generation.lockstep import LockstepLeader, follow, shared_result
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
 from rlhfuse.generation.transport import PointToPoint, collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
@@ -272,23 +272,52 @@ class EngineGenerator:
                 released = True
                 self.pool.release(0)
 
+    def _groups_of_lockstep(self) -> tuple[Any, Any]:
+        """(this rank's instance control group, the instances' first ranks' group), made once: a collective over
+        the world (every rank makes every group)."""
+        if self._lockstep_groups is None:
+            tp, count = self.config.tp, self.config.instances
+            self._lockstep_groups = (
+                distributed.control_subgroups([range(i * tp, (i + 1) * tp) for i in range(count)]),
+                distributed.control_subgroups([range(0, count * tp, tp)]),
+            )
+        return self._lockstep_groups
+
+    def _fused_lockstep(
+        self, engine: Instance, inferencer: Inferencer, requests: Sequence[SampleRequest], threshold: int,
+        micro_batch: int,
+    ) -> FusedResult:  # fmt: skip
+        """`fused_generate_infer` with instances of generator.tp ranks: the instances' first ranks run it among
+        themselves, each instance's other ranks repeat its engine calls, then take its result."""
+        instance, position = divmod(distributed.rank(), self.config.tp)
+        group, leaders = self._groups_of_lockstep()
+        leader = instance * self.config.tp
+        release = functools.partial(self.pool.release, 0)
+        if position:
+            engine.add(balance(requests, self.config.instances)[instance])
+            for _ in follow(engine, group, leader, release):
+                pass  # the leader's samples, inferred there
+            return shared_result(None, group, leader, self.pad_token_id)
+        lead = LockstepLeader(engine, group, leader, release)
+        c = self.coordinator
+        result = fused_generate_infer(
+            lead, inferencer, requests, threshold=threshold, bs_max=c.bs_max, mechanism=c.mechanism,
+            micro_batch=micro_batch, pad_token_id=self.pad_token_id, group=leaders,
+            link_bytes_per_s=c.link_bytes_per_s, on_freed=lead.release,
+        )  # fmt: skip
+        lead.finish()
+        return shared_result(result, group, leader, self.pad_token_id)
+
     def _stream_lockstep(
         self, engine: Instance, requests: Sequence[SampleRequest], threshold: int
     ) -> Iterator[tuple[int, SampleRequest]]:
         """`stream` with instances of generator.tp ranks (`rlhfuse.generation.lockstep`): the instances' first
         ranks run the coordinator among themselves (migration included), each instance's other ranks repeat its
         engine calls; (instance, finished sample) on every rank of the instance."""
-        tp = self.config.tp
-        instance, position = divmod(distributed.rank(), tp)
-        if self._lockstep_groups is None:  # collective over the world, once: every rank makes every group
-            self._lockstep_groups = (
-                distributed.control_subgroups(
-                    [range(i * tp, (i + 1) * tp) for i in range(self.config.instances)]
-                ),
-                distributed.control_subgroups([range(0, self.config.instances * tp, tp)]),
-            )
-        group, leaders = self._lockstep_groups
+        instance, position = divmod(distributed.rank(), self.config.tp)
+        group, leaders = self._groups_of_lockstep()
         release = functools.partial(self.pool.release, 0)
+        tp = self.config.tp
         if position:
             engine.add(balance(requests, self.config.instances)[instance])
             for sample in follow(engine, group, instance * tp, release):
@@ -346,12 +375,13 @@ class EngineGenerator:
         sampling: Sampling | None = None,
         micro_batch: int = 16,
     ) -> tuple[Experience, RolloutStats]:
-        """Generation fused with inference (`fused_generate_infer`), one instance per rank: the rollout's
-        Experience (the same on every rank) and its statistics (`FusedRollout` runs this)."""
-        if not self.is_distributed() or self.config.tp > 1:
+        """Generation fused with inference (`fused_generate_infer`), the instances over the processes (one per
+        rank, or generator.tp ranks each: `_fused_lockstep`): the rollout's Experience (the same on every rank)
+        and its statistics (`FusedRollout` runs this)."""
+        if not self.is_distributed():
             raise RuntimeError(
-                f"fused generation + inference needs one generation instance per rank: generator.instances="
-                f"{self.config.instances} x generator.tp={self.config.tp} on a world of "
+                f"fused generation + inference needs the generation instances over the processes: "
+                f"generator.instances={self.config.instances} x generator.tp={self.config.tp} on a world of "
                 f"{distributed.world_size()} process(es)"
             )
         params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
@@ -366,10 +396,13 @@ class EngineGenerator:
         width = max(r.prompt_len for r in requests)
         (engine,) = self._engines_for(width, len(requests), 1, params)
         c = self.coordinator
-        result = fused_generate_infer(
-            engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
-            micro_batch=micro_batch, pad_token_id=self.pad_token_id, on_freed=lambda: self.pool.release(0),
-        )  # fmt: skip
+        if self.config.tp > 1:
+            result = self._fused_lockstep(engine, inferencer, requests, int(agreed), micro_batch)
+        else:
+            result = fused_generate_infer(
+                engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
+                micro_batch=micro_batch, pad_token_id=self.pad_token_id, on_freed=lambda: self.pool.release(0),
+            )  # fmt: skip
         self._rest_after(sampling)
         self.report = result.report
         experience = result.experience.to(self.device)  # rewards, KL and GAE run on the device

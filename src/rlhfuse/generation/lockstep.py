@@ -11,6 +11,10 @@ message. Reads (`num_unfinished`, `has_work`) are the same on every rank and are
 Every rank first queues the instance's share itself (the same requests in the same order), so the engines start
 alike; the calls keep them alike. Under greedy or seeded sampling the backend chooses the same tokens on every
 rank of a tensor-parallel group (vLLM's `external_launcher` contract).
+
+Inter-stage fusion runs the same way: the leaders run `fused_generate_infer` among themselves (a freed engine's
+leader infers and steals), the other ranks repeat the engine calls, then take their leader's result
+(`shared_result`).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import torch
 
 from rlhfuse import distributed
 from rlhfuse.core.wire import Packed
-from rlhfuse.generation.coordinator import Instance, KVCapacity
+from rlhfuse.generation.coordinator import Instance, KVCapacity, MigrationReport
 from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest, SamplingParams
-from rlhfuse.generation.wire import SampleBatch
+from rlhfuse.generation.fusion import FusedResult, assemble_experience
+from rlhfuse.generation.wire import InferredBatch, SampleBatch
 
 STEP, EVICT, ADMIT, RELEASE, DONE = range(5)
 CPU = torch.device("cpu")
@@ -121,3 +126,20 @@ def follow(
             return
         else:
             raise RuntimeError(f"lockstep: unknown call {op} from rank {leader}")
+
+
+def shared_result(result: FusedResult | None, group: Any, leader: int, pad_token_id: int) -> FusedResult:
+    """The leader's fused generation + inference result (`result`, None elsewhere) on every rank of its instance:
+    every sample's inference results and the timings as two messages; the other ranks assemble the same
+    Experience (their migration report stays empty: the leaders decided)."""
+    packed = InferredBatch(result.rows).pack(CPU) if result is not None else None
+    rows = InferredBatch.unpack(distributed.broadcast_packed(packed, leader, CPU, group=group)).rows
+    seconds = [result.generation_s, result.gen_inf_s] if result is not None else [0.0, 0.0]
+    times = torch.tensor(seconds, dtype=torch.float64)
+    distributed.broadcast(times, leader, group=group)
+    if result is not None:
+        return result
+    generation_s, gen_inf_s = times.tolist()
+    return FusedResult(
+        assemble_experience(rows, pad_token_id), MigrationReport(), generation_s, gen_inf_s, rows=rows
+    )

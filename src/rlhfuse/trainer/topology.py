@@ -113,8 +113,9 @@ class Topology:
     `world`: processes (torchrun's WORLD_SIZE when launched by it). `instances`: generation instances (one per
     process under `replicas` / `sharded` unless `generator.in_process`; under `pipelines`, world /
     generator.tp tensor-parallel instances with generator=sampling, else `generator.instances`).
-    `fused_rollout`: each process is one instance of a generator with instances, and the models it infers with
-    are whole on it, so the rollout fuses inference into generation across processes (inter-stage fusion)."""
+    `fused_rollout`: the processes are the instances of a generator with instances (one each, or generator.tp
+    each for a backend with its own tensor parallelism), and the models they infer with are whole on each, so the
+    rollout fuses inference into generation across processes (inter-stage fusion)."""
 
     strategy: StrategyKind
     world: int
@@ -152,8 +153,10 @@ def topology(cfg: RLHFConfig) -> Topology:
         world = plain_world_size(cfg)
     entry = generator_entry(g.name) if g.name in GENERATORS else None
     with_instances = entry is not None and entry.instances
+    own_tp = entry is not None and entry.own_tensor_parallel
     instances = world // max(g.tp, 1) if kind == "pipelines" and not with_instances else g.instances
-    # sharded models make every forward collective: inference runs in lockstep after generation
-    fused = with_instances and g.instances > 1 and g.instances == world and kind != "sharded"
-    shards = 1 if entry is not None and entry.own_tensor_parallel else max(g.tp, 1)
-    return Topology(kind, world, instances, fused, shards)
+    # the instances over the processes (one rank each, or generator.tp each with the backend's own tensor
+    # parallelism); sharded models make every forward collective: inference runs in lockstep after generation
+    ranks = g.instances * (max(g.tp, 1) if own_tp else 1)
+    fused = with_instances and g.instances > 1 and ranks == world and kind != "sharded"
+    return Topology(kind, world, instances, fused, 1 if own_tp else max(g.tp, 1))
