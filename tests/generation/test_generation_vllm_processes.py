@@ -86,6 +86,26 @@ def _inferencer(actor):
     )  # fmt: skip
 
 
+def _migrate_and_fuse(generator, actor, prompts, out: dict) -> None:
+    """The 8 capped samples' tail moved to one engine (`FixedThreshold(8)`), then generation fused with inference
+    (the freed instance infers and takes the destination's finished samples) and its serial baseline."""
+    from test_generation_vllm import _rows
+
+    from rlhfuse.generation import FixedThreshold, NoMigration
+
+    generator.policy = FixedThreshold(8)
+    (rollout,) = generator.generate(prompts, iteration=0)
+    out["fixed"], out["report"] = _rows(rollout), vars(generator.migration).copy()
+    out["finished"] = rollout.finished_B.tolist()
+    inferencer = _inferencer(actor)
+    experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
+    out["fused"], out["fused_report"] = _rows(experience.rollout), vars(generator.migration).copy()
+    out["fused_logprobs"] = experience.logprobs_BR
+    generator.policy = NoMigration()
+    experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
+    out["serial_logprobs"] = experience.logprobs_BR
+
+
 def _sync_and_finish(generator, actor, prompts, out: dict, out_dir: str) -> None:
     """A weight sync of perturbed weights into the generator, its next greedy rollout recorded with them; then
     this rank's results saved and the process ended."""
@@ -116,7 +136,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    from rlhfuse.generation import FixedThreshold, NoMigration
+    from rlhfuse.generation import NoMigration
 
     actor = make_model()
     generator = _generator(actor, instances=2, policy=NoMigration(), bs_max=16)
@@ -125,18 +145,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     assert generator.is_distributed()
     (rollout,) = generator.generate(prompts, iteration=0)
     out["off"] = _rows(rollout)
-    generator.policy = FixedThreshold(8)  # the 8 capped samples: the tail moves to one engine
-    (rollout,) = generator.generate(prompts, iteration=0)
-    out["fixed"], out["report"] = _rows(rollout), vars(generator.migration).copy()
-    out["finished"] = rollout.finished_B.tolist()
-    # generation fused with inference: the freed rank infers and takes the destination's finished samples
-    inferencer = _inferencer(actor)
-    experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
-    out["fused"], out["fused_report"] = _rows(experience.rollout), vars(generator.migration).copy()
-    out["fused_logprobs"] = experience.logprobs_BR
-    generator.policy = NoMigration()
-    experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
-    out["serial_logprobs"] = experience.logprobs_BR
+    _migrate_and_fuse(generator, actor, prompts, out)
     _sync_and_finish(generator, actor, prompts, out, out_dir)  # a weight sync into each rank's engine
 
 
@@ -152,7 +161,7 @@ def _tp_worker(rank: int, port: int, out_dir: str, world: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     from vllm.distributed import parallel_state
 
-    from rlhfuse.generation import FixedThreshold, NoMigration
+    from rlhfuse.generation import NoMigration
 
     actor = make_model()
     generator = _generator(actor, instances=world // 2, tp=2, policy=NoMigration(), bs_max=16)
@@ -161,18 +170,8 @@ def _tp_worker(rank: int, port: int, out_dir: str, world: int) -> None:
     assert generator.is_distributed()
     (rollout,) = generator.generate(prompts, iteration=0)
     out["rows"], out["tokens"] = _rows(rollout), int(rollout.response_mask_BR.sum())
-    if world > 2:  # the 8 capped samples: the tail moves to one engine (both of its ranks)
-        generator.policy = FixedThreshold(8)
-        (rollout,) = generator.generate(prompts, iteration=0)
-        out["fixed"], out["report"] = _rows(rollout), vars(generator.migration).copy()
-        # fused with inference: the freed engine's first rank infers and steals, its second repeats its calls
-        inferencer = _inferencer(actor)
-        experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
-        out["fused"], out["fused_report"] = _rows(experience.rollout), vars(generator.migration).copy()
-        out["fused_logprobs"] = experience.logprobs_BR
-        generator.policy = NoMigration()
-        experience, _ = generator.fused_rollout(prompts, iteration=0, inferencer=inferencer, micro_batch=4)
-        out["serial_logprobs"] = experience.logprobs_BR
+    if world > 2:  # 2 engines: the freed engine's first rank infers and steals, its second repeats its calls
+        _migrate_and_fuse(generator, actor, prompts, out)
     out["counted"] = generator.generation_stats().tokens_per_s > 0
     out["counted_tokens"] = sum(e.stats.tokens for e in generator.engines)
     out["tp"] = parallel_state.get_tensor_model_parallel_world_size()
