@@ -401,7 +401,8 @@ class EngineGenerator:
         else:
             result = fused_generate_infer(
                 engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
-                micro_batch=micro_batch, pad_token_id=self.pad_token_id, on_freed=lambda: self.pool.release(0),
+                micro_batch=micro_batch, pad_token_id=self.pad_token_id, link_bytes_per_s=c.link_bytes_per_s,
+                on_freed=lambda: self.pool.release(0),
             )  # fmt: skip
         self._rest_after(sampling)
         self.report = result.report
