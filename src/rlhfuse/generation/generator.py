@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -259,18 +259,26 @@ class EngineGenerator:
         if self.config.tp > 1:
             yield from self._stream_lockstep(engine, requests, int(agreed))
             return
+        release = functools.partial(self.pool.release, 0)
+        yield from self._coordinated(engine, requests, int(agreed), distributed.rank(), None, release)
+
+    def _coordinated(
+        self, engine: Instance, requests: Sequence[SampleRequest], threshold: int, index: int, group: Any,
+        release: Callable[[], None],
+    ) -> Iterator[tuple[int, SampleRequest]]:  # fmt: skip
+        """(index, finished sample) as `engine`, instance `index` of the instances on `group`'s ranks, finishes
+        them under a `DistributedCoordinator`; `release` once a migration has freed this instance."""
         c = self.coordinator
         coordinator = DistributedCoordinator(
-            engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s
+            engine, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s, group=group
         )
-        rank = distributed.rank()
         released = False
-        for sample in coordinator.run(requests, threshold=int(agreed)):
-            yield rank, sample
+        for sample in coordinator.run(requests, threshold=threshold):
+            yield index, sample
             report = self.report = coordinator.report
-            if not released and report.at and rank in report.freed:
+            if not released and report.at and index in report.freed:
                 released = True
-                self.pool.release(0)
+                release()
 
     def _groups_of_lockstep(self) -> tuple[Any, Any]:
         """(this rank's instance control group, the instances' first ranks' group), made once: a collective over
@@ -294,19 +302,26 @@ class EngineGenerator:
         leader = instance * self.config.tp
         release = functools.partial(self.pool.release, 0)
         if position:
-            engine.add(balance(requests, self.config.instances)[instance])
-            for _ in follow(engine, group, leader, release):
+            share = balance(requests, self.config.instances)[instance]
+            for _ in follow(engine, share, group, leader, release):
                 pass  # the leader's samples, inferred there
             return shared_result(None, group, leader, self.pad_token_id)
         lead = LockstepLeader(engine, group, leader, release)
-        c = self.coordinator
-        result = fused_generate_infer(
-            lead, inferencer, requests, threshold=threshold, bs_max=c.bs_max, mechanism=c.mechanism,
-            micro_batch=micro_batch, pad_token_id=self.pad_token_id, group=leaders,
-            link_bytes_per_s=c.link_bytes_per_s, on_freed=lead.release,
-        )  # fmt: skip
+        result = self._fused(lead, inferencer, requests, threshold, micro_batch, leaders, lead.release)
         lead.finish()
         return shared_result(result, group, leader, self.pad_token_id)
+
+    def _fused(
+        self, engine: Instance, inferencer: Inferencer, requests: Sequence[SampleRequest], threshold: int,
+        micro_batch: int, group: Any, on_freed: Callable[[], None],
+    ) -> FusedResult:  # fmt: skip
+        """`fused_generate_infer` of `engine` among the instances on `group`'s ranks (None: the world)."""
+        c = self.coordinator
+        return fused_generate_infer(
+            engine, inferencer, requests, threshold=threshold, bs_max=c.bs_max, mechanism=c.mechanism,
+            micro_batch=micro_batch, pad_token_id=self.pad_token_id, group=group,
+            link_bytes_per_s=c.link_bytes_per_s, on_freed=on_freed,
+        )  # fmt: skip
 
     def _stream_lockstep(
         self, engine: Instance, requests: Sequence[SampleRequest], threshold: int
@@ -316,25 +331,15 @@ class EngineGenerator:
         engine calls; (instance, finished sample) on every rank of the instance."""
         instance, position = divmod(distributed.rank(), self.config.tp)
         group, leaders = self._groups_of_lockstep()
+        leader = instance * self.config.tp
         release = functools.partial(self.pool.release, 0)
-        tp = self.config.tp
         if position:
-            engine.add(balance(requests, self.config.instances)[instance])
-            for sample in follow(engine, group, instance * tp, release):
+            share = balance(requests, self.config.instances)[instance]
+            for sample in follow(engine, share, group, leader, release):
                 yield instance, sample
             return
-        lead = LockstepLeader(engine, group, instance * tp, release)
-        c = self.coordinator
-        coordinator = DistributedCoordinator(
-            lead, bs_max=c.bs_max, mechanism=c.mechanism, link_bytes_per_s=c.link_bytes_per_s, group=leaders
-        )
-        released = False
-        for sample in coordinator.run(requests, threshold=threshold):
-            yield instance, sample
-            report = self.report = coordinator.report
-            if not released and report.at and instance in report.freed:
-                released = True
-                lead.release()
+        lead = LockstepLeader(engine, group, leader, release)
+        yield from self._coordinated(lead, requests, threshold, instance, leaders, lead.release)
         lead.finish()
 
     def generate(
@@ -395,15 +400,11 @@ class EngineGenerator:
         distributed.broadcast(agreed, 0)
         width = max(r.prompt_len for r in requests)
         (engine,) = self._engines_for(width, len(requests), 1, params)
-        c = self.coordinator
         if self.config.tp > 1:
             result = self._fused_lockstep(engine, inferencer, requests, int(agreed), micro_batch)
         else:
-            result = fused_generate_infer(
-                engine, inferencer, requests, threshold=int(agreed), bs_max=c.bs_max, mechanism=c.mechanism,
-                micro_batch=micro_batch, pad_token_id=self.pad_token_id, link_bytes_per_s=c.link_bytes_per_s,
-                on_freed=lambda: self.pool.release(0),
-            )  # fmt: skip
+            release = functools.partial(self.pool.release, 0)
+            result = self._fused(engine, inferencer, requests, int(agreed), micro_batch, None, release)
         self._rest_after(sampling)
         self.report = result.report
         experience = result.experience.to(self.device)  # rewards, KL and GAE run on the device

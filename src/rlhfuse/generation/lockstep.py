@@ -70,7 +70,7 @@ class LockstepLeader:
 
     # ------------------------------------------------------------------ read here only
     def add(self, requests: Iterable[SampleRequest]) -> None:
-        """The share every rank of the instance has already queued itself (`follow`'s caller)."""
+        """The instance's share, which every other rank of the instance queues itself (`follow`)."""
         self.engine.add(requests)
 
     def has_work(self) -> bool:
@@ -102,11 +102,16 @@ class LockstepLeader:
 
 
 def follow(
-    engine: Instance, group: Any, leader: int, on_release: Callable[[], None]
+    engine: Instance,
+    share: Iterable[SampleRequest],
+    group: Any,
+    leader: int,
+    on_release: Callable[[], None],
 ) -> Iterator[SampleRequest]:
-    """On a rank of an instance other than its first (`leader`): make on `engine` every call the leader's
-    `LockstepLeader` makes, in its order, until it says the batch is over; yield the samples finished here (the
-    same as the leader's)."""
+    """On a rank of an instance other than its first (`leader`): queue the instance's `share` (as the leader's
+    coordinator does), then make on `engine` every call the leader's `LockstepLeader` makes, in its order, until
+    it says the batch is over; yield the samples finished here (the same as the leader's)."""
+    engine.add(share)
     while True:
         said = torch.zeros(2, dtype=torch.int64)
         distributed.broadcast(said, leader, group=group)
