@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -94,6 +94,19 @@ class InstancePool(Protocol):
     def close(self) -> None:
         """Release what outlives the modules (vLLM's engine processes)."""
         ...
+
+
+class LockstepRole(NamedTuple):
+    """A rank's part in an instance of generator.tp ranks (`rlhfuse.generation.lockstep`): the instance's index,
+    its first rank, its control group, the first ranks' group, and the first rank's `LockstepLeader` (None on the
+    other ranks, whose `following` makes the leader's calls as it is read)."""
+
+    instance: int
+    leader: int
+    group: Any
+    leaders: Any
+    lead: LockstepLeader | None
+    following: Iterator[SampleRequest]
 
 
 class EnginePool:
@@ -291,25 +304,35 @@ class EngineGenerator:
             )
         return self._lockstep_groups
 
-    def _fused_lockstep(
-        self, engine: Instance, inferencer: Inferencer, requests: Sequence[SampleRequest], threshold: int,
-        micro_batch: int,
-    ) -> FusedResult:  # fmt: skip
-        """`fused_generate_infer` with instances of generator.tp ranks: the instances' first ranks run it among
-        themselves, each instance's other ranks repeat its engine calls, then take its result."""
+    def _lockstep_role(self, engine: Instance, requests: Sequence[SampleRequest]) -> LockstepRole:
+        """This rank's part in its instance of generator.tp ranks for one batch of `requests`."""
         instance, position = divmod(distributed.rank(), self.config.tp)
         group, leaders = self._groups_of_lockstep()
         leader = instance * self.config.tp
         release = functools.partial(self.pool.release, 0)
         if position:
             share = balance(requests, self.config.instances)[instance]
-            for _ in follow(engine, share, group, leader, release):
+            following = follow(engine, share, group, leader, release)
+            return LockstepRole(instance, leader, group, leaders, None, following)
+        return LockstepRole(
+            instance, leader, group, leaders, LockstepLeader(engine, group, leader, release), iter(())
+        )
+
+    def _fused_lockstep(
+        self, engine: Instance, inferencer: Inferencer, requests: Sequence[SampleRequest], threshold: int,
+        micro_batch: int,
+    ) -> FusedResult:  # fmt: skip
+        """`fused_generate_infer` with instances of generator.tp ranks: the instances' first ranks run it among
+        themselves, each instance's other ranks repeat its engine calls, then take its result."""
+        role = self._lockstep_role(engine, requests)
+        if role.lead is None:
+            for _ in role.following:
                 pass  # the leader's samples, inferred there
-            return shared_result(None, group, leader, self.pad_token_id)
-        lead = LockstepLeader(engine, group, leader, release)
-        result = self._fused(lead, inferencer, requests, threshold, micro_batch, leaders, lead.release)
+            return shared_result(None, role.group, role.leader, self.pad_token_id)
+        lead = role.lead
+        result = self._fused(lead, inferencer, requests, threshold, micro_batch, role.leaders, lead.release)
         lead.finish()
-        return shared_result(result, group, leader, self.pad_token_id)
+        return shared_result(result, role.group, role.leader, self.pad_token_id)
 
     def _fused(
         self, engine: Instance, inferencer: Inferencer, requests: Sequence[SampleRequest], threshold: int,
@@ -329,17 +352,13 @@ class EngineGenerator:
         """`stream` with instances of generator.tp ranks (`rlhfuse.generation.lockstep`): the instances' first
         ranks run the coordinator among themselves (migration included), each instance's other ranks repeat its
         engine calls; (instance, finished sample) on every rank of the instance."""
-        instance, position = divmod(distributed.rank(), self.config.tp)
-        group, leaders = self._groups_of_lockstep()
-        leader = instance * self.config.tp
-        release = functools.partial(self.pool.release, 0)
-        if position:
-            share = balance(requests, self.config.instances)[instance]
-            for sample in follow(engine, share, group, leader, release):
-                yield instance, sample
+        role = self._lockstep_role(engine, requests)
+        if role.lead is None:
+            for sample in role.following:
+                yield role.instance, sample
             return
-        lead = LockstepLeader(engine, group, leader, release)
-        yield from self._coordinated(lead, requests, threshold, instance, leaders, lead.release)
+        lead = role.lead
+        yield from self._coordinated(lead, requests, threshold, role.instance, role.leaders, lead.release)
         lead.finish()
 
     def generate(
