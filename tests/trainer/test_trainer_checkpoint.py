@@ -1,4 +1,5 @@
-"""Checkpoints: round trip, atomic writes, no NaN weights, and no code execution from tampered files."""
+"""Checkpoints: round trip, atomic writes, no NaN weights, and no code execution from tampered files; the end of a
+run recorded in run.json."""
 
 import json
 import pickle
@@ -8,9 +9,14 @@ import safetensors.torch
 import torch
 
 from rlhfuse.core.checkpoint import (
+    RUN_FILE,
+    SealedFolder,
+    begin_run,
+    end_run,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_runs,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -117,3 +123,53 @@ def test_missing_or_truncated_files_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"no meta\.json"):
         load_checkpoint(tmp_path / "nowhere")
     assert safetensors.torch.load_file(str(path / "actor.safetensors"))["weight"].shape == (2, 3)
+
+
+def test_a_sealed_folder_appears_whole_with_meta_json_last_or_not_at_all(tmp_path):
+    final = tmp_path / "iter_00000001"
+    with SealedFolder(final, "7") as folder:
+        assert folder.path.name == ".tmp-iter_00000001-7" and not final.exists()
+        (folder.path / "a.bin").write_bytes(b"a")
+        (folder.path / "sub").mkdir()
+        (folder.path / "sub" / "b.bin").write_bytes(b"b")
+        assert folder.seal({"iteration": 1}) == final
+    meta = json.loads((final / "meta.json").read_text())
+    assert meta == {
+        "iteration": 1,
+        "sha256": {"a.bin": sha256(final / "a.bin"), "sub/b.bin": sha256(final / "sub/b.bin")},
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_00000001"]
+    # hashes gathered elsewhere are recorded as given; an older folder of the same name is replaced
+    with SealedFolder(final, "7") as folder:
+        (folder.path / "c.bin").write_bytes(b"c")
+        folder.seal({"iteration": 2}, {"c.bin": "given"})
+    assert json.loads((final / "meta.json").read_text())["sha256"] == {"c.bin": "given"}
+    assert sorted(p.name for p in final.iterdir()) == ["c.bin", "meta.json"]
+    # a failure before the seal removes the temporary folder and leaves the sealed one as it was
+    with pytest.raises(OSError, match="disk full"), SealedFolder(final, "7") as folder:
+        (folder.path / "d.bin").write_bytes(b"d")
+        raise OSError("disk full")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_00000001"]
+    assert sorted(p.name for p in final.iterdir()) == ["c.bin", "meta.json"]
+
+
+def test_end_run_records_the_status_and_a_one_line_reason_in_the_runs_entry(tmp_path):
+    first = begin_run(tmp_path, "hash", None, 0, auto=False)
+    current = begin_run(tmp_path, "hash", None, 0, auto=False)  # a fresh start: the first run stays listed
+    end_run(tmp_path, current.id, "failed", "CheckpointError: layout changed:\n  - dp: saved 1, this run 2\n")
+    (run, earlier) = read_runs(tmp_path)
+    assert (run.id, run.status, run.reason) == (
+        current.id,
+        "failed",
+        "CheckpointError: layout changed: - dp: saved 1, this run 2",
+    )
+    assert run.ended_at is not None and run.ended_at >= run.started_at
+    assert (earlier.id, earlier.status, earlier.reason) == (first.id, None, None)
+    assert [p.name for p in tmp_path.iterdir() if p.name != RUN_FILE] == []  # written through a replaced file
+    # resume=auto continues the run: running again until it ends
+    assert begin_run(tmp_path, "hash", None, 3, auto=True).id == current.id
+    assert (read_runs(tmp_path)[0].status, read_runs(tmp_path)[0].reason) == (None, None)
+    end_run(tmp_path, current.id, "completed")
+    assert (read_runs(tmp_path)[0].status, read_runs(tmp_path)[0].reason) == ("completed", None)
+    with pytest.raises(CheckpointError, match="records no run 'nope'"):
+        end_run(tmp_path, "nope", "completed")

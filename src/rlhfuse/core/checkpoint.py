@@ -30,10 +30,10 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import safetensors.torch
@@ -111,6 +111,61 @@ def plain_weights(state: Mapping[str, Tensor], name: str) -> dict[str, Tensor]:
     return weights
 
 
+class SealedFolder:
+    """A folder that appears whole or not at all. Its files are written into `path`, a temporary folder beside
+    `final` (`.tmp-<final name>-<tag>`, which `clean_stale` removes if a kill leaves it); `seal` syncs and
+    hashes them, writes the seal file (meta.json) last and renames the folder into place, replacing an older
+    `final`.
+
+    One process: `with SealedFolder(final, tag) as folder:` write into `folder.path`, then `folder.seal(...)`;
+    an error (or a body that does not seal) removes the temporary folder. Several ranks writing one folder: the
+    owning rank `open`s it, every rank writes its files and `hash_files` them, the owner `seal`s with the
+    gathered hashes or `discard`s; the collectives between these steps stay the caller's."""
+
+    def __init__(self, final: Path, tag: str, *, seal_file: str = "meta.json") -> None:
+        self.final, self.seal_file = final, seal_file
+        self.path = final.with_name(f".tmp-{final.name}-{tag}")
+
+    def open(self) -> Path:
+        """Create the temporary folder afresh (one left by a process killed during an earlier write goes)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        return self.path
+
+    def hash_files(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """Sync the files `names` (relative to `path`; None: every file in it) to disk; their SHA-256 by name."""
+        if names is None:
+            names = sorted(p.relative_to(self.path).as_posix() for p in self.path.rglob("*") if p.is_file())
+        hashes = {}
+        for name in names:
+            fsync(self.path / name)
+            hashes[name] = sha256(self.path / name)
+        return hashes
+
+    def seal(self, record: Mapping[str, Any], hashes: Mapping[str, str] | None = None) -> Path:
+        """Write `record` with the SHA-256 of the files ("sha256": `hashes`, gathered from the ranks that wrote
+        them; None: `hash_files()` here) into the seal file, then move the folder to `final`. Returns `final`."""
+        digests = self.hash_files() if hashes is None else hashes
+        seal = self.path / self.seal_file
+        seal.write_text(json.dumps({**record, "sha256": dict(sorted(digests.items()))}, indent=1))
+        fsync(seal)
+        if self.final.exists():
+            remove_checkpoint(self.final)
+        os.rename(self.path, self.final)
+        fsync(self.final.parent)
+        return self.final
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> SealedFolder:
+        self.open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.discard()  # after a seal there is nothing left to remove
+
+
 def save_checkpoint(
     directory: str | Path,
     iteration: int,
@@ -123,32 +178,12 @@ def save_checkpoint(
     weights-only-loadable extras); `run` (the writing run's id) goes into meta.json; `keep` > 0 then keeps that
     many checkpoints of `run`."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"iter_{iteration:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with SealedFolder(root / f"iter_{iteration:08d}", str(os.getpid())) as folder:
         for key in (k for k in MODEL_KEYS if k in state):  # no critic file for a critic-free algorithm
-            safetensors.torch.save_file(plain_weights(state[key], key), str(tmp / f"{key}.safetensors"))
-        torch.save({k: v for k, v in state.items() if k not in MODEL_KEYS}, tmp / "state.pt")
-        files = sorted(p.name for p in tmp.iterdir())
-        meta = {
-            "format": FORMAT,
-            "iteration": iteration,
-            **seal_fields(run),
-            "sha256": {f: sha256(tmp / f) for f in files},
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for path in tmp.iterdir():
-            fsync(path)
-        if final.exists():
-            remove_checkpoint(final)
-        os.rename(tmp, final)
-        fsync(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            weights = plain_weights(state[key], key)
+            safetensors.torch.save_file(weights, str(folder.path / f"{key}.safetensors"))
+        torch.save({k: v for k, v in state.items() if k not in MODEL_KEYS}, folder.path / "state.pt")
+        final = folder.seal({"format": FORMAT, "iteration": iteration, **seal_fields(run)})
     prune_run(root, run, keep)
     return final
 
@@ -359,6 +394,11 @@ class RunIdentity:
     # (`rlhfuse.trainer.resume.config_record`), which a resume is checked against; None in runs recorded
     # before run.json held it (only the hash is compared).
     config: dict[str, Any] | None = None
+    # How the latest attempt ended (`end_run`): "completed" or "failed"; None while it runs, or after a kill.
+    status: str | None = None
+    # Why that attempt failed, on one line; None otherwise.
+    reason: str | None = None
+    ended_at: float | None = None
 
     @classmethod
     def new(
@@ -463,8 +503,28 @@ def begin_run(
         # continued from the checkpoint it branched from: it had saved nothing yet
         if own or (branch is not None and resumed is not None and Path(branch["path"]) == resumed.resolve()):
             current.config_hash, current.config = config_hash, config
+            current.status = current.reason = current.ended_at = None  # running again
             write_runs(run_dir, runs)
             return current
     run = RunIdentity.new(config_hash, iteration, resumed, config)
     write_runs(run_dir, [run, *runs])
     return run
+
+
+def end_run(
+    root: Path, run_id: str, status: Literal["completed", "failed"], reason: str | None = None
+) -> None:
+    """Record in `root/run.json` how the attempt of run `run_id` ended: `status`, the time and, for a failure,
+    `reason` (folded onto one line). run.json is rewritten atomically, as `begin_run` does."""
+    if status not in ("completed", "failed"):
+        raise ValueError(f"end_run: status must be 'completed' or 'failed' (got {status!r})")
+    runs = read_runs(root)
+    entry = next((r for r in runs if r.id == run_id), None)
+    if entry is None:
+        raise CheckpointError(
+            f"{Path(root) / RUN_FILE} records no run {run_id!r} (recorded: {[r.id for r in runs]}): end a run "
+            "in the run folder whose begin_run recorded it"
+        )
+    entry.status, entry.ended_at = status, time.time()
+    entry.reason = " ".join(reason.split()) if reason else None
+    write_runs(root, runs)

@@ -25,9 +25,7 @@ Resume checks the manifest against the current layout before loading anything (`
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,11 +36,10 @@ from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse.core.checkpoint import (
-    fsync,
+    SealedFolder,
     mismatch_error,
     plain_weights,
     prune_run,
-    remove_checkpoint,
     resume_path,
     seal_fields,
     sha256,
@@ -200,33 +197,28 @@ def save_sharded(
     (previous checkpoints untouched) if any rank could not write its shard."""
     rank = distributed.rank()
     root = Path(directory)
-    final = root / f"iter_{iteration:08d}"
-    tmp = root / f".tmp-{final.name}-sharded"
+    folder = SealedFolder(root / f"iter_{iteration:08d}", "sharded")
     error: str | None = None
     if rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
-            tmp.mkdir()
+            folder.open()
         except OSError as err:
-            error = f"cannot create {tmp}: {err}"
+            error = f"cannot create {folder.path}: {err}"
     all_ok(error, f"checkpoint of iteration {iteration} not written")
     hashes: dict[str, str] = {}
     try:
-        shard = tmp / f"rank_{rank:05d}"
+        shard = folder.path / f"rank_{rank:05d}"
         shard.mkdir()
         safetensors.torch.save_file(plain_weights(weights, f"rank {rank} stage"), str(shard / WEIGHTS))
         torch.save(dict(state), shard / STATE)
-        for name in (WEIGHTS, STATE):
-            fsync(shard / name)
-            hashes[f"{shard.name}/{name}"] = sha256(shard / name)
+        hashes = folder.hash_files(f"{shard.name}/{name}" for name in (WEIGHTS, STATE))
     except Exception as err:  # reported to every rank below
         error = f"{type(err).__name__}: {err}"
     parts = distributed.all_gather_json([error, hashes], distributed.group_device())
     failed = [(r, e) for r, (e, _) in enumerate(parts) if e is not None]
     if failed:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            folder.discard()
         raise CheckpointError(
             f"checkpoint of iteration {iteration} not written (previous checkpoints untouched): "
             + "; ".join(f"rank {r} could not save its shard: {e}" for r, e in failed)
@@ -235,21 +227,14 @@ def save_sharded(
     error = None
     if rank == 0:
         try:
-            meta = {"kind": KIND, "format": FORMAT, "iteration": iteration, "layout": dict(layout)}
-            meta.update(seal_fields(run))
-            meta["sha256"] = dict(sorted(all_hashes.items()))
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            fsync(tmp / "meta.json")
-            if final.exists():
-                remove_checkpoint(final)
-            os.rename(tmp, final)
-            fsync(root)
+            record = {"kind": KIND, "format": FORMAT, "iteration": iteration, "layout": dict(layout)}
+            folder.seal({**record, **seal_fields(run)}, all_hashes)
             prune_run(root, run, keep)
         except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = f"cannot seal {final}: {err}"
+            folder.discard()
+            error = f"cannot seal {folder.final}: {err}"
     all_ok(error, f"checkpoint of iteration {iteration} not written")
-    return final
+    return folder.final
 
 
 def load_sharded(

@@ -25,8 +25,6 @@ by rank 0, sealed by rank 0's meta.json (kind "fsdp") once every rank's part is 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +38,7 @@ from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import karmarkar_karp, sample_costs
 from rlhfuse.core.buckets import merged_weight_buckets
-from rlhfuse.core.checkpoint import fsync, mismatch_error, prune_run, remove_checkpoint, seal_fields, sha256
+from rlhfuse.core.checkpoint import SealedFolder, mismatch_error, prune_run, seal_fields, sha256
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, cast_to, set_peak_lr
 from rlhfuse.core.protocols import Checkpointer
@@ -255,46 +253,33 @@ class FSDPCheckpointer:
         s = self.strategy
         rank = distributed.rank()
         root = Path(directory)
-        final = root / f"iter_{iteration:08d}"
-        tmp = root / f".tmp-{final.name}-fsdp"
+        folder = SealedFolder(root / f"iter_{iteration:08d}", "fsdp")
         error: str | None = None
         if rank == 0:
             try:
-                root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
-                tmp.mkdir()
+                folder.open()
             except OSError as err:
-                error = f"cannot create {tmp}: {err}"
+                error = f"cannot create {folder.path}: {err}"
         all_ok(error, f"checkpoint of iteration {iteration} not written")
         # collective; DCP raises the same error on every rank when one cannot write
-        save_state(tmp / DCP_DIR, s.sharded_state())
+        save_state(folder.path / DCP_DIR, s.sharded_state())
         if rank == 0:
             try:
-                torch.save({**s.scheduler_state(), **extra}, tmp / STATE)
-                files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-                for name in files:
-                    fsync(tmp / name)
-                meta = {
+                torch.save({**s.scheduler_state(), **extra}, folder.path / STATE)
+                record = {
                     "kind": KIND,
                     "format": FORMAT,
                     "iteration": iteration,
                     "world_size": distributed.world_size(),
                     "models": list(s.trained),
-                    **seal_fields(run),
-                    "sha256": {name: sha256(tmp / name) for name in files},
                 }
-                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-                fsync(tmp / "meta.json")
-                if final.exists():
-                    remove_checkpoint(final)
-                os.rename(tmp, final)
-                fsync(root)
+                folder.seal({**record, **seal_fields(run)})  # hashes every file: the DCP shards and STATE
                 prune_run(root, run, keep)
             except OSError as err:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = f"cannot seal {final}: {err}"
+                folder.discard()
+                error = f"cannot seal {folder.final}: {err}"
         all_ok(error, f"checkpoint of iteration {iteration} not written (previous checkpoints untouched)")
-        return final
+        return folder.final
 
     def load(self, path: str | Path) -> dict[str, Any]:
         """Check meta.json and every file, then restore the shards (written on any world size) and the

@@ -14,7 +14,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhfuse.core.checkpoint import SealedFolder
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import ModelConfig, Transformer, save_pretrained
@@ -103,15 +103,10 @@ def warm_start(
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run may be training the same checkpoints: wait for it
         if (final / "DONE").is_file():
             return final / "sft", final / "reward"
-        tmp = root / f".tmp-default-{key}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            _train_and_save(config, task, seed, tmp, log)
-            (tmp / "DONE").write_text(json.dumps(key_source, indent=1, default=str))
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # DONE (the key's source and the files' SHA-256) is the seal: written last, then renamed into place
+        with SealedFolder(final, str(os.getpid()), seal_file="DONE") as folder:
+            _train_and_save(config, task, seed, folder.path, log)
+            folder.seal(key_source)
     return final / "sft", final / "reward"
 
 
