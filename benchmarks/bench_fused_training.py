@@ -1,6 +1,6 @@
 """Training stage of the default tiny job on 2 gloo processes: fused schedule vs serial 1F1B on the same ranks.
 
-`python -m benchmarks.run fused_training [--quick]`. Both strategies (`rlhfuse.runtime.FusedPipelineStrategy`,
+`python -m benchmarks.run fused_training [--quick]`. Both strategies (`rlhfuse.runtime.PipelineStrategy`,
 schedule "fused" and "serial_1f1b") train their own copy of the same models on the same mini-batches, one step
 each in alternation, so machine noise hits both alike. Printed side by side:
 
@@ -64,7 +64,7 @@ def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
 
 def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
         torch.manual_seed(0)
         actor, critic = Transformer(cfg, head="lm"), Transformer(cfg, head="value")
         pcfg = PipelineConfig(name=name, actor_pp=2, critic_pp=2, microbatches=4, search_budget_s=3.0)
-        strategies[name] = FusedPipelineStrategy(
+        strategies[name] = PipelineStrategy(
             actor,
             critic,
             pcfg,

@@ -14,7 +14,7 @@ grid holds of the four models (pp stages, then each stage's tp shard), as a rati
 planner's prediction for the same layout (`rlhfuse.planner.memory`, which the trainer's plan=auto uses); the
 forward + backward time of a log-prob loss on 2 gloo ranks with tp=2 vs tp=1 (the whole model in each process);
 and the runtime's training step at width 512: one PPO optimizer step of the Actor and the Critic through
-`FusedPipelineStrategy` on the same 2 gloo ranks with pipeline.actor_tp = critic_tp = 2 (pp=1) vs tp=1 with
+`PipelineStrategy` on the same 2 gloo ranks with pipeline.actor_tp = critic_tp = 2 (pp=1) vs tp=1 with
 pp=2 and with dp=2, the three strategies stepping in alternation on the same mini-batches, median wall time of
 a step (barrier to barrier). No gain is expected on a 2-core CPU: the ratios show the cost of the collectives.
 """
@@ -187,7 +187,7 @@ def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queu
     from benchmarks.two_ranks import SHAPES, init_worker
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=4096, **SHAPES[shape])
@@ -199,7 +199,7 @@ def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queu
             name="fused", actor_pp=pp, critic_pp=pp, actor_tp=tp, critic_tp=tp, microbatches=micro,
             search_budget_s=0.5,
         )  # fmt: skip
-        strategies[name] = FusedPipelineStrategy(
+        strategies[name] = PipelineStrategy(
             actor, critic, pcfg, AlgorithmConfig(), total_steps=10_000, mini_batch_size=16, micro_batch_size=4,
             schedule="fused", timeout_s=300, log=lambda msg: None,
         )  # fmt: skip
@@ -227,7 +227,7 @@ def run_runtime_step(quick: bool) -> None:
     t = run_two_ranks(_step_worker, shape, 2 if quick else 4)
     tp2 = t["tp=2 (pp=1)"]
     print(
-        f"runtime training step (FusedPipelineStrategy, Actor + Critic, one PPO optimizer step of 16 samples of "
+        f"runtime training step (PipelineStrategy, Actor + Critic, one PPO optimizer step of 16 samples of "
         f"<= 64 tokens, micro-batches of 4), {shape}, vocab 4096, 2 gloo ranks, median wall time:"
     )
     for name, seconds in t.items():

@@ -11,7 +11,7 @@ hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Ro
   under NCCL);
 - nccl 2 ranks: two processes on the one GPU over NCCL (each rank its own `NCCL_HOSTID`, sockets on loopback:
   `TWO_RANKS_ON_ONE_GPU`), an all-reduce and a point-to-point message checked, all-reduce bus bandwidth;
-- pp=2 train step / pp=2 inference / reshard / migration: on those 2 ranks, `FusedPipelineStrategy` (profiling
+- pp=2 train step / pp=2 inference / reshard / migration: on those 2 ranks, `PipelineStrategy` (profiling
   step, then the searched fused schedule) against `PlainStrategy` on the same models; `PipelineInferencer`
   against `ModelInferencer`; the trained pp-sharded Actor resharded to generator.tp=2 and 1
   (`rlhfuse.runtime.reshard`) against the trained weights' slices; two engine instances migrating their long tail
@@ -492,7 +492,7 @@ def row_two_rank_collectives(device: torch.device, backend: str) -> Outcome:
 
 
 def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
-    """FusedPipelineStrategy (pp=2: profiling step, then the searched fused schedule) vs PlainStrategy on copies
+    """PipelineStrategy (pp=2: profiling step, then the searched fused schedule) vs PlainStrategy on copies
     of the same models, step by step: losses, gradient norms, weights."""
     core("hydra")  # rlhfuse.trainer (PlainStrategy here) imports Hydra with the package
     from lightning.fabric import Fabric
@@ -501,7 +501,7 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
     cfg = pipeline_models(device)
@@ -517,7 +517,7 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
         name="fused", optim=OptimConfig(warmup_steps=1), microbatches=micro, search_budget_s=0.0
     )
     algo = AlgorithmConfig()
-    fused = FusedPipelineStrategy(
+    fused = PipelineStrategy(
         models["actor"], models["critic"], pcfg, algo, total_steps=4, mini_batch_size=samples,
         micro_batch_size=samples // micro, schedule="fused", timeout_s=60, log=lambda _: None,
     )  # fmt: skip
@@ -631,7 +631,7 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.models import Transformer, from_pretrained, save_pretrained, to_device
     from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.reshard import Resharder
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer
 
     cfg = pipeline_models(device)
@@ -648,7 +648,7 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
         actor = from_pretrained(f"{tmp}/sft", head="lm", stages=(2, held["actor"]))
         critic = from_pretrained(f"{tmp}/rm", head="value", stages=(2, held["critic"]))
     actor, critic = to_device(actor, device), to_device(critic, device)
-    fused = FusedPipelineStrategy(
+    fused = PipelineStrategy(
         actor, critic, pcfg, AlgorithmConfig(), total_steps=4, mini_batch_size=8, micro_batch_size=4,
         schedule="fused", timeout_s=60, log=lambda _: None, generation_tp=2,
     )  # fmt: skip

@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_the_pp2_train_step_row_runs_on_two_gloo_ranks() -> None:
-    """FusedPipelineStrategy on 2 spawned ranks equals PlainStrategy step by step (the row's own assertions)."""
+    """PipelineStrategy on 2 spawned ranks equals PlainStrategy step by step (the row's own assertions)."""
     row = gpu_check.run_row("pp=2 train step", CPU, "gloo")
     assert row.status == "PASS", row
     assert "fused pp=2 = PlainStrategy for 3 steps" in row.detail

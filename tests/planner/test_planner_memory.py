@@ -5,7 +5,7 @@ them under pipeline=fused (`rlhfuse.trainer.build`): the layout's held stages (`
 as `sharded_construction`), `from_pretrained(stages=...)` for the Actor, Ref, Critic and Reward (as
 `load_models`) and a whole generation copy, `cast_models` for bf16-true, `prepare_generation_copy` (the copy in
 bf16 under both bf16 precisions), `shard_transformer` for tp (as
-`FusedPipelineStrategy.tp_shard`, the pipeline inferencer's Ref / Reward and `InstanceGenerator`),
+`PipelineStrategy.tp_shard`, the pipeline inferencer's Ref / Reward and `InstanceGenerator`),
 `RankStages` + `StageOptimizers` (one step, so AdamW's states exist) and the `MemoryMetrics` callback that logs
 `memory/param_bytes` and `memory/optimizer_bytes`. No process group is needed to build a rank's shard.
 The predicted bytes must equal the built ones exactly, per rank and per component.
@@ -99,7 +99,7 @@ def build_rank(
         cast_models(models, torch.bfloat16)
     prepare_generation_copy(models, torch.float32 if precision == "32-true" else torch.bfloat16)
 
-    def shard(m: Transformer, like: str) -> Transformer:  # as FusedPipelineStrategy.tp_shard
+    def shard(m: Transformer, like: str) -> Transformer:  # as PipelineStrategy.tp_shard
         t = layout.model_tp(like)
         return shard_transformer(m, layout.tp_rank(rank, like), t) if t > 1 else m
 

@@ -60,7 +60,7 @@ def _strategies(actor_pp: int, schedule: str, total_steps: int = 4):  # type: ig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def _strategies(actor_pp: int, schedule: str, total_steps: int = 4):  # type: ig
         microbatches=2,
         search_budget_s=0.0,
     )
-    pipe = FusedPipelineStrategy(
+    pipe = PipelineStrategy(
         actor, None, cfg, algo, total_steps=total_steps, mini_batch_size=8, micro_batch_size=4,
         schedule=schedule, timeout_s=120, log=lambda _: None,
     )  # fmt: skip

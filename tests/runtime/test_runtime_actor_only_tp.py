@@ -47,7 +47,7 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
     from rlhfuse.planner.specs import ModelSpec
     from rlhfuse.runtime.pipeline_config import PipelineConfig
     from rlhfuse.runtime.reshard import Resharder
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer
     from rlhfuse.trainer.strategy import PlainStrategy
 
@@ -61,7 +61,7 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
     held = layout.held_stages(rank)["actor"]
     actor = from_pretrained(root / "sft", dtype=torch.float64, stages=(actor_pp, held))
     whole = from_pretrained(root / "sft", dtype=torch.float64)
-    pipe = FusedPipelineStrategy(
+    pipe = PipelineStrategy(
         actor, None, cfg, algo, total_steps=4, mini_batch_size=8, micro_batch_size=4, schedule=schedule,
         timeout_s=120, log=lambda _: None,
     )  # fmt: skip

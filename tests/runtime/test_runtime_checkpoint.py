@@ -166,7 +166,7 @@ def _save_worker(rank: int, world: int, root: str) -> None:
 
 
 def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
-    """FusedPipelineStrategy with a token budget (two micro-batch counts, each with its own plan): saved after
+    """PipelineStrategy with a token budget (two micro-batch counts, each with its own plan): saved after
     2 steps and resumed into fresh models, steps 3-4 equal an uninterrupted strategy's, bit for bit."""
     from runtime_helpers import random_batch
 
@@ -174,16 +174,16 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
 
-    def make() -> FusedPipelineStrategy:
+    def make() -> PipelineStrategy:
         torch.manual_seed(0)
         cfg = ModelConfig.tiny(num_layers=2)
         actor, critic = Transformer(cfg, head="lm").double(), Transformer(cfg, head="value").double()
         pcfg = PipelineConfig(
             name="fused", optim=OptimConfig(warmup_steps=2), microbatches=2, search_budget_s=0.0
         )
-        return FusedPipelineStrategy(
+        return PipelineStrategy(
             actor, critic, pcfg, AlgorithmConfig(), total_steps=8, mini_batch_size=16, micro_batch_size=4,
             micro_batch_tokens=24, timeout_s=60, log=lambda _: None,
         )  # fmt: skip

@@ -126,7 +126,7 @@ def _four_rank_worker(rank: int, world: int) -> None:
 @pytest.mark.timeout(300)
 def test_two_ranks_equal_single_process_strategy_and_failing_rank() -> None:
     """One 2-process run (each spawn costs seconds): executor equivalence over layouts and schedules, then
-    FusedPipelineStrategy vs PlainStrategy, measured activation memory vs the simulator, then a silent rank
+    PipelineStrategy vs PlainStrategy, measured activation memory vs the simulator, then a silent rank
     stopping the other within its timeout."""
     run_distributed(
         _two_rank_worker,
@@ -145,12 +145,12 @@ def test_four_ranks_equal_single_process() -> None:
 
 
 def _strategy_worker(rank: int, world: int) -> None:
-    """FusedPipelineStrategy (profiling step, then the searched schedule) vs PlainStrategy: same weights."""
+    """PipelineStrategy (profiling step, then the searched schedule) vs PlainStrategy: same weights."""
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
     models = _models(2)
@@ -163,7 +163,7 @@ def _strategy_worker(rank: int, world: int) -> None:
             microbatches=2,
             search_budget_s=0.0,
         )
-        fused = FusedPipelineStrategy(
+        fused = PipelineStrategy(
             models["actor"],
             models["critic"],
             cfg,
@@ -209,7 +209,7 @@ def _token_budget_worker(rank: int, world: int) -> None:
     from lightning.fabric import Fabric
 
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
     models = _models(2)
@@ -217,7 +217,7 @@ def _token_budget_worker(rank: int, world: int) -> None:
     algo = AlgorithmConfig()
     cfg = PipelineConfig(name="fused", actor_pp=2, critic_pp=1, microbatches=2, search_budget_s=0.0)
     kwargs = dict(total_steps=4, micro_batch_size=4, micro_batch_tokens=24)
-    fused = FusedPipelineStrategy(
+    fused = PipelineStrategy(
         models["actor"], models["critic"], cfg, algo, mini_batch_size=16, schedule="fused", timeout_s=120,
         log=lambda _: None, **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip

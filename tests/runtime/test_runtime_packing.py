@@ -66,12 +66,12 @@ def _executor_check(rank: int, world: int, checkpointing: str) -> None:
 
 
 def _strategy_check(rank: int, world: int) -> None:
-    """FusedPipelineStrategy, packed and fully checkpointed, vs a padded PlainStrategy: same updates."""
+    """PipelineStrategy, packed and fully checkpointed, vs a padded PlainStrategy: same updates."""
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
     from rlhfuse.trainer.strategy import PlainStrategy
 
     models = _models()
@@ -83,7 +83,7 @@ def _strategy_check(rank: int, world: int) -> None:
         name="fused", optim=OptimConfig(warmup_steps=1, activation_checkpointing="full"), microbatches=2,
         search_budget_s=0.0,
     )  # fmt: skip
-    fused = FusedPipelineStrategy(
+    fused = PipelineStrategy(
         models["actor"], models["critic"], cfg, algo, total_steps=4, mini_batch_size=8, micro_batch_size=4,
         schedule="fused", timeout_s=120, log=lambda _: None,
     )  # fmt: skip

@@ -90,11 +90,11 @@ def _expected_received(model: Transformer, layout: Any, rank: int, gen_tp: int) 
 
 
 def _trained_strategy(rank: int, world: int, root: pathlib.Path, tp: int, gen_tp: int) -> tuple[Any, Any]:
-    """A FusedPipelineStrategy (pp=2 x tp over sharded models) after one optimizer update, and the whole
+    """A PipelineStrategy (pp=2 x tp over sharded models) after one optimizer update, and the whole
     trained Actor (its state reassembled on every rank)."""
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
 
     cfg = PipelineConfig(
         name="fused", optim=OptimConfig(warmup_steps=1), actor_tp=tp, critic_tp=tp, microbatches=2,
@@ -102,7 +102,7 @@ def _trained_strategy(rank: int, world: int, root: pathlib.Path, tp: int, gen_tp
     )  # fmt: skip
     layout = pipeline_layout(cfg, world, 8, 4)
     models = _load(root, layout.held_stages(rank))
-    fused = FusedPipelineStrategy(
+    fused = PipelineStrategy(
         models["actor"], models["critic"], cfg, AlgorithmConfig(), total_steps=4, mini_batch_size=8,
         micro_batch_size=4, schedule="fused", timeout_s=120, log=lambda _: None, generation_tp=gen_tp,
     )  # fmt: skip

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
     from rlhfuse import distributed
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategy import PlainStrategy
 
     root = pathlib.Path(folder)
@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
         torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-9, atol=1e-9)
 
     algo = AlgorithmConfig()
-    fused = FusedPipelineStrategy(
+    fused = PipelineStrategy(
         sharded["actor"], sharded["critic"], cfg, algo,
         total_steps=4, mini_batch_size=8, micro_batch_size=4, schedule="fused", timeout_s=120,
         log=lambda _: None,
@@ -133,7 +133,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
     # data parallelism only (pp=1, dp=2): every rank holds every stage, so the sync moves nothing
     dp_cfg = PipelineConfig(name="fused", optim=cfg.optim, actor_pp=1, critic_pp=1, microbatches=1)
     dp_models = _load(root, None)
-    dp = FusedPipelineStrategy(
+    dp = PipelineStrategy(
         dp_models["actor"], dp_models["critic"], dp_cfg, algo,
         total_steps=4, mini_batch_size=8, micro_batch_size=4, schedule="fused", timeout_s=120,
         log=lambda _: None,
@@ -147,7 +147,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
     ckpt = root / "ckpt"
     path = fused.checkpointer.save(ckpt, 2, {"trainer": {"iteration": 2}})
     again = _load(root, held)
-    resumed = FusedPipelineStrategy(
+    resumed = PipelineStrategy(
         again["actor"], again["critic"], cfg, algo,
         total_steps=4, mini_batch_size=8, micro_batch_size=4, schedule="fused", timeout_s=120,
         log=lambda _: None,

@@ -6,7 +6,7 @@ critic pp=2 tp=2, and a merged model with tp > 1 (actor pp=1 tp=4, critic pp=2 t
 one 4-rank group, each over its own 2 ranks; executor and inference, strategy with pipeline=fused):
 - the executor over merged stages (fused and serial 1F1B schedules): every shard's gradient, the gradient norms
   and the loss statistics equal the single-process oracle;
-- `FusedPipelineStrategy` over pp-sharded models for pipeline=fused and serial_1f1b: each rank holds at most
+- `PipelineStrategy` over pp-sharded models for pipeline=fused and serial_1f1b: each rank holds at most
   1/(pp*tp) of every model plus the embedding / head share, the updates equal `PlainStrategy` on whole models,
   the generation weights equal the trained weights on every rank, and a sharded checkpoint resumes
   bit-identically.
@@ -287,7 +287,7 @@ def _check_strategy(
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategy import PlainStrategy
 
     (ap, at), (cp, ct) = case
@@ -299,8 +299,8 @@ def _check_strategy(
     assert layout.tp == max(at, ct) and layout.dp == 1 and layout == _layout(case)
     sharded, whole = _load(root, layout, rank), _load(root, layout, None)
 
-    def make(models: dict[str, Transformer]) -> FusedPipelineStrategy:
-        return FusedPipelineStrategy(
+    def make(models: dict[str, Transformer]) -> PipelineStrategy:
+        return PipelineStrategy(
             models["actor"], models["critic"], cfg, AlgorithmConfig(), total_steps=4, mini_batch_size=8,
             micro_batch_size=4, schedule=schedule, timeout_s=120, log=lambda _: None,
         )  # fmt: skip

@@ -3,7 +3,7 @@
 One 4-process run (each spawn costs seconds on this machine):
 - the executor over tp-sharded stages (fused and serial 1F1B schedules; kv heads split, then replicated):
   every shard's gradient, the gradient norms and the loss statistics equal the single-process oracle;
-- `FusedPipelineStrategy` with pipeline.actor_tp = critic_tp = 2 over pp-sharded models (packing on), for
+- `PipelineStrategy` with pipeline.actor_tp = critic_tp = 2 over pp-sharded models (packing on), for
   pipeline=fused and serial_1f1b: each rank holds at most 1/(pp*tp) of every model plus the embedding / head
   share, the updates equal `PlainStrategy` on whole models, the generation weights reassembled from the shards
   equal the trained weights on every rank, and a sharded checkpoint (one file per stage and tp rank) resumes
@@ -42,7 +42,7 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy, pipeline_layout
+    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategy import PlainStrategy
 
     cfg = PipelineConfig(
@@ -56,8 +56,8 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
     for model in sharded.values():
         model.packing = True
 
-    def make(models: dict[str, Transformer]) -> FusedPipelineStrategy:
-        return FusedPipelineStrategy(
+    def make(models: dict[str, Transformer]) -> PipelineStrategy:
+        return PipelineStrategy(
             models["actor"], models["critic"], cfg, AlgorithmConfig(), total_steps=4, mini_batch_size=8,
             micro_batch_size=4, schedule=schedule, timeout_s=120, log=lambda _: None,
         )  # fmt: skip

@@ -136,7 +136,7 @@ class InstanceGenerator(ActorCopy):
     Actor (the engine's KV cache holds the shard's kv heads only) and choose tokens vocabulary-parallel from the
     logit slices (`rlhfuse.generation.vocab_parallel.VocabularyShards`: temperature, top-k and top-p without
     gathering the logits). Tokens equal `SamplingGenerator`'s for every tp (each sample's own uniforms).
-    `load_weights` takes this rank's generation shard (`FusedPipelineStrategy.actor_weights`).
+    `load_weights` takes this rank's generation shard (`PipelineStrategy.actor_weights`).
 
     `group`: the instance's process group (default: made by `instance_group`, a collective)."""
 

@@ -1,4 +1,4 @@
-"""`FusedPipelineStrategy`: the `Strategy` of `RLHFTrainer` over the distributed runtime.
+"""`PipelineStrategy`: the `Strategy` of `RLHFTrainer` over the distributed runtime.
 
 Each rank materialises only the stages the layout places on it (sharded construction, the default: the other
 stages' tensors are meta) and trains them; with full copies on every rank (a per-rank inferencer reads whole
@@ -94,7 +94,7 @@ def pipeline_layout(
     )
 
 
-class FusedPipelineStrategy:
+class PipelineStrategy:
     """The trainer's `Strategy` over the pipeline runtime. `schedule` names the planning function in `PLANNERS`
     (fused | serial_1f1b); the rest is the layout (from `config` and the world size) and the update's settings.
     `critic=None` (a critic-free algorithm): the Actor's pipeline alone, 1F1B under both names (nothing to fuse
