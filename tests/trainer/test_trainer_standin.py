@@ -23,7 +23,9 @@ from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.rollout import SerialRollout
 from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.trainer import Assembled
 
 STANDIN = standin_device()
 PAD, EOS = 0, 2
@@ -161,9 +163,12 @@ def _trainer(device: torch.device | str, run_dir, *overrides: str) -> RLHFTraine
     strategy = _strategy(actor, critic, cfg.data.micro_batch_size, 0)
     prompts = PromptLoader(load_prompts(cfg.data, tokenizer, seed=cfg.seed), 2, seed=cfg.seed)
     memory = MemoryMetrics(lambda: [actor, ref, critic, reward], strategy.optimizers_in_use)
-    return RLHFTrainer(
-        cfg, generator=generator, inferencer=inferencer, strategy=strategy, prompts=prompts,
-        pad_token_id=tokenizer.pad_id, run_dir=run_dir, callbacks=[memory],
+    rollout = SerialRollout(generator, inferencer, pad_token_id=tokenizer.pad_id)
+    return RLHFTrainer.assembled(
+        Assembled(
+            cfg, generator=generator, inferencer=inferencer, strategy=strategy, rollout=rollout, prompts=prompts,
+            pad_token_id=tokenizer.pad_id, run_dir=run_dir, callbacks=[memory],
+        )
     )  # fmt: skip
 
 

@@ -4,7 +4,7 @@ built), then models (warm start if needed), then the components chosen by name f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,15 @@ from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
 from rlhfuse.core.config_checks import need
 from rlhfuse.core.optim import generation_dtype, resolve_precision
-from rlhfuse.core.protocols import Callback, FusingGenerator, Generator, Inferencer, RolloutStage, Strategy
+from rlhfuse.core.protocols import (
+    Callback,
+    FusingGenerator,
+    Generator,
+    Inferencer,
+    Logger,
+    RolloutStage,
+    Strategy,
+)
 from rlhfuse.core.rewards import RewardSet
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.prompts import (
@@ -30,13 +38,9 @@ from rlhfuse.data.prompts import (
 )
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.distributed.fsdp import full_state
-from rlhfuse.models import Transformer, cast_copy
+from rlhfuse.models import cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.callbacks import (
-    ExportActor,
-    ExportAdapter,
-    ExportShardedActor,
     MemoryMetrics,
     RewardMetrics,
     SampleTable,
@@ -45,16 +49,16 @@ from rlhfuse.trainer.callbacks import (
 from rlhfuse.trainer.components import BuildContext
 from rlhfuse.trainer.device import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
-from rlhfuse.trainer.fsdp import FSDPStrategy, ShardedInference
-from rlhfuse.trainer.logging import RichProgress, build_loggers, table_sinks
+from rlhfuse.trainer.logging import JsonlLogger, RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
+from rlhfuse.trainer.parts import ExportTarget, Parts, StrategyPart
 from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
-from rlhfuse.trainer.topology import Topology, generator_entry, inferencer_entry, strategy_entry
-from rlhfuse.trainer.trainer import RLHFTrainer, check_callbacks
+from rlhfuse.trainer.topology import Topology
+from rlhfuse.trainer.trainer import Assembled, RLHFTrainer
 from rlhfuse.trainer.validate import check_context, raise_problems
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
@@ -82,41 +86,6 @@ def embedded_task(config: RLHFConfig) -> WarmStartTask:
         length_sigma=d.length_sigma,
         phrase_length=d.phrase_length,
     )
-
-
-def sharded_construction(
-    config: RLHFConfig, layout: Topology, fabric: Fabric
-) -> dict[str, tuple[int, set[int]]] | None:
-    """Under a pipeline strategy with the pipeline inferencer: role -> (stages, the stages this rank
-    holds), so that each rank materialises only its stages of the four models (Ref placed like the Actor, Reward
-    like the Critic). None (whole models on every rank) otherwise, e.g. when each rank is one generation instance
-    that infers its own samples with whole models."""
-    if not layout.pipelines or not inferencer_entry(config.inferencer.name).over_stages:
-        return None
-    from rlhfuse.runtime.strategy import pipeline_layout
-
-    d, with_critic = config.data, uses_critic(config.algorithm)
-    stages = pipeline_layout(
-        config.pipeline, fabric.world_size, d.mini_batch_size, d.micro_batch_size, critic=with_critic
-    )
-    held = stages.held_stages(fabric.global_rank)  # critic-free: the critic slot places only the Reward
-    actor, critic = (stages.stages("actor"), held["actor"]), (stages.stages("critic"), held["critic"])
-    return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
-
-
-def generation_copy(generator: Generator, config: RLHFConfig) -> Transformer:
-    """The generator's full Actor copy (kept in sync after every update): what is exported when the trained
-    Actor is sharded over the pipeline ranks."""
-    found = generator.actor_copies()
-    if not found:
-        raise ValueError(
-            f"checkpoint.export_hf=true with the Actor sharded over pipeline={config.pipeline.name} exports the "
-            f"generator's Actor copy, which generator={config.generator.name} does not expose: use "
-            "generator=engine or generator=sampling, or checkpoint.export_hf=false"
-        )
-    copy = found[0]
-    assert isinstance(copy, Transformer), type(copy)  # the in-process generators copy the Actor itself
-    return copy
 
 
 def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> Fabric:
@@ -214,7 +183,7 @@ class RunData:
 
 @dataclass(frozen=True)
 class Components:
-    """The plug points of one run, built in this order from the registries (`build_components`)."""
+    """The plug points of one run, built in this order from its parts (`build_components`)."""
 
     strategy: Strategy
     generator: Generator
@@ -226,22 +195,41 @@ def build_trainer(
     config: RLHFConfig,
     *,
     run_dir: str | Path | None = None,
-    callbacks: list[Callback] | None = None,
+    callbacks: Sequence[Callback] | None = None,
     log: Callable[[str], None] = print,
     train_dataset: Any = None,
     eval_dataset: Any = None,
 ) -> RLHFTrainer:
-    """The trainer `config` describes, everything built and checked (`fit()` runs it). `train_dataset` and
+    """The trainer `config` describes, everything built and checked (`fit()` runs it): the parts its sections
+    name (`RLHFTrainer.from_config`, the objects a script would pass), set up. `train_dataset` and
     `eval_dataset` (`datasets.Dataset`s, TRL's names) give the training and held-out prompts in place of
-    `data.path` and `eval.path`.
+    `data.path` and `eval.path`."""
+    trainer = RLHFTrainer.from_config(config, callbacks=callbacks or [], run_dir=run_dir, log=log)
+    return trainer.setup(train_dataset=train_dataset, eval_dataset=eval_dataset)
+
+
+def assemble(
+    config: RLHFConfig,
+    parts: Parts,
+    *,
+    run_dir: str | Path | None,
+    callbacks: list[Callback],
+    loggers: list[Logger] | None,
+    log: Callable[[str], None],
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+) -> Assembled:
+    """The run `config` (with the parts' settings written in) describes, built from `parts`.
 
     The build in order: the run spec (every configuration problem at once), the run folder (a resume that may
     not continue fails here), the data (bad prompts and rows fail before any model is built), the device and
-    process group, the models, the components (strategy, generator, inferencer, rollout stage), the callbacks."""
-    check_callbacks(callbacks or [])  # before anything is built
+    process group, the models, the components (strategy, generator, inferencer, rollout stage), the callbacks.
+    `loggers`: None for the configured ones (`logger.backends`), else these beside metrics.jsonl."""
     spec = compile_run(with_datasets(config, train_dataset, eval_dataset), log=log)
     config, layout = spec.config, spec.topology
-    run_dir, record = prepare_run_folder(config, layout, run_dir, log)
+    parts = parts.resolved(config)
+    assert parts.strategy is not None, "resolved"
+    run_dir, record = prepare_run_folder(config, parts.strategy, run_dir, log)
     log(f"rlhfuse: {spec.counts.describe()}")
     data = load_data(config, train_dataset, eval_dataset, log)
     config = data.config
@@ -252,7 +240,7 @@ def build_trainer(
     fabric = make_fabric(config, layout, device)
     if fabric.world_size > 1:
         device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
-    shard = sharded_construction(config, layout, fabric)
+    shard = parts.strategy.stages_held(config, fabric.world_size, fabric.global_rank)
     models = build_models(config, layout, device, shard, log)
     fabric.seed_everything(config.seed, verbose=False)
 
@@ -265,44 +253,58 @@ def build_trainer(
         rows=data.rows,
         rewards=data.rewards,
     )
-    parts = build_components(ctx)
+    built = build_components(ctx, parts)
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
-    export = export_callback(config, layout, models, parts, run_dir, sharded_stages=bool(shard), rank0=rank0)
+    export = None
+    if config.checkpoint.export_hf:
+        target = ExportTarget(
+            config, models, built.strategy, run_dir / "actor_hf", rank0, bool(shard), layout.weight_shards
+        )
+        export = parts.strategy.export(target)
     models.generation = None  # the generator holds its own copy now
-    loggers = build_loggers(config.logger, run_dir) if rank0 else []
+    run_loggers = run_loggers_for(config, run_dir, loggers) if rank0 else []
     # the watchdog keeps the last step for its dead-rank message
     extra = [c for c in (export, Watchdog.current if fabric.world_size > 1 else None) if c is not None]
     all_callbacks = [
-        *run_callbacks(config, models, parts, data, run_dir, loggers, extra, rank0=rank0),
-        *(callbacks or []),
+        *run_callbacks(config, models, built, data, run_dir, run_loggers, extra, rank0=rank0),
+        *callbacks,
     ]
-    for logger in loggers:
+    for logger in run_loggers:
         try:
             logger.log_hyperparams(dataclasses.asdict(config))
         except NotImplementedError:  # Fabric's CSVLogger keeps no hyperparameters
             pass
-    return RLHFTrainer(
+    return Assembled(
         config,
-        generator=parts.generator,
-        inferencer=parts.inferencer,
-        strategy=parts.strategy,
-        rollout=parts.rollout,
+        generator=built.generator,
+        inferencer=built.inferencer,
+        strategy=built.strategy,
+        rollout=built.rollout,
         prompts=data.loader,
         pad_token_id=models.tokenizer.pad_id,
         run_dir=run_dir,
         callbacks=all_callbacks,
-        logger=loggers,
+        loggers=run_loggers,
         fabric=fabric,
         record=record,
     )
 
 
+def run_loggers_for(config: RLHFConfig, run_dir: Path, given: list[Logger] | None) -> list[Logger]:
+    """The configured loggers (`logger.backends`); a script's own list replaces them, metrics.jsonl kept (a resume
+    cuts it back and the run's summary reads it)."""
+    if given is None:
+        return build_loggers(config.logger, run_dir)
+    jsonl = [] if any(isinstance(g, JsonlLogger) for g in given) else [JsonlLogger(run_dir / "metrics.jsonl")]
+    return [*jsonl, *given]
+
+
 def prepare_run_folder(
-    config: RLHFConfig, layout: Topology, run_dir: str | Path | None, log: Callable[[str], None]
+    config: RLHFConfig, strategy: StrategyPart, run_dir: str | Path | None, log: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]]:
     """The run folder, made; a fresh start over old checkpoints, a resume that changes what may not change or
-    has nothing left to train, and a pipeline layout that does not match the checkpoint fail here, before
-    anything is built. Returns the folder and the configuration record run.json keeps (as validated)."""
+    has nothing left to train, and a checkpoint the strategy cannot resume (another pipeline layout) fail here,
+    before anything is built. Returns the folder and the configuration record run.json keeps (as validated)."""
     folder = Path(run_dir or config.run_dir or "outputs/rlhfuse")
     folder.mkdir(parents=True, exist_ok=True)
     log(f"rlhfuse: experiment {config.experiment!r}, run directory {folder}")
@@ -310,10 +312,7 @@ def prepare_run_folder(
     check_fresh_start(checkpoint_dir, config.resume, config.checkpoint.overwrite)
     record = config_record(config)  # as validated (the tokenizer's stop ids are added later)
     check_resume_config(config, folder, checkpoint_dir, record)
-    if layout.pipelines:
-        from rlhfuse.runtime.sharded_checkpoint import check_resume
-
-        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, folder)
+    strategy.check_resume(config, checkpoint_dir, folder)
     return folder, record
 
 
@@ -388,63 +387,15 @@ def build_models(
     return models
 
 
-def build_components(ctx: BuildContext) -> Components:
+def build_components(ctx: BuildContext, parts: Parts) -> Components:
     """The strategy first (it may shard or place the models the generator copies and the inferencer runs),
-    then the generator, the inferencer (under pipeline=fsdp each rank infers its share with the sharded models,
-    in lockstep) and the rollout stage that joins them."""
-    config = ctx.config
-    strategy = ctx.strategy = strategy_entry(config.pipeline.name).build(ctx)
-    generator = generator_entry(config.generator.name).build(ctx)
-    inferencer = inferencer_entry(config.inferencer.name).build(ctx)
-    if isinstance(strategy, FSDPStrategy):
-        inferencer = ShardedInference(inferencer, strategy.group)
+    then the generator, the inferencer (as it runs over the strategy's layout: under pipeline=fsdp each rank
+    infers its share with the sharded models, in lockstep) and the rollout stage that joins them."""
+    assert parts.strategy is not None and parts.generator is not None and parts.inferencer is not None, parts
+    strategy = ctx.strategy = parts.strategy.build(ctx)
+    generator = parts.generator.build(ctx)
+    inferencer = parts.strategy.inference(parts.inferencer.build(ctx), strategy)
     return Components(strategy, generator, inferencer, rollout_stage(ctx, generator, inferencer))
-
-
-def export_callback(
-    config: RLHFConfig,
-    layout: Topology,
-    models: Models,
-    parts: Components,
-    run_dir: Path,
-    *,
-    sharded_stages: bool,
-    rank0: bool,
-) -> Callback | None:
-    """checkpoint.export_hf's callback: the Actor written as a Hugging Face checkpoint (or a PEFT adapter) at the
-    end of `fit`, reassembled by every rank from whatever holds it (a tensor-parallel generation copy, the fsdp
-    shards, the pipeline stages), written by rank 0. None without an export, or on a rank with no part in it."""
-    if not config.checkpoint.export_hf:
-        return None
-    strategy: Any = parts.strategy
-    fsdp = isinstance(strategy, FSDPStrategy)
-    path = run_dir / "actor_hf"
-    if layout.weight_shards > 1:  # the generation copy is a tp shard: the export reassembles the whole Actor
-        return ExportShardedActor(
-            lambda: strategy.shards.full_state("actor"), strategy.models["actor"].config, models.tokenizer, path,
-            write=rank0,
-        )  # fmt: skip
-    if config.model.lora.enabled and (rank0 or fsdp or sharded_stages):
-        # a sharded Actor's tensors gathered on every rank (collective), written by rank 0: from the fsdp shards
-        # or the pipeline stages
-        whole: Callable[[], Mapping[str, torch.Tensor]] = models.actor.state_dict
-        if fsdp:
-            whole = lambda: full_state(strategy.actor)  # noqa: E731
-        elif sharded_stages:
-            whole = lambda: strategy.shards.full_state("actor")  # noqa: E731
-        return ExportAdapter(
-            whole, models.actor.config, config.model.lora, models.tokenizer, path, base=models.sft_path,
-            write=rank0,
-        )  # fmt: skip
-    if fsdp:
-        return ExportShardedActor(
-            lambda: full_state(strategy.actor), strategy.actor.config, models.tokenizer, path, write=rank0
-        )
-    if not rank0:
-        return None
-    # the trained Actor is sharded over the pipeline ranks: the export writes the generator's whole copy
-    actor = generation_copy(parts.generator, config) if sharded_stages else models.actor
-    return ExportActor(actor, models.tokenizer, path)
 
 
 def run_callbacks(

@@ -134,13 +134,7 @@ def pipeline_inferencer(ctx: BuildContext) -> Any:
     from rlhfuse.runtime.inference import PipelineInferencer
 
     cfg, models = ctx.config.inferencer, ctx.models
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
-
-    if not isinstance(ctx.strategy, FusedPipelineStrategy):
-        raise ValueError(
-            f"inferencer.name=pipeline needs a pipeline strategy (got pipeline={ctx.config.pipeline.name}): "
-            "set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
-        )
+    # validated: a pipeline strategy (its layout and tensor-parallel groups)
     # the Ref and the Reward sharded like the trained models they are placed as (the Actor, the Critic)
     models.ref = ctx.strategy.tp_shard(models.ref, "actor")
     if models.reward is not None:
@@ -239,12 +233,12 @@ def serial_1f1b_strategy(ctx: BuildContext) -> Any:
 
 
 def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
-    from rlhfuse.runtime.strategy import FusedPipelineStrategy
+    from rlhfuse.runtime.strategy import PipelineStrategy
 
     cfg = ctx.config
     critic = ctx.models.critic  # None for a critic-free algorithm: the Actor's pipeline alone
     pack_stages([ctx.models.actor] + ([] if critic is None else [critic]), cfg.data.packing)
-    strategy = FusedPipelineStrategy(
+    strategy = PipelineStrategy(
         ctx.models.actor,
         critic,
         cfg.pipeline,

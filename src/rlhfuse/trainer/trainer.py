@@ -11,21 +11,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 
-from rlhfuse.core.advantages import compute_train_batch
+from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.checkpoint import (
+    CheckpointConfig,
     RunIdentity,
     begin_run,
     clean_stale,
+    end_run,
     prune_run,
     read_runs,
     rng_state,
@@ -37,10 +41,13 @@ from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, mean_stats
 from rlhfuse.core.types import Experience, TrainBatch
 from rlhfuse.data.collate import collate_prompts
+from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import PromptLoader
-from rlhfuse.trainer.logging import JsonlLogger, keep_csv_rows
+from rlhfuse.trainer.evaluation import EvalConfig
+from rlhfuse.trainer.logging import JsonlLogger, LoggerConfig, keep_csv_rows
+from rlhfuse.trainer.models import ModelsConfig
+from rlhfuse.trainer.parts import GeneratorPart, InferencerPart, Parts, StrategyPart
 from rlhfuse.trainer.resume import check_resume_config, config_hash, config_record
-from rlhfuse.trainer.rollout import SerialRollout
 from rlhfuse.trainer.run_config import RLHFConfig
 
 log = logging.getLogger(__name__)
@@ -58,63 +65,247 @@ def check_callbacks(callbacks: Sequence[object]) -> None:
         )
 
 
+@dataclass
+class Assembled:
+    """What `RLHFTrainer.setup` builds from the configured parts (`rlhfuse.trainer.build.assemble`): the validated
+    configuration, the run's components, its prompts, folder, callbacks and loggers, and the configuration record
+    run.json keeps."""
+
+    config: RLHFConfig
+    generator: Generator
+    inferencer: Inferencer
+    strategy: Strategy
+    rollout: RolloutStage
+    prompts: PromptLoader
+    pad_token_id: int
+    run_dir: Path
+    callbacks: list[Callback] = field(default_factory=list)
+    loggers: list[Logger] = field(default_factory=list)
+    fabric: Fabric | None = None
+    record: Mapping[str, Any] | None = None
+
+
 class RLHFTrainer:
+    """The RLHF run, composed of objects: a training strategy, a generator, an inferencer, the algorithm, the
+    callbacks and loggers, and the run's limits; `fit` takes the models and the data and runs it.
+
+    Every part is optional: what is omitted is what `rlhfuse-train` would choose (its packaged configuration,
+    `config`'s where given, and the rules that follow from the layout). The parts write their settings into one
+    configuration that is validated as a whole before anything is built, so a run made here and the same run made
+    by `rlhfuse-train` build the same objects and write the same metrics, progress, checkpoints and export::
+
+        trainer = RLHFTrainer(
+            strategy=FusedPipelineStrategy(actor_pp=2, critic_pp=2),
+            generator=EngineGeneration(instances=2, migration=FixedMigration(threshold=0.25)),
+            algorithm=AlgorithmConfig(name="grpo"),
+            callbacks=[StopAt(10)],
+            iterations=20,
+            run_dir="runs/fused",
+        )
+        history = trainer.fit(train_dataset=my_prompts)
+    """
+
     def __init__(
         self,
-        config: RLHFConfig,
         *,
-        generator: Generator,
-        inferencer: Inferencer,
-        strategy: Strategy,
-        rollout: RolloutStage | None = None,
-        prompts: PromptLoader,
-        pad_token_id: int,
-        run_dir: str | Path,
+        strategy: StrategyPart | None = None,
+        generator: GeneratorPart | None = None,
+        inferencer: InferencerPart | None = None,
+        algorithm: AlgorithmConfig | None = None,
         callbacks: Sequence[Callback] = (),
-        logger: Logger | Sequence[Logger] = (),
-        fabric: Fabric | None = None,
-        record: Mapping[str, Any] | None = None,
+        loggers: Sequence[Logger] | None = None,
+        iterations: int | None = None,
+        data: DataConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        evaluation: EvalConfig | None = None,
+        logging: LoggerConfig | None = None,
+        seed: int | None = None,
+        device: str | None = None,
+        resume: str | None = None,
+        run_dir: str | Path | None = None,
+        config: RLHFConfig | None = None,
+        log: Callable[[str], None] = print,
     ) -> None:
-        self.config = config
-        # the resolved configuration run.json records and a resume is checked against (`build_trainer` passes
-        # it as validated, before the tokenizer's stop ids were added); None: `config_record(config)`
-        self.record = dict(record) if record is not None else config_record(config)
-        self.generator, self.inferencer, self.strategy = generator, inferencer, strategy
-        self.prompts = prompts
-        self.pad_token_id = pad_token_id
-        self.rollout_stage: RolloutStage = rollout or SerialRollout(
-            generator, inferencer, pad_token_id=pad_token_id
+        check_callbacks(callbacks)  # before anything is built
+        self.parts = Parts(strategy, generator, inferencer)
+        self.base = config
+        # the run's own settings, each replacing its section of the configuration where given
+        sections = dict(
+            algorithm=algorithm,
+            iterations=iterations,
+            data=data,
+            checkpoint=checkpoint,
+            eval=evaluation,
+            logger=logging,
+            seed=seed,
+            device=device,
+            resume=resume,
         )
-        self.run_dir = Path(run_dir)
-        self.loggers: list[Logger] = [logger] if isinstance(logger, Logger) else list(logger)
-        check_callbacks(callbacks)
-        self.callbacks: list[Callback] = list(callbacks)
-        self.fabric = fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
+        self.sections: dict[str, Any] = {key: value for key, value in sections.items() if value is not None}
+        self.user_callbacks = list(callbacks)
+        self.user_loggers = None if loggers is None else list(loggers)
+        self.given_run_dir = run_dir
+        self.log = log
         self.iteration = 0
+        self.should_stop = False
+        """Set by a callback (any hook): the run ends after the current iteration, checkpointed and exported as at
+        its normal end."""
+        self.stopped_by: str | None = None
         # this rank's extra memory during the last weight sync (`sync_weights`), for `MemoryMetrics`
         self.sync_extra_bytes = 0.0
         self.history: list[dict[str, float]] = []
         self.run: RunIdentity | None = None  # set by resume(); names the run in each checkpoint's meta.json
+        self.ready = False
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RLHFConfig,
+        *,
+        callbacks: Sequence[Callback] = (),
+        run_dir: str | Path | None = None,
+        log: Callable[[str], None] = print,
+    ) -> RLHFTrainer:
+        """The trainer `config` describes: its parts made from its sections (`Parts.from_config`), the objects a
+        Python script would pass."""
+        parts = Parts.from_config(config)
+        return cls(
+            strategy=parts.strategy,
+            generator=parts.generator,
+            inferencer=parts.inferencer,
+            callbacks=callbacks,
+            run_dir=run_dir,
+            config=config,
+            log=log,
+        )
+
+    @classmethod
+    def assembled(cls, built: Assembled) -> RLHFTrainer:
+        """A trainer over components built elsewhere (a test's own), ready to `fit`."""
+        trainer = cls(config=built.config)
+        trainer.attach(built)
+        return trainer
+
+    def configured(self, model: ModelsConfig | None = None) -> RLHFConfig:
+        """The one configuration of this run: the base (`config`, else the packaged defaults `rlhfuse-train`
+        starts from) with every part's settings, the algorithm, the limits and the models written in."""
+        config = (
+            self.base if self.base is not None else RLHFConfig()
+        )  # equal to the packaged defaults (tested)
+        config = self.parts.configure(dataclasses.replace(config, **self.sections))
+        return config if model is None else dataclasses.replace(config, model=model)
+
+    def setup(
+        self,
+        model: ModelsConfig | None = None,
+        *,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+    ) -> RLHFTrainer:
+        """Check the whole run (one error listing every problem), then build it: the run folder, the data, the
+        process group, the models, the components from the parts, the callbacks. `fit` calls it when needed."""
+        if self.ready:
+            raise RuntimeError(
+                "RLHFTrainer.setup: this trainer is set up already; make a new one for another run"
+            )
+        from rlhfuse.trainer.build import (
+            assemble,  # the composition of the build phases (it imports this module)
+        )
+
+        built = assemble(
+            self.configured(model),
+            self.parts,
+            run_dir=self.given_run_dir,
+            callbacks=self.user_callbacks,
+            loggers=self.user_loggers,
+            log=self.log,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+        )
+        self.attach(built)
+        return self
+
+    def attach(self, built: Assembled) -> None:
+        self.config = built.config
+        # the resolved configuration run.json records and a resume is checked against (as validated, before the
+        # tokenizer's stop ids were added)
+        self.record = dict(built.record) if built.record is not None else config_record(built.config)
+        self.generator, self.inferencer, self.strategy = built.generator, built.inferencer, built.strategy
+        self.rollout_stage = built.rollout
+        self.prompts = built.prompts
+        self.pad_token_id = built.pad_token_id
+        self.run_dir = Path(built.run_dir)
+        self.callbacks = list(built.callbacks)
+        self.loggers = list(built.loggers)
+        self.fabric = built.fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
+        self.ready = True
+
+    # ---------------------------------------------------------------- hooks: the one dispatch
+    def call(self, hook: str, *args: Any) -> None:
+        """Call `hook` on every callback in order; the first that sets `should_stop` is named when the run ends."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+            if self.should_stop and self.stopped_by is None:
+                self.stopped_by = type(callback).__name__
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def finalize(self, status: str) -> None:
+        for logger in self.loggers:
+            logger.finalize(status)
 
     # ---------------------------------------------------------------- the loop
-    def fit(self) -> list[dict[str, float]]:
+    def fit(
+        self,
+        model: ModelsConfig | None = None,
+        *,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+    ) -> list[dict[str, float]]:
+        """Run the iterations (set up first if `setup` was not called: `model`, the datasets as `setup` takes
+        them); the history of this run's metrics."""
+        if not self.ready:
+            self.setup(model, train_dataset=train_dataset, eval_dataset=eval_dataset)
+        elif model is not None or train_dataset is not None or eval_dataset is not None:
+            raise ValueError(
+                "RLHFTrainer.fit: the trainer is set up already (build_trainer or setup() took the models and "
+                "data); call fit() with no arguments"
+            )
         self.resume()
-        for callback in self.callbacks:
-            callback.on_fit_start(self)
+        self.call("on_fit_start")
         try:
-            while self.iteration < self.config.iterations:
+            while self.iteration < self.config.iterations and not self.should_stop:
                 self.run_iteration()
+            if self.should_stop:
+                self.stop_early()
         except BaseException as err:
-            for callback in self.callbacks:
-                callback.on_exception(self, err)
-            for logger in self.loggers:
-                logger.finalize("failed")
+            self.call("on_exception", err)
+            self.finalize("failed")
+            self.end_run("failed", f"{type(err).__name__}: {err}")
             raise
-        for callback in self.callbacks:
-            callback.on_fit_end(self)
-        for logger in self.loggers:
-            logger.finalize("success")
+        self.call("on_fit_end")
+        self.finalize("success")
+        self.end_run("completed")
         return self.history
+
+    def stop_early(self) -> None:
+        """A callback asked the run to stop: the line naming it, and the checkpoint a normal end would write
+        (when checkpoints are on and this iteration's was not written already)."""
+        if self._rank0:
+            self.log(
+                f"rlhfuse: stopped after iteration {self.iteration} of {self.config.iterations} by callback "
+                f"{self.stopped_by} (trainer.should_stop)"
+            )
+        every = self.config.checkpoint.every
+        if every > 0 and self.iteration % every != 0:
+            self.save_checkpoint()
+
+    def end_run(self, status: Literal["completed", "failed"], reason: str | None = None) -> None:
+        """run.json records how this attempt ended (rank 0; nothing when the run never started)."""
+        if self.run is not None and self._rank0:
+            end_run(self.run_dir, self.run.id, status, reason)
 
     def run_iteration(self) -> dict[str, float]:
         it = self.iteration + 1
@@ -130,8 +321,7 @@ class RLHFTrainer:
             ) from None
         self.inferencer.release()  # frozen models back to host memory until the next rollout (or nothing)
         metrics: dict[str, float] = {}
-        for callback in self.callbacks:
-            callback.on_rollout_end(self, experience, metrics)
+        self.call("on_rollout_end", experience, metrics)
         # 2. rewards, KL penalty and the algorithm's advantages (GAE, or a group / batch baseline)
         batch, stats = compute_train_batch(experience, self.config.algorithm)
         self._check_finite(it, stats)
@@ -155,17 +345,14 @@ class RLHFTrainer:
             "weight_sync/bytes_per_rank": self.strategy.weight_sync_bytes,
             **metrics,
         }
-        for callback in self.callbacks:  # last additions before logging (every rank calls it)
-            callback.on_metrics(self, metrics)
+        self.call("on_metrics", metrics)  # last additions before logging (every rank calls it)
         self.iteration = it
         self.history.append(metrics)
-        for logger in self.loggers:
-            logger.log_metrics(metrics, step=it)
+        self.log_metrics(metrics, step=it)
         every = self.config.checkpoint.every
         if every > 0 and (it % every == 0 or it == self.config.iterations):
             self.save_checkpoint()
-        for callback in self.callbacks:
-            callback.on_iteration_end(self, it, metrics)
+        self.call("on_iteration_end", it, metrics)
         return metrics
 
     def sync_weights(self) -> float:
@@ -191,8 +378,7 @@ class RLHFTrainer:
         return seconds
 
     def _on_stage(self, stage: str) -> None:
-        for callback in self.callbacks:
-            callback.on_stage_start(self, stage)
+        self.call("on_stage_start", stage)
 
     def train(self, batch: TrainBatch, iteration: int) -> TrainStats:
         size = self.config.data.mini_batch_size

@@ -138,6 +138,11 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
             "on the same rows, so it would infer one rank's samples only; set inferencer.name=models, or "
             "generator.instances=1 (inference over the training layout)"
         )
+    if over_stages and not layout.pipelines:
+        problems.append(
+            f"inferencer.name={cfg.inferencer.name} runs over a pipeline strategy's stages, which "
+            f"pipeline={pipe.name} has none of: set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
+        )
     if layout.pipelines and max(pipe.actor_tp, pipe.critic_tp) > 1 and not over_stages:
         problems.append(
             f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
