@@ -3,8 +3,6 @@
 from pathlib import Path
 
 import pytest
-from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ValidationError
 
 from rlhfuse._resources import conf_dir
 from rlhfuse.trainer import RLHFConfig, compose_config, validate
@@ -42,11 +40,12 @@ def test_command_line_style_overrides_reach_the_dataclasses():
 
 
 def test_schema_rejects_wrong_types_and_unknown_keys():
-    with pytest.raises((ValidationError, ConfigCompositionException), match="max_new_tokens"):
+    """One ValueError naming the key (Hydra's composition errors are not ValueErrors a script can catch)."""
+    with pytest.raises(ValueError, match=r"generator\.max_new_tokens=lots: expected an int"):
         compose_config(["generator.max_new_tokens=lots"])
-    with pytest.raises(ConfigCompositionException, match="not_a_field"):
+    with pytest.raises(ValueError, match=r"generator\.not_a_field is not a configuration key"):
         compose_config(["generator.not_a_field=1"])
-    with pytest.raises(ConfigCompositionException, match="pipeline"):
+    with pytest.raises(ValueError, match=r"pipeline=does_not_exist is not an option of pipeline \(choices: "):
         compose_config(["pipeline=does_not_exist"])
 
 

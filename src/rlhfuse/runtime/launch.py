@@ -41,6 +41,15 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from rlhfuse.core.protocols import Callback
 
 
+def launched_rank_zero() -> bool:
+    """Whether this process is rank 0 of its job (or the only process), before any process group exists: torchrun
+    sets RANK; Fabric's launcher sets LOCAL_RANK and NODE_RANK for the ranks it starts (the process that starts
+    them has neither)."""
+    if os.environ.get("RANK", "").strip():
+        return os.environ["RANK"].strip() == "0"
+    return all(os.environ.get(name, "0").strip() in ("", "0") for name in ("LOCAL_RANK", "NODE_RANK"))
+
+
 def distributed_fabric(
     *, nproc_per_node: int, backend: str, timeout_s: float, device_type: str, precision: str
 ) -> Fabric:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlhfuse._resources import conf_dir
 from rlhfuse.core.config_checks import is_flat
@@ -160,8 +164,11 @@ def override_keys(overrides: Sequence[str]) -> list[str]:
 
 
 def check_keys(keys: Sequence[str]) -> None:
-    """ValueError listing every key the schema does not have (Hydra would report only the first)."""
+    """ValueError listing every key the schema does not have (Hydra would report only the first); one key is
+    one line."""
     problems = unknown_keys(keys)
+    if len(problems) == 1:
+        raise ValueError(problems[0])
     if problems:
         raise ValueError(
             f"invalid configuration ({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems)
@@ -182,14 +189,136 @@ def to_config(cfg: DictConfig) -> RLHFConfig:
     return config
 
 
-def compose_config(overrides: Sequence[str] = (), config_name: str = "config") -> RLHFConfig:
-    """Compose rlhfuse's shipped configuration with command-line style overrides, from a script or a test."""
+def compose_config(
+    overrides: Sequence[str] = (), config_name: str = "config", config_dir: str | Path | None = None
+) -> RLHFConfig:
+    """Compose rlhfuse's shipped configuration with command-line style overrides, from a script or a test.
+
+    `config_dir`: a folder of the user's own configs searched beside the shipped ones (as `rlhfuse-train
+    --config-dir` does), e.g. `my_conf/experiment/mine.yaml` for `experiment=mine`. A bad override or config file
+    is one ValueError naming the key (and the file), never Hydra's multi-line report."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register_schema()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides))
+    user_dirs: list[Path] = []
+    search: list[str] = []
+    if config_dir is not None:
+        folder = Path(config_dir).resolve()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"config_dir={str(config_dir)!r} is not a folder (resolved to {folder})")
+        user_dirs.append(folder)
+        search.append(f"hydra.searchpath=[{_quoted(f'file://{folder}')}]")
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=[*overrides, *search])
+    except COMPOSITION_ERRORS as err:
+        raise ValueError(composition_problem(err, user_dirs)) from None
     return to_config(cfg)
+
+
+def _quoted(text: str) -> str:
+    """`text` as a quoted string of Hydra's override grammar (a path with spaces or `=` stays one value)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+# What Hydra raises while composing (before any job runs): a bad override, a missing option, a bad config file.
+COMPOSITION_ERRORS = (ConfigCompositionException, OverrideParseException, OmegaConfBaseException)
+
+
+def composition_problem(err: BaseException, config_dirs: Sequence[str | Path] = ()) -> str:
+    """One line for a composition error: the override or config file, the key, what was expected and, where
+    one is close, the intended key or option. `config_dirs`: the user's config folders, to name the file."""
+    # Hydra raises some of these `from` OmegaConf's error and others inside its handler (the file's case)
+    cause = err if isinstance(err, OmegaConfBaseException) else err.__cause__ or err.__context__
+    text = str(err).strip()
+    merging = re.match(r"In '([^']+)':", text)  # a config file of the defaults list (not the primary one)
+    source = merging.group(1) if merging and merging.group(1) != "config" else None
+    where = f"{_config_file(source, config_dirs)}: " if source else ""
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options:
+        group, _, name = err.missing_cfg_file.rpartition("/")
+        choice = f"{group}={name}" if group else name
+        close = difflib.get_close_matches(name, list(err.options), n=1)
+        hint = f"; did you mean {group}={close[0]}?" if close and group else ""
+        return f"{where}{choice} is not an option of {group or 'the configs'} (choices: {', '.join(sorted(err.options))}){hint}"
+    if isinstance(err, OverrideParseException):
+        reason = err.message.strip().splitlines()[0]
+        return (
+            f"{err.override}: cannot parse this override ({reason}); see "
+            "https://hydra.cc/docs/advanced/override_grammar/basic/ (quote values with spaces or brackets)"
+        )
+    if (
+        isinstance(cause, ConfigKeyError | ConfigAttributeError)
+        and cause.full_key
+        and not _hydras(cause.full_key)
+    ):
+        problems = unknown_keys([cause.full_key])
+        return where + (problems[0] if problems else _first_line(cause.msg or str(cause)))
+    if isinstance(cause, ValidationError) and cause.full_key:
+        override = re.match(r"Error merging override (\S+)", text)
+        value = override.group(1).split("=", 1)[-1] if override else _quoted_value(cause.msg or "")
+        setting = f"{cause.full_key}={value}" if value is not None else cause.full_key
+        expected = expected_type(cause.full_key)
+        return f"{where}{setting}: " + (
+            f"expected {expected}" if expected else _first_line(cause.msg or str(cause))
+        )
+    reason = _first_line(cause.msg if isinstance(cause, OmegaConfBaseException) and cause.msg else "")
+    return where + _first_line(text) + (f": {reason}" if reason else "")
+
+
+def _hydras(key: str) -> bool:
+    """Whether `key` is one of Hydra's own settings (not in rlhfuse's schema)."""
+    return key == "hydra" or key.startswith("hydra.")
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0].strip()
+
+
+def _quoted_value(message: str) -> str | None:
+    """The value in OmegaConf's "Value 'three' of type 'str' could not be converted ..."."""
+    found = re.match(r"Value '(.*)' of type", message)
+    return found.group(1) if found else None
+
+
+def _config_file(name: str, config_dirs: Sequence[str | Path]) -> str:
+    """The file behind config `name` (`experiment/mine`): the first of the user's folders, then the shipped
+    `conf/`, that holds it."""
+    for folder in [*config_dirs, conf_dir()]:
+        path = Path(folder) / f"{name}.yaml"
+        if path.is_file():
+            return str(path)
+    return f"{name}.yaml"
+
+
+def expected_type(key: str) -> str | None:
+    """What the schema accepts at the dotted `key` ("an int", "a number", ...), None when it is not known."""
+    tree: Any = schema(RLHFConfig)
+    kind: Any = None
+    for part in key.split("."):
+        if not (isinstance(tree, type) and dataclasses.is_dataclass(tree)):
+            return None
+        kinds = {f.name: f.type for f in dataclasses.fields(tree)}
+        if part not in kinds:
+            return None
+        tree = kind = kinds[part]
+    return _describe(kind)
+
+
+def _describe(kind: Any) -> str | None:
+    names = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+    if kind in names:
+        return names[kind]
+    origin = get_origin(kind)
+    if origin is list:
+        item = _describe(get_args(kind)[0])
+        return f"a list of {item.split(' ', 1)[1]}s" if item and item.startswith(("a ", "an ")) else "a list"
+    if origin in (Union, types.UnionType):
+        members = [_describe(a) for a in get_args(kind) if a is not type(None)]
+        if len(members) == 1 and members[0]:
+            return f"{members[0]} or null"
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return f"a mapping of {kind.__name__}'s keys"
+    return None

@@ -10,6 +10,10 @@ in one line naming the file or key and the fix, exit status 2; a multi-process j
 contact ends in one line naming the rank and the last step, exit status 1. Ctrl-C ends in one line naming the
 last finished iteration and what `resume=auto` continues from, exit status 130. `RLHFUSE_DEBUG=1` shows
 tracebacks.
+
+The console's lines (start-up, progress, summary, error) are also written to the run folder's
+`rlhfuse-train.log` (Hydra's job log); in a multi-process run only rank 0 prints the start-up lines and the summary
+and only rank 0 keeps a log file.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import SearchPathException
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
@@ -33,12 +40,20 @@ from rlhfuse._optional import MissingDependencyError
 from rlhfuse._resources import conf_dir
 from rlhfuse.core.checkpoint import auto_resume_path
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
+from rlhfuse.core.protocols import Callback
 from rlhfuse.data.prompts import DatasetError
 from rlhfuse.models import CheckpointError as ModelCheckpointError
-from rlhfuse.runtime.launch import Watchdog
+from rlhfuse.runtime.launch import Watchdog, launched_rank_zero
 from rlhfuse.trainer.build import build_trainer
-from rlhfuse.trainer.hydra import check_keys, override_keys, register_schema, to_config
-from rlhfuse.trainer.logging import line_console
+from rlhfuse.trainer.hydra import (
+    COMPOSITION_ERRORS,
+    check_keys,
+    composition_problem,
+    override_keys,
+    register_schema,
+    to_config,
+)
+from rlhfuse.trainer.logging import format_metrics, line_console
 
 USER_ERRORS = (
     ValueError,
@@ -56,15 +71,58 @@ def debug() -> bool:
     return os.environ.get("RLHFUSE_DEBUG", "") not in ("", "0")
 
 
+# The console's lines, mirrored into the run folder's log: its handlers are Hydra's job-log file handlers only
+# (`_mirror_to_run_log`), as the console already shows these lines. The NullHandler keeps logging's last-resort
+# handler from printing them a second time when there is no file.
+RUN_LOG = logging.getLogger("rlhfuse-train")
+RUN_LOG.propagate = False
+RUN_LOG.setLevel(logging.INFO)
+RUN_LOG.addHandler(logging.NullHandler())
+
+
+def _mirror_to_run_log() -> None:
+    """Point RUN_LOG at this job's log files (Hydra configures logging anew for each job of a multirun)."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    RUN_LOG.handlers = [logging.NullHandler(), *files]
+
+
+class RunLogLines(Callback):
+    """The per-iteration lines the progress display prints, also in the run log (`logger.print_every`)."""
+
+    def __init__(self, total: int, print_every: int) -> None:
+        self.total = total
+        self.print_every = print_every
+
+    def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None:
+        if self.print_every and iteration % self.print_every == 0:
+            RUN_LOG.info(format_metrics(iteration, self.total, metrics))
+
+
+_jobs_started = 0  # the jobs this process ran: a Hydra multirun (-m) runs them one after another
+
+
 def run(cfg: DictConfig) -> None:
+    global _jobs_started
+    _jobs_started += 1
+    job_started = time.perf_counter()
+    _restore_hydra_full_error()  # composing is done: a bug in the job gets Hydra's own report
+    _mirror_to_run_log()
     console = line_console()
+    rank0 = launched_rank_zero()
+
+    def say(msg: str) -> None:  # the start-up lines and the summary: rank 0 only
+        if rank0:
+            console.print(msg, highlight=False)
+            RUN_LOG.info(msg)
+
     trainer = None
     several = False  # a multi-process run
     try:
         config = to_config(cfg)
         if config.run_dir is None:
             config.run_dir = HydraConfig.get().runtime.output_dir
-        trainer = build_trainer(config, log=lambda msg: console.print(msg, highlight=False))
+        lines = [RunLogLines(config.iterations, config.logger.print_every)] if rank0 else []
+        trainer = build_trainer(config, log=say, callbacks=lines)
         history = trainer.fit()
         trainer.generator.close()  # engines with process-wide state (vLLM) shut down before the process group
         several = _shutdown_process_group()
@@ -85,6 +143,7 @@ def run(cfg: DictConfig) -> None:
     except Exception as err:
         watchdog = Watchdog.current
         if watchdog is None or debug():  # one process: a bug, shown with its traceback
+            RUN_LOG.error("rlhfuse-train: error: %s: %s", type(err).__name__, err, exc_info=True)
             raise
         # a multi-process job: a rank that died or stopped breaks the collectives of the others. The watchdog
         # stays armed: whichever of its thread and this one names the dead rank first prints the line
@@ -97,7 +156,8 @@ def run(cfg: DictConfig) -> None:
             "probably failed (see its output); RLHFUSE_DEBUG=1 shows the traceback, resume=auto continues "
             "from the last checkpoint"
         )
-    elapsed = seconds_since_start()  # start-up (imports, Hydra, building) included
+    # the first job counts the process's start-up (imports, Hydra, building); a later job of a multirun its own
+    elapsed = seconds_since_start() if _jobs_started == 1 else time.perf_counter() - job_started
     if history:
         first, last = history[0], history[-1]
         task = (
@@ -105,11 +165,10 @@ def run(cfg: DictConfig) -> None:
             if "task/score" in last
             else ""
         )
-        console.print(
+        say(
             f"rlhfuse-train: done in {elapsed:.0f}s, {len(history)} iterations this run; reward "
             f"{first['reward/mean']:+.3f} -> {last['reward/mean']:+.3f}{task}; metrics in "
-            f"{config.run_dir}/metrics.jsonl",
-            highlight=False,
+            f"{config.run_dir}/metrics.jsonl"
         )
     if several:
         _exit_finished()
@@ -155,8 +214,10 @@ def interrupted_message(trainer: Any) -> str:
 
 
 def print_error(console: Console, message: str) -> None:
-    """The one error line; the message is escaped (a gloo path such as `[/__w/.../pair.cc:553]` is not markup)."""
+    """The one error line (also in the run log); the message is escaped (a gloo path such as
+    `[/__w/.../pair.cc:553]` is not markup)."""
     console.print(f"[bold red]rlhfuse-train: error:[/] {escape(message)}", highlight=False)
+    RUN_LOG.error("rlhfuse-train: error: %s", message)
 
 
 def _shutdown_process_group() -> bool:
@@ -191,14 +252,61 @@ def _disarm() -> None:
         Watchdog.current.disarm()
 
 
+# HYDRA_FULL_ERROR as the user set it: main sets it to 1 while Hydra composes, so that a composition error is
+# raised to main (one line here) instead of printed by Hydra over several lines with exit status 1.
+_user_hydra_full_error: str | None = None
+
+
+def _restore_hydra_full_error() -> None:
+    if _user_hydra_full_error is None:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = _user_hydra_full_error
+
+
+def _user_config_dirs(args: list[str]) -> list[str]:
+    """The user's config folders named on the command line (`--config-dir`/`-cd`, `hydra.searchpath=[file://..]`),
+    to name the file in an error."""
+    dirs = []
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            dirs.append(args[i + 1])
+        elif arg.startswith("--config-dir="):
+            dirs.append(arg.split("=", 1)[1])
+        elif arg.startswith("hydra.searchpath="):
+            dirs += [d for d in re.findall(r"file://([^,\]'\"]+)", arg)]
+    return dirs
+
+
+def _rank_job_logging(args: list[str]) -> list[str]:
+    """Ranks other than 0 log to the console only (`hydra/job_logging=stdout`): no empty per-rank log file in the
+    run folder (Fabric's launcher names theirs train_ddp_process_<rank>.log, torchrun's share rank 0's name)."""
+    if launched_rank_zero() or any(a.lstrip("+~").startswith("hydra/job_logging") for a in args):
+        return []
+    return ["hydra/job_logging=stdout"]
+
+
 def main() -> None:
+    global _user_hydra_full_error
+    args = sys.argv[1:]
     try:  # every unknown key at once (Hydra stops at the first)
-        check_keys(override_keys([a for a in sys.argv[1:] if not a.startswith("-")]))
+        check_keys(override_keys([a for a in args if not a.startswith("-")]))
     except ValueError as err:
         print_error(line_console(), str(err))
         sys.exit(2)
     register_schema()
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
+    sys.argv += _rank_job_logging(args)
+    _user_hydra_full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
+    except (*COMPOSITION_ERRORS, SearchPathException) as err:  # before any job ran
+        if debug() or _user_hydra_full_error == "1":
+            raise
+        print_error(line_console(), composition_problem(err, _user_config_dirs(args)))
+        sys.exit(2)
+    finally:
+        _restore_hydra_full_error()
 
 
 if __name__ == "__main__":

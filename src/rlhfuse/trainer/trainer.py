@@ -43,6 +43,7 @@ from rlhfuse.core.types import Experience, TrainBatch
 from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import PromptLoader
+from rlhfuse.runtime.launch import launched_rank_zero
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import JsonlLogger, LoggerConfig, keep_csv_rows
 from rlhfuse.trainer.models import ModelsConfig
@@ -51,6 +52,10 @@ from rlhfuse.trainer.resume import check_resume_config, config_hash, config_reco
 from rlhfuse.trainer.run_config import RLHFConfig
 
 log = logging.getLogger(__name__)
+
+
+def _quiet(message: str) -> None:
+    """The log of a rank other than 0."""
 
 
 def check_callbacks(callbacks: Sequence[object]) -> None:
@@ -145,7 +150,8 @@ class RLHFTrainer:
         self.user_callbacks = list(callbacks)
         self.user_loggers = None if loggers is None else list(loggers)
         self.given_run_dir = run_dir
-        self.log = log
+        # the start-up lines and the run's own lines: rank 0's (the other ranks of a launched job stay quiet)
+        self.log = log if launched_rank_zero() else _quiet
         self.iteration = 0
         self.should_stop = False
         """Set by a callback (any hook): the run ends after the current iteration, checkpointed and exported as at
@@ -293,11 +299,10 @@ class RLHFTrainer:
     def stop_early(self) -> None:
         """A callback asked the run to stop: the line naming it, and the checkpoint a normal end would write
         (when checkpoints are on and this iteration's was not written already)."""
-        if self._rank0:
-            self.log(
-                f"rlhfuse: stopped after iteration {self.iteration} of {self.config.iterations} by callback "
-                f"{self.stopped_by} (trainer.should_stop)"
-            )
+        self.log(
+            f"rlhfuse: stopped after iteration {self.iteration} of {self.config.iterations} by callback "
+            f"{self.stopped_by} (trainer.should_stop)"
+        )
         every = self.config.checkpoint.every
         if every > 0 and self.iteration % every != 0:
             self.save_checkpoint()
