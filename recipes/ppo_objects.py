@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         strategy=FusedPipelineStrategy(processes=2, actor_pp=2, critic_pp=2, microbatches=2),
         generator=EngineGeneration(instances=2, migration=FixedMigration(threshold=16)),
         inferencer=ModelInference(),
-        data=DataConfig(prompts_per_iteration=16, samples_per_prompt=4, mini_batch_size=32, micro_batch_size=16),
+        data=DataConfig(
+            prompts_per_iteration=16, samples_per_prompt=4, mini_batch_size=32, micro_batch_size=16
+        ),
         callbacks=[StopAtScore(args.target_score)],
         iterations=args.iterations,
         run_dir=args.run_dir,
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     history = trainer.fit()  # the embedded tiny model, warm-started once and cached in ~/.cache/rlhfuse
     if history and trainer.fabric.global_rank == 0:
         first, last = history[0], history[-1]
-        print(f"task score {first['task/score']:.3f} -> {last['task/score']:.3f} in {len(history)} iterations")
+        print(
+            f"task score {first['task/score']:.3f} -> {last['task/score']:.3f} in {len(history)} iterations"
+        )
     return history
 
 
