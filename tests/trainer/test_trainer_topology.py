@@ -99,3 +99,29 @@ def test_the_pipeline_inferencer_is_refused_beside_a_rollout_fused_across_ranks(
     validate(
         compose_config([*two[:2], "inferencer.name=pipeline"])
     )  # one instance: the training layout infers
+
+
+def test_the_pipeline_layout_is_derived_once_for_validation_the_resume_check_and_the_stages(
+    monkeypatch, tmp_path
+):
+    """compile_run's one Topology derives the pipeline layout once; validation, the resume check and the stages
+    each rank builds all read it (the strategy is handed it too: `PipelineStrategy(layout=...)`)."""
+    import rlhfuse.runtime.strategy as runtime_strategy
+    from rlhfuse.trainer.parts import FusedPipelineStrategy
+
+    derive = runtime_strategy.pipeline_layout
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return derive(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_strategy, "pipeline_layout", counted)
+    overrides = ["experiment=smoke", "model.num_layers=2", "pipeline=fused", "distributed.nproc_per_node=2",
+                 "pipeline.microbatches=2", "resume=auto"]  # fmt: skip
+    spec = compile_run(compose_config(overrides), log=lambda _: None)
+    part = FusedPipelineStrategy.from_config(spec.config)
+    part.check_resume(spec.config, spec.topology, tmp_path / "checkpoints", tmp_path)
+    held = part.stages_held(spec.config, spec.topology, rank=1)
+    assert held is not None and held["actor"] == (2, {1})
+    assert spec.topology.stages.world_size == 2 and len(calls) == 1

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rlhfuse.core.config_checks import choice_problems, flat_field, need, positive
 from rlhfuse.core.optim import OptimConfig
+
+if TYPE_CHECKING:
+    from rlhfuse.runtime.layout import ParallelLayout
 
 
 @dataclass
@@ -103,11 +107,23 @@ class PipelineRun:
         """The processes the layout spans: torchrun's WORLD_SIZE, else distributed.nproc_per_node."""
         return launched_world_size(max(self.nproc_per_node, 1))
 
+    def layout(self) -> ParallelLayout:
+        """The layout the strategy runs (its tp keys read as at least 1: smaller values are reported by
+        `validate_runtime`); raises `ParallelLayout`'s ValueError. A run derives it once (`Topology.stages`)."""
+        from rlhfuse.runtime.strategy import pipeline_layout
 
-def validate_runtime(run: PipelineRun) -> list[str]:
-    """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix)."""
+        p = self.pipeline
+        sizes = dataclasses.replace(p, actor_tp=max(p.actor_tp, 1), critic_tp=max(p.critic_tp, 1))
+        return pipeline_layout(
+            sizes, self.world, self.mini_batch_size, self.micro_batch_size, critic=self.critic
+        )
+
+
+def validate_runtime(run: PipelineRun, derive: Callable[[], ParallelLayout] | None = None) -> list[str]:
+    """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix).
+    `derive`: the run's layout as already derived (`Topology.stages`); by default `run.layout()`."""
     from rlhfuse.runtime.plan import PLANNERS  # the runtime's pipeline schedules, by name
-    from rlhfuse.runtime.strategy import data_parallel_sizes, pipeline_layout  # what the strategy runs
+    from rlhfuse.runtime.strategy import data_parallel_sizes  # what the strategy runs
 
     problems: list[str] = []
     p = run.pipeline
@@ -139,10 +155,8 @@ def validate_runtime(run: PipelineRun) -> list[str]:
     if p.search_budget_s < 0:
         problems.append(f"pipeline.search_budget_s={p.search_budget_s} must be >= 0 (0 = greedy)")
     mini, micro_size = run.mini_batch_size, run.micro_batch_size
-    # the layout the strategy will build, its tp keys read as at least 1 (those below are reported above)
-    sizes = dataclasses.replace(p, actor_tp=max(p.actor_tp, 1), critic_tp=max(p.critic_tp, 1))
-    try:
-        pipeline_layout(sizes, world, mini, micro_size, critic=critic)
+    try:  # the layout the strategy will build
+        (derive or run.layout)()
     except ValueError as err:
         lines = str(err).splitlines()[1:]
         problems += [

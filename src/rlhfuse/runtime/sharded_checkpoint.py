@@ -156,19 +156,20 @@ def check_layout(path: str | Path, current: Mapping[str, Any]) -> dict[str, Any]
 
 
 def check_resume(
-    run: PipelineRun, resume: str, checkpoint_dir: str | Path, run_dir: str | Path | None = None
+    run: PipelineRun,
+    resume: str,
+    checkpoint_dir: str | Path,
+    run_dir: str | Path | None = None,
+    layout: ParallelLayout | None = None,
 ) -> Path | None:
     """Before any model is built: the checkpoint `resume` designates (None: fresh start) after checking its
-    manifest against the layout `run` will have (stage layer ranges too when the model is built from config;
-    a Hugging Face model's layers are checked when the strategy loads the shards)."""
+    manifest against the layout `run` will have (`layout` as already derived, else `run.layout()`; stage layer
+    ranges too when the model is built from config; a Hugging Face model's layers are checked when the strategy
+    loads the shards)."""
     path = resume_path(run_dir or Path(checkpoint_dir).parent, checkpoint_dir, resume)
     if path is None:
         return None
-    from rlhfuse.runtime.strategy import pipeline_layout
-
-    layout = pipeline_layout(  # as the strategy
-        run.pipeline, run.world, run.mini_batch_size, run.micro_batch_size, critic=run.critic
-    )
+    layout = layout or run.layout()  # as the strategy
     layers = None if run.num_layers is None else {m: run.num_layers for m in layout.trained}
     check_layout(path, expected_record(layout, layers))
     return path

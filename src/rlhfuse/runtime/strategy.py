@@ -16,6 +16,7 @@ searches the fused schedule and broadcasts it) and cached in `plans`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -122,7 +123,10 @@ class PipelineStrategy:
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
         generation_tp: int = 1,
+        layout: ParallelLayout | None = None,
     ) -> None:
+        """`layout`: the run's layout as already derived (`Topology.stages`), placed here on this rank's device;
+        derived from `config` and the world size otherwise."""
         self.planner = planner_for(schedule)
         self.generation_tp = generation_tp
         if not distributed.is_initialized():
@@ -144,9 +148,11 @@ class PipelineStrategy:
                     f"{distributed.backend()}): use distributed.backend=nccl with device=cuda, or gloo with "
                     "device=cpu"
                 )
-        self.layout = pipeline_layout(
-            config, self.world, mini_batch_size, micro_batch_size, self.device, critic=critic is not None
-        )
+        if layout is None:
+            layout = pipeline_layout(
+                config, self.world, mini_batch_size, micro_batch_size, critic=critic is not None
+            )
+        self.layout = dataclasses.replace(layout, device=str(self.device))
         micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens

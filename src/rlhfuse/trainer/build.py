@@ -229,7 +229,7 @@ def assemble(
     config, layout = spec.config, spec.topology
     parts = parts.resolved(config)
     assert parts.strategy is not None, "resolved"
-    run_dir, record = prepare_run_folder(config, parts.strategy, run_dir, log)
+    run_dir, record = prepare_run_folder(config, parts.strategy, layout, run_dir, log)
     log(f"rlhfuse: {spec.counts.describe()}")
     data = load_data(config, train_dataset, eval_dataset, log)
     config = data.config
@@ -240,7 +240,7 @@ def assemble(
     fabric = make_fabric(config, layout, device)
     if fabric.world_size > 1:
         device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
-    shard = parts.strategy.stages_held(config, fabric.world_size, fabric.global_rank)
+    shard = parts.strategy.stages_held(config, layout, fabric.global_rank)
     models = build_models(config, layout, device, shard, log)
     fabric.seed_everything(config.seed, verbose=False)
 
@@ -300,7 +300,11 @@ def run_loggers_for(config: RLHFConfig, run_dir: Path, given: list[Logger] | Non
 
 
 def prepare_run_folder(
-    config: RLHFConfig, strategy: StrategyPart, run_dir: str | Path | None, log: Callable[[str], None]
+    config: RLHFConfig,
+    strategy: StrategyPart,
+    layout: Topology,
+    run_dir: str | Path | None,
+    log: Callable[[str], None],
 ) -> tuple[Path, dict[str, Any]]:
     """The run folder, made; a fresh start over old checkpoints, a resume that changes what may not change or
     has nothing left to train, and a checkpoint the strategy cannot resume (another pipeline layout) fail here,
@@ -312,7 +316,7 @@ def prepare_run_folder(
     check_fresh_start(checkpoint_dir, config.resume, config.checkpoint.overwrite)
     record = config_record(config)  # as validated (the tokenizer's stop ids are added later)
     check_resume_config(config, folder, checkpoint_dir, record)
-    strategy.check_resume(config, checkpoint_dir, folder)
+    strategy.check_resume(config, layout, checkpoint_dir, folder)
     return folder, record
 
 

@@ -252,6 +252,7 @@ def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
         timeout_s=cfg.distributed.timeout_s,
         autocast=ctx.fabric.autocast,
         generation_tp=ctx.topology.weight_shards,
+        layout=ctx.topology.stages,
     )
     # tp > 1: the strategy trains tensor-parallel shards of the models; the rest of the job (inference,
     # memory metrics) reads those, and the whole models it was given are dropped

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from rlhfuse.trainer.components import BuildContext
     from rlhfuse.trainer.models import Models
     from rlhfuse.trainer.run_config import RLHFConfig
+    from rlhfuse.trainer.topology import Topology
 
 
 def _own_fields(part: Any) -> dict[str, Any]:
@@ -82,12 +83,12 @@ class StrategyPart:
 
         return strategy_entry(ctx.config.pipeline.name).build(ctx)  # type: ignore[no-any-return]
 
-    def check_resume(self, config: RLHFConfig, checkpoint_dir: Path, run_dir: Path) -> None:
+    def check_resume(self, config: RLHFConfig, layout: Topology, checkpoint_dir: Path, run_dir: Path) -> None:
         """Before anything is built: refuse a checkpoint this strategy cannot resume (its files are checked as they
         load by default)."""
 
     def stages_held(
-        self, config: RLHFConfig, world: int, rank: int
+        self, config: RLHFConfig, layout: Topology, rank: int
     ) -> dict[str, tuple[int, set[int]]] | None:
         """role -> (stages, the stages this rank holds) when each rank builds only its stages of the models; None
         (whole models on every rank, the default)."""
@@ -190,32 +191,23 @@ class PipelinePart(StrategyPart):
         own = _read_fields(cls, config.pipeline, skip=frozenset({"processes"}))
         return cls(processes=config.distributed.nproc_per_node, **own)
 
-    def check_resume(self, config: RLHFConfig, checkpoint_dir: Path, run_dir: Path) -> None:
+    def check_resume(self, config: RLHFConfig, layout: Topology, checkpoint_dir: Path, run_dir: Path) -> None:
         """A sharded checkpoint saved under another pipeline layout is refused, naming every mismatch."""
         from rlhfuse.runtime.sharded_checkpoint import check_resume
 
-        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, run_dir)
+        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, run_dir, layout.stages)
 
     def stages_held(
-        self, config: RLHFConfig, world: int, rank: int
+        self, config: RLHFConfig, layout: Topology, rank: int
     ) -> dict[str, tuple[int, set[int]]] | None:
         """With the pipeline inferencer each rank materialises only its stages of the four models (Ref placed like
         the Actor, Reward like the Critic); with whole models per rank (each rank a generation instance inferring
         its own samples), None."""
-        from rlhfuse.core.advantages import uses_critic
-        from rlhfuse.runtime.strategy import pipeline_layout
         from rlhfuse.trainer.topology import inferencer_entry
 
         if not inferencer_entry(config.inferencer.name).over_stages:
             return None
-        d = config.data
-        stages = pipeline_layout(
-            config.pipeline,
-            world,
-            d.mini_batch_size,
-            d.micro_batch_size,
-            critic=uses_critic(config.algorithm),
-        )
+        stages = layout.stages
         held = stages.held_stages(rank)  # critic-free: the critic slot places only the Reward
         actor, critic = (stages.stages("actor"), held["actor"]), (stages.stages("critic"), held["critic"])
         return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}

@@ -32,8 +32,11 @@ def compile_run(config: RLHFConfig, *, log: Callable[[str], None] = print) -> Ru
 
         config = apply_plan(config, resolve_device(config.device), log=log)
     config = resolve_components(config, log=log)
-    counts = validate(config)
-    return RunSpec(config, topology(config), counts)
+    layout = topology(
+        config
+    )  # once: its pipeline stages are derived once, for validation and the build alike
+    counts = validate(config, layout)
+    return RunSpec(config, layout, counts)
 
 
 def with_stop_tokens(config: RLHFConfig, tokenizer: Tokenizer) -> RLHFConfig:

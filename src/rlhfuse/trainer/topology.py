@@ -7,15 +7,17 @@ is asked of a `Topology`, and what a component can do of its registry entry (`St
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlhfuse.runtime.pipeline_config import launched_world_size
+from rlhfuse.runtime.pipeline_config import PipelineRun, launched_world_size
 from rlhfuse.trainer.data_parallel import plain_world_size
 from rlhfuse.trainer.rules import not_speculating, unsharded_problems
 
 if TYPE_CHECKING:
+    from rlhfuse.runtime.layout import ParallelLayout
     from rlhfuse.trainer.run_config import RLHFConfig
 
 StrategyKind = Literal["replicas", "sharded", "pipelines"]
@@ -126,6 +128,17 @@ class Topology:
     rlhfuse's tensor-parallel instances (each rank its shard), 1 for whole tensors (a backend with its own
     tensor parallelism cuts them itself)."""
 
+    pipeline_run: PipelineRun | None = field(default=None, compare=False)
+    """What the pipeline runtime reads of the configuration (the pipeline strategies; None otherwise)."""
+
+    @functools.cached_property
+    def stages(self) -> ParallelLayout:
+        """The pipeline strategies' layout, derived once for the whole start-up (validation, the resume check,
+        the stages each rank builds, the strategy); ValueError when it cannot be laid out (validation names why)."""
+        if self.pipeline_run is None:
+            raise ValueError(f"a {self.strategy} strategy has no pipeline layout")
+        return self.pipeline_run.layout()
+
     @property
     def pipelines(self) -> bool:
         return self.strategy == "pipelines"
@@ -159,4 +172,5 @@ def topology(cfg: RLHFConfig) -> Topology:
     # parallelism); sharded models make every forward collective: inference runs in lockstep after generation
     ranks = g.instances * (max(g.tp, 1) if own_tp else 1)
     fused = with_instances and g.instances > 1 and ranks == world and kind != "sharded"
-    return Topology(kind, world, instances, fused, 1 if own_tp else max(g.tp, 1))
+    run = cfg.pipeline_run() if kind == "pipelines" else None
+    return Topology(kind, world, instances, fused, 1 if own_tp else max(g.tp, 1), run)

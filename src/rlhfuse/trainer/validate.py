@@ -39,9 +39,10 @@ from rlhfuse.trainer.topology import (
 )
 
 
-def validate(cfg: RLHFConfig) -> DerivedCounts:
-    """Check the whole configuration; raise one ValueError listing every problem and the override to change."""
-    raise_problems(cfg.problems() + cross_component_problems(cfg))
+def validate(cfg: RLHFConfig, layout: Topology | None = None) -> DerivedCounts:
+    """Check the whole configuration; raise one ValueError listing every problem and the override to change.
+    `layout`: the run's topology as already derived (`compile_run`), else derived here."""
+    raise_problems(cfg.problems() + cross_component_problems(cfg, layout))
     return derived_counts(cfg)
 
 
@@ -53,7 +54,7 @@ def raise_problems(problems: list[str]) -> None:
         )
 
 
-def cross_component_problems(cfg: RLHFConfig) -> list[str]:
+def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) -> list[str]:
     problems: list[str] = []
     d, g, m, i = cfg.data, cfg.generator, cfg.model, cfg.inferencer
     longest = d.max_prompt_length + g.sampling.max_new_tokens
@@ -106,8 +107,11 @@ def cross_component_problems(cfg: RLHFConfig) -> list[str]:
         (MIGRATION_POLICIES, cfg.migration.name),
     ):
         need(problems, value in registry, registry.unknown_message(value))
-    layout = topology(cfg)
-    problems += validate_runtime(cfg.pipeline_run()) if layout.pipelines else validate_plain_launch(cfg)
+    layout = layout or topology(cfg)
+    if layout.pipelines:
+        problems += validate_runtime(cfg.pipeline_run(), lambda: layout.stages)
+    else:
+        problems += validate_plain_launch(cfg)
     problems += device_problems(cfg.device, layout.world)
     model, where = _model_shape(cfg, problems)
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
