@@ -241,7 +241,7 @@ def assemble(
     if fabric.world_size > 1:
         device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
     shard = parts.strategy.stages_held(config, layout, fabric.global_rank)
-    models = build_models(config, layout, device, shard, log)
+    models = build_models(config, parts.strategy.load_device(device), device, shard, log)
     fabric.seed_everything(config.seed, verbose=False)
 
     ctx = BuildContext(
@@ -356,15 +356,15 @@ def load_data(
 
 def build_models(
     config: RLHFConfig,
-    layout: Topology,
+    load_device: torch.device,
     device: torch.device,
     shard: Any,
     log: Callable[[str], None],
 ) -> Models:
-    """The run's models on `device`: the embedded task's warm-started SFT Actor and reward model when no model
-    is given, else the checkpoints; a Critic only for the algorithms that use one; cast for bf16-true; the
-    generation copy in the generator's dtype. pipeline=fsdp reads them into host memory (each unit moves to the
-    device as it is sharded, so no model is ever whole on the device)."""
+    """The run's models: the embedded task's warm-started SFT Actor and reward model when no model is given, else
+    the checkpoints, read onto `load_device` (the strategy's: pipeline=fsdp reads them into host memory and moves
+    each unit to `device` as it is sharded, so no model is ever whole on the device); a Critic only for the
+    algorithms that use one; cast for bf16-true; the generation copy in the generator's dtype."""
     m = config.model
     reward_path: str | None
     if m.sft_path is None and m.reward_path is None:
@@ -377,7 +377,7 @@ def build_models(
         m,
         sft_path=sft_path,
         reward_path=reward_path,
-        device=torch.device("cpu") if layout.sharded else device,
+        device=load_device,
         critic=uses_critic(config.algorithm),  # critic-free algorithms load, train and save no Critic
         reward=config.inferencer.use_reward_model,
         shard=shard,

@@ -25,7 +25,7 @@ from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
-from rlhfuse.trainer.rules import fsdp_problems, no_problems, vllm_problems
+from rlhfuse.trainer.rules import no_problems, pipeline_problems, sharded_problems, vllm_problems
 from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.topology import (
@@ -301,9 +301,9 @@ STRATEGIES: Registry[StrategyEntry] = Registry(
     "pipeline.name",
     {
         "plain": StrategyEntry(plain_strategy, "replicas"),
-        "fsdp": StrategyEntry(fsdp_strategy, "sharded", problems=fsdp_problems),
-        "fused": StrategyEntry(fused_strategy, "pipelines", fuses_training=True),
-        "serial_1f1b": StrategyEntry(serial_1f1b_strategy, "pipelines"),
+        "fsdp": StrategyEntry(fsdp_strategy, "sharded", problems=sharded_problems),
+        "fused": StrategyEntry(fused_strategy, "pipelines", fuses_training=True, problems=pipeline_problems),
+        "serial_1f1b": StrategyEntry(serial_1f1b_strategy, "pipelines", problems=pipeline_problems),
     },
 )
 MIGRATION_POLICIES: Registry[MigrationEntry] = Registry(

@@ -94,6 +94,10 @@ class StrategyPart:
         (whole models on every rank, the default)."""
         return None
 
+    def load_device(self, device: torch.device) -> torch.device:
+        """Where the models are read before this strategy takes them: the rank's device by default."""
+        return device
+
     def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:
         """The inferencer as it runs over this strategy's layout (as built, by default)."""
         return inferencer
@@ -137,6 +141,10 @@ class FSDPStrategy(StrategyPart):
     name: ClassVar[str] = "fsdp"
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+
+    def load_device(self, device: torch.device) -> torch.device:
+        """Host memory: each unit moves to the device as it is sharded, so no model is ever whole there."""
+        return torch.device("cpu")
 
     def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:
         from rlhfuse.trainer.fsdp import ShardedInference

@@ -103,3 +103,95 @@ def vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) 
     except ValueError as err:
         problems.append(str(err).replace("\n  ", " "))
     return problems
+
+
+def replica_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
+    """pipeline=plain (and a user's own strategy builder): one process per generation instance, whole models,
+    no stages; pipeline=fsdp's own keys at their defaults."""
+    from rlhfuse.trainer.data_parallel import validate_plain_launch
+
+    return validate_plain_launch(cfg) + stageless_problems(cfg) + unsharded_problems(cfg, layout, model)
+
+
+def sharded_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
+    """pipeline=fsdp: one process per generation instance like plain, the models sharded over them."""
+    from rlhfuse.trainer.data_parallel import validate_plain_launch
+
+    return validate_plain_launch(cfg) + stageless_problems(cfg) + fsdp_problems(cfg, layout, model)
+
+
+def stageless_problems(cfg: RLHFConfig) -> list[str]:
+    """A strategy without pipeline stages: no tensor-parallel splits, no inference over stages, no
+    tensor-parallel generation instances."""
+    from rlhfuse.trainer.components import GENERATORS, INFERENCERS
+    from rlhfuse.trainer.topology import generator_entry, inferencer_entry
+
+    p, problems = cfg.pipeline, []
+    for key in ("actor_tp", "critic_tp"):
+        if getattr(p, key) != 1:
+            problems.append(
+                f"pipeline.{key}={getattr(p, key)} splits the model over ranks, which pipeline={p.name} does not: "
+                f"use pipeline=fused or pipeline=serial_1f1b, or pipeline.{key}=1"
+            )
+    i = cfg.inferencer
+    if i.name in INFERENCERS and inferencer_entry(i.name).over_stages:
+        problems.append(
+            f"inferencer.name={i.name} runs over a pipeline strategy's stages, which pipeline={p.name} has none "
+            "of: set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
+        )
+    g = cfg.generator
+    own_tp = g.name in GENERATORS and generator_entry(g.name).own_tensor_parallel  # vLLM's engines span ranks
+    if g.tp > 1 and not own_tp:
+        problems.append(
+            f"generator.tp={cfg.generator.tp} spans ranks of the pipeline strategies; pipeline={p.name} runs one "
+            "process per generation instance: use pipeline=fused or pipeline=serial_1f1b, or generator.tp=1"
+        )
+    return problems
+
+
+def pipeline_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
+    """pipeline=fused / serial_1f1b: the launch and the layout (`validate_runtime`, over the run's one derived
+    layout), what runs over the stages, and fsdp's keys at their defaults."""
+    from rlhfuse.runtime.pipeline_config import validate_runtime
+    from rlhfuse.trainer.components import INFERENCERS
+    from rlhfuse.trainer.topology import inferencer_entry
+
+    problems = validate_runtime(cfg.pipeline_run(), lambda: layout.stages)
+    pipe, i = cfg.pipeline, cfg.inferencer
+    coef = pipe.optim.router_aux_loss_coef
+    if coef > 0:
+        problems.append(
+            f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain and fsdp "
+            f"only (pipeline={pipe.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
+        )
+    over_stages = i.name in INFERENCERS and inferencer_entry(i.name).over_stages
+    if max(pipe.actor_tp, pipe.critic_tp) > 1 and not over_stages:
+        problems.append(
+            f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
+            f"but inferencer={i.name} (each rank a generation instance inferring its own samples) needs whole "
+            "models on every rank: use generator.instances=1 (inference then runs over the training layout, "
+            "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
+        )
+    rank = cfg.model.lora.rank
+    if (
+        cfg.model.lora.enabled
+    ):  # the adapters ride on the Actor's stages; the Ref is those stages without them
+        if pipe.actor_tp > 1:
+            problems.append(
+                f"model.lora.rank={rank} with pipeline.actor_tp={pipe.actor_tp}: the adapters of tensor-parallel "
+                "shards of a projection have no PEFT layout: set pipeline.actor_tp=1 (pipeline stages only), "
+                "pipeline=fsdp, or model.lora.rank=0"
+            )
+        if not over_stages:
+            problems.append(
+                f"model.lora.rank={rank} under pipeline={pipe.name} needs the pipeline inferencer (the Reference "
+                f"is the Actor's stages with the adapters off), not inferencer.name={i.name} (each rank a "
+                "generation instance inferring its own samples with whole models): set generator.instances=1 "
+                "(inference then runs over the training layout), or pipeline=plain"
+            )
+        if cfg.generator.tp > 1:
+            problems.append(
+                f"model.lora.rank={rank} under pipeline={pipe.name} syncs merged projections to whole generation "
+                f"copies: set generator.tp=1 (not {cfg.generator.tp}), or pipeline=plain"
+            )
+    return problems + unsharded_problems(cfg, layout, model)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlhfuse.runtime.pipeline_config import PipelineRun, launched_world_size
 from rlhfuse.trainer.data_parallel import plain_world_size
-from rlhfuse.trainer.rules import not_speculating, unsharded_problems
+from rlhfuse.trainer.rules import not_speculating, replica_problems
 
 if TYPE_CHECKING:
     from rlhfuse.runtime.layout import ParallelLayout
@@ -39,7 +39,7 @@ class StrategyEntry:
     build: Callable[[Any], Any]
     kind: StrategyKind
     fuses_training: bool = False
-    problems: Rules = unsharded_problems
+    problems: Rules = replica_problems
 
 
 @dataclass(frozen=True)

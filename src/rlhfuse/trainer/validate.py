@@ -22,9 +22,7 @@ from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
-from rlhfuse.runtime.pipeline_config import validate_runtime
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
-from rlhfuse.trainer.data_parallel import validate_plain_launch
 from rlhfuse.trainer.device import device_problems, resolve_device
 from rlhfuse.trainer.registry import REWARD_FUNCTIONS
 from rlhfuse.trainer.rules import uses_cuda
@@ -108,32 +106,22 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
     ):
         need(problems, value in registry, registry.unknown_message(value))
     layout = layout or topology(cfg)
-    if layout.pipelines:
-        problems += validate_runtime(cfg.pipeline_run(), lambda: layout.stages)
-    else:
-        problems += validate_plain_launch(cfg)
     problems += device_problems(cfg.device, layout.world)
     model, where = _model_shape(cfg, problems)
     if model is not None:  # the longest prompt is known once the data is read (`check_context`); >= 1 token
         problems += _context_problems(cfg, model, where, 1) + _kv_memory_problems(cfg, model)
         problems += tensor_parallel_problems(cfg, model, where)
     coef = cfg.pipeline.optim.router_aux_loss_coef
-    if coef > 0 and layout.pipelines:
-        problems.append(
-            f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain and fsdp "
-            f"only (pipeline={cfg.pipeline.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
-        )
-    elif coef > 0 and model is not None and not model.num_experts:
+    if coef > 0 and model is not None and not model.num_experts:
         problems.append(
             f"pipeline.router_aux_loss_coef={coef}: the Actor ({where}) has no mixture-of-experts layers, so "
             "there is no load to balance: set pipeline.router_aux_loss_coef=0"
         )
     problems += generation_tp_problems(cfg, layout)
     problems += attention_problems(cfg)
-    problems += lora_problems(cfg, layout, model, where)
+    problems += lora_problems(cfg, model, where)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
-    pipe = cfg.pipeline
     over_stages = cfg.inferencer.name in INFERENCERS and inferencer_entry(cfg.inferencer.name).over_stages
     if layout.fused_rollout and over_stages:
         problems.append(
@@ -142,27 +130,7 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
             "on the same rows, so it would infer one rank's samples only; set inferencer.name=models, or "
             "generator.instances=1 (inference over the training layout)"
         )
-    if over_stages and not layout.pipelines:
-        problems.append(
-            f"inferencer.name={cfg.inferencer.name} runs over a pipeline strategy's stages, which "
-            f"pipeline={pipe.name} has none of: set pipeline=fused or pipeline=serial_1f1b, or inferencer.name=models"
-        )
-    if layout.pipelines and max(pipe.actor_tp, pipe.critic_tp) > 1 and not over_stages:
-        problems.append(
-            f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
-            "but "
-            f"inferencer={cfg.inferencer.name} (each rank a generation instance inferring its own samples) needs "
-            "whole models on every rank: use generator.instances=1 (inference then runs over the training layout, "
-            "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
-        )
-    if not layout.pipelines:
-        for key in ("actor_tp", "critic_tp"):
-            if getattr(cfg.pipeline, key) != 1:
-                problems.append(
-                    f"pipeline.{key}={getattr(cfg.pipeline, key)} splits the model over ranks, which "
-                    f"pipeline={cfg.pipeline.name} does not: use pipeline=fused or pipeline=serial_1f1b, or "
-                    f"pipeline.{key}=1"
-                )
+    # the chosen components' own rules (`rlhfuse.trainer.rules`): the strategy's launch, layout and stage rules
     # the chosen components' own rules (`rlhfuse.trainer.rules`)
     if g.name in GENERATORS:
         problems += generator_entry(g.name).problems(cfg, layout, model)
@@ -267,11 +235,6 @@ def generation_tp_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
             "are generator=sampling's under the pipeline strategies, and vLLM's engines): set generator=sampling, "
             "generator=vllm or generator.tp=1"
         )
-    if not layout.pipelines:
-        problems.append(
-            f"generator.tp={g.tp} spans ranks of the pipeline strategies; pipeline={cfg.pipeline.name} runs one "
-            "process per generation instance: use pipeline=fused or pipeline=serial_1f1b, or generator.tp=1"
-        )
     return problems
 
 
@@ -298,37 +261,12 @@ def algorithm_problems(cfg: RLHFConfig) -> list[str]:
 EMBEDDED_PROMPT_POSITIONS = 64 + 16
 
 
-def lora_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None, where: str) -> list[str]:
-    """model.lora: plain, fsdp and the pipeline strategies train the adapters; every generator takes the merged
-    weights. Under a pipeline strategy the adapters ride on the Actor's stages (pipeline.actor_tp = 1: a
-    tensor-parallel shard of a projection has no PEFT layout) and the Ref's forward runs on the same stages
-    with them switched off (the pipeline inferencer)."""
-    rank = cfg.model.lora.rank
-    if not cfg.model.lora.enabled:
+def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> list[str]:
+    """model.lora against the Actor's shape (plain, fsdp and the pipeline strategies train the adapters; the
+    pipelines' own LoRA rules are theirs: `rules.pipeline_problems`)."""
+    if not cfg.model.lora.enabled or model is None or (problem := lora_problem(model)) is None:
         return []
-    problems = []
-    pipe = cfg.pipeline
-    if layout.pipelines and pipe.actor_tp > 1:
-        problems.append(
-            f"model.lora.rank={rank} with pipeline.actor_tp={pipe.actor_tp}: the adapters of tensor-parallel "
-            "shards of a projection have no PEFT layout: set pipeline.actor_tp=1 (pipeline stages only), "
-            "pipeline=fsdp, or model.lora.rank=0"
-        )
-    if layout.pipelines and not inferencer_entry(cfg.inferencer.name).over_stages:
-        problems.append(
-            f"model.lora.rank={rank} under pipeline={pipe.name} needs the pipeline inferencer (the Reference is "
-            f"the Actor's stages with the adapters off), not inferencer.name={cfg.inferencer.name} (each rank a "
-            "generation instance inferring its own samples with whole models): set generator.instances=1 "
-            "(inference then runs over the training layout), or pipeline=plain"
-        )
-    if layout.pipelines and cfg.generator.tp > 1:
-        problems.append(
-            f"model.lora.rank={rank} under pipeline={pipe.name} syncs merged projections to whole generation "
-            f"copies: set generator.tp=1 (not {cfg.generator.tp}), or pipeline=plain"
-        )
-    if model is not None and (problem := lora_problem(model)) is not None:
-        problems.append(f"{problem} ({where})")
-    return problems
+    return [f"{problem} ({where})"]
 
 
 def _model_shape(cfg: RLHFConfig, problems: list[str]) -> tuple[ModelConfig | None, str]:
