@@ -15,7 +15,7 @@ each in alternation, so machine noise hits both alike. Printed side by side:
 Then the data-parallel gradient reduction (dp = 2, the Actor of each shape, 2 micro-batches per step), measured
 side by side in alternation: `whole` (the reduction before buckets: after the last backward, every gradient
 concatenated into one transient buffer, one all-reduce, copied back) vs `bucketed`
-(`rlhfuse.distributed.buckets.GradReducer` at `pipeline.grad_bucket_mb`, launched bucket by bucket during the
+(`rlhfuse.distributed.grad_buckets.GradReducer` at `pipeline.grad_bucket_mb`, launched bucket by bucket during the
 last backward). Printed: the median wall time of last backward + reduction, the part exposed after the
 backward, and the bytes each holds for it (whole: a transient copy of all gradients; bucketed: its persistent
 bucket buffers, the largest bucket).
@@ -64,7 +64,7 @@ def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
 
 def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
@@ -111,8 +111,8 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
 def _reduce_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
     import time
 
-    from rlhfuse.core import losses
-    from rlhfuse.distributed.buckets import DEFAULT_BUCKET_MB, GradReducer
+    from rlhfuse.core import step_losses as losses
+    from rlhfuse.distributed.grad_buckets import DEFAULT_BUCKET_MB, GradReducer
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])

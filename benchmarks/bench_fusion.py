@@ -203,7 +203,7 @@ def _simulated() -> None:
 
     from rlhfuse.generation.tuning import CostProfile, simulate
     from rlhfuse.planner import CostModel, RLHFModels, Workload, cluster, compare, model
-    from rlhfuse.planner.simulate import ModeledCosts, Samples, rt_values
+    from rlhfuse.planner.plan_simulator import ModeledCosts, Samples, rt_values
 
     models, spec = RLHFModels(model("13b"), model("33b")), cluster("h100", 32, 8)
     comp = compare(models, spec, Workload(max_len=1024))

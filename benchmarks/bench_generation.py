@@ -287,7 +287,7 @@ def training_step_syncs(microbatches: int = 4) -> list[int]:
     from rlhfuse.core.syncs import SyncCounter
     from rlhfuse.models import ModelConfig
     from rlhfuse.pipeline import greedy
-    from rlhfuse.runtime.balance import split_minibatch
+    from rlhfuse.runtime.batch_split import split_minibatch
     from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
     from rlhfuse.runtime.lower import lower_checked

@@ -38,7 +38,7 @@ from rlhfuse.data.prompts import load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 
 
 class _PeakBytes(TorchDispatchMode):

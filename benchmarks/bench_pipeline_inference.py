@@ -55,8 +55,8 @@ def _rollout(samples: int, seed: int, vocab: int) -> Rollout:
 def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.runtime.inference import PipelineInferencer
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
     from rlhfuse.trainer.inferencer import ModelInferencer
 
     init_worker(rank, world, init)

@@ -15,8 +15,8 @@ import torch
 
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.runtime.pipeline_config import PipelineConfig
+from rlhfuse.runtime.pipeline_strategy import pipeline_layout
 from rlhfuse.runtime.reshard import Resharder
-from rlhfuse.runtime.strategy import pipeline_layout
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 WORLD, PER_NODE = 8, 4

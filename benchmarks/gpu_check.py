@@ -501,8 +501,8 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     cfg = pipeline_models(device)
     torch.manual_seed(0)
@@ -577,8 +577,8 @@ def _w_pp2_inference(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.models import Transformer
-    from rlhfuse.runtime.inference import PipelineInferencer
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
     from rlhfuse.trainer.inferencer import ModelInferencer
 
     cfg = pipeline_models(device)
@@ -630,8 +630,8 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer, from_pretrained, save_pretrained, to_device
     from rlhfuse.runtime.pipeline_config import PipelineConfig
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.reshard import Resharder
-    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer
 
     cfg = pipeline_models(device)

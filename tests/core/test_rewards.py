@@ -17,7 +17,7 @@ from rlhfuse.core.rewards import (
     reward_samples,
 )
 from rlhfuse.core.types import Rollout
-from rlhfuse.trainer.registry import reward_set, rule_reward
+from rlhfuse.trainer.reward_functions import reward_set, rule_reward
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_plain_callables_and_import_paths_are_named_by_their_function():
     def brevity(samples):
         return [-len(s.response) for s in samples]
 
-    path = "rlhfuse.trainer.registry:length_penalty_reward"
+    path = "rlhfuse.trainer.reward_functions:length_penalty_reward"
     rewards = reward_set(InferencerConfig(reward_fn=[brevity, path]))
     assert rewards is not None and rewards.names == ("brevity", "length_penalty_reward")
     assert rewards([_sample("a b")])[0].tolist() == pytest.approx([-3.0, -0.02])

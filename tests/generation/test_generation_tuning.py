@@ -80,7 +80,7 @@ def test_the_tuner_and_the_planner_agree_on_the_same_setting():
     import numpy as np
 
     from rlhfuse.planner import CostModel, RLHFModels, Workload, cluster, gen_inf_fused, gen_inf_serial, model
-    from rlhfuse.planner.simulate import RT_FRACTIONS, ModeledCosts, Samples, rt_values
+    from rlhfuse.planner.plan_simulator import RT_FRACTIONS, ModeledCosts, Samples, rt_values
 
     cost, models = CostModel(cluster("h100", 4)), RLHFModels(model("13B"), model("33B"))
     drawn = Workload(global_batch=256, mini_batch=64, max_len=1024).sample()

@@ -5,7 +5,7 @@ import torch
 
 from rlhfuse.core.wire import Packed, pack_tensors, unpack_tensors
 from rlhfuse.generation.engine import MigratingSample, SampleRequest
-from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
+from rlhfuse.generation.messages import InferredBatch, InferredSample, SampleBatch
 from rlhfuse.models import SlotState
 
 

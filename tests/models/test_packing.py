@@ -20,7 +20,7 @@ from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import Rollout, TrainBatch
 from rlhfuse.models import ModelConfig, Transformer, split_stages
 from rlhfuse.models.packing import pack_rows, packed_forward, packed_last_token
-from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 
 VOCAB = 40
 CONF = Path(__file__).resolve().parents[2] / "conf" / "algorithm"

@@ -3,7 +3,7 @@
 import pytest
 
 from rlhfuse.planner import H100, CostModel, cluster, model
-from rlhfuse.planner.simulate import TrainLayout, activation_peak
+from rlhfuse.planner.plan_simulator import TrainLayout, activation_peak
 
 
 def test_activation_bytes_shrink_with_checkpointing():
@@ -38,7 +38,7 @@ def test_the_pipeline_peak_follows_the_mode():
 
 def test_plan_for_passes_the_mode_to_the_training_memory():
     from rlhfuse.planner import plan_for
-    from rlhfuse.planner.simulate import Workload
+    from rlhfuse.planner.plan_simulator import Workload
 
     workload = Workload(global_batch=64, mini_batch=16, max_len=256)
     plans = {

@@ -46,10 +46,10 @@ from rlhfuse.planner.memory import (
     shard_count,
 )
 from rlhfuse.planner.specs import ModelSpec
-from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.pipeline_config import PipelineConfig
-from rlhfuse.runtime.strategy import pipeline_layout
+from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 from rlhfuse.trainer.build import cast_models, prepare_generation_copy
 from rlhfuse.trainer.callbacks import MemoryMetrics

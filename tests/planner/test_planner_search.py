@@ -14,14 +14,14 @@ from rlhfuse.planner import (
     train_layouts,
 )
 from rlhfuse.planner.memory import rank_memory
-from rlhfuse.planner.search import (
+from rlhfuse.planner.plan_search import (
     fsdp_plan,
     search_fsdp,
     search_plan,
     search_training,
     tp_candidates,
 )
-from rlhfuse.planner.simulate import (
+from rlhfuse.planner.plan_simulator import (
     TrainLayout,
     fsdp_model_step_time,
     fused_problem,
@@ -128,7 +128,7 @@ def test_pipeline_search_never_worsens_the_fused_training_and_is_the_same_every_
     import dataclasses
 
     from rlhfuse.planner.grid import GRID_SEARCH
-    from rlhfuse.planner.simulate import fused_training, searched_training
+    from rlhfuse.planner.plan_simulator import fused_training, searched_training
 
     cost = CostModel(cluster("h100", 4, 8))
     models = RLHFModels(model("7b"), model("7b"))

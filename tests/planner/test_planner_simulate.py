@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rlhfuse.planner import CostModel, LengthDistribution, RLHFModels, Workload, cluster, model, rt_sweep
-from rlhfuse.planner.simulate import (
+from rlhfuse.planner.plan_simulator import (
     Samples,
     decode_finish_times,
     drain_time,
@@ -97,7 +97,7 @@ def test_workload_validation_names_the_problem():
 
 
 def test_swap_is_hidden_when_prefetched_and_paid_per_pass_when_not():
-    from rlhfuse.planner.simulate import inference_tps, swap_exposed
+    from rlhfuse.planner.plan_simulator import inference_tps, swap_exposed
 
     tps = inference_tps(MODELS, 8)
     swap, ready = swap_exposed(COST, MODELS, tps, 0.0, 10.0)
@@ -112,7 +112,7 @@ def test_swap_is_hidden_when_prefetched_and_paid_per_pass_when_not():
 
 
 def test_prefetch_starts_later_with_less_free_memory():
-    from rlhfuse.planner.simulate import inference_tps, prefetch_start
+    from rlhfuse.planner.plan_simulator import inference_tps, prefetch_start
 
     w = Workload(global_batch=64, mini_batch=16, max_len=512)
     s = w.sample()
@@ -146,7 +146,7 @@ def test_without_a_tail_migration_has_nothing_to_move_and_fusion_gains_nothing()
 def test_speculative_tail_pays_in_small_batches_and_never_costs():
     """The speculative tail in the simulator: sum_{i<=k} a^i tokens per verify step, a verify step priced as the
     decode step of batch x (k + 1) positions, used only where it beats a plain step (the small tail batches)."""
-    from rlhfuse.planner.simulate import ModeledCosts, Speculation, gen_inf
+    from rlhfuse.planner.plan_simulator import ModeledCosts, Speculation, gen_inf
 
     assert Speculation(0.5, 3).tokens_per_step == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert Speculation(1.0, 4).tokens_per_step == 5 and Speculation(0.0, 4).tokens_per_step == 1

@@ -60,8 +60,8 @@ def _strategies(actor_pp: int, schedule: str, total_steps: int = 4):  # type: ig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     torch.manual_seed(0)
     actor = Transformer(ModelConfig.tiny(num_layers=2), head="lm").double()
@@ -147,7 +147,7 @@ def _inference(rank: int, world: int) -> None:
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.models import ModelConfig, Transformer
-    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
     from rlhfuse.trainer.inferencer import ModelInferencer
 
     torch.manual_seed(3)

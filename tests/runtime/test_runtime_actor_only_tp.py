@@ -46,10 +46,10 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
     from rlhfuse.planner.memory import rank_memories
     from rlhfuse.planner.specs import ModelSpec
     from rlhfuse.runtime.pipeline_config import PipelineConfig
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.reshard import Resharder
-    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.tensor_parallel import shard_transformer
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     algo = AlgorithmConfig(name="grpo", kl_loss_coef=0.05)
     cfg = PipelineConfig(

@@ -7,7 +7,7 @@ import random
 import pytest
 from runtime_helpers import random_batch
 
-from rlhfuse.runtime.balance import imbalance, karmarkar_karp, sample_costs, split_minibatch
+from rlhfuse.runtime.batch_split import imbalance, karmarkar_karp, sample_costs, split_minibatch
 
 
 def test_costs_grow_with_attention() -> None:
@@ -56,7 +56,7 @@ def test_split_covers_every_sample_once_with_weights_summing_to_one(balance: boo
 
 
 def test_token_budget_sets_the_micro_batch_count() -> None:
-    from rlhfuse.runtime.balance import budget_microbatches
+    from rlhfuse.runtime.batch_split import budget_microbatches
 
     lengths = [10] * 12  # 120 tokens
     assert budget_microbatches(lengths, 1, 40) == 3
@@ -71,7 +71,7 @@ def test_token_budget_sets_the_micro_batch_count() -> None:
 
 
 def test_microbatch_imbalance_is_largest_over_mean() -> None:
-    from rlhfuse.runtime.balance import microbatch_imbalance, sample_costs
+    from rlhfuse.runtime.batch_split import microbatch_imbalance, sample_costs
 
     batch = random_batch(8, seed=3)
     micro, _, _ = split_minibatch(batch, 2, 2, balance=False)

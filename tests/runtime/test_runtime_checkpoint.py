@@ -174,7 +174,7 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
 
     def make() -> PipelineStrategy:
         torch.manual_seed(0)

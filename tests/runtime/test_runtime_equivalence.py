@@ -13,7 +13,7 @@ from runtime_helpers import random_batch, random_schedule, run_distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import greedy, serial_one_f_one_b
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
@@ -150,8 +150,8 @@ def _strategy_worker(rank: int, world: int) -> None:
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     models = _models(2)
     plain_models = copy.deepcopy(models)
@@ -209,8 +209,8 @@ def _token_budget_worker(rank: int, world: int) -> None:
     from lightning.fabric import Fabric
 
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     models = _models(2)
     plain_models = copy.deepcopy(models)

@@ -1,11 +1,11 @@
-"""Bucketed data-parallel gradient reduction (`rlhfuse.distributed.buckets`): the plan, and on 2 gloo ranks sums
+"""Bucketed data-parallel gradient reduction (`rlhfuse.distributed.grad_buckets`): the plan, and on 2 gloo ranks sums
 equal to one whole reduction, buckets launched during the last backward, unused parameters summed as zeros."""
 
 import pytest
 import torch
 from runtime_helpers import run_distributed
 
-from rlhfuse.distributed.buckets import GradReducer, plan_buckets
+from rlhfuse.distributed.grad_buckets import GradReducer, plan_buckets
 
 
 def test_buckets_follow_gradient_order_cap_and_dtype():

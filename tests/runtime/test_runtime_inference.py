@@ -12,7 +12,9 @@ from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline.ir import Kind, Schedule
-from rlhfuse.runtime.inference import (
+from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+from rlhfuse.runtime.lower import LoweringError, check_program, lower
+from rlhfuse.runtime.pipeline_inference import (
     PipelineInferencer,
     assign_rows,
     forward_program,
@@ -21,8 +23,6 @@ from rlhfuse.runtime.inference import (
     split_rows,
     trim_responses,
 )
-from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
-from rlhfuse.runtime.lower import LoweringError, check_program, lower
 from rlhfuse.testing.data import random_rollout
 from rlhfuse.trainer.inferencer import ModelInferencer
 

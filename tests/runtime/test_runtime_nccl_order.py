@@ -15,7 +15,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.distributed import ordering
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import serial_one_f_one_b
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineError, PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked

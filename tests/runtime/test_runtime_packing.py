@@ -14,7 +14,7 @@ from runtime_helpers import random_batch, run_distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import greedy
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
@@ -71,8 +71,8 @@ def _strategy_check(rank: int, world: int) -> None:
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     models = _models()
     plain_models = copy.deepcopy(models)
@@ -109,7 +109,7 @@ def _inference_check(rank: int, world: int) -> None:
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.core.types import Rollout
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
     from rlhfuse.trainer.inferencer import ModelInferencer
 
     torch.manual_seed(3)

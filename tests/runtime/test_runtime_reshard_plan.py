@@ -11,8 +11,8 @@ import torch
 
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.runtime.pipeline_config import PipelineConfig
+from rlhfuse.runtime.pipeline_strategy import pipeline_layout
 from rlhfuse.runtime.reshard import Resharder
-from rlhfuse.runtime.strategy import pipeline_layout
 from rlhfuse.runtime.tensor_parallel import _split, full_shapes, shard_transformer
 
 # 8 heads over 2 kv heads (split for tp <= 2, replicated beyond), vocabulary 130 (padded for tp 4 and 8)

@@ -49,8 +49,8 @@ def _worker(rank: int, world: int, folder: str) -> None:
     from rlhfuse import distributed
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     root = pathlib.Path(folder)
     cfg = PipelineConfig(
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
 
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
     from rlhfuse.trainer.inferencer import ModelInferencer
 
     config, tokenizer, rollout = (

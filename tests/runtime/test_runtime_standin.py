@@ -16,12 +16,12 @@ from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import greedy
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
-from rlhfuse.runtime.inference import PipelineInferencer
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
+from rlhfuse.runtime.pipeline_inference import PipelineInferencer
 from rlhfuse.testing.standin import StandinTensor, standin_device
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.syncs import SyncCounter
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import greedy
-from rlhfuse.runtime.balance import split_minibatch
+from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import lower_checked

@@ -155,8 +155,8 @@ def check_executor_against_oracle(
     """The executor over this rank's stages (tp shards, merged or not; `kind`: greedy = the fused schedule, or
     serial 1F1B) against the float64 single-process oracle: every shard's gradient, the gradient norms, the loss
     statistics (also `test_runtime_tp_pipeline`'s equal-tp check)."""
-    from rlhfuse.core.losses import actor_loss
-    from rlhfuse.runtime.balance import split_minibatch
+    from rlhfuse.core.step_losses import actor_loss
+    from rlhfuse.runtime.batch_split import split_minibatch
     from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
     from rlhfuse.runtime.layout import build_process_groups
     from rlhfuse.runtime.partition import stages_for_rank
@@ -237,8 +237,8 @@ def _check_inference(rank: int, case: tuple[tuple[int, int], tuple[int, int]]) -
 
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.runtime.inference import PLACED_AS, PipelineInferencer
     from rlhfuse.runtime.layout import build_process_groups
+    from rlhfuse.runtime.pipeline_inference import PLACED_AS, PipelineInferencer
     from rlhfuse.runtime.tensor_parallel import shard_transformer
     from rlhfuse.trainer.inferencer import ModelInferencer
 
@@ -287,8 +287,8 @@ def _check_strategy(
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     (ap, at), (cp, ct) = case
     cfg = PipelineConfig(

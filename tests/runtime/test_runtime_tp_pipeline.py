@@ -42,8 +42,8 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.strategy import PipelineStrategy, pipeline_layout
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     cfg = PipelineConfig(
         name=schedule, optim=OptimConfig(warmup_steps=1, grad_clip=0.5), actor_tp=2, critic_tp=2,

@@ -11,7 +11,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from rlhfuse._resources import conf_dir
-from rlhfuse.core import losses
+from rlhfuse.core import step_losses as losses
 from rlhfuse.core.advantages import ALGORITHMS, AlgorithmConfig, compute_train_batch
 from rlhfuse.core.checkpoint import RUN_FILE
 from rlhfuse.core.errors import CheckpointError

@@ -6,7 +6,7 @@ import pytest
 
 from rlhfuse._resources import conf_dir
 from rlhfuse.trainer import RLHFConfig, compose_config, validate
-from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.reward_functions import REWARD_FUNCTIONS
 
 EXPERIMENTS = sorted(p.stem for p in (Path(conf_dir()) / "experiment").glob("*.yaml"))
 

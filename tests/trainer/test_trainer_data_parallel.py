@@ -50,7 +50,7 @@ def _batch(seed: int, samples: int = MINI_BATCH, prompt: int = 5, response: int 
 def _strategy(actor, critic, reduction: str, group=None):
     from lightning.fabric import Fabric
 
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     return PlainStrategy(
         actor,
@@ -77,7 +77,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rlhfuse.core.errors import NonFiniteError
-    from rlhfuse.runtime.balance import karmarkar_karp, sample_costs
+    from rlhfuse.runtime.batch_split import karmarkar_karp, sample_costs
 
     torch.set_num_threads(1)
     dist.init_process_group(

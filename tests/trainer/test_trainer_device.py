@@ -11,7 +11,7 @@ import torch
 
 import rlhfuse
 from rlhfuse.trainer import compose_config, validate
-from rlhfuse.trainer.device import claim_device, resolve_device
+from rlhfuse.trainer.device_choice import claim_device, resolve_device
 
 SRC = Path(rlhfuse.__file__).parent
 
@@ -55,5 +55,6 @@ def test_no_path_in_src_names_a_cuda_device_without_its_index() -> None:
         if _INDEXLESS.search(line)
     ]
     assert found == [], (
-        "use rlhfuse.trainer.device.resolve_device / rlhfuse.distributed.rank_device:\n" + "\n".join(found)
+        "use rlhfuse.trainer.device_choice.resolve_device / rlhfuse.distributed.rank_device:\n"
+        + "\n".join(found)
     )

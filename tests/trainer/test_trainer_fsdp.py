@@ -57,7 +57,7 @@ def _optim_bytes(optimizers) -> int:
 def _plain(reduction: str = "token"):
     from lightning.fabric import Fabric
 
-    from rlhfuse.trainer.strategy import PlainStrategy
+    from rlhfuse.trainer.plain_strategy import PlainStrategy
 
     actor, critic, _ = _models()
     strategy = PlainStrategy(
@@ -74,7 +74,7 @@ def _fsdp(reduction: str = "token"):
     from lightning.fabric import Fabric
 
     from rlhfuse.distributed.fsdp import ShardingPolicy, full_state
-    from rlhfuse.trainer.fsdp import FSDPStrategy
+    from rlhfuse.trainer.fsdp_strategy import FSDPStrategy
 
     actor, critic, ref = _models()
     strategy = FSDPStrategy(
@@ -116,7 +116,7 @@ def _inference(sharded: bool):
     import torch.distributed as dist
 
     from rlhfuse.distributed.fsdp import ShardingPolicy, shard_model
-    from rlhfuse.trainer.fsdp import ShardedInference
+    from rlhfuse.trainer.fsdp_strategy import ShardedInference
 
     for model in (actor, critic, ref, reward):
         shard_model(model, model.layers, ShardingPolicy(), device_type="cpu")
@@ -152,7 +152,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from rlhfuse.core.errors import NonFiniteError
-    from rlhfuse.runtime.balance import karmarkar_karp, sample_costs
+    from rlhfuse.runtime.batch_split import karmarkar_karp, sample_costs
 
     torch.set_num_threads(1)
     dist.init_process_group(

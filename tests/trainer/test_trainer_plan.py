@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhfuse.planner.simulate import TrainLayout, TrainResult
+from rlhfuse.planner.plan_simulator import TrainLayout, TrainResult
 from rlhfuse.planner.specs import gpu_preset
 from rlhfuse.runtime.pipeline_config import validate_runtime
 from rlhfuse.trainer import build_trainer, compose_config, planning, validate
@@ -270,7 +270,7 @@ def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
     assert (p.actor_tp, p.critic_tp) == (train.actor.tp, train.critic.tp)
     assert p.actor_tp != p.critic_tp and train.merged
     assert validate_runtime(result.config.pipeline_run()) == []
-    from rlhfuse.runtime.strategy import pipeline_layout
+    from rlhfuse.runtime.pipeline_strategy import pipeline_layout
 
     layout = pipeline_layout(p, 8, result.config.data.mini_batch_size, 1)
     narrow = "actor" if p.actor_tp < p.critic_tp else "critic"
@@ -373,7 +373,7 @@ def test_plan_auto_keeps_a_pipeline_where_fsdp_fits_but_is_slower():
     the layers it gathers), but the planner predicts the tensor- and pipeline-parallel plan faster, which is the
     one applied."""
     from rlhfuse.planner import CostModel, RLHFModels, cluster
-    from rlhfuse.planner.search import PruneStats, fsdp_plan, search_fsdp
+    from rlhfuse.planner.plan_search import PruneStats, fsdp_plan, search_fsdp
 
     shape = ["model.num_layers=32", "model.hidden_size=4096", "model.num_heads=32", "model.num_kv_heads=32",
              "model.head_dim=128", "model.intermediate_size=11008"]  # fmt: skip

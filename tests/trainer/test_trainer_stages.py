@@ -14,7 +14,7 @@ from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 
 PAD = 0
 

@@ -23,8 +23,8 @@ from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 from rlhfuse.trainer.rollout import SerialRollout
-from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import Assembled
 
 STANDIN = standin_device()

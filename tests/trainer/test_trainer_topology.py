@@ -106,7 +106,7 @@ def test_the_pipeline_layout_is_derived_once_for_validation_the_resume_check_and
 ):
     """compile_run's one Topology derives the pipeline layout once; validation, the resume check and the stages
     each rank builds all read it (the strategy is handed it too: `PipelineStrategy(layout=...)`)."""
-    import rlhfuse.runtime.strategy as runtime_strategy
+    import rlhfuse.runtime.pipeline_strategy as runtime_strategy
     from rlhfuse.trainer.parts import FusedPipelineStrategy
 
     derive = runtime_strategy.pipeline_layout

@@ -3,11 +3,11 @@
 - `sample_costs`: the cost of a sample, its tokens plus the attention term (tokens² / `attention_tokens`), the
   shape of a transformer's FLOPs (linear layers ∝ tokens, attention ∝ tokens²);
 - `karmarkar_karp`: parts of near-equal total cost (multi-way largest differencing): data-parallel shares and
-  micro-batches of training (`rlhfuse.runtime.balance.split_minibatch`, `PlainStrategy.share`);
+  micro-batches of training (`rlhfuse.runtime.batch_split.split_minibatch`, `PlainStrategy.share`);
 - `least_loaded`: each item, in order, to the currently least-loaded part: prompt groups over generation
   instances (`rlhfuse.generation.coordinator.balance`);
 - `assign_rows`: inference rows sorted by length and dealt in snake order over groups and replicas, so every
-  micro-batch holds rows of similar length (`rlhfuse.runtime.inference`);
+  micro-batch holds rows of similar length (`rlhfuse.runtime.pipeline_inference`);
 - `microbatch_weights`: the one loss weighting of micro-batches (their share of the mini-batch's response
   tokens, or samples), so the weighted sum of micro-batch losses is the mini-batch loss whatever the split.
 """

@@ -1,4 +1,4 @@
-"""Consecutive groups of bounded size: how the gradient reduction (`rlhfuse.distributed.buckets`) and the weight
+"""Consecutive groups of bounded size: how the gradient reduction (`rlhfuse.distributed.grad_buckets`) and the weight
 sync (`Strategy.actor_weight_buckets`) cut a model's tensors (`split_consecutive`: sizes in, index ranges out),
 and a LoRA Actor's merged projections cut that way for every strategy's sync (`merged_weight_buckets`)."""
 

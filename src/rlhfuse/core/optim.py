@@ -30,7 +30,7 @@ class OptimConfig:
     # Clip each model's gradient norm to this value (0 = off).
     grad_clip: float = 1.0
     # Data-parallel gradient reduction: buckets of this many MiB, each all-reduced asynchronously as soon as its
-    # gradients are final in the last micro-batch's backward (rlhfuse.distributed.buckets; DDP's bucket_cap_mb).
+    # gradients are final in the last micro-batch's backward (rlhfuse.distributed.grad_buckets; DDP's bucket_cap_mb).
     grad_bucket_mb: float = 25.0
     # The weight sync into the generator streams the Actor in buckets of this many MiB (whole tensors, a larger
     # one alone): each is gathered or resharded, loaded by the generator and freed before the next, so a sync

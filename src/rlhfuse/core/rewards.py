@@ -1,7 +1,7 @@
 """Rule-based (verifiable) rewards: a reward function receives typed per-sample records, batched, and returns one
 score per sample; `RuleReward` calls it and turns every failure into an error naming the function and the sample.
 
-A reward function is chosen by a registered name (`rlhfuse.trainer.registry.REWARD_FUNCTIONS`), as
+A reward function is chosen by a registered name (`rlhfuse.trainer.reward_functions.REWARD_FUNCTIONS`), as
 `package.module:function` or, in the Python API, as the function itself (`inferencer.reward_fn`, one or a list;
 `RewardSet` holds the list with its weights). The built-in checks of a final answer (exact and numeric
 match) and of a format live here as plain functions of strings.

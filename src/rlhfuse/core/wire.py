@@ -1,6 +1,6 @@
 """The one tensor wire codec: a message as one flat byte tensor plus a small int64 header, no pickling.
 
-A message type (e.g. `rlhfuse.generation.wire.SampleBatch`) is a dataclass with `pack() -> Packed` and
+A message type (e.g. `rlhfuse.generation.messages.SampleBatch`) is a dataclass with `pack() -> Packed` and
 `unpack(Packed)`; it hands `pack_tensors` its integers and tensors. What goes over a link is then always the
 same three tensors, so a receiver can allocate every buffer before it receives:
 

@@ -19,6 +19,7 @@ from rlhfuse.generation.engine import (
 from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
 from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.generation.generator import EngineGenerator, InstanceSetup
+from rlhfuse.generation.messages import InferredBatch, InferredSample, SampleBatch
 from rlhfuse.generation.migration import (
     MECHANISMS,
     BatchObservation,
@@ -30,7 +31,6 @@ from rlhfuse.generation.migration import (
 )
 from rlhfuse.generation.transport import InProcess, PointToPoint, Transport
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult, rt_sweep, simulate
-from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
 __all__ = [
     "FusedResult",

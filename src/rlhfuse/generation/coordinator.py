@@ -21,7 +21,7 @@ from rlhfuse.core.balance import least_loaded
 from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest, SamplingParams
 from rlhfuse.generation.migration import pick_mechanism
 from rlhfuse.generation.transport import InProcess, Transport
-from rlhfuse.planner.migration import MigrationDecision, decide_migration, should_migrate
+from rlhfuse.planner.migration_decision import MigrationDecision, decide_migration, should_migrate
 
 
 @dataclass

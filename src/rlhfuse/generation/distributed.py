@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from rlhfuse.generation.coordinator import Instance, MigrationReport, balance, migrate
 from rlhfuse.generation.engine import SampleRequest
+from rlhfuse.generation.messages import SampleBatch
 from rlhfuse.generation.progress import CountWatch, control_group
 from rlhfuse.generation.transport import InstanceFailure, PointToPoint, collective_device
-from rlhfuse.generation.wire import SampleBatch
 
 __all__ = ["DistributedCoordinator", "InstanceFailure", "decode_until_migration", "gather_finished"]
 

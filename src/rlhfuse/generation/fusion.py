@@ -41,9 +41,9 @@ from rlhfuse.core.types import Experience
 from rlhfuse.generation.coordinator import Instance, MigrationReport, balance
 from rlhfuse.generation.distributed import InstanceFailure, decode_until_migration
 from rlhfuse.generation.engine import SampleRequest, to_rollout
+from rlhfuse.generation.messages import InferredBatch, InferredSample, SampleBatch
 from rlhfuse.generation.progress import StealChannel, control_group
 from rlhfuse.generation.transport import PointToPoint, Sending, collective_device
-from rlhfuse.generation.wire import InferredBatch, InferredSample, SampleBatch
 
 
 @dataclass

@@ -29,7 +29,7 @@ from rlhfuse.core.wire import Packed
 from rlhfuse.generation.coordinator import Instance, KVCapacity, MigrationReport
 from rlhfuse.generation.engine import EngineStats, MigratingSample, SampleRequest, SamplingParams
 from rlhfuse.generation.fusion import FusedResult, assemble_experience
-from rlhfuse.generation.wire import InferredBatch, SampleBatch
+from rlhfuse.generation.messages import InferredBatch, SampleBatch
 
 STEP, EVICT, ADMIT, RELEASE, DONE = range(5)
 CPU = torch.device("cpu")

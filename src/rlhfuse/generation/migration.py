@@ -1,5 +1,5 @@
 """Migration policies (when to move the long tail: Rt) and the mechanism choice, on top of the pure decision
-functions of `rlhfuse.planner.migration` (trigger, destination count, destinations, KV vs re-prefill).
+functions of `rlhfuse.planner.migration_decision` (trigger, destination count, destinations, KV vs re-prefill).
 
 - `NoMigration` (`migration=off`, alias `none`): every instance decodes its own samples to the end.
 - `FixedThreshold` (`migration=fixed`): Rt = `migration.threshold` (a sample count, or a fraction of the batch).
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from rlhfuse.planner.migration import Mechanism, choose_mechanism, threshold_from_fraction
+from rlhfuse.planner.migration_decision import Mechanism, choose_mechanism, threshold_from_fraction
 
 if TYPE_CHECKING:
     from rlhfuse.generation.tuning import CostProfile

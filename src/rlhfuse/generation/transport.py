@@ -3,7 +3,7 @@ to instance `dst` and sums a few numbers over every instance (so all pick the sa
 
 - `InProcess`: every instance lives in this process (`Coordinator`); samples are handed over as objects.
 - `PointToPoint`: one instance per rank of a torch.distributed group (`DistributedCoordinator`); each message is
-  a `rlhfuse.generation.wire` dataclass packed by the one tensor codec (`rlhfuse.core.wire`) and sent as three
+  a `rlhfuse.generation.messages` dataclass packed by the one tensor codec (`rlhfuse.core.wire`) and sent as three
   tensors (frame, header, payload), created on the transport's device (the KV cache's: gloo on CPU, NCCL on GPU).
 
 Any failure of a collective or a send/receive is raised as `InstanceFailure`, naming this instance, the step and
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from rlhfuse import distributed
 from rlhfuse.core.wire import Packed
 from rlhfuse.generation.engine import MigratingSample
-from rlhfuse.generation.wire import SampleBatch
+from rlhfuse.generation.messages import SampleBatch
 
 
 class InstanceFailure(RuntimeError):

@@ -1,7 +1,7 @@
 """Rt auto-tuning (docs/paper.md §2): simulate generation + inference for each Rt on this machine's measured costs and
 the response lengths seen so far, and keep the fastest, or Rt = 0 (off) when none beats the serial rollout.
 
-The simulator is the planner's, the one `rlhfuse-plan` runs at paper scale (`rlhfuse.planner.simulate.gen_inf`
+The simulator is the planner's, the one `rlhfuse-plan` runs at paper scale (`rlhfuse.planner.plan_simulator.gen_inf`
 / `gen_inf_sweep`), fed by `rlhfuse.planner.measured.MeasuredCosts`: a `CostProfile` measured on the running
 engines (decode steps, prefill, and on fused runs the inference calls, the lockstep synchronisation and the
 migration) instead of the cost model's datasheet figures. There is no second copy of the timeline here.
@@ -18,7 +18,7 @@ import numpy as np
 from rlhfuse.generation.migration import BatchObservation, resolve_threshold
 from rlhfuse.planner.lengths import LengthDistribution
 from rlhfuse.planner.measured import CostProfile, MeasuredCosts
-from rlhfuse.planner.simulate import (
+from rlhfuse.planner.plan_simulator import (
     RT_FRACTIONS,
     GenInfResult,
     Samples,

@@ -25,7 +25,7 @@ from rlhfuse.planner.memory import (
     rank_memory,
     shard_count,
 )
-from rlhfuse.planner.migration import (
+from rlhfuse.planner.migration_decision import (
     MigrationDecision,
     choose_mechanism,
     decide_migration,
@@ -33,14 +33,7 @@ from rlhfuse.planner.migration import (
     should_migrate,
     threshold_from_fraction,
 )
-from rlhfuse.planner.schedule import (
-    PipeModel,
-    fused_lower_bound,
-    greedy_fused_makespan,
-    one_f_one_b,
-    serial_makespan,
-)
-from rlhfuse.planner.search import (
+from rlhfuse.planner.plan_search import (
     Breakdown,
     Plan,
     PruneStats,
@@ -49,7 +42,7 @@ from rlhfuse.planner.search import (
     search_training,
     train_layouts,
 )
-from rlhfuse.planner.simulate import (
+from rlhfuse.planner.plan_simulator import (
     RLHFModels,
     Samples,
     TrainLayout,
@@ -58,6 +51,13 @@ from rlhfuse.planner.simulate import (
     gen_inf_serial,
     rt_sweep,
     simulate_generation,
+)
+from rlhfuse.planner.schedule import (
+    PipeModel,
+    fused_lower_bound,
+    greedy_fused_makespan,
+    one_f_one_b,
+    serial_makespan,
 )
 from rlhfuse.planner.specs import (
     A100,

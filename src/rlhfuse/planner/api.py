@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlhfuse.planner.cost import CostModel
-from rlhfuse.planner.search import Plan, search_plan
-from rlhfuse.planner.simulate import RLHFModels, Workload
+from rlhfuse.planner.plan_search import Plan, search_plan
+from rlhfuse.planner.plan_simulator import RLHFModels, Workload
 from rlhfuse.planner.specs import DEFAULT_EFFICIENCY, DeviceSpec, Efficiency, ModelSpec, cluster, model
 
 

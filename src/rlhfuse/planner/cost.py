@@ -299,7 +299,7 @@ class CostModel:
         self, model: ModelSpec, head: str, tp: int, pp: int, dp: int, overlap_s: float
     ) -> float:
         """The part of `grad_allreduce_time` the runtime's bucketed reduction leaves exposed
-        (`rlhfuse.distributed.buckets`): each bucket of `GRAD_BUCKET_BYTES` is launched as soon as its gradients
+        (`rlhfuse.distributed.grad_buckets`): each bucket of `GRAD_BUCKET_BYTES` is launched as soon as its gradients
         are final in the stage's last backward, so the reduction overlaps that backward (`overlap_s`); what is
         left after it, and at least the last bucket's own all-reduce, adds to the step."""
         if dp <= 1:

@@ -9,8 +9,8 @@ from typing import Any
 from rlhfuse.pipeline import SearchConfig
 from rlhfuse.planner.cost import CostModel
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
-from rlhfuse.planner.search import Plan, PruneStats, resident_train_bytes, search_plan
-from rlhfuse.planner.simulate import (
+from rlhfuse.planner.plan_search import Plan, PruneStats, resident_train_bytes, search_plan
+from rlhfuse.planner.plan_simulator import (
     ModeledCosts,
     RLHFModels,
     Samples,

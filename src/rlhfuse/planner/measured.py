@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from rlhfuse.planner.migration import Mechanism, MigrationDecision, decide_migration
-from rlhfuse.planner.simulate import RolloutCosts, Samples, Tail, Unmigrated
+from rlhfuse.planner.migration_decision import Mechanism, MigrationDecision, decide_migration
+from rlhfuse.planner.plan_simulator import RolloutCosts, Samples, Tail, Unmigrated
 
 INFERENCE_PASSES = 4.0
 """Forward passes of the inference stage, in Actor prefills, before inference has been measured."""

@@ -26,7 +26,7 @@ from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.grid import GRID_SEARCH, PAPER_RANGES, SPECULATION, Comparison, compare, paper_grid
 from rlhfuse.planner.lengths import RESPONSES, LengthDistribution
 from rlhfuse.planner.memory import PRECISIONS, fsdp_rank_memories, rank_memories
-from rlhfuse.planner.simulate import RLHFModels, Speculation, Workload
+from rlhfuse.planner.plan_simulator import RLHFModels, Speculation, Workload
 from rlhfuse.planner.specs import DEVICES, DeviceProfile, ModelSpec, cluster, device_profile, model
 
 
@@ -384,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out.write_text(json.dumps([c.to_dict() for c in comps], indent=1))
             print(f"wrote {args.out}")
             if args.png:
-                from rlhfuse.planner.plot import breakdown_chart
+                from rlhfuse.planner.plan_plot import breakdown_chart
 
                 print(f"wrote {breakdown_chart(comps, args.png)}")
             return 0
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  Rt {frac:4.0%}  {seconds:7.3f} s{'  <- best' if (frac, seconds) == best else ''}")
             print(f"  RLHFuse-Base Gen+Inf: {comp.base.breakdown.gen_inf:.3f} s")
             if args.png:
-                from rlhfuse.planner.plot import rt_sweep_chart
+                from rlhfuse.planner.plan_plot import rt_sweep_chart
 
                 print(f"wrote {rt_sweep_chart([comp.rlhfuse], args.png)}")
             return 0
@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.json.write_text(json.dumps(comp.to_dict(), indent=1))
             print(f"wrote {args.json}")
         if args.png:
-            from rlhfuse.planner.plot import breakdown_chart
+            from rlhfuse.planner.plan_plot import breakdown_chart
 
             print(f"wrote {breakdown_chart([comp], args.png)}")
     except ValueError as exc:

@@ -153,7 +153,7 @@ class Efficiency:
     """Fraction of device memory not usable (CUDA context, allocator fragmentation)."""
     grad_overlap: float = 1.0
     """Fraction of a stage's last backward that its bucketed data-parallel gradient all-reduce overlaps (1: the
-    runtime's buckets, `rlhfuse.distributed.buckets`; 0: reduced after the backward, nothing hidden)."""
+    runtime's buckets, `rlhfuse.distributed.grad_buckets`; 0: reduced after the backward, nothing hidden)."""
 
     def mfu(self, ceiling: float, tokens: Any) -> Any:
         """MFU of a GEMM over `tokens` rows (a number or an array): `ceiling * tokens / (tokens + half_tokens)`."""

@@ -4,7 +4,7 @@ Pure planning (`layout`, `plan`, `lower`, `balance`) is separate from execution 
 process groups). See `docs/runtime.md`.
 """
 
-from rlhfuse.runtime.balance import karmarkar_karp, sample_costs, split_minibatch
+from rlhfuse.runtime.batch_split import karmarkar_karp, sample_costs, split_minibatch
 from rlhfuse.runtime.executor import (
     PipelineError,
     PipelineExecutor,

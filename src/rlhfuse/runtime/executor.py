@@ -27,11 +27,11 @@ from torch import Tensor
 from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.errors import NonFiniteError
-from rlhfuse.core.losses import actor_loss, critic_loss
 from rlhfuse.core.stats import LossStats, LossTensors
+from rlhfuse.core.step_losses import actor_loss, critic_loss
 from rlhfuse.core.timing import OpTimer
 from rlhfuse.core.types import TrainBatch
-from rlhfuse.distributed.buckets import DEFAULT_BUCKET_MB, GradReducer
+from rlhfuse.distributed.grad_buckets import DEFAULT_BUCKET_MB, GradReducer
 from rlhfuse.models import Stage
 from rlhfuse.models.masks import MaskLayout, mask_layout
 from rlhfuse.pipeline.colocation import placed_on
@@ -51,7 +51,7 @@ def ppo_losses(
     algorithm: AlgorithmConfig, temperature: float = 1.0, vocab: Any = None, tp_group: Any = None
 ) -> dict[str, LossFn]:
     """Last-stage losses: the Actor's PPO clipped loss (+ entropy bonus), the Critic's clipped value loss, on
-    the response positions of a micro-batch (`rlhfuse.core.losses`, the same functions as `PlainStrategy`).
+    the response positions of a micro-batch (`rlhfuse.core.step_losses`, the same functions as `PlainStrategy`).
 
     vocab (a `VocabShard`) with tp_group: the Actor's last stage is tensor-parallel and returns its slice of the
     logits; the chosen-token log-probs and the entropy are then vocabulary-parallel (never gathering the

@@ -411,7 +411,7 @@ def actor_only_layout(
 ) -> ParallelLayout:
     """The layout of a critic-free algorithm: the Actor's pipeline alone (`trained=("actor",)`). The critic
     slot mirrors the Actor's stages, reversed over the same ranks, and trains nothing: it places the Reward
-    model's inference (`rlhfuse.runtime.inference`: Reward placed like the Critic) when one is used."""
+    model's inference (`rlhfuse.runtime.pipeline_inference`: Reward placed like the Critic) when one is used."""
     return ParallelLayout(actor, actor, dp, world_size, microbatches, device=device, trained=("actor",))
 
 

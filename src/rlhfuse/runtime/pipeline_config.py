@@ -110,7 +110,7 @@ class PipelineRun:
     def layout(self) -> ParallelLayout:
         """The layout the strategy runs (its tp keys read as at least 1: smaller values are reported by
         `validate_runtime`); raises `ParallelLayout`'s ValueError. A run derives it once (`Topology.stages`)."""
-        from rlhfuse.runtime.strategy import pipeline_layout
+        from rlhfuse.runtime.pipeline_strategy import pipeline_layout
 
         p = self.pipeline
         sizes = dataclasses.replace(p, actor_tp=max(p.actor_tp, 1), critic_tp=max(p.critic_tp, 1))
@@ -122,8 +122,8 @@ class PipelineRun:
 def validate_runtime(run: PipelineRun, derive: Callable[[], ParallelLayout] | None = None) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix).
     `derive`: the run's layout as already derived (`Topology.stages`); by default `run.layout()`."""
+    from rlhfuse.runtime.pipeline_strategy import data_parallel_sizes  # what the strategy runs
     from rlhfuse.runtime.plan import PLANNERS  # the runtime's pipeline schedules, by name
-    from rlhfuse.runtime.strategy import data_parallel_sizes  # what the strategy runs
 
     problems: list[str] = []
     p = run.pipeline

@@ -56,8 +56,8 @@ from rlhfuse.trainer.parts import (
     StrategyPart,
     VLLMGeneration,
 )
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 from rlhfuse.trainer.run_config import MigrationConfig, RLHFConfig
-from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import validate
 

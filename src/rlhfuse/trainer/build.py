@@ -47,13 +47,13 @@ from rlhfuse.trainer.callbacks import (
     TaskScore,
 )
 from rlhfuse.trainer.components import BuildContext
-from rlhfuse.trainer.device import claim_device, resolve_device
+from rlhfuse.trainer.device_choice import claim_device, resolve_device
 from rlhfuse.trainer.evaluation import Evaluator, held_out_prompts
 from rlhfuse.trainer.logging import JsonlLogger, RichProgress, build_loggers, table_sinks
 from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.parts import ExportTarget, Parts, StrategyPart
-from rlhfuse.trainer.registry import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.resume import check_resume_config, config_record
+from rlhfuse.trainer.reward_functions import reward_set, rule_reward, verifier_index
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
 from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens

@@ -25,9 +25,9 @@ from rlhfuse.models import Transformer, cast_copy
 from rlhfuse.models.packing import check_packing
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.models import Models
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 from rlhfuse.trainer.rules import no_problems, pipeline_problems, sharded_problems, vllm_problems
 from rlhfuse.trainer.run_config import RLHFConfig
-from rlhfuse.trainer.strategy import PlainStrategy
 from rlhfuse.trainer.topology import (
     GeneratorEntry,
     InferencerEntry,
@@ -131,7 +131,7 @@ def model_inferencer(ctx: BuildContext) -> ModelInferencer:
 
 
 def pipeline_inferencer(ctx: BuildContext) -> Any:
-    from rlhfuse.runtime.inference import PipelineInferencer
+    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
 
     cfg, models = ctx.config.inferencer, ctx.models
     # validated: a pipeline strategy (its layout and tensor-parallel groups)
@@ -187,12 +187,12 @@ def plain_strategy(ctx: BuildContext) -> PlainStrategy:
 
 
 def fsdp_strategy(ctx: BuildContext) -> Any:
-    """pipeline=fsdp: `PlainStrategy`'s data parallelism over the sharded models (`rlhfuse.trainer.fsdp`). The
+    """pipeline=fsdp: `PlainStrategy`'s data parallelism over the sharded models (`rlhfuse.trainer.fsdp_strategy`). The
     generators copy a whole Actor (`Models.for_generation`), so one is kept aside before the Actor is sharded in
     place."""
     from rlhfuse.core.optim import generation_dtype, resolve_precision
     from rlhfuse.distributed.fsdp import ShardingPolicy
-    from rlhfuse.trainer.fsdp import FSDPStrategy
+    from rlhfuse.trainer.fsdp_strategy import FSDPStrategy
 
     cfg, models = ctx.config, ctx.models
     device = ctx.fabric.device
@@ -233,7 +233,7 @@ def serial_1f1b_strategy(ctx: BuildContext) -> Any:
 
 
 def _pipeline_strategy(ctx: BuildContext, schedule: str) -> Any:
-    from rlhfuse.runtime.strategy import PipelineStrategy
+    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
 
     cfg = ctx.config
     critic = ctx.models.critic  # None for a critic-free algorithm: the Actor's pipeline alone

@@ -147,7 +147,7 @@ class FSDPStrategy(StrategyPart):
         return torch.device("cpu")
 
     def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:
-        from rlhfuse.trainer.fsdp import ShardedInference
+        from rlhfuse.trainer.fsdp_strategy import ShardedInference
         from rlhfuse.trainer.inferencer import ModelInferencer
 
         if not isinstance(inferencer, ModelInferencer):  # it splits the rollout by rows and runs them itself

@@ -34,8 +34,8 @@ from typing import Any
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.api import plan_for
 from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
-from rlhfuse.planner.search import Plan
-from rlhfuse.planner.simulate import Workload
+from rlhfuse.planner.plan_search import Plan
+from rlhfuse.planner.plan_simulator import Workload
 from rlhfuse.planner.specs import DeviceProfile, ModelSpec, device_profile, gpu_preset
 from rlhfuse.runtime.pipeline_config import launched_world_size, validate_runtime
 from rlhfuse.trainer.data_parallel import validate_plain_launch

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.trainer.device import resolve_device
+from rlhfuse.trainer.device_choice import resolve_device
 from rlhfuse.trainer.run_config import DerivedCounts, RLHFConfig, resolve_components
 from rlhfuse.trainer.topology import Topology, topology
 from rlhfuse.trainer.validate import validate

@@ -23,8 +23,8 @@ from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
 from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
-from rlhfuse.trainer.device import device_problems, resolve_device
-from rlhfuse.trainer.registry import REWARD_FUNCTIONS
+from rlhfuse.trainer.device_choice import device_problems, resolve_device
+from rlhfuse.trainer.reward_functions import REWARD_FUNCTIONS
 from rlhfuse.trainer.rules import uses_cuda
 from rlhfuse.trainer.run_config import DerivedCounts, RLHFConfig, derived_counts
 from rlhfuse.trainer.topology import (

@@ -59,7 +59,7 @@ from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
 from rlhfuse.runtime.sharded_checkpoint import all_ok
 from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.strategy import PlainStrategy
+from rlhfuse.trainer.plain_strategy import PlainStrategy
 
 KIND, FORMAT = "fsdp", 1
 DCP_DIR, STATE = "dcp", "state.pt"

@@ -17,8 +17,8 @@ from typing import Any
 
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.cost import CostModel
-from rlhfuse.planner.migration import MigrationDecision
-from rlhfuse.planner.simulate import (
+from rlhfuse.planner.migration_decision import MigrationDecision
+from rlhfuse.planner.plan_simulator import (
     KV_READ_SLACK,
     GenInfResult,
     RLHFModels,

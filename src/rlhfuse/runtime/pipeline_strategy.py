@@ -33,7 +33,7 @@ from rlhfuse.models import Transformer, joined, metered, stage_of
 from rlhfuse.models.lora import adapted_layers
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.pipeline.ir import Schedule
-from rlhfuse.runtime.balance import budget_microbatches, microbatch_imbalance, split_minibatch
+from rlhfuse.runtime.batch_split import budget_microbatches, microbatch_imbalance, split_minibatch
 from rlhfuse.runtime.executor import PlanExecutor, StepResult, StepWork, ppo_losses
 from rlhfuse.runtime.layout import (
     ModelParallel,
@@ -41,7 +41,6 @@ from rlhfuse.runtime.layout import (
     actor_only_layout,
     build_process_groups,
 )
-from rlhfuse.runtime.optim import StageOptimizers
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.plan import (
@@ -55,6 +54,7 @@ from rlhfuse.runtime.plan import (
 )
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.sharded_checkpoint import ShardedCheckpointer
+from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 
 

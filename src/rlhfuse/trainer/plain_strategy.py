@@ -26,7 +26,7 @@ from lightning.fabric import Fabric
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.core import losses
+from rlhfuse.core import step_losses as losses
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.buckets import merged_weight_buckets
@@ -36,8 +36,8 @@ from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_
 from rlhfuse.core.protocols import Checkpointer
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
-from rlhfuse.distributed.buckets import GradReducer
 from rlhfuse.distributed.fsdp import grad_norm_value
+from rlhfuse.distributed.grad_buckets import GradReducer
 from rlhfuse.models import Transformer, joined, load_balancing_loss, metered, record_router_logits
 from rlhfuse.models.lora import adapted_layers, load_trained_state, trainable, trained_state
 from rlhfuse.models.packing import check_packing

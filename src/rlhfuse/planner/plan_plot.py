@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlhfuse.planner.grid import Comparison
-from rlhfuse.planner.search import Plan
+from rlhfuse.planner.plan_search import Plan
 
 SEGMENTS = (
     ("gen_inf", "Gen.+Inf.", "#4C72B0"),

@@ -19,7 +19,12 @@ from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.memory import bytes_per_param
-from rlhfuse.planner.migration import Mechanism, MigrationDecision, choose_mechanism, decide_migration
+from rlhfuse.planner.migration_decision import (
+    Mechanism,
+    MigrationDecision,
+    choose_mechanism,
+    decide_migration,
+)
 from rlhfuse.planner.schedule import (
     PipeModel,
     fused_lower_bound,
@@ -1108,7 +1113,7 @@ def fsdp_training(
 
 
 def fsdp_inference_time(cost: CostModel, models: RLHFModels, samples: Samples, world: int) -> float:
-    """pipeline=fsdp's inference after generation (`rlhfuse.trainer.fsdp.ShardedInference`): every rank infers
+    """pipeline=fsdp's inference after generation (`rlhfuse.trainer.fsdp_strategy.ShardedInference`): every rank infers
     1 / world of the batch's work (shares balanced by sequence cost) with the sharded Ref, Reward and Critic, in
     passes of INFERENCE_BATCH rows; each pass all-gathers each model once, layer by layer, hidden under the pass's
     compute when shorter (every rank runs as many passes)."""
