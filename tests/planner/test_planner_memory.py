@@ -11,7 +11,7 @@ bf16 under both bf16 precisions), `shard_transformer` for tp (as
 The predicted bytes must equal the built ones exactly, per rank and per component.
 
 pipeline=fsdp needs a process group (FSDP2 shards over one): one test spawns 2 gloo ranks, which shard the four
-models as `FSDPStrategy` does (`shard_model`, after `cast_models` / `prepare_generation_copy` / the strategy's
+models as `ShardedStrategy` does (`shard_model`, after `cast_models` / `prepare_generation_copy` / the strategy's
 `cast_copy` of the generation copy), build the optimizers (`build_optimizer`), run one forward, backward and
 step, and measure what `MemoryMetrics` measures, on each rank.
 """

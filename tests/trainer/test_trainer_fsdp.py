@@ -74,10 +74,10 @@ def _fsdp(reduction: str = "token"):
     from lightning.fabric import Fabric
 
     from rlhfuse.distributed.fsdp import ShardingPolicy, full_state
-    from rlhfuse.trainer.fsdp_strategy import FSDPStrategy
+    from rlhfuse.trainer.fsdp_strategy import ShardedStrategy
 
     actor, critic, ref = _models()
-    strategy = FSDPStrategy(
+    strategy = ShardedStrategy(
         actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_reduction=reduction),
         frozen=[ref], policy=ShardingPolicy(), fabric=Fabric(accelerator="cpu", devices=1), total_steps=STEPS,
         micro_batch_size=MICRO,

@@ -192,7 +192,7 @@ def fsdp_strategy(ctx: BuildContext) -> Any:
     place."""
     from rlhfuse.core.optim import generation_dtype, resolve_precision
     from rlhfuse.distributed.fsdp import ShardingPolicy
-    from rlhfuse.trainer.fsdp_strategy import FSDPStrategy
+    from rlhfuse.trainer.fsdp_strategy import ShardedStrategy
 
     cfg, models = ctx.config, ctx.models
     device = ctx.fabric.device
@@ -207,7 +207,7 @@ def fsdp_strategy(ctx: BuildContext) -> Any:
         reshard_after_forward=cfg.pipeline.reshard_after_forward,
     )
     frozen = [models.ref, models.reward if cfg.inferencer.use_reward_model else None]
-    return FSDPStrategy(
+    return ShardedStrategy(
         models.actor,
         models.critic,
         cfg.pipeline.optim,

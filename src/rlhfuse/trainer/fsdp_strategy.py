@@ -92,7 +92,7 @@ class ShardedReduceScatter:
         """FSDP's reductions complete inside the backward's end."""
 
 
-class FSDPStrategy:
+class ShardedStrategy:
     """`pipeline=fsdp`'s `Strategy`: the four models sharded in place over the world, the update
     `PlainStrategy`'s over the shards (its optimizers are built over the sharded parameters: their states are
     sharded too), with `ShardedReduceScatter` in place of the bucketed all-reduce."""
@@ -238,7 +238,7 @@ class FSDPCheckpointer:
     are written; a failure on any rank leaves the previous checkpoints untouched.
     """
 
-    def __init__(self, strategy: FSDPStrategy) -> None:
+    def __init__(self, strategy: ShardedStrategy) -> None:
         self.strategy = strategy
 
     def save(
