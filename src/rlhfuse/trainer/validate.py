@@ -68,7 +68,9 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
             d.source in ("synthetic", "arithmetic"),
             "no model.sft_path/model.reward_path: the embedded model is warm-started on an embedded task, which "
             "needs data.source=synthetic or arithmetic; give model.sft_path and model.reward_path to train on your "
-            "own prompts",
+            "own prompts, or start from a run's exported Actor with a reward function: model.name=hf "
+            "model.sft_path=<run_dir>/actor_hf algorithm=grpo inferencer.use_reward_model=false "
+            "inferencer.reward_fn=<module:function> (docs/configuration.md, 'Your own prompts')",
         )
     else:
         # a checkpoint for each model the run uses: the reward model (unless the score is a rule alone) and the
