@@ -357,3 +357,28 @@ def test_the_same_script_runs_against_an_installed_wheel(tmp_path: Path) -> None
     assert "stopped after iteration 2 of 3 by callback StopAt" in done.stdout
     assert [r["iteration"] for r in _rows(work / "objects")] == [1, 2]
     assert (work / "objects" / "actor_hf" / "model.safetensors").is_file()
+
+
+class FailAt(Callback):
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def on_iteration_end(self, trainer, iteration, metrics) -> None:  # type: ignore[no-untyped-def]
+        if iteration == self.iteration:
+            raise RuntimeError("the disk is full\nsecond line")
+
+
+def test_a_run_that_fails_after_it_started_says_so_in_run_json(tmp_path: Path) -> None:
+    trainer = RLHFTrainer(
+        data=DataConfig(num_prompts=8, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
+                        micro_batch_size=2),
+        logging=LoggerConfig(backends=["jsonl"], progress=False, print_every=0),
+        callbacks=[FailAt(1)],
+        iterations=3,
+        run_dir=tmp_path / "run",
+        log=lambda _: None,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="the disk is full"):
+        trainer.fit(_smoke_model(tmp_path / "cache"))
+    run = json.loads((tmp_path / "run" / "run.json").read_text())["run"]
+    assert run["status"] == "failed" and run["reason"] == "RuntimeError: the disk is full second line"
