@@ -382,3 +382,56 @@ def test_a_run_that_fails_after_it_started_says_so_in_run_json(tmp_path: Path) -
         trainer.fit(_smoke_model(tmp_path / "cache"))
     run = json.loads((tmp_path / "run" / "run.json").read_text())["run"]
     assert run["status"] == "failed" and run["reason"] == "RuntimeError: the disk is full second line"
+
+
+class Collect:
+    """A user's own logger (the `Logger` protocol)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+        self.status: str | None = None
+
+    def log_metrics(self, metrics, step=None):  # type: ignore[no-untyped-def]
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params):  # type: ignore[no-untyped-def]
+        pass
+
+    def finalize(self, status):  # type: ignore[no-untyped-def]
+        self.status = status
+
+
+def test_a_users_loggers_replace_the_configured_ones_beside_metrics_jsonl(tmp_path: Path) -> None:
+    mine = Collect()
+    trainer = RLHFTrainer(
+        data=DataConfig(num_prompts=8, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
+                        micro_batch_size=2),
+        logging=LoggerConfig(backends=["jsonl", "csv"], progress=False, print_every=0),
+        loggers=[mine],
+        iterations=2,
+        run_dir=tmp_path / "run",
+        log=lambda _: None,
+    )  # fmt: skip
+    history = trainer.fit(_smoke_model(tmp_path / "cache"))
+    assert [step for step, _ in mine.rows] == [1, 2] and mine.rows[1][1] == history[1]
+    assert mine.status == "success"
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (tmp_path / "run" / "csv").exists()  # replaced: only metrics.jsonl is kept
+
+
+def test_a_users_part_that_a_layout_rule_would_replace_is_refused(tmp_path: Path) -> None:
+    """Under a pipeline strategy with one generation instance inference runs over the stages: the command line's
+    inferencer=models is swapped by a printed rule, but a user's own subclass of it is refused, not dropped."""
+
+    class Mine(ModelInference):
+        pass
+
+    lines: list[str] = []
+    trainer = RLHFTrainer(
+        strategy=FusedPipelineStrategy(), inferencer=Mine(), run_dir=tmp_path / "run", log=lines.append
+    )
+    with pytest.raises(
+        ValueError, match=r"Mine \(models\) is replaced by pipeline .* derive it from PipelineInference"
+    ):
+        trainer.fit()
+    assert any("inferencer=models -> pipeline" in line for line in lines)

@@ -486,6 +486,11 @@ MIGRATION_PARTS: dict[str, type[MigrationPart]] = {
 }
 
 
+_SHIPPED: frozenset[type] = frozenset(
+    [*STRATEGY_PARTS.values(), *GENERATOR_PARTS.values(), *INFERENCER_PARTS.values()]
+)
+
+
 def migration_part(config: RLHFConfig) -> MigrationPart:
     cls = MIGRATION_PARTS.get(config.migration.name)
     if cls is None:  # a user's own policy builder, named in the configuration: kept as configured
@@ -537,7 +542,15 @@ class Parts:
         chosen = Parts.from_config(config)
 
         def keep(given: Any, made: Any) -> Any:
-            return given if given is not None and given.name == made.name else made
+            if given is None or given.name == made.name:
+                return made if given is None else given
+            if type(given) not in _SHIPPED:
+                # a user's own part would be dropped by the rule: say so rather than run without it
+                raise ValueError(
+                    f"{type(given).__name__} ({given.name}) is replaced by {made.name} under this layout (the rule "
+                    f"printed above): derive it from {type(made).__name__} instead"
+                )
+            return made
 
         return Parts(
             keep(self.strategy, chosen.strategy),
