@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from hydra.errors import ConfigCompositionException
 
 from rlhfuse._resources import conf_dir
 from rlhfuse.core import step_losses as losses
@@ -48,7 +47,9 @@ def test_unknown_algorithm_lists_the_known_ones():
     message = str(err.value)
     assert "algorithm.name='ppo2'" in message
     assert "['grpo', 'ppo', 'reinforce_pp', 'rloo']" in message
-    with pytest.raises(ConfigCompositionException, match="algorithm/ppo2"):
+    with pytest.raises(
+        ValueError, match=r"algorithm=ppo2 is not an option of algorithm .* did you mean algorithm=ppo\?"
+    ):
         compose_config(["algorithm=ppo2"])
 
 
