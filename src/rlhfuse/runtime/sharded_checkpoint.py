@@ -175,6 +175,20 @@ def check_resume(
     return path
 
 
+def open_sealed(root: Path, iteration: int, tag: str) -> SealedFolder:
+    """Collective: the checkpoint folder of `iteration`, its temporary folder made by rank 0; a CheckpointError on
+    every rank when it cannot be."""
+    folder = SealedFolder(root / f"iter_{iteration:08d}", tag)
+    error: str | None = None
+    if distributed.rank() == 0:
+        try:
+            folder.open()
+        except OSError as err:
+            error = f"cannot create {folder.path}: {err}"
+    all_ok(error, f"checkpoint of iteration {iteration} not written")
+    return folder
+
+
 def all_ok(error: str | None, what: str) -> None:
     """Collective: raise the same CheckpointError on every rank if any rank reports an error."""
     gathered = distributed.all_gather_json(error, distributed.group_device())
@@ -198,14 +212,8 @@ def save_sharded(
     (previous checkpoints untouched) if any rank could not write its shard."""
     rank = distributed.rank()
     root = Path(directory)
-    folder = SealedFolder(root / f"iter_{iteration:08d}", "sharded")
+    folder = open_sealed(root, iteration, "sharded")
     error: str | None = None
-    if rank == 0:
-        try:
-            folder.open()
-        except OSError as err:
-            error = f"cannot create {folder.path}: {err}"
-    all_ok(error, f"checkpoint of iteration {iteration} not written")
     hashes: dict[str, str] = {}
     try:
         shard = folder.path / f"rank_{rank:05d}"

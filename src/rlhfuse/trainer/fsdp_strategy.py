@@ -38,7 +38,7 @@ from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.balance import karmarkar_karp, sample_costs
 from rlhfuse.core.buckets import merged_weight_buckets
-from rlhfuse.core.checkpoint import SealedFolder, mismatch_error, prune_run, seal_fields, sha256
+from rlhfuse.core.checkpoint import mismatch_error, prune_run, seal_fields, sha256
 from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, cast_to, set_peak_lr
 from rlhfuse.core.protocols import Checkpointer
@@ -57,7 +57,7 @@ from rlhfuse.distributed.fsdp import (
 )
 from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
-from rlhfuse.runtime.sharded_checkpoint import all_ok
+from rlhfuse.runtime.sharded_checkpoint import all_ok, open_sealed
 from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.plain_strategy import PlainStrategy
 
@@ -253,14 +253,8 @@ class FSDPCheckpointer:
         s = self.strategy
         rank = distributed.rank()
         root = Path(directory)
-        folder = SealedFolder(root / f"iter_{iteration:08d}", "fsdp")
+        folder = open_sealed(root, iteration, "fsdp")
         error: str | None = None
-        if rank == 0:
-            try:
-                folder.open()
-            except OSError as err:
-                error = f"cannot create {folder.path}: {err}"
-        all_ok(error, f"checkpoint of iteration {iteration} not written")
         # collective; DCP raises the same error on every rank when one cannot write
         save_state(folder.path / DCP_DIR, s.sharded_state())
         if rank == 0:
