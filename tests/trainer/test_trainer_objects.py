@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhfuse.trainer import (
+    AlgorithmConfig,
     AutoMigration,
     Callback,
     CheckpointConfig,
@@ -435,3 +436,27 @@ def test_a_users_part_that_a_layout_rule_would_replace_is_refused(tmp_path: Path
     ):
         trainer.fit()
     assert any("inferencer=models -> pipeline" in line for line in lines)
+
+
+def test_fit_takes_the_actors_checkpoint_folder(tmp_path: Path) -> None:
+    """TRL's way: the Actor as a Hugging Face folder (here a first run's `actor_hf/`), a reward function, GRPO."""
+    small = DataConfig(num_prompts=8, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
+                       micro_batch_size=2)  # fmt: skip
+    quiet = LoggerConfig(backends=["jsonl"], progress=False, print_every=0)
+    first = RLHFTrainer(
+        data=small, logging=quiet, checkpoint=CheckpointConfig(export_hf=True), iterations=1,
+        run_dir=tmp_path / "first", log=lambda _: None,
+    )  # fmt: skip
+    first.fit(_smoke_model(tmp_path / "cache"))
+
+    def shorter(samples):  # type: ignore[no-untyped-def]
+        return [-len(s.response_ids) / 16 for s in samples]
+
+    second = RLHFTrainer(
+        inferencer=ModelInference(use_reward_model=False, reward_fn=[shorter]),
+        algorithm=AlgorithmConfig(name="grpo"),
+        data=small, logging=quiet, iterations=2, run_dir=tmp_path / "second", log=lambda _: None,
+    )  # fmt: skip
+    history = second.fit(tmp_path / "first" / "actor_hf")
+    assert second.config.model.sft_path == str(tmp_path / "first" / "actor_hf")
+    assert [row["iteration"] for row in history] == [1, 2] and "reward/shorter/mean" in history[0]

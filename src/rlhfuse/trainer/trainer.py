@@ -54,6 +54,12 @@ from rlhfuse.trainer.run_config import RLHFConfig
 log = logging.getLogger(__name__)
 
 
+ModelChoice = ModelsConfig | str | Path
+"""What `fit` and `setup` take as the models: their settings (`ModelsConfig`: checkpoint folders, LoRA, the
+embedded model's size), or the Actor's Hugging Face checkpoint folder alone (a reward model then comes from
+`ModelsConfig.reward_path` of the base configuration, or the score from reward functions)."""
+
+
 def _quiet(message: str) -> None:
     """The log of a rank other than 0."""
 
@@ -192,18 +198,19 @@ class RLHFTrainer:
         trainer.attach(built)
         return trainer
 
-    def configured(self, model: ModelsConfig | None = None) -> RLHFConfig:
+    def configured(self, model: ModelChoice | None = None) -> RLHFConfig:
         """The one configuration of this run: the base (`config`, else the packaged defaults `rlhfuse-train`
-        starts from) with every part's settings, the algorithm, the limits and the models written in."""
-        config = (
-            self.base if self.base is not None else RLHFConfig()
-        )  # equal to the packaged defaults (tested)
+        starts from) with every part's settings, the algorithm, the limits and the models written in (`model`: the
+        models' settings, or the Actor's Hugging Face checkpoint folder, read with the base's other model keys)."""
+        config = self.base if self.base is not None else RLHFConfig()  # = the packaged defaults (tested)
         config = self.parts.configure(dataclasses.replace(config, **self.sections))
+        if isinstance(model, str | Path):
+            model = dataclasses.replace(config.model, name="hf", sft_path=str(model))
         return config if model is None else dataclasses.replace(config, model=model)
 
     def setup(
         self,
-        model: ModelsConfig | None = None,
+        model: ModelChoice | None = None,
         *,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -265,7 +272,7 @@ class RLHFTrainer:
     # ---------------------------------------------------------------- the loop
     def fit(
         self,
-        model: ModelsConfig | None = None,
+        model: ModelChoice | None = None,
         *,
         train_dataset: Any = None,
         eval_dataset: Any = None,
