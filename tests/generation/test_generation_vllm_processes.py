@@ -299,9 +299,15 @@ def test_the_actor_pipelines_train_with_a_vllm_engine_per_rank(tmp_path: Path, p
         "pipeline.critic_pp=2",
         "pipeline.microbatches=2",
         "pipeline.search_budget_s=0.5",
+        "checkpoint.export_hf=true",
     )
     out, rows, samples = _cli(tmp_path, pipeline, *overrides)
     assert "Starting with 2 processes" in out and len(rows) == 2
     assert all(r["actor/grad_norm"] > 0 and r["weight_sync/bytes_per_rank"] > 0 for r in rows)
     # the engine of either rank generated the whole batch (one instance per rank, the same greedy samples)
     assert len(_responses(samples, 2)) == 8
+    # the trained Actor exported whole, reassembled from the stages (vLLM's copy is not read)
+    from rlhfuse.models import from_pretrained
+
+    exported = from_pretrained(tmp_path / pipeline / "actor_hf")
+    assert not any(p.is_meta for p in exported.parameters())
