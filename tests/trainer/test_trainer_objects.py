@@ -160,6 +160,30 @@ def test_a_callback_stops_the_run_with_its_checkpoint_export_and_a_line(tmp_path
     assert json.loads((run / "run.json").read_text())["run"]["status"] == "completed"
 
 
+def test_a_stop_at_the_last_iteration_is_a_normal_end_with_one_checkpoint(tmp_path: Path) -> None:
+    lines: list[str] = []
+    trainer = RLHFTrainer(
+        data=DataConfig(num_prompts=8, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
+                        micro_batch_size=2),
+        checkpoint=CheckpointConfig(every=3),
+        logging=LoggerConfig(backends=["jsonl"], progress=False, print_every=0),
+        callbacks=[StopAt(2)],
+        iterations=2,
+        run_dir=tmp_path / "run",
+        log=lines.append,
+    ).setup(_smoke_model(tmp_path / "cache"))  # fmt: skip
+    saved: list[int] = []
+    save = trainer.save_checkpoint
+
+    def counted():  # type: ignore[no-untyped-def]
+        saved.append(trainer.iteration)
+        return save()
+
+    trainer.save_checkpoint = counted  # type: ignore[method-assign]
+    assert [row["iteration"] for row in trainer.fit()] == [1, 2]
+    assert saved == [2] and not any("stopped after" in line for line in lines)
+
+
 def test_fit_refuses_models_for_a_trainer_already_set_up(tmp_path: Path) -> None:
     trainer = RLHFTrainer(
         data=DataConfig(num_prompts=8, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,

@@ -221,9 +221,8 @@ class RLHFTrainer:
             raise RuntimeError(
                 "RLHFTrainer.setup: this trainer is set up already; make a new one for another run"
             )
-        from rlhfuse.trainer.build import (
-            assemble,  # the composition of the build phases (it imports this module)
-        )
+        # the composition of the build phases (it imports this module)
+        from rlhfuse.trainer.build import assemble
 
         built = assemble(
             self.configured(model),
@@ -291,7 +290,7 @@ class RLHFTrainer:
         try:
             while self.iteration < self.config.iterations and not self.should_stop:
                 self.run_iteration()
-            if self.should_stop:
+            if self.iteration < self.config.iterations:  # a callback stopped the run
                 self.stop_early()
         except BaseException as err:
             self.call("on_exception", err)
@@ -310,9 +309,13 @@ class RLHFTrainer:
             f"rlhfuse: stopped after iteration {self.iteration} of {self.config.iterations} by callback "
             f"{self.stopped_by} (trainer.should_stop)"
         )
-        every = self.config.checkpoint.every
-        if every > 0 and self.iteration % every != 0:
+        if self.config.checkpoint.every > 0 and not self.checkpoint_due(self.iteration):
             self.save_checkpoint()
+
+    def checkpoint_due(self, iteration: int) -> bool:
+        """Whether `iteration` ends with a checkpoint: every `checkpoint.every`-th, and the last one."""
+        every = self.config.checkpoint.every
+        return every > 0 and (iteration % every == 0 or iteration == self.config.iterations)
 
     def end_run(self, status: Literal["completed", "failed"], reason: str | None = None) -> None:
         """run.json records how this attempt ended (rank 0; nothing when the run never started)."""
@@ -361,8 +364,7 @@ class RLHFTrainer:
         self.iteration = it
         self.history.append(metrics)
         self.log_metrics(metrics, step=it)
-        every = self.config.checkpoint.every
-        if every > 0 and (it % every == 0 or it == self.config.iterations):
+        if self.checkpoint_due(it):
             self.save_checkpoint()
         self.call("on_iteration_end", it, metrics)
         return metrics
