@@ -82,9 +82,9 @@ def pipeline_layout(
     *,
     critic: bool = True,
 ) -> ParallelLayout:
-    """The layout of `config` on `world` ranks, the one derivation: the builder computes it before any model is
-    built (to load only this rank's stages), the strategy and the resume check compute the same one, and
-    `validate_runtime` reports its errors. Pure; raises `ParallelLayout`'s ValueError. `critic=False` (a
+    """The layout of `config` on `world` ranks, the one derivation: a run derives it once before any model is
+    built (`PipelineRun.layout`, cached as `Topology.stages`) for validation, the resume check, the stages each
+    rank loads and the strategy; a strategy built without it derives it here. Pure; raises `ParallelLayout`'s ValueError. `critic=False` (a
     critic-free algorithm): the Actor's pipeline alone (`actor_only_layout`; pipeline.critic_pp unused)."""
     dp, micro = data_parallel_sizes(config, world, mini_batch_size, micro_batch_size, critic=critic)
     actor = ModelParallel(config.actor_pp, config.actor_tp)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist  # the WORLD group handle only: collectives go through rlhfuse.distributed
@@ -58,7 +58,6 @@ from rlhfuse.distributed.fsdp import (
 from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
 from rlhfuse.runtime.sharded_checkpoint import all_ok, open_sealed
-from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.plain_strategy import PlainStrategy
 
 KIND, FORMAT = "fsdp", 1
@@ -334,6 +333,23 @@ def check_fsdp_checkpoint(path: Path, models: list[str], algorithm: str) -> dict
     return meta
 
 
+@runtime_checkable
+class RowInferencer(Protocol):
+    """What `ShardedInference` runs each rank's share of the rows with (`ModelInferencer` is one)."""
+
+    actor: Transformer
+
+    def groups(self, rollout: Rollout, rows: Sequence[int] | None = None) -> list[list[int]]: ...
+
+    def infer_rows(
+        self, rollout: Rollout, index_G: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+
+    def prefetch(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class ShardedInference:
     """`pipeline=fsdp`'s inference stage: every rank holds the whole rollout (the generation instances gather
     it), infers its share (Karmarkar-Karp by sequence cost, as training splits a mini-batch) with the sharded
@@ -344,7 +360,7 @@ class ShardedInference:
     one with fewer groups of rows runs its last group again (its results dropped). The models are never whole on
     a rank, so the rollout's memory is the generation copy, its KV cache and one gathered layer at a time."""
 
-    def __init__(self, inferencer: ModelInferencer, group: Any) -> None:
+    def __init__(self, inferencer: RowInferencer, group: Any) -> None:
         self.inferencer, self.group = inferencer, group
 
     def prefetch(self) -> None:

@@ -34,7 +34,7 @@ from rlhfuse.generation.generation_config import EngineOptions, VLLMOptions
 if TYPE_CHECKING:
     from rlhfuse.trainer.components import BuildContext
     from rlhfuse.trainer.models import Models
-    from rlhfuse.trainer.run_config import RLHFConfig
+    from rlhfuse.trainer.run_config import MigrationConfig, RLHFConfig
     from rlhfuse.trainer.topology import Topology
 
 
@@ -147,13 +147,13 @@ class FSDPStrategy(StrategyPart):
         return torch.device("cpu")
 
     def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:
-        from rlhfuse.trainer.fsdp_strategy import ShardedInference
-        from rlhfuse.trainer.inferencer import ModelInferencer
+        from rlhfuse.trainer.fsdp_strategy import RowInferencer, ShardedInference
 
-        if not isinstance(inferencer, ModelInferencer):  # it splits the rollout by rows and runs them itself
+        if not isinstance(inferencer, RowInferencer):  # it splits the rollout by rows and runs them itself
             raise TypeError(
-                f"FSDPStrategy infers with the sharded models through ModelInferencer's rows; the inferencer built "
-                f"is a {type(inferencer).__name__}: subclass ModelInferencer (or ModelInference's build returns one)"
+                f"FSDPStrategy infers with the sharded models row by row (`RowInferencer`: groups, infer_rows, "
+                f"actor); the inferencer built, a {type(inferencer).__name__}, has not these: return one that has "
+                "(ModelInference's build does)"
             )
         return ShardedInference(inferencer, strategy.group)
 
@@ -502,7 +502,7 @@ def migration_part(config: RLHFConfig) -> MigrationPart:
 class _ConfiguredMigration(MigrationPart):
     """A migration policy registered by name only: its section as configured."""
 
-    section: Any = None
+    section: MigrationConfig
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -542,8 +542,10 @@ class Parts:
         chosen = Parts.from_config(config)
 
         def keep(given: Any, made: Any) -> Any:
-            if given is None or given.name == made.name:
-                return made if given is None else given
+            if given is None:
+                return made
+            if given.name == made.name:
+                return given
             if type(given) not in _SHIPPED:
                 # a user's own part would be dropped by the rule: say so rather than run without it
                 raise ValueError(

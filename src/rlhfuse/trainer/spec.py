@@ -32,9 +32,8 @@ def compile_run(config: RLHFConfig, *, log: Callable[[str], None] = print) -> Ru
 
         config = apply_plan(config, resolve_device(config.device), log=log)
     config = resolve_components(config, log=log)
-    layout = topology(
-        config
-    )  # once: its pipeline stages are derived once, for validation and the build alike
+    # one topology: its pipeline stages are derived once, for validation and the build alike
+    layout = topology(config)
     counts = validate(config, layout)
     return RunSpec(config, layout, counts)
 
