@@ -63,8 +63,8 @@ def _batch(samples: int, seed: int, vocab: int) -> TrainBatch:
 
 
 def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])

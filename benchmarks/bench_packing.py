@@ -37,8 +37,8 @@ from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.plain_strategy import PlainStrategy
+from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
+from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
 
 class _PeakBytes(TorchDispatchMode):

@@ -56,8 +56,8 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
-    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])

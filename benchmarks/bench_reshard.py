@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.runtime.pipeline_config import PipelineConfig
-from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer, from_pretrained, resident_bytes, save_pretrained
-from rlhfuse.runtime.pipeline_config import PipelineConfig
-from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
 
 def _rank_bytes(root: pathlib.Path, pp: int, rank: int) -> tuple[int, int, int, int]:
@@ -186,8 +186,8 @@ def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queu
     from benchmarks.bench_fused_training import _batch
     from benchmarks.two_ranks import SHAPES, init_worker
     from rlhfuse.core.advantages import AlgorithmConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
 
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=4096, **SHAPES[shape])

@@ -500,9 +500,9 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     cfg = pipeline_models(device)
     torch.manual_seed(0)
@@ -578,8 +578,8 @@ def _w_pp2_inference(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.models import Transformer
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
-    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     cfg = pipeline_models(device)
     torch.manual_seed(3)
@@ -629,8 +629,8 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer, from_pretrained, save_pretrained, to_device
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.tensor_parallel import shard_transformer
 

@@ -146,7 +146,7 @@ def test_a_dying_instance_gives_a_clear_error_not_a_hang(tmp_path):
 
 def _inferencer():
     from rlhfuse.core.inference import InferencerConfig
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     torch.manual_seed(7)
     config = _model().config

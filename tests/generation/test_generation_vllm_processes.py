@@ -76,7 +76,7 @@ def _inferencer(actor):
 
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.models import Transformer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     torch.manual_seed(7)
     ref, critic, reward = (Transformer(actor.config, head=h).eval() for h in ("lm", "value", "value"))

@@ -20,7 +20,7 @@ from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import Rollout, TrainBatch
 from rlhfuse.models import ModelConfig, Transformer, split_stages
 from rlhfuse.models.packing import pack_rows, packed_forward, packed_last_token
-from rlhfuse.trainer.plain_strategy import PlainStrategy
+from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
 VOCAB = 40
 CONF = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
@@ -309,7 +309,7 @@ def test_the_trainer_config_refuses_a_budget_below_the_longest_sample():
 def test_the_inferencer_under_a_token_budget_equals_one_pass():
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     rollout = _rollout()  # 6, 6, 4 and 3 real tokens
     actor, ref, critic, reward = (_model(h, seed=s) for s, h in enumerate(("lm", "lm", "value", "value")))

@@ -47,8 +47,8 @@ from rlhfuse.planner.memory import (
 )
 from rlhfuse.planner.specs import ModelSpec
 from rlhfuse.runtime.partition import RankStages
-from rlhfuse.runtime.pipeline_config import PipelineConfig
-from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 from rlhfuse.trainer.build import cast_models, prepare_generation_copy

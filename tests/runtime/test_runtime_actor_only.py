@@ -18,7 +18,7 @@ from rlhfuse.core.types import TrainBatch
 from rlhfuse.pipeline import serial_one_f_one_b
 from rlhfuse.runtime.layout import ModelParallel, actor_only_layout
 from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, PlanOptions, StageProfile, plan_fused
-from rlhfuse.runtime.sharded_checkpoint import expected_record, layout_record
+from rlhfuse.trainer.strategies.pipelines.checkpoint import expected_record, layout_record
 
 
 def test_actor_only_layout_plans_the_actor_alone_and_fused_falls_back_to_1f1b() -> None:
@@ -59,9 +59,9 @@ def _strategies(actor_pp: int, schedule: str, total_steps: int = 4):  # type: ig
 
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     torch.manual_seed(0)
     actor = Transformer(ModelConfig.tiny(num_layers=2), head="lm").double()
@@ -147,8 +147,8 @@ def _inference(rank: int, world: int) -> None:
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.models import ModelConfig, Transformer
-    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     torch.manual_seed(3)
     heads = {"actor": "lm", "ref": "lm", "reward": "value"}

@@ -17,7 +17,7 @@ from runtime_helpers import run_distributed
 
 from rlhfuse.core.checkpoint import list_checkpoints, load_checkpoint
 from rlhfuse.core.errors import CheckpointError
-from rlhfuse.runtime.sharded_checkpoint import check_resume, load_sharded, save_sharded
+from rlhfuse.trainer.strategies.pipelines.checkpoint import check_resume, load_sharded, save_sharded
 from rlhfuse.trainer import compose_config
 
 LAYOUT = {"world_size": 2, "dp": 1, "microbatches": 2, "actor": {"pp": 2, "layers": [[0, 1], [1, 2]]}}
@@ -173,8 +173,8 @@ def _strategy_resume_worker(rank: int, world: int, root: str) -> None:
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import ModelConfig, Transformer
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
 
     def make() -> PipelineStrategy:
         torch.manual_seed(0)

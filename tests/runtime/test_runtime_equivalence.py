@@ -149,9 +149,9 @@ def _strategy_worker(rank: int, world: int) -> None:
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     models = _models(2)
     plain_models = copy.deepcopy(models)
@@ -208,9 +208,9 @@ def _token_budget_worker(rank: int, world: int) -> None:
     from the profiled times) and the updates still equal PlainStrategy's (its own token-budget packing)."""
     from lightning.fabric import Fabric
 
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     models = _models(2)
     plain_models = copy.deepcopy(models)

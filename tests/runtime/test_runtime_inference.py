@@ -14,7 +14,7 @@ from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline.ir import Kind, Schedule
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, check_program, lower
-from rlhfuse.runtime.pipeline_inference import (
+from rlhfuse.trainer.strategies.pipelines.inference import (
     PipelineInferencer,
     assign_rows,
     forward_program,
@@ -24,7 +24,7 @@ from rlhfuse.runtime.pipeline_inference import (
     trim_responses,
 )
 from rlhfuse.testing.data import random_rollout
-from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
 MODELS = ("actor", "ref", "critic", "reward")
 

@@ -51,7 +51,8 @@ def _worker(rank: int, world: int) -> None:
     layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, world, 2)
     groups = build_process_groups(layout, timeout_s=60)
     # the old grouping: one group per model carrying activations and gradients
-    old = {m: distributed.new_group(range(world)) for m in ("actor", "critic")}
+    owner = distributed.WorldGroups.current()
+    old = {m: owner.group(("test", "old", m), range(world)) for m in ("actor", "critic")}
     one_per_model = {(m, d): old[m] for m in old for d in ("act", "grad")}
 
     os.environ[ordering.ENV] = "0"  # plain gloo runs every op at once: the old order completes
@@ -59,7 +60,7 @@ def _worker(rank: int, world: int) -> None:
     os.environ[ordering.ENV] = "1"
 
     # under NCCL's rule the same order hangs: rank 0 [recv dgrad0, send act1], rank 1 [recv act1, send dgrad0]
-    fresh = {m: distributed.new_group(range(world)) for m in ("actor", "critic")}
+    fresh = {m: owner.group(("test", "fresh", m), range(world)) for m in ("actor", "critic")}
     with pytest.raises(
         PipelineError, match=r"rank \d: WAIT RECV actor.g0.r0.s\d:(act|dgrad)\d <- \d .*NCCL-ordering"
     ):

@@ -70,9 +70,9 @@ def _strategy_check(rank: int, world: int) -> None:
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     models = _models()
     plain_models = copy.deepcopy(models)
@@ -109,8 +109,8 @@ def _inference_check(rank: int, world: int) -> None:
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.core.types import Rollout
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     torch.manual_seed(3)
     cfg = ModelConfig.tiny(num_layers=2)

@@ -20,7 +20,7 @@ from rlhfuse.runtime.plan import (
     planner_for,
     unprofiled_plan,
 )
-from rlhfuse.trainer.components import STRATEGIES
+from rlhfuse.trainer.strategies import STRATEGIES, PipelinePart, strategy_class
 
 LAYOUT = ParallelLayout(ModelParallel(2), ModelParallel(1), dp=1, world_size=2, microbatches=4)
 # hand-picked seconds per micro-batch: (actor, stage, F/B) and the critic's single stage; one below the floor
@@ -47,7 +47,7 @@ def test_profile_floors_scales_and_round_trips() -> None:
 
 def test_serial_and_fused_are_two_planning_functions_chosen_by_name() -> None:
     # the runtime's schedules are the strategies registered with a pipeline layout
-    assert set(PLANNERS) == {n for n in STRATEGIES.names() if STRATEGIES.get(n).kind == "pipelines"}
+    assert set(PLANNERS) == {n for n in STRATEGIES.names() if issubclass(strategy_class(n), PipelinePart)}
     assert planner_for("fused") is plan_fused and planner_for("serial_1f1b") is plan_serial_1f1b
     with pytest.raises(ValueError, match=r"schedule='zigzag' is not one of \['fused', 'serial_1f1b'\]"):
         planner_for("zigzag")

@@ -93,8 +93,8 @@ def _trained_strategy(rank: int, world: int, root: pathlib.Path, tp: int, gen_tp
     """A PipelineStrategy (pp=2 x tp over sharded models) after one optimizer update, and the whole
     trained Actor (its state reassembled on every rank)."""
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
 
     cfg = PipelineConfig(
         name="fused", optim=OptimConfig(warmup_steps=1), actor_tp=tp, critic_tp=tp, microbatches=2,

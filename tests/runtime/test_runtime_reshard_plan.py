@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.runtime.pipeline_config import PipelineConfig
-from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.tensor_parallel import _split, full_shapes, shard_transformer
 

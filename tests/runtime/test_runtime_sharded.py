@@ -48,9 +48,9 @@ def _worker(rank: int, world: int, folder: str) -> None:
 
     from rlhfuse import distributed
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     root = pathlib.Path(folder)
     cfg = PipelineConfig(
@@ -76,8 +76,8 @@ def _worker(rank: int, world: int, folder: str) -> None:
 
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.runtime.pipeline_inference import PipelineInferencer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     config, tokenizer, rollout = (
         InferencerConfig(truncated_score=-5.0),

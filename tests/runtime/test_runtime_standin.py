@@ -21,7 +21,7 @@ from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
-from rlhfuse.runtime.pipeline_inference import PipelineInferencer
+from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
 from rlhfuse.testing.standin import StandinTensor, standin_device
 
 pytestmark = pytest.mark.distributed

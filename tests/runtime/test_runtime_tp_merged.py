@@ -238,9 +238,9 @@ def _check_inference(rank: int, case: tuple[tuple[int, int], tuple[int, int]]) -
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.runtime.layout import build_process_groups
-    from rlhfuse.runtime.pipeline_inference import PLACED_AS, PipelineInferencer
+    from rlhfuse.trainer.strategies.pipelines.inference import PLACED_AS, PipelineInferencer
     from rlhfuse.runtime.tensor_parallel import shard_transformer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     layout = _layout(case)
     groups = build_process_groups(layout, timeout_s=120)
@@ -286,9 +286,9 @@ def _check_strategy(
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     (ap, at), (cp, ct) = case
     cfg = PipelineConfig(

@@ -41,9 +41,9 @@ def _check_strategy(rank: int, world: int, root: pathlib.Path, schedule: str) ->
     from lightning.fabric import Fabric
 
     from rlhfuse.core.optim import OptimConfig
-    from rlhfuse.runtime.pipeline_config import PipelineConfig
-    from rlhfuse.runtime.pipeline_strategy import PipelineStrategy, pipeline_layout
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     cfg = PipelineConfig(
         name=schedule, optim=OptimConfig(warmup_steps=1, grad_clip=0.5), actor_tp=2, critic_tp=2,

@@ -50,7 +50,7 @@ def _batch(seed: int, samples: int = MINI_BATCH, prompt: int = 5, response: int 
 def _strategy(actor, critic, reduction: str, group=None):
     from lightning.fabric import Fabric
 
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     return PlainStrategy(
         actor,

@@ -57,7 +57,7 @@ def _optim_bytes(optimizers) -> int:
 def _plain(reduction: str = "token"):
     from lightning.fabric import Fabric
 
-    from rlhfuse.trainer.plain_strategy import PlainStrategy
+    from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     actor, critic, _ = _models()
     strategy = PlainStrategy(
@@ -74,7 +74,7 @@ def _fsdp(reduction: str = "token"):
     from lightning.fabric import Fabric
 
     from rlhfuse.distributed.fsdp import ShardingPolicy, full_state
-    from rlhfuse.trainer.fsdp_strategy import ShardedStrategy
+    from rlhfuse.trainer.strategies.fsdp.training import ShardedStrategy
 
     actor, critic, ref = _models()
     strategy = ShardedStrategy(
@@ -102,7 +102,7 @@ def _inference(sharded: bool):
     """Whole-model inference of `_rollout()` (one process), or `ShardedInference` over sharded models."""
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
-    from rlhfuse.trainer.inferencer import ModelInferencer
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     actor, critic, ref = _models()
     torch.manual_seed(1)
@@ -116,7 +116,7 @@ def _inference(sharded: bool):
     import torch.distributed as dist
 
     from rlhfuse.distributed.fsdp import ShardingPolicy, shard_model
-    from rlhfuse.trainer.fsdp_strategy import ShardedInference
+    from rlhfuse.trainer.strategies.fsdp.inference import ShardedInference
 
     for model in (actor, critic, ref, reward):
         shard_model(model, model.layers, ShardingPolicy(), device_type="cpu")

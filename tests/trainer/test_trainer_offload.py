@@ -10,7 +10,7 @@ from rlhfuse.core.protocols import Inferencer
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
-from rlhfuse.trainer.inferencer import ModelInferencer
+from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 from rlhfuse.trainer.offload import OffloadedModel
 
 

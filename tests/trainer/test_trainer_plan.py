@@ -9,7 +9,7 @@ import torch
 
 from rlhfuse.planner.plan_simulator import TrainLayout, TrainResult
 from rlhfuse.planner.specs import gpu_preset
-from rlhfuse.runtime.pipeline_config import validate_runtime
+from rlhfuse.trainer.strategies.pipelines.config import validate_runtime
 from rlhfuse.trainer import build_trainer, compose_config, planning, validate
 from rlhfuse.trainer.planning import plan_config
 
@@ -270,7 +270,7 @@ def test_plan_auto_chooses_merged_stages_the_runtime_runs(tmp_path):
     assert (p.actor_tp, p.critic_tp) == (train.actor.tp, train.critic.tp)
     assert p.actor_tp != p.critic_tp and train.merged
     assert validate_runtime(result.config.pipeline_run()) == []
-    from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+    from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
     layout = pipeline_layout(p, 8, result.config.data.mini_batch_size, 1)
     narrow = "actor" if p.actor_tp < p.critic_tp else "critic"

@@ -16,7 +16,7 @@ from rlhfuse.core.optim import MasterWeightAdamW, OptimConfig, build_optimizer
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer import build_trainer, compose_config
-from rlhfuse.trainer.plain_strategy import PlainStrategy
+from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
 # bf16 keeps 8 bits of mantissa (relative step 2^-8 = 0.4%). Measured on these steps: value losses ~1e-3 relative,
 # policy losses ~5e-4 absolute from fp32; the tolerances leave room for other CPUs and BLAS builds.

@@ -13,8 +13,8 @@ from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
-from rlhfuse.trainer.inferencer import ModelInferencer
-from rlhfuse.trainer.plain_strategy import PlainStrategy
+from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
+from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
 PAD = 0
 

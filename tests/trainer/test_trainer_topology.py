@@ -1,15 +1,24 @@
-"""The run's topology is derived once from the configuration and the registry entries (no component name is
-tested elsewhere): the layout kind of each registered strategy, processes, generation instances, and whether
-the rollout fuses inference into generation."""
+"""The run's topology is derived once from the configuration, as the strategy's part class and the registry
+entries answer it (no component name is tested elsewhere): processes, generation instances, and whether the
+rollout fuses inference into generation."""
 
 from __future__ import annotations
 
 import pytest
 
 from rlhfuse.trainer import compose_config
-from rlhfuse.trainer.components import GENERATORS, STRATEGIES
+from rlhfuse.trainer.components import GENERATORS
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
-from rlhfuse.trainer.topology import StrategyEntry, generator_entry, strategy_entry, topology
+from rlhfuse.trainer.strategies import (
+    STRATEGIES,
+    DataParallelStrategy,
+    FSDPStrategy,
+    FusedPipelineStrategy,
+    RegisteredStrategy,
+    Serial1F1BStrategy,
+    strategy_class,
+)
+from rlhfuse.trainer.topology import generator_entry, topology
 
 
 @pytest.fixture(autouse=True)
@@ -18,32 +27,41 @@ def _not_under_torchrun(monkeypatch):
 
 
 def test_every_registered_strategy_and_generator_says_what_it_can_do():
-    kinds = {name: strategy_entry(name).kind for name in STRATEGIES.names()}
-    assert kinds == {"plain": "replicas", "fsdp": "sharded", "fused": "pipelines", "serial_1f1b": "pipelines"}
+    facts = {
+        name: (cls.whole_models, cls.instance_per_process, cls.fuses_training, cls.reshardable)
+        for name in STRATEGIES.names()
+        for cls in [strategy_class(name)]
+    }
+    assert facts == {
+        "plain": (True, True, False, False),
+        "fsdp": (False, True, False, True),
+        "fused": (True, False, True, False),
+        "serial_1f1b": (True, False, False, False),
+    }
     assert {name: generator_entry(name).instances for name in GENERATORS.names()} == {
         "sampling": False,
         "engine": True,
         "vllm": True,
     }
-    # a user's own builder named by import path lays out replicas, with no instances
-    own = strategy_entry("rlhfuse.trainer.components:plain_strategy")
-    assert isinstance(own, StrategyEntry) and own.kind == "replicas"
+    # a user's own builder named by import path runs under the data-parallel launch
+    assert strategy_class("rlhfuse.trainer.components:model_inferencer") is RegisteredStrategy
+    assert RegisteredStrategy.whole_models and RegisteredStrategy.instance_per_process
 
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ([], ("replicas", 1, 1, False, False)),
-        (["generator=engine", "generator.instances=2"], ("replicas", 2, 2, True, True)),
+        ([], (DataParallelStrategy, 1, 1, False, False)),
+        (["generator=engine", "generator.instances=2"], (DataParallelStrategy, 2, 2, True, True)),
         (
             ["generator=engine", "generator.instances=2", "generator.in_process=true"],
-            ("replicas", 1, 2, False, False),
+            (DataParallelStrategy, 1, 2, False, False),
         ),
-        (["pipeline=fsdp", "generator=engine", "generator.instances=2"], ("sharded", 2, 2, False, True)),
-        (["pipeline=fsdp"], ("sharded", 1, 1, False, True)),
+        (["pipeline=fsdp", "generator=engine", "generator.instances=2"], (FSDPStrategy, 2, 2, False, True)),
+        (["pipeline=fsdp"], (FSDPStrategy, 1, 1, False, True)),
         (
             ["pipeline=fused", "distributed.nproc_per_node=4", "generator.tp=2"],
-            ("pipelines", 4, 2, False, True),
+            (FusedPipelineStrategy, 4, 2, False, True),
         ),
         (
             [
@@ -52,7 +70,7 @@ def test_every_registered_strategy_and_generator_says_what_it_can_do():
                 "generator=engine",
                 "generator.instances=2",
             ],
-            ("pipelines", 2, 2, True, True),
+            (Serial1F1BStrategy, 2, 2, True, True),
         ),
     ],
 )
@@ -106,7 +124,7 @@ def test_the_pipeline_layout_is_derived_once_for_validation_the_resume_check_and
 ):
     """compile_run's one Topology derives the pipeline layout once; validation, the resume check and the stages
     each rank builds all read it (the strategy is handed it too: `PipelineStrategy(layout=...)`)."""
-    import rlhfuse.runtime.pipeline_strategy as runtime_strategy
+    import rlhfuse.trainer.strategies.pipelines.training as runtime_strategy
     from rlhfuse.trainer.parts import FusedPipelineStrategy
 
     derive = runtime_strategy.pipeline_layout

@@ -7,7 +7,7 @@
 - `least_loaded`: each item, in order, to the currently least-loaded part: prompt groups over generation
   instances (`rlhfuse.generation.coordinator.balance`);
 - `assign_rows`: inference rows sorted by length and dealt in snake order over groups and replicas, so every
-  micro-batch holds rows of similar length (`rlhfuse.runtime.pipeline_inference`);
+  micro-batch holds rows of similar length (`rlhfuse.trainer.strategies.pipelines.inference`);
 - `microbatch_weights`: the one loss weighting of micro-batches (their share of the mini-batch's response
   tokens, or samples), so the weighted sum of micro-batch losses is the mini-batch loss whatever the split.
 """

@@ -16,7 +16,7 @@ run's older checkpoints, newest kept by iteration and time.
 
 `PlainCheckpointer` is the `Checkpointer` of strategies whose ranks hold the same state (one process, or data
 parallel): rank 0 writes, every rank loads. The pipeline strategies' sharded format is in
-`rlhfuse.runtime.sharded_checkpoint`.
+`rlhfuse.trainer.strategies.pipelines.checkpoint`.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
         if not isinstance(meta, dict):
             raise TypeError(f"a JSON object expected, got a {type(meta).__name__}")
-        if meta.get("kind") == "pipeline":  # rlhfuse.runtime.sharded_checkpoint
+        if meta.get("kind") == "pipeline":  # rlhfuse.trainer.strategies.pipelines.checkpoint
             layout = meta.get("layout", {})
             raise CheckpointError(
                 f"{meta_path} is a sharded pipeline checkpoint ({layout.get('world_size')} ranks, actor.pp="

@@ -115,7 +115,7 @@ class RolloutStage(Protocol):
 class Checkpointer(Protocol):
     """Writes and reads a strategy's checkpoints. Every rank calls both, the same way for every strategy: the
     single-process format is written by rank 0 alone (`rlhfuse.core.checkpoint.PlainCheckpointer`), the
-    pipeline strategies' sharded one by every rank (`rlhfuse.runtime.sharded_checkpoint.ShardedCheckpointer`)."""
+    pipeline strategies' sharded one by every rank (`rlhfuse.trainer.strategies.pipelines.checkpoint.ShardedCheckpointer`)."""
 
     def save(
         self,

@@ -7,9 +7,7 @@ existing group's collectives need (gloo: CPU; NCCL: this rank's current CUDA dev
 
 from __future__ import annotations
 
-import datetime
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +31,20 @@ def world_size(group: Any = None) -> int:
 def local_rank() -> int:
     """This process's index on its node (LOCAL_RANK as torchrun and Fabric's launcher set it; 0 otherwise)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def launched_world() -> int | None:
+    """The job's processes as torchrun gives them (WORLD_SIZE), before any process group exists; None when not
+    launched by torchrun (the run's own launch then decides). The one reader of WORLD_SIZE."""
+    env = os.environ.get("WORLD_SIZE", "").strip()
+    return int(env) if env.isdigit() else None
+
+
+def launched_local_world() -> int | None:
+    """torchrun's processes per node (LOCAL_WORLD_SIZE) beside its WORLD_SIZE; None otherwise (vLLM sets a
+    LOCAL_WORLD_SIZE of its own in any process that built an engine, without WORLD_SIZE)."""
+    env = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(env) if launched_world() is not None and env.isdigit() and int(env) > 0 else None
 
 
 def backend(group: Any = None) -> str:
@@ -63,14 +75,6 @@ def group_device(group: Any = None, data: torch.device | None = None) -> torch.d
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def new_group(ranks: Sequence[int], timeout_s: float | None = None) -> Any:
-    """Collective over the world (every rank calls it, same order): a process group of `ranks`."""
-    kwargs: dict[str, Any] = {}
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    return dist.new_group(list(ranks), **kwargs)
-
-
 def global_rank(group: Any, group_rank: int) -> int:
     """The world rank of rank `group_rank` of `group` (torch's point-to-point calls name peers by world rank,
     whatever group they run on); the rank itself for the world (None)."""
@@ -80,44 +84,6 @@ def global_rank(group: Any, group_rank: int) -> int:
 def rank_in(group: Any, world_rank: int) -> int:
     """`global_rank`'s inverse: the rank in `group` of world rank `world_rank`."""
     return world_rank if group is None else int(dist.get_group_rank(group, world_rank))
-
-
-_CPU_GROUPS: dict[int, Any] = {}
-
-
-def control_subgroups(rank_lists: Sequence[Sequence[int]]) -> Any:
-    """Collective over the world (every rank calls it, same order): a gloo control group per list of ranks (each
-    made on every rank, as torch requires), each its own `cpu_group`; this rank's group (None when it is in
-    none). For control messages among some ranks only: `cpu_group` of a group that some ranks are not in would
-    be made by its members alone."""
-    from rlhfuse.distributed import ordering
-
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(list(ranks), backend="gloo")
-        if rank() in ranks:
-            ordering.mark_control(group)
-            _CPU_GROUPS[id(group)] = group
-            mine = group
-    return mine
-
-
-def cpu_group(group: Any = None) -> Any:
-    """A gloo control group over the ranks of `group` (the world if None), for small control messages on the CPU,
-    the only kind of group that may use tags or receive from any rank (NCCL matches point-to-point messages by
-    order alone). On gloo it is `group` itself, except under the NCCL-ordering emulation
-    (`rlhfuse.distributed.ordering`), which needs the control messages apart from the device messages it queues: a
-    gloo group made once per group, as on NCCL. Collective: every rank of `group` calls it together."""
-    from rlhfuse.distributed import ordering
-
-    if backend(group) == "gloo" and not ordering.enabled():
-        return group
-    key = 0 if group is None else id(group)
-    if key not in _CPU_GROUPS:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        _CPU_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-        ordering.mark_control(_CPU_GROUPS[key])
-    return _CPU_GROUPS[key]
 
 
 def shutdown(device: torch.device | None = None) -> None:

@@ -116,14 +116,16 @@ class SamplingGenerator(ActorCopy):
         )  # fmt: skip
 
 
-def instance_group(world: int, tp: int) -> Any:
+def instance_group(world: int, tp: int, groups: distributed.WorldGroups | None = None) -> Any:
     """Collective over the world (every rank, same order): the process group of this rank's generation
-    instance, ranks i*tp .. i*tp + tp - 1 (every instance's group is created on every rank, as torch requires);
-    None for tp = 1."""
+    instance, ranks i*tp .. i*tp + tp - 1 (every instance's group is made on every rank, as torch requires, by
+    `groups`: the process's `WorldGroups` by default); None for tp = 1."""
     if tp == 1:
         return None
-    groups = [distributed.new_group(range(i * tp, (i + 1) * tp)) for i in range(world // tp)]
-    return groups[distributed.rank() // tp]
+    owner = groups if groups is not None else distributed.WorldGroups.current()
+    return owner.subgroups(
+        ("generation", "instances", tp), [range(i * tp, (i + 1) * tp) for i in range(world // tp)]
+    )
 
 
 class InstanceGenerator(ActorCopy):

@@ -63,7 +63,7 @@ class GenerationConfig:
     name: str = "sampling"
     sampling: SamplingConfig = flat_field(SamplingConfig)
     # Generation instances (data-parallel copies of the Actor; > 1 selects the engine). With pipeline=plain the
-    # job runs one process per instance (rlhfuse.trainer.data_parallel), training data-parallel over them.
+    # job runs one process per instance (rlhfuse.trainer.strategies.plain.launch), training data-parallel over them.
     instances: int = 1
     # Tensor-parallel degree of one generation instance: each instance spans generator.tp consecutive ranks and
     # generates its own share of the batch. generator=sampling under pipeline=fused|serial_1f1b: instances = world

@@ -298,9 +298,12 @@ class EngineGenerator:
         the world (every rank makes every group)."""
         if self._lockstep_groups is None:
             tp, count = self.config.tp, self.config.instances
+            groups = distributed.WorldGroups.current()
             self._lockstep_groups = (
-                distributed.control_subgroups([range(i * tp, (i + 1) * tp) for i in range(count)]),
-                distributed.control_subgroups([range(0, count * tp, tp)]),
+                groups.control(
+                    ("lockstep", "instance", tp), [range(i * tp, (i + 1) * tp) for i in range(count)]
+                ),
+                groups.control(("lockstep", "leaders", tp), [range(0, count * tp, tp)]),
             )
         return self._lockstep_groups
 

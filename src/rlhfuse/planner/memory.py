@@ -490,7 +490,7 @@ def fsdp_rollout_gathered(
     *,
     reshard_after_forward: bool = True,
 ) -> float:
-    """What pipeline=fsdp's inference (`rlhfuse.trainer.fsdp_strategy.ShardedInference`: lockstep forwards of the sharded
+    """What pipeline=fsdp's inference (`rlhfuse.trainer.strategies.fsdp.inference.ShardedInference`: lockstep forwards of the sharded
     models after generation) gathers on one rank beside its shards, in the compute dtype: the units that stay
     gathered after their forward (`fsdp_kept_units`), and the two largest of the others (one computing, the next
     prefetched: an estimate of FSDP2's buffers)."""

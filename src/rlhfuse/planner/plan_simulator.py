@@ -1113,7 +1113,7 @@ def fsdp_training(
 
 
 def fsdp_inference_time(cost: CostModel, models: RLHFModels, samples: Samples, world: int) -> float:
-    """pipeline=fsdp's inference after generation (`rlhfuse.trainer.fsdp_strategy.ShardedInference`): every rank infers
+    """pipeline=fsdp's inference after generation (`rlhfuse.trainer.strategies.fsdp.inference.ShardedInference`): every rank infers
     1 / world of the batch's work (shares balanced by sequence cost) with the sharded Ref, Reward and Critic, in
     passes of INFERENCE_BATCH rows; each pass all-gathers each model once, layer by layer, hidden under the pass's
     compute when shorter (every rank runs as many passes)."""

@@ -39,6 +39,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 from rlhfuse.core.protocols import Callback
+from rlhfuse.distributed import launched_local_world, launched_world
 
 
 def launched_rank_zero() -> bool:
@@ -54,11 +55,12 @@ def distributed_fabric(
     *, nproc_per_node: int, backend: str, timeout_s: float, device_type: str, precision: str
 ) -> Fabric:
     """A launched Fabric with its process group initialised; returns on every rank."""
-    world = int(os.environ.get("WORLD_SIZE", nproc_per_node))
+    launched = launched_world()
+    world = nproc_per_node if launched is None else launched
     # LOCAL_WORLD_SIZE counts only beside torchrun's WORLD_SIZE: vLLM sets it to 1 in any process that built an
     # engine, which would make a launch from that process wait for processes of another node
-    if "WORLD_SIZE" in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node))
+    if launched is not None:
+        local = launched_local_world() or nproc_per_node
     else:
         # this process launches the ranks of this host: they inherit the count (Fabric's launcher sets
         # WORLD_SIZE, LOCAL_RANK and NODE_RANK for them, not LOCAL_WORLD_SIZE)

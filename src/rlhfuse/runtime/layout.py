@@ -6,7 +6,7 @@ in order; the other model is split into K = N / its stages replicas, each revers
 `dp` times (data parallelism); world size = N * dp. The merge, placement and co-location rules are
 `rlhfuse.pipeline.colocation`'s (`ParallelLayout.colocation`), the ones the planner reads.
 
-This module is pure except `build_process_groups`, which creates the groups (`rlhfuse.distributed.new_group`)
+This module is pure except `build_process_groups`, which asks for the groups (`rlhfuse.distributed.WorldGroups`)
 on every rank in the same order (as torch requires).
 """
 
@@ -16,11 +16,14 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhfuse.core.types import ModelRole
 from rlhfuse.pipeline.colocation import Colocation, StageMerge, placed_on
 from rlhfuse.pipeline.problem import Problem, make_problem
+
+if TYPE_CHECKING:
+    from rlhfuse.distributed import WorldGroups
 
 # the trained models (str enums: they key dicts, files and metrics as "actor" / "critic")
 MODELS: tuple[str, ...] = (ModelRole.ACTOR, ModelRole.CRITIC)
@@ -411,7 +414,7 @@ def actor_only_layout(
 ) -> ParallelLayout:
     """The layout of a critic-free algorithm: the Actor's pipeline alone (`trained=("actor",)`). The critic
     slot mirrors the Actor's stages, reversed over the same ranks, and trains nothing: it places the Reward
-    model's inference (`rlhfuse.runtime.pipeline_inference`: Reward placed like the Critic) when one is used."""
+    model's inference (`rlhfuse.trainer.strategies.pipelines.inference`: Reward placed like the Critic) when one is used."""
     return ParallelLayout(actor, actor, dp, world_size, microbatches, device=device, trained=("actor",))
 
 
@@ -465,35 +468,39 @@ def warm_up_pairs(groups: Mapping[Any, tuple[Any, Sequence[tuple[int, int]]]], d
                 distributed.recv(torch.zeros(1, device=device), lo, group=group)
 
 
-def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None) -> ProcessGroups:
-    """Create every group (collective: all ranks must call this, in the same order); keep this rank's."""
+def build_process_groups(
+    layout: ParallelLayout, timeout_s: float | None = None, groups: WorldGroups | None = None
+) -> ProcessGroups:
+    """Ask `groups` (the process's `WorldGroups` by default) for every group of the layout (collective: all ranks
+    must call this, in the same order); keep this rank's."""
     from rlhfuse import distributed
 
+    owner = groups if groups is not None else distributed.WorldGroups.current()
     world = list(range(layout.world_size))
     me = distributed.rank()
     mine = layout.tp_rank(me)
 
-    def group(ranks: tuple[int, ...] | list[int]) -> Any:
-        return distributed.new_group(ranks, timeout_s)
+    def group(key: tuple[Any, ...], ranks: tuple[int, ...] | list[int]) -> Any:
+        return owner.group(("pipeline", *key), ranks, timeout_s)
 
-    p2p = {(m, d): group(world) for m in layout.trained for d in DIRECTIONS}
+    p2p = {(m, d): group(("p2p", m, d), world) for m in layout.trained for d in DIRECTIONS}
     warm_up_pairs({key: (g, layout.p2p_pairs(key[0])) for key, g in p2p.items()}, layout.device)
     grad: dict[tuple[str, int], Any] = {}
     for (m, s, _), ranks in layout.tp_grad_groups.items():
-        made = group(ranks) if len(ranks) > 1 else None
+        made = group(("tp-grad", m, s), ranks) if len(ranks) > 1 else None
         if me in ranks:
             grad[(m, s)] = made
     pipeline: dict[tuple[str, int, int], Any] = {}
     for key, ranks in layout.pipeline_groups.items():
         for t in range(layout.tp):
-            made = group([layout.global_rank(v, t) for v in ranks])
+            made = group(("stages", *key, t), [layout.global_rank(v, t) for v in ranks])
             if t == mine:
                 pipeline[key] = made
-    dp = tuple(group(ranks) for ranks in layout.data_parallel_groups)
+    dp = tuple(group(("data-parallel", i), ranks) for i, ranks in enumerate(layout.data_parallel_groups))
     tp_group = None
     if layout.tp > 1:
-        for ranks in layout.tp_groups:
-            made = group(ranks)
+        for i, ranks in enumerate(layout.tp_groups):
+            made = group(("tp", i), ranks)
             if me in ranks:
                 tp_group = made
     # a merged model's tp groups (model_tp < tp): each sub-stage's consecutive model_tp ranks
@@ -507,8 +514,8 @@ def build_process_groups(layout: ParallelLayout, timeout_s: float | None = None)
         if t not in narrower:
             narrower[t] = None
             if t > 1:
-                for ranks in layout.model_tp_groups(m):
-                    made = group(ranks)
+                for i, ranks in enumerate(layout.model_tp_groups(m)):
+                    made = group(("model-tp", t, i), ranks)
                     if me in ranks:
                         narrower[t] = made
         model_tp[m] = narrower[t]

@@ -22,7 +22,6 @@ Legend: T training tp degree, g generation tp degree; a range [lo, hi) is in the
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -240,8 +239,7 @@ class Resharder:
             return layout.tp_grad_groups[("actor", stage, t)]
 
         if ranks_per_node is None:  # torchrun's (vLLM sets a LOCAL_WORLD_SIZE of its own without WORLD_SIZE)
-            launched = "WORLD_SIZE" in os.environ
-            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) if launched else 0
+            ranks_per_node = distributed.launched_local_world() or 0
         self.plan = plan_reshard(
             entries, train_tp, gen_tp, world, holders, lambda i: sizes[i], ranks_per_node
         )

@@ -1,5 +1,5 @@
 """The point-to-point half of running an instruction stream, shared by the training executor
-(`rlhfuse.runtime.executor.PipelineExecutor`) and pipeline inference (`rlhfuse.runtime.pipeline_inference.ForwardExecutor`):
+(`rlhfuse.runtime.executor.PipelineExecutor`) and pipeline inference (`rlhfuse.trainer.strategies.pipelines.inference.ForwardExecutor`):
 posting, waiting and sending a stream's RECV / SEND instructions, the messages between the sub-stages of a merged
 stage, and the inbox of tensors produced or received for a later compute. The interpreters keep only their
 compute (forward and backward, forward only).

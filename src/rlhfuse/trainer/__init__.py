@@ -35,7 +35,6 @@ from rlhfuse.trainer.build import build_trainer
 from rlhfuse.trainer.components import BuildContext
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.hydra import compose_config, to_config
-from rlhfuse.trainer.inferencer import ModelInferencer
 from rlhfuse.trainer.logging import LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig, WarmStartConfig
 from rlhfuse.trainer.parts import (
@@ -56,8 +55,9 @@ from rlhfuse.trainer.parts import (
     StrategyPart,
     VLLMGeneration,
 )
-from rlhfuse.trainer.plain_strategy import PlainStrategy
 from rlhfuse.trainer.run_config import MigrationConfig, RLHFConfig
+from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
+from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 from rlhfuse.trainer.trainer import RLHFTrainer
 from rlhfuse.trainer.validate import validate
 

@@ -8,8 +8,10 @@ A part does three things, and the trainer asks it, never which part it is:
   (every cross-component rule, one error listing every problem) before anything is built;
 - `build(ctx)`: makes the component the loop calls (a `Strategy`, `Generator`, `Inferencer`) from the built
   models, through the same builders `rlhfuse-train` uses (`rlhfuse.trainer.components`);
-- a strategy also says how inference runs over its layout (`inference`) and how the trained Actor is exported
-  (`export`), the two things that differ between strategy families beyond the training step.
+- a strategy is a whole bundle (`rlhfuse.trainer.strategies`, one package per family): it also answers its
+  layout, its own checks, how inference runs over its layout, how it resumes and how the Actor is exported.
+
+The strategy parts live with their families and are re-exported here beside the generator and inferencer parts.
 
 `Parts.from_config(config)` makes the parts a configuration describes: the command line builds the same objects a
 script passes. A user's own subclass overrides `build` (to wrap or replace what it returns) and runs as it is.
@@ -18,260 +20,30 @@ script passes. A user's own subclass overrides `build` (to wrap or replace what 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
-
 from rlhfuse.core.inference import InferencerConfig, RewardChoice
-from rlhfuse.core.optim import OptimConfig
-from rlhfuse.core.protocols import Callback, Generator, Inferencer, Strategy
+from rlhfuse.core.protocols import Generator, Inferencer
 from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.generation.generation_config import EngineOptions, VLLMOptions
+from rlhfuse.trainer.strategies import (
+    STRATEGIES,
+    DataParallelStrategy,
+    ExportTarget,
+    FSDPStrategy,
+    FusedPipelineStrategy,
+    PipelinePart,
+    RegisteredStrategy,
+    Serial1F1BStrategy,
+    StrategyPart,
+    strategy_class,
+)
+from rlhfuse.trainer.strategies.base import own_fields, read_fields
 
 if TYPE_CHECKING:
     from rlhfuse.trainer.components import BuildContext
-    from rlhfuse.trainer.models import Models
     from rlhfuse.trainer.run_config import MigrationConfig, RLHFConfig
-    from rlhfuse.trainer.topology import Topology
-
-
-def _own_fields(part: Any) -> dict[str, Any]:
-    return {f.name: getattr(part, f.name) for f in dataclasses.fields(part)}
-
-
-def _read_fields(cls: type, section: Any, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """`cls`'s fields read from a configuration section of the same keys."""
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if f.name not in skip}
-
-
-@dataclass(frozen=True)
-class ExportTarget:
-    """What a strategy's export needs besides its built strategy: the models, the folder, whether this rank writes
-    and whether the trained Actor's stages are spread over the ranks."""
-
-    config: RLHFConfig
-    models: Models
-    strategy: Any
-    path: Path
-    rank0: bool
-    sharded_stages: bool
-    weight_shards: int
-
-
-# ---------------------------------------------------------------------------------------------- strategies
-@dataclass(frozen=True, kw_only=True)
-class StrategyPart:
-    """A training strategy (config group `pipeline`): its `pipeline.*` keys as fields, the optimizer's among them."""
-
-    name: ClassVar[str]
-    optim: OptimConfig = field(default_factory=OptimConfig)
-
-    def configure(self, config: RLHFConfig) -> RLHFConfig:
-        own = _own_fields(self)
-        pipeline = dataclasses.replace(config.pipeline, name=self.name, **own)
-        return dataclasses.replace(config, pipeline=pipeline)
-
-    @classmethod
-    def from_config(cls, config: RLHFConfig) -> StrategyPart:
-        return cls(**_read_fields(cls, config.pipeline))
-
-    def build(self, ctx: BuildContext) -> Strategy:
-        from rlhfuse.trainer.topology import strategy_entry
-
-        return strategy_entry(ctx.config.pipeline.name).build(ctx)  # type: ignore[no-any-return]
-
-    def check_resume(self, config: RLHFConfig, layout: Topology, checkpoint_dir: Path, run_dir: Path) -> None:
-        """Before anything is built: refuse a checkpoint this strategy cannot resume (its files are checked as they
-        load by default)."""
-
-    def stages_held(
-        self, config: RLHFConfig, layout: Topology, rank: int
-    ) -> dict[str, tuple[int, set[int]]] | None:
-        """role -> (stages, the stages this rank holds) when each rank builds only its stages of the models; None
-        (whole models on every rank, the default)."""
-        return None
-
-    def load_device(self, device: torch.device) -> torch.device:
-        """Where the models are read before this strategy takes them: the rank's device by default."""
-        return device
-
-    def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:
-        """The inferencer as it runs over this strategy's layout (as built, by default)."""
-        return inferencer
-
-    def export(self, target: ExportTarget) -> Callback | None:
-        """checkpoint.export_hf's callback: the whole trained Actor (or its LoRA adapter) written by rank 0 as a
-        Hugging Face checkpoint at the end of `fit`; None on a rank with no part in it."""
-        if not target.rank0:
-            return None
-        from rlhfuse.trainer.callbacks import ExportActor
-
-        models = target.models
-        if target.config.model.lora.enabled:
-            return _adapter_export(target, models.actor.state_dict, write=True)
-        return ExportActor(models.actor, models.tokenizer, target.path)
-
-
-def _adapter_export(
-    target: ExportTarget, whole: Callable[[], Mapping[str, torch.Tensor]], *, write: bool
-) -> Callback:
-    from rlhfuse.trainer.callbacks import ExportAdapter
-
-    m = target.models
-    lora = target.config.model.lora
-    return ExportAdapter(whole, m.actor.config, lora, m.tokenizer, target.path, base=m.sft_path, write=write)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataParallelStrategy(StrategyPart):
-    """`pipeline=plain`: whole models on every rank; one process, or data parallelism over one process per
-    generation instance (`generator.instances`)."""
-
-    name: ClassVar[str] = "plain"
-
-
-@dataclass(frozen=True, kw_only=True)
-class FSDPStrategy(StrategyPart):
-    """`pipeline=fsdp`: the four models, gradients and optimizer states sharded over the processes (torch FSDP2);
-    each rank infers its share of the rollout with the sharded models."""
-
-    name: ClassVar[str] = "fsdp"
-    cpu_offload: bool = False
-    reshard_after_forward: bool = True
-
-    def load_device(self, device: torch.device) -> torch.device:
-        """Host memory: each unit moves to the device as it is sharded, so no model is ever whole there."""
-        return torch.device("cpu")
-
-    def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:
-        from rlhfuse.trainer.fsdp_strategy import RowInferencer, ShardedInference
-
-        if not isinstance(inferencer, RowInferencer):  # it splits the rollout by rows and runs them itself
-            raise TypeError(
-                f"FSDPStrategy infers with the sharded models row by row (`RowInferencer`: groups, infer_rows, "
-                f"actor); the inferencer built, a {type(inferencer).__name__}, has not these: return one that has "
-                "(ModelInference's build does)"
-            )
-        return ShardedInference(inferencer, strategy.group)
-
-    def export(self, target: ExportTarget) -> Callback | None:
-        from rlhfuse.distributed.fsdp import full_state
-        from rlhfuse.trainer.callbacks import ExportShardedActor
-
-        strategy = target.strategy
-
-        def whole() -> Mapping[str, torch.Tensor]:  # collective: every rank gathers, rank 0 writes
-            return full_state(strategy.actor)
-
-        if target.config.model.lora.enabled:
-            return _adapter_export(target, whole, write=target.rank0)
-        return ExportShardedActor(
-            whole, strategy.actor.config, target.models.tokenizer, target.path, write=target.rank0
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelinePart(StrategyPart):
-    """The Actor and Critic cut into pipeline stages over `processes` ranks (`distributed.nproc_per_node`)."""
-
-    processes: int = 2
-    actor_pp: int = 2
-    critic_pp: int = 2
-    actor_tp: int = 1
-    critic_tp: int = 1
-    microbatches: int = 4
-    search_budget_s: float = 2.0
-    balance: bool = True
-    prefetch: int = 1
-
-    def configure(self, config: RLHFConfig) -> RLHFConfig:
-        own = _own_fields(self)
-        processes = own.pop("processes")
-        pipeline = dataclasses.replace(config.pipeline, name=self.name, **own)
-        launch = dataclasses.replace(config.distributed, nproc_per_node=processes)
-        return dataclasses.replace(config, pipeline=pipeline, distributed=launch)
-
-    @classmethod
-    def from_config(cls, config: RLHFConfig) -> StrategyPart:
-        own = _read_fields(cls, config.pipeline, skip=frozenset({"processes"}))
-        return cls(processes=config.distributed.nproc_per_node, **own)
-
-    def check_resume(self, config: RLHFConfig, layout: Topology, checkpoint_dir: Path, run_dir: Path) -> None:
-        """A sharded checkpoint saved under another pipeline layout is refused, naming every mismatch."""
-        from rlhfuse.runtime.sharded_checkpoint import check_resume
-
-        check_resume(config.pipeline_run(), config.resume, checkpoint_dir, run_dir, layout.stages)
-
-    def stages_held(
-        self, config: RLHFConfig, layout: Topology, rank: int
-    ) -> dict[str, tuple[int, set[int]]] | None:
-        """With the pipeline inferencer each rank materialises only its stages of the four models (Ref placed like
-        the Actor, Reward like the Critic); with whole models per rank (each rank a generation instance inferring
-        its own samples), None."""
-        from rlhfuse.trainer.topology import inferencer_entry
-
-        if not inferencer_entry(config.inferencer.name).over_stages:
-            return None
-        stages = layout.stages
-        held = stages.held_stages(rank)  # critic-free: the critic slot places only the Reward
-        actor, critic = (stages.stages("actor"), held["actor"]), (stages.stages("critic"), held["critic"])
-        return {"actor": actor, "ref": actor, "critic": critic, "reward": critic}
-
-    def export(self, target: ExportTarget) -> Callback | None:
-        """The whole Actor reassembled from the stages (and tensor-parallel shards) by every rank, written by rank
-        0, whatever the generator; an Actor each rank holds whole is written as it is."""
-        from rlhfuse.trainer.callbacks import ExportShardedActor
-
-        if not target.sharded_stages and target.weight_shards == 1:
-            return super().export(target)
-        strategy = target.strategy
-
-        def whole() -> Mapping[str, torch.Tensor]:  # collective: every rank reassembles, rank 0 writes
-            return strategy.shards.full_state("actor")  # type: ignore[no-any-return]
-
-        if target.config.model.lora.enabled and target.weight_shards == 1:
-            return _adapter_export(target, whole, write=target.rank0)
-        actor_config = strategy.models["actor"].config
-        return ExportShardedActor(
-            whole, actor_config, target.models.tokenizer, target.path, write=target.rank0
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class FusedPipelineStrategy(PipelinePart):
-    """`pipeline=fused`: Actor and Critic trained as two pipelines in opposite directions on the same ranks, with
-    a searched schedule that fills each other's bubbles (intra-stage fusion)."""
-
-    name: ClassVar[str] = "fused"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Serial1F1BStrategy(PipelinePart):
-    """`pipeline=serial_1f1b`: the Actor's and the Critic's 1F1B pipelines one after the other (the baseline)."""
-
-    name: ClassVar[str] = "serial_1f1b"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RegisteredStrategy(StrategyPart):
-    """A strategy registered by name only (a configuration's `pipeline.name=package.module:builder`)."""
-
-    registered: str = "plain"
-
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.registered
-
-    def configure(self, config: RLHFConfig) -> RLHFConfig:
-        pipeline = dataclasses.replace(config.pipeline, name=self.registered, optim=self.optim)
-        return dataclasses.replace(config, pipeline=pipeline)
-
-    @classmethod
-    def from_config(cls, config: RLHFConfig) -> StrategyPart:
-        return cls(registered=config.pipeline.name, optim=config.pipeline.optim)
 
 
 # ---------------------------------------------------------------------------------------------- migration
@@ -282,12 +54,12 @@ class MigrationPart:
     name: ClassVar[str]
 
     def configure(self, config: RLHFConfig) -> RLHFConfig:
-        migration = dataclasses.replace(config.migration, name=self.name, **_own_fields(self))
+        migration = dataclasses.replace(config.migration, name=self.name, **own_fields(self))
         return dataclasses.replace(config, migration=migration)
 
     @classmethod
     def from_config(cls, config: RLHFConfig) -> MigrationPart:
-        return cls(**_read_fields(cls, config.migration))
+        return cls(**read_fields(cls, config.migration))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,12 +98,12 @@ class GeneratorPart:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def configure(self, config: RLHFConfig) -> RLHFConfig:
-        generator = dataclasses.replace(config.generator, name=self.name, **_own_fields(self))
+        generator = dataclasses.replace(config.generator, name=self.name, **own_fields(self))
         return dataclasses.replace(config, generator=generator)
 
     @classmethod
     def from_config(cls, config: RLHFConfig) -> GeneratorPart:
-        return cls(**_read_fields(cls, config.generator))
+        return cls(**read_fields(cls, config.generator))
 
     def build(self, ctx: BuildContext) -> Generator:
         from rlhfuse.trainer.topology import generator_entry
@@ -358,14 +130,14 @@ class InstanceGeneratorPart(GeneratorPart):
     migration: MigrationPart = field(default_factory=NoMigrationPolicy)
 
     def configure(self, config: RLHFConfig) -> RLHFConfig:
-        own = _own_fields(self)
+        own = own_fields(self)
         migration: MigrationPart = own.pop("migration")
         generator = dataclasses.replace(config.generator, name=self.name, **own)
         return migration.configure(dataclasses.replace(config, generator=generator))
 
     @classmethod
     def from_config(cls, config: RLHFConfig) -> GeneratorPart:
-        own = _read_fields(cls, config.generator, skip=frozenset({"migration"}))
+        own = read_fields(cls, config.generator, skip=frozenset({"migration"}))
         return cls(migration=migration_part(config), **own)
 
 
@@ -421,12 +193,12 @@ class InferencerPart:
     offload_frozen: bool = False
 
     def configure(self, config: RLHFConfig) -> RLHFConfig:
-        inferencer = InferencerConfig(name=self.name, **_own_fields(self))
+        inferencer = InferencerConfig(name=self.name, **own_fields(self))
         return dataclasses.replace(config, inferencer=inferencer)
 
     @classmethod
     def from_config(cls, config: RLHFConfig) -> InferencerPart:
-        return cls(**_read_fields(cls, config.inferencer))
+        return cls(**read_fields(cls, config.inferencer))
 
     def build(self, ctx: BuildContext) -> Inferencer:
         from rlhfuse.trainer.topology import inferencer_entry
@@ -461,20 +233,17 @@ class RegisteredInferencer(InferencerPart):
         return self.registered
 
     def configure(self, config: RLHFConfig) -> RLHFConfig:
-        own = _own_fields(self)
+        own = own_fields(self)
         own.pop("registered")
         return dataclasses.replace(config, inferencer=InferencerConfig(name=self.registered, **own))
 
     @classmethod
     def from_config(cls, config: RLHFConfig) -> InferencerPart:
-        own = _read_fields(cls, config.inferencer, skip=frozenset({"registered"}))
+        own = read_fields(cls, config.inferencer, skip=frozenset({"registered"}))
         return cls(registered=config.inferencer.name, **own)
 
 
 # ---------------------------------------------------------------------------------------------- the registry
-STRATEGY_PARTS: dict[str, type[StrategyPart]] = {
-    cls.name: cls for cls in (DataParallelStrategy, FSDPStrategy, FusedPipelineStrategy, Serial1F1BStrategy)
-}
 GENERATOR_PARTS: dict[str, type[GeneratorPart]] = {
     cls.name: cls for cls in (SamplingGeneration, EngineGeneration, VLLMGeneration)
 }
@@ -487,7 +256,7 @@ MIGRATION_PARTS: dict[str, type[MigrationPart]] = {
 
 
 _SHIPPED: frozenset[type] = frozenset(
-    [*STRATEGY_PARTS.values(), *GENERATOR_PARTS.values(), *INFERENCER_PARTS.values()]
+    [*(STRATEGIES.get(n) for n in STRATEGIES.names()), *GENERATOR_PARTS.values(), *INFERENCER_PARTS.values()]
 )
 
 
@@ -525,7 +294,7 @@ class Parts:
         """The parts `config` describes (a name no part class knows: the registered builder, as configured)."""
         s, g, i = config.pipeline.name, config.generator.name, config.inferencer.name
         return cls(
-            STRATEGY_PARTS.get(s, RegisteredStrategy).from_config(config),
+            strategy_class(s).from_config(config),
             GENERATOR_PARTS.get(g, RegisteredGenerator).from_config(config),
             INFERENCER_PARTS.get(i, RegisteredInferencer).from_config(config),
         )
@@ -559,3 +328,30 @@ class Parts:
             keep(self.generator, chosen.generator),
             keep(self.inferencer, chosen.inferencer),
         )
+
+
+__all__ = [
+    "AutoMigration",
+    "DataParallelStrategy",
+    "EngineGeneration",
+    "ExportTarget",
+    "FSDPStrategy",
+    "FixedMigration",
+    "FusedPipelineStrategy",
+    "GeneratorPart",
+    "InferencerPart",
+    "InstanceGeneratorPart",
+    "MigrationPart",
+    "ModelInference",
+    "NoMigrationPolicy",
+    "Parts",
+    "PipelineInference",
+    "PipelinePart",
+    "RegisteredGenerator",
+    "RegisteredInferencer",
+    "RegisteredStrategy",
+    "SamplingGeneration",
+    "Serial1F1BStrategy",
+    "StrategyPart",
+    "VLLMGeneration",
+]

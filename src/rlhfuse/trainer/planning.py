@@ -37,10 +37,10 @@ from rlhfuse.planner.lengths import PROMPTS, RESPONSES, LengthDistribution
 from rlhfuse.planner.plan_search import Plan
 from rlhfuse.planner.plan_simulator import Workload
 from rlhfuse.planner.specs import DeviceProfile, ModelSpec, device_profile, gpu_preset
-from rlhfuse.runtime.pipeline_config import launched_world_size, validate_runtime
-from rlhfuse.trainer.data_parallel import validate_plain_launch
 from rlhfuse.trainer.run_config import PLAN_MODES, RLHFConfig
-from rlhfuse.trainer.topology import migration_entry, strategy_entry, topology
+from rlhfuse.trainer.strategies import strategy_class
+from rlhfuse.trainer.strategies.pipelines.config import launched_world_size
+from rlhfuse.trainer.topology import migration_entry
 
 __all__ = ["PLAN_MODES", "AppliedPlan", "apply_plan", "plan_config", "workload_for"]
 
@@ -113,16 +113,12 @@ def workload_for(cfg: RLHFConfig) -> Workload:
 
 def world_shape(cfg: RLHFConfig) -> tuple[int, int]:
     """(nodes, devices per node) of the run: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else 1 x nproc_per_node."""
+    from rlhfuse.distributed import launched_local_world
+
     world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if (
-        "WORLD_SIZE" in os.environ
-        and local
-        and local.isdigit()
-        and int(local) > 0
-        and world % int(local) == 0
-    ):
-        return world // int(local), int(local)
+    local = launched_local_world()
+    if local is not None and world % local == 0:
+        return world // local, local
     return 1, world
 
 
@@ -328,13 +324,9 @@ def plan_config(cfg: RLHFConfig, device: str | DeviceProfile = "cpu", device_rea
 
 
 def _launch_problems(cfg: RLHFConfig) -> list[str]:
-    """The planned configuration against the launch: the pipeline strategies' layout rules
-    (`validate_runtime`), or pipeline=fsdp's (one process per generation instance, `validate_plain_launch`, and
-    its own keys)."""
-    entry = strategy_entry(cfg.pipeline.name)
-    if entry.kind != "sharded":
-        return validate_runtime(cfg.pipeline_run())
-    return validate_plain_launch(cfg) + entry.problems(cfg, topology(cfg), None)
+    """The planned configuration against the launch: its strategy's launch and layout rules
+    (`StrategyPart.launch_problems`)."""
+    return strategy_class(cfg.pipeline.name).launch_problems(cfg)
 
 
 def apply_plan(cfg: RLHFConfig, device: Any, log: Callable[[str], None] = print) -> RLHFConfig:

@@ -61,13 +61,12 @@ def is_mutable(key: str, prefixes: tuple[str, ...] = MUTABLE_ON_RESUME) -> bool:
 
 def mutable_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[str, ...]:
     """The key prefixes a resume from the `recorded` configuration to the `current` one may change: also the
-    world size when both shard with pipeline=fsdp."""
-    from rlhfuse.trainer.components import STRATEGIES
-    from rlhfuse.trainer.topology import strategy_entry
+    world size when both run a strategy whose checkpoints load on another world size (pipeline=fsdp)."""
+    from rlhfuse.trainer.strategies import STRATEGIES, strategy_class
 
     names = [str(flat_keys(r).get("pipeline.name", "")) for r in (recorded, current)]
-    sharded = all(n in STRATEGIES and strategy_entry(n).kind == "sharded" for n in names)
-    return MUTABLE_ON_RESUME + (RESHARDABLE_ON_RESUME if sharded else ())
+    reshardable = all(n in STRATEGIES and strategy_class(n).reshardable for n in names)
+    return MUTABLE_ON_RESUME + (RESHARDABLE_ON_RESUME if reshardable else ())
 
 
 # ---------------------------------------------------------------- the record

@@ -1,7 +1,8 @@
-"""Each registered component's own rules against the whole configuration: what a registry entry's `problems`
-runs (`rlhfuse.trainer.topology`). `validate` calls the chosen strategy's and generator's entry instead of asking
-which one it is by name, so a component's rules live with its entry, and a user's own builder gets the defaults
-(`not_speculating`, `unsharded_problems`)."""
+"""The generators' own rules against the whole configuration (what a `GeneratorEntry`'s `problems` runs), and the
+rules the strategy families share (`replica_problems`, `stageless_problems`, `unsharded_problems`; each family's
+own are its part's `problems`, `rlhfuse.trainer.strategies`). `validate` asks the chosen components for their
+rules instead of asking which one it is by name, and a user's own builder gets the defaults (`not_speculating`,
+`replica_problems`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhfuse.models import ModelConfig
-from rlhfuse.runtime.pipeline_config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
 
 if TYPE_CHECKING:
     from rlhfuse.trainer.run_config import RLHFConfig
@@ -50,20 +51,6 @@ def unsharded_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | N
         for key in ("cpu_offload", "reshard_after_forward")
         if getattr(p, key) != getattr(default, key)
     ]
-
-
-def fsdp_problems(
-    cfg: RLHFConfig, layout: Topology | None = None, model: ModelConfig | None = None
-) -> list[str]:
-    """pipeline=fsdp's own keys against the rest: its CPU offload moves shards between host and device, which a
-    CPU run has not."""
-    if cfg.pipeline.cpu_offload and not uses_cuda(cfg):
-        return [
-            "pipeline.cpu_offload=true keeps the shards in host memory and copies each layer to the device, but "
-            f"this run's device is the CPU (device={cfg.device}): the shards are in host memory already; set "
-            "pipeline.cpu_offload=false"
-        ]
-    return []
 
 
 def vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
@@ -108,16 +95,9 @@ def vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) 
 def replica_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
     """pipeline=plain (and a user's own strategy builder): one process per generation instance, whole models,
     no stages; pipeline=fsdp's own keys at their defaults."""
-    from rlhfuse.trainer.data_parallel import validate_plain_launch
+    from rlhfuse.trainer.strategies.plain.launch import validate_plain_launch
 
     return validate_plain_launch(cfg) + stageless_problems(cfg) + unsharded_problems(cfg, layout, model)
-
-
-def sharded_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
-    """pipeline=fsdp: one process per generation instance like plain, the models sharded over them."""
-    from rlhfuse.trainer.data_parallel import validate_plain_launch
-
-    return validate_plain_launch(cfg) + stageless_problems(cfg) + fsdp_problems(cfg, layout, model)
 
 
 def stageless_problems(cfg: RLHFConfig) -> list[str]:
@@ -147,51 +127,3 @@ def stageless_problems(cfg: RLHFConfig) -> list[str]:
             "process per generation instance: use pipeline=fused or pipeline=serial_1f1b, or generator.tp=1"
         )
     return problems
-
-
-def pipeline_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) -> list[str]:
-    """pipeline=fused / serial_1f1b: the launch and the layout (`validate_runtime`, over the run's one derived
-    layout), what runs over the stages, and fsdp's keys at their defaults."""
-    from rlhfuse.runtime.pipeline_config import validate_runtime
-    from rlhfuse.trainer.components import INFERENCERS
-    from rlhfuse.trainer.topology import inferencer_entry
-
-    problems = validate_runtime(cfg.pipeline_run(), lambda: layout.stages)
-    pipe, i = cfg.pipeline, cfg.inferencer
-    coef = pipe.optim.router_aux_loss_coef
-    if coef > 0:
-        problems.append(
-            f"pipeline.router_aux_loss_coef={coef}: the load-balancing loss is added under pipeline=plain and fsdp "
-            f"only (pipeline={pipe.name}): use pipeline=plain or pipeline.router_aux_loss_coef=0"
-        )
-    over_stages = i.name in INFERENCERS and inferencer_entry(i.name).over_stages
-    if max(pipe.actor_tp, pipe.critic_tp) > 1 and not over_stages:
-        problems.append(
-            f"pipeline.actor_tp={pipe.actor_tp} / critic_tp={pipe.critic_tp} shard every model tensor-parallel, "
-            f"but inferencer={i.name} (each rank a generation instance inferring its own samples) needs whole "
-            "models on every rank: use generator.instances=1 (inference then runs over the training layout, "
-            "inferencer=pipeline) or pipeline.actor_tp=1 pipeline.critic_tp=1"
-        )
-    rank = cfg.model.lora.rank
-    if (
-        cfg.model.lora.enabled
-    ):  # the adapters ride on the Actor's stages; the Ref is those stages without them
-        if pipe.actor_tp > 1:
-            problems.append(
-                f"model.lora.rank={rank} with pipeline.actor_tp={pipe.actor_tp}: the adapters of tensor-parallel "
-                "shards of a projection have no PEFT layout: set pipeline.actor_tp=1 (pipeline stages only), "
-                "pipeline=fsdp, or model.lora.rank=0"
-            )
-        if not over_stages:
-            problems.append(
-                f"model.lora.rank={rank} under pipeline={pipe.name} needs the pipeline inferencer (the Reference "
-                f"is the Actor's stages with the adapters off), not inferencer.name={i.name} (each rank a "
-                "generation instance inferring its own samples with whole models): set generator.instances=1 "
-                "(inference then runs over the training layout), or pipeline=plain"
-            )
-        if cfg.generator.tp > 1:
-            problems.append(
-                f"model.lora.rank={rank} under pipeline={pipe.name} syncs merged projections to whole generation "
-                f"copies: set generator.tp=1 (not {cfg.generator.tp}), or pipeline=plain"
-            )
-    return problems + unsharded_problems(cfg, layout, model)

@@ -18,11 +18,10 @@ from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.planner.specs import DeviceProfile
-from rlhfuse.runtime.pipeline_config import DistributedConfig, PipelineConfig, PipelineRun
-from rlhfuse.runtime.plan import ACTOR_ONLY_NOTE, ACTOR_ONLY_RUN
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
 from rlhfuse.trainer.models import ModelsConfig
+from rlhfuse.trainer.strategies.pipelines.config import DistributedConfig, PipelineConfig, PipelineRun
 
 PlanMode = Literal["manual", "auto"]
 PLAN_MODES = get_args(PlanMode)
@@ -64,7 +63,7 @@ class RLHFConfig:
     generator: GenerationConfig = field(default_factory=GenerationConfig)
     inferencer: InferencerConfig = field(default_factory=InferencerConfig)
     # The training strategy (Hydra group `pipeline`): plain = no pipeline (one process, or data-parallel over one
-    # process per generation instance: rlhfuse.trainer.data_parallel); fused / serial_1f1b =
+    # process per generation instance: rlhfuse.trainer.strategies.plain.launch); fused / serial_1f1b =
     # Actor and Critic pipelines on the same ranks (rlhfuse.runtime), with distributed.nproc_per_node processes.
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     # Multi-process launch (pipeline=fused / serial_1f1b; with pipeline=plain it follows generator.instances).
@@ -177,36 +176,20 @@ def derived_counts(cfg: RLHFConfig) -> DerivedCounts:
     return DerivedCounts(samples, minis, per_iteration, accumulation, per_iteration * cfg.iterations)
 
 
-def actor_only_message(cfg: RLHFConfig) -> str:
-    """What pipeline=fused / serial_1f1b runs with a critic-free algorithm (the plan's own note, with the keys)."""
-    from rlhfuse.trainer.topology import strategy_entry
-
-    p, a = cfg.pipeline, cfg.algorithm.name
-    what = ACTOR_ONLY_NOTE if strategy_entry(p.name).fuses_training else f"no Critic, {ACTOR_ONLY_RUN}"
-    return (
-        f"rlhfuse: pipeline={p.name} with algorithm={a}: {what} (pipeline.actor_pp={p.actor_pp}); "
-        f"pipeline.critic_pp={p.critic_pp} is unused (a Reward model, when used, runs on the Actor's stages in "
-        "reverse)"
-    )
-
-
 def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -> RLHFConfig:
     """The component choices a layout implies, applied before validation and printed with their rule (never a
     silent swap); every other choice is taken as given and validated.
 
     - a generator without instances (generator=sampling) with generator.instances > 1 -> generator=engine;
-    - inferencer=models under a pipeline strategy -> inferencer=pipeline (the same forward passes over the
-      training layout), unless each rank is one generation instance and infers its own samples;
+    - the training strategy's own rules (`StrategyPart.resolve`; under the pipelines: inferencer=models ->
+      pipeline, the same forward passes over the training layout, unless each rank is one generation instance
+      inferring its own samples; a critic-free algorithm's Actor-only pipeline printed);
     - algorithm.loss_reduction=sequence_sum with algorithm.loss_constant_length=0 -> the constant length is
       generator.max_new_tokens (the documented meaning of 0).
-
-    A critic-free algorithm under pipeline=fused / serial_1f1b is printed too (`actor_only_message`): the
-    pipeline trains the Actor alone with 1F1B.
     """
-    from rlhfuse.trainer.components import INFERENCERS
-    from rlhfuse.trainer.topology import generator_entry, inferencer_entry, topology
+    from rlhfuse.trainer.topology import generator_entry, topology
 
-    g, i = cfg.generator, cfg.inferencer
+    g = cfg.generator
     if g.instances > 1 and not generator_entry(g.name).instances:
         log(
             f"rlhfuse: generator={g.name} -> engine (rule: generator.instances={g.instances} > 1 needs the "
@@ -215,16 +198,8 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
         g = dataclasses.replace(g, name="engine")
     resolved = dataclasses.replace(cfg, generator=g)
     layout = topology(resolved)
-    whole_models = i.name in INFERENCERS and not inferencer_entry(i.name).over_stages
-    if whole_models and layout.pipelines and not layout.fused_rollout:
-        log(
-            f"rlhfuse: inferencer=models -> pipeline (rule: pipeline={cfg.pipeline.name} runs the Ref / Reward "
-            "/ Critic forward passes over the training layout's stages)"
-        )
-        i = dataclasses.replace(i, name="pipeline")
-    a = cfg.algorithm
-    if layout.pipelines and a.name in ALGORITHMS and not uses_critic(a):
-        log(actor_only_message(cfg))
+    resolved = layout.strategy.resolve(resolved, layout, log)
+    a = resolved.algorithm
     if a.loss_reduction == "sequence_sum" and a.loss_constant_length == 0:
         length = g.sampling.max_new_tokens
         log(
@@ -232,4 +207,4 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
             "every sequence's token sum by generator.max_new_tokens unless algorithm.loss_constant_length is set)"
         )
         a = dataclasses.replace(a, loss_constant_length=length)
-    return dataclasses.replace(resolved, inferencer=i, algorithm=a)
+    return dataclasses.replace(resolved, algorithm=a)

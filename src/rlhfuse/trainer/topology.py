@@ -1,8 +1,8 @@
-"""The run's topology, derived once from the configuration: how the training strategy lays the models out over
-the processes, how many processes and generation instances there are, and so whether the rollout fuses
-inference into generation. Every "is this a pipeline strategy / how many processes / does the rollout fuse"
-is asked of a `Topology`, and what a component can do of its registry entry (`StrategyEntry`,
-`GeneratorEntry`), never of a component's name.
+"""The run's topology, derived once from the configuration: how many processes the training strategy runs on and
+how many generation instances they hold, its pipeline layout, and so whether the rollout fuses inference into
+generation. The strategy's part class answers each of these (`rlhfuse.trainer.strategies`), and what a generator,
+an inferencer or a migration policy can do is asked of its registry entry (`GeneratorEntry`, ...), never of a
+component's name or kind.
 """
 
 from __future__ import annotations
@@ -10,36 +10,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from rlhfuse.runtime.pipeline_config import PipelineRun, launched_world_size
-from rlhfuse.trainer.data_parallel import plain_world_size
-from rlhfuse.trainer.rules import not_speculating, replica_problems
+from rlhfuse.trainer.rules import not_speculating
+from rlhfuse.trainer.strategies import StrategyPart, strategy_class
+from rlhfuse.trainer.strategies.pipelines.config import PipelineRun
 
 if TYPE_CHECKING:
+    from rlhfuse.distributed import WorldGroups
     from rlhfuse.runtime.layout import ParallelLayout
     from rlhfuse.trainer.run_config import RLHFConfig
-
-StrategyKind = Literal["replicas", "sharded", "pipelines"]
-"""How a training strategy lays the models out: `replicas` (whole models on every rank: one process, or data
-parallel over one process per generation instance), `sharded` (the same processes, the models sharded over
-them), `pipelines` (the Actor and Critic cut into pipeline stages over `distributed.nproc_per_node` processes)."""
 
 
 Rules = Callable[["RLHFConfig", "Topology", Any], list[str]]
 """A component's own rules against the whole configuration, the topology and the Actor's shape (a `ModelConfig`,
 None when unknown): `rlhfuse.trainer.rules`."""
-
-
-@dataclass(frozen=True)
-class StrategyEntry:
-    """A registered training strategy (`pipeline=<name>`): its builder, its layout, whether it fuses the Actor's
-    and the Critic's training (two pipelines in opposite directions on the same devices), and its own rules."""
-
-    build: Callable[[Any], Any]
-    kind: StrategyKind
-    fuses_training: bool = False
-    problems: Rules = replica_problems
 
 
 @dataclass(frozen=True)
@@ -76,14 +61,6 @@ class MigrationEntry:
     tuned: bool = False
 
 
-def strategy_entry(name: str) -> StrategyEntry:
-    """`pipeline=<name>`'s entry; a user's own builder (`package.module:function`) lays out replicas."""
-    from rlhfuse.trainer.components import STRATEGIES
-
-    found = STRATEGIES.get(name)
-    return found if isinstance(found, StrategyEntry) else StrategyEntry(found, "replicas")
-
-
 def generator_entry(name: str) -> GeneratorEntry:
     """`generator=<name>`'s entry; a user's own builder drives no instances."""
     from rlhfuse.trainer.components import GENERATORS
@@ -112,14 +89,15 @@ def migration_entry(name: str) -> MigrationEntry:
 class Topology:
     """The processes of a run and what they are.
 
-    `world`: processes (torchrun's WORLD_SIZE when launched by it). `instances`: generation instances (one per
-    process under `replicas` / `sharded` unless `generator.in_process`; under `pipelines`, world /
-    generator.tp tensor-parallel instances with generator=sampling, else `generator.instances`).
+    `strategy`: the training strategy's part class, which answers the layout. `world`: processes (torchrun's
+    WORLD_SIZE when launched by it). `instances`: generation instances (one per process when the strategy's launch
+    is one process per instance, unless `generator.in_process`; under the pipelines, world / generator.tp
+    tensor-parallel instances with generator=sampling, else `generator.instances`).
     `fused_rollout`: the processes are the instances of a generator with instances (one each, or generator.tp
     each for a backend with its own tensor parallelism), and the models they infer with are whole on each, so the
     rollout fuses inference into generation across processes (inter-stage fusion)."""
 
-    strategy: StrategyKind
+    strategy: type[StrategyPart] = field(compare=False)
     world: int
     instances: int
     fused_rollout: bool
@@ -136,41 +114,44 @@ class Topology:
         """The pipeline strategies' layout, derived once for the whole start-up (validation, the resume check,
         the stages each rank builds, the strategy); ValueError when it cannot be laid out (validation names why)."""
         if self.pipeline_run is None:
-            raise ValueError(f"a {self.strategy} strategy has no pipeline layout")
+            raise ValueError(f"pipeline={self.strategy.__name__} has no pipeline layout")
         return self.pipeline_run.layout()
 
     @property
-    def pipelines(self) -> bool:
-        return self.strategy == "pipelines"
+    def groups(self) -> WorldGroups:
+        """The one owner of the run's process groups (`rlhfuse.distributed.WorldGroups`), which each component asks
+        for its groups by name: the pipelines' stage and point-to-point groups, the generation instances', the
+        data-parallel world."""
+        from rlhfuse.distributed import WorldGroups
+
+        return WorldGroups.current()
 
     @property
-    def sharded(self) -> bool:
-        return self.strategy == "sharded"
+    def instance_per_process(self) -> bool:
+        """The strategy launches one process per generation instance (its world follows generator.instances)."""
+        return self.strategy.instance_per_process
 
     @property
     def process_group(self) -> bool:
         """Whether the run needs a process group: several processes, or models sharded over a group (of one)."""
-        return self.world > 1 or self.sharded
+        return self.world > 1 or self.strategy.collective_models()
 
 
 def topology(cfg: RLHFConfig) -> Topology:
-    """The topology `cfg` describes (a name no registry knows counts as replicas and no instances: validation
-    reports it)."""
-    from rlhfuse.trainer.components import GENERATORS, STRATEGIES
+    """The topology `cfg` describes, as its strategy answers it (a name no registry knows runs under
+    `RegisteredStrategy` and drives no instances: validation reports it)."""
+    from rlhfuse.trainer.components import GENERATORS
 
-    kind = strategy_entry(cfg.pipeline.name).kind if cfg.pipeline.name in STRATEGIES else "replicas"
+    strategy = strategy_class(cfg.pipeline.name)
     g = cfg.generator
-    if kind == "pipelines":
-        world = launched_world_size(max(cfg.distributed.nproc_per_node, 1))
-    else:
-        world = plain_world_size(cfg)
+    world = strategy.world(cfg)
     entry = generator_entry(g.name) if g.name in GENERATORS else None
     with_instances = entry is not None and entry.instances
     own_tp = entry is not None and entry.own_tensor_parallel
-    instances = world // max(g.tp, 1) if kind == "pipelines" and not with_instances else g.instances
+    instances = strategy.instances(cfg, world, with_instances)
     # the instances over the processes (one rank each, or generator.tp each with the backend's own tensor
     # parallelism); sharded models make every forward collective: inference runs in lockstep after generation
     ranks = g.instances * (max(g.tp, 1) if own_tp else 1)
-    fused = with_instances and g.instances > 1 and ranks == world and kind != "sharded"
-    run = cfg.pipeline_run() if kind == "pipelines" else None
-    return Topology(kind, world, instances, fused, 1 if own_tp else max(g.tp, 1), run)
+    fused = with_instances and g.instances > 1 and ranks == world and strategy.whole_models
+    weight_shards = 1 if own_tp else max(g.tp, 1)
+    return Topology(strategy, world, instances, fused, weight_shards, strategy.pipeline_run(cfg))

@@ -22,17 +22,17 @@ from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.models import ModelConfig
 from rlhfuse.models.attention import packing_problem
 from rlhfuse.models.lora import lora_problem
-from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES, STRATEGIES
+from rlhfuse.trainer.components import GENERATORS, INFERENCERS, MIGRATION_POLICIES
 from rlhfuse.trainer.device_choice import device_problems, resolve_device
 from rlhfuse.trainer.reward_functions import REWARD_FUNCTIONS
 from rlhfuse.trainer.rules import uses_cuda
 from rlhfuse.trainer.run_config import DerivedCounts, RLHFConfig, derived_counts
+from rlhfuse.trainer.strategies import STRATEGIES
 from rlhfuse.trainer.topology import (
     Topology,
     generator_entry,
     inferencer_entry,
     migration_entry,
-    strategy_entry,
     topology,
 )
 
@@ -132,12 +132,12 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
             "on the same rows, so it would infer one rank's samples only; set inferencer.name=models, or "
             "generator.instances=1 (inference over the training layout)"
         )
-    # the chosen components' own rules (`rlhfuse.trainer.rules`): the strategy's launch, layout and stage rules
-    # the chosen components' own rules (`rlhfuse.trainer.rules`)
+    # the chosen components' own rules: the generator's (`rlhfuse.trainer.rules`), the strategy's launch, layout
+    # and stage rules (`StrategyPart.problems`)
     if g.name in GENERATORS:
         problems += generator_entry(g.name).problems(cfg, layout, model)
     if cfg.pipeline.name in STRATEGIES:
-        problems += strategy_entry(cfg.pipeline.name).problems(cfg, layout, model)
+        problems += layout.strategy.problems(cfg, layout, model)
     return problems
 
 
@@ -218,14 +218,15 @@ def generation_tp_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
     entry = generator_entry(g.name) if g.name in GENERATORS else None
     if entry is not None and entry.own_tensor_parallel:
         need = g.instances * g.tp
-        if layout.pipelines and layout.world != need:  # pipeline=plain / fsdp: their launch rule says it
+        # a launch of one process per instance: the strategy's own launch rule says it
+        if not layout.instance_per_process and layout.world != need:
             problems.append(
                 f"generator={g.name} with generator.tp={g.tp}: each of generator.instances={g.instances} engines "
                 f"spans generator.tp ranks, so the job needs {need} processes but has {layout.world}: set "
                 f"distributed.nproc_per_node={need}, or generator.instances={max(layout.world // g.tp, 1)}"
             )
         return problems
-    world = layout.world if layout.pipelines else g.instances
+    world = g.instances if layout.instance_per_process else layout.world
     if world % g.tp:
         problems.append(
             f"generator.tp={g.tp} does not divide the world size {world} ({world} % {g.tp} = {world % g.tp}; "
@@ -265,7 +266,7 @@ EMBEDDED_PROMPT_POSITIONS = 64 + 16
 
 def lora_problems(cfg: RLHFConfig, model: ModelConfig | None, where: str) -> list[str]:
     """model.lora against the Actor's shape (plain, fsdp and the pipeline strategies train the adapters; the
-    pipelines' own LoRA rules are theirs: `rules.pipeline_problems`)."""
+    pipelines' own LoRA rules are theirs: `PipelinePart.problems`)."""
     if not cfg.model.lora.enabled or model is None or (problem := lora_problem(model)) is None:
         return []
     return [f"{problem} ({where})"]

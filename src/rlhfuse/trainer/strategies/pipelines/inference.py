@@ -262,6 +262,7 @@ class PipelineInferencer:
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         log: Callable[[str], None] = print,
         rows: Sequence[Mapping[str, Any]] = (),
+        groups: distributed.WorldGroups | None = None,
     ) -> None:
         if ModelRole.REWARD not in models and rewards is None:
             raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
@@ -282,7 +283,8 @@ class PipelineInferencer:
         # collective, same order on every rank: one point-to-point group per inference model (its messages
         # never match another model's, nor the training's)
         world = list(range(layout.world_size))
-        self.p2p = {(m, "act"): distributed.new_group(world) for m in self.names}
+        owner = groups if groups is not None else distributed.WorldGroups.current()
+        self.p2p = {(m, "act"): owner.group(("inference", "p2p", m, "act"), world) for m in self.names}
         warm_up_pairs(
             {key: (g, layout.p2p_pairs(PLACED_AS[key[0]])) for key, g in self.p2p.items()}, layout.device
         )

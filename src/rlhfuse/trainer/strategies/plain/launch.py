@@ -9,17 +9,18 @@ fused with inference across the ranks (`rlhfuse.generation`) and `PlainStrategy`
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from rlhfuse.distributed import launched_world
 
 
 def plain_world_size(cfg: Any) -> int:
     """Processes of a pipeline=plain run: torchrun's WORLD_SIZE when launched by it, else
     distributed.nproc_per_node when set above 1, else generator.instances x generator.tp (one process per rank of
     each instance; 1 with generator.in_process=true)."""
-    env = os.environ.get("WORLD_SIZE")
-    if env and env.isdigit():
-        return int(env)
+    launched = launched_world()
+    if launched is not None:
+        return launched
     if cfg.distributed.nproc_per_node > 1 or cfg.generator.in_process:
         return int(cfg.distributed.nproc_per_node)
     return int(cfg.generator.instances) * max(int(cfg.generator.tp), 1)
@@ -30,11 +31,7 @@ def validate_plain_launch(cfg: Any) -> list[str]:
     g = cfg.generator
     problems: list[str] = []
     world = plain_world_size(cfg)
-    source = (
-        "torchrun's WORLD_SIZE"
-        if os.environ.get("WORLD_SIZE", "").isdigit()
-        else "distributed.nproc_per_node"
-    )
+    source = "torchrun's WORLD_SIZE" if launched_world() is not None else "distributed.nproc_per_node"
     if g.in_process and world > 1:
         problems.append(
             f"generator.in_process=true steps every instance in this one process, but {source} gives {world} "

@@ -17,37 +17,29 @@ so every rank runs as many). Inference does not overlap the generation tail here
 price of never holding a whole Ref, Reward or Critic. The weight sync gathers the Actor on every rank (each rank
 is a whole generation instance: it needs all of it) into the generator's copy.
 
-Checkpoints (`FSDPCheckpointer`): the sharded model and optimizer states through torch.distributed.checkpoint
+Checkpoints (`rlhfuse.trainer.strategies.fsdp.checkpoint.FSDPCheckpointer`): the sharded model and optimizer states through torch.distributed.checkpoint
 (every rank writes its shards; the files load on any world size), the schedulers and the trainer's state written
 by rank 0, sealed by rank 0's meta.json (kind "fsdp") once every rank's part is written.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-import torch.distributed as dist  # the WORLD group handle only: collectives go through rlhfuse.distributed
 from lightning.fabric import Fabric
 from torch import Tensor
 
 from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
-from rlhfuse.core.balance import karmarkar_karp, sample_costs
 from rlhfuse.core.buckets import merged_weight_buckets
-from rlhfuse.core.checkpoint import mismatch_error, prune_run, seal_fields, sha256
-from rlhfuse.core.errors import CheckpointError
 from rlhfuse.core.optim import OptimConfig, cast_to, set_peak_lr
 from rlhfuse.core.protocols import Checkpointer
 from rlhfuse.core.stats import TrainStats
-from rlhfuse.core.types import Experience, Rollout, TrainBatch
+from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.fsdp import (
     ShardingPolicy,
-    load_state,
-    save_state,
     set_gradient_sync,
     set_sharded_state,
     shard_model,
@@ -57,11 +49,8 @@ from rlhfuse.distributed.fsdp import (
 )
 from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
-from rlhfuse.runtime.sharded_checkpoint import all_ok, open_sealed
-from rlhfuse.trainer.plain_strategy import PlainStrategy
-
-KIND, FORMAT = "fsdp", 1
-DCP_DIR, STATE = "dcp", "state.pt"
+from rlhfuse.trainer.strategies.fsdp.checkpoint import FSDPCheckpointer
+from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
 
 class ShardedReduceScatter:
@@ -112,7 +101,9 @@ class ShardedStrategy:
         temperature: float = 1.0,
         packing: bool = False,
         lora: LoraConfig | None = None,
+        group: Any = None,
     ) -> None:
+        """`group`: the processes the models are sharded over (the world by default)."""
         self.lora = lora  # the Actor's adapters (model.lora), None for a fully trained Actor
         # the Ref and the Reward (frozen: sharded weights, no gradients or optimizer)
         self.frozen = [m for m in frozen if m is not None and m is not actor and m is not critic]
@@ -123,7 +114,7 @@ class ShardedStrategy:
             shard_model(
                 model, model.layers, policy, device_type=device_type, forward_methods=("packed_outputs",)
             )
-        group = dist.group.WORLD
+        group = distributed.WorldGroups.current().world if group is None else group
         self.update = PlainStrategy(
             actor,
             critic,
@@ -223,185 +214,3 @@ class ShardedStrategy:
         if self.update.critic_sched is not None:
             found["critic"] = self.update.critic_sched
         return found
-
-
-class FSDPCheckpointer:
-    """`pipeline=fsdp`'s `Checkpointer` (collective: every rank saves and loads its shards).
-
-    Layout of `<run_dir>/checkpoints/iter_00000010/`:
-        dcp/        torch.distributed.checkpoint's files: the trained models' and optimizers' sharded states
-        state.pt    the LR schedulers' states and the trainer's (iteration, data position, RNG), by rank 0
-        meta.json   written last, by rank 0: kind "fsdp", iteration, world size, the trained models and the
-                    SHA-256 of every file
-    Atomic as a whole: written into a temporary folder that rank 0 renames into place once every rank's shards
-    are written; a failure on any rank leaves the previous checkpoints untouched.
-    """
-
-    def __init__(self, strategy: ShardedStrategy) -> None:
-        self.strategy = strategy
-
-    def save(
-        self,
-        directory: str | Path,
-        iteration: int,
-        extra: Mapping[str, Any],
-        *,
-        keep: int = 0,
-        run: str | None = None,
-    ) -> Path:
-        s = self.strategy
-        rank = distributed.rank()
-        root = Path(directory)
-        folder = open_sealed(root, iteration, "fsdp")
-        error: str | None = None
-        # collective; DCP raises the same error on every rank when one cannot write
-        save_state(folder.path / DCP_DIR, s.sharded_state())
-        if rank == 0:
-            try:
-                torch.save({**s.scheduler_state(), **extra}, folder.path / STATE)
-                record = {
-                    "kind": KIND,
-                    "format": FORMAT,
-                    "iteration": iteration,
-                    "world_size": distributed.world_size(),
-                    "models": list(s.trained),
-                }
-                folder.seal({**record, **seal_fields(run)})  # hashes every file: the DCP shards and STATE
-                prune_run(root, run, keep)
-            except OSError as err:
-                folder.discard()
-                error = f"cannot seal {folder.final}: {err}"
-        all_ok(error, f"checkpoint of iteration {iteration} not written (previous checkpoints untouched)")
-        return folder.final
-
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """Check meta.json and every file, then restore the shards (written on any world size) and the
-        schedulers; the configured learning rates replace the checkpoint's. Returns the saved state."""
-        s = self.strategy
-        path = Path(path)
-        names = distributed.all_gather_json(str(path.resolve()), distributed.group_device())
-        if len(set(names)) != 1:
-            raise CheckpointError(
-                f"ranks would resume from different checkpoints: {names} (use a shared folder)"
-            )
-        error: str | None = None
-        try:
-            check_fsdp_checkpoint(path, list(s.trained), s.algorithm.name)
-        except CheckpointError as err:
-            error = str(err)
-        all_ok(error, "cannot resume")
-        shards = s.sharded_state()
-        load_state(path / DCP_DIR, shards)
-        state: dict[str, Any] = torch.load(path / STATE, map_location="cpu", weights_only=True)
-        try:
-            s.load_state_dict({**shards, **state})
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise mismatch_error(path, err) from None
-        return state
-
-
-def check_fsdp_checkpoint(path: Path, models: list[str], algorithm: str) -> dict[str, Any]:
-    """meta.json of an fsdp checkpoint folder, every file present and matching its SHA-256, written for the
-    same trained models; a CheckpointError naming the file and the fix otherwise."""
-    meta_path = path / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{meta_path} cannot be read ({err}): not a complete checkpoint; resume from another one "
-            "(resume=<checkpoint folder>) or remove it"
-        ) from None
-    if not isinstance(meta, dict) or meta.get("kind") != KIND:
-        kind = meta.get("kind", "single-process") if isinstance(meta, dict) else "unknown"
-        raise CheckpointError(
-            f"{meta_path} is a {kind} checkpoint, not one of pipeline=fsdp: resume it with the pipeline that "
-            "wrote it"
-        )
-    if meta.get("models") != models:
-        raise CheckpointError(
-            f"{meta_path} holds the models {meta.get('models')} but algorithm.name={algorithm} trains {models}: "
-            "resume it with the algorithm that wrote it"
-        )
-    for name, digest in dict(meta.get("sha256", {})).items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        if sha256(file) != digest:
-            raise CheckpointError(
-                f"checkpoint file {file} does not match its SHA-256 in meta.json (corrupt or tampered)"
-            )
-    return meta
-
-
-@runtime_checkable
-class RowInferencer(Protocol):
-    """What `ShardedInference` runs each rank's share of the rows with (`ModelInferencer` is one)."""
-
-    actor: Transformer
-
-    def groups(self, rollout: Rollout, rows: Sequence[int] | None = None) -> list[list[int]]: ...
-
-    def infer_rows(
-        self, rollout: Rollout, index_G: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
-
-    def prefetch(self) -> None: ...
-
-    def release(self) -> None: ...
-
-
-class ShardedInference:
-    """`pipeline=fsdp`'s inference stage: every rank holds the whole rollout (the generation instances gather
-    it), infers its share (Karmarkar-Karp by sequence cost, as training splits a mini-batch) with the sharded
-    models, and the shares are summed back into the rollout's rows on every rank (each row computed by exactly
-    one rank, zeros elsewhere: the sum is exact).
-
-    The sharded models' forwards gather each layer from every rank, so every rank runs as many forward passes:
-    one with fewer groups of rows runs its last group again (its results dropped). The models are never whole on
-    a rank, so the rollout's memory is the generation copy, its KV cache and one gathered layer at a time."""
-
-    def __init__(self, inferencer: RowInferencer, group: Any) -> None:
-        self.inferencer, self.group = inferencer, group
-
-    def prefetch(self) -> None:
-        self.inferencer.prefetch()
-
-    def release(self) -> None:
-        self.inferencer.release()
-
-    @torch.no_grad()
-    def infer(self, rollout: Rollout) -> Experience:
-        world, rank = distributed.world_size(self.group), distributed.rank(self.group)
-        lengths = rollout.attention_mask_BT.sum(dim=1).tolist()  # the generator's host copy: no device sync
-        mine = karmarkar_karp(sample_costs(lengths), world)[rank] if len(rollout) >= world else []
-        if len(rollout) < world and rank < len(rollout):
-            mine = [rank]
-        groups = self.inferencer.groups(rollout, mine)
-        device = next(self.inferencer.actor.parameters()).device
-        count = torch.tensor([float(len(groups))], dtype=torch.float64, device=device)
-        distributed.all_reduce(count, op="max", group=self.group)
-        rollout = rollout.to(device)
-        out: list[Tensor] = []
-        for i in range(int(count.item())):
-            real = i < len(groups)
-            rows = groups[i] if real else (groups[-1] if groups else [0])  # a repeat: dropped
-            index_G = torch.tensor(rows, device=device)
-            part = self.inferencer.infer_rows(rollout, index_G)
-            if not out:
-                out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype, device=device) for p in part]
-            if real:
-                for whole, piece in zip(out, part, strict=True):
-                    whole[index_G] = piece
-        return Experience(rollout, *sum_over_ranks(out, self.group))
-
-
-def sum_over_ranks(tensors: Sequence[Tensor], group: Any) -> list[Tensor]:
-    """`tensors` summed over the ranks of `group` in one all-reduce (flattened into one float64 buffer on
-    their device, so that every dtype's values survive the sum exactly when one rank holds each)."""
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-    distributed.all_reduce(flat, group=group)
-    out, start = [], 0
-    for t in tensors:
-        out.append(flat[start : start + t.numel()].view(t.shape).to(t.dtype))
-        start += t.numel()
-    return out

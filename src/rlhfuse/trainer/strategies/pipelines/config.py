@@ -4,7 +4,6 @@ multi-process launch (`distributed.*`), declared next to the runtime that reads 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -85,8 +84,10 @@ class DistributedConfig:
 
 def launched_world_size(nproc_per_node: int) -> int:
     """World size of this run: torchrun's WORLD_SIZE when set, else nproc_per_node."""
-    env = os.environ.get("WORLD_SIZE")
-    return int(env) if env and env.isdigit() else nproc_per_node
+    from rlhfuse.distributed import launched_world
+
+    launched = launched_world()
+    return nproc_per_node if launched is None else launched
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class PipelineRun:
     def layout(self) -> ParallelLayout:
         """The layout the strategy runs (its tp keys read as at least 1: smaller values are reported by
         `validate_runtime`); raises `ParallelLayout`'s ValueError. A run derives it once (`Topology.stages`)."""
-        from rlhfuse.runtime.pipeline_strategy import pipeline_layout
+        from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
         p = self.pipeline
         sizes = dataclasses.replace(p, actor_tp=max(p.actor_tp, 1), critic_tp=max(p.critic_tp, 1))
@@ -122,8 +123,8 @@ class PipelineRun:
 def validate_runtime(run: PipelineRun, derive: Callable[[], ParallelLayout] | None = None) -> list[str]:
     """Problems of pipeline=fused / serial_1f1b and distributed.* (each naming the override and the fix).
     `derive`: the run's layout as already derived (`Topology.stages`); by default `run.layout()`."""
-    from rlhfuse.runtime.pipeline_strategy import data_parallel_sizes  # what the strategy runs
     from rlhfuse.runtime.plan import PLANNERS  # the runtime's pipeline schedules, by name
+    from rlhfuse.trainer.strategies.pipelines.training import data_parallel_sizes  # what the strategy runs
 
     problems: list[str] = []
     p = run.pipeline

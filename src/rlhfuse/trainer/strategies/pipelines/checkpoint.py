@@ -48,7 +48,7 @@ from rlhfuse.core.errors import CheckpointError
 from rlhfuse.models.stages import balanced_ranges
 from rlhfuse.runtime.layout import MODELS, ParallelLayout
 from rlhfuse.runtime.partition import RankStages
-from rlhfuse.runtime.pipeline_config import PipelineRun
+from rlhfuse.trainer.strategies.pipelines.config import PipelineRun
 
 KIND = "pipeline"
 FORMAT = 1

@@ -42,7 +42,6 @@ from rlhfuse.runtime.layout import (
     build_process_groups,
 )
 from rlhfuse.runtime.partition import RankStages
-from rlhfuse.runtime.pipeline_config import PipelineConfig
 from rlhfuse.runtime.plan import (
     PlanOptions,
     StageProfile,
@@ -53,9 +52,10 @@ from rlhfuse.runtime.plan import (
     unprofiled_plan,
 )
 from rlhfuse.runtime.reshard import Resharder
-from rlhfuse.runtime.sharded_checkpoint import ShardedCheckpointer
 from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
+from rlhfuse.trainer.strategies.pipelines.checkpoint import ShardedCheckpointer
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
 
 
 def data_parallel_sizes(
@@ -124,9 +124,11 @@ class PipelineStrategy:
         log: Callable[[str], None] = print,
         generation_tp: int = 1,
         layout: ParallelLayout | None = None,
+        groups: distributed.WorldGroups | None = None,
     ) -> None:
         """`layout`: the run's layout as already derived (`Topology.stages`), placed here on this rank's device;
-        derived from `config` and the world size otherwise."""
+        derived from `config` and the world size otherwise. `groups`: the run's owner of its process groups
+        (`Topology.groups`; this process's `WorldGroups` by default)."""
         self.planner = planner_for(schedule)
         self.generation_tp = generation_tp
         if not distributed.is_initialized():
@@ -156,7 +158,7 @@ class PipelineStrategy:
         micro = self.layout.microbatches
         # micro-batches per group: the layout's, or per step from a token budget (each count planned once)
         self.micro_batch_tokens = micro_batch_tokens
-        self.groups = build_process_groups(self.layout, timeout_s)
+        self.groups = build_process_groups(self.layout, timeout_s, groups)
         vocab = None
         # this rank's tensor-parallel shard of its stages (Megatron-style), each model over its own tp group
         self.models = {m: self.tp_shard(model, m) for m, model in self.models.items()}
