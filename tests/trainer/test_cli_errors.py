@@ -101,6 +101,28 @@ def test_an_unknown_key_in_a_users_experiment_names_the_file_and_the_closest_key
     assert "did you mean generator.max_new_tokens?" in line
 
 
+def test_the_shipped_configs_are_pkg_rlhfuse_conf_from_a_clone(tmp_path):
+    """The same `@hydra.main(config_path="pkg://rlhfuse.conf")` script runs against a clone's editable install: the
+    package's search path reaches the repository's `conf/` (the wheel ships it inside the package)."""
+    script = tmp_path / "my_train.py"
+    script.write_text(
+        "import hydra\n"
+        "from rlhfuse.trainer.hydra import to_config\n\n\n"
+        '@hydra.main(config_path="pkg://rlhfuse.conf", config_name="config", version_base="1.3")\n'
+        "def main(cfg):\n"
+        "    print('composed', to_config(cfg).iterations)\n\n\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = [sys.executable, str(script), "--cfg", "job", "experiment=smoke", "iterations=5"]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\niterations: 5\n" in out.stdout and "\nexperiment: smoke\n" in out.stdout, out.stdout[-2000:]
+    where = [sys.executable, "-c", "import rlhfuse.conf as c; print(c.__file__)"]
+    found = subprocess.run(where, capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
+    assert found.strip() == str(ROOT / "conf" / "__init__.py"), found
+
+
 @pytest.mark.slow
 def test_the_shipped_configs_are_pkg_rlhfuse_conf_from_a_wheel(tmp_path):
     """A user's own `@hydra.main(config_path="pkg://rlhfuse.conf")` script composes the shipped configuration

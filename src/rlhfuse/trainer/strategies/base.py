@@ -197,4 +197,6 @@ class RegisteredStrategy(StrategyPart):
     def build(self, ctx: BuildContext) -> Strategy:
         from rlhfuse.trainer.strategies import STRATEGIES
 
-        return STRATEGIES.get(self.registered)(ctx)  # type: ignore[no-any-return,operator]
+        # an import path resolves to the user's builder, not to a part class
+        builder: Callable[[BuildContext], Strategy] = STRATEGIES.get(self.registered)  # type: ignore[assignment]
+        return builder(ctx)
