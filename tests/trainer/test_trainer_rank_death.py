@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from rlhfuse.core.checkpoint import read_runs
 from rlhfuse.trainer import build_trainer, compose_config
 
 SMOKE = ["experiment=smoke", "generator.instances=2", "iterations=100000", "distributed.timeout_s=60"]
@@ -111,6 +112,11 @@ def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path) -> None
     assert proc.returncode == 1, out[-3000:]
     _check_one_line(out, dead=1, survivor=0)
     assert "killed by SIGKILL" in out and "last step: iteration" in out, out[-3000:]
+    # the run folder keeps the reason: the same line in its log, and run.json says the attempt failed
+    (line,) = [x for x in out.splitlines() if "rlhfuse-train: error:" in x]
+    assert line.strip() in (tmp_path / "run" / "rlhfuse-train.log").read_text()
+    (attempt,) = read_runs(tmp_path / "run")
+    assert attempt.status == "failed" and "rank 1" in (attempt.reason or ""), attempt
 
 
 @pytest.mark.distributed

@@ -21,6 +21,7 @@ rank 0 notices the death first (the watchdog's, or the main thread's failed coll
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -40,6 +41,9 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 from rlhfuse.core.protocols import Callback
 from rlhfuse.distributed import launched_local_world, launched_world
+
+RUN_LOG_NAME = "rlhfuse-train"
+"""The logger whose handlers the command line points at the run folder's log (`rlhfuse-train.log`)."""
 
 
 def launched_rank_zero() -> bool:
@@ -175,6 +179,7 @@ class Watchdog(Callback):
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # rank -> process, the ranks this one started
         self._stopping = threading.Lock()
         self.step = "start-up"
+        self.trainer: Any = None  # the run it watches, once its loop calls back: its run.json records the failure
         self.ready = False
         self.armed = True
         self.started = 0.0
@@ -238,9 +243,11 @@ class Watchdog(Callback):
 
     # Callback hooks (build_trainer adds the watchdog to a multi-process trainer): the last step, for the message
     def on_stage_start(self, trainer: Any, stage: str) -> None:
+        self.trainer = trainer
         self.step = f"iteration {trainer.iteration + 1}, {stage}"
 
     def on_iteration_end(self, trainer: Any, iteration: int, metrics: Any) -> None:
+        self.trainer = trainer
         self.step = f"after iteration {iteration}"
 
     def disarm(self) -> None:
@@ -269,6 +276,13 @@ class Watchdog(Callback):
             sys.stdout.flush()
             sys.stderr.write(f"rlhfuse-train: error: {message}\n")
             sys.stderr.flush()
+            # the run folder keeps the reason: the run log (the console's lines, rank 0) and run.json
+            logging.getLogger(RUN_LOG_NAME).error("rlhfuse-train: error: %s", message)
+            if self.trainer is not None:
+                try:
+                    self.trainer.end_run("failed", message)
+                except Exception as err:  # the process is ending: the console line above stands
+                    sys.stderr.write(f"rlhfuse-train: run.json not updated: {err}\n")
             for proc in self.children.values():
                 proc.kill()  # SIGKILL, as Fabric's observer did: a rank blocked in a collective ignores SIGTERM
             os._exit(1)  # the main thread may be blocked in a collective that never returns

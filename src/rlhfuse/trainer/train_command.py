@@ -43,7 +43,7 @@ from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Callback
 from rlhfuse.data.prompts import DatasetError
 from rlhfuse.models import CheckpointError as ModelCheckpointError
-from rlhfuse.runtime.launch import Watchdog, launched_rank_zero
+from rlhfuse.runtime.launch import RUN_LOG_NAME, Watchdog, launched_rank_zero
 from rlhfuse.trainer.build import build_trainer
 from rlhfuse.trainer.hydra import (
     COMPOSITION_ERRORS,
@@ -74,7 +74,7 @@ def debug() -> bool:
 # The console's lines, mirrored into the run folder's log: its handlers are Hydra's job-log file handlers only
 # (`_mirror_to_run_log`), as the console already shows these lines. The NullHandler keeps logging's last-resort
 # handler from printing them a second time when there is no file.
-RUN_LOG = logging.getLogger("rlhfuse-train")
+RUN_LOG = logging.getLogger(RUN_LOG_NAME)
 RUN_LOG.propagate = False
 RUN_LOG.setLevel(logging.INFO)
 RUN_LOG.addHandler(logging.NullHandler())
