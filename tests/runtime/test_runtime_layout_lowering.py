@@ -9,7 +9,15 @@ from rlhfuse.pipeline import Action, Kind, Schedule, greedy, load_problems, seri
 from rlhfuse.pipeline.schedule_command import default_table_path
 from rlhfuse.pipeline.simulate import simulate
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
-from rlhfuse.runtime.lower import LoweringError, Message, Program, check_program, lower, lower_checked
+from rlhfuse.runtime.lower import (
+    STREAM_MODELS,
+    LoweringError,
+    Message,
+    Program,
+    check_program,
+    lower,
+    lower_checked,
+)
 
 TABLE3 = default_table_path()  # the Table-3 settings shipped with the package
 
@@ -196,7 +204,48 @@ def test_one_group_per_model_deadlocks_under_nccl_order(
     program = lower(problem, greedy(problem) if schedule == "greedy" else serial_one_f_one_b(problem))
     check_program(program)  # one group per model and direction: no deadlock
     with pytest.raises(LoweringError, match=r"deadlock(.|\n)*WAIT RECV .*stream of group"):
-        check_program(program, group_of=lambda message: message.model)
+        check_program(program, group_of=lambda message, lo, hi: message.model)
+
+
+def _world_group_per_model_and_direction(message: Message, lo: int, hi: int) -> tuple[str, bool]:
+    """The grouping before per-pair groups: one world-sized group per model and direction."""
+    return (message.model, message.grad)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("program_kind", ["fused", "serial_1f1b", "inference"])
+def test_every_plan_runs_under_both_nccl_stream_models(program_kind: str, pp: int, prefetch: int) -> None:
+    """NCCL runs a group's point-to-point ops on one stream per (group, rank pair), or per (group, rank) when the
+    communicator is made eagerly: every program the runtime lowers (the fused search's, serial 1F1B, forward-only
+    inference; pp 2, 4, 8; prefetch 0 and 1) runs under both with the runtime's groups (one per model, direction
+    and rank pair), which make the two models the same."""
+    from rlhfuse.trainer.strategies.pipelines.inference import forward_schedule, inference_problem
+
+    layout = ParallelLayout(ModelParallel(pp), ModelParallel(pp), 1, pp, 2 * pp)
+    if program_kind == "inference":
+        problem = inference_problem(layout, 2 * pp, ("actor", "ref", "critic", "reward"))
+        program = lower(problem, forward_schedule(problem), prefetch=prefetch, optimizer_steps=False)
+    else:
+        problem = layout.problem()
+        schedule = greedy(problem) if program_kind == "fused" else serial_one_f_one_b(problem)
+        program = lower(problem, schedule, prefetch=prefetch)
+    for model in STREAM_MODELS:
+        check_program(program, streams_per=model)
+
+
+@pytest.mark.parametrize(("actor", "critic"), [(4, 4), (8, 4)])
+def test_world_groups_per_model_deadlock_under_one_stream_per_group_and_rank(actor: int, critic: int) -> None:
+    """The grouping before per-pair groups (one world-sized group per model and direction) runs the fused
+    programs under the pair model but forms wait cycles when all of a rank's ops on a group share one stream
+    (PyTorch #132900): what the per-pair groups fix."""
+    layout = ParallelLayout(ModelParallel(actor), ModelParallel(critic), 1, actor, 8)
+    problem = layout.problem()
+    program = lower(problem, greedy(problem), prefetch=0)
+    check_program(program, group_of=_world_group_per_model_and_direction, streams_per="pair")
+    with pytest.raises(LoweringError, match="deadlock"):
+        check_program(program, group_of=_world_group_per_model_and_direction, streams_per="rank")
+    check_program(program, streams_per="rank")  # the runtime's groups
 
 
 def test_check_program_models_one_fifo_per_group_and_pair() -> None:

@@ -1,6 +1,7 @@
 """NCCL's point-to-point ordering emulated on gloo (`rlhfuse.distributed.ordering`): the old grouping (one group
 per model, both directions on it) completes on plain gloo but times out under the emulation, naming the waiting
-instruction; one group per model and direction (what the runtime builds) completes under it."""
+instruction; one group per model, direction and rank pair (what the runtime builds) completes under it, with one
+stream per (group, rank pair) and with one per (group, rank)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _worker(rank: int, world: int) -> None:
     # the old grouping: one group per model carrying activations and gradients
     owner = distributed.WorldGroups.current()
     old = {m: owner.group(("test", "old", m), range(world)) for m in ("actor", "critic")}
-    one_per_model = {(m, d): old[m] for m in old for d in ("act", "grad")}
+    one_per_model = {(m, d, 0, 1): old[m] for m in old for d in ("act", "grad")}
 
     os.environ[ordering.ENV] = "0"  # plain gloo runs every op at once: the old order completes
     plain = _step(rank, layout, one_per_model, groups.grad, 60)
@@ -64,18 +65,24 @@ def _worker(rank: int, world: int) -> None:
     with pytest.raises(
         PipelineError, match=r"rank \d: WAIT RECV actor.g0.r0.s\d:(act|dgrad)\d <- \d .*NCCL-ordering"
     ):
-        _step(rank, layout, {(m, d): fresh[m] for m in fresh for d in ("act", "grad")}, groups.grad, 3)
+        _step(rank, layout, {(m, d, 0, 1): fresh[m] for m in fresh for d in ("act", "grad")}, groups.grad, 3)
 
-    # one group per model and direction: the runtime's own groups run it, with the same result as plain gloo
+    # one group per model, direction and rank pair: the runtime's own groups run it, with the same result as plain
+    # gloo, under one stream per (group, rank pair) and under one stream per (group, rank)
     nccl = _step(rank, layout, groups.p2p, groups.grad, 60)
     assert nccl.stats == plain.stats and nccl.grad_norm == plain.grad_norm
+    os.environ[ordering.ENV] = "rank"
+    assert ordering.stream_model() == "rank"
+    per_rank = _step(rank, layout, groups.p2p, groups.grad, 60)
+    os.environ[ordering.ENV] = "1"
+    assert per_rank.stats == plain.stats and per_rank.grad_norm == plain.grad_norm
 
     # NCCL matches by order alone: a tag or a receive from any rank on a device group is refused, naming the fix
     buf = torch.zeros(1)
     with pytest.raises(ValueError, match="cpu_group"):
-        distributed.irecv(buf, None, group=groups.p2p[("actor", "act")])
+        distributed.irecv(buf, None, group=groups.p2p[("actor", "act", 0, 1)])
     with pytest.raises(ValueError, match="cpu_group"):
-        distributed.isend(buf, 1 - rank, group=groups.p2p[("actor", "act")], tag=3)
+        distributed.isend(buf, 1 - rank, group=groups.p2p[("actor", "act", 0, 1)], tag=3)
     assert ordering.is_control(distributed.cpu_group())  # control messages get their own gloo group
 
 

@@ -379,7 +379,8 @@ def test_trainer_runs_merged_stages_with_four_processes(tmp_path: pathlib.Path) 
     """`rlhfuse-train` with actor pp=4 tp=1 and critic pp=2 tp=2 (the Actor's stages merged two per tp group, so
     the generation instances of 2 ranks are resharded to from a tp-1 Actor), on the smoke job with 4 layers: it trains, each rank holds at most
     1/(pp*tp) of every model plus the embedding / head share (and its tp shard of the generation copy), and the
-    exported Actor is whole and trained."""
+    exported Actor is whole and trained. It runs under the NCCL-ordering emulation's one stream per (group, rank).
+    """
     exe = pathlib.Path(sys.executable).with_name("rlhfuse-train")
     run_dir = tmp_path / "run"
     cmd = [
@@ -389,7 +390,8 @@ def test_trainer_runs_merged_stages_with_four_processes(tmp_path: pathlib.Path) 
         "distributed.timeout_s=60", "checkpoint.export_hf=true",
         f"model.warmstart.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # under the stricter of NCCL's stream models: one stream per (group, rank), whatever the peer
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHFUSE_NCCL_ORDER": "rank"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -121,7 +121,8 @@ class PipelineExecutor:
     """Runs `program.streams[rank]` with this rank's stages.
 
     stages: (model, replica, stage) -> module for every stage placed on this rank (`split_stages` outputs);
-    p2p_groups: (model, direction) -> process group for point-to-point messages (`ProcessGroups.p2p`);
+    p2p_groups: (model, direction, low rank, high rank) -> process group for point-to-point messages
+    (`ProcessGroups.p2p`);
     grad_groups: (model, stage) -> group over the ranks holding that stage (None when one rank holds it);
     timeout_s: how long a wait may block.
 
@@ -152,7 +153,7 @@ class PipelineExecutor:
         stages: Mapping[StageKey, torch.nn.Module],
         *,
         losses: Mapping[str, LossFn],
-        p2p_groups: Mapping[tuple[str, str], Any] | None = None,
+        p2p_groups: Mapping[Any, Any] | None = None,
         grad_groups: Mapping[tuple[str, int], Any] | None = None,
         timeout_s: float = 300.0,
         track_memory: bool = False,

@@ -179,7 +179,8 @@ class Watchdog(Callback):
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # rank -> process, the ranks this one started
         self._stopping = threading.Lock()
         self.step = "start-up"
-        self.trainer: Any = None  # the run it watches, once its loop calls back: its run.json records the failure
+        # the run it watches, once its loop calls back: its run.json records the failure
+        self.trainer: Any = None
         self.ready = False
         self.armed = True
         self.started = 0.0

@@ -422,15 +422,16 @@ def actor_only_layout(
 class ProcessGroups:
     """torch.distributed groups by purpose, built identically on every rank.
 
-    p2p[(model, direction)]: the whole world, one group per model and direction ("act" forward, "grad"
-    backward: `rlhfuse.runtime.lower.p2p_group_key`), so that on every group a rank pair's messages go one way, in
-    the order the lowering proves NCCL can run; grad[(model, stage)]: gradient reduction over replicas and data parallelism of this rank's tp
+    p2p[(model, direction, low rank, high rank)]: one group of two ranks per model, direction ("act" forward,
+    "grad" backward) and rank pair that exchanges the model's messages (`rlhfuse.runtime.lower.p2p_group_key`), so
+    that on every group the pair's messages go one way, in the order the lowering proves NCCL can run under
+    either of its stream models (per rank pair, per rank: a group of one pair is one stream both ways); grad[(model, stage)]: gradient reduction over replicas and data parallelism of this rank's tp
     shard of the stage (None when a single rank holds it); pipeline[(model, fused group, replica)]: the ranks of
     that pipeline with this rank's tp position; tp: this rank's tp group (None when tp = 1: the vocabulary- and
     tensor-parallel collectives then do nothing); world: the default group (norms, statistics, weight sync).
     """
 
-    p2p: dict[tuple[str, str], Any]
+    p2p: dict[tuple[str, str, int, int], Any]
     grad: dict[tuple[str, int], Any]
     pipeline: dict[tuple[str, int, int], Any]
     data_parallel: tuple[Any, ...]
@@ -445,7 +446,7 @@ class ProcessGroups:
 
 
 DIRECTIONS: tuple[str, ...] = ("act", "grad")
-"""The point-to-point groups of a model: activations forward, gradients backward (`ProcessGroups.p2p`)."""
+"""The point-to-point directions of a model: activations forward, gradients backward (`ProcessGroups.p2p`)."""
 
 
 def warm_up_pairs(groups: Mapping[Any, tuple[Any, Sequence[tuple[int, int]]]], device: str) -> None:
@@ -476,15 +477,19 @@ def build_process_groups(
     from rlhfuse import distributed
 
     owner = groups if groups is not None else distributed.WorldGroups.current()
-    world = list(range(layout.world_size))
     me = distributed.rank()
     mine = layout.tp_rank(me)
 
     def group(key: tuple[Any, ...], ranks: tuple[int, ...] | list[int]) -> Any:
         return owner.group(("pipeline", *key), ranks, timeout_s)
 
-    p2p = {(m, d): group(("p2p", m, d), world) for m in layout.trained for d in DIRECTIONS}
-    warm_up_pairs({key: (g, layout.p2p_pairs(key[0])) for key, g in p2p.items()}, layout.device)
+    p2p = {
+        (m, d, lo, hi): group(("p2p", m, d, lo, hi), (lo, hi))
+        for m in layout.trained
+        for d in DIRECTIONS
+        for lo, hi in layout.p2p_pairs(m)
+    }
+    warm_up_pairs({key: (g, [key[2:]]) for key, g in p2p.items()}, layout.device)
     grad: dict[tuple[str, int], Any] = {}
     for (m, s, _), ranks in layout.tp_grad_groups.items():
         made = group(("tp-grad", m, s), ranks) if len(ranks) > 1 else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import Problem
@@ -214,25 +215,38 @@ def lower(
 P2PGroupKey = Hashable
 """Which process group a point-to-point message travels on (`p2p_group_key`)."""
 
+GroupOf = Callable[[Message, int, int], P2PGroupKey]
+"""A message's process group, given the low and the high rank of the pair it travels between."""
 
-def p2p_group_key(message: Message) -> tuple[str, str]:
-    """The process group of a message: one per model and direction ("act": activations to the next stage,
-    "grad": input gradients to the previous one). On a group the ranks of a pair then exchange messages in one
-    direction only, in the sender's order, which the receiver's posts follow (`lower`): NCCL's one stream per
-    (group, rank pair) can run that (one group per model, both directions on it, cannot: see `check_program`)."""
-    return (message.model, "grad" if message.grad else "act")
+StreamModel = Literal["pair", "rank"]
+"""How NCCL runs a group's point-to-point ops: one stream per (group, rank pair), or one per (group, rank) — all
+of a rank's ops on the group in one stream, whatever the peer (a communicator created eagerly; PyTorch #132900)."""
+
+STREAM_MODELS: tuple[StreamModel, ...] = ("pair", "rank")
 
 
-def check_program(program: Program, group_of: Callable[[Message], P2PGroupKey] = p2p_group_key) -> None:
+def p2p_group_key(message: Message, lo: int, hi: int) -> tuple[str, str, int, int]:
+    """The process group of a message between ranks `lo` < `hi`: one per model, direction ("act": activations to
+    the next stage, "grad": input gradients to the previous one) and rank pair. On a group the two ranks then
+    exchange messages in one direction only, in the sender's order, which the receiver's posts follow (`lower`):
+    NCCL runs that under either stream model, since the group's one pair is its one stream (one group per model,
+    both directions on it, cannot run it: see `check_program`)."""
+    return (message.model, "grad" if message.grad else "act", lo, hi)
+
+
+def check_program(
+    program: Program, group_of: GroupOf = p2p_group_key, streams_per: StreamModel = "pair"
+) -> None:
     """Execute `program` under NCCL's point-to-point semantics; raise LoweringError on a mismatch or a deadlock.
 
     Transport model (the strictest we run on, NCCL's): every message travels on the process group `group_of`
-    gives it; each (group, rank pair) is one FIFO stream per rank, both directions sharing it. A rank's sends and
-    receive posts enter their stream in issue order and never block the rank; only the op at the head of a
-    rank's stream is running, and it completes only together with the head of the peer's stream, which must be
-    its counterpart (a send of the same message). Two heads that are both sends or both receives wait forever: a
-    deadlock, reported with what every rank waits for. No tags: heads carrying different messages are a
-    mismatch.
+    gives it; each (group, rank pair) — or, with `streams_per="rank"`, each (group, rank), whatever the peer — is
+    one FIFO stream per rank, both directions sharing it. A rank's sends and receive posts enter their stream in
+    issue order and never block the rank; only the op at the head of a rank's stream is running, and it completes
+    only together with the head of the peer's stream on the same group, which must be its counterpart (a send of
+    the same message to this rank). Two heads that are both sends or both receives, or a head whose peer's head
+    is an op with a third rank, wait: a cycle of such waits is a deadlock, reported with what every rank waits
+    for. No tags: counterpart heads carrying different messages are a mismatch.
 
     Blocking points: a RECV wait (its receive completed), an OPTIMIZER_STEP (every send of this model completed,
     every reduction launched by all its members, then a blocking collective over all ranks for the gradient
@@ -241,8 +255,9 @@ def check_program(program: Program, group_of: Callable[[Message], P2PGroupKey] =
     """
     streams = program.streams
     nranks = len(streams)
-    # (group, low rank, high rank) -> rank -> its ops on that stream not yet completed: (send?, message, peer)
-    queues: dict[tuple[P2PGroupKey, int, int], dict[int, deque[tuple[bool, Message, int]]]] = defaultdict(
+    # (group, low rank, high rank), or (group,) per rank -> rank -> its ops on its stream not yet completed:
+    # (send?, message, peer)
+    queues: dict[tuple[Any, ...], dict[int, deque[tuple[bool, Message, int]]]] = defaultdict(
         lambda: defaultdict(deque)
     )
     received: list[set[Message]] = [set() for _ in range(nranks)]  # receives completed
@@ -257,31 +272,39 @@ def check_program(program: Program, group_of: Callable[[Message], P2PGroupKey] =
     done: list[set[tuple[Action, int]]] = [set() for _ in range(nranks)]
     pointer = [0] * nranks
 
-    def stream_key(k: int, peer: int, message: Message) -> tuple[P2PGroupKey, int, int]:
-        return (group_of(message), min(k, peer), max(k, peer))
+    def stream_key(k: int, peer: int, message: Message) -> tuple[Any, ...]:
+        lo, hi = min(k, peer), max(k, peer)
+        group = group_of(message, lo, hi)
+        return (group, lo, hi) if streams_per == "pair" else (group,)
 
-    def advance(key: tuple[P2PGroupKey, int, int]) -> None:
-        """Complete the heads of both sides of one stream while they are counterparts."""
-        _, lo, hi = key
+    def advance(key: tuple[Any, ...]) -> None:
+        """Complete the heads of the ranks' streams on one group while two of them are counterparts."""
         sides = queues[key]
-        while sides[lo] and sides[hi]:
-            (send_a, msg_a, _), (send_b, msg_b, _) = sides[lo][0], sides[hi][0]
-            if send_a == send_b:
-                return  # both send or both receive: neither completes
-            if msg_a != msg_b:
-                sender, receiver = (lo, hi) if send_a else (hi, lo)
-                sent, wanted = (msg_a, msg_b) if send_a else (msg_b, msg_a)
-                raise LoweringError(
-                    f"mismatch on channel rank {sender} -> rank {receiver} (group {key[0]}): the sender's next "
-                    f"message on the stream is {sent} but the receiver's next receive is {wanted}"
-                )
-            sides[lo].popleft()
-            sides[hi].popleft()
-            sender, receiver = (lo, hi) if send_a else (hi, lo)
-            received[receiver].add(msg_a)
-            open_sends[sender][msg_a.model] -= 1
+        progressed = True
+        while progressed:
+            progressed = False
+            for k in list(sides):
+                if not sides[k]:
+                    continue
+                send_a, msg_a, peer = sides[k][0]
+                other = sides.get(peer)
+                if not other or other[0][2] != k or other[0][0] == send_a:
+                    continue  # the peer runs nothing here, an op with a third rank, or the same direction
+                msg_b = other[0][1]
+                sender, receiver = (k, peer) if send_a else (peer, k)
+                if msg_a != msg_b:
+                    sent, wanted = (msg_a, msg_b) if send_a else (msg_b, msg_a)
+                    raise LoweringError(
+                        f"mismatch on channel rank {sender} -> rank {receiver} (group {key[0]}): the sender's next "
+                        f"message on the stream is {sent} but the receiver's next receive is {wanted}"
+                    )
+                sides[k].popleft()
+                other.popleft()
+                received[receiver].add(msg_a)
+                open_sends[sender][msg_a.model] -= 1
+                progressed = True
 
-    def head_of(k: int, key: tuple[P2PGroupKey, int, int]) -> str:
+    def head_of(k: int, key: tuple[Any, ...]) -> str:
         side = queues[key][k]
         if not side:
             return "nothing"
@@ -374,9 +397,10 @@ def check_program(program: Program, group_of: Callable[[Message], P2PGroupKey] =
             k: [f"{'SEND' if s else 'RECV'} {m}" for s, m, _ in side] for k, side in sides.items() if side
         }
         if left:
+            where = f"between ranks {stream[1]} and {stream[2]}" if len(stream) == 3 else "(per rank)"
             raise LoweringError(
-                f"stream of group {stream[0]} between ranks {stream[1]} and {stream[2]}: ops never completed (a "
-                f"send without its receive, or a deadlock at the end of the streams): {left}"
+                f"stream of group {stream[0]} {where}: ops never completed (a send without its receive, or a "
+                f"deadlock at the end of the streams): {left}"
             )
     for reduced, counts in launches.items():
         if len(set(counts.get(p, 0) for p in reduced[2])) != 1:
@@ -388,9 +412,11 @@ def check_program(program: Program, group_of: Callable[[Message], P2PGroupKey] =
 def lower_checked(
     problem: Problem, schedule: Schedule, *, dp: int = 1, prefetch: int = 1, optimizer_steps: bool = True
 ) -> Program:
-    """`lower` then `check_program`: the program every rank will run, proven free of deadlock and mismatch."""
+    """`lower` then `check_program` under both of NCCL's stream models: the program every rank will run, proven
+    free of deadlock and mismatch whichever model the job's NCCL follows."""
     program = lower(problem, schedule, dp=dp, prefetch=prefetch, optimizer_steps=optimizer_steps)
-    check_program(program)
+    for model in STREAM_MODELS:
+        check_program(program, streams_per=model)
     return program
 
 

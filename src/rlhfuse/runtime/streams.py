@@ -4,10 +4,10 @@ posting, waiting and sending a stream's RECV / SEND instructions, the messages b
 stage, and the inbox of tensors produced or received for a later compute. The interpreters keep only their
 compute (forward and backward, forward only).
 
-Messages travel on one process group per model and direction (`rlhfuse.runtime.lower.p2p_group_key`), to the peer
-`RankGeometry` names (same tp position; a merged stage's messages leave its last sub-stage and enter its first, in
-the direction of the message), so every (group, rank pair) carries messages one way in the order the lowering
-proved NCCL can run (`check_program`). Sub-stage messages travel on the same groups, on pairs inside one pipeline
+Messages travel on one process group per model, direction and rank pair (`rlhfuse.runtime.lower.p2p_group_key`),
+to the peer `RankGeometry` names (same tp position; a merged stage's messages leave its last sub-stage and enter its
+first, in the direction of the message), so every group carries messages one way in the order the lowering proved
+NCCL can run (`check_program`, under both of NCCL's stream models: a group of one pair is one stream either way). Sub-stage messages travel on the same groups, on pairs inside one pipeline
 rank, in the order both sub-stages run the same stream.
 
 Legend: B batch rows, T tokens, D model width.
@@ -54,15 +54,15 @@ ShapeFn = Callable[[Message], tuple[int, ...]]  # message -> the shape of its te
 class StreamComm:
     """One rank's messages while it runs its stream.
 
-    geometry: the rank's place (`ParallelLayout.geometry`); groups: (model, direction) -> process group
-    (`ProcessGroups.p2p`; a missing key means the default group); shape_of: a message's tensor shape; dtype,
+    geometry: the rank's place (`ParallelLayout.geometry`); groups: (model, direction, low rank, high rank) ->
+    process group (`ProcessGroups.p2p`, `p2p_group_key`; a missing key means the default group); shape_of: a message's tensor shape; dtype,
     device: its buffers'; timeout_s: how long a wait may block before it is a PipelineError naming the
     instruction."""
 
     def __init__(
         self,
         geometry: RankGeometry,
-        groups: Mapping[tuple[str, str], Any],
+        groups: Mapping[Any, Any],
         shape_of: ShapeFn,
         *,
         dtype: torch.dtype,
@@ -78,8 +78,8 @@ class StreamComm:
         self.waited = 0.0
         """Seconds spent blocked in waits for messages (not compute)."""
 
-    def _group(self, message: Message) -> Any:
-        return self.groups.get(p2p_group_key(message))
+    def _group(self, message: Message, peer: int) -> Any:
+        return self.groups.get(p2p_group_key(message, min(self.rank, peer), max(self.rank, peer)))
 
     def _buffer(self, message: Message) -> Tensor:
         return torch.empty(self.shape_of(message), dtype=self.dtype, device=self.device)
@@ -102,11 +102,11 @@ class StreamComm:
         if ins.kind is Kind.SEND:
             tensor = self.inbox.pop(message).contiguous()
             self.sends[ins.model].append(
-                (distributed.isend(tensor, peer, group=self._group(message)), tensor, str(ins))
+                (distributed.isend(tensor, peer, group=self._group(message, peer)), tensor, str(ins))
             )
         elif ins.post:
             buf = self._buffer(message)
-            self.pending[message] = (buf, distributed.irecv(buf, peer, group=self._group(message)))
+            self.pending[message] = (buf, distributed.irecv(buf, peer, group=self._group(message, peer)))
         else:
             buf, handle = self.pending.pop(message)
             self.wait(handle, str(ins))
@@ -125,14 +125,14 @@ class StreamComm:
         """Blocking receive of `message`'s tensor from sub-stage slot `slot` of this pipeline rank."""
         buf = self._buffer(message)
         peer = self.geometry.peer(self.geometry.pipeline_rank, message.model, slot)
-        self.wait(distributed.irecv(buf, peer, group=self._group(message)), f"{what} from rank {peer}")
+        self.wait(distributed.irecv(buf, peer, group=self._group(message, peer)), f"{what} from rank {peer}")
         return buf
 
     def send_sub(self, message: Message, tensor: Tensor, slot: int) -> None:
         """Send to sub-stage slot `slot` of this pipeline rank (kept alive until `wait_sends`)."""
         tensor = tensor.contiguous()
         peer = self.geometry.peer(self.geometry.pipeline_rank, message.model, slot)
-        work = distributed.isend(tensor, peer, group=self._group(message))
+        work = distributed.isend(tensor, peer, group=self._group(message, peer))
         self.sends[message.model].append((work, tensor, f"sub-stage send of {message} to rank {peer}"))
 
     # --- completion -------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ class ForwardExecutor:
         stages: Mapping[StageKey, nn.Module],
         heads: Mapping[str, Head],
         *,
-        p2p_groups: Mapping[tuple[str, str], Any] | None = None,
+        p2p_groups: Mapping[Any, Any] | None = None,
         timeout_s: float = 300.0,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         tp: int = 1,
@@ -280,14 +280,15 @@ class PipelineInferencer:
         # receives posted this many compute ops before their consumer (pipeline.prefetch)
         self.timeout_s, self.recv_prefetch, self.autocast = timeout_s, prefetch, autocast
         self.rank = distributed.rank()
-        # collective, same order on every rank: one point-to-point group per inference model (its messages
+        # collective, same order on every rank: one point-to-point group per inference model and rank pair (its messages
         # never match another model's, nor the training's)
-        world = list(range(layout.world_size))
         owner = groups if groups is not None else distributed.WorldGroups.current()
-        self.p2p = {(m, "act"): owner.group(("inference", "p2p", m, "act"), world) for m in self.names}
-        warm_up_pairs(
-            {key: (g, layout.p2p_pairs(PLACED_AS[key[0]])) for key, g in self.p2p.items()}, layout.device
-        )
+        self.p2p = {
+            (m, "act", lo, hi): owner.group(("inference", "p2p", m, "act", lo, hi), (lo, hi))
+            for m in self.names
+            for lo, hi in layout.p2p_pairs(PLACED_AS[m])
+        }
+        warm_up_pairs({key: (g, [key[2:]]) for key, g in self.p2p.items()}, layout.device)
         self.stages: dict[StageKey, nn.Module] = {}
         for m in self.names:
             split = split_stages(self.models[m], layout.stages(PLACED_AS[m]))
