@@ -101,14 +101,15 @@ class WorldGroups:
         messages by order alone). On gloo it is `group` itself, except under the NCCL-ordering emulation
         (`rlhfuse.distributed.ordering`), which needs the control messages apart from the device messages it
         queues: a gloo group made once per group, as on NCCL. Collective: every rank of `group` calls it
-        together."""
+        together (the trainer asks for the world's at start-up: `Topology.groups`, never first in mid-run)."""
         from rlhfuse.distributed import ordering
 
         if backend(group) == "gloo" and not ordering.enabled():
             return group
-        key = 0 if group is None else id(group)
+        whole = group is None or group is self._world
+        key = 0 if whole else id(group)
         if key not in self._cpu:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
+            ranks = None if whole else dist.get_process_group_ranks(group)
             self._cpu[key] = dist.new_group(ranks=ranks, backend="gloo")
             ordering.mark_control(self._cpu[key])
         return self._cpu[key]

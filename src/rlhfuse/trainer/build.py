@@ -240,6 +240,8 @@ def assemble(
     fabric = make_fabric(config, layout, device)
     if fabric.world_size > 1:
         device = fabric.device  # Fabric's rank device: cuda:LOCAL_RANK too (or the CPU)
+    if layout.process_group:
+        layout.groups.cpu()  # the world's control group (gloo) made here, on every rank, not first in mid-run
     shard = parts.strategy.stages_held(config, layout, fabric.global_rank)
     models = build_models(config, parts.strategy.load_device(device), device, shard, log)
     fabric.seed_everything(config.seed, verbose=False)
