@@ -10,7 +10,7 @@ export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm gpu-check real-model
+.PHONY: setup train test lint typecheck pytest bench clean test-vllm bench-vllm gpu-check gpu-check-dry real-model
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,9 +76,17 @@ real-model: $(STAMP)
 ## What only a CUDA device can check (collectives on NCCL, Triton kernels, engine, default job in bf16, vLLM): one
 ## table; without CUDA one line and nothing checked. The Triton interpreter is off here: the kernels run compiled.
 ## It runs with the machine's own CUDA build of torch (GPU_PYTHON; .venv here holds a CPU build), set up nothing.
+## TIER=quick (default: the rows a first GPU run most needs, each row's limit included within 9 minutes) or
+## TIER=full (every row, 32 minutes at most); ARGS="'engine decode' ..." runs the rows named.
 GPU_PYTHON ?= python3
+TIER ?= quick
 gpu-check:
-	TRITON_INTERPRET=0 PYTHONPATH=src:. $(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
+	TRITON_INTERPRET=0 PYTHONPATH=src:. $(GPU_PYTHON) -m benchmarks.gpu_check --tier $(TIER) $(ARGS)
+
+## gpu-check's dry run: every row's code on this CPU (gloo, tiny sizes, the Triton interpreter), the same table,
+## exit 1 on a FAIL; rows that need CUDA-only things SKIP saying why. The test suite runs it (~1-2 minutes).
+gpu-check-dry: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m benchmarks.gpu_check --dry-run $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(BENCH)

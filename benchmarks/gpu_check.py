@@ -1,9 +1,20 @@
 """`make gpu-check`: what only a CUDA device can check, as one table (`python -m benchmarks.gpu_check`).
 
 Each row is a function `row(device, backend) -> Outcome` that sizes itself by the device (real sizes on CUDA,
-tiny ones on the CPU, where the same code runs with gloo and the Triton interpreter: tests/test_gpu_check.py).
-`make gpu-check` runs every row in its own subprocess with its own time limit inside an 8-minute budget, so a
-hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Rows:
+tiny ones on the CPU, where the same code runs with gloo and the Triton interpreter). `make gpu-check` runs the
+rows of a tier, each in its own subprocess with its own time limit (`Check.limit_s`), so a hang, a CUDA crash or
+an NCCL abort is a FAIL row, not a stuck or dead check: TIER=quick (the default; what a first GPU run most needs,
+its limits within `QUICK_TIER_S` = 9 minutes, so it fits a 10-minute session) or TIER=full (every row). The
+check's budget is the sum of its rows' limits: no row is left unrun for lack of time.
+
+`make gpu-check-dry` (`--dry-run`) runs every row's code on the CPU in one process (gloo, tiny sizes, the Triton
+interpreter) and prints the same table; rows that need CUDA-only things (flash-attn, Transformer Engine, vLLM,
+a CUDA device for the setting) SKIP saying why. The test suite runs it (tests/test_gpu_check.py), so a row whose
+call no longer matches the code it calls fails there, not on the first GPU run.
+
+The performance rows hold their figures to `TARGETS` (per device type; the CPU's exercise the comparisons):
+decode syncs at most 1 per step (and at least 1 on CUDA), a decode tokens/s floor, the KV pool's allocated /
+most-in-use fraction and, on CUDA, the allocator's peak while decoding / what was allocated before. Rows:
 
 - dependencies: CUDA, NCCL, triton and the other core imports (missing = FAIL); the GPU extras (flash-attn,
   Transformer Engine, vLLM) listed as installed or not;
@@ -19,10 +30,11 @@ hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Ro
 - gqa attention: a grouped-query model in bf16 under `sdpa_kernel` restricted to flash / efficient / cudnn (a
   fall-back to the math kernel fails the row), unmasked (causal) and padded, against the math kernel in fp32;
 - engine: the engine's greedy tokens on the device equal the CPU's; engine decode: bf16 decode step time at batch
-  sizes 1, 8, 32, 128, tokens/s, prefill throughput; decode syncs: device syncs per decode step
-  (`rlhfuse.core.syncs.SyncCounter`, a FAIL naming it where it is missing);
-- flash backend / te backend: `attention_backend=flash|te` with fp32 weights under bf16 autocast: q, k, v reach
-  the kernel in one dtype and the logits match sdpa within bf16 tolerance (SKIP: not installed);
+  sizes 1, 8, 32, 128, tokens/s (a floor), prefill throughput, the memory fractions; decode syncs: device syncs
+  per decode step (`rlhfuse.core.syncs.SyncCounter`, a FAIL naming it where it is missing), at most 1;
+- flash backend / te backend: `attention_backend=flash|te` with fp32 weights under bf16 autocast, a Llama and a
+  Qwen3 (q/k RMSNorm) model: q, k, v reach the kernel in one dtype and the logits match sdpa within bf16
+  tolerance (SKIP: not installed, or not on CUDA);
 - logprobs kernel (N=8192 tokens, V=152064, bf16) and gae kernel (256 x 4096): the Triton kernels against their
   PyTorch references, ms each and the ratio, values (and log-prob gradients) within tolerance;
 - bf16-true, micro_batch_tokens, offload, speculative, trainer migration: one iteration of the smoke job through
@@ -35,7 +47,8 @@ hang, a CUDA crash or an NCCL abort is a FAIL row, not a stuck or dead check. Ro
 The measured figures (decode step time per batch size, prefill and training throughput, all-reduce bandwidth,
 kernel times) go to a JSON file (`--out`, default `$OUT/gpu_check.json` when OUT is set, else ./gpu_check.json)
 that `rlhfuse-plan calibrate --from` reads. Without CUDA it prints one line saying nothing was checked and exits 0;
-`--device cpu` runs the rows on the CPU anyway (gloo, tiny sizes). Exit status 1 if any row FAILs.
+`--device cpu` runs the rows on the CPU anyway (gloo, tiny sizes, each in its subprocess). Exit status 1 if any
+row FAILs.
 """
 
 from __future__ import annotations
@@ -69,8 +82,10 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-BUDGET_S = 470.0  # every row included; with start-up and the table, under 8 minutes
 RESERVE_S = 10.0  # kept back from the budget for the table and the JSON file
+QUICK_TIER_S = 540.0
+"""The most the quick tier's row limits may add up to: with the check's own start-up and a setup step, it fits
+a 10-minute session (tests/test_gpu_check.py holds it)."""
 
 
 class Skip(Exception):
@@ -191,6 +206,38 @@ def row_dependencies(device: torch.device, backend: str) -> Outcome:
             "the machine: docs/distributed.md)"
         )
     return Outcome(", ".join(facts) + f"; extras: {extras}")
+
+
+# --- targets --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Targets:
+    """What the performance rows hold their figures to, per device type (a FAIL names the figure, the target and
+    the device). The CPU's are the dry run's: its tiny sizes exercise the same comparisons, not a CPU's speed."""
+
+    decode_syncs_per_step: float
+    """At most, `decode syncs` at every batch size: the step's one read of its sampled tokens."""
+    decode_tokens_per_s: float
+    """At least, `engine decode` at its largest batch (CUDA: 128 samples of the width-1024, 8-layer bf16 model;
+    an eager decode step of it is expected at ~20-40k tokens/s on an A100 or H100, not yet measured: the floor
+    catches a 5x loss, such as a sync per layer or attention falling to the math kernel)."""
+    kv_pool_fraction: float
+    """At most: the blocks the KV pool allocated / the most in use at once (it grows by a quarter when full)."""
+    decode_memory_fraction: float | None
+    """At most: the allocator's peak while decoding / what was allocated when decoding started (weights, KV
+    pool): transients of a decode step (logits, the sampling passes, a pool growth). None: not measurable
+    (the CPU has no allocator statistics)."""
+
+
+TARGETS = {
+    "cuda": Targets(decode_syncs_per_step=1.0, decode_tokens_per_s=5000.0, kv_pool_fraction=1.25,
+                    decode_memory_fraction=1.5),
+    "cpu": Targets(decode_syncs_per_step=1.0, decode_tokens_per_s=100.0, kv_pool_fraction=1.25,
+                   decode_memory_fraction=None),
+}  # fmt: skip
+
+
+def targets(device: torch.device) -> Targets:
+    return TARGETS[device.type]
 
 
 # --- helpers --------------------------------------------------------------------------------------------------------
@@ -592,10 +639,10 @@ def _w_pp2_inference(rank: int, device: torch.device) -> Outcome:
     rollout = random_rollout(rows, cfg.vocab_size, prompt, response, seed=5)
     oracle = ModelInferencer(
         config, actor=models["actor"], ref=models["ref"], critic=models["critic"], reward_model=models["reward"],
-        reward_fn=None, tokenizer=tokenizer, temperature=0.7,
+        rewards=None, tokenizer=tokenizer, temperature=0.7,
     ).infer(rollout)  # fmt: skip
     pipe = PipelineInferencer(
-        config, layout, models, reward_fn=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60
+        config, layout, models, rewards=None, tokenizer=tokenizer, temperature=0.7, timeout_s=60
     )
     pipe.infer(rollout)  # warm-up
     sync(device)
@@ -629,10 +676,10 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.core.advantages import AlgorithmConfig
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.models import Transformer, from_pretrained, save_pretrained, to_device
-    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
-    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.tensor_parallel import shard_transformer
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
 
     cfg = pipeline_models(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -906,13 +953,40 @@ class DecodeSetup:
 
 
 def row_engine_decode(device: torch.device, backend: str) -> Outcome:
-    """bf16 decode through the generation engine: step time per batch size, tokens/s, prefill throughput."""
+    """bf16 decode through the generation engine: step time per batch size, tokens/s, prefill throughput; held
+    to the device's `Targets`: the tokens/s floor at the largest batch, the KV pool's allocated / most in use
+    and (CUDA) the allocator's peak while decoding the largest batch / what was allocated before."""
+    goal = targets(device)
     setup = DecodeSetup.of(device)
     step_ms = {}
+    before: int | None = None  # bytes allocated when the largest batch starts decoding (CUDA)
     for bs in setup.sizes:
-        step_ms[str(bs)] = statistics.median(setup.decode(setup.warm_engine(bs))) * 1e3
+        engine = setup.warm_engine(bs)
+        if bs == setup.sizes[-1] and device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        step_ms[str(bs)] = statistics.median(setup.decode(engine)) * 1e3
+    memory_fraction = None if before is None else torch.cuda.max_memory_allocated(device) / before
+    pool_fraction = engine.cache.nbytes() / engine.cache.peak_nbytes_in_use
     largest = str(setup.sizes[-1])
     tokens_per_s = setup.sizes[-1] / (step_ms[largest] / 1e3)
+    missed = []
+    if not tokens_per_s >= goal.decode_tokens_per_s:
+        missed.append(
+            f"{tokens_per_s:,.0f} tokens/s at bs {largest} (target >= {goal.decode_tokens_per_s:,.0f})"
+        )
+    if not pool_fraction <= goal.kv_pool_fraction:
+        missed.append(
+            f"KV pool allocated / most in use {pool_fraction:.2f} (target <= {goal.kv_pool_fraction})"
+        )
+    if memory_fraction is not None and goal.decode_memory_fraction is not None:
+        if not memory_fraction <= goal.decode_memory_fraction:
+            missed.append(
+                f"peak memory while decoding / before {memory_fraction:.2f} (target <= {goal.decode_memory_fraction})"
+            )
+    if missed:
+        raise AssertionError(f"{device.type} targets missed: " + "; ".join(missed))
     # prefill: one forward over a batch of full-length prompts (what admission of a batch costs)
     pb, pt = (32, 512) if real(device) else (2, 16)
     ids = torch.randint(0, setup.model.config.vocab_size, (pb, pt), device=device)
@@ -923,6 +997,8 @@ def row_engine_decode(device: torch.device, backend: str) -> Outcome:
         "decode_step_ms": step_ms,
         "decode_tokens_per_s": tokens_per_s,
         "prefill_tokens_per_s": prefill_tps,
+        "kv_pool_fraction": pool_fraction,
+        "decode_memory_fraction": memory_fraction,
         # what `rlhfuse-plan calibrate --from` needs to price the same work: the model's shape, the decode context
         # (prompt, then 2 warm steps before the timed ones) and the prefill batch
         "decode_model": {**model_shape(setup.model.config), "prompt": setup.prompt, "warm_steps": 2,
@@ -930,8 +1006,11 @@ def row_engine_decode(device: torch.device, backend: str) -> Outcome:
         "prefill_batch": [pb, pt],
     }  # fmt: skip
     shown = ", ".join(f"bs {k}: {v:.2f} ms" for k, v in step_ms.items())
+    memory = "" if memory_fraction is None else f", peak memory / before {memory_fraction:.2f}"
     return Outcome(
-        f"{shown}; {tokens_per_s:,.0f} tokens/s at bs {largest}; prefill {prefill_tps:,.0f} tokens/s", figures
+        f"{shown}; {tokens_per_s:,.0f} tokens/s at bs {largest} (>= {goal.decode_tokens_per_s:,.0f}); prefill "
+        f"{prefill_tps:,.0f} tokens/s; KV pool allocated / most in use {pool_fraction:.2f}{memory}",
+        figures,
     )
 
 
@@ -945,68 +1024,75 @@ def row_decode_syncs(device: torch.device, backend: str) -> Outcome:
         with SyncCounter() as counter:
             setup.decode(engine)
         syncs[str(bs)] = counter.count / setup.steps
+    most = targets(device).decode_syncs_per_step
+    over = {k: v for k, v in syncs.items() if not v <= most}
+    assert not over, f"syncs per decode step {over} (target <= {most:g}: the step's one read of its tokens)"
     if device.type == "cuda":
         # each step reads its sampled tokens on the host at least once: a counter that sees nothing is broken
         assert all(v >= 1 for v in syncs.values()), f"SyncCounter counted {syncs} syncs per decode step (< 1)"
     shown = ", ".join(f"bs {k}: {v:.1f}" for k, v in syncs.items())
-    return Outcome(f"syncs per decode step {shown}", {"decode_syncs_per_step": syncs})
+    return Outcome(f"syncs per decode step {shown} (<= {most:g})", {"decode_syncs_per_step": syncs})
 
 
 def backend_row(name: str, module: str) -> RowFn:
-    """`attention_backend=name` with fp32 weights under bf16 autocast: q/k/v dtypes agree at the kernel and the
-    logits match sdpa within bf16 tolerance."""
+    """`attention_backend=name` with fp32 weights under bf16 autocast, a Llama and a Qwen3 (q/k RMSNorm) model:
+    q/k/v dtypes agree at the kernel and the logits match sdpa within bf16 tolerance."""
 
     def row(device: torch.device, backend: str) -> Outcome:
         extra(module)
         if device.type != "cuda":
             raise Skip(f"{EXTRA_MODULES[module.split('.')[0]]} kernels run on CUDA only")
-        from rlhfuse.models import ModelConfig, Transformer
+        from rlhfuse.models import ModelConfig
 
         if "attention_backend" not in {f.name for f in dataclasses.fields(ModelConfig)}:
             raise MissingDependency(
                 "ModelConfig.attention_backend is missing (model.attention_backend=flash|te)"
             )
-        cfg = ModelConfig.tiny(
-            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=2, num_heads=16, num_kv_heads=4,
-            head_dim=64, attention_backend=name, max_position_embeddings=4096,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = Transformer(cfg).to(device).eval()  # fp32 weights
-        reference = Transformer(dataclasses.replace(cfg, attention_backend="sdpa")).to(device).eval()
-        reference.load_state_dict(model.state_dict())
-        seen: list[tuple[str, ...]] = []
-        for layer in model.layers:
-            attend = layer.self_attn.attend
-
-            def recording(q: Any, k: Any, v: Any, mask: Any, attend: Any = attend) -> Any:
-                seen.append((str(q.dtype), str(k.dtype), str(v.dtype)))
-                return attend(q, k, v, mask)
-
-            layer.self_attn.attend = recording
-        ids = torch.randint(0, cfg.vocab_size, (4, 512), device=device)
-        try:
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                got = model(ids)
-                want = reference(ids)
-        except (
-            Exception
-        ) as refused:  # the kernel's own refusal; mixed dtypes are the likely cause, said first
-            mixed = sorted({s for s in seen if len(set(s)) > 1})
-            if mixed:
-                raise AssertionError(
-                    f"q/k/v dtypes disagree at the {name} kernel: {mixed} ({describe(refused)})"
-                ) from refused
-            raise
-        assert seen, f"attention_backend={name} was never called"
-        mixed = sorted({s for s in seen if len(set(s)) > 1})
-        assert not mixed, f"q/k/v dtypes disagree at the {name} kernel: {mixed}"
-        err = rel_err(got.float(), want.float())
-        assert err < 2e-2, f"{name} vs sdpa logits: relative error {err:.2e} (> 2e-2)"
-        return Outcome(
-            f"fp32 weights, bf16 autocast: q/k/v {seen[0][0]} at {len(seen)} calls; vs sdpa {err:.1e}"
-        )
+        details = [_backend_case(name, architecture, device) for architecture in ("llama", "qwen3")]
+        return Outcome("fp32 weights, bf16 autocast: " + "; ".join(details))
 
     return row
+
+
+def _backend_case(name: str, architecture: str, device: torch.device) -> str:
+    """One model family through `attention_backend=name`: the backend row's checks; its detail."""
+    from rlhfuse.models import ModelConfig, Transformer
+
+    cfg = ModelConfig.tiny(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=2, num_heads=16, num_kv_heads=4,
+        head_dim=64, attention_backend=name, max_position_embeddings=4096, architecture=architecture,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device).eval()  # fp32 weights
+    reference = Transformer(dataclasses.replace(cfg, attention_backend="sdpa")).to(device).eval()
+    reference.load_state_dict(model.state_dict())
+    seen: list[tuple[str, ...]] = []
+    for layer in model.layers:
+        attend = layer.self_attn.attend
+
+        def recording(q: Any, k: Any, v: Any, mask: Any, attend: Any = attend) -> Any:
+            seen.append((str(q.dtype), str(k.dtype), str(v.dtype)))
+            return attend(q, k, v, mask)
+
+        layer.self_attn.attend = recording
+    ids = torch.randint(0, cfg.vocab_size, (4, 512), device=device)
+    try:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            got = model(ids)
+            want = reference(ids)
+    except Exception as refused:  # the kernel's own refusal; mixed dtypes are the likely cause, said first
+        mixed = sorted({s for s in seen if len(set(s)) > 1})
+        if mixed:
+            raise AssertionError(
+                f"{architecture}: q/k/v dtypes disagree at the {name} kernel: {mixed} ({describe(refused)})"
+            ) from refused
+        raise
+    assert seen, f"attention_backend={name} was never called"
+    mixed = sorted({s for s in seen if len(set(s)) > 1})
+    assert not mixed, f"{architecture}: q/k/v dtypes disagree at the {name} kernel: {mixed}"
+    err = rel_err(got.float(), want.float())
+    assert err < 2e-2, f"{architecture}: {name} vs sdpa logits: relative error {err:.2e} (> 2e-2)"
+    return f"{architecture}: q/k/v {seen[0][0]} at {len(seen)} calls, vs sdpa {err:.1e}"
 
 
 def _triton_on(device: torch.device) -> None:
@@ -1030,7 +1116,7 @@ def row_logprobs_kernel(device: torch.device, backend: str) -> Outcome:
     got, want = kernel(), ref()
     (grad,) = torch.autograd.grad(got.sum(), logits)
     (ref_grad,) = torch.autograd.grad(want.sum(), logits)
-    err = float((got.float() - want.float()).abs().max())
+    err = float((got.detach().float() - want.detach().float()).abs().max())
     gerr = rel_err(grad.float(), ref_grad.float())
     assert err < 1e-3 and gerr < 1e-2, f"value error {err:.2e} (> 1e-3), gradient relative error {gerr:.2e}"
     with torch.no_grad():
@@ -1096,7 +1182,13 @@ class TrainerSetting:
     overrides: tuple[str, ...]
     shown: tuple[str, ...] = ()  # the metrics that show the setting took effect
     positive: tuple[str, ...] = ()  # metrics that must be > 0
+    cuda_only: str = ""  # why the setting means nothing without CUDA (a SKIP there); "" = runs anywhere
 
+
+CPU_OFFLOAD_NEEDS_CUDA = (
+    "pipeline.cpu_offload moves the shards between host memory and a CUDA device (the run's configuration "
+    "check refuses it on the CPU)"
+)
 
 # one iteration of the smoke job through the trainer, per setting (the keys as conf/ spells them)
 TRAINER_SETTINGS = {
@@ -1105,7 +1197,9 @@ TRAINER_SETTINGS = {
     # FSDP2 over a one-rank NCCL group: bf16-mixed units, DCP-free; then the shards in pinned host memory
     "fsdp": TrainerSetting(("pipeline=fsdp",), ("memory/param_bytes", "memory/optimizer_bytes")),
     "fsdp cpu_offload": TrainerSetting(
-        ("pipeline=fsdp", "pipeline.cpu_offload=true"), ("memory/param_bytes", "memory/optimizer_bytes")
+        ("pipeline=fsdp", "pipeline.cpu_offload=true"),
+        ("memory/param_bytes", "memory/optimizer_bytes"),
+        cuda_only=CPU_OFFLOAD_NEEDS_CUDA,
     ),
     "offload": TrainerSetting(("inferencer.offload_frozen=true",), ("memory/param_bytes",)),
     "speculative": TrainerSetting(
@@ -1130,6 +1224,8 @@ TRAINER_SETTINGS = {
 
 def trainer_row(setting: TrainerSetting) -> RowFn:
     def row(device: torch.device, backend: str) -> Outcome:
+        if setting.cuda_only and device.type != "cuda":
+            raise Skip(f"CUDA only: {setting.cuda_only}")
         last = _train(["experiment=smoke", "iterations=1", f"device={device.type}", *setting.overrides])
         zero = [k for k in setting.positive if not last.get(k, 0) > 0]
         assert not zero, f"{' '.join(setting.overrides)}: {zero} not > 0 ({_shown(last, setting.shown)})"
@@ -1171,32 +1267,52 @@ def row_vllm(device: torch.device, backend: str) -> Outcome:
     return Outcome(f"smoke job with generator=vllm: {_shown(last)}")
 
 
+TIERS = ("quick", "full")
+"""quick: what a first run on a GPU most needs (NCCL, the pipelines, attention kernels, decode, the Triton
+log-prob kernel), its row limits within QUICK_TIER_S; full: every row."""
+
+
 @dataclass(frozen=True)
 class Check:
     fn: RowFn
-    limit_s: float  # this row's own time limit (its subprocess is killed after it)
+    limit_s: float  # this row's own time limit on CUDA (its subprocess is killed after it), start-up included
+    tier: str = "full"  # the first tier that runs it: quick rows run in both
 
 
+# Limits: a row is a fresh process (interpreter, torch, CUDA context: ~10 s), a 2-rank row three of them plus
+# NCCL's start-up (~25 s), then the row's own work at real sizes.
 CHECKS: dict[str, Check] = {
-    "dependencies": Check(row_dependencies, 60),
-    "collectives": Check(row_collectives, 60),
-    "nccl 2 ranks": Check(row_two_rank_collectives, 120),
-    "pp=2 train step": Check(row_pp2_train, 140),
-    "pp=2 inference": Check(row_pp2_inference, 120),
-    "reshard": Check(row_reshard, 140),
-    "migration": Check(row_migration, 120),
-    "gqa attention": Check(row_gqa_attention, 60),
-    "engine": Check(row_engine, 60),
-    "engine decode": Check(row_engine_decode, 90),
-    "decode syncs": Check(row_decode_syncs, 60),
+    "dependencies": Check(row_dependencies, 30, "quick"),
+    "collectives": Check(row_collectives, 40, "quick"),
+    "nccl 2 ranks": Check(row_two_rank_collectives, 70, "quick"),
+    "pp=2 train step": Check(row_pp2_train, 90, "quick"),
+    "pp=2 inference": Check(row_pp2_inference, 70, "quick"),
+    "reshard": Check(row_reshard, 90),
+    "migration": Check(row_migration, 75),
+    "gqa attention": Check(row_gqa_attention, 40, "quick"),
+    "engine": Check(row_engine, 40),
+    "engine decode": Check(row_engine_decode, 60, "quick"),
+    "decode syncs": Check(row_decode_syncs, 40, "quick"),
     "flash backend": Check(backend_row("flash", "flash_attn"), 60),
     "te backend": Check(backend_row("te", "transformer_engine.pytorch"), 60),
-    "logprobs kernel": Check(row_logprobs_kernel, 90),
-    "gae kernel": Check(row_gae_kernel, 60),
+    "logprobs kernel": Check(row_logprobs_kernel, 60, "quick"),
+    "gae kernel": Check(row_gae_kernel, 45),
     **{name: Check(trainer_row(setting), 90) for name, setting in TRAINER_SETTINGS.items()},
-    "default job": Check(row_default_job, 150),
-    "vllm": Check(row_vllm, 150),
+    "default job": Check(row_default_job, 180),
+    "vllm": Check(row_vllm, 240),
 }
+
+
+def tier_rows(tier: str) -> list[str]:
+    """The rows of `tier`, in table order."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}: choose from {TIERS}")
+    return [name for name, check in CHECKS.items() if tier == "full" or check.tier == tier]
+
+
+def budget_for(names: list[str]) -> float:
+    """Time for `names` run one by one: their limits and the reserve (no row is left unrun for lack of time)."""
+    return sum(CHECKS[name].limit_s for name in names) + RESERVE_S
 
 
 # --- running, reporting ---------------------------------------------------------------------------------------------
@@ -1222,6 +1338,27 @@ def run_checks(device: torch.device, names: list[str], backend: str | None = Non
     """The rows in this process, one after the other (the CPU tests run them so)."""
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     return [run_row(name, device, backend) for name in names]
+
+
+def dry_run(names: list[str] | None = None) -> list[Row]:
+    """Every row's code (or `names`') on the CPU, in this process, one after the other: gloo for the 2-rank rows,
+    tiny sizes, the Triton interpreter where TRITON_INTERPRET=1; rows that need CUDA-only things (flash-attn,
+    Transformer Engine, vLLM's GPU engine, a CUDA device for the setting) SKIP saying why. What it proves: each
+    row's calls still match the code they call, and its assertions and targets hold at tiny sizes."""
+    import torch.distributed as dist
+
+    rows = []
+    for name in names or list(CHECKS):
+        threads, grouped = torch.get_num_threads(), dist.is_initialized()
+        rows.append(run_row(name, torch.device("cpu"), "gloo"))
+        # what a row's own process would have taken with it: the thread count (Lightning sets one per CPU core)
+        # and a process group it left (the next row's trainer would take itself for one rank of a world)
+        torch.set_num_threads(threads)
+        if dist.is_initialized() and not grouped:
+            dist.destroy_process_group()
+        row = rows[-1]
+        print(f"gpu-check dry run: {name}: {row.status} ({row.seconds:.1f} s)", file=sys.stderr, flush=True)
+    return rows
 
 
 def run_isolated(name: str, device: torch.device, backend: str, limit_s: float) -> Row:
@@ -1308,16 +1445,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("checks", nargs="*", help=f"checks to run (default: all of {list(CHECKS)})")
+    parser.add_argument("checks", nargs="*", help=f"checks to run (default: the tier's, of {list(CHECKS)})")
+    parser.add_argument(
+        "--tier", choices=TIERS, default="quick",
+        help=f"quick (row limits within {QUICK_TIER_S:.0f} s: fits 10 minutes) or full (every row)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="every row's code on the CPU in this process (gloo, tiny sizes): the rows' calls and targets, "
+        "not a GPU; exit 1 if any row FAILs",
+    )  # fmt: skip
     parser.add_argument("--device", default=None, help="cuda (default where CUDA is available) or cpu")
     parser.add_argument("--backend", default=None, help="nccl (CUDA) or gloo (CPU) by default")
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON figures (default $OUT/ or ./gpu_check.json)"
     )
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole check")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="time for the whole check (default: the rows' limits)"
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # a child: run this one row, write --result
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [n for n in args.checks if n not in CHECKS]
+    if unknown:
+        parser.error(f"unknown checks {unknown}: choose from {list(CHECKS)}")
+    if args.dry_run:
+        start = time.perf_counter()
+        rows = dry_run(args.checks or None)
+        if args.out:
+            write_json(args.out, rows, torch.device("cpu"))
+        print(
+            f"gpu-check dry run on the CPU (torch {torch.__version__}, gloo, tiny sizes) in "
+            f"{time.perf_counter() - start:.0f} s: the rows' code and targets, nothing about a GPU"
+        )
+        print(table(rows))
+        return 1 if any(r.status == "FAIL" for r in rows) else 0
     if args.device is None and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here (torch.cuda.is_available() is False): nothing was checked")
         return 0
@@ -1331,14 +1493,14 @@ def main(argv: list[str] | None = None) -> int:
         row = run_row(args.row, device, backend)
         args.result.write_text(json.dumps(dataclasses.asdict(row)))
         return 0
-    unknown = [n for n in args.checks if n not in CHECKS]
-    if unknown:
-        parser.error(f"unknown checks {unknown}: choose from {list(CHECKS)}")
-    rows = run_all(device, backend, args.checks or list(CHECKS), args.budget_s)
+    names = args.checks or tier_rows(args.tier)
+    budget_s = budget_for(names) if args.budget_s is None else args.budget_s
+    rows = run_all(device, backend, names, budget_s)
     out = args.out or default_out()
     write_json(out, rows, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"gpu-check on {name} (torch {torch.__version__}, {backend}); figures in {out}")
+    tier = "rows named" if args.checks else f"{args.tier} tier"
+    print(f"gpu-check on {name} (torch {torch.__version__}, {backend}), {tier}; figures in {out}")
     print(table(rows))
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 

@@ -1,12 +1,18 @@
 """`make gpu-check`'s row logic on the CPU (benchmarks/gpu_check.py): the rows are functions of (device, backend)
-that size themselves by the device, so the 2-rank pp=2 step runs here on gloo and the GQA row on the CPU's
-attention kernels; a missing core dependency is a FAIL and a missing extra a SKIP; a row past its limit is
-killed and fails; the JSON figures file; the exit status. The CUDA-only parts skip themselves by device."""
+that size themselves by the device, so the dry run (`make gpu-check-dry`) runs every row's code here (the 2-rank
+rows on gloo, the GQA row on the CPU's attention kernels) and fails when a row's call no longer matches the code
+it calls; the performance rows hold their targets; the quick tier fits 10 minutes; a missing core dependency is
+a FAIL and a missing extra a SKIP; a row past its limit is killed and fails; the JSON figures file; the exit
+status. The CUDA-only parts skip themselves by device."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +28,95 @@ import benchmarks.gpu_check as gpu_check  # noqa: E402
 CPU = torch.device("cpu")
 
 
+# The rows a CPU cannot run, and why: the dry run's only SKIPs (vLLM's CPU build runs under `make test-vllm`).
+CUDA_ONLY = {
+    "flash backend": ("flash-attn not installed", "flash-attn kernels run on CUDA only"),
+    "te backend": ("transformer-engine not installed", "transformer-engine kernels run on CUDA only"),
+    "fsdp cpu_offload": (f"CUDA only: {gpu_check.CPU_OFFLOAD_NEEDS_CUDA}",),
+    "vllm": ("vllm not installed",),
+}
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(180)
-def test_the_pp2_train_step_row_runs_on_two_gloo_ranks() -> None:
-    """PipelineStrategy on 2 spawned ranks equals PlainStrategy step by step (the row's own assertions)."""
-    row = gpu_check.run_row("pp=2 train step", CPU, "gloo")
-    assert row.status == "PASS", row
-    assert "fused pp=2 = PlainStrategy for 3 steps" in row.detail
-    assert row.figures["train_tokens_per_s"] > 0 and row.figures["train_tokens_per_step"] > 0
+@pytest.mark.timeout(400)
+def test_the_dry_run_runs_every_rows_code_on_the_cpu_and_passes(tmp_path: Path) -> None:
+    """`make gpu-check-dry`: every row's code, in one process on the CPU, the same table; every row PASSes but
+    those that need CUDA-only things, which SKIP saying why. Then the figures of some rows: PipelineStrategy on
+    2 gloo ranks equals PlainStrategy step by step; the decode row times every batch size."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path / "dry.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=380,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    print(done.stdout, f"dry run: {seconds:.0f} s", sep="\n")
+    rows = {r["check"]: r for r in json.loads((tmp_path / "dry.json").read_text())["rows"]}
+    assert list(rows) == list(gpu_check.CHECKS)
+    failed = {name: r["detail"] for name, r in rows.items() if r["status"] == "FAIL"}
+    assert not failed and done.returncode == 0, (failed, done.stderr[-3000:])
+    skipped = {name: r["detail"] for name, r in rows.items() if r["status"] == "SKIP"}
+    assert set(skipped) <= set(CUDA_ONLY), skipped
+    assert all(skipped[name] in CUDA_ONLY[name] for name in skipped), skipped
+    for name in gpu_check.CHECKS:
+        assert f"\n{name} " in "\n" + done.stdout, f"{name} missing from the table"
+    train = rows["pp=2 train step"]
+    assert "fused pp=2 = PlainStrategy for 3 steps" in train["detail"]
+    assert train["figures"]["train_tokens_per_s"] > 0 and train["figures"]["train_tokens_per_step"] > 0
+    gqa = rows["gqa attention"]["detail"]
+    assert "4 q / 2 kv heads" in gqa and "unmasked" in gqa and "padded" in gqa
+    decode = rows["engine decode"]["figures"]
+    steps = decode["decode_step_ms"]
+    assert list(steps) == ["1", "4"] and all(ms > 0 for ms in steps.values()), steps
+    assert decode["decode_tokens_per_s"] > 0 and decode["prefill_tokens_per_s"] > 0
+    assert rows["pp=2 inference"]["status"] == "PASS"  # it called the inferencers with a removed argument
+
+
+def test_a_row_whose_call_no_longer_matches_the_code_fails_the_dry_run(monkeypatch: Any, capsys: Any) -> None:
+    """A keyword the engine no longer takes (as `reward_fn` once broke the pp=2 inference row): the dry run's
+    table shows the row's FAIL with the TypeError, and it exits 1."""
+    from rlhfuse.generation import GenerationEngine
+
+    original = GenerationEngine.__init__
+
+    def renamed(self: Any, model: Any, params: Any, *, slots: int, max_len: int) -> None:
+        original(self, model, params, num_slots=slots, max_len=max_len)
+
+    monkeypatch.setattr(GenerationEngine, "__init__", renamed)
+    assert gpu_check.main(["--dry-run", "engine decode", "gqa attention"]) == 1
+    lines = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "FAIL  TypeError:" in lines["engine decode"], lines
+    assert "unexpected keyword argument 'num_slots'" in lines["engine decode"]
+    assert "  PASS  " in lines["gqa attention"]
+
+
+def test_the_performance_rows_hold_their_targets(monkeypatch: Any) -> None:
+    """A decode step reading the device more than the target, tokens/s below the floor, a KV pool past its
+    fraction: each a FAIL naming the figure and the target (the decode-syncs row passed on any count >= 1)."""
+    cpu = gpu_check.TARGETS["cpu"]
+    strict = dataclasses.replace(
+        cpu, decode_syncs_per_step=0.5, decode_tokens_per_s=1e12, kv_pool_fraction=0.5
+    )  # fmt: skip
+    monkeypatch.setitem(gpu_check.TARGETS, "cpu", strict)
+    syncs = gpu_check.run_row("decode syncs", CPU, "gloo")
+    assert syncs.status == "FAIL" and "(target <= 0.5" in syncs.detail, syncs
+    decode = gpu_check.run_row("engine decode", CPU, "gloo")
+    assert decode.status == "FAIL", decode
+    assert "tokens/s at bs 4 (target >= 1,000,000,000,000)" in decode.detail
+    assert "KV pool allocated / most in use 1.00 (target <= 0.5)" in decode.detail
+    monkeypatch.setitem(gpu_check.TARGETS, "cpu", cpu)
+    assert gpu_check.run_row("decode syncs", CPU, "gloo").status == "PASS"
+
+
+def test_the_quick_tier_fits_ten_minutes_and_a_tier_has_time_for_every_row() -> None:
+    quick, full = gpu_check.tier_rows("quick"), gpu_check.tier_rows("full")
+    assert full == list(gpu_check.CHECKS) and set(quick) < set(full)
+    assert gpu_check.budget_for(quick) <= gpu_check.QUICK_TIER_S <= 540, gpu_check.budget_for(quick)
+    for names in (quick, full):  # the budget is the rows' limits: none is left "not run"
+        assert gpu_check.budget_for(names) >= sum(gpu_check.CHECKS[n].limit_s for n in names)
+    with pytest.raises(ValueError, match="unknown tier 'slow'"):
+        gpu_check.tier_rows("slow")
 
 
 @pytest.mark.distributed
@@ -40,12 +127,6 @@ def test_a_rank_that_fails_is_reported_by_rank_not_waited_for() -> None:
     row = gpu_check.run_row("nccl 2 ranks", CPU, "nccl")
     assert row.status == "FAIL" and "rank 0: " in row.detail and "rank 1: " in row.detail, row
     assert row.seconds < 40, row.seconds
-
-
-def test_the_gqa_row_runs_the_non_math_kernels_of_the_cpu() -> None:
-    row = gpu_check.run_row("gqa attention", CPU, "gloo")
-    assert row.status == "PASS", row
-    assert "4 q / 2 kv heads" in row.detail and "unmasked" in row.detail and "padded" in row.detail
 
 
 def test_a_missing_core_dependency_fails_and_a_missing_extra_skips(monkeypatch: Any) -> None:
@@ -66,14 +147,6 @@ def test_a_missing_core_dependency_fails_and_a_missing_extra_skips(monkeypatch: 
     )
     decode = rows["decode syncs"]
     assert decode.status == "FAIL" and "rlhfuse.core.syncs.SyncCounter is missing" in decode.detail, decode
-
-
-def test_the_engine_decode_row_times_every_batch_size() -> None:
-    row = gpu_check.run_row("engine decode", CPU, "gloo")
-    assert row.status == "PASS", row
-    steps = row.figures["decode_step_ms"]
-    assert list(steps) == ["1", "4"] and all(ms > 0 for ms in steps.values()), steps
-    assert row.figures["decode_tokens_per_s"] > 0 and row.figures["prefill_tokens_per_s"] > 0
 
 
 def test_dependencies_list_the_extras_when_the_core_is_there() -> None:

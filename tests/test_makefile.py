@@ -1,5 +1,6 @@
-"""The Makefile's targets and the Triton interpreter: the test targets set TRITON_INTERPRET=1, the run targets
-(train, bench, gpu-check) do not, so on a GPU the kernels run compiled. Checked by running make with stand-in
+"""The Makefile's targets and the Triton interpreter: the test targets and gpu-check's dry run (the kernels on
+the CPU) set TRITON_INTERPRET=1, the run targets (train, bench, gpu-check) do not, so on a GPU the kernels run
+compiled. Checked by running make with stand-in
 virtual environments whose tools print the variable they see."""
 
 import os
@@ -33,6 +34,7 @@ def _venv(folder: Path) -> Path:
         ("train", {"rlhfuse-train TRITON_INTERPRET=unset"}),
         ("bench", {"python TRITON_INTERPRET=unset"}),
         ("gpu-check", {"python TRITON_INTERPRET=0"}),
+        ("gpu-check-dry", {"python TRITON_INTERPRET=1"}),
     ],
 )
 def test_only_the_test_targets_interpret_the_triton_kernels(tmp_path, target, expected) -> None:

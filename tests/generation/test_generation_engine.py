@@ -2,6 +2,8 @@
 (greedy and sampled; prefix sharing on/off; few slots = continuous batching), equal SamplingGenerator's, stop
 conditions, slot reuse, and the running batch size shrinking as samples leave."""
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -191,3 +193,45 @@ def test_prompt_too_long_for_the_cache_is_refused_with_the_fix():
     engine = GenerationEngine(_model(), _params(), num_slots=2, max_len=8)
     with pytest.raises(ValueError, match="larger max_len"):
         engine.add(requests_for(_batch([7]), samples_per_prompt=1, seed=0, iteration=0))
+
+
+class _HostEvent:
+    """`torch.cuda.Event` as the prefill timer uses it, on the host: each call logged, every region 250 ms."""
+
+    log: ClassVar[list[str]] = []
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+
+    def record(self) -> None:
+        _HostEvent.log.append("record")
+
+    def synchronize(self) -> None:
+        _HostEvent.log.append("synchronize")
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        _HostEvent.log.append("elapsed")
+        return 250.0
+
+
+def test_prefill_is_timed_by_device_events_read_after_the_step_reads_its_tokens(monkeypatch):
+    """On a GPU the host only launches a prefill: its seconds (read by the migration mechanism's choice and
+    the Rt tuner) come from CUDA events around it, read once the step has read its tokens (no extra wait);
+    events stand in for CUDA's here, as a CUDA engine's timer uses them."""
+    model, params = _model(), _params(**SAMPLED)
+    engine = GenerationEngine(model, params, num_slots=4, max_len=5 + MAX_NEW)
+    log = _HostEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    engine.prefill_timer.events = True  # a CUDA device's timer
+    model.register_forward_hook(lambda module, args, out: log.append(f"forward {args[0].shape[1]}"))
+    append = engine._append
+    monkeypatch.setattr(
+        engine, "_append", lambda request, token: log.append("read") or append(request, token)
+    )
+    _run_engine(engine, [7, 11, 3, 4])
+    prefills = [i for i, entry in enumerate(log) if entry.startswith("forward") and entry != "forward 1"]
+    assert prefills and engine.stats.prefill_seconds == pytest.approx(0.25 * len(prefills))
+    for i in prefills:  # start event, the prefill, end event; read after the step's tokens
+        assert log[i - 1] == "record" and log[i + 1] == "record", log[i - 1 : i + 2]
+        waited = log.index("synchronize", i)
+        assert "read" in log[i:waited] and log[waited + 1] == "elapsed", log[i : waited + 2]

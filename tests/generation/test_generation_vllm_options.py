@@ -142,6 +142,33 @@ def test_instances_sleep_through_training_and_a_level_2_sleeper_reloads_its_weig
     assert instance.release(level=2) is False
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_gpu_engine_is_built_and_wakes_after_torch_returned_its_cached_memory(
+    recorded, device, monkeypatch
+):
+    """What a training step freed stays reserved by torch's caching allocator, out of reach of vLLM's own
+    allocator (and counted as used by the memory check): a GPU engine empties torch's cache before it is built
+    and before every wake-up, the weight sync's of a level-2 sleeper included; the CPU backend never."""
+    events = _RecordedLLM.events
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache", 0)))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(1,))
+    instance = vllm_engine.VLLMInstance(
+        "unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2, device=device
+    )
+    instance.release(level=1)
+    instance.wake_up()  # the next batch
+    instance.load_weights([("model.norm.weight", torch.ones(3))])
+    instance.release(level=2)
+    instance.load_weights([("model.norm.weight", 2 * torch.ones(3))])  # the sync after training wakes it
+    if device == "cpu":
+        assert ("empty_cache", 0) not in events
+        return
+    assert events == [
+        ("empty_cache", 0), ("sleep", 1), ("empty_cache", 0), ("wake", 0), ("reload", 3.0), ("sleep", 2),
+        ("empty_cache", 0), ("wake", 0), ("reload", 6.0),
+    ]  # fmt: skip
+
+
 def test_a_memory_fraction_that_training_leaves_no_room_for_is_refused_naming_the_key():
     gib = 1 << 30
     vllm_engine.check_memory_fraction(0.5, free_bytes=60 * gib, total_bytes=80 * gib)

@@ -198,6 +198,37 @@ def test_rotary_tables_follow_autocast_so_q_k_v_share_a_dtype():
     assert set(seen) == {(torch.float32,) * 3}
 
 
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3_text"])
+def test_qk_norm_models_hand_attention_one_dtype_under_bf16_autocast(architecture):
+    """Qwen3 and Gemma 3 normalise q and k per head: under `bf16-mixed` (fp32 weights, bf16 autocast) the norm's
+    fp32 weight must not promote q and k to fp32 while v stays bf16 (flash-attn and Transformer Engine refuse
+    mixed dtypes; SDPA would cast them back silently)."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(architecture=architecture)).eval()
+    assert model.layers[0].self_attn.qk_norm
+    seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
+    for layer in model.layers:
+        attend = layer.self_attn.attend
+
+        def recording(q, k, v, allowed, attend=attend):
+            seen.append((q.dtype, k.dtype, v.dtype))
+            return attend(q, k, v, allowed)
+
+        layer.self_attn.attend = recording
+    ids_BT = torch.randint(1, 128, (2, 6))
+    mask_BT = torch.ones_like(ids_BT)
+    mask_BT[0, :2] = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids_BT)
+        model(ids_BT, attention_mask_BT=mask_BT)
+        model(ids_BT, attention_mask_BT=mask_BT, cache=KVCache.allocate(model.config, 2, 8))
+    assert set(seen) == {(torch.bfloat16,) * 3}, set(seen)
+    seen.clear()
+    with torch.no_grad():  # without autocast: the weights' dtype
+        model(ids_BT)
+    assert set(seen) == {(torch.float32,) * 3}
+
+
 def test_sdpa_attention_on_cpu_equals_the_definition_in_float64():
     q, k, v = _qkv(4, 2, 6, 6)
     allowed = _padding_mask(6, 6)

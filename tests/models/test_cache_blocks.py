@@ -6,8 +6,12 @@ Legend: B batch rows, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from rlhfuse.models import KVCache, ModelConfig, Transformer
 
@@ -139,6 +143,59 @@ def test_pool_never_grows_past_every_slot_full(model):
         model(torch.ones(2, 16, dtype=torch.long), cache=cache, cache_slots_B=[0, 1])
     assert cache.num_blocks == cache.max_blocks == 8 and cache.blocks_in_use == 8
     assert cache.nbytes() == 2 * cache.nbytes_per_slot()
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of live storages while active: `alive` (tensors already there) and every new storage an op makes,
+    each counted until its tensor is freed; `peak` is the most at any time."""
+
+    def __init__(self, alive: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+        for tensor in alive:
+            self._track(tensor)
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self._seen or storage.nbytes() == 0:
+            return  # a view or an in-place result: counted with its storage
+        self._seen.add(storage.data_ptr())
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._free, storage.data_ptr(), storage.nbytes())
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+        return out
+
+
+def _tensors_of(cache: KVCache) -> list[torch.Tensor]:
+    """The tensors a cache holds, as attributes or in lists (no reference to them kept beyond the list)."""
+    values = [t for v in vars(cache).values() for t in (v if isinstance(v, list) else [v])]
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+def test_the_pool_grows_a_layer_at_a_time_beside_one_old_layer():
+    """Growing the pool copies one layer's blocks at a time, the old tensor freed before the next copy: at any
+    time the pool holds at most one old layer beside its grown size (growing one [L, N, ...] tensor by a copy
+    held the old and the new whole: 1.5x the grown k and v)."""
+    config = ModelConfig.tiny(num_layers=8)
+    cache = KVCache.allocate(config, num_slots=4, max_len=64, block_size=4, num_blocks=8)
+    with _LiveBytes(_tensors_of(cache)) as live:
+        cache.begin([0, 1, 2, 3], 64)  # 64 blocks from 8: grown 11 times
+    assert cache.num_blocks == 64
+    one_layer = cache.nbytes() // (2 * config.num_layers)  # one layer's k (or v) pool at its grown size
+    addressing = 4096  # the slots' validity, the block table and the call's uploads: a few hundred bytes
+    assert live.peak <= cache.nbytes() + one_layer + addressing, live.peak / cache.nbytes()  # was 1.5x
+    assert live.live <= cache.nbytes() + addressing  # the old pools are gone
 
 
 def test_cached_calls_address_the_cache_without_reading_the_device(model):

@@ -47,13 +47,13 @@ from rlhfuse.planner.memory import (
 )
 from rlhfuse.planner.specs import ModelSpec
 from rlhfuse.runtime.partition import RankStages
-from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
-from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
 from rlhfuse.trainer.build import cast_models, prepare_generation_copy
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.models import Models, ModelsConfig
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
 
 def default_config(**overrides: object) -> ModelConfig:
@@ -300,7 +300,7 @@ def test_kv_cache_estimate_is_the_cache_a_generation_rank_allocates(kv_heads: in
         cache_cfg, slots, max_len, dtype=next(shard.parameters()).dtype, block_size=block_size,
         num_blocks=slots * max_len // block_size,
     )  # fmt: skip
-    built = sum(t.numel() * t.element_size() for t in (cache.k_LNKHD, cache.v_LNKHD))
+    built = sum(t.numel() * t.element_size() for t in (*cache.k_layers, *cache.v_layers))
     assert cache.num_blocks == cache.max_blocks
     spec = ModelSpec.from_config(cfg)
     assert kv_cache_bytes(spec, slots * max_len, tp, 4) == built  # the fp32 copy

@@ -31,7 +31,7 @@ def _record_cache_dtypes(model: torch.nn.Module) -> list[torch.dtype]:
 
     def hook(_module, _args, kwargs):
         if kwargs.get("cache") is not None:
-            seen.append(kwargs["cache"].k_LNKHD.dtype)
+            seen.append(kwargs["cache"].dtype)
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return seen

@@ -61,9 +61,22 @@ def sample_seed(run_seed: int, iteration: int, prompt_id: int, sample_index: int
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
-def filter_logits(logits_BV: Tensor, *, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """Probabilities after temperature, top-k and top-p filtering (rows sum to 1), in float64."""
-    logits_BV = logits_BV.double() / temperature
+def sampling_dtype(device: torch.device) -> torch.dtype:
+    """The precision of a decode step's filtering and inverse-CDF sampling on `device`: float32 on CUDA, float64
+    elsewhere. Their [B, V] passes (softmax, top-p's sort, the cumulative sum) run every decode step: float64
+    doubles their bytes and runs at 1/2 (H100) to 1/64 (most other GPUs) of float32's rate. The CPU keeps
+    float64: its tokens are the ones every test and the default job's metrics are pinned to (the stand-in device,
+    which computes on the CPU, too); a GPU's differ from them anyway (bf16 logits, other matmul rounding)."""
+    return torch.float32 if device.type == "cuda" else torch.float64
+
+
+def filter_logits(
+    logits_BV: Tensor, *, temperature: float, top_k: int, top_p: float, dtype: torch.dtype | None = None
+) -> Tensor:
+    """Probabilities after temperature, top-k and top-p filtering (rows sum to 1), in `dtype` (default:
+    `sampling_dtype` of the logits' device)."""
+    dtype = sampling_dtype(logits_BV.device) if dtype is None else dtype
+    logits_BV = logits_BV.to(dtype) / temperature
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
         logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
@@ -79,8 +92,13 @@ def filter_logits(logits_BV: Tensor, *, temperature: float, top_k: int, top_p: f
 
 
 def sample_from(probs_BV: Tensor, uniforms_B: Tensor) -> Tensor:
-    """Inverse-CDF sampling: the first token whose cumulative probability exceeds the row's uniform."""
+    """Inverse-CDF sampling in the probabilities' dtype: the first token whose cumulative probability exceeds the
+    row's uniform times the row's total."""
     cdf_BV = torch.cumsum(probs_BV, dim=-1)
-    u_B1 = (uniforms_B.double() * cdf_BV[:, -1]).unsqueeze(1)
+    total_B1 = cdf_BV[:, -1:]
+    # kept below the total: a uniform that rounds up to 1 (in float32 every u > 1 - 2**-25) would otherwise
+    # land past the last token with any probability, on a filtered one
+    below_B1 = torch.nextafter(total_B1, torch.zeros_like(total_B1))
+    u_B1 = torch.minimum(uniforms_B.to(cdf_BV.dtype)[:, None] * total_B1, below_B1)
     index_B = torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
     return index_B.clamp_(max=probs_BV.shape[-1] - 1)

@@ -40,6 +40,22 @@ class OpTimer:
             yield
             self._marks.append((key, start, time.perf_counter()))
 
+    @property
+    def pending(self) -> bool:
+        """Whether regions were measured since the last `take`."""
+        return bool(self._marks)
+
+    def take(self) -> list[tuple[Hashable, float]]:
+        """The regions measured since the last `take`, then forgets them. On CUDA it waits for the last region's
+        end event only, not for the device: once the caller has read a result computed after that region (a
+        decode step's tokens), the events are complete and reading them costs no wait."""
+        marks, self._marks = self._marks, []
+        if self.events:
+            if marks:
+                marks[-1][2].synchronize()
+            return [(key, start.elapsed_time(end) / 1000.0) for key, start, end in marks]
+        return [(key, end - start) for key, start, end in marks]
+
     def seconds(self) -> list[tuple[Hashable, float]]:
         """Every measured region's seconds, in the order measured (one device synchronisation on CUDA)."""
         if self.events:

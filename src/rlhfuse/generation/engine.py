@@ -27,7 +27,15 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rlhfuse.core.sampling import Sampling, SamplingConfig, filter_logits, sample_from, sample_seed
+from rlhfuse.core.sampling import (
+    Sampling,
+    SamplingConfig,
+    filter_logits,
+    sample_from,
+    sample_seed,
+    sampling_dtype,
+)
+from rlhfuse.core.timing import OpTimer
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
 from rlhfuse.models import KVCache, SlotState, Transformer, load_weights, upload
@@ -80,22 +88,27 @@ class TokenChoice(Protocol):
 
     def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
         """Each row's token after temperature / top-k / top-p filtering, drawn by inverse CDF with its uniform
-        (float64 [N], on the logits' device)."""
+        (float64 [N] on the logits' device; the choice may compute in less, `sampling_dtype`)."""
         ...
 
 
 class WholeVocabulary:
-    """`TokenChoice` over whole logits in one process (`filter_logits` + `sample_from`)."""
+    """`TokenChoice` over whole logits in one process (`filter_logits` + `sample_from`), filtering and sampling
+    in `dtype` (the engine's: `sampling_dtype` of its device)."""
 
     lockstep = False
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        self.dtype = dtype
 
     def greedy(self, logits_NV: Tensor) -> Tensor:
         return logits_NV.argmax(dim=-1)
 
     def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
         probs_NV = filter_logits(
-            logits_NV.float(), temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
-        )
+            logits_NV.float(), temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            dtype=self.dtype,
+        )  # fmt: skip
         return sample_from(probs_NV, uniforms_N)
 
 
@@ -244,7 +257,8 @@ class GenerationEngine:
     ) -> None:
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} must be >= 1")
-        self.choice: TokenChoice = WholeVocabulary() if choice is None else choice
+        self.device = next(model.parameters()).device
+        self.choice: TokenChoice = WholeVocabulary(sampling_dtype(self.device)) if choice is None else choice
         problems = speculation_problems(
             speculative, speculative_tokens, params.max_new_tokens, model.config.attention_backend
         )
@@ -263,7 +277,6 @@ class GenerationEngine:
         self.drafter = Drafter()
         self.costs = SpeculationCosts()  # kept across batches: `auto` learns this machine's step costs
         parameter = next(model.parameters())
-        self.device = parameter.device
         self.cache = KVCache.allocate(
             model.cache_config(), num_slots, max_len, dtype=parameter.dtype, device=self.device
         )
@@ -274,6 +287,8 @@ class GenerationEngine:
         self.running: dict[int, SampleRequest] = {}  # slot -> sample
         self.free_slots: list[int] = list(range(num_slots))
         self.stats = EngineStats()
+        self.prefill_timer = OpTimer(self.device)
+        """Times each prefill on the device (CUDA events: the host only launches it); read at the step's end."""
 
     # ------------------------------------------------------------------ queue
     @property
@@ -318,6 +333,8 @@ class GenerationEngine:
         finished = self._admit_waiting()
         if self.running:
             finished += self._decode()
+        if self.prefill_timer.pending:  # after the step's read of its tokens: the prefill's events are done
+            self.stats.prefill_seconds += sum(seconds for _, seconds in self.prefill_timer.take())
         self.stats.busy_seconds += time.perf_counter() - start
         return finished
 
@@ -357,16 +374,17 @@ class GenerationEngine:
         for b, seq in enumerate(sequences):
             ids_BP[b, width - len(seq) :] = seq
             mask_BP[b, width - len(seq) :] = 1
-        start = time.perf_counter()
-        self.cache.reset(list(slots))
-        logits_BPV = self.model(
-            upload(ids_BP, self.device),
-            attention_mask_BT=upload(mask_BP, self.device),
-            cache=self.cache,
-            cache_slots_B=list(slots),
-        )
+        # timed on the device: `perf_counter` here would time the launches (the migration mechanism's choice and
+        # the Rt tuner read these seconds); added to the stats once the step has read its tokens (`step`)
+        with self.prefill_timer.measure("prefill"):
+            self.cache.reset(list(slots))
+            logits_BPV = self.model(
+                upload(ids_BP, self.device),
+                attention_mask_BT=upload(mask_BP, self.device),
+                cache=self.cache,
+                cache_slots_B=list(slots),
+            )
         self.stats.prefill_tokens += sum(len(s) for s in sequences)
-        self.stats.prefill_seconds += time.perf_counter() - start
         return logits_BPV[:, -1]
 
     def _decode(self) -> list[SampleRequest]:

@@ -95,12 +95,17 @@ class _Inference:
             return
         start = time.perf_counter()
         exp = self.inferencer.infer(to_rollout(samples, self.pad))
-        rules_BK = torch.zeros(len(samples), 0) if exp.rule_scores_BK is None else exp.rule_scores_BK.cpu()
+        # the micro-batch's scores read at once (a read per sample waited for the device each time); the
+        # per-token results stay on the device until the final gather packs them
+        scores = exp.scores_B.tolist()
+        rules: list[list[float]] = (
+            [[]] * len(samples) if exp.rule_scores_BK is None else exp.rule_scores_BK.tolist()
+        )
         for b, r in enumerate(samples):
             n = len(r.tokens)
             self.rows.append(
                 InferredSample(r, exp.logprobs_BR[b, :n].clone(), exp.ref_logprobs_BR[b, :n].clone(),
-                               exp.values_BR[b, :n].clone(), float(exp.scores_B[b]), tuple(rules_BK[b].tolist()))
+                               exp.values_BR[b, :n].clone(), scores[b], tuple(rules[b]))
             )  # fmt: skip
         seconds = time.perf_counter() - start
         self.seconds += seconds

@@ -269,6 +269,7 @@ class VLLMInstance:
         if cpu:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
+            torch.cuda.empty_cache()  # what torch freed (a training step's) counts as free only once returned
             check_memory_fraction(gpu_memory_utilization, *torch.cuda.mem_get_info(self.device))
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
@@ -440,8 +441,7 @@ class VLLMInstance:
         host round trip); the CPU backend's float32 model gets float32 host tensors, converted one at a time. A
         level-2 sleeper wakes and takes these as its weights."""
         if self.asleep:
-            self.llm.wake_up()
-            self.asleep = 0
+            self._wake()
         weights = (
             (name, t.detach().to("cpu", torch.float32) if self.cpu else t.detach())
             for name, t in named_tensors
@@ -472,6 +472,14 @@ class VLLMInstance:
                 "sync; nothing may generate before it (a callback's rollout between the rollout and the sync): "
                 "set generator.vllm_sleep_level=1"
             )
+        self._wake()
+
+    def _wake(self) -> None:
+        """vLLM's wake-up, once torch has returned its cached free memory to CUDA: vLLM's weights and KV cache
+        come back through its own allocator (CuMemAllocator), which cannot use the blocks torch's caching
+        allocator keeps after a training step freed them."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.llm.wake_up()
         self.asleep = 0
 

@@ -7,14 +7,17 @@ A slot holds one sequence. Position t of slot s is *valid* when it holds a real 
 and invalid when it holds padding (stored, so that slot positions stay aligned with the batch, but never
 attended to). `lengths[s]` counts stored positions (valid or not); new tokens go after them.
 
-Storage is a pool of fixed-size blocks, k_LNKHD / v_LNKHD (flash-attn's paged layout), handed out as positions
-arrive: slot s's position t lives in block `tables[s][t // K]` at offset t % K, so a slot holds
-ceil(length / K) blocks, not max_len positions. Blocks are reference-counted: `copy_slot` (prefix sharing: the
-n samples of one prompt) shares the prompt's blocks instead of copying them, and the first write into a shared
-block copies that block alone (copy-on-write). The pool starts with `num_blocks` and grows by a quarter when it
-runs out, never past num_slots x ceil(max_len / K) blocks (every slot full), so a call never fails for want of
-blocks;
-`peak_nbytes_in_use` is the most the blocks ever held, `nbytes()` what the pool has allocated.
+Storage is a pool of fixed-size blocks per layer, `k_layers[l]` / `v_layers[l]` of k_NKHD / v_NKHD (flash-attn's
+paged layout: one cache tensor per layer), handed out as positions arrive: slot s's position t lives in block
+`tables[s][t // K]` at offset t % K of every layer, so a slot holds ceil(length / K) blocks, not max_len
+positions. Blocks are reference-counted: `copy_slot` (prefix sharing: the n samples of one prompt) shares the
+prompt's blocks instead of copying them, and the first write into a shared block copies that block alone
+(copy-on-write). The pool starts with `num_blocks` and grows by a quarter when it runs out, never past
+num_slots x ceil(max_len / K) blocks (every slot full), so a call never fails for want of blocks. It grows one
+layer's tensor at a time, each old one freed before the next is copied: the copy holds one layer's old pool
+beside the grown cache (1 + 1 / (2.5 L) of it), where growing one [L, N, ...] tensor by a copy held the old and
+the new whole (2.25x the old per tensor). `peak_nbytes_in_use` is the most the blocks ever held, `nbytes()`
+what the pool has allocated.
 
 The bookkeeping (lengths, block tables, reference counts, overflow checks) is kept on the host as Python ints,
 in step with the device buffers, so that addressing a cached call never waits for the device: a call's slots,
@@ -94,6 +97,15 @@ def _blocks_for(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
+def _grown(pool_NKHD: Tensor, blocks: int) -> Tensor:
+    """A copy of one layer's pool with `blocks` blocks, the new ones zeros (written in place: no temporary)."""
+    out_NKHD = torch.empty((blocks, *pool_NKHD.shape[1:]), dtype=pool_NKHD.dtype, device=pool_NKHD.device)
+    old = pool_NKHD.shape[0]
+    out_NKHD[:old].copy_(pool_NKHD)
+    out_NKHD[old:].zero_()
+    return out_NKHD
+
+
 DEFAULT_BLOCK_SIZE = 16
 """Positions per block (vLLM's default): a slot wastes less than one block; tables stay short."""
 
@@ -102,13 +114,22 @@ class KVCache:
     """Key/value blocks for `num_slots` sequences of up to `max_len` positions each (see the module docstring)."""
 
     def __init__(
-        self, k_LNKHD: Tensor, v_LNKHD: Tensor, valid_ST: Tensor, *, num_slots: int, max_len: int
+        self,
+        k_layers: list[Tensor],
+        v_layers: list[Tensor],
+        valid_ST: Tensor,
+        *,
+        num_slots: int,
+        max_len: int,
     ) -> None:
-        self.k_LNKHD = k_LNKHD
-        self.v_LNKHD = v_LNKHD
+        self.k_layers = k_layers
+        """Each layer's key blocks, k_NKHD (one tensor per layer: the pool grows a layer at a time)."""
+        self.v_layers = v_layers
+        """Each layer's value blocks, v_NKHD."""
         self.valid_ST = valid_ST
         self._num_slots, self._max_len = num_slots, max_len
-        self.block_size = int(k_LNKHD.shape[2])
+        first_NKHD = k_layers[0]
+        self.block_size = int(first_NKHD.shape[1])
         self.max_blocks = num_slots * _blocks_for(max_len, self.block_size)
         """The most blocks the pool can need: every slot at max_len."""
         self.lengths: list[int] = [0] * num_slots
@@ -116,11 +137,11 @@ class KVCache:
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]
         """Each slot's blocks in position order (host); `block_table_SM` is the device copy."""
         self.block_table_SM = torch.zeros(
-            num_slots, _blocks_for(max_len, self.block_size), dtype=torch.int64, device=k_LNKHD.device
+            num_slots, _blocks_for(max_len, self.block_size), dtype=torch.int64, device=first_NKHD.device
         )
-        self.refs: list[int] = [0] * int(k_LNKHD.shape[1])
+        self.refs: list[int] = [0] * int(first_NKHD.shape[0])
         """Slots holding each block (0 = free)."""
-        self.free: list[int] = list(range(int(k_LNKHD.shape[1]) - 1, -1, -1))  # a stack: lowest id on top
+        self.free: list[int] = list(range(int(first_NKHD.shape[0]) - 1, -1, -1))  # a stack: lowest id on top
         self.peak_blocks = 0
         """The most blocks in use at any time since allocation."""
 
@@ -144,10 +165,10 @@ class KVCache:
             raise ValueError(f"KVCache needs block_size > 0 (got {block_size})")
         blocks = num_slots if num_blocks is None else num_blocks
         blocks = max(1, min(blocks, num_slots * _blocks_for(max_len, block_size)))
-        shape = (config.num_layers, blocks, block_size, config.num_kv_heads, config.resolved_head_dim)
+        shape = (blocks, block_size, config.num_kv_heads, config.resolved_head_dim)
         return cls(
-            k_LNKHD=torch.zeros(shape, dtype=dtype, device=device),
-            v_LNKHD=torch.zeros(shape, dtype=dtype, device=device),
+            k_layers=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
+            v_layers=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)],
             valid_ST=torch.zeros(num_slots, max_len, dtype=torch.bool, device=device),
             num_slots=num_slots,
             max_len=max_len,
@@ -163,11 +184,15 @@ class KVCache:
 
     @property
     def device(self) -> torch.device:
-        return self.k_LNKHD.device
+        return self.k_layers[0].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k_LNKHD.dtype
+        return self.k_layers[0].dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_layers)
 
     @property
     def lengths_S(self) -> Tensor:
@@ -175,12 +200,17 @@ class KVCache:
         return torch.tensor(self.lengths, dtype=torch.int64)
 
     # ------------------------------------------------------------------ memory
+    def _bytes_per_position(self) -> int:
+        """Bytes of k + v of one position over every layer."""
+        first_NKHD = self.k_layers[0]
+        return 2 * self.num_layers * first_NKHD[0, 0].numel() * first_NKHD.element_size()
+
     def _bytes_per_block(self) -> int:
-        return 2 * self.k_LNKHD[:, 0].numel() * self.k_LNKHD.element_size()
+        return self._bytes_per_position() * self.block_size
 
     def nbytes_per_slot(self) -> int:
         """Bytes of k + v one slot holds at max_len (M_kv in the migration rule of the paper)."""
-        return 2 * self.k_LNKHD[:, 0, 0].numel() * self.k_LNKHD.element_size() * self.max_len
+        return self._bytes_per_position() * self.max_len
 
     def nbytes(self) -> int:
         """Bytes of k + v the pool has allocated."""
@@ -188,7 +218,7 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.k_LNKHD.shape[1])
+        return int(self.k_layers[0].shape[0])
 
     @property
     def blocks_in_use(self) -> int:
@@ -205,15 +235,15 @@ class KVCache:
     # ------------------------------------------------------------------ blocks
     def _grow(self) -> None:
         """Grow the pool by a quarter (device copies only; the new blocks are zeros, so stale reads stay finite):
-        what it allocates stays within 1.25x the most blocks ever in use, for log-many copies."""
+        what it allocates stays within 1.25x the most blocks ever in use, for log-many copies. One layer's
+        tensor at a time, the old one dropped before the next is copied (the transient: one old layer)."""
         old = self.num_blocks
         new = min(old + max(old // 4, 1), self.max_blocks)
         if new <= old:
             raise RuntimeError(f"KVCache block pool exhausted at {old} blocks (max {self.max_blocks})")
-        extra = (self.k_LNKHD.shape[0], new - old, *self.k_LNKHD.shape[2:])
-        zeros = torch.zeros(extra, dtype=self.dtype, device=self.device)
-        self.k_LNKHD = torch.cat([self.k_LNKHD, zeros], dim=1)
-        self.v_LNKHD = torch.cat([self.v_LNKHD, zeros], dim=1)
+        for pools in (self.k_layers, self.v_layers):
+            for layer in range(len(pools)):
+                pools[layer] = _grown(pools[layer], new)
         self.refs.extend([0] * (new - old))
         self.free[:0] = range(new - 1, old - 1, -1)  # below the freed blocks: reuse those first
 
@@ -274,8 +304,8 @@ class KVCache:
                 entries.append((slot, j, table[j]))
         if copies:
             src_dst_2C = upload([[a for a, _ in copies], [b for _, b in copies]], self.device)
-            self.k_LNKHD[:, src_dst_2C[1]] = self.k_LNKHD[:, src_dst_2C[0]]
-            self.v_LNKHD[:, src_dst_2C[1]] = self.v_LNKHD[:, src_dst_2C[0]]
+            for pool_NKHD in (*self.k_layers, *self.v_layers):
+                pool_NKHD[src_dst_2C[1]] = pool_NKHD[src_dst_2C[0]]
         self._set_table(entries)
         slots_lengths_2B = upload([slot_list, lengths], self.device)
         slots_B, lengths_B = slots_lengths_2B[0], slots_lengths_2B[1]
@@ -295,15 +325,15 @@ class KVCache:
 
     def store(self, layer: int, call: CacheCall, k_BTHD: Tensor, v_BTHD: Tensor) -> None:
         """Write one layer's keys/values of the call's new positions (into blocks no other slot holds)."""
-        self.k_LNKHD[layer][call.write_block_BT, call.write_offset_BT] = k_BTHD.to(self.dtype)
-        self.v_LNKHD[layer][call.write_block_BT, call.write_offset_BT] = v_BTHD.to(self.dtype)
+        self.k_layers[layer][call.write_block_BT, call.write_offset_BT] = k_BTHD.to(self.dtype)
+        self.v_layers[layer][call.write_block_BT, call.write_offset_BT] = v_BTHD.to(self.dtype)
 
     def keys_values(self, layer: int, call: CacheCall) -> tuple[Tensor, Tensor]:
         """One layer's keys and values of the call's slots, positions 0..num_keys-1: k_BHSD, v_BHSD (gathered
         from the rows' blocks)."""
         batch, blocks = call.read_blocks_BM.shape
         out = []
-        for pool_NKHD in (self.k_LNKHD[layer], self.v_LNKHD[layer]):
+        for pool_NKHD in (self.k_layers[layer], self.v_layers[layer]):
             x_BMKHD = pool_NKHD[call.read_blocks_BM]
             x_BSHD = x_BMKHD.reshape(batch, blocks * self.block_size, *x_BMKHD.shape[3:])[:, : call.num_keys]
             out.append(x_BSHD.transpose(1, 2))
@@ -355,8 +385,8 @@ class KVCache:
         length = self.lengths[slot]
         blocks_M = upload(self.tables[slot], self.device)
         out = []
-        for pool_LNKHD in (self.k_LNKHD, self.v_LNKHD):
-            x_LMKHD = pool_LNKHD[:, blocks_M]
+        for pools in (self.k_layers, self.v_layers):
+            x_LMKHD = torch.stack([pool_NKHD[blocks_M] for pool_NKHD in pools])
             x_LTHD = x_LMKHD.reshape(x_LMKHD.shape[0], -1, *x_LMKHD.shape[3:])[:, :length]
             out.append(x_LTHD.transpose(1, 2).contiguous())
         return SlotState(k_LHTD=out[0], v_LHTD=out[1], valid_T=self.valid_ST[slot, :length].clone())
@@ -365,7 +395,8 @@ class KVCache:
         """Overwrite `slot` with an exported state (from this or another cache of the same model shape)."""
         self._check_slot(slot)
         length = state.length
-        layers, _, _, heads, dim = self.k_LNKHD.shape
+        _, _, heads, dim = self.k_layers[0].shape
+        layers = self.num_layers
         expected = (layers, heads, length, dim)
         for name, tensor in (("k_LHTD", state.k_LHTD), ("v_LHTD", state.v_LHTD)):
             if tuple(tensor.shape) != expected:
@@ -384,12 +415,14 @@ class KVCache:
         self._set_table([(slot, j, b) for j, b in enumerate(self.tables[slot])])
         blocks_M = upload(self.tables[slot], self.device)
         pad = count * self.block_size - length
-        for pool_LNKHD, x_LHTD in ((self.k_LNKHD, state.k_LHTD), (self.v_LNKHD, state.v_LHTD)):
+        for pools, x_LHTD in ((self.k_layers, state.k_LHTD), (self.v_layers, state.v_LHTD)):
             x_LTHD = (
                 upload(x_LHTD, self.device).to(self.dtype).transpose(1, 2)
             )  # a migrated state: host memory
             x_LTHD = torch.cat([x_LTHD, x_LTHD.new_zeros(layers, pad, heads, dim)], dim=1)
-            pool_LNKHD[:, blocks_M] = x_LTHD.reshape(layers, count, self.block_size, heads, dim)
+            x_LMKHD = x_LTHD.reshape(layers, count, self.block_size, heads, dim)
+            for layer, pool_NKHD in enumerate(pools):
+                pool_NKHD[blocks_M] = x_LMKHD[layer]
         self.valid_ST[slot] = False
         self.valid_ST[slot, :length] = upload(state.valid_T, self.device)
         self.lengths[slot] = length

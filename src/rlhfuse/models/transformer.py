@@ -387,7 +387,10 @@ class Attention(nn.Module):
         k_BTKE = self.k_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
         v_BTKE = self.v_proj(x_BTD).view(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
+            # back to the projections' dtype: under bf16 autocast the norm's fp32 weight promotes q and k to fp32
+            # while v stays bf16, a mix flash-attn and Transformer Engine refuse (and SDPA would cast back)
+            q_BTHE = self.q_norm(q_BTHE).to(v_BTKE.dtype)
+            k_BTKE = self.k_norm(k_BTKE).to(v_BTKE.dtype)
         cos_BTe, sin_BTe = ctx.rope_for(self.window)
         cos_BT1e, sin_BT1e = cos_BTe[:, :, None], sin_BTe[:, :, None]
         q_BTHE = apply_rope(q_BTHE, cos_BT1e, sin_BT1e)
