@@ -5,6 +5,8 @@ Counted with `rlhfuse.core.syncs.SyncCounter`, the CPU standing in for the devic
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 from runtime_helpers import random_batch
@@ -53,3 +55,31 @@ def test_a_training_step_makes_one_host_sync(microbatches: int, packing: bool) -
     with SyncCounter("cpu") as counter:
         executor.run(work)
     assert counter.count > 1 + microbatches, dict(counter.by_kind)
+
+
+class _Work:
+    """A point-to-point handle that records how it was waited for."""
+
+    def __init__(self) -> None:
+        self.waits: list[object] = []
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waits.append(timeout)
+        return True
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_stream_waits_stream_ordered_on_cuda_and_bounded_elsewhere(device: str) -> None:
+    """On NCCL (a CUDA device) a receive's wait only orders the device stream (`work.wait()`): a
+    `wait(timeout=...)` there blocks the host until the op finishes, a host sync per receive that keeps the
+    pipeline from queueing ahead. On gloo the wait stays bounded, naming the instruction when it times out."""
+    from rlhfuse.runtime.layout import RankGeometry
+    from rlhfuse.runtime.streams import StreamComm
+
+    comm = StreamComm(
+        RankGeometry(0, 1, {"actor": 1, "critic": 1}), {}, lambda m: (1,),
+        dtype=torch.float32, device=torch.device(device), timeout_s=7.0,
+    )  # fmt: skip
+    work = _Work()
+    comm.wait(work, "WAIT RECV actor.g0.r0.s1:act0 <- 1")
+    assert work.waits == ([None] if device == "cuda" else [datetime.timedelta(seconds=7.0)])

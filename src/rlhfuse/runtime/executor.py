@@ -258,7 +258,7 @@ class PipelineExecutor:
                 [self._params(model, sub)],
                 self.grad_groups.get((model, sub)),
                 bucket_mb=self.grad_bucket_mb,
-                wait_fn=lambda work, what: wait_for(work, what, self.rank, self.timeout_s),
+                wait_fn=lambda work, what: wait_for(work, what, self.rank, self.timeout_s, self.device),
             )
         return reducer
 

@@ -34,10 +34,19 @@ class PipelineError(RuntimeError):
     """A rank failed or timed out while running its stream; the message names the rank and the instruction."""
 
 
-def wait_for(work: Any, what: str, rank: int, timeout_s: float) -> None:
+def wait_for(work: Any, what: str, rank: int, timeout_s: float, device: torch.device | None = None) -> None:
     """Wait for an async point-to-point or collective handle; a failure or timeout is a PipelineError naming
-    the rank and the instruction (another rank probably stopped)."""
+    the rank and the instruction (another rank probably stopped).
+
+    On a CUDA device (NCCL) the wait is stream-ordered: `work.wait()` makes the current stream wait for the op and
+    returns at once, so the host queues the rest of the stream ahead (a `wait(timeout=...)` blocks the host until
+    the op has finished: a host sync per receive). A hang is then the process group's timeout
+    (`distributed.timeout_s`, NCCL's watchdog aborts the communicator). Elsewhere (gloo, the NCCL-ordering
+    emulation) the wait is bounded by `timeout_s` and names the instruction."""
     try:
+        if device is not None and device.type == "cuda":
+            work.wait()
+            return
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as err:
         raise PipelineError(
@@ -86,7 +95,7 @@ class StreamComm:
 
     def wait(self, work: Any, what: str) -> None:
         start = time.perf_counter()
-        wait_for(work, what, self.rank, self.timeout_s)
+        wait_for(work, what, self.rank, self.timeout_s, self.device)
         self.waited += time.perf_counter() - start
 
     # --- the stream's RECV / SEND instructions ---------------------------------------------------------------
