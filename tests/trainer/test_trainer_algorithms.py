@@ -163,7 +163,7 @@ def test_kl_loss_term_is_added_to_the_policy_loss():
 @pytest.mark.parametrize("name", CRITIC_FREE)
 def test_critic_free_algorithm_trains_the_tiny_model_without_a_critic(cache_dir, tmp_path, name):
     trainer = _smoke(cache_dir, tmp_path, f"algorithm={name}", "checkpoint.every=3")
-    assert trainer.strategy.critic is None and trainer.strategies.plain.inference.critic is None
+    assert trainer.strategy.critic is None and trainer.inferencer.critic is None
     history = trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == len(history) == 3
@@ -252,7 +252,7 @@ def test_grpo_from_checkpoints_with_a_rule_reward_asks_for_no_reward_or_critic_c
         validate(compose_config(["model.sft_path=/x", *rule_only]))  # PPO's Critic needs a start
     cfg = compose_config(["experiment=smoke", "algorithm=grpo", f"model.sft_path={sft_dir}", *rule_only])
     trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=lambda _: None)
-    assert trainer.strategies.plain.inference.reward_model is None and trainer.strategy.critic is None
+    assert trainer.inferencer.reward_model is None and trainer.strategy.critic is None
     (row,) = trainer.fit()[:1]
     assert math.isfinite(row["loss/policy"]) and "task/score" in row
 

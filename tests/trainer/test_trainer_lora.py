@@ -41,7 +41,7 @@ def test_a_lora_actor_trains_its_adapters_against_itself_as_the_reference(tmp_pa
     cfg = smoke(cache, *LORA, "iterations=2", "checkpoint.export_hf=true", "model.lora.export_merged=true")
     trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=quiet)
     actor = trainer.strategy.actor
-    assert trainer.strategies.plain.inference.ref is actor  # no Ref copy: the Actor with its adapters off
+    assert trainer.inferencer.ref is actor  # no Ref copy: the Actor with its adapters off
     base = {n: p.detach().clone() for n, p in actor.named_parameters() if ".lora_" not in n}
     rows = trainer.fit()
     assert len(rows) == 2 and all(r["actor/grad_norm"] > 0 for r in rows)
@@ -216,7 +216,7 @@ def test_lora_grpo_on_smollm2_builds_no_ref_copy_and_its_adapter_loads_with_peft
     full_bytes = full.fit()[-1]["memory/param_bytes"]
     cfg = compose_config(["experiment=smollm2_arith", *small, *lora])
     trainer = build_trainer(cfg, run_dir=tmp_path / "run", log=quiet)
-    assert trainer.strategies.plain.inference.ref is trainer.strategy.actor
+    assert trainer.inferencer.ref is trainer.strategy.actor
     row = trainer.fit()[-1]
     # SmolLM2-135M in fp32 is ~0.54 GB: full fine-tuning holds Actor, Ref and the generator's copy, LoRA two
     assert full_bytes - row["memory/param_bytes"] > 0.4e9

@@ -54,7 +54,7 @@ def test_experiment_arithmetic_composes_grpo_with_a_verifiable_reward():
 
 def test_grpo_on_arithmetic_end_to_end(cache_dir, tmp_path):
     trainer = _build(cache_dir, tmp_path, *ARITHMETIC_SMOKE)
-    assert trainer.strategy.critic is None and trainer.strategies.plain.inference.reward_model is None
+    assert trainer.strategy.critic is None and trainer.inferencer.reward_model is None
     history = trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == len(history) == 3
