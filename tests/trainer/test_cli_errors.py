@@ -63,8 +63,8 @@ def test_a_wrong_type_is_one_line_naming_the_key_and_the_type(tmp_path):
 def test_a_misspelt_group_option_names_the_choices_and_the_intended_one(tmp_path):
     line = _one_error_line(_cli("algorithm=gpro", cwd=tmp_path))
     assert line == (
-        "algorithm=gpro is not an option of algorithm (choices: dr_grpo, grpo, ppo, reinforce_pp, rloo); "
-        "did you mean algorithm=grpo?"
+        "algorithm=gpro is not an option of algorithm (choices: cispo, dapo, dr_grpo, grpo, gspo, ppo, "
+        "reinforce_pp, rloo); did you mean algorithm=grpo?"
     )
     with pytest.raises(
         ValueError, match=r"^model=tny is not an option of model .*did you mean model=tiny\?$"

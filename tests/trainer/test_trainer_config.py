@@ -1,5 +1,7 @@
 """Hydra composition of every shipped experiment, overrides, schema checks and one-error validation."""
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,27 @@ def test_vllm_generator_problems_are_found_before_any_model_is_built():
             validate(ok)
     else:
         validate(ok)
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("algorithm.clip_eps=0.1", "algorithm.clip_eps was renamed algorithm.clip_eps_low"),
+        ("algorithm.loss_reduction=sequence", "sequence -> seq-mean-token-mean, sequence_sum -> "),
+    ],
+)
+def test_a_renamed_algorithm_key_names_its_new_name(override: str, line: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(line)):
+        compose_config([override])
+
+
+def test_a_run_recorded_under_the_old_algorithm_keys_resumes_under_the_new_ones() -> None:
+    from rlhfuse.trainer.resume import config_changes, config_record, renamed_keys_upgraded
+
+    current = config_record(compose_config(["algorithm.loss_agg=seq-mean-token-mean"]))
+    old = json.loads(json.dumps(current))
+    algorithm = old["algorithm"]
+    algorithm["clip_eps"] = algorithm.pop("clip_eps_low")
+    algorithm["loss_reduction"] = "sequence"
+    del algorithm["loss_agg"]
+    assert config_changes(renamed_keys_upgraded(old), current, current) == []

@@ -18,6 +18,9 @@ from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.trainer import compose_config, validate
 
+# the reductions as algorithm.loss_agg names them
+AGG = {"token": "token-mean", "sequence": "seq-mean-token-mean"}
+
 STEPS, MINI_BATCH = 3, 8  # three mini-batches: the second and third steps use AdamW's moments
 
 
@@ -56,7 +59,7 @@ def _strategy(actor, critic, reduction: str, group=None):
         actor,
         critic,
         OptimConfig(warmup_steps=1, grad_clip=0.5),
-        AlgorithmConfig(loss_reduction=reduction),
+        AlgorithmConfig(loss_agg=AGG[reduction]),
         fabric=Fabric(accelerator="cpu", devices=1),
         total_steps=STEPS,
         micro_batch_size=2,

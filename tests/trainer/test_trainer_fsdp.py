@@ -25,6 +25,9 @@ from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes
 from rlhfuse.trainer import compose_config, validate
 
+# the reductions as algorithm.loss_agg names them
+AGG = {"token": "token-mean", "sequence": "seq-mean-token-mean"}
+
 STEPS, MINI_BATCH, MICRO = 3, 7, 3  # 7 samples split 4 / 3: 2 micro-batches on one rank, 1 on the other
 
 
@@ -61,7 +64,7 @@ def _plain(reduction: str = "token"):
 
     actor, critic, _ = _models()
     strategy = PlainStrategy(
-        actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_reduction=reduction),
+        actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_agg=AGG[reduction]),
         fabric=Fabric(accelerator="cpu", devices=1), total_steps=STEPS, micro_batch_size=MICRO,
     )  # fmt: skip
     stats = [strategy.train_step(_batch(seed)).metrics() for seed in range(STEPS)]
@@ -78,7 +81,7 @@ def _fsdp(reduction: str = "token"):
 
     actor, critic, ref = _models()
     strategy = ShardedStrategy(
-        actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_reduction=reduction),
+        actor, critic, OptimConfig(warmup_steps=1, grad_clip=0.5), AlgorithmConfig(loss_agg=AGG[reduction]),
         frozen=[ref], policy=ShardingPolicy(), fabric=Fabric(accelerator="cpu", devices=1), total_steps=STEPS,
         micro_batch_size=MICRO,
     )  # fmt: skip

@@ -1,5 +1,6 @@
-"""RL mathematics as small pure functions: GAE, critic-free advantages (GRPO, RLOO, REINFORCE++), clipped losses,
-KL estimators, whitening, entropy, log-probs.
+"""RL mathematics as small pure functions: GAE, critic-free advantages (GRPO, RLOO, REINFORCE++), policy losses
+(PPO's clipped surrogate with DAPO's decoupled range, GSPO, CISPO), the value loss, DAPO's overlong reward shaping
+and dynamic-sampling filter, KL estimators, whitening, entropy, log-probs.
 
 Each function cites its equation in its docstring; `docs/algorithms.md` gathers them with the conventions.
 """
@@ -15,25 +16,34 @@ from rlhfuse.algorithms.kl import kl_estimate, kl_penalty_rewards
 from rlhfuse.algorithms.logits import chosen_logprobs_torch, entropy_from_logits, logprobs_from_logits
 from rlhfuse.algorithms.losses import (
     PolicyLossStats,
+    RatioLevel,
     ValueLossStats,
+    cispo_policy_loss,
+    gspo_policy_loss,
+    policy_log_ratio,
     ppo_policy_loss,
     reduce_loss,
+    sequence_log_ratio,
     value_loss,
 )
 from rlhfuse.algorithms.masked import masked_mean, masked_var, whiten
 from rlhfuse.algorithms.outcome import (
     discounted_returns,
     grpo_advantages,
+    overlong_penalty,
     reinforce_pp_advantages,
     rloo_advantages,
     sequence_to_tokens,
+    varied_groups,
     zero_std_fraction,
 )
 
 __all__ = [
     "PolicyLossStats",
+    "RatioLevel",
     "ValueLossStats",
     "chosen_logprobs_torch",
+    "cispo_policy_loss",
     "compute_gae",
     "compute_gae_loop",
     "compute_gae_matrix",
@@ -42,17 +52,22 @@ __all__ = [
     "discounted_returns",
     "entropy_from_logits",
     "grpo_advantages",
+    "gspo_policy_loss",
     "kl_estimate",
     "kl_penalty_rewards",
     "logprobs_from_logits",
     "masked_mean",
     "masked_var",
+    "overlong_penalty",
+    "policy_log_ratio",
     "ppo_policy_loss",
     "reduce_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "sequence_log_ratio",
     "sequence_to_tokens",
-    "zero_std_fraction",
     "value_loss",
+    "varied_groups",
     "whiten",
+    "zero_std_fraction",
 ]

@@ -24,16 +24,53 @@ def _groups(scores_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor
     return inverse_B.to(scores_B.device), count_G.to(scores_B.device)
 
 
-def zero_std_fraction(scores_B: torch.Tensor, group_B: torch.Tensor) -> float:
-    """The fraction of groups in which every sample has the same score: their group-baselined advantages are 0,
-    so they train with zero gradient (TRL's frac_reward_zero_std)."""
+def _uniform_groups(scores_B: torch.Tensor, group_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uniform_G, inverse_B): whether every sample of each group has the same score, and each sample's group."""
     inverse_B, count_G = _groups(scores_B, group_B)
     x_B = scores_B.to(torch.promote_types(scores_B.dtype, torch.float32))
     groups = len(count_G)
     high_G = torch.full((groups,), float("-inf"), dtype=x_B.dtype, device=x_B.device)
     high_G = high_G.scatter_reduce(0, inverse_B, x_B, reduce="amax")
     low_G = torch.full_like(high_G, float("inf")).scatter_reduce(0, inverse_B, x_B, reduce="amin")
-    return float((high_G == low_G).float().mean()) if groups else 0.0
+    return high_G == low_G, inverse_B
+
+
+def zero_std_fraction(scores_B: torch.Tensor, group_B: torch.Tensor) -> float:
+    """The fraction of groups in which every sample has the same score: their group-baselined advantages are 0,
+    so they train with zero gradient (TRL's frac_reward_zero_std)."""
+    uniform_G, _ = _uniform_groups(scores_B, group_B)
+    return float(uniform_G.float().mean()) if len(uniform_G) else 0.0
+
+
+def varied_groups(scores_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
+    """bool [B]: the samples whose group's scores are not all equal (non-zero variance). DAPO's dynamic sampling
+    (Yu et al. 2025, arXiv 2503.14476, eq. 11: 0 < |{o_i : o_i correct}| < G) keeps only these groups: a group whose
+    samples all scored alike has zero group-baselined advantage and trains nothing."""
+    uniform_G, inverse_B = _uniform_groups(scores_B, group_B)
+    return ~uniform_G[inverse_B]
+
+
+def overlong_penalty(
+    lengths_B: torch.Tensor, max_length: int, buffer: float, penalty: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), scaled by `penalty`, one per
+    sample of response length |y| (float32 [B]):
+
+        R_length(y) = 0                                      |y| <= L_max − L_cache
+                    = ((L_max − L_cache) − |y|) / L_cache · p  L_max − L_cache < |y| <= L_max
+                    = −p                                     |y| > L_max
+
+    with L_max = `max_length` (the generator's max_new_tokens), L_cache = `buffer` (> 0) and p = `penalty`; the
+    penalty grows linearly over the last L_cache tokens before the limit, reaching −p at L_max."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"overlong buffer must be in (0, max_length={max_length}], got {buffer}")
+    length_B = lengths_B.to(torch.float32)
+    start = float(max_length - buffer)
+    ramp_B = (start - length_B) / float(buffer) * penalty
+    zero_B = torch.zeros_like(length_B)
+    return torch.where(
+        length_B <= start, zero_B, torch.where(length_B <= max_length, ramp_B, zero_B - penalty)
+    )
 
 
 def _group_sum(x_B: torch.Tensor, inverse_B: torch.Tensor, groups: int) -> torch.Tensor:

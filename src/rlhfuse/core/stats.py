@@ -46,8 +46,9 @@ def scale_stats(stats: S, weight: float) -> S:
 class LossStats(NamedTuple):
     """A micro-batch's loss statistics; weighted by its share, they sum to the mini-batch's. The Actor's loss
     fills the policy fields (and `kl_loss`, the KL term before its coefficient, when the KL is a loss term), the
-    Critic's the value field (the other fields are 0). `metrics()` leaves `kl_loss` and `router_aux_loss` out: the
-    trainer logs them as loss/kl and loss/router_aux only when the run has the term."""
+    Critic's the value field (the other fields are 0). `metrics()` leaves `kl_loss`, `router_aux_loss` and the
+    clip fractions by side out: the trainer logs them (loss/kl, loss/router_aux, policy/clip_fraction_low and
+    _high) only when the run has the term."""
 
     policy_loss: float = 0.0
     clip_fraction: float = 0.0
@@ -58,6 +59,10 @@ class LossStats(NamedTuple):
     router_aux_loss: float = 0.0
     """A mixture-of-experts Actor's load-balancing loss before its coefficient (logged as loss/router_aux when
     pipeline.router_aux_loss_coef > 0)."""
+    clip_fraction_low: float = 0.0
+    clip_fraction_high: float = 0.0
+    """`clip_fraction` split by the side of the clip range (`rlhfuse.algorithms.PolicyLossStats`); logged as
+    policy/clip_fraction_low and _high when the run sets the high side of the range (algorithm.clip_eps_high)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -80,6 +85,8 @@ class LossTensors(NamedTuple):
     value_loss: Tensor
     kl_loss: Tensor
     router_aux_loss: Tensor
+    clip_fraction_low: Tensor
+    clip_fraction_high: Tensor
 
     @classmethod
     def of(cls, like: Tensor, **fields: Tensor) -> LossTensors:
@@ -194,15 +201,36 @@ class GenerationStats(NamedTuple):
         }
 
 
+class DynamicSamplingStats(NamedTuple):
+    """What dynamic sampling (`data.oversample`, `rlhfuse.trainer.rollout.DynamicSampling`) did in one rollout:
+    the prompt groups it generated, those it dropped (every sample scored alike), the tokens it generated for
+    them (the price of the full batch, on top of the batch's own), and its rounds of generation."""
+
+    groups_sampled: float
+    groups_dropped: float
+    extra_tokens: float
+    rounds: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/groups_sampled": self.groups_sampled,
+            "rollout/groups_dropped": self.groups_dropped,
+            "rollout/extra_tokens": self.extra_tokens,
+            "rollout/sampling_rounds": self.rounds,
+        }
+
+
 class RolloutStats(NamedTuple):
     """One rollout (generation + inference, `RolloutStage.run`): seconds spent generating and inferring, the
     span from the first decode step to the last inference output (the span inter-stage fusion shortens; None
-    for a generator without instances), and the generator's own statistics."""
+    for a generator without instances), the generator's own statistics, and dynamic sampling's (None when
+    off, so not logged)."""
 
     generation_s: float
     inference_s: float
     generation_inference_s: float | None = None
     generation: GenerationStats | None = None
+    sampling: DynamicSamplingStats | None = None
 
     def metrics(self) -> dict[str, float]:
         out = {"time/generation": self.generation_s, "time/inference": self.inference_s}
@@ -210,4 +238,6 @@ class RolloutStats(NamedTuple):
             out["time/generation_inference"] = self.generation_inference_s
         if self.generation is not None:
             out.update(self.generation.metrics())
+        if self.sampling is not None:
+            out.update(self.sampling.metrics())
         return out

@@ -19,11 +19,10 @@ from rlhfuse.algorithms import (
     kl_estimate,
     logprobs_from_logits,
     masked_mean,
-    ppo_policy_loss,
     reduce_loss,
     value_loss,
 )
-from rlhfuse.core.advantages import AlgorithmConfig
+from rlhfuse.core.advantages import POLICY_LOSSES, AlgorithmConfig
 from rlhfuse.core.stats import LossTensors
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
@@ -70,10 +69,10 @@ def actor_loss(
     logprobs_fn: LogprobsFn | None = None,
     entropy_fn: EntropyFn | None = None,
 ) -> tuple[Tensor, LossTensors]:
-    """Clipped policy loss (+ entropy bonus when `algorithm.entropy_coef`, + β·KL(π_θ ‖ π_ref) when
-    `algorithm.kl_loss_coef` = β > 0, the KL estimated per token and reduced like the policy loss) and its
-    statistics. logprobs_fn / entropy_fn replace the read-outs of the full logits (the tensor-parallel
-    runtime passes vocabulary-parallel ones over its slice of the logits)."""
+    """The configured policy loss (`algorithm.policy_loss`: `POLICY_LOSSES`) (+ entropy bonus when
+    `algorithm.entropy_coef`, + β·KL(π_θ ‖ π_ref) when `algorithm.kl_loss_coef` = β > 0, the KL estimated per
+    token and reduced like the policy loss) and its statistics. logprobs_fn / entropy_fn replace the read-outs of
+    the full logits (the tensor-parallel runtime passes vocabulary-parallel ones over its slice of the logits)."""
     return response_actor_loss(
         response_outputs(logits_BTV, micro),
         micro,
@@ -101,16 +100,8 @@ def response_actor_loss(
         logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
     else:
         logprobs_BR = logprobs_fn(logits_BRV, response_ids_BR, temperature)
-    loss, pstats = ppo_policy_loss(
-        logprobs_BR,
-        micro.old_logprobs_BR,
-        micro.advantages_BR,
-        micro.response_mask_BR,
-        clip_eps=algorithm.clip_eps,
-        clip_eps_high=algorithm.clip_eps_high,
-        dual_clip=algorithm.dual_clip,
-        reduction=algorithm.loss_reduction,
-        constant_length=algorithm.loss_constant_length or None,
+    loss, pstats = POLICY_LOSSES[algorithm.policy_loss].loss(
+        logprobs_BR, micro.old_logprobs_BR, micro.advantages_BR, micro.response_mask_BR, algorithm
     )
     kl_loss: dict[str, Tensor] = {}
     if algorithm.kl_loss_coef > 0:
@@ -119,10 +110,7 @@ def response_actor_loss(
         )
         kl_BR = kl_estimate(logprobs_BR, micro.ref_logprobs_BR, kind=algorithm.kl_loss_estimator)
         kl_term = reduce_loss(
-            kl_BR,
-            micro.response_mask_BR != 0,
-            algorithm.loss_reduction,
-            algorithm.loss_constant_length or None,
+            kl_BR, micro.response_mask_BR != 0, algorithm.loss_reduction, algorithm.constant_length
         )
         loss = loss + algorithm.kl_loss_coef * kl_term
         kl_loss = {"kl_loss": kl_term}
@@ -134,6 +122,8 @@ def response_actor_loss(
         loss,
         policy_loss=loss,
         clip_fraction=pstats.clip_fraction,
+        clip_fraction_low=pstats.clip_fraction_low,
+        clip_fraction_high=pstats.clip_fraction_high,
         approx_kl=pstats.approx_kl,
         entropy=entropy,
         **kl_loss,
@@ -158,6 +148,6 @@ def response_critic_loss(
         micro.response_mask_BR,
         clip_eps=algorithm.value_clip_eps,
         reduction=algorithm.loss_reduction,
-        constant_length=algorithm.loss_constant_length or None,
+        constant_length=algorithm.constant_length,
     )
     return loss, LossTensors.of(loss, value_loss=loss)

@@ -47,6 +47,11 @@ def _tensors_to(obj: _D, device: torch.device | str) -> _D:
     return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
 
 
+def _rows(x: Tensor, index_B: Tensor) -> Tensor:
+    """The rows `index_B` of `x`, the index moved to `x`'s device (a stage's tensors may sit on two devices)."""
+    return x[index_B.to(x.device)]
+
+
 def _cat_right_padded(tensors: list[Tensor], pad: float | int) -> Tensor:
     width = max(t.shape[1] for t in tensors)
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad) for t in tensors])
@@ -75,6 +80,25 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return int(self.input_ids_BP.shape[0])
+
+    def select(self, index_B: Tensor) -> PromptBatch:
+        """The prompts `index_B` (bool mask or indices), in that order, their padding trimmed to the longest."""
+        mask_BP = _rows(self.attention_mask_BP, index_B)
+        cut = self.input_ids_BP.shape[1] - (int(mask_BP.sum(dim=1).max()) if len(mask_BP) else 0)
+        return PromptBatch(
+            _rows(self.input_ids_BP, index_B)[:, cut:], mask_BP[:, cut:], _rows(self.prompt_ids_B, index_B)
+        )
+
+    @staticmethod
+    def cat(batches: list[PromptBatch], pad_id: int) -> PromptBatch:
+        """Concatenate prompt batches, left-padded to the longest prompt."""
+        if len(batches) == 1:
+            return batches[0]
+        return PromptBatch(
+            _cat_left_padded([b.input_ids_BP for b in batches], pad_id),
+            _cat_left_padded([b.attention_mask_BP for b in batches], 0),
+            torch.cat([b.prompt_ids_B for b in batches]),
+        )
 
 
 @dataclass
@@ -113,6 +137,10 @@ class Rollout:
     @property
     def response_lengths_B(self) -> Tensor:
         return self.response_mask_BR.sum(dim=1)
+
+    def select(self, index_B: Tensor) -> Rollout:
+        """The rows `index_B` (bool mask or indices), in that order (widths unchanged)."""
+        return Rollout(**{f.name: _rows(getattr(self, f.name), index_B) for f in dataclasses.fields(self)})
 
     @staticmethod
     def cat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -170,6 +198,17 @@ class Experience:
     def to(self, device: torch.device | str) -> Experience:
         """This Experience with every tensor on `device`."""
         return _tensors_to(self, device)
+
+    def select(self, index_B: Tensor) -> Experience:
+        """The rows `index_B` (bool mask or indices), in that order (widths unchanged)."""
+        return Experience(
+            rollout=self.rollout.select(index_B),
+            logprobs_BR=_rows(self.logprobs_BR, index_B),
+            ref_logprobs_BR=_rows(self.ref_logprobs_BR, index_B),
+            values_BR=_rows(self.values_BR, index_B),
+            scores_B=_rows(self.scores_B, index_B),
+            rule_scores_BK=None if self.rule_scores_BK is None else _rows(self.rule_scores_BK, index_B),
+        )
 
     def __len__(self) -> int:
         return len(self.rollout)

@@ -45,6 +45,14 @@ class DataConfig:
     prompts_per_iteration: int = 32
     # Responses sampled per prompt (the generator's n).
     samples_per_prompt: int = 4
+    # Dynamic sampling (DAPO): 0 = off, every prompt's group is trained. A factor f >= 1 = the rollout trains
+    # exactly prompts_per_iteration groups whose samples did not all score alike (zero reward variance: no
+    # gradient under a group baseline). It generates ceil(f * prompts_per_iteration) prompts' groups, drops the
+    # uniform ones, and generates ceil(f * missing) further prompts (drawn from the data as the iteration's own
+    # are) for the groups still missing, round after round until none is. f = 1 generates only what is missing (a
+    # dropped group costs its own tokens, more rounds); f > 1 over-provisions (fewer rounds; groups beyond the
+    # batch are generated but not trained). Logged: rollout/groups_sampled, groups_dropped, extra_tokens.
+    oversample: float = 0.0
     # Samples per optimizer step (one PPO mini-batch); must divide the samples of an iteration.
     mini_batch_size: int = 64
     # Samples per forward/backward (gradient accumulation = mini_batch_size / micro_batch_size).
@@ -82,6 +90,18 @@ class DataConfig:
                 f"{divisor_near(self.mini_batch_size, self.micro_batch_size)} or a token budget with "
                 "data.micro_batch_tokens",
             )
+        need(
+            problems,
+            self.oversample == 0 or self.oversample >= 1,
+            f"data.oversample={self.oversample} must be 0 (off) or a factor >= 1 of data.prompts_per_iteration",
+        )
+        need(
+            problems,
+            self.oversample == 0 or self.samples_per_prompt >= 2,
+            f"data.oversample={self.oversample} drops the groups whose samples all scored alike, and a group of "
+            f"data.samples_per_prompt={self.samples_per_prompt} always does: set data.samples_per_prompt >= 2 or "
+            "data.oversample=0",
+        )
         need(
             problems,
             self.micro_batch_tokens >= 0,

@@ -365,10 +365,19 @@ class PromptLoader:
         return torch.randperm(len(self.prompts), generator=generator).tolist()
 
     def next_batch(self) -> list[Prompt]:
-        if self.offset + self.batch_size > len(self.prompts):
+        return self.take(self.batch_size)
+
+    def take(self, count: int) -> list[Prompt]:
+        """The next `count` prompts (at most the dataset's): the rest of this epoch's permutation, or the next
+        epoch's start when fewer than `count` are left (dynamic sampling takes extra prompts this way)."""
+        if not 0 < count <= len(self.prompts):
+            raise ValueError(
+                f"take({count}): a count from 1 to the {len(self.prompts)} prompts of the dataset"
+            )
+        if self.offset + count > len(self.prompts):
             self.epoch, self.offset = self.epoch + 1, 0
-        order = self._order(self.epoch)[self.offset : self.offset + self.batch_size]
-        self.offset += self.batch_size
+        order = self._order(self.epoch)[self.offset : self.offset + count]
+        self.offset += count
         return [self.prompts[i] for i in order]
 
     def state_dict(self) -> dict[str, int]:

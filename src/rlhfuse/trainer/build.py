@@ -54,7 +54,7 @@ from rlhfuse.trainer.models import Models, load_models, load_tokenizer
 from rlhfuse.trainer.parts import ExportTarget, Parts, StrategyPart
 from rlhfuse.trainer.resume import check_resume_config, config_record
 from rlhfuse.trainer.reward_functions import reward_set, rule_reward, verifier_index
-from rlhfuse.trainer.rollout import FusedRollout, SerialRollout
+from rlhfuse.trainer.rollout import FusedRollout, SerialRollout, training_rollout
 from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
 from rlhfuse.trainer.topology import Topology
@@ -281,7 +281,7 @@ def assemble(
         generator=built.generator,
         inferencer=built.inferencer,
         strategy=built.strategy,
-        rollout=built.rollout,
+        rollout=training_rollout(built.rollout, config.data, data.loader, models.tokenizer.pad_id),
         prompts=data.loader,
         pad_token_id=models.tokenizer.pad_id,
         run_dir=run_dir,

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlhfuse._resources import conf_dir
+from rlhfuse.core.advantages import RENAMED_KEYS
 from rlhfuse.core.config_checks import is_flat
 from rlhfuse.trainer.run_config import RLHFConfig
 
@@ -119,10 +120,25 @@ def schema_keys(cls: type = RLHFConfig) -> dict[str, Any]:
     return out
 
 
+def closest(word: str, choices: Sequence[str]) -> list[str]:
+    """The choice `word` most likely misspells (a list of at most one, as `difflib.get_close_matches` gives):
+    among difflib's close matches, one spelled with the same letters first (a transposition, `gpro` for `grpo`,
+    over a substitution, `gspo`), then the closest."""
+    close = difflib.get_close_matches(word, list(choices), n=5)
+    close.sort(key=lambda c: sorted(c) != sorted(word))  # stable: difflib's order among equals
+    return close[:1]
+
+
 def unknown_keys(keys: Sequence[str]) -> list[str]:
     """One problem per dotted key that the schema does not have, with the closest known key."""
     problems = []
     for key in keys:
+        section, _, leaf = key.partition(".")
+        if section == "algorithm" and leaf in RENAMED_KEYS:
+            new, values = RENAMED_KEYS[leaf]
+            mapping = f" ({', '.join(f'{a} -> {b}' for a, b in values.items())})" if values else ""
+            problems.append(f"{key} was renamed algorithm.{new}{mapping}: set algorithm.{new} instead")
+            continue
         tree: dict[str, Any] | None = schema_keys()
         parts = key.split(".")
         for depth, part in enumerate(parts):
@@ -130,7 +146,7 @@ def unknown_keys(keys: Sequence[str]) -> list[str]:
                 break
             if part not in tree:
                 known = ".".join(parts[:depth])
-                close = difflib.get_close_matches(part, list(tree), n=1)
+                close = closest(part, list(tree))
                 hint = f"did you mean {'.'.join([*parts[:depth], close[0]])}?" if close else ""
                 where = f"{known}.*" if known else "the top level"
                 problems.append(
@@ -240,7 +256,7 @@ def composition_problem(err: BaseException, config_dirs: Sequence[str | Path] = 
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and err.options:
         group, _, name = err.missing_cfg_file.rpartition("/")
         choice = f"{group}={name}" if group else name
-        close = difflib.get_close_matches(name, list(err.options), n=1)
+        close = closest(name, list(err.options))
         hint = f"; did you mean {group}={close[0]}?" if close and group else ""
         return f"{where}{choice} is not an option of {group or 'the configs'} (choices: {', '.join(sorted(err.options))}){hint}"
     if isinstance(err, OverrideParseException):

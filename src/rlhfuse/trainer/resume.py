@@ -215,8 +215,9 @@ def check_resume_config(
     if run is None or run.config is None:
         return ResumeCheck(path)
     current = config_record(config) if record is None else record
-    changes = config_changes(run.config, current, config_record(type(config)()))
-    allowed = mutable_keys(run.config, current)
+    recorded = renamed_keys_upgraded(run.config)
+    changes = config_changes(recorded, current, config_record(type(config)()))
+    allowed = mutable_keys(recorded, current)
     fixed = [c for c in changes if not is_mutable(c.key, allowed)]
     if fixed:
         raise CheckpointError(
@@ -227,6 +228,23 @@ def check_resume_config(
             + " back, or start a new run (resume=never in another run folder)"
         )
     return ResumeCheck(path, tuple(changes), recorded=True)
+
+
+def renamed_keys_upgraded(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A configuration recorded before keys were renamed (`rlhfuse.core.advantages.RENAMED_KEYS`), under the new
+    names and values: such a run resumes as it was configured."""
+    from rlhfuse.core.advantages import RENAMED_KEYS
+
+    upgraded = dict(record)
+    algorithm = record.get("algorithm")
+    if isinstance(algorithm, Mapping) and any(old in algorithm for old in RENAMED_KEYS):
+        section = dict(algorithm)
+        for old, (new, values) in RENAMED_KEYS.items():
+            if old in section and new not in section:
+                value = section.pop(old)
+                section[new] = values.get(value, value) if isinstance(value, str) else value
+        upgraded["algorithm"] = section
+    return upgraded
 
 
 def _recorded_run(run_dir: str | Path, path: Path, run_id: Any, *, auto: bool) -> RunIdentity | None:

@@ -83,6 +83,12 @@ def vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) 
             f"but this job has {layout.world} processes, each of which builds one vLLM engine: set "
             "generator.in_process=false (one instance per process)"
         )
+    if cfg.data.oversample > 0 and cfg.generator.vllm.vllm_sleep_level == 2:
+        problems.append(  # a level-2 sleeper discards its weights after a rollout, and the next round has none
+            f"data.oversample={cfg.data.oversample} generates in rounds with no weight sync between them, but "
+            "generator.vllm_sleep_level=2 discards the engines' weights after each: set generator.vllm_sleep_level=1"
+            " (or 0), or data.oversample=0"
+        )
     if model is None:
         return problems  # load_models names the missing file
     try:

@@ -184,8 +184,8 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     - the training strategy's own rules (`StrategyPart.resolve`; under the pipelines: inferencer=models ->
       pipeline, the same forward passes over the training layout, unless each rank is one generation instance
       inferring its own samples; a critic-free algorithm's Actor-only pipeline printed);
-    - algorithm.loss_reduction=sequence_sum with algorithm.loss_constant_length=0 -> the constant length is
-      generator.max_new_tokens (the documented meaning of 0).
+    - algorithm.loss_agg=seq-mean-token-sum-norm with algorithm.loss_constant_length=0 -> the constant length
+      is generator.max_new_tokens (the documented meaning of 0).
     """
     from rlhfuse.trainer.topology import generator_entry, topology
 
@@ -200,11 +200,11 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     layout = topology(resolved)
     resolved = layout.strategy.resolve(resolved, layout, log)
     a = resolved.algorithm
-    if a.loss_reduction == "sequence_sum" and a.loss_constant_length == 0:
+    if a.loss_reduction == "sequence_sum" and a.constant_length is None:
         length = g.sampling.max_new_tokens
         log(
-            f"rlhfuse: algorithm.loss_constant_length=0 -> {length} (rule: loss_reduction=sequence_sum divides "
-            "every sequence's token sum by generator.max_new_tokens unless algorithm.loss_constant_length is set)"
+            f"rlhfuse: algorithm.loss_constant_length=0 -> {length} (rule: loss_agg={a.loss_agg} divides every "
+            "sequence's token sum by generator.max_new_tokens unless algorithm.loss_constant_length is set)"
         )
         a = dataclasses.replace(a, loss_constant_length=length)
     return dataclasses.replace(resolved, algorithm=a)

@@ -338,7 +338,9 @@ class RLHFTrainer:
         metrics: dict[str, float] = {}
         self.call("on_rollout_end", experience, metrics)
         # 2. rewards, KL penalty and the algorithm's advantages (GAE, or a group / batch baseline)
-        batch, stats = compute_train_batch(experience, self.config.algorithm)
+        batch, stats = compute_train_batch(
+            experience, self.config.algorithm, max_new_tokens=self.config.generator.sampling.max_new_tokens
+        )
         self._check_finite(it, stats)
         # 3. Actor (and Critic) updates over mini-batches x PPO epochs
         self._on_stage("training")
@@ -416,10 +418,14 @@ class RLHFTrainer:
     # ---------------------------------------------------------------- metrics
     def _loss_term_metrics(self, stats: TrainStats) -> dict[str, float]:
         """The optional loss terms before their coefficients, when the run has them: loss/kl (the KL as a loss
-        term), loss/router_aux (a mixture-of-experts Actor's load-balancing loss)."""
+        term), loss/router_aux (a mixture-of-experts Actor's load-balancing loss); and the clip fraction by side
+        when the clip range has its own high side (algorithm.clip_eps_high)."""
         terms = {}
         if self.config.algorithm.kl_loss_coef > 0:
             terms["loss/kl"] = stats.loss.kl_loss
+        if self.config.algorithm.clip_eps_high is not None:
+            terms["policy/clip_fraction_low"] = stats.loss.clip_fraction_low
+            terms["policy/clip_fraction_high"] = stats.loss.clip_fraction_high
         if self.config.pipeline.optim.router_aux_loss_coef > 0:
             terms["loss/router_aux"] = stats.loss.router_aux_loss
         return terms

@@ -257,6 +257,13 @@ def algorithm_problems(cfg: RLHFConfig) -> list[str]:
         f"data.samples_per_prompt={max(algorithm.min_samples_per_prompt, 4)} (and data.mini_batch_size to divide "
         "data.prompts_per_iteration*data.samples_per_prompt), or algorithm=ppo / reinforce_pp",
     )
+    limit = cfg.generator.sampling.max_new_tokens
+    need(
+        problems,
+        a.overlong_tokens(limit) <= limit,
+        f"algorithm.overlong_buffer={a.overlong_buffer} tokens exceeds generator.max_new_tokens={limit}: every "
+        f"response would be penalised: set algorithm.overlong_buffer to at most {limit} (or a fraction < 1 of it)",
+    )
     return problems
 
 
