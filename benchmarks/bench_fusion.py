@@ -48,8 +48,8 @@ def _worker(
     from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
     from rlhfuse.generation.fusion import fused_generate_infer
     from rlhfuse.trainer import compose_config
-    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
     from rlhfuse.trainer.models import load_models
+    from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
     from rlhfuse.trainer.trainer import collate_prompts
     from rlhfuse.trainer.warmstart import warm_start
 

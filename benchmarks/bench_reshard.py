@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
-from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.tensor_parallel import shard_transformer
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
 WORLD, PER_NODE = 8, 4
 

@@ -45,10 +45,10 @@ def _check(rank: int, world: int, root: pathlib.Path, actor_pp: int, schedule: s
     from rlhfuse.core.optim import OptimConfig
     from rlhfuse.planner.memory import rank_memories
     from rlhfuse.planner.specs import ModelSpec
-    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
-    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
     from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.tensor_parallel import shard_transformer
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy, pipeline_layout
     from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
     algo = AlgorithmConfig(name="grpo", kl_loss_coef=0.05)

@@ -17,8 +17,8 @@ from runtime_helpers import run_distributed
 
 from rlhfuse.core.checkpoint import list_checkpoints, load_checkpoint
 from rlhfuse.core.errors import CheckpointError
-from rlhfuse.trainer.strategies.pipelines.checkpoint import check_resume, load_sharded, save_sharded
 from rlhfuse.trainer import compose_config
+from rlhfuse.trainer.strategies.pipelines.checkpoint import check_resume, load_sharded, save_sharded
 
 LAYOUT = {"world_size": 2, "dp": 1, "microbatches": 2, "actor": {"pp": 2, "layers": [[0, 1], [1, 2]]}}
 

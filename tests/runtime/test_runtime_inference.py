@@ -14,6 +14,7 @@ from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline.ir import Kind, Schedule
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.lower import LoweringError, check_program, lower
+from rlhfuse.testing.data import random_rollout
 from rlhfuse.trainer.strategies.pipelines.inference import (
     PipelineInferencer,
     assign_rows,
@@ -23,7 +24,6 @@ from rlhfuse.trainer.strategies.pipelines.inference import (
     split_rows,
     trim_responses,
 )
-from rlhfuse.testing.data import random_rollout
 from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
 MODELS = ("actor", "ref", "critic", "reward")

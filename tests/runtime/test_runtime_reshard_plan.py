@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
-from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 from rlhfuse.runtime.reshard import Resharder
 from rlhfuse.runtime.tensor_parallel import _split, full_shapes, shard_transformer
+from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
 # 8 heads over 2 kv heads (split for tp <= 2, replicated beyond), vocabulary 130 (padded for tp 4 and 8)
 CONFIG = ModelConfig.tiny(num_layers=4, vocab_size=130, num_heads=8, num_kv_heads=2)

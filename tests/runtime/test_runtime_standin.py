@@ -21,8 +21,8 @@ from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
-from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
 from rlhfuse.testing.standin import StandinTensor, standin_device
+from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
 
 pytestmark = pytest.mark.distributed
 

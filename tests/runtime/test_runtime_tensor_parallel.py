@@ -259,10 +259,10 @@ def test_the_reshard_plan_moves_whole_experts_and_width_slices(pp: int, tp: int)
     position's experts; width slices at g = 4), each piece from a holder of the training shard that holds it;
     the ranks plan the same pieces; and where both layouts hold the same whole experts on the same ranks
     (tp = g = 2, one stage) nothing moves."""
-    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
-    from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
     from rlhfuse.runtime.reshard import Resharder
     from rlhfuse.runtime.tensor_parallel import _split, expert_split, full_shapes, shard_transformer
+    from rlhfuse.trainer.strategies.pipelines.config import PipelineConfig
+    from rlhfuse.trainer.strategies.pipelines.training import pipeline_layout
 
     world = 4
     assert (expert_split(6, 2), expert_split(6, 4)) == ("experts", "width")

@@ -238,8 +238,8 @@ def _check_inference(rank: int, case: tuple[tuple[int, int], tuple[int, int]]) -
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.data.synthetic import build_tokenizer
     from rlhfuse.runtime.layout import build_process_groups
-    from rlhfuse.trainer.strategies.pipelines.inference import PLACED_AS, PipelineInferencer
     from rlhfuse.runtime.tensor_parallel import shard_transformer
+    from rlhfuse.trainer.strategies.pipelines.inference import PLACED_AS, PipelineInferencer
     from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
     layout = _layout(case)

@@ -10,8 +10,8 @@ from rlhfuse.core.protocols import Inferencer
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
-from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 from rlhfuse.trainer.offload import OffloadedModel
+from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
 
 def _model(head: str = "lm", seed: int = 0) -> Transformer:

@@ -9,9 +9,9 @@ import torch
 
 from rlhfuse.planner.plan_simulator import TrainLayout, TrainResult
 from rlhfuse.planner.specs import gpu_preset
-from rlhfuse.trainer.strategies.pipelines.config import validate_runtime
 from rlhfuse.trainer import build_trainer, compose_config, planning, validate
 from rlhfuse.trainer.planning import plan_config
+from rlhfuse.trainer.strategies.pipelines.config import validate_runtime
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "smoke_metrics.json"
 

@@ -22,9 +22,9 @@ from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
 from rlhfuse.trainer.callbacks import MemoryMetrics
+from rlhfuse.trainer.rollout import SerialRollout
 from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 from rlhfuse.trainer.strategies.plain.training import PlainStrategy
-from rlhfuse.trainer.rollout import SerialRollout
 from rlhfuse.trainer.trainer import Assembled
 
 STANDIN = standin_device()
