@@ -171,8 +171,8 @@ def test_model_calls_on_cpu_reach_only_the_claimed_kernel(dtype, kv_heads):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_rotary_tables_follow_autocast_so_q_k_v_share_a_dtype():
-    model = _model(torch.float32, 2)
+def _record_attention_dtypes(model: Transformer) -> list[tuple[torch.dtype, torch.dtype, torch.dtype]]:
+    """The (q, k, v) dtypes every layer of `model` hands its attention, appended as the model runs."""
     seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
     for layer in model.layers:
         attend = layer.self_attn.attend
@@ -182,6 +182,12 @@ def test_rotary_tables_follow_autocast_so_q_k_v_share_a_dtype():
             return attend(q, k, v, allowed)
 
         layer.self_attn.attend = recording
+    return seen
+
+
+def test_rotary_tables_follow_autocast_so_q_k_v_share_a_dtype():
+    model = _model(torch.float32, 2)
+    seen = _record_attention_dtypes(model)
     ids_BT = torch.randint(1, 128, (2, 6))
     mask_BT = torch.ones_like(ids_BT)
     mask_BT[0, :2] = 0
@@ -206,15 +212,7 @@ def test_qk_norm_models_hand_attention_one_dtype_under_bf16_autocast(architectur
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(architecture=architecture)).eval()
     assert model.layers[0].self_attn.qk_norm
-    seen: list[tuple[torch.dtype, torch.dtype, torch.dtype]] = []
-    for layer in model.layers:
-        attend = layer.self_attn.attend
-
-        def recording(q, k, v, allowed, attend=attend):
-            seen.append((q.dtype, k.dtype, v.dtype))
-            return attend(q, k, v, allowed)
-
-        layer.self_attn.attend = recording
+    seen = _record_attention_dtypes(model)
     ids_BT = torch.randint(1, 128, (2, 6))
     mask_BT = torch.ones_like(ids_BT)
     mask_BT[0, :2] = 0

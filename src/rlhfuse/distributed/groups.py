@@ -31,7 +31,7 @@ class WorldGroups:
 
     def __init__(self) -> None:
         self._world = dist.group.WORLD if is_initialized() else None
-        self._made: dict[Hashable, tuple[tuple[tuple[int, ...], ...], Any]] = {}
+        self._made: dict[tuple[Hashable, tuple[tuple[int, ...], ...]], tuple[Any, ...]] = {}
         self._cpu: dict[int, Any] = {}
 
     @classmethod
@@ -56,16 +56,14 @@ class WorldGroups:
         backend_name: str | None,
     ) -> tuple[tuple[tuple[int, ...], ...], Any]:
         lists = tuple(tuple(int(r) for r in ranks) for ranks in rank_lists)
-        if (key, lists) in self._made:
-            return self._made[(key, lists)]
-        kwargs: dict[str, Any] = {}
-        if timeout_s is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        if backend_name is not None:
-            kwargs["backend"] = backend_name
-        made = tuple(dist.new_group(list(ranks), **kwargs) for ranks in lists)
-        self._made[(key, lists)] = (lists, made)
-        return lists, made
+        if (key, lists) not in self._made:
+            kwargs: dict[str, Any] = {}
+            if timeout_s is not None:
+                kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+            if backend_name is not None:
+                kwargs["backend"] = backend_name
+            self._made[(key, lists)] = tuple(dist.new_group(list(ranks), **kwargs) for ranks in lists)
+        return lists, self._made[(key, lists)]
 
     def group(self, key: Hashable, ranks: Sequence[int], timeout_s: float | None = None) -> Any:
         """Collective over the world: the group of `ranks` known as `key` (torch's non-member marker on a rank
