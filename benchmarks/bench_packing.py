@@ -155,7 +155,7 @@ def _compare(
         )  # fmt: skip
         inferencer = ModelInferencer(
             InferencerConfig(micro_batch_size=micro_batch_size, truncated_score=None), actor=actor, ref=ref,
-            critic=critic, reward_model=reward, reward_fn=None, tokenizer=build_tokenizer(), temperature=1.0,
+            critic=critic, reward_model=reward, rewards=None, tokenizer=build_tokenizer(), temperature=1.0,
             packing=packing,
         )  # fmt: skip
         setups[packing] = (strategy, inferencer)

@@ -68,14 +68,14 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     tokenizer = build_tokenizer()
     whole = ModelInferencer(
         config, actor=models["actor"], ref=models["ref"], critic=models["critic"], reward_model=models["reward"],
-        reward_fn=None, tokenizer=tokenizer, temperature=1.0,
+        rewards=None, tokenizer=tokenizer, temperature=1.0,
     )  # fmt: skip
     layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, world, 4)
     pipe = PipelineInferencer(
         config,
         layout,
         models,
-        reward_fn=None,
+        rewards=None,
         tokenizer=tokenizer,
         temperature=1.0,
         timeout_s=120,
