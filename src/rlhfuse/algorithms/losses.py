@@ -16,16 +16,14 @@ b carries the value s_b, and its gradient is s_b·∇log π_θ(y_t).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from rlhfuse.algorithms.choices import RatioLevel
 from rlhfuse.algorithms.masked import _valid, masked_mean
 
 _REDUCTIONS = ("token", "sequence", "sequence_sum")
-
-RatioLevel = Literal["token", "sequence"]
-"""Which importance ratio a policy loss weighs (module docstring)."""
 
 
 class PolicyLossStats(NamedTuple):

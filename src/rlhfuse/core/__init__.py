@@ -4,10 +4,25 @@ name registry. `runtime`, `generation`, `pipeline` and `planner` build on it and
 (the composition root); `tests/test_architecture.py` checks this from the source.
 """
 
-from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.protocols import Callback, Checkpointer, Generator, Inferencer, Logger, Strategy
-from rlhfuse.core.stats import LossStats, PipelineStats, TrainStats, mean_stats, sum_stats
-from rlhfuse.core.types import Experience, ModelRole, PromptBatch, Rollout, TrainBatch
+from typing import TYPE_CHECKING
+
+from rlhfuse._lazy import lazy_package
+
+if TYPE_CHECKING:
+    from rlhfuse.core.errors import CheckpointError, NonFiniteError
+    from rlhfuse.core.protocols import Callback, Checkpointer, Generator, Inferencer, Logger, Strategy
+    from rlhfuse.core.stats import LossStats, PipelineStats, TrainStats, mean_stats, sum_stats
+    from rlhfuse.core.types import Experience, ModelRole, PromptBatch, Rollout, TrainBatch
+
+# The public names are imported from their modules on first use (rlhfuse._lazy): importing one module of
+# the package does not load the others (`rlhfuse-train --help` reads the configs without torch).
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "rlhfuse.core.errors": ("CheckpointError", "NonFiniteError"),
+    "rlhfuse.core.protocols": ("Callback", "Checkpointer", "Generator", "Inferencer", "Logger", "Strategy"),
+    "rlhfuse.core.stats": ("LossStats", "PipelineStats", "TrainStats", "mean_stats", "sum_stats"),
+    "rlhfuse.core.types": ("Experience", "ModelRole", "PromptBatch", "Rollout", "TrainBatch"),
+}
+lazy_package(__name__, _PUBLIC)
 
 __all__ = [
     "Callback",

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: a `Callback` subclass (the command line's) needs no torch
+    import torch
+    from torch import Tensor
 
-from rlhfuse.core.sampling import Sampling
-from rlhfuse.core.stats import GenerationStats, RolloutStats, TrainStats
-from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
+    from rlhfuse.core.sampling import Sampling
+    from rlhfuse.core.stats import GenerationStats, RolloutStats, TrainStats
+    from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
 
 
 @runtime_checkable

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlhfuse.core.config_checks import flat_field, need, non_negative
-from rlhfuse.core.sampling import SamplingConfig
-from rlhfuse.generation.speculative import speculation_problems
+from rlhfuse.core.sampling_config import SamplingConfig
 
 
 @dataclass
@@ -80,6 +79,8 @@ class GenerationConfig:
     vllm: VLLMOptions = flat_field(VLLMOptions)
 
     def problems(self) -> list[str]:
+        from rlhfuse.generation.speculative import speculation_problems  # with the attention backends (torch)
+
         problems = self.sampling.problems() + self.engine.problems()
         e = self.engine
         # which generators speculate is their registry entries' rule (`rlhfuse.trainer.rules`)

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from rlhfuse._optional import require
+from rlhfuse.models.model_config import AttentionBackend as AttentionBackend  # importable from here too
 
 if TYPE_CHECKING:
     from rlhfuse.models.packing import PackedSequences
@@ -45,11 +46,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
-
-AttentionBackend = Literal["sdpa", "flash", "te"]
-"""sdpa = torch's scaled_dot_product_attention (any device; its kernel per call: `sdpa_call`); flash = flash-attn
-(CUDA, fp16/bf16); te = Transformer Engine (CUDA). flash and te run unpadded causal calls themselves and hand
-masked ones (padding, KV cache) to sdpa."""
 
 KvLayout = Literal["native", "repeat", "fold"]
 """How grouped-query K / V reach the kernel: native = as they are, K heads (enable_gqa=True where K < H);

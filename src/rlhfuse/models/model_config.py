@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from rlhfuse.models.attention import ATTENTION_BACKENDS, AttentionBackend
-
+AttentionBackend = Literal["sdpa", "flash", "te"]
+"""sdpa = torch's scaled_dot_product_attention (any device; its kernel per call: `attention.sdpa_call`); flash =
+flash-attn (CUDA, fp16/bf16); te = Transformer Engine (CUDA). flash and te run unpadded causal calls themselves and
+hand masked ones (padding, KV cache) to sdpa (`rlhfuse.models.attention`)."""
 ArchitectureName = Literal[
     "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral"
 ]
@@ -271,6 +273,8 @@ class ModelConfig:
 
     def validate(self) -> ModelConfig:
         """Raise one ValueError listing every problem, each with the field, the value seen and the fix."""
+        from rlhfuse.models.attention import ATTENTION_BACKENDS  # the kernels (torch)
+
         problems: list[str] = []
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             problems.append(

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from rlhfuse.models.masks import MaskLayout
 from rlhfuse.models.packing import PackedSequences, pack_rows
@@ -174,6 +173,8 @@ def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
 def _storages(tensors: Iterable[Tensor]) -> dict[tuple[str, int], int]:
     """(device, storage address) -> bytes of each storage behind `tensors`, once (of a sharded DTensor: this
     rank's shard; meta tensors hold none)."""
+    from torch.distributed.tensor import DTensor  # a second to import: not with the models
+
     out: dict[tuple[str, int], int] = {}
     for t in tensors:
         if isinstance(t, DTensor):

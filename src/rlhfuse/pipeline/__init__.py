@@ -4,27 +4,66 @@ Pure planning code: a schedule is data (per-rank action lists) produced by pure 
 simulator; the runtime lowers it into compute and communication. See `docs/schedules.md`.
 """
 
-from rlhfuse.pipeline.baselines import (
-    chimera,
-    gpipe,
-    interleaved_one_f_one_b,
-    one_f_one_b,
-    serial_makespan,
-    serial_one_f_one_b,
-    serial_peak,
-)
-from rlhfuse.pipeline.bounds import Bounds, lower_bounds
-from rlhfuse.pipeline.ir import Action, Kind, Placement, Schedule, parse_action, schedule_from_labels
-from rlhfuse.pipeline.problem import (
-    ModelSpec,
-    Problem,
-    load_problem,
-    load_problems,
-    make_problem,
-    problem_from_dict,
-)
-from rlhfuse.pipeline.search import SearchConfig, Solution, greedy, solve
-from rlhfuse.pipeline.simulate import ScheduleError, SimResult, profile_durations, simulate
+from typing import TYPE_CHECKING
+
+from rlhfuse._lazy import lazy_package
+
+if TYPE_CHECKING:
+    from rlhfuse.pipeline.baselines import (
+        chimera,
+        gpipe,
+        interleaved_one_f_one_b,
+        one_f_one_b,
+        serial_makespan,
+        serial_one_f_one_b,
+        serial_peak,
+    )
+    from rlhfuse.pipeline.bounds import Bounds, lower_bounds
+    from rlhfuse.pipeline.ir import Action, Kind, Placement, Schedule, parse_action, schedule_from_labels
+    from rlhfuse.pipeline.problem import (
+        ModelSpec,
+        Problem,
+        load_problem,
+        load_problems,
+        make_problem,
+        problem_from_dict,
+    )
+    from rlhfuse.pipeline.search import SearchConfig, Solution, greedy, solve
+    from rlhfuse.pipeline.simulate import ScheduleError, SimResult, profile_durations, simulate
+
+# The public names are imported from their modules on first use (rlhfuse._lazy): importing one module of
+# the package does not load the others (numba, the compiled schedule simulator, loads with `pipeline.compiled`).
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "rlhfuse.pipeline.baselines": (
+        "chimera",
+        "gpipe",
+        "interleaved_one_f_one_b",
+        "one_f_one_b",
+        "serial_makespan",
+        "serial_one_f_one_b",
+        "serial_peak",
+    ),
+    "rlhfuse.pipeline.bounds": ("Bounds", "lower_bounds"),
+    "rlhfuse.pipeline.ir": (
+        "Action",
+        "Kind",
+        "Placement",
+        "Schedule",
+        "parse_action",
+        "schedule_from_labels",
+    ),
+    "rlhfuse.pipeline.problem": (
+        "ModelSpec",
+        "Problem",
+        "load_problem",
+        "load_problems",
+        "make_problem",
+        "problem_from_dict",
+    ),
+    "rlhfuse.pipeline.search": ("SearchConfig", "Solution", "greedy", "solve"),
+    "rlhfuse.pipeline.simulate": ("ScheduleError", "SimResult", "profile_durations", "simulate"),
+}
+lazy_package(__name__, _PUBLIC)
 
 __all__ = [
     "Action",

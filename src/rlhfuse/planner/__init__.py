@@ -13,65 +13,135 @@
 - `plan_for`: what the trainer's `plan=auto` calls.
 """
 
-from rlhfuse.planner.api import as_model_spec, plan_for
-from rlhfuse.planner.cost import CostModel
-from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
-from rlhfuse.planner.lengths import LengthDistribution
-from rlhfuse.planner.memory import (
-    RankMemory,
-    fsdp_rank_memories,
-    fsdp_rank_memory,
-    rank_memories,
-    rank_memory,
-    shard_count,
-)
-from rlhfuse.planner.migration_decision import (
-    MigrationDecision,
-    choose_mechanism,
-    decide_migration,
-    destination_count,
-    should_migrate,
-    threshold_from_fraction,
-)
-from rlhfuse.planner.plan_search import (
-    Breakdown,
-    Plan,
-    PruneStats,
-    search_fsdp,
-    search_plan,
-    search_training,
-    train_layouts,
-)
-from rlhfuse.planner.plan_simulator import (
-    RLHFModels,
-    Samples,
-    TrainLayout,
-    Workload,
-    gen_inf_fused,
-    gen_inf_serial,
-    rt_sweep,
-    simulate_generation,
-)
-from rlhfuse.planner.schedule import (
-    PipeModel,
-    fused_lower_bound,
-    greedy_fused_makespan,
-    one_f_one_b,
-    serial_makespan,
-)
-from rlhfuse.planner.specs import (
-    A100,
-    CPU,
-    DEVICES,
-    H100,
-    H200,
-    ClusterSpec,
-    DeviceSpec,
-    Efficiency,
-    ModelSpec,
-    cluster,
-    model,
-)
+from typing import TYPE_CHECKING
+
+from rlhfuse._lazy import lazy_package
+
+if TYPE_CHECKING:
+    from rlhfuse.planner.api import as_model_spec, plan_for
+    from rlhfuse.planner.cost import CostModel
+    from rlhfuse.planner.grid import PAPER_RANGES, Comparison, compare, paper_grid
+    from rlhfuse.planner.lengths import LengthDistribution
+    from rlhfuse.planner.memory import (
+        RankMemory,
+        fsdp_rank_memories,
+        fsdp_rank_memory,
+        rank_memories,
+        rank_memory,
+        shard_count,
+    )
+    from rlhfuse.planner.migration_decision import (
+        MigrationDecision,
+        choose_mechanism,
+        decide_migration,
+        destination_count,
+        should_migrate,
+        threshold_from_fraction,
+    )
+    from rlhfuse.planner.plan_search import (
+        Breakdown,
+        Plan,
+        PruneStats,
+        search_fsdp,
+        search_plan,
+        search_training,
+        train_layouts,
+    )
+    from rlhfuse.planner.plan_simulator import (
+        RLHFModels,
+        Samples,
+        TrainLayout,
+        Workload,
+        gen_inf_fused,
+        gen_inf_serial,
+        rt_sweep,
+        simulate_generation,
+    )
+    from rlhfuse.planner.schedule import (
+        PipeModel,
+        fused_lower_bound,
+        greedy_fused_makespan,
+        one_f_one_b,
+        serial_makespan,
+    )
+    from rlhfuse.planner.specs import (
+        A100,
+        CPU,
+        DEVICES,
+        H100,
+        H200,
+        ClusterSpec,
+        DeviceSpec,
+        Efficiency,
+        ModelSpec,
+        cluster,
+        model,
+    )
+
+# The public names are imported from their modules on first use (rlhfuse._lazy): importing one module of
+# the package does not load the others (`rlhfuse-train --help` reads the configs without torch).
+_PUBLIC: dict[str, tuple[str, ...]] = {
+    "rlhfuse.planner.api": ("as_model_spec", "plan_for"),
+    "rlhfuse.planner.cost": ("CostModel",),
+    "rlhfuse.planner.grid": ("PAPER_RANGES", "Comparison", "compare", "paper_grid"),
+    "rlhfuse.planner.lengths": ("LengthDistribution",),
+    "rlhfuse.planner.memory": (
+        "RankMemory",
+        "fsdp_rank_memories",
+        "fsdp_rank_memory",
+        "rank_memories",
+        "rank_memory",
+        "shard_count",
+    ),
+    "rlhfuse.planner.migration_decision": (
+        "MigrationDecision",
+        "choose_mechanism",
+        "decide_migration",
+        "destination_count",
+        "should_migrate",
+        "threshold_from_fraction",
+    ),
+    "rlhfuse.planner.plan_search": (
+        "Breakdown",
+        "Plan",
+        "PruneStats",
+        "search_fsdp",
+        "search_plan",
+        "search_training",
+        "train_layouts",
+    ),
+    "rlhfuse.planner.plan_simulator": (
+        "RLHFModels",
+        "Samples",
+        "TrainLayout",
+        "Workload",
+        "gen_inf_fused",
+        "gen_inf_serial",
+        "rt_sweep",
+        "simulate_generation",
+    ),
+    "rlhfuse.planner.schedule": (
+        "PipeModel",
+        "fused_lower_bound",
+        "greedy_fused_makespan",
+        "one_f_one_b",
+        "serial_makespan",
+    ),
+    "rlhfuse.planner.specs": (
+        "A100",
+        "CPU",
+        "DEVICES",
+        "H100",
+        "H200",
+        "ClusterSpec",
+        "DeviceSpec",
+        "Efficiency",
+        "ModelSpec",
+        "cluster",
+        "model",
+    ),
+}
+lazy_package(__name__, _PUBLIC)
 
 __all__ = [
     "A100",

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
-from rlhfuse.pipeline import SearchConfig, solve
 from rlhfuse.pipeline.colocation import Colocation
 from rlhfuse.planner.cost import CostModel, stage_fraction
 from rlhfuse.planner.lengths import PROMPT_CAP, PROMPTS, RESPONSES, LengthDistribution
@@ -33,6 +32,9 @@ from rlhfuse.planner.schedule import (
     pipeline_problem,
 )
 from rlhfuse.planner.specs import ModelSpec
+
+if TYPE_CHECKING:
+    from rlhfuse.pipeline import SearchConfig
 
 INFERENCE_BATCH = 16
 """Sequences per inference forward (sets the GEMM size, hence MFU, of Ref/RW/Critic passes)."""
@@ -1016,6 +1018,8 @@ def searched_training(
     """A fused `train` re-scheduled by `rlhfuse.pipeline.solve` (the search the runtime runs) under `search`
     (`GRID_SEARCH`: a deterministic budget); the makespan used is the better of the searched and the greedy one.
     Serial results are returned unchanged."""
+    from rlhfuse.pipeline import solve  # the search's kernels load numba: only when a plan is searched
+
     if train.mode != "fused":
         return train
     ranks, problem = fused_problem(

@@ -18,9 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlhfuse.pipeline import Problem, make_problem
-from rlhfuse.pipeline.compiled import compile_problem
 from rlhfuse.pipeline.problem import reversed_blocks as _reversed_blocks
-from rlhfuse.pipeline.search import greedy_order
 
 
 @dataclass(frozen=True)
@@ -104,6 +102,9 @@ def greedy_fused_makespan(ranks: int, models: Sequence[PipeModel]) -> float:
     backward first on ties; forwards and backwards of a stage in micro-batch order, in-flight micro-batches
     uncapped, as the authors' greedy start), evaluated: on the Table 3 settings within 16% of their published
     greedy makespans (tests/planner). Communication is inside forward / backward."""
+    from rlhfuse.pipeline.compiled import compile_problem  # numba's kernels: loaded when first used
+    from rlhfuse.pipeline.search import greedy_order
+
     compiled = compile_problem(pipeline_problem(ranks, models))
     makespan, _ = compiled.evaluate(greedy_order(compiled))
     return float(makespan)

@@ -12,10 +12,11 @@ rank's last step, stops the ranks it started, and exits with status 1 within abo
 rendezvous, the first collective) is bounded by `distributed.timeout_s`, and so is every collective after it
 (the process group's timeout).
 
-Fabric's own child observer is not started (`_SupervisedLauncher`): it polls the children every 5 s and SIGKILLs
-the whole job, rank 0 included, when one has died, so whenever it looked before the watchdog the run ended with
-status -9 and no line. With it gone the watchdog is the only one that reaps the children, whichever thread of
-rank 0 notices the death first (the watchdog's, or the main thread's failed collective) prints the same line.
+Fabric's own child observer is not started (`SupervisedLauncher`, in `rlhfuse.runtime.supervised`): it polls the
+children every 5 s and SIGKILLs the whole job, rank 0 included, when one has died, so whenever it looked before the
+watchdog the run ended with status -9 and no line. With it gone the watchdog is the only one that reaps the
+children, whichever thread of rank 0 notices the death first (the watchdog's, or the main thread's failed
+collective) prints the same line.
 """
 
 from __future__ import annotations
@@ -29,18 +30,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
-
-import torch
-from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rlhfuse.core.protocols import Callback
-from rlhfuse.distributed import launched_local_world, launched_world
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 RUN_LOG_NAME = "rlhfuse-train"
 """The logger whose handlers the command line points at the run folder's log (`rlhfuse-train.log`)."""
@@ -59,6 +55,12 @@ def distributed_fabric(
     *, nproc_per_node: int, backend: str, timeout_s: float, device_type: str, precision: str
 ) -> Fabric:
     """A launched Fabric with its process group initialised; returns on every rank."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from rlhfuse.distributed import launched_local_world, launched_world
+    from rlhfuse.runtime.supervised import SupervisedDDPStrategy
+
     launched = launched_world()
     world = nproc_per_node if launched is None else launched
     # LOCAL_WORLD_SIZE counts only beside torchrun's WORLD_SIZE: vLLM sets it to 1 in any process that built an
@@ -75,7 +77,7 @@ def distributed_fabric(
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     watchdog = Watchdog(timeout_s)
-    strategy = _SupervisedDDPStrategy(
+    strategy = SupervisedDDPStrategy(
         watchdog, process_group_backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
     )
     accelerator = "cuda" if device_type == "cuda" else "cpu"
@@ -96,40 +98,6 @@ def distributed_fabric(
         # N processes share the cores: without this each would start one thread per core
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return fabric
-
-
-class _SupervisedDDPStrategy(DDPStrategy):
-    """Fabric's DDP strategy launching through `_SupervisedLauncher` (`_configure_launcher` is where Fabric's
-    strategies choose their launcher)."""
-
-    def __init__(self, watchdog: Watchdog, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.watchdog = watchdog
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self._launcher = _SupervisedLauncher(
-            self.watchdog, self.cluster_environment, self.num_processes, self.num_nodes
-        )
-
-
-class _SupervisedLauncher(_SubprocessScriptLauncher):
-    """Fabric's subprocess launcher (same commands, environment and Hydra run folder for ranks 1..N-1) with the
-    `Watchdog` in place of Fabric's child observer (see the module docstring): `launch` is Fabric's, less the
-    `_launch_process_observer(self.procs)` call."""
-
-    def __init__(self, watchdog: Watchdog, *args: Any) -> None:
-        super().__init__(*args)
-        self.watchdog = watchdog
-
-    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
-            self._call_children_scripts()
-            first = self.cluster_environment.node_rank() * self.num_processes + 1
-            self.watchdog.supervise({first + i: proc for i, proc in enumerate(self.procs)})
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
 
 
 def is_global_zero(fabric: Any) -> bool:

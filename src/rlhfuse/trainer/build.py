@@ -7,10 +7,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import uses_critic
 from rlhfuse.core.checkpoint import check_fresh_start
@@ -62,6 +61,9 @@ from rlhfuse.trainer.trainer import Assembled, RLHFTrainer
 from rlhfuse.trainer.validate import check_context, raise_problems
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
 
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
+
 
 def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> RolloutStage:
     """Step 1's form, chosen once: fused generation + inference when each rank is one generation instance
@@ -89,6 +91,8 @@ def embedded_task(config: RLHFConfig) -> WarmStartTask:
 
 
 def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> Fabric:
+    from lightning.fabric import Fabric  # seconds to import: loaded when a run is built, not with this module
+
     precision = resolve_precision(config.pipeline.optim.precision, device.type)
     if precision == "bf16-true":
         # the models themselves hold bf16 weights (`cast_models`) and compute in them: no autocast, and

@@ -14,7 +14,6 @@ from rlhfuse.core.protocols import Callback
 from rlhfuse.core.rewards import RuleReward, reward_samples
 from rlhfuse.core.types import Experience
 from rlhfuse.data.tokenizer import Tokenizer
-from rlhfuse.distributed.fsdp import local_tensor
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes, save_pretrained
 from rlhfuse.models.lora import LoraConfig, merged_state, plain_model, save_adapter
 
@@ -149,6 +148,7 @@ class MemoryMetrics(Callback):
 
     def on_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
         from rlhfuse import distributed
+        from rlhfuse.distributed.fsdp import local_tensor  # torch's FSDP: a second to import
 
         mods = [m for m in self.modules() if m is not None]
         param = resident_bytes(*mods)

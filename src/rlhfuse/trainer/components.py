@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from lightning.fabric import Fabric
+from typing import TYPE_CHECKING, Any
 
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.rewards import RewardSet
@@ -33,6 +31,9 @@ from rlhfuse.trainer.topology import (
     Topology,
     migration_entry,
 )
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
 
 
 @dataclass

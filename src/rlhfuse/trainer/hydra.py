@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from rlhfuse._resources import conf_dir
-from rlhfuse.core.advantages import RENAMED_KEYS
+from rlhfuse.core.algorithm_config import RENAMED_KEYS
 from rlhfuse.core.config_checks import is_flat
 from rlhfuse.trainer.run_config import RLHFConfig
 

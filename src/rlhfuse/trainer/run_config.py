@@ -11,16 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from rlhfuse.core.advantages import ALGORITHMS, AlgorithmConfig, uses_critic
-from rlhfuse.core.checkpoint import CheckpointConfig
+from rlhfuse.core.algorithm_config import AlgorithmConfig
+from rlhfuse.core.checkpoint_config import CheckpointConfig
 from rlhfuse.core.config_checks import choice_problems, need, positive
-from rlhfuse.core.inference import InferencerConfig
+from rlhfuse.core.inference_config import InferencerConfig
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.planner.specs import DeviceProfile
-from rlhfuse.trainer.evaluation import EvalConfig
+from rlhfuse.trainer.evaluation_config import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
-from rlhfuse.trainer.models import ModelsConfig
+from rlhfuse.trainer.models_config import ModelsConfig
 from rlhfuse.trainer.strategies.pipelines.config import DistributedConfig, PipelineConfig, PipelineRun
 
 PlanMode = Literal["manual", "auto"]
@@ -133,6 +133,8 @@ class RLHFConfig:
 
     def pipeline_run(self) -> PipelineRun:
         """What the pipeline runtime reads of this configuration (`validate_runtime`, `check_resume`)."""
+        from rlhfuse.core.advantages import ALGORITHMS, uses_critic  # the registry of torch functions
+
         a = self.algorithm
         critic = a.name not in ALGORITHMS or uses_critic(
             a

@@ -38,13 +38,9 @@ from rich.markup import escape
 
 from rlhfuse._optional import MissingDependencyError
 from rlhfuse._resources import conf_dir
-from rlhfuse.core.checkpoint import auto_resume_path
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Callback
-from rlhfuse.data.prompts import DatasetError
-from rlhfuse.models import CheckpointError as ModelCheckpointError
 from rlhfuse.runtime.launch import RUN_LOG_NAME, Watchdog, launched_rank_zero
-from rlhfuse.trainer.build import build_trainer
 from rlhfuse.trainer.hydra import (
     COMPOSITION_ERRORS,
     check_keys,
@@ -55,13 +51,14 @@ from rlhfuse.trainer.hydra import (
 )
 from rlhfuse.trainer.logging import format_metrics, line_console
 
+# The errors that are the user's to fix: one line, exit status 2. Among the ValueErrors are a prompt file's
+# (rlhfuse.data.DatasetError) and a model folder's (rlhfuse.models.CheckpointError), not imported here: their
+# modules load torch, which `rlhfuse-train --help` does without.
 USER_ERRORS = (
     ValueError,
     KeyError,
     FileNotFoundError,
-    DatasetError,
     CheckpointError,
-    ModelCheckpointError,
     NonFiniteError,
     MissingDependencyError,
 )
@@ -103,6 +100,8 @@ _jobs_started = 0  # the jobs this process ran: a Hydra multirun (-m) runs them 
 
 def run(cfg: DictConfig) -> None:
     global _jobs_started
+    from rlhfuse.trainer.build import build_trainer  # torch and the rest of the library: only when a job runs
+
     _jobs_started += 1
     job_started = time.perf_counter()
     _restore_hydra_full_error()  # composing is done: a bug in the job gets Hydra's own report
@@ -201,6 +200,8 @@ def seconds_since_start() -> float:
 
 def interrupted_message(trainer: Any) -> str:
     """Ctrl-C's one line: where the run stood and what `resume=auto` would continue from."""
+    from rlhfuse.core.checkpoint import auto_resume_path
+
     if trainer is None:
         return "interrupted while starting up (nothing trained yet)"
     path = auto_resume_path(trainer.run_dir, trainer.checkpoint_dir)

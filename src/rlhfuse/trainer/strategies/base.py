@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
-from rlhfuse.core.optim import OptimConfig
+from rlhfuse.core.optim_config import OptimConfig
 from rlhfuse.core.protocols import Callback, Inferencer, Strategy
 
 if TYPE_CHECKING:
+    import torch
+
     from rlhfuse.models import ModelConfig
     from rlhfuse.trainer.components import BuildContext
     from rlhfuse.trainer.models import Models

@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from rlhfuse.core.protocols import Callback, Inferencer
 from rlhfuse.trainer.strategies.base import ExportTarget, StrategyPart, adapter_export
 
 if TYPE_CHECKING:
+    import torch
+
     from rlhfuse.models import ModelConfig
     from rlhfuse.trainer.components import BuildContext
     from rlhfuse.trainer.run_config import RLHFConfig
@@ -50,6 +50,8 @@ class FSDPStrategy(StrategyPart):
     def build(self, ctx: BuildContext) -> ShardedStrategy:
         """`PlainStrategy`'s data parallelism over the sharded models. The generators copy a whole Actor
         (`Models.for_generation`), so one is kept aside before the Actor is sharded in place."""
+        import torch
+
         from rlhfuse.core.optim import generation_dtype, resolve_precision
         from rlhfuse.distributed.fsdp import ShardingPolicy
         from rlhfuse.models import cast_copy
@@ -87,6 +89,8 @@ class FSDPStrategy(StrategyPart):
 
     def load_device(self, device: torch.device) -> torch.device:
         """Host memory: each unit moves to the device as it is sharded, so no model is ever whole there."""
+        import torch
+
         return torch.device("cpu")
 
     def inference(self, inferencer: Inferencer, strategy: Any) -> Inferencer:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rlhfuse.core.config_checks import choice_problems, flat_field, need, positive
-from rlhfuse.core.optim import OptimConfig
+from rlhfuse.core.optim_config import OptimConfig
 
 if TYPE_CHECKING:
     from rlhfuse.runtime.layout import ParallelLayout

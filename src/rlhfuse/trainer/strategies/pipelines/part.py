@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
 from rlhfuse.core.protocols import Callback
 from rlhfuse.trainer.strategies.base import (
     ExportTarget,
@@ -24,6 +22,8 @@ from rlhfuse.trainer.strategies.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.trainer.components import BuildContext
     from rlhfuse.trainer.run_config import RLHFConfig
