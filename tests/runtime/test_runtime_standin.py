@@ -21,7 +21,7 @@ from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
-from rlhfuse.testing.standin import StandinTensor, standin_device
+from rlhfuse.testing.standin import StandinTensor, recording, standin_device
 from rlhfuse.trainer.strategies.pipelines.inference import PipelineInferencer
 
 pytestmark = pytest.mark.distributed
@@ -52,7 +52,9 @@ def _worker(rank: int, world: int) -> None:
             losses=ppo_losses(AlgorithmConfig(entropy_coef=0.01)), p2p_groups=groups.p2p,
             grad_groups=groups.grad, timeout_s=60,
         )  # fmt: skip
-        results.append(executor.run(step_work))
+        with recording() as rec:
+            results.append(executor.run(step_work))
+    assert rec.host_reads == 1  # the stand-in's step: the statistics and norms, read together
     cpu, standin = results
     assert standin.stats == pytest.approx(cpu.stats, rel=1e-9, abs=1e-12)
     assert standin.grad_norm == pytest.approx(cpu.grad_norm, rel=1e-9)

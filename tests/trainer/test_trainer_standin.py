@@ -10,14 +10,17 @@ import torch
 from lightning.fabric import Fabric
 
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
+from rlhfuse.core.balance import microbatch_weights
 from rlhfuse.core.inference import InferencerConfig
-from rlhfuse.core.optim import OptimConfig
+from rlhfuse.core.optim import OptimConfig, micro_batches
 from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.data.prompts import PromptLoader, load_prompts
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.runtime.batch_split import split_minibatch
+from rlhfuse.runtime.executor import StepWork
 from rlhfuse.testing.data import two_row_rollout
 from rlhfuse.testing.standin import recording, standin_device
 from rlhfuse.trainer import RLHFTrainer, compose_config
@@ -101,6 +104,7 @@ def test_a_plain_training_step_runs_on_the_standin_with_the_cpu_values(micro, to
         batch, _ = compute_train_batch(inf.infer(_rollout()), AlgorithmConfig())
         assert batch.advantages_BR.device == torch.device(device)  # the advantages ran on the device
         strategy = _strategy(inf.actor, inf.critic, micro, tokens, **kw)  # type: ignore[arg-type]
+        batch = batch.with_host_mask()  # as the trainer hands it over: the mask copied to the host once
         with recording() as rec:
             stats = strategy.train_step(batch)
         states = [s for s in strategy.actor_optim.state.values()]
@@ -114,7 +118,18 @@ def test_a_plain_training_step_runs_on_the_standin_with_the_cpu_values(micro, to
         assert getattr(stats.loss, field) == pytest.approx(getattr(cpu_stats.loss, field), rel=1e-5, abs=1e-6)
     for name, weight in cpu_weights.items():
         torch.testing.assert_close(weights[name], weight, msg=name)
-    assert rec.host_reads > 0  # the stand-in saw the step's reads (the statistics and norms)
+    # one read per step, whatever the micro-batches: the statistics, losses and norms together (36 reads with 4
+    # micro-batches before: a mask per forward, a loss check per micro-batch, each norm, each split)
+    assert rec.host_reads == 1
+
+
+def test_a_plain_training_step_without_a_host_mask_reads_the_mask_once() -> None:
+    inf = _inferencer(STANDIN)
+    batch, _ = compute_train_batch(inf.infer(_rollout()), AlgorithmConfig())
+    strategy = _strategy(inf.actor, inf.critic, 1, 0)  # type: ignore[arg-type]
+    with recording() as rec:
+        strategy.train_step(batch)
+    assert rec.host_reads == 2  # the mask, then the step's statistics
 
 
 def test_a_sampling_generator_decodes_on_the_standin_with_the_cpu_tokens() -> None:
@@ -191,3 +206,20 @@ def test_trainer_iterations_and_a_resume_run_on_the_standin_with_the_cpu_metrics
         assert {"loss/policy", "reward/mean", "memory/param_bytes"} <= set(compared)
         for key in compared:
             assert on_device[key] == pytest.approx(on_cpu[key], rel=1e-4, abs=1e-5), key
+
+
+def test_splitting_a_device_batch_that_carries_its_host_mask_reads_nothing() -> None:
+    inf = _inferencer(STANDIN)
+    batch, _ = compute_train_batch(inf.infer(_rollout()), AlgorithmConfig())
+    batch = batch.with_host_mask()
+    with recording() as rec:
+        micro, weights, _ = split_minibatch(batch, 2, 2)  # the pipelines' split: dp 2 x 2 micro-batches
+        StepWork(micro, weights).with_layouts(packed=True).to(STANDIN)
+        by_samples = micro_batches(batch.select(torch.tensor([3, 0, 1])), samples=2, tokens=0)
+        by_tokens = micro_batches(batch, samples=0, tokens=9)
+        microbatch_weights(by_tokens, batch)
+    assert rec.host_reads == 0
+    assert [len(m) for m in by_samples] == [2, 1] and sum(len(m) for m in by_tokens) == 4
+    # the trimmed widths are the device masks' own
+    for m in [*by_samples, *by_tokens, *micro[0], *micro[1]]:
+        assert m.host_mask_BT is not None and torch.equal(m.host_mask_BT, m.attention_mask_BT.cpu().bool())

@@ -30,7 +30,7 @@ def sample_costs(lengths: Sequence[int], attention_tokens: float = 1024.0) -> li
 
 def batch_costs(batch: TrainBatch, attention_tokens: float = 1024.0) -> list[float]:
     """`sample_costs` of every row of `batch` (its sequence lengths)."""
-    return sample_costs(batch.attention_mask_BT.sum(dim=1).tolist(), attention_tokens)
+    return sample_costs(batch.host_lengths(), attention_tokens)
 
 
 def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
@@ -123,7 +123,7 @@ def microbatch_weights(
 ) -> list[float]:
     """Loss weight of each micro-batch of `batch`: its share of the mini-batch's response tokens (`token`-mean
     losses) or of its samples (`sequence`-mean)."""
-    if loss_reduction == "token":
-        total_tokens = float(batch.response_mask_BR.sum().clamp(min=1))
-        return [float(m.response_mask_BR.sum()) / total_tokens for m in micro]
+    if loss_reduction == "token":  # counted on the host masks (no device read when the batches carry them)
+        total_tokens = float(max(batch.host_response_tokens(), 1))
+        return [m.host_response_tokens() / total_tokens for m in micro]
     return [len(m) / len(batch) for m in micro]

@@ -26,6 +26,7 @@ from rlhfuse.core.advantages import POLICY_LOSSES, AlgorithmConfig
 from rlhfuse.core.stats import LossTensors
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
+from rlhfuse.models.masks import MaskLayout
 from rlhfuse.models.packing import packed_forward
 
 
@@ -39,12 +40,18 @@ def response_outputs(out_BT_: Tensor, micro: TrainBatch) -> Tensor:
     return _at_least_fp32(out_BT_[:, start:-1])
 
 
-def model_response_outputs(model: Transformer, micro: TrainBatch, *, packing: bool) -> Tensor:
+def model_response_outputs(
+    model: Transformer, micro: TrainBatch, *, packing: bool, layout: MaskLayout | None = None
+) -> Tensor:
     """`response_outputs(model(micro), micro)`: logits_BRV or values_BR at the response-predicting positions.
     packing=True runs the model on the micro-batch's packed real tokens (and the head on those of the
-    response window only); padded entries are then 0 instead of the padded forward's meaningless values."""
+    response window only); padded entries are then 0 instead of the padded forward's meaningless values.
+    layout: the micro-batch's mask layout on the model's device, worked out on the host (`mask_layout`): the
+    forward then reads no mask value; None: it reads them."""
     if not packing:
-        return response_outputs(model(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT), micro)
+        padding = None if layout is None else layout.padding
+        logits = model(micro.input_ids_BT, attention_mask_BT=micro.attention_mask_BT, padding=padding)
+        return response_outputs(logits, micro)
     width = micro.input_ids_BT.shape[1]
     out = packed_forward(
         model,
@@ -52,6 +59,7 @@ def model_response_outputs(model: Transformer, micro: TrainBatch, *, packing: bo
         micro.attention_mask_BT,
         start=width - micro.response_length - 1,
         stop=width - 1,
+        packed=None if layout is None else layout.packed,
     )
     return _at_least_fp32(out)
 

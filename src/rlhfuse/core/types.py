@@ -233,10 +233,40 @@ class TrainBatch:
     advantages_BR: Tensor
     returns_BR: Tensor
     ref_logprobs_BR: Tensor | None = None
+    host_mask_BT: Tensor | None = None
+    """The attention mask's copy in host memory (bool [B, T]) when the batch carries one (`with_host_mask`):
+    splitting, trimming, loss weights and mask layouts then read it, not the device's (no host sync). `to` and
+    `select` keep it on the host."""
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        """This TrainBatch with every tensor on `device`."""
-        return _tensors_to(self, device)
+        """This TrainBatch with every tensor on `device` (the host mask stays on the host)."""
+        moved = _tensors_to(dataclasses.replace(self, host_mask_BT=None), device)
+        return dataclasses.replace(moved, host_mask_BT=self.host_mask_BT)
+
+    def host_mask(self) -> Tensor:
+        """The attention mask in host memory (bool [B, T]): the carried copy, else a copy of the mask (a host
+        read when the batch is on a device)."""
+        if self.host_mask_BT is not None:
+            return self.host_mask_BT
+        return self.attention_mask_BT.to("cpu", torch.bool)
+
+    def with_host_mask(self) -> TrainBatch:
+        """This batch carrying its host mask: made once (one read of a device batch), every split of it reads no
+        mask value from the device after."""
+        return (
+            self
+            if self.host_mask_BT is not None
+            else dataclasses.replace(self, host_mask_BT=self.host_mask())
+        )
+
+    def host_lengths(self) -> list[int]:
+        """Each row's real tokens, read from the host mask."""
+        return [int(n) for n in self.host_mask().sum(dim=1).tolist()]
+
+    def host_response_tokens(self) -> int:
+        """The response tokens of all rows, read from the host mask (the response is its last R columns)."""
+        host_BT = self.host_mask()
+        return int(host_BT[:, host_BT.shape[1] - self.response_length :].sum())
 
     def __len__(self) -> int:
         return int(self.input_ids_BT.shape[0])
@@ -246,14 +276,25 @@ class TrainBatch:
         return int(self.response_mask_BR.shape[1])
 
     def select(self, index_B: Tensor) -> TrainBatch:
-        """The rows `index_B`, with trailing all-padding response columns trimmed (less compute, same result)."""
+        """The rows `index_B`, with trailing all-padding response columns trimmed (less compute, same result);
+        the widths are read from the host mask when the batch carries one."""
+        host_BT = None if self.host_mask_BT is None else self.host_mask_BT[index_B.cpu()]
+        device_rows = dataclasses.replace(self, host_mask_BT=None)
         rows = TrainBatch(
             **{  # type: ignore[arg-type]
-                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index_B]
-                for f in dataclasses.fields(self)
+                f.name: None
+                if getattr(device_rows, f.name) is None
+                else getattr(device_rows, f.name)[index_B]
+                for f in dataclasses.fields(device_rows)
             }
         )
-        keep = int(rows.response_mask_BR.sum(dim=0).nonzero().max()) + 1 if rows.response_mask_BR.any() else 1
+        rows.host_mask_BT = host_BT
+        response_BR = (
+            rows.response_mask_BR
+            if host_BT is None
+            else host_BT[:, host_BT.shape[1] - rows.response_length :]
+        )
+        keep = int(response_BR.sum(dim=0).nonzero().max()) + 1 if response_BR.any() else 1
         drop = rows.response_length - keep
         if drop == 0:
             return rows
@@ -266,8 +307,9 @@ class TrainBatch:
             advantages_BR=rows.advantages_BR[:, :keep],
             returns_BR=rows.returns_BR[:, :keep],
             ref_logprobs_BR=None if rows.ref_logprobs_BR is None else rows.ref_logprobs_BR[:, :keep],
+            host_mask_BT=None if host_BT is None else host_BT[:, : host_BT.shape[1] - drop],
         )
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask_BT.sum())
+        return int(self.host_mask().sum())

@@ -123,11 +123,14 @@ def packed_forward(
     *,
     start: int = 0,
     stop: int | None = None,
+    packed: PackedSequences | None = None,
 ) -> Tensor:
     """`model(input_ids_BT, attention_mask_BT=...)[:, start:stop]` (logits [B, W, V] or values [B, W]) computed
     on the packed real tokens: no layer, and not the head, runs on padding; padded entries of the result are 0
-    (the padded path's values there are meaningless too)."""
-    packed = pack_rows(attention_mask_BT.to(input_ids_BT.device))
+    (the padded path's values there are meaningless too). packed: the mask's packing, made on the host and moved
+    to the device (`rlhfuse.models.masks.MaskLayout`); None: packed here (host reads of the mask)."""
+    if packed is None:
+        packed = pack_rows(attention_mask_BT.to(input_ids_BT.device))
     picked_M, dest_M, span = packed.window(start, stop)
     out_M_ = model.packed_outputs(packed.pack(input_ids_BT), packed, picked_M)
     return scatter_rows(out_M_, dest_M, packed.batch, span)

@@ -658,8 +658,10 @@ class Transformer(nn.Module):
         position_ids_BT: Tensor | None = None,
         cache: KVCache | None = None,
         cache_slots_B: Tensor | Sequence[int] | None = None,
+        padding: Padding | None = None,
     ) -> Tensor:
-        """Final-norm output hidden_BTD, before the head (for chunked log-probs over a large vocabulary)."""
+        """Final-norm output hidden_BTD, before the head (for chunked log-probs over a large vocabulary);
+        `padding`: the mask's padding kind, worked out on the host (`forward`)."""
         if cache is not None and torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad:
             # cached keys/values are written into engine-owned buffers, outside autograd
             raise RuntimeError(
@@ -677,6 +679,7 @@ class Transformer(nn.Module):
             position_ids_BT,
             cache,
             cache_slots_B,
+            padding,
         )
         x_BTD = run_layers(self.layers, x_BTD, ctx, checkpointed=self.activation_checkpointing)
         if cache is not None:
@@ -711,11 +714,14 @@ class Transformer(nn.Module):
         position_ids_BT: Tensor | None = None,
         cache: KVCache | None = None,
         cache_slots_B: Tensor | Sequence[int] | None = None,
+        padding: Padding | None = None,
     ) -> Tensor:
         """logits_BTV (head="lm") or values_BT (head="value").
 
         attention_mask_BT: 1 = token, 0 = padding (left or right). With `cache`, row b's tokens are appended to
-        slot cache_slots_B[b] (default b) and attend to that slot's earlier valid positions.
+        slot cache_slots_B[b] (default b) and attend to that slot's earlier valid positions. padding: the mask's
+        padding kind when the caller worked it out on the host (`rlhfuse.models.masks.MaskLayout`); None: read
+        from the mask (host syncs).
         """
         hidden_BTD = self.hidden_states(
             input_ids_BT,
@@ -723,5 +729,6 @@ class Transformer(nn.Module):
             position_ids_BT=position_ids_BT,
             cache=cache,
             cache_slots_B=cache_slots_B,
+            padding=padding,
         )
         return self.apply_head(hidden_BTD)

@@ -90,9 +90,9 @@ class StepWork:
     then read no mask value (None: each forward reads its mask, host syncs)."""
 
     def with_layouts(self, *, packed: bool) -> StepWork:
-        """This work with every micro-batch's mask layout, computed from host masks (call it before the
-        micro-batches move to the device: no sync)."""
-        layouts = [[mask_layout(m.attention_mask_BT, packed=packed) for m in g] for g in self.micro]
+        """This work with every micro-batch's mask layout, computed from its host mask (no sync when the
+        micro-batches carry theirs, `TrainBatch.host_mask_BT`, or are on the host)."""
+        layouts = [[mask_layout(m.host_mask(), packed=packed) for m in g] for g in self.micro]
         return StepWork(self.micro, self.weight, layouts)
 
     def to(self, device: torch.device) -> StepWork:
@@ -524,7 +524,7 @@ class PlanExecutor:
         self, plan: StepSchedule, work: StepWork, optimizer_step: Callable[[str, float], None]
     ) -> StepMeasurement:
         device = self.device
-        if work.layout is None and work.micro[0][0].attention_mask_BT.device.type == "cpu":
+        if work.layout is None:
             packed = any(isinstance(module, Stage) and module.packing for module in self.stages.values())
             work = work.with_layouts(packed=packed)  # from the host masks: the step reads no mask value
         if device.type != "cpu":

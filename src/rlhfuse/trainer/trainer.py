@@ -17,11 +17,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger
 
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.checkpoint import (
@@ -50,6 +48,9 @@ from rlhfuse.trainer.models import ModelsConfig
 from rlhfuse.trainer.parts import GeneratorPart, InferencerPart, Parts, StrategyPart
 from rlhfuse.trainer.resume import check_resume_config, config_hash, config_record
 from rlhfuse.trainer.run_config import RLHFConfig
+
+if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made
+    from lightning.fabric import Fabric
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,8 @@ class RLHFTrainer:
         return self
 
     def attach(self, built: Assembled) -> None:
+        from lightning.fabric import Fabric
+
         self.config = built.config
         # the resolved configuration run.json records and a resume is checked against (as validated, before the
         # tokenizer's stop ids were added)
@@ -398,6 +401,9 @@ class RLHFTrainer:
 
     def train(self, batch: TrainBatch, iteration: int) -> TrainStats:
         size = self.config.data.mini_batch_size
+        # the attention mask copied to the host once an iteration: the steps split and lay out their
+        # mini-batches from it, each reading the device once (its statistics)
+        batch = batch.with_host_mask()
         steps: list[TrainStats] = []
         for epoch in range(self.config.algorithm.ppo_epochs):
             # Shuffle seeded by (seed, iteration, epoch): no RNG state to carry across a resume.
@@ -488,6 +494,8 @@ class RLHFTrainer:
         record the run and this attempt's configuration (rank 0), remove what interrupted saves left, and cut
         metrics.jsonl back to the iteration this attempt starts from. The strategy's `load_state_dict` applies
         the configured learning rates over the checkpoint's."""
+        from lightning.fabric.loggers import CSVLogger
+
         check = check_resume_config(self.config, self.run_dir, self.checkpoint_dir, self.record)
         if self._rank0:
             stale = clean_stale(self.checkpoint_dir)

@@ -25,10 +25,9 @@ by rank 0, sealed by rank 0's meta.json (kind "fsdp") once every rank's part is 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric import Fabric
 from torch import Tensor
 
 from rlhfuse import distributed
@@ -52,22 +51,22 @@ from rlhfuse.models.lora import LoraConfig
 from rlhfuse.trainer.strategies.fsdp.checkpoint import FSDPCheckpointer
 from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
+if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made (rlhfuse.trainer.build)
+    from lightning.fabric import Fabric
+
 
 class ShardedReduceScatter:
     """`GradientSync` of sharded models: FSDP reduce-scatters each layer's gradients in the last backward, as soon
     as they are final; the earlier backwards accumulate unreduced. Every pass gathers weights, so every rank runs
     as many: a rank with fewer micro-batches repeats its last one with weight 0 (it adds nothing)."""
 
-    collective_passes = True
-
     def __init__(self, models: Sequence[torch.nn.Module], group: Any) -> None:
         self.models, self.group = list(models), group
 
-    def align(self, micros: list[TrainBatch], weights: list[float]) -> tuple[list[TrainBatch], list[float]]:
-        device = next(self.models[0].parameters()).device
-        count = torch.tensor([float(len(micros))], dtype=torch.float64, device=device)
-        distributed.all_reduce(count, op="max", group=self.group)
-        extra = int(count.item()) - len(micros)
+    def align(
+        self, micros: list[TrainBatch], weights: list[float], most: int
+    ) -> tuple[list[TrainBatch], list[float]]:
+        extra = most - len(micros)  # `most` is worked out alike on every rank: nothing to exchange
         return micros + [micros[-1]] * extra, weights + [0.0] * extra
 
     def before_backward(self, last: bool) -> None:

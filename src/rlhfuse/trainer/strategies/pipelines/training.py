@@ -214,7 +214,7 @@ class PipelineStrategy:
     def train_step(self, batch: TrainBatch) -> TrainStats:
         batch = self._broadcast_batch(batch)
         if self.micro_batch_tokens > 0:
-            lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+            lengths = batch.host_lengths()
             k = self.layout.replicas(self.layout.smaller)
             self.plan = self._plan_for(
                 budget_microbatches(lengths, self.layout.dp, self.micro_batch_tokens, k)
@@ -373,8 +373,14 @@ class PipelineStrategy:
         return Schedule.from_json(distributed.broadcast_json(text, 0, self.device))
 
     def _broadcast_batch(self, batch: TrainBatch) -> TrainBatch:
-        out: TrainBatch = distributed.broadcast_dataclass(batch, TrainBatch, 0, self.device)
-        return out
+        """Rank 0's mini-batch on every rank, on the device, with its host mask (rank 0's, carried from the
+        trainer) sent host to host over the control group: no rank reads the device for it."""
+        sent = dataclasses.replace(batch, host_mask_BT=None)
+        out: TrainBatch = distributed.broadcast_dataclass(sent, TrainBatch, 0, self.device)
+        shape = tuple(out.attention_mask_BT.shape)
+        host = batch.host_mask().to(torch.uint8) if self.rank == 0 else torch.empty(shape, dtype=torch.uint8)
+        distributed.broadcast(host, 0, group=distributed.cpu_group())
+        return dataclasses.replace(out, host_mask_BT=host.bool())
 
     # --- the shard's state besides the stage weights (ShardedCheckpointer) ----------------------------------------
     def _shard_state(self) -> dict[str, Any]:

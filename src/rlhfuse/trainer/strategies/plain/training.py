@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist  # the ProcessGroup type only: collectives go through rlhfuse.distributed
-from lightning.fabric import Fabric
 from torch import Tensor
 
 from rlhfuse import distributed
@@ -32,15 +31,19 @@ from rlhfuse.core.balance import batch_costs, karmarkar_karp, microbatch_weights
 from rlhfuse.core.buckets import merged_weight_buckets
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batches, set_peak_lr
+from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batch_count, micro_batches, set_peak_lr
 from rlhfuse.core.protocols import Checkpointer
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
-from rlhfuse.distributed.fsdp import grad_norm_value
+from rlhfuse.distributed.fsdp import whole_tensor
 from rlhfuse.distributed.grad_buckets import GradReducer
 from rlhfuse.models import Transformer, joined, load_balancing_loss, metered, record_router_logits
 from rlhfuse.models.lora import adapted_layers, load_trained_state, trainable, trained_state
+from rlhfuse.models.masks import mask_layout
 from rlhfuse.models.packing import check_packing
+
+if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made (rlhfuse.trainer.build)
+    from lightning.fabric import Fabric
 
 
 class PlainStrategy:
@@ -125,21 +128,41 @@ class PlainStrategy:
         return self.optimizers
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
+        """One optimizer step of each trained model on `batch`, with one host read: the micro-batches are split,
+        weighted and laid out from the batch's host mask (carried from the trainer; a batch without one is read
+        once here), and the statistics, every micro-batch's losses and both gradient norms are read together
+        at the end, before either model steps: a non-finite loss or norm never reaches the weights."""
         for model in self.models:
             model.train()
-        parts, failure = self._accumulate(batch)
-        device = next(self.actor.parameters()).device
-        vector = sum_stats(parts).vector() if parts else torch.zeros(len(LossStats._fields), device=device)
+        batch = batch.with_host_mask()
+        parts, losses_L, names = self._accumulate(batch)
+        # any non-finite loss on this rank, summed over the ranks with the statistics: every rank learns of it
+        vector = torch.cat([sum_stats(parts).vector(), (~torch.isfinite(losses_L)).any().double()[None]])
         if self.group is not None:
-            # every rank learns of a non-finite loss on any rank here, so all raise together (none waits)
-            vector, failure = self._all_reduce(vector, failure)
-        sums = LossStats(*vector.tolist())  # the step's statistics, read once
+            vector = self._all_reduce(vector)
+        norms = [self._clipped_norm(model) for model in self.models]
+        read = torch.cat(
+            [vector, losses_L, *(norm.double()[None] for norm in norms)]
+        ).tolist()  # the one read
+        stats, failed_anywhere = read[: len(LossStats._fields)], read[len(LossStats._fields)] > 0
+        losses, norm_values = read[len(vector) : len(vector) + len(names)], read[len(vector) + len(names) :]
+        failure = next(
+            (f"{name} is {value}" for name, value in zip(names, losses) if not math.isfinite(value)), None
+        )
+        if failure is None and failed_anywhere:
+            failure = "a loss is non-finite on another data-parallel rank"
+        if failure is None:
+            failure = next(
+                (
+                    f"{name} is {norm}"
+                    for name, norm in zip(_NORM_NAMES, norm_values)
+                    if not math.isfinite(norm)
+                ),
+                None,
+            )
         if failure is not None:
             self._zero_grad()
             raise NonFiniteError(failure)
-        # Both norms are checked before either model steps: a NaN never reaches the weights.
-        actor_norm = self._clip(self.actor, "actor/grad_norm")
-        critic_norm = None if self.critic is None else self._clip(self.critic, "critic/grad_norm")
         steps: list[tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]] = [
             (self.actor_optim, self.actor_sched)
         ]
@@ -149,81 +172,94 @@ class PlainStrategy:
             optim.step()
             sched.step()
             optim.zero_grad(set_to_none=True)
-        return TrainStats(sums, actor_norm, critic_norm, float(self.actor_sched.get_last_lr()[0]))
+        critic_norm = None if self.critic is None else norm_values[1]
+        return TrainStats(
+            LossStats(*stats), norm_values[0], critic_norm, float(self.actor_sched.get_last_lr()[0])
+        )
 
-    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], str | None]:
+    def _accumulate(self, batch: TrainBatch) -> tuple[list[LossTensors], Tensor, list[str]]:
         """Forward and backward of this rank's micro-batches of the mini-batch, each weighted by its share of the
         *whole* mini-batch (token-mean or sequence-mean losses), gradients accumulated: their weighted
-        statistics, and the first non-finite loss. Its micro-batch gets no backward and no later one runs,
-        unless the passes are collective (`GradientSync.collective_passes`): then every pass runs and the step
-        is dropped afterwards, on every rank."""
+        statistics, every pass's losses (float64, on the device: read with the step's statistics) and their
+        names. Every pass runs, a non-finite loss's too: whether one was is known only at the step's read, and
+        the step is then dropped on every rank."""
         parts: list[LossTensors] = []
-        failure: str | None = None
-        micros = micro_batches(
-            self.share(batch), samples=self.micro_batch_size, tokens=self.micro_batch_tokens
-        )
+        losses: list[Tensor] = []
+        names: list[str] = []
+        own, rows = self._own_rows(batch)
+        micros = micro_batches(own, samples=self.micro_batch_size, tokens=self.micro_batch_tokens)
         weights = microbatch_weights(micros, batch, self.algorithm.loss_reduction)
         if self.sync is not None:
-            micros, weights = self.sync.align(micros, weights)
+            micros, weights = self.sync.align(micros, weights, self._most_micro_batches(batch, rows))
         for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
             if self.sync is not None:
                 self.sync.before_backward(last=i == len(micros) - 1)
             named, stats = self._losses(micro)
-            failure = failure or non_finite(named)
-            if failure is not None and not (self.sync is not None and self.sync.collective_passes):
-                return parts, failure
-            for _, value, _ in named:
+            for name, value, _ in named:
                 self.fabric.backward(value * weight)
+                losses.append(value.detach().double())
+                names.append(name)
             parts.append(scale_stats(stats, weight))
-        return parts, failure
+        return parts, torch.stack(losses), names
 
     def _zero_grad(self) -> None:
         for optim in self.optimizers:
             optim.zero_grad(set_to_none=True)
 
-    def share(self, batch: TrainBatch) -> TrainBatch:
-        """This rank's samples of the mini-batch: parts of near-equal cost (tokens + attention), the same
-        partition on every rank; the whole batch in a single process."""
+    def _own_rows(self, batch: TrainBatch) -> tuple[TrainBatch, list[list[int]] | None]:
+        """This rank's samples of the mini-batch and every rank's row indices: parts of near-equal cost
+        (tokens + attention, from the host mask), the same partition on every rank; the whole batch and None
+        in a single process."""
         if self.group is None:
-            return batch
+            return batch, None
         world, rank = distributed.world_size(self.group), distributed.rank(self.group)
         if len(batch) < world:
             raise ValueError(
                 f"a mini-batch of {len(batch)} samples cannot give each of {world} data-parallel ranks a "
                 f"sample: raise data.mini_batch_size to >= {world}"
             )
-        return batch.select(torch.tensor(karmarkar_karp(batch_costs(batch), world)[rank]))
+        rows = karmarkar_karp(batch_costs(batch), world)
+        return batch.select(torch.tensor(rows[rank])), rows
 
-    def _all_reduce(self, sums: Tensor, failure: str | None) -> tuple[Tensor, str | None]:
-        """Sum gradients and weighted statistics over the ranks (each is already its share of the mini-batch).
-        The gradient buckets the last backward did not launch are launched first (all of them on a rank that
-        stopped at a non-finite loss), so every rank issues the same reductions in the same order; then the
-        ranks agree on whether any saw a non-finite loss (then the statistics are not exchanged)."""
+    def _most_micro_batches(self, batch: TrainBatch, rows: list[list[int]] | None) -> int:
+        """The largest number of micro-batches any rank makes of its share (every rank works it out alike)."""
+        lengths = batch.host_lengths()
+        shares = [list(range(len(batch)))] if rows is None else rows
+        return max(
+            micro_batch_count(
+                [lengths[i] for i in share], samples=self.micro_batch_size, tokens=self.micro_batch_tokens
+            )
+            for share in shares
+        )
+
+    def _all_reduce(self, vector: Tensor) -> Tensor:
+        """Sum gradients and the weighted statistics (with the non-finite count) over the ranks, each already its
+        share of the mini-batch; the gradient buckets the last backward did not launch are launched first, so
+        every rank issues the same reductions in the same order."""
         assert self.sync is not None
         self.sync.finish()
-        # the gradients' device: the one the group's backend reduces on
-        device = next(self.actor.parameters()).device
-        failed = torch.tensor([float(failure is not None)], dtype=torch.float64, device=device)
-        distributed.all_reduce(failed, group=self.group)
-        self.sync.wait()
-        if failed.item() > 0:
-            return sums, failure or "a loss is non-finite on another data-parallel rank"
-        values = sums.to(device=device, dtype=torch.float64)
+        device = next(self.actor.parameters()).device  # the gradients' device: the one the group reduces on
+        values = vector.to(device=device, dtype=torch.float64)
         distributed.all_reduce(values, group=self.group)
-        return values, None
+        self.sync.wait()
+        return values
 
     def _losses(self, micro: TrainBatch) -> tuple[list[tuple[str, Tensor, LossTensors]], LossTensors]:
-        """Forward of one micro-batch: each trained model's named loss with its statistics, and their sum."""
+        """Forward of one micro-batch on the models' device, its mask layout worked out from its host mask: each
+        trained model's named loss with its statistics, and their sum."""
         device = next(self.actor.parameters()).device
+        layout = mask_layout(micro.host_mask(), packed=self.packing).to(device)
         micro = micro.to(device)
         coef = self.config.router_aux_loss_coef
         with self.fabric.autocast():
             with record_router_logits(self.actor) if coef > 0 else nullcontext() as router_logits:
-                logits_BRV = losses.model_response_outputs(self.actor, micro, packing=self.packing)
+                logits_BRV = losses.model_response_outputs(
+                    self.actor, micro, packing=self.packing, layout=layout
+                )
             values_BR = (
                 None
                 if self.critic is None
-                else losses.model_response_outputs(self.critic, micro, packing=self.packing)
+                else losses.model_response_outputs(self.critic, micro, packing=self.packing, layout=layout)
             )
         policy_loss, policy_stats = losses.response_actor_loss(
             logits_BRV, micro, self.algorithm, self.temperature
@@ -240,13 +276,11 @@ class PlainStrategy:
             named.append(("loss/value", *losses.response_critic_loss(values_BR, micro, self.algorithm)))
         return named, sum_stats([stats for _, _, stats in named])
 
-    def _clip(self, model: torch.nn.Module, name: str) -> float:
+    def _clipped_norm(self, model: torch.nn.Module) -> Tensor:
+        """Clip `model`'s gradients (`optim.grad_clip`; none when 0) and return their norm before clipping, on the
+        device (a sharded model's is reduced over its shards): not read here."""
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        if not math.isfinite(norm):
-            self._zero_grad()
-            raise NonFiniteError(f"{name} is {norm}")
-        return norm
+        return whole_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
     def state_dict(self) -> dict[str, Any]:
         """Weights, optimizer and scheduler states; the 'critic*' entries only for an algorithm with a Critic."""
@@ -284,12 +318,10 @@ class PlainStrategy:
 class GradientSync(Protocol):
     """How the data-parallel ranks' gradients of one optimizer step are summed over its micro-batches."""
 
-    collective_passes: bool
-    """Every forward and backward is collective (sharded weights gathered per layer): every rank runs as many,
-    and none stops early."""
-
-    def align(self, micros: list[TrainBatch], weights: list[float]) -> tuple[list[TrainBatch], list[float]]:
-        """This rank's micro-batches and weights as the passes run them."""
+    def align(
+        self, micros: list[TrainBatch], weights: list[float], most: int
+    ) -> tuple[list[TrainBatch], list[float]]:
+        """This rank's micro-batches and weights as the passes run them; `most`: the largest count of any rank."""
         ...
 
     def before_backward(self, last: bool) -> None:
@@ -297,7 +329,7 @@ class GradientSync(Protocol):
         ...
 
     def finish(self) -> None:
-        """After the last backward (or a rank's early stop): launch every reduction not launched yet."""
+        """After the last backward: launch every reduction not launched yet."""
         ...
 
     def wait(self) -> None:
@@ -309,12 +341,12 @@ class BucketedAllReduce:
     """Whole replicas on every rank (`pipeline=plain` data parallel): the gradients summed in buckets, each
     launched as soon as its gradients are final in the last backward (`GradReducer`)."""
 
-    collective_passes = False
-
     def __init__(self, reducer: GradReducer) -> None:
         self.reducer = reducer
 
-    def align(self, micros: list[TrainBatch], weights: list[float]) -> tuple[list[TrainBatch], list[float]]:
+    def align(
+        self, micros: list[TrainBatch], weights: list[float], most: int
+    ) -> tuple[list[TrainBatch], list[float]]:
         return micros, weights
 
     def before_backward(self, last: bool) -> None:
@@ -328,12 +360,5 @@ class BucketedAllReduce:
         self.reducer.wait("data-parallel gradient reduction")
 
 
-def non_finite(named: list[tuple[str, Tensor, LossTensors]]) -> str | None:
-    """The first non-finite loss of `named`, as the error names it; None when all are finite."""
-    for name, value, _ in named:
-        if not torch.isfinite(value):
-            return f"{name} is {float(value.detach())}"
-    return None
-
-
+_NORM_NAMES = ("actor/grad_norm", "critic/grad_norm")
 _STATE_ORDER = ("actor", "critic", "actor_optim", "critic_optim", "actor_sched", "critic_sched")
