@@ -9,8 +9,10 @@ check's budget is the sum of its rows' limits: no row is left unrun for lack of 
 
 `make gpu-check-dry` (`--dry-run`) runs every row's code on the CPU in one process (gloo, tiny sizes, the Triton
 interpreter) and prints the same table; rows that need CUDA-only things (flash-attn, Transformer Engine, vLLM,
-a CUDA device for the setting) SKIP saying why. The test suite runs it (tests/test_gpu_check.py), so a row whose
-call no longer matches the code it calls fails there, not on the first GPU run.
+a CUDA device for the setting, the converted real model) SKIP saying why. The test suite runs it
+(tests/test_gpu_check.py), so a row whose call no longer matches the code it calls fails there, not on the first
+GPU run. Its multi-rank rows fork their ranks from one server that imported torch, Lightning and rlhfuse once
+(`rank_context`); on CUDA every rank is a fresh spawned interpreter.
 
 The performance rows hold their figures to `TARGETS` (per device type; the CPU's exercise the comparisons):
 decode syncs at most 1 per step (and at least 1 on CUDA), a decode tokens/s floor, the KV pool's allocated /
@@ -27,6 +29,8 @@ most-in-use fraction and, on CUDA, the allocator's peak while decoding / what wa
   against `ModelInferencer`; the trained pp-sharded Actor resharded to generator.tp=2 and 1
   (`rlhfuse.runtime.reshard`) against the trained weights' slices; two engine instances migrating their long tail
   (`DistributedCoordinator`, migration=fixed) against one instance;
+- pp=3 train step: the same comparison with pp=3 on 3 ranks sharing the GPU (a middle stage, which receives and
+  sends in both directions);
 - gqa attention: a grouped-query model in bf16 under `sdpa_kernel` restricted to flash / efficient / cudnn (a
   fall-back to the math kernel fails the row), unmasked (causal) and padded, against the math kernel in fp32;
 - engine: the engine's greedy tokens on the device equal the CPU's; engine decode: bf16 decode step time at batch
@@ -41,6 +45,12 @@ most-in-use fraction and, on CUDA, the allocator's peak while decoding / what wa
   the trainer on the device with pipeline.precision=bf16-true / data.micro_batch_tokens=48 /
   inferencer.offload_frozen=true / generator=engine generator.speculative=ngram / generator.instances=2
   generator.in_process=true migration=fixed; finite metrics and the ones that show the setting acted;
+- fused job: the smoke job with pipeline=fused through the trainer on 2 ranks, launched as `torchrun --nnodes=2
+  --nproc-per-node=1` would (`torchrun_env`: Fabric's launcher wants a GPU per process), both on the one GPU;
+  finite metrics, a bubble ratio in [0, 1), weights synced;
+- real checkpoint: SmolLM2-135M-Instruct from `make real-model` (SKIP where it is not converted): the engine's
+  greedy tokens scored again by the trainer's forward, log-probs equal in fp32; on CUDA the bf16 engine against
+  the bf16-mixed forward as figures;
 - default job: the default job for 2 iterations in bf16-mixed (1 in the CPU dry run), the Triton GAE reached in
   training;
 - vllm: the smoke job with generator=vllm (SKIP: not installed).
@@ -326,6 +336,22 @@ def nccl_env(rank: int) -> dict[str, str]:
     return {**TWO_RANKS_ON_ONE_GPU, "NCCL_HOSTID": f"rlhfuse-gpu-check-rank{rank}"}
 
 
+class NcclRefused(RuntimeError):
+    """NCCL refused ranks that share a GPU ("Duplicate GPU detected") although each has its own NCCL_HOSTID: a
+    limit of this NCCL build, not of rlhfuse."""
+
+
+def on_shared_gpu(run: Callable[[], Outcome], world: int, gpus: int) -> Outcome:
+    """`run()` (a row of `world` ranks on `gpus` GPUs); a SKIP, not a second FAIL, where NCCL refuses ranks
+    sharing a GPU: the 2-rank rows of the quick tier FAIL on it already, and this row cannot run here."""
+    try:
+        return run()
+    except NcclRefused as refused:
+        if gpus >= world:  # every rank had a GPU of its own: not the sharing
+            raise
+        raise Skip(f"{world} ranks on {gpus} GPU(s), refused: {refused}") from refused
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -354,21 +380,17 @@ def one_rank_group(device: torch.device, backend: str) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _rank_entry(rank: int, port: int, device_type: str, backend: str, worker: str, out_dir: str) -> None:
-    """One of the two ranks: the group, then `worker` (a `_w_*` function of this module); its outcome or its
+def _rank_entry(
+    rank: int, world: int, port: int, device_type: str, backend: str, worker: str, out_dir: str
+) -> None:
+    """One of `world` ranks: the group, then `worker` (a `_w_*` function of this module); its outcome or its
     error goes to out_dir/rank{rank}.json. Exits without the process group's destructors once written."""
     import torch.distributed as dist
 
     os.environ["LOCAL_RANK"] = str(rank)  # rank_device(): cuda:LOCAL_RANK % device_count = the one GPU
-    # both ranks are on this host: gloo (the group itself, or the CPU control groups beside NCCL) on loopback,
-    # whatever the host name resolves to
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if backend == "nccl":
-        os.environ.update(nccl_env(rank))
-    if device_type == "cpu":
-        torch.set_num_threads(1)
-    result: dict[str, Any]
-    try:
+    _rank_setup(rank, device_type, backend)
+
+    def run() -> Outcome:
         from rlhfuse import distributed
 
         device = distributed.rank_device(backend)
@@ -380,10 +402,73 @@ def _rank_entry(rank: int, port: int, device_type: str, backend: str, worker: st
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=2,
+            world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
-        outcome = globals()[worker](rank, device)
+        outcome: Outcome = globals()[worker](rank, device)
+        return outcome
+
+    _report(out_dir, rank, run)
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment `torchrun --nnodes=world --nproc-per-node=1` gives `rank`: every rank a node of its own
+    (LOCAL_RANK 0, so every rank takes cuda:0, as the other multi-rank rows share one GPU; Fabric reads it as a
+    torchelastic launch and starts no process), meeting at MASTER_ADDR:MASTER_PORT."""
+    return {
+        "TORCHELASTIC_RUN_ID": f"rlhfuse-gpu-check-{port}",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "RANK": str(rank),
+        "GROUP_RANK": str(rank),
+        "GROUP_WORLD_SIZE": str(world),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+    }
+
+
+def _job_entry(
+    rank: int, world: int, port: int, device_type: str, backend: str, job: str, out_dir: str
+) -> None:
+    """One rank of a trainer job (`job`: a key of `JOBS`) launched as `torchrun_env` says; the trainer makes
+    the process group itself. Its outcome or its error goes to out_dir/rank{rank}.json."""
+    os.environ.update(torchrun_env(rank, world, port))
+    _rank_setup(rank, device_type, backend)
+
+    def run() -> Outcome:
+        from rlhfuse import distributed
+        from rlhfuse.runtime.launch import Watchdog
+
+        outcome = JOBS[job](torch.device(device_type), out_dir)
+        # as `rlhfuse-train` ends a multi-process run: the watchdog disarmed (a rank that exits first is not a
+        # death), every rank done, the group torn down
+        if Watchdog.current is not None:
+            Watchdog.current.disarm()
+        distributed.shutdown()
+        return outcome
+
+    _report(out_dir, rank, run)
+
+
+def _rank_setup(rank: int, device_type: str, backend: str) -> None:
+    # the ranks are on this host: gloo (the group itself, or the CPU control groups beside NCCL) on loopback,
+    # whatever the host name resolves to
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        os.environ.update(nccl_env(rank))
+    if device_type == "cpu":
+        torch.set_num_threads(1)
+
+
+def _report(out_dir: str, rank: int, run: Callable[[], Outcome]) -> None:
+    """`run()`'s outcome or its error to out_dir/rank{rank}.json, then exit without the process group's
+    destructors (a rank whose peer died could block in them)."""
+    result: dict[str, Any]
+    try:
+        outcome = run()
         result = {"detail": outcome.detail, "figures": outcome.figures}
     except BaseException as err:  # reported to the parent, which decides the row
         result = {"error": describe(err), "trace": traceback.format_exc()[-3000:]}
@@ -393,18 +478,61 @@ def _rank_entry(rank: int, port: int, device_type: str, backend: str, worker: st
     os._exit(0)
 
 
-def two_ranks(worker: str, device: torch.device, backend: str, timeout_s: float) -> Outcome:
-    """Run `worker` on 2 spawned ranks; rank 0's outcome. A rank that fails (an error reported, or dead without
-    a word: a CUDA abort) stops the other after a grace of a few seconds, since it is likely blocked in a
-    collective with it; ranks still running at `timeout_s` are killed and the row fails as a hang."""
+RANK_PRELOAD = [
+    "benchmarks.gpu_check",
+    "lightning.fabric",  # with torchmetrics, transformers and torch._dynamo: most of a rank's start-up
+    "rlhfuse.trainer.strategies.pipelines.training",
+    "rlhfuse.trainer.strategies.pipelines.inference",
+    "rlhfuse.trainer.strategies.plain.training",
+    "rlhfuse.trainer.strategies.plain.inference",
+    "rlhfuse.runtime.reshard",
+    "rlhfuse.generation.distributed",
+]
+"""What the CPU's rank processes find imported (`rank_context`): what the `_w_*` workers import, ~7 s of CPU time
+per process otherwise (a name that no longer imports is skipped by the fork server, costing only time)."""
+
+
+def rank_context(device: torch.device) -> Any:
+    """How the ranks start: spawned (a fresh interpreter each) for CUDA, which must not be initialised in a
+    process that forks, and whose first run should not depend on what a fork server imported; on the CPU (the
+    dry run, in the test suite) forked from one server that imported `RANK_PRELOAD` once, so that each multi-rank
+    row does not pay every rank's imports again."""
+    if device.type == "cuda":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
+def spawn_ranks(worker: str, device: torch.device, backend: str, timeout_s: float, world: int = 2) -> Outcome:
+    """Run `worker` on `world` spawned ranks (all on the one GPU where there is one: `nccl_env`) in a process
+    group made here; rank 0's outcome (`_spawn` says how a failure or a hang ends)."""
     import benchmarks.gpu_check as this  # the spawned ranks import the module by name, also under `-m`
 
-    ctx = multiprocessing.get_context("spawn")
+    return _spawn(this._rank_entry, worker, device, backend, timeout_s, world)
+
+
+def spawn_job(job: str, device: torch.device, backend: str, timeout_s: float, world: int = 2) -> Outcome:
+    """Run the trainer job `job` (a key of `JOBS`) on `world` spawned ranks as torchrun would start them
+    (`torchrun_env`: one rank per node, all on the one GPU where there is one); rank 0's outcome."""
+    import benchmarks.gpu_check as this
+
+    return _spawn(this._job_entry, job, device, backend, timeout_s, world)
+
+
+def _spawn(
+    entry: Callable[..., None], name: str, device: torch.device, backend: str, timeout_s: float, world: int
+) -> Outcome:
+    """`entry(rank, world, port, device type, backend, name, folder)` on `world` processes sharing `folder`;
+    rank 0's outcome. A rank that fails (an error reported, or dead without a word: a CUDA abort) stops the
+    others after a grace of a few seconds, since they are likely blocked in a collective with it; ranks still
+    running at `timeout_s` are killed and the row fails as a hang."""
+    ctx = rank_context(device)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
-            ctx.Process(target=this._rank_entry, args=(r, port, device.type, backend, worker, tmp))
-            for r in range(2)
+            ctx.Process(target=entry, args=(r, world, port, device.type, backend, name, tmp))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -425,7 +553,7 @@ def two_ranks(worker: str, device: torch.device, backend: str, timeout_s: float)
             if p.is_alive():
                 p.kill()
             p.join(5)
-        results = [_read_rank(tmp, r) for r in range(2)]
+        results = [_read_rank(tmp, r) for r in range(world)]
     errors = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
     errors += [
         f"rank {r} died without a result (exit code {p.exitcode}: killed, out of memory, a CUDA abort?)"
@@ -437,7 +565,9 @@ def two_ranks(worker: str, device: torch.device, backend: str, timeout_s: float)
         if backend == "nccl" and any(
             s in message for s in ("Duplicate GPU", "ncclInvalidUsage", "NCCL error")
         ):
-            message = f"NCCL refused 2 ranks on one GPU (NCCL_HOSTID per rank, sockets on lo): {message}"
+            message = f"NCCL refused {world} ranks on a GPU (NCCL_HOSTID per rank, sockets on lo): {message}"
+        if backend == "nccl" and "Duplicate GPU" in message:
+            raise NcclRefused(message)
         raise RuntimeError(message)
     if hung:
         raise TimeoutError(
@@ -536,12 +666,25 @@ def _w_collectives(rank: int, device: torch.device) -> Outcome:
 
 
 def row_two_rank_collectives(device: torch.device, backend: str) -> Outcome:
-    return two_ranks("_w_collectives", device, backend, timeout_s=100)
+    return spawn_ranks("_w_collectives", device, backend, timeout_s=100)
 
 
-def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
-    """PipelineStrategy (pp=2: profiling step, then the searched fused schedule) vs PlainStrategy on copies
-    of the same models, step by step: losses, gradient norms, weights."""
+@dataclass(frozen=True)
+class FusedRun:
+    """What `_fused_vs_plain` measured: the model, the samples and tokens of a step, the median seconds of the
+    steps after the profiling one, the largest weight difference from PlainStrategy's."""
+
+    model: Any
+    samples: int
+    tokens: int
+    step_s: float
+    weight_err: float
+
+
+def _fused_vs_plain(device: torch.device, pp: int, steps: int, sizes: tuple[int, int, int, int]) -> FusedRun:
+    """PipelineStrategy (pp over as many ranks: a profiling step, then the searched fused schedule) vs
+    PlainStrategy on copies of the same models, step by step: losses, gradient norms, then the weights.
+    `sizes`: samples, microbatches, prompt and response tokens."""
     core("hydra")  # rlhfuse.trainer (PlainStrategy here) imports Hydra with the package
     from lightning.fabric import Fabric
 
@@ -552,18 +695,18 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
     from rlhfuse.trainer.strategies.pipelines.training import PipelineStrategy
     from rlhfuse.trainer.strategies.plain.training import PlainStrategy
 
-    cfg = pipeline_models(device)
+    samples, micro, prompt, response = sizes
+    cfg = pipeline_models(device, layers=pp)
     torch.manual_seed(0)
     models = {
         "actor": Transformer(cfg, head="lm").to(device),
         "critic": Transformer(cfg, head="value").to(device),
     }
     plain_models = copy.deepcopy(models)
-    samples, micro = (32, 4) if real(device) else (8, 2)
-    prompt, response = (128, 128) if real(device) else (5, 7)
     pcfg = PipelineConfig(
-        name="fused", optim=OptimConfig(warmup_steps=1), microbatches=micro, search_budget_s=0.0
-    )
+        name="fused", optim=OptimConfig(warmup_steps=1), actor_pp=pp, critic_pp=pp, microbatches=micro,
+        search_budget_s=0.0,
+    )  # fmt: skip
     algo = AlgorithmConfig()
     fused = PipelineStrategy(
         models["actor"], models["critic"], pcfg, algo, total_steps=4, mini_batch_size=samples,
@@ -574,7 +717,7 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
         fabric=Fabric(accelerator=device.type, devices=1), total_steps=4, micro_batch_size=samples // micro,
     )  # fmt: skip
     step_s, tokens = [], 0
-    for step in range(3):
+    for step in range(steps):
         batch = random_batch(samples, cfg.vocab_size, prompt, response, seed=11 + step).to(device)
         tokens = int(batch.attention_mask_BT.sum())
         sync(device)
@@ -597,27 +740,58 @@ def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
         for p, q in zip(models[name].parameters(), plain_models[name].parameters(), strict=True)
     )
     # a wrong learning rate, step count or stage update moves weights by ~lr = 5e-4 per step
-    assert weight_err < 1e-4, f"weights after 3 steps differ from PlainStrategy's by {weight_err:.2e}"
-    fused_s = statistics.median(step_s[1:])  # after the profiling step
+    assert weight_err < 1e-4, f"weights after {steps} steps differ from PlainStrategy's by {weight_err:.2e}"
+    after_profiling_s = statistics.median(step_s[1:])
+    return FusedRun(cfg, samples, tokens, after_profiling_s, weight_err)
+
+
+def _w_pp2_train(rank: int, device: torch.device) -> Outcome:
+    """PipelineStrategy (pp=2) vs PlainStrategy for 3 steps; the training figures the planner calibrates on."""
+    sizes = (32, 4, 128, 128) if real(device) else (8, 2, 5, 7)
+    run = _fused_vs_plain(device, pp=2, steps=3, sizes=sizes)
     figures = {
-        "train_tokens_per_s": tokens / fused_s,
-        "train_step_s": fused_s,
-        "train_tokens_per_step": tokens,
+        "train_tokens_per_s": run.tokens / run.step_s,
+        "train_step_s": run.step_s,
+        "train_tokens_per_step": run.tokens,
         # one step trains an Actor and a Critic of this shape on `train_samples` sequences, pp=2 over 2 ranks on
         # `train_devices` devices (both ranks share one GPU on a one-GPU machine)
-        "train_model": model_shape(cfg),
-        "train_samples": samples,
+        "train_model": model_shape(run.model),
+        "train_samples": run.samples,
         "train_devices": min(2, torch.cuda.device_count()) if device.type == "cuda" else 1,
     }
     return Outcome(
-        f"fused pp=2 = PlainStrategy for 3 steps (losses, grad norms; weights to {weight_err:.1e}); "
-        f"{fused_s * 1e3:.0f} ms / step, {tokens / fused_s:,.0f} tokens/s",
+        f"fused pp=2 = PlainStrategy for 3 steps (losses, grad norms; weights to {run.weight_err:.1e}); "
+        f"{run.step_s * 1e3:.0f} ms / step, {run.tokens / run.step_s:,.0f} tokens/s",
         figures,
     )
 
 
 def row_pp2_train(device: torch.device, backend: str) -> Outcome:
-    return two_ranks("_w_pp2_train", device, backend, timeout_s=120)
+    return spawn_ranks("_w_pp2_train", device, backend, timeout_s=120)
+
+
+def _w_pp3_train(rank: int, device: torch.device) -> Outcome:
+    """PipelineStrategy with pp=3 over 3 ranks (a middle stage: receives and sends in both directions, which
+    pp=2 never does) vs PlainStrategy; on CUDA 6 microbatches over 3 steps, on the CPU the fewest that run the
+    searched schedule once (3 microbatches, the profiling step and one more)."""
+    sizes, steps = ((24, 6, 128, 128), 3) if real(device) else ((6, 3, 5, 7), 2)
+    run = _fused_vs_plain(device, pp=3, steps=steps, sizes=sizes)
+    # not the planner's training figures (pp=2 row's): three ranks on one GPU share its compute
+    figures = {"pp3_train_step_s": run.step_s, "pp3_train_tokens_per_s": run.tokens / run.step_s}
+    return Outcome(
+        f"fused pp=3 = PlainStrategy for {steps} steps (losses, grad norms; weights to {run.weight_err:.1e}); "
+        f"{run.step_s * 1e3:.0f} ms / step",
+        figures,
+    )
+
+
+def row_pp3_train(device: torch.device, backend: str) -> Outcome:
+    """pp=3 on 3 ranks: on a machine with fewer GPUs they share them (`rank_device`: cuda:rank % GPUs), each rank
+    its own NCCL_HOSTID (`nccl_env`); a SKIP where this NCCL refuses that."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return on_shared_gpu(
+        lambda: spawn_ranks("_w_pp3_train", device, backend, timeout_s=110, world=3), world=3, gpus=gpus
+    )
 
 
 def _w_pp2_inference(rank: int, device: torch.device) -> Outcome:
@@ -667,7 +841,7 @@ def _w_pp2_inference(rank: int, device: torch.device) -> Outcome:
 
 
 def row_pp2_inference(device: torch.device, backend: str) -> Outcome:
-    return two_ranks("_w_pp2_inference", device, backend, timeout_s=100)
+    return spawn_ranks("_w_pp2_inference", device, backend, timeout_s=100)
 
 
 def _w_reshard(rank: int, device: torch.device) -> Outcome:
@@ -728,7 +902,7 @@ def _w_reshard(rank: int, device: torch.device) -> Outcome:
 
 
 def row_reshard(device: torch.device, backend: str) -> Outcome:
-    return two_ranks("_w_reshard", device, backend, timeout_s=120)
+    return spawn_ranks("_w_reshard", device, backend, timeout_s=120)
 
 
 def _migration_model(device: torch.device) -> Any:
@@ -808,7 +982,7 @@ def _w_migration(rank: int, device: torch.device) -> Outcome:
 
 
 def row_migration(device: torch.device, backend: str) -> Outcome:
-    return two_ranks("_w_migration", device, backend, timeout_s=100)
+    return spawn_ranks("_w_migration", device, backend, timeout_s=100)
 
 
 def row_gqa_attention(device: torch.device, backend: str) -> Outcome:
@@ -1159,14 +1333,17 @@ def row_gae_kernel(device: torch.device, backend: str) -> Outcome:
     )
 
 
-def _train(overrides: list[str]) -> dict[str, float]:
+def _train(overrides: list[str], folder: str | None = None) -> dict[str, float]:
+    """The job `overrides` describe, built and fitted in this process (its warm-start cache and run folder in
+    `folder`, which the ranks of a multi-rank job share; a temporary one by default); its last metrics."""
     core("hydra")
     from rlhfuse.trainer.build import build_trainer
     from rlhfuse.trainer.hydra import compose_config
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose_config([*overrides, f"model.warmstart.cache_dir={tmp}/cache"])
-        history = build_trainer(cfg, run_dir=f"{tmp}/run", log=lambda _: None).fit()
+    with contextlib.ExitStack() as stack:
+        where = folder or stack.enter_context(tempfile.TemporaryDirectory())
+        cfg = compose_config([*overrides, f"model.warmstart.cache_dir={where}/cache"])
+        history = build_trainer(cfg, run_dir=f"{where}/run", log=lambda _: None).fit()
     last = history[-1]
     bad = [k for k, v in last.items() if isinstance(v, float) and not math.isfinite(v)]
     assert not bad, f"non-finite metrics: {bad}"
@@ -1248,8 +1425,13 @@ def row_default_job(device: torch.device, backend: str) -> Outcome:
 
     ops._use_triton = counting  # type: ignore[assignment]
     # the second iteration (a weight sync after a step, bf16 on a GPU) matters on CUDA; the CPU's dry run proves
-    # the row's call with one
+    # the row's call with one, after a warm start of the smoke job's size (the default's 400 + 400 steps were
+    # ~60 s of the dry run)
     iterations = 2 if device.type == "cuda" else 1
+    small_warmstart = [
+        f"model.warmstart.{key}={value}"
+        for key, value in (("sft_examples", 256), ("sft_steps", 10), ("rm_pairs", 256), ("rm_steps", 10))
+    ]
     try:
         start = time.perf_counter()
         last = _train(
@@ -1258,6 +1440,7 @@ def row_default_job(device: torch.device, backend: str) -> Outcome:
                 f"iterations={iterations}",
                 f"device={device}",
                 "checkpoint.export_hf=false",
+                *(small_warmstart if device.type == "cpu" else []),
             ]
         )
     finally:
@@ -1275,6 +1458,158 @@ def row_vllm(device: torch.device, backend: str) -> Outcome:
         raise Skip("vllm not installed")
     last = _train(["experiment=smoke", "generator=vllm", "iterations=1", f"device={device}"])
     return Outcome(f"smoke job with generator=vllm: {_shown(last)}")
+
+
+def _job_fused(device: torch.device, folder: str) -> Outcome:
+    """One rank of the smoke job under pipeline=fused (Actor and Critic pp=2 over the 2 ranks in opposite
+    directions, a profiling step, then the searched fused schedule; the weight sync to each rank's engine): finite
+    metrics, a bubble ratio in [0, 1), bytes synced. Two iterations on CUDA (the second generates with synced
+    weights); one on the CPU, with the greedy schedule search (budget 0)."""
+    iterations, search_s = (2, 0.5) if real(device) else (1, 0.0)
+    last = _train(
+        [
+            "experiment=smoke", "pipeline=fused", "distributed.nproc_per_node=2", "model.num_layers=2",
+            f"iterations={iterations}", f"device={device.type}", "distributed.timeout_s=60",
+            f"pipeline.search_budget_s={search_s}",
+        ],
+        folder,
+    )  # fmt: skip
+    bubble = last.get("train/bubble_ratio", math.nan)
+    assert 0 <= bubble < 1, f"train/bubble_ratio {bubble} is not in [0, 1) ({_shown(last)})"
+    zero = [k for k in ("weight_sync/bytes_per_rank", "memory/param_bytes") if not last.get(k, 0) > 0]
+    assert not zero, f"{zero} not > 0: the fused pipeline's weight sync or its stages did nothing"
+    shown = _shown(last, ("train/bubble_ratio", "train/measured_makespan_s", "weight_sync/bytes_per_rank"))
+    return Outcome(f"smoke job, pipeline=fused on 2 ranks, {iterations} iteration(s): {shown}")
+
+
+JOBS: dict[str, Callable[[torch.device, str], Outcome]] = {"fused": _job_fused}
+"""Trainer jobs run on several ranks (`spawn_job`): a rank's outcome from the device and the ranks' shared folder."""
+
+
+def row_fused_job(device: torch.device, backend: str) -> Outcome:
+    """`pipeline=fused` through the trainer (`build_trainer(...).fit()`) on 2 ranks launched as `torchrun --nnodes=2
+    --nproc-per-node=1` launches them: Fabric's own launcher (`distributed.nproc_per_node=2`) asks for one GPU per
+    process, so each rank is a node of its own on cuda:0 (whatever the GPUs), with its own NCCL_HOSTID; a SKIP
+    where this NCCL refuses that."""
+    return on_shared_gpu(lambda: spawn_job("fused", device, backend, timeout_s=150), world=2, gpus=1)
+
+
+REAL_PROMPTS = (
+    "What is 7 + 5?",
+    "Name a primary colour.",
+    "Write a word that rhymes with cat.",
+    "What is the capital of France?",
+)
+
+
+def real_model_missing() -> str:
+    """The real-checkpoint row's SKIP: where the converted model was looked for, and how to make it."""
+    from rlhfuse.models.convert import real_model_dir
+
+    return f"no converted SmolLM2-135M-Instruct at {real_model_dir()}: run `make real-model` (or set RLHFUSE_REAL_MODEL)"
+
+
+class _RecordingGreedy:
+    """A `TokenChoice` (`rlhfuse.generation.engine`) that chooses greedily, as the engine's own does, and keeps
+    each chosen token's log-prob under the logits it chose from: the engine's view of its tokens (the prefill's
+    last position, then KV-cached decode steps). One sample per engine: a step's logits are one row."""
+
+    lockstep = False
+
+    def __init__(self) -> None:
+        self.logprobs: list[torch.Tensor] = []
+
+    def greedy(self, logits_NV: torch.Tensor) -> torch.Tensor:
+        tokens_N = logits_NV.argmax(dim=-1)
+        chosen_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, tokens_N[:, None]).squeeze(-1)
+        self.logprobs.append(chosen_N)
+        return tokens_N
+
+    def sample(self, logits_NV: torch.Tensor, uniforms_N: torch.Tensor, params: Any) -> torch.Tensor:
+        raise AssertionError("the real-checkpoint row decodes greedily")
+
+
+def _engine_vs_trainer(
+    engine_model: Any, model: Any, tokenizer: Any, prompts: tuple[str, ...], new_tokens: int, autocast: Any
+) -> tuple[torch.Tensor, float, int]:
+    """Each prompt's greedy response from an engine over `engine_model`, scored again by the inferencer's
+    forward (`logprobs_from_output`) of `model` under `autocast`: |engine log-prob - trainer log-prob| per
+    response token, the fraction of tokens that are the forward's argmax too, and how many tokens."""
+    from rlhfuse.core.inference import logprobs_from_output
+    from rlhfuse.generation import GenerationEngine, SamplingParams
+    from rlhfuse.generation.engine import SampleRequest, to_rollout
+
+    device = next(model.parameters()).device
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, stop_token_ids=tokenizer.stop_ids)
+    diffs, agree = [], 0
+    for i, text in enumerate(prompts):
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        choice = _RecordingGreedy()
+        engine = GenerationEngine(
+            engine_model, params, num_slots=1, max_len=len(ids) + new_tokens, choice=choice
+        )
+        request = SampleRequest(
+            row=0, prompt_index=i, sample_index=0, group=0, seed=0, prompt_P=torch.tensor(ids)
+        )
+        (done,) = engine.run([request])
+        rollout = to_rollout([done], tokenizer.pad_id).to(device)
+        with torch.no_grad(), autocast:
+            logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
+        trainer_R = logprobs_from_output(logits_BTV, rollout, temperature=1.0)[0]
+        engine_R = torch.cat(choice.logprobs)
+        assert engine_R.shape == trainer_R.shape == (len(done.tokens),), (engine_R.shape, trainer_R.shape)
+        diffs.append((engine_R - trainer_R).abs())
+        argmax_R = logits_BTV[0, len(ids) - 1 : -1].argmax(dim=-1)
+        agree += int((argmax_R == rollout.response_ids_BR[0]).sum())
+    diff = torch.cat(diffs).cpu()
+    return diff, agree / len(diff), len(diff)
+
+
+def row_real_checkpoint(device: torch.device, backend: str) -> Outcome:
+    """SmolLM2-135M-Instruct as `make real-model` converts it: loaded (fp32, as training holds it), a few greedy
+    tokens from the engine (prefill, then KV-cached decode), scored again by the trainer's forward: in fp32 the
+    log-probs the engine chose from equal the forward's (< 1e-3) and every token is the forward's argmax. On CUDA
+    also the engine in bf16 (the generator's dtype) against the forward under bf16 autocast (bf16-mixed
+    training): figures, the mean difference held to a loose first-run bound. The CPU decodes 4 tokens of one
+    prompt."""
+    from rlhfuse.data.tokenizer import Tokenizer
+    from rlhfuse.models import from_pretrained
+    from rlhfuse.models.convert import is_converted, real_model_dir
+
+    if not is_converted():
+        raise Skip(real_model_missing())
+    folder = real_model_dir()
+    tokenizer = Tokenizer.from_dir(folder, model_dir=folder)
+    t0 = time.perf_counter()
+    model = from_pretrained(folder).to(device).eval()
+    sync(device)
+    load_s = time.perf_counter() - t0
+    prompts, new_tokens = (REAL_PROMPTS, 32) if real(device) else (REAL_PROMPTS[:1], 4)
+    diff, agree, tokens = _engine_vs_trainer(
+        model, model, tokenizer, prompts, new_tokens, contextlib.nullcontext()
+    )  # fmt: skip
+    worst = float(diff.max())
+    assert worst < 1e-3, f"fp32: engine vs trainer log-probs differ by up to {worst:.2e} (> 1e-3)"
+    assert agree == 1.0, f"fp32: {agree:.0%} of the engine's greedy tokens are the trainer forward's argmax"
+    figures: dict[str, Any] = {"real_checkpoint": {"load_s": load_s, "fp32_logprob_max_abs": worst}}
+    detail = (
+        f"{model.config.num_layers} layers, V={model.config.vocab_size}, loaded in {load_s:.1f} s; {tokens} greedy "
+        f"tokens, fp32 engine vs trainer log-probs max |diff| {worst:.1e}"
+    )
+    if device.type == "cuda":
+        engine_model = copy.deepcopy(model).to(torch.bfloat16)
+        bf16 = torch.autocast("cuda", dtype=torch.bfloat16)
+        diff, agree, _ = _engine_vs_trainer(engine_model, model, tokenizer, prompts, new_tokens, bf16)
+        mean, most = float(diff.mean()), float(diff.max())
+        figures["real_checkpoint"].update(
+            bf16_logprob_mean_abs=mean, bf16_logprob_max_abs=most, bf16_argmax_agreement=agree
+        )
+        # a first-run bound on the mean only: bf16 noise is ~1e-2 on average (single tokens may differ more); a
+        # wrong position, cache slot or rotary angle in one path costs whole nats on most tokens. The fp32
+        # comparison above is the exact check; tighten this one from the figures
+        assert mean < 0.1, f"bf16 engine vs trainer log-probs: mean |diff| {mean:.3f} (> 0.1), max {most:.3f}"
+        detail += f"; bf16 engine vs bf16-mixed trainer mean {mean:.1e}, max {most:.1e}, argmax {agree:.0%}"
+    return Outcome(detail, figures)
 
 
 TIERS = ("quick", "full")
@@ -1296,6 +1631,7 @@ CHECKS: dict[str, Check] = {
     "collectives": Check(row_collectives, 40, "quick"),
     "nccl 2 ranks": Check(row_two_rank_collectives, 70, "quick"),
     "pp=2 train step": Check(row_pp2_train, 90, "quick"),
+    "pp=3 train step": Check(row_pp3_train, 130),  # 3 ranks' start-up and NCCL, ~10 p2p communicators
     "pp=2 inference": Check(row_pp2_inference, 70, "quick"),
     "reshard": Check(row_reshard, 90),
     "migration": Check(row_migration, 75),
@@ -1308,6 +1644,8 @@ CHECKS: dict[str, Check] = {
     "logprobs kernel": Check(row_logprobs_kernel, 60, "quick"),
     "gae kernel": Check(row_gae_kernel, 45),
     **{name: Check(trainer_row(setting), 90) for name, setting in TRAINER_SETTINGS.items()},
+    "fused job": Check(row_fused_job, 180),
+    "real checkpoint": Check(row_real_checkpoint, 90),
     "default job": Check(row_default_job, 180),
     "vllm": Check(row_vllm, 240),
 }

@@ -28,12 +28,14 @@ import benchmarks.gpu_check as gpu_check  # noqa: E402
 CPU = torch.device("cpu")
 
 
-# The rows a CPU cannot run, and why: the dry run's only SKIPs (vLLM's CPU build runs under `make test-vllm`).
+# The rows a CPU cannot run, and why: the dry run's only SKIPs (vLLM's CPU build runs under `make test-vllm`; the
+# real checkpoint where `make real-model` has converted it).
 CUDA_ONLY = {
     "flash backend": ("flash-attn not installed", "flash-attn kernels run on CUDA only"),
     "te backend": ("transformer-engine not installed", "transformer-engine kernels run on CUDA only"),
     "fsdp cpu_offload": (f"CUDA only: {gpu_check.CPU_OFFLOAD_NEEDS_CUDA}",),
     "vllm": ("vllm not installed",),
+    "real checkpoint": (gpu_check.real_model_missing(),),
 }
 
 
@@ -71,6 +73,11 @@ def test_the_dry_run_runs_every_rows_code_on_the_cpu_and_passes(tmp_path: Path) 
     assert list(steps) == ["1", "4"] and all(ms > 0 for ms in steps.values()), steps
     assert decode["decode_tokens_per_s"] > 0 and decode["prefill_tokens_per_s"] > 0
     assert rows["pp=2 inference"]["status"] == "PASS"  # it called the inferencers with a removed argument
+    assert "fused pp=3 = PlainStrategy for 2 steps" in rows["pp=3 train step"]["detail"]
+    fused_job = rows["fused job"]["detail"]
+    assert "pipeline=fused on 2 ranks" in fused_job and "train/bubble_ratio" in fused_job, fused_job
+    real = rows["real checkpoint"]  # a SKIP where `make real-model` has not run
+    assert real["status"] == "SKIP" or "4 greedy tokens, fp32 engine vs trainer" in real["detail"], real
 
 
 def test_a_row_whose_call_no_longer_matches_the_code_fails_the_dry_run(monkeypatch: Any, capsys: Any) -> None:
@@ -127,6 +134,19 @@ def test_a_rank_that_fails_is_reported_by_rank_not_waited_for() -> None:
     row = gpu_check.run_row("nccl 2 ranks", CPU, "nccl")
     assert row.status == "FAIL" and "rank 0: " in row.detail and "rank 1: " in row.detail, row
     assert row.seconds < 40, row.seconds
+
+
+def test_ranks_sharing_a_gpu_that_nccl_refuses_skip_and_ranks_on_their_own_gpus_fail() -> None:
+    """pp=3 and the fused job share the GPU: where this NCCL refuses that ("Duplicate GPU detected"), the row
+    SKIPs saying so (the quick tier's 2-rank rows FAIL on the same cause); with a GPU per rank it is a FAIL."""
+
+    def refused() -> gpu_check.Outcome:
+        raise gpu_check.NcclRefused("NCCL refused 3 ranks on a GPU: Duplicate GPU detected : rank 1 and 0")
+
+    with pytest.raises(gpu_check.Skip, match=r"3 ranks on 1 GPU\(s\), refused: NCCL refused 3 ranks"):
+        gpu_check.on_shared_gpu(refused, world=3, gpus=1)
+    with pytest.raises(gpu_check.NcclRefused):
+        gpu_check.on_shared_gpu(refused, world=3, gpus=4)
 
 
 def test_a_missing_core_dependency_fails_and_a_missing_extra_skips(monkeypatch: Any) -> None:

@@ -14,6 +14,9 @@ different order, so a uniform within rounding of a boundary may differ), from ea
 - sampling: the slices' kept masses are all-gathered (rank order = vocabulary order) and each rank searches
   its own slice for the row's target; the lowest hit wins.
 
+Everything is computed in `dtype`, by default `sampling_dtype` of the logits' device (float32 on CUDA, float64
+elsewhere), as the single-process `filter_logits` does: these [B, Vl] passes run every decode step.
+
 Legend: B rows, Vl this rank's vocabulary slice (padded rows carry no probability), K candidates, M splits.
 """
 
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
+from rlhfuse.core.sampling import sampling_dtype
 from rlhfuse.generation.engine import SamplingParams
 from rlhfuse.models import Transformer
 from rlhfuse.runtime.tensor_parallel import VocabShard, mask_padded_vocab, vocab_parallel_argmax
@@ -49,9 +53,12 @@ def vocab_parallel_filter(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """This rank's slice of `filter_logits(full logits, ...)` (float64, rows summing to 1 over the group)."""
-    logits_BV = mask_padded_vocab(logits_BV.detach().double() / temperature, shard)
+    """This rank's slice of `filter_logits(full logits, ...)` in `dtype` (default: `sampling_dtype` of the
+    logits' device), rows summing to 1 over the group."""
+    dtype = sampling_dtype(logits_BV.device) if dtype is None else dtype
+    logits_BV = mask_padded_vocab(logits_BV.detach().to(dtype) / temperature, shard)
     if 0 < top_k < vocab_size:
         local_BK = torch.topk(logits_BV, min(top_k, shard.size), dim=-1).values
         candidates_BK = torch.cat(distributed.all_gather(local_BK.contiguous(), group=group), dim=-1)
@@ -69,8 +76,9 @@ def vocab_parallel_filter(
 
 def nucleus_threshold(probs_BV: Tensor, top_p: float, group: Any = None) -> Tensor:
     """Per row, the smallest probability top-p keeps, p_(J) with J the first sorted position whose inclusive
-    cumulative probability reaches top_p (the tokens kept are those with p >= it, ties aside). [B, 1]."""
-    batch, device = probs_BV.shape[0], probs_BV.device
+    cumulative probability reaches top_p (the tokens kept are those with p >= it, ties aside). [B, 1], in the
+    probabilities' dtype (their counts too: exact in float32 up to 2**24 tokens)."""
+    batch, device, dtype = probs_BV.shape[0], probs_BV.device, probs_BV.dtype
     if batch == 0:
         return probs_BV.new_zeros(0, 1)
     asc_BV = torch.sort(probs_BV, dim=-1).values
@@ -81,16 +89,16 @@ def nucleus_threshold(probs_BV: Tensor, top_p: float, group: Any = None) -> Tens
     def above(t_BM: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's mass and count of probabilities >= each threshold."""
         below_BM = torch.searchsorted(asc_BV, t_BM.contiguous(), right=False)
-        return local_total_B1 - prefix_BV1.gather(-1, below_BM), (width - below_BM).double()
+        return local_total_B1 - prefix_BV1.gather(-1, below_BM), (width - below_BM).to(dtype)
 
     # the bracket [lo, hi): mass(>= lo) >= top_p > mass(>= hi); counts of tokens >= each end
-    lo_B = torch.zeros(batch, dtype=torch.float64, device=device)
+    lo_B = torch.zeros(batch, dtype=dtype, device=device)
     top_B = distributed.max_over_group(asc_BV[:, -1], group)
     hi_B = torch.nextafter(top_B, torch.full_like(top_B, float("inf")))
-    lo_count_B = _sum(torch.full((batch,), float(width), dtype=torch.float64, device=device), group)
+    lo_count_B = _sum(torch.full((batch,), float(width), dtype=dtype, device=device), group)
     hi_count_B = torch.zeros_like(lo_count_B)
     hi_mass_B = torch.zeros_like(lo_count_B)
-    steps = torch.arange(1, SPLITS, dtype=torch.float64, device=device) / SPLITS
+    steps = torch.arange(1, SPLITS, dtype=dtype, device=device) / SPLITS
     for _ in range(MAX_ROUNDS):
         if float((lo_count_B - hi_count_B).max()) <= CANDIDATES:
             break
@@ -109,9 +117,7 @@ def nucleus_threshold(probs_BV: Tensor, top_p: float, group: Any = None) -> Tens
         hi_mass_B = torch.where(moved_hi, mass_BM.gather(-1, hi_i[:, None]).squeeze(1), hi_mass_B)
     # the tokens in the bracket, all-gathered (each rank's padded with -1 to the largest count)
     in_BV = (probs_BV >= lo_B.unsqueeze(1)) & (probs_BV < hi_B.unsqueeze(1))
-    most = torch.tensor(
-        [float(in_BV.sum(dim=-1).max()) if batch else 0.0], dtype=torch.float64, device=device
-    )
+    most = torch.tensor([float(in_BV.sum(dim=-1).max()) if batch else 0.0], dtype=dtype, device=device)
     distributed.all_reduce(most, op="max", group=group)
     k = max(int(most.item()), 1)
     local_BK = torch.topk(torch.where(in_BV, probs_BV, torch.full_like(probs_BV, -1.0)), min(k, width)).values
@@ -127,14 +133,21 @@ def nucleus_threshold(probs_BV: Tensor, top_p: float, group: Any = None) -> Tens
 def vocab_parallel_sample_from(
     probs_BV: Tensor, uniforms_B: Tensor, shard: VocabShard, group: Any = None
 ) -> Tensor:
-    """Inverse-CDF sampling over the group's slices (as `sample_from`: the first token whose cumulative
-    probability exceeds the row's uniform times the total; past the end: the vocabulary's last real token)."""
-    sums = distributed.all_gather(probs_BV.sum(dim=-1).contiguous(), group=group)  # [B] per rank, rank order
+    """Inverse-CDF sampling over the group's slices in the probabilities' dtype (as `sample_from`: the first token
+    whose cumulative probability exceeds the row's uniform times the total; past the end: the vocabulary's last
+    real token)."""
+    local_cdf_BV = torch.cumsum(probs_BV, dim=-1)
+    # each slice's mass as its own cumulative sum ends, summed in rank order: slice r's last cdf value is then
+    # bit for bit the next slice's offset, and the last slice's the total, so no target falls between slices
+    ends = distributed.all_gather(local_cdf_BV[:, -1].contiguous(), group=group)  # [B] per rank, rank order
     rank = distributed.rank(group)
-    offset_B = sum((sums[r] for r in range(rank)), torch.zeros_like(sums[0]))
-    total_B = sum(sums[1:], sums[0])
-    target_B1 = (uniforms_B.double().to(probs_BV.device) * total_B).unsqueeze(1)
-    cdf_BV = offset_B.unsqueeze(1) + torch.cumsum(probs_BV, dim=-1)
+    offset_B = sum((ends[r] for r in range(rank)), torch.zeros_like(ends[0]))
+    total_B = sum((ends[r] for r in range(len(ends))), torch.zeros_like(ends[0]))
+    # kept below the total, as in `sample_from`: a uniform that rounds up to 1 (in float32 every u > 1 - 2**-25)
+    # would land past the last kept token
+    below_B = torch.nextafter(total_B, torch.zeros_like(total_B))
+    target_B1 = torch.minimum(uniforms_B.to(probs_BV.device, probs_BV.dtype) * total_B, below_B).unsqueeze(1)
+    cdf_BV = offset_B.unsqueeze(1) + local_cdf_BV
     local_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(1)
     here_B = (target_B1.squeeze(1) >= offset_B) & (local_B < shard.valid)
     big = torch.iinfo(torch.int64).max
@@ -156,11 +169,14 @@ def vocab_parallel_filtered_sample(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """`sample_from(filter_logits(full logits, ...), uniforms)` from this rank's slice (global token ids)."""
+    """`sample_from(filter_logits(full logits, ...), uniforms)` from this rank's slice (global token ids), in
+    `dtype` (default: `sampling_dtype` of the logits' device)."""
     probs_BV = vocab_parallel_filter(
-        logits_BV, shard, group, vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p
-    )
+        logits_BV, shard, group, vocab_size=vocab_size, temperature=temperature, top_k=top_k, top_p=top_p,
+        dtype=dtype,
+    )  # fmt: skip
     return vocab_parallel_sample_from(probs_BV, uniforms_B, shard, group)
 
 
@@ -168,14 +184,16 @@ class VocabularyShards:
     """`TokenChoice` (`rlhfuse.generation.engine`) of a tensor-parallel instance: each rank holds a
     `shard_transformer` shard of the Actor whose logits are its vocabulary slice; greedy tokens by
     `vocab_parallel_argmax`, sampled ones by `vocab_parallel_filtered_sample`, the same on every rank of `group`
-    (so the instance's ranks step in lockstep)."""
+    (so the instance's ranks step in lockstep). Sampling computes in `dtype`; None: `sampling_dtype` of the
+    logits' device at each call (the shard may move after the choice is made), as the whole-vocabulary engine."""
 
     lockstep = True
 
-    def __init__(self, shard: Transformer, group: Any) -> None:
+    def __init__(self, shard: Transformer, group: Any, dtype: torch.dtype | None = None) -> None:
         self.vocab: VocabShard = shard.vocab_shard  # type: ignore[assignment]
         self.vocab_size = shard.config.vocab_size
         self.group = group
+        self.dtype = dtype
 
     def greedy(self, logits_NV: Tensor) -> Tensor:
         return vocab_parallel_argmax(logits_NV, self.vocab, self.group)
@@ -183,5 +201,5 @@ class VocabularyShards:
     def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
         return vocab_parallel_filtered_sample(
             logits_NV, uniforms_N, self.vocab, self.group, vocab_size=self.vocab_size,
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, dtype=self.dtype,
         )  # fmt: skip
