@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -44,7 +45,9 @@ def _extra_bytes(layout: KvLayout, batch: int, t: int, s: int, element: int) -> 
     return 0
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures per shape (`decode`, `verify_k=4`, `prefill`): T, S, cuda_choice and per layout ms, extra_mib,
+    max_diff."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     batch = 2 if quick else 8
@@ -53,6 +56,7 @@ def run(quick: bool = False) -> None:
     if quick:
         shapes = [(name, min(t, s // 4), s // 4) for name, t, s in shapes]
     gen = torch.Generator(device=device).manual_seed(0)
+    figures: dict[str, Any] = {"device": str(device), "dtype": str(dtype), "batch": batch}
     print(f"device {device}, {dtype}, batch {batch}, {HEADS} query heads / {KV_HEADS} kv heads x {HEAD_DIM}")
     for name, t, s in shapes:
         q = torch.randn(batch, t, HEADS, HEAD_DIM, generator=gen, device=device, dtype=dtype).transpose(1, 2)
@@ -73,6 +77,7 @@ def run(quick: bool = False) -> None:
         ).kv
         native = sdpa_as_called(q, k, v, allowed, SdpaCall("native", ()))
         cells = []
+        row: dict[str, Any] = {"T": t, "S": s, "cuda_choice": chosen}
         for layout in ("native", "repeat", "fold"):
             call = SdpaCall(layout, (SDPBackend.FLASH_ATTENTION,))
             out = sdpa_as_called(q, k, v, allowed, call)
@@ -80,7 +85,10 @@ def run(quick: bool = False) -> None:
             diff = float((out.float() - native.float()).abs().max())
             extra = _extra_bytes(layout, batch, t, s, q.element_size()) / 2**20
             cells.append(f"{layout} {ms:.2f} ms (+{extra:.1f} MiB, max diff {diff:.1e})")
+            row[layout] = {"ms": ms, "extra_mib": extra, "max_diff": diff}
         print(f"{name:10s} T={t:<4d} S={s:<5d} " + " | ".join(cells) + f"  -> CUDA choice: {chosen}")
+        figures[name.replace(" ", "_")] = row
+    return figures
 
 
 if __name__ == "__main__":

@@ -204,17 +204,18 @@ def measure(shape: str, rounds: int) -> dict[str, float]:
     }
 
 
-def run(quick: bool = False, shapes: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
+def run(quick: bool = False, shapes: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Figures per shape (`default`, ...): the training step's columns; per `SHAPE/grad_reduction`: the reduction's."""
     shapes = shapes or (["default"] if quick else ["default", "wide256", "wide512"])
     rounds = 4 if quick else 12
-    out = []
+    out: dict[str, dict[str, float]] = {}
     print(
         f"{'shape':<9} {'pred serial/fused ms':>21} {'meas serial/fused ms':>21} {'pred x':>7} {'meas x':>7} "
         f"{'meas/pred':>9} {'replay x':>8} {'comm+book s/f':>14} {'bubble s/f':>11}"
     )
     for shape in shapes:
         r = measure(shape, rounds)
-        out.append((shape, r))
+        out[shape] = r
         print(
             f"{shape:<9} {r['predicted_serial_ms']:>9.1f} / {r['predicted_fused_ms']:<9.1f} "
             f"{r['measured_serial_ms']:>9.1f} / {r['measured_fused_ms']:<9.1f} {r['predicted_ratio']:>7.2f} "
@@ -229,7 +230,7 @@ def run(quick: bool = False, shapes: list[str] | None = None) -> list[tuple[str,
     )
     for shape in shapes:
         g = measure_reduction(shape, rounds)
-        out.append((f"{shape}/grad_reduction", g))
+        out[f"{shape}/grad_reduction"] = g
         print(
             f"{shape:<9} {g['grad_mib']:>9.2f} {g['buckets']:>7.0f} {g['whole_total_ms']:>9.1f} "
             f"({g['whole_exposed_ms']:>6.1f})   {g['bucketed_total_ms']:>9.1f} ({g['bucketed_exposed_ms']:>6.1f})      "

@@ -26,6 +26,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -126,8 +127,10 @@ def _worker(
 
 def _measured(
     quick: bool, overrides: tuple[str, ...] = (), label: str = "default job", backend: str = "engine"
-) -> dict[str, float]:
-    """The paired serial / fused speedups (median per Rt) of `backend`'s instances (engine | vllm)."""
+) -> dict[str, Any]:
+    """The serial / fused rollout of `backend`'s instances (engine | vllm): lengths, serial_ms, identical,
+    bound_ms and per Rt (`rt10`, `rt20`, `rt40`) median_ms, speedup (paired median), speedup_min, speedup_max,
+    bound_over_fused, own_bound_over_fused and each rank's split (`ranks`: gen_ms, inf_ms, wait_ms, stolen)."""
     rounds = 2 if quick else 5
     fractions = (0.1, 0.2, 0.4)
     with socket.socket() as s:
@@ -164,17 +167,32 @@ def _measured(
     bounds = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2) for a, b in serial_rows]
     print(f"  ideal-overlap bound max(max_r G_r, sum_r (G_r + I_r) / 2): median {statistics.median(bounds) * 1e3:7.1f}"
           " ms")  # fmt: skip
-    speedups: dict[str, float] = {}
+    figures: dict[str, Any] = {
+        "samples": len(lengths),
+        "lengths": {
+            "p50": lengths[len(lengths) // 2],
+            "p90": lengths[int(0.9 * len(lengths))],
+            "max": lengths[-1],
+        },
+        "rounds": rounds,
+        "serial_ms": statistics.median(serial) * 1e3,
+        "identical": same,
+        "bound_ms": statistics.median(bounds) * 1e3,
+    }
     for name, times in data["results"].items():
         if name == "serial":
             continue
         ratios = [s / f for s, f in zip(serial, times, strict=True)]
-        speedups[name] = statistics.median(ratios)
         of_bound = [b / f for b, f in zip(bounds, times, strict=True)]
         # the same bound from the fused round's own work (its generation includes the migrated tail)
         own = [max(max(a[0], b[0]), (a[0] + a[1] + b[0] + b[1]) / 2)
                for a, b in zip(data["breakdown"][name], peer["breakdown"][name], strict=True)]  # fmt: skip
         of_own = [b / f for b, f in zip(own, times, strict=True)]
+        figures[_key(name)] = {
+            "median_ms": statistics.median(times) * 1e3, "speedup": statistics.median(ratios),
+            "speedup_min": min(ratios), "speedup_max": max(ratios), "bound_over_fused": statistics.median(of_bound),
+            "own_bound_over_fused": statistics.median(of_own),
+        }  # fmt: skip
         print(f"  {name:>14}: median {statistics.median(times) * 1e3:7.1f} ms | speedup vs serial: paired "
               f"median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, max {max(ratios):.2f}x | "
               f"bound / fused: median {statistics.median(of_bound):.2f} (own-work bound "
@@ -190,12 +208,24 @@ def _measured(
             )
             parts.append(f"rank {rank}: gen {gen * 1e3:6.1f} inf {inf * 1e3:6.1f} wait "
                          f"{(total - gen - inf) * 1e3:6.1f} stolen {stolen:4.0f}")  # fmt: skip
+            split = {
+                "gen_ms": gen * 1e3,
+                "inf_ms": inf * 1e3,
+                "wait_ms": (total - gen - inf) * 1e3,
+                "stolen": stolen,
+            }
+            figures.setdefault(_key(name), {}).setdefault("ranks", []).append(split)
         print(f"  {name:>14}: " + " | ".join(parts))
     print(f"  1-minute load average after the run: {os.getloadavg()[0]:.2f}")
-    return speedups
+    return figures
 
 
-def _simulated() -> None:
+def _key(name: str) -> str:
+    """`serial` and `fused Rt 10%` -> `serial`, `rt10`."""
+    return name if name == "serial" else "rt" + name.removeprefix("fused Rt ").removesuffix("%")
+
+
+def _simulated() -> dict[str, Any]:
     """The one Gen+Inf simulator at paper scale: the planner's sweep on its cost model (`rlhfuse.planner.compare`),
     and the Rt tuner's sweep (`rlhfuse.generation.tuning.simulate`, measured-cost path) fed the cost model's
     profile (`CostProfile.of`) on the same batch: the same timeline code, the cost figures fitted."""
@@ -223,10 +253,17 @@ def _simulated() -> None:
     serial_t = simulate(lengths, 128, planner.instances, 0, profile, bs_max=bs_max, slots=10**6).gen_inf_s
     print(f"tuner vs planner on the same batch (512 samples, prompts 128, gen tp {tp}, {planner.instances} "
           f"instances, no training state resident): serial {serial_t:.3f} vs {serial_p:.3f} s")  # fmt: skip
+    figures: dict[str, Any] = {
+        "planner_sweep": {f"rt{round(frac * 100)}": seconds for frac, seconds in comp.rlhfuse.sweep},
+        "planner_base_s": comp.base.breakdown.gen_inf,
+        "serial": {"tuner_s": serial_t, "planner_s": serial_p},
+    }
     for frac, rt in rt_values((0.05, 0.1, 0.2, 0.4, 0.6, 0.8), len(lengths)):
         t = simulate(lengths, 128, planner.instances, rt, profile, bs_max=bs_max, slots=10**6).gen_inf_s
         p = gen_inf_fused(cost, models, samples, tp, rt, max_context=1152, resident_bytes=0.0).end
         print(f"  Rt {frac:4.0%}: tuner {t:.3f} s, planner {p:.3f} s ({t / p - 1:+.1%})")
+        figures[f"rt{round(frac * 100)}"] = {"tuner_s": t, "planner_s": p, "difference": t / p - 1}
+    return figures
 
 
 def _tail_rate(stats: EngineStats, rt: int) -> tuple[float, int, float]:
@@ -237,7 +274,7 @@ def _tail_rate(stats: EngineStats, rt: int) -> tuple[float, int, float]:
     return (tokens / seconds if seconds > 0 else 0.0), tokens, seconds
 
 
-def _speculative(quick: bool) -> None:
+def _speculative(quick: bool) -> dict[str, Any]:
     """Speculation on the tail of experiment=longtail, one instance: the warm-started Actor decodes the first
     batch with generator.speculative=off, auto (and ngram), rounds alternating; the tail = steps with at most 20%
     of the batch running."""
@@ -299,23 +336,35 @@ def _speculative(quick: bool) -> None:
               f"{lengths[n // 2]}, p90 {lengths[int(0.9 * n)]}, p99 {lengths[min(n - 1, int(0.99 * n))]}, max "
               f"{lengths[-1]}; k={k}, {rounds} round(s), tail = steps with <= 20% of the batch running")  # fmt: skip
         off = runs["off"]
+        figures: dict[str, Any] = {
+            "samples": n, "rounds": rounds, "k": k,
+            "lengths": {"p50": lengths[n // 2], "p90": lengths[int(0.9 * n)], "max": lengths[-1]},
+        }  # fmt: skip
         for mode in ("off", "auto", "ngram"):
             got = runs[mode]
             tail = statistics.median(g[0] for g in got)
             wall = statistics.median(g[1] for g in got)
+            figures[mode] = {"tail_tok_s": tail, "whole_batch_s": wall}
             line = f"  {mode:>5}: tail decode {tail:7.0f} tokens/s, whole batch {wall:6.2f} s"
             if mode != "off":
                 ratios = [g[0] / o[0] for g, o in zip(got, off, strict=True)]
                 walls = [o[1] / g[1] for g, o in zip(got, off, strict=True)]
                 same = all(identical[mode])
+                figures[mode] |= {
+                    "tail_speedup": statistics.median(ratios), "tail_speedup_min": min(ratios),
+                    "whole_batch_speedup": statistics.median(walls),
+                    "accept_rate": statistics.median(g[2] for g in got),
+                    "tokens_per_step": statistics.median(g[3] for g in got), "identical": same,
+                }  # fmt: skip
                 line += (f" | tail speedup paired median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x), "
                          f"whole batch {statistics.median(walls):.2f}x | accept rate "
                          f"{statistics.median(g[2] for g in got):.2f}, tokens/step "
                          f"{statistics.median(g[3] for g in got):.2f} | tokens identical to off: {same}")  # fmt: skip
             print(line)
+    return figures
 
 
-def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]) -> None:
+def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     """`rlhfuse-train experiment=longtail generator.instances=2` once per setting (rounds alternating between
     them), each a whole run: the median of `time/generation_inference` (generation + inference, what migration
     and speculation change) over its iterations past the first, and each setting's ratio to the first one's.
@@ -355,27 +404,40 @@ def whole_runs(quick: bool, generator: str, settings: dict[str, tuple[str, ...]]
     first = next(iter(settings))
     print(f"whole runs, experiment=longtail generator={generator} generator.instances=2, {iterations} iterations, "
           f"{rounds} round(s): median time/generation_inference over iterations 2..{iterations}")  # fmt: skip
+    figures: dict[str, Any] = {"iterations": iterations, "rounds": rounds}
     for name in settings:
         ratio = statistics.median(a / b for a, b in zip(medians[first], medians[name], strict=True))
         token_ratio = statistics.median(a / b for a, b in zip(per_token[first], per_token[name], strict=True))
         print(f"  {name:>22}: {statistics.median(medians[name]):6.3f} s ({first} / this {ratio:.2f}x) | "
               f"{statistics.median(per_token[name]):6.3f} s per 1000 tokens ({first} / this {token_ratio:.2f}x) | "
               f"migrating in {statistics.median(migrating[name]):.0%} of the iterations")  # fmt: skip
+        figures[name.split("=")[0] + "_" + name.split("=")[1]] = {
+            "gen_inf_s": statistics.median(medians[name]), "ratio": ratio,
+            "per_1000_tokens_s": statistics.median(per_token[name]), "per_token_ratio": token_ratio,
+            "migrating": statistics.median(migrating[name]),
+        }  # fmt: skip
     print(f"  1-minute load average after the runs: {os.getloadavg()[0]:.2f}")
+    return figures
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: `whole_runs.{migration_off,migration_auto,speculative_auto}` (gen_inf_s, ratio = off / this,
+    per_1000_tokens_s, per_token_ratio, migrating); `speculative` (off / auto / ngram: tail_tok_s, whole_batch_s,
+    tail_speedup, ...); `default_job` and `longtail` (the 2-process serial / fused rollout, `_measured`);
+    `simulated` (the planner's and the tuner's sweeps at paper scale)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    whole_runs(
-        quick,
-        "engine",
-        {
-            "migration=off": ("migration=off",),
-            "migration=auto": ("migration=auto",),
-            "speculative=auto": ("migration=off", "generator.speculative=auto"),
-        },
-    )
-    _speculative(quick)
-    _measured(quick)
-    _measured(quick, ("experiment=longtail",), "experiment=longtail")
-    _simulated()
+    return {
+        "whole_runs": whole_runs(
+            quick,
+            "engine",
+            {
+                "migration=off": ("migration=off",),
+                "migration=auto": ("migration=auto",),
+                "speculative=auto": ("migration=off", "generator.speculative=auto"),
+            },
+        ),
+        "speculative": _speculative(quick),
+        "default_job": _measured(quick),
+        "longtail": _measured(quick, ("experiment=longtail",), "experiment=longtail"),
+        "simulated": _simulated(),
+    }

@@ -17,6 +17,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,8 @@ def _time_once(fn: Callable[..., object], *args: object) -> float:
     return time.perf_counter() - start
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: `loop_ms.T{T}`, `ms.{method}.T{T}`, `speedup.{method}.T{T}` (loop / method), `max_err.{method}.T{T}`."""
     B = 64
     lengths = (256, 1024) if quick else (2048, 8192)
     repeats = 5 if quick else 11
@@ -52,6 +54,7 @@ def run(quick: bool = False) -> None:
     header = "".join(f" {name + ' ms':>15} {'speedup':>8}" for name in methods)
     print(f"{'T':>6} {'loop ms':>10}{header}")
     generator = torch.Generator().manual_seed(0)
+    figures: dict[str, Any] = {"loop_ms": {}, "ms": {}, "speedup": {}, "max_err": {}}
     for T in lengths:
         rewards_BT = torch.randn(B, T, generator=generator)
         values_BT = torch.randn(B, T, generator=generator)
@@ -71,12 +74,16 @@ def run(quick: bool = False) -> None:
             return max((got - want).abs().max().item() for got, want in zip(outputs, expected, strict=True))
 
         loop_ms = 1e3 * statistics.median(loop_s)
+        figures["loop_ms"][f"T{T}"] = loop_ms
         row = f"{T:>6} {loop_ms:>10.1f}"
         diffs = f"{'|err|':>6} {max_diff(compute_gae_loop(*args)):>10.1e}"
         for name, fn in methods.items():
             method_ms = 1e3 * statistics.median(method_s[name])
+            err = max_diff(fn(*args))
             row += f" {method_ms:>15.3f} {loop_ms / method_ms:>7.1f}x"
-            diffs += f" {max_diff(fn(*args)):>15.1e} {'':>8}"
+            diffs += f" {err:>15.1e} {'':>8}"
+            for table, value in (("ms", method_ms), ("speedup", loop_ms / method_ms), ("max_err", err)):
+                figures[table].setdefault(name.replace(" ", "_"), {})[f"T{T}"] = value
         print(row, flush=True)
         print(diffs, flush=True)
     print("|err|: max |difference| to the loop in fp64, advantages and returns (inputs fp32)")
@@ -84,6 +91,7 @@ def run(quick: bool = False) -> None:
         "note: compute_gae_loop is already vectorised over the batch (one step per token, ~8 tensor ops each); "
         "the paper's >100x is against one GPU kernel launch per token."
     )
+    return figures
 
 
 if __name__ == "__main__":

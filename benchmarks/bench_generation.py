@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,7 +141,10 @@ def hf_model(checkpoint: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: `throughput` (round_ratios, median_ratio, best_round_ratio: engine / generate tokens/s);
+    `kv_memory.{default,longtail}.{sampling,engine}` (dense_mib, block_mib, pool_mib, ratio) with the workload's
+    lengths; `syncs.{after,before}.{engine,sampling,training_step}` (mean, max per step) and `syncs.baseline`."""
     with workload(quick) as w:
         theirs = hf_model(w.checkpoint)
     config, ours, prompts, n, max_new, rounds = w.config, w.model, w.prompts, w.n, w.max_new, w.rounds
@@ -168,7 +172,14 @@ def run(quick: bool = False) -> None:
                   f"{theirs_rate[-1]:7.0f} tok/s ({t_tok} tokens) | ratio {ratios[-1]:.2f}x")  # fmt: skip
     print(f"engine vs transformers generate: median ratio {statistics.median(ratios):.2f}x, best-round ratio "
           f"{max(ours_rate) / max(theirs_rate):.2f}x (goal >= 2x)")  # fmt: skip
-    memory_and_syncs(quick)
+    throughput = {
+        "round_ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "best_round_ratio": max(ours_rate) / max(theirs_rate),
+        "engine_tok_s": ours_rate,
+        "transformers_tok_s": theirs_rate,
+    }
+    return {"throughput": throughput, **memory_and_syncs(quick)}
 
 
 # ---------------------------------------------------------------------------------------------- memory, syncs
@@ -195,7 +206,7 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:8.2f} MiB"
 
 
-def kv_memory(experiment: str) -> None:
+def kv_memory(experiment: str) -> dict[str, Any]:
     """Peak KV bytes of one iteration's generation of `experiment` (its warm-started Actor and prompts)."""
     from rlhfuse.trainer import build_trainer, compose_config
     from rlhfuse.trainer.trainer import collate_prompts
@@ -224,6 +235,11 @@ def kv_memory(experiment: str) -> None:
     print(f"  {'generator':<24} {'dense (before)':>16} {'blocks (after)':>16} {'pool allocated':>16}  ratio")
     print(f"  {'sampling (plain engine)':<24} {_mib(dense):>16} {_mib(block):>16} {_mib(pool):>16}  "
           f"{dense / block:.1f}x")  # fmt: skip
+    figures: dict[str, Any] = {
+        "lengths": {"p50": s[len(s) // 2], "p90": s[int(0.9 * len(s))], "max": s[-1]},
+        "max_new_tokens": sampling.max_new_tokens,
+        "sampling": _kv_figures(dense, block, pool),
+    }
     params = generator.params  # type: ignore[attr-defined]  # the tokenizer's EOS and the job's stop tokens
     requests = requests_for(prompts, samples_per_prompt=n, seed=config.seed, iteration=1)
     width = max(len(r.prompt_P) for r in requests)
@@ -237,6 +253,17 @@ def kv_memory(experiment: str) -> None:
     block = cache.peak_nbytes_in_use
     print(f"  {'engine (1 instance)':<24} {_mib(dense):>16} {_mib(block):>16} {_mib(cache.nbytes()):>16}  "
           f"{dense / block:.1f}x")  # fmt: skip
+    figures["engine"] = _kv_figures(dense, block, cache.nbytes())
+    return figures
+
+
+def _kv_figures(dense: float, block: float, pool: float) -> dict[str, float]:
+    return {
+        "dense_mib": dense / 2**20,
+        "block_mib": block / 2**20,
+        "pool_mib": pool / 2**20,
+        "ratio": dense / block,
+    }
 
 
 def syncs_per_step(max_new: int = 24) -> dict[str, list[int]]:
@@ -287,8 +314,12 @@ def training_step_syncs(microbatches: int = 4) -> list[int]:
     from rlhfuse.core.syncs import SyncCounter
     from rlhfuse.models import ModelConfig
     from rlhfuse.pipeline import greedy
-    from rlhfuse.runtime.batch_split import split_minibatch
     from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
+
+    try:
+        from rlhfuse.runtime.batch_split import split_minibatch
+    except ImportError:  # BASELINE's name for the module
+        from rlhfuse.runtime.balance import split_minibatch  # type: ignore[no-redef]
     from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
     from rlhfuse.runtime.lower import lower_checked
     from rlhfuse.runtime.partition import stages_for_rank
@@ -343,9 +374,9 @@ def baseline_syncs_per_step() -> dict[str, list[int]] | None:
         shutil.copy(Path(__file__), Path(tmp) / "benchmarks" / "bench_generation.py")
         code = "import json, benchmarks.bench_generation as b; print(json.dumps(b.syncs_per_step()))"
         env = dict(os.environ, PYTHONPATH=f"{tmp}/src:{tmp}")
-        done = subprocess.run(
-            [sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True, check=True
-        )
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"syncs_per_step on BASELINE ({BASELINE}) failed:\n{done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -353,10 +384,9 @@ def _describe(counts: list[int]) -> str:
     return f"mean {statistics.mean(counts):5.1f}, max {max(counts):3d} over {len(counts)} steps"
 
 
-def memory_and_syncs(quick: bool) -> None:
+def memory_and_syncs(quick: bool) -> dict[str, Any]:
     print("\npeak KV bytes of one iteration's generation (fp32 caches)")
-    for experiment in ("default", "longtail"):
-        kv_memory(experiment)
+    kv = {experiment: kv_memory(experiment) for experiment in ("default", "longtail")}
     print("\nsyncs per decode step and per training step (SyncCounter on the CPU, sampled; quick workload)")
     after = syncs_per_step()
     before = baseline_syncs_per_step()
@@ -364,3 +394,12 @@ def memory_and_syncs(quick: bool) -> None:
     for name in ("engine", "sampling", "training step"):
         was = f"before ({BASELINE}) {_describe(before[name])}" if before else "before: BASELINE not available"
         print(f"  {name:<9} {was} | after {_describe(after[name])}")
+
+    def summary(counts: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+        return {
+            name.replace(" ", "_"): {"mean": statistics.mean(c), "max": max(c), "steps": len(c)}
+            for name, c in counts.items()
+        }
+
+    syncs = {"baseline": BASELINE, "after": summary(after), "before": summary(before) if before else None}
+    return {"kv_memory": kv, "syncs": syncs}

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -58,16 +59,23 @@ def _median_ms(timings_s: list[float]) -> float:
     return 1e3 * statistics.median(timings_s)
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: max_diff; forward_ms / forward_backward_ms (reference, chunked, ratio); forward_extra_mb /
+    forward_backward_extra_mb (reference, chunked)."""
     B, T, V = (2, 128, 32000) if quick else (8, 512, 32000)
     repeats = 3
     # Memory first: Linux carries a parent's peak RSS over fork/exec into the child's ru_maxrss, so the probes
     # must start while this process is still small.
     memory_rows = []
-    for label, backward in (("forward extra MB", False), ("forward+backward MB", True)):
+    figures: dict[str, Any] = {"shape_BTV": [B, T, V]}
+    for label, key, backward in (
+        ("forward extra MB", "forward_extra_mb", False),
+        ("forward+backward MB", "forward_backward_extra_mb", True),
+    ):
         ref_mb = _extra_memory_mb("reference", backward, (B, T, V))
         chunked_mb = _extra_memory_mb("chunked", backward, (B, T, V))
         memory_rows.append(f"{label:>22} {ref_mb:>12.0f} {chunked_mb:>12.0f}")
+        figures[key] = {"reference": ref_mb, "chunked": chunked_mb}
     generator = torch.Generator().manual_seed(0)
     logits_BTV = torch.randn(B, T, V, generator=generator)
     labels_BT = torch.randint(0, V, (B, T), generator=generator)
@@ -78,6 +86,7 @@ def run(quick: bool = False) -> None:
         (logprobs_from_logits(logits_BTV, labels_BT) - _reference_BT(logits_BTV, labels_BT)).abs().max()
     )
     print(f"max |chunked − reference| = {max_diff.item():.2e}")
+    figures["max_diff"] = max_diff.item()
 
     timings: dict[str, list[float]] = {"reference": [], "chunked": []}
     methods = {"reference": _reference_BT, "chunked": logprobs_from_logits}
@@ -98,10 +107,15 @@ def run(quick: bool = False) -> None:
     del logits_BTV, logits_grad_BTV
 
     print(f"{'':>22} {'reference':>12} {'chunked':>12} {'ratio':>7}")
-    for label, table in (("forward ms", timings), ("forward+backward ms", backward_timings)):
+    for label, key, table in (
+        ("forward ms", "forward_ms", timings),
+        ("forward+backward ms", "forward_backward_ms", backward_timings),
+    ):
         ref_ms, chunked_ms = _median_ms(table["reference"]), _median_ms(table["chunked"])
         print(f"{label:>22} {ref_ms:>12.1f} {chunked_ms:>12.1f} {ref_ms / chunked_ms:>6.2f}x", flush=True)
+        figures[key] = {"reference": ref_ms, "chunked": chunked_ms, "ratio": ref_ms / chunked_ms}
     print("\n".join(memory_rows), flush=True)
+    return figures
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,15 +23,22 @@ def _time_forward(fn) -> float:
     return time.perf_counter() - start
 
 
-def _report(name: str, tokens: int, ours_s: list[float], theirs_s: list[float]) -> None:
+def _report(name: str, tokens: int, ours_s: list[float], theirs_s: list[float]) -> dict[str, float]:
     # other processes share these cores: the best round is the least disturbed one, and the median of
     # per-round ratios pairs runs made seconds apart
     paired = statistics.median(t / o for o, t in zip(ours_s, theirs_s))
+    figures = {
+        "rlhfuse_tok_s": tokens / min(ours_s),
+        "transformers_tok_s": tokens / min(theirs_s),
+        "ratio_best": min(theirs_s) / min(ours_s),
+        "ratio_paired_median": paired,
+    }
     print(
-        f"{name:>12}: rlhfuse {tokens / min(ours_s):8.0f} tok/s | transformers {tokens / min(theirs_s):8.0f}"
-        f" tok/s (best of {len(ours_s)}) | ratio best {min(theirs_s) / min(ours_s):.2f}x, "
-        f"paired median {paired:.2f}x (goal >= 1.0x)"
+        f"{name:>12}: rlhfuse {figures['rlhfuse_tok_s']:8.0f} tok/s | transformers "
+        f"{figures['transformers_tok_s']:8.0f} tok/s (best of {len(ours_s)}) | ratio best "
+        f"{figures['ratio_best']:.2f}x, paired median {paired:.2f}x (goal >= 1.0x)"
     )
+    return figures
 
 
 def _ours_decode(model: Transformer, prompt_ids_BT: torch.Tensor, steps: int) -> float:
@@ -56,7 +64,9 @@ def _hf_decode(model, prompt_ids_BT: torch.Tensor, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: max_logits_diff; per case (`unpadded`, `left_padded`, `decode`) rlhfuse_tok_s, transformers_tok_s,
+    ratio_best, ratio_paired_median (transformers time / rlhfuse time)."""
     import transformers  # dev dependency; benchmarks are not part of the installed library
 
     torch.manual_seed(0)
@@ -95,13 +105,14 @@ def run(quick: bool = False) -> None:
     with torch.no_grad():
         diff = (ours(input_ids_BT) - theirs(input_ids_BT).logits).abs().max().item()
         print(f"max |logits difference| = {diff:.2e}")
+        figures: dict[str, Any] = {"batch": batch, "seq": seq, "max_logits_diff": diff}
         for name, (ours_fn, theirs_fn) in cases.items():
             ours_fn(), theirs_fn()  # warm-up
             ours_s, theirs_s = [], []
             for _ in range(rounds):
                 ours_s.append(_time_forward(ours_fn))
                 theirs_s.append(_time_forward(theirs_fn))
-            _report(name, batch * seq, ours_s, theirs_s)
+            figures[name.replace("-", "_")] = _report(name, batch * seq, ours_s, theirs_s)
 
         # generation: single-token steps over a prompt of seq // 2 tokens (KV cache vs HF DynamicCache)
         steps = 8 if quick else 32
@@ -110,4 +121,5 @@ def run(quick: bool = False) -> None:
         for _ in range(max(rounds // 2, 2)):
             ours_s.append(_ours_decode(ours, prompt_ids_BT, steps))
             theirs_s.append(_hf_decode(theirs, prompt_ids_BT, steps))
-        _report("decode", batch * steps, ours_s, theirs_s)
+        figures["decode"] = _report("decode", batch * steps, ours_s, theirs_s)
+    return figures

@@ -187,6 +187,11 @@ def _compare(
         paired = statistics.median(a / b for a, b in zip(times[False], times[True], strict=True))
         mem_ratio = memory[False] / max(memory[True], 1)
         results[f"{stage}_speedup"], results[f"{stage}_memory_ratio"] = speedup, mem_ratio
+        results[f"{stage}_speedup_paired"] = paired
+        results[f"{stage}_padded_tok_s"] = tokens / min(times[False])
+        results[f"{stage}_packed_tok_s"] = tokens / min(times[True])
+        results[f"{stage}_padded_mib"] = memory[False] / 2**20
+        results[f"{stage}_packed_mib"] = memory[True] / 2**20
         target = f" (goal >= {goal:.1f}x)" if goal is not None and stage == "train" else ""
         print(
             f"{name:>9} {stage:>5}: padded {tokens / min(times[False]):9.0f} tok/s, packed "
@@ -200,10 +205,14 @@ def _compare(
         f"({padded_tokens / tokens:.2f}x padding), micro-batches of {micro_batch_size}",
         flush=True,
     )
+    results["padding"] = padded_tokens / tokens
     return results
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, dict[str, float]]:
+    """Figures per setting (`default`, `width512`), per stage (train, infer): speedup (best round),
+    speedup_paired, memory_ratio, padded_tok_s / packed_tok_s, padded_mib / packed_mib; padding (padded / real
+    tokens)."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rounds = 2 if quick else 5
@@ -225,7 +234,7 @@ def run(quick: bool = False) -> None:
     rollout = _rollout(batch_prompts, responses, tokenizer.vocab_size, seed=0)
     totals = sorted((rollout.attention_mask_BT.sum(1)).tolist())
     print(f"  default: sequence lengths p50 {totals[len(totals) // 2]}, max {totals[-1]} (tokens)")
-    _compare("default", tiny, rollout, data.micro_batch_size, rounds, device, goal=1.5)
+    figures = {"default": _compare("default", tiny, rollout, data.micro_batch_size, rounds, device, goal=1.5)}
 
     # width 512, long-tailed lengths (experiment=longtail's law), 16 samples in micro-batches of 8
     wide = ModelConfig(
@@ -238,4 +247,5 @@ def run(quick: bool = False) -> None:
     wide_rollout = _rollout(wide_prompts, wide_responses, tokenizer.vocab_size, seed=1)
     totals = sorted((wide_rollout.attention_mask_BT.sum(1)).tolist())
     print(f" width512: sequence lengths p50 {totals[len(totals) // 2]}, max {totals[-1]} (tokens)")
-    _compare("width512", wide, wide_rollout, 8, max(1, rounds - 2), device, goal=None)
+    figures["width512"] = _compare("width512", wide, wide_rollout, 8, max(1, rounds - 2), device, goal=None)
+    return figures

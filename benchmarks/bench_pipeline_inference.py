@@ -113,17 +113,23 @@ def measure(shape: str, rounds: int) -> dict[str, float]:
     return result
 
 
-def run(quick: bool = False, shapes: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
+def run(quick: bool = False, shapes: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Figures per shape: single, replicated, pipeline (median seconds of the slowest rank) and their ratios
+    single_over_pipeline, replicated_over_pipeline."""
     shapes = shapes or (["default"] if quick else ["default", "wide256"])
     rounds = 4 if quick else 12
-    out = []
+    out: dict[str, dict[str, float]] = {}
     print(
         f"{'shape':<9} {'single ms':>10} {'replicated ms':>14} {'pipeline ms':>12} "
         f"{'single/pipeline':>16} {'replicated/pipeline':>20}"
     )
     for shape in shapes:
         r = measure(shape, rounds)
-        out.append((shape, r))
+        out[shape] = {
+            **r,
+            "single_over_pipeline": r["single"] / r["pipeline"],
+            "replicated_over_pipeline": r["replicated"] / r["pipeline"],
+        }
         print(
             f"{shape:<9} {r['single'] * 1e3:>10.1f} {r['replicated'] * 1e3:>14.1f} {r['pipeline'] * 1e3:>12.1f} "
             f"{r['single'] / r['pipeline']:>16.2f} {r['replicated'] / r['pipeline']:>20.2f}",

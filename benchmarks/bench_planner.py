@@ -10,12 +10,36 @@ greedy schedule, as the grid was planned before, (3) the Rt sweep at max length 
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from rlhfuse.planner.grid import PAPER_RANGES, paper_grid
+from rlhfuse.planner.grid import PAPER_RANGES, Comparison, paper_grid
 from rlhfuse.planner.plan_command import grid_table
 
+RATIOS = (
+    "throughput_ratio",
+    "gen_inf_ratio",
+    "train_ratio",
+    "train_ratio_bound",
+    "spec_gain",
+    "spec_gen_inf_ratio",
+)
 
-def run(quick: bool = False) -> None:
+
+def _grid_figures(comps: list[Comparison], seconds: float) -> dict[str, Any]:
+    """Each cell's ratios (`cells.{actor/critic}@{max len}.{ratio}`), each ratio's range over the cells
+    (`range.{ratio}`: [min, max]) and the planner's wall seconds."""
+    cells = {
+        f"{c.rlhfuse.models.name}@{c.rlhfuse.workload.max_len}": {k: getattr(c, k) for k in RATIOS}
+        for c in comps
+    }
+    ranges = {k: [min(getattr(c, k) for c in comps), max(getattr(c, k) for c in comps)] for k in RATIOS}
+    return {"cells": cells, "range": ranges, "wall_s": seconds}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: `searched` and `strict` grids (see `_grid_figures`), `paper_range.{ratio}`, `in_paper_range.{ratio}`
+    (cells of the searched grid), `rt_sweep.{actor/critic}` (best_rt, best_s, base_s) and `calibration`
+    (held_out_mean_abs_error, rows)."""
     max_lens = (1024,) if quick else (512, 1024, 2048)
     start = time.perf_counter()
     searched = paper_grid(max_lens=max_lens)
@@ -33,6 +57,12 @@ def run(quick: bool = False) -> None:
     print("\nStrict Megatron-LM pruning (pp divides the layers), greedy schedule:")
     print(grid_table(strict))
     print(f"planner wall time: {strict_s:.1f} s")
+    figures: dict[str, Any] = {
+        "searched": _grid_figures(searched, searched_s),
+        "strict": _grid_figures(strict, strict_s),
+        "paper_range": {k: list(v) for k, v in PAPER_RANGES.items()},
+        "rt_sweep": {},
+    }
 
     print("\nRt sweep at max length 1024 (fused Gen+Inf seconds; paper: minimum near 20%):")
     for comp in searched if quick else [c for c in searched if c.rlhfuse.workload.max_len == 1024]:
@@ -43,17 +73,29 @@ def run(quick: bool = False) -> None:
         curve = " ".join(f"{s:.2f}" for f, s in sweep if round(f * 100) % 15 == 5)
         print(f"  {comp.rlhfuse.models.name:<8} best Rt {best[0]:.0%} ({best[1]:.2f} s); "
               f"Rt 5%,20%,...,95%: {curve}; Base {comp.base.breakdown.gen_inf:.2f} s")  # fmt: skip
+        figures["rt_sweep"][comp.rlhfuse.models.name] = {
+            "best_rt": best[0], "best_s": best[1], "base_s": comp.base.breakdown.gen_inf, "sweep": sweep,
+        }  # fmt: skip
 
     in_range = {
         k: sum(PAPER_RANGES[k][0] <= round(getattr(c, k), 2) <= PAPER_RANGES[k][1] for c in searched)
         for k in PAPER_RANGES
     }
     print(f"\ncells inside the paper's ranges (the searched grid, of {len(searched)}): {in_range}")
+    figures["in_paper_range"] = in_range
 
     try:
         from rlhfuse.planner.calibrate import calibrate_cpu
     except ImportError as exc:  # pragma: no cover - torch is a hard dependency of the package
         print(f"CPU calibration skipped: {exc}")
-        return
+        return figures
     print("\nCPU calibration (cost model vs measured tiny-model runs on this machine):")
-    print(calibrate_cpu(repeats=3 if quick else 7).report())
+    calibration = calibrate_cpu(repeats=3 if quick else 7)
+    print(calibration.report())
+    rows = [
+        {"model": r.model, "phase": r.phase, "measured_ms": r.measured * 1e3, "predicted_ms": r.predicted * 1e3,
+         "error": r.error, "held_out": r.held_out}
+        for r in calibration.rows
+    ]  # fmt: skip
+    figures["calibration"] = {"held_out_mean_abs_error": calibration.held_out_mean_abs_error, "rows": rows}
+    return figures

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,10 +115,13 @@ class HeldOut:
         }
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any] | None:
+    """Figures: iterations, before / after (accuracy, accuracy_ignoring_cut, exact_match: fractions),
+    accuracy_gain_points, seconds_per_iteration (generation, inference, training, iteration), train_reward
+    (first, last); None (no results file) when the model is not converted."""
     if not is_converted():
         print(f"skipped: the real model is not converted ({real_model_dir()}); run `make real-model` first")
-        return
+        return None
     iterations = int(os.environ.get(ITERATIONS_ENV, "1" if quick else "10"))
     held_out, train = split_problems()
     with tempfile.TemporaryDirectory(prefix="rlhfuse-bench-real-") as tmp:
@@ -167,3 +171,16 @@ def run(quick: bool = False) -> None:
     )
     print(f"train reward: first {history[0]['reward/mean']:.3f}, last {history[-1]['reward/mean']:.3f}")
     print(f"held-out responses after training (first 3): {after['examples']}")
+    keys = ("accuracy", "accuracy_ignoring_cut", "exact_match")
+    return {
+        "iterations": iterations,
+        "held_out_prompts": len(held_out),
+        "before": {k: before[k] for k in keys},
+        "after": {k: after[k] for k in keys},
+        "accuracy_gain_points": gain * 100,
+        "seconds_per_iteration": {
+            part: mean(f"time/{part}") for part in ("generation", "inference", "training", "iteration")
+        },
+        "eval_s": eval_s,
+        "train_reward": {"first": history[0]["reward/mean"], "last": history[-1]["reward/mean"]},
+    }

@@ -11,6 +11,8 @@ machine. Inter-node bytes (all ranks together) assume nodes of 4 consecutive ran
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlhfuse.models import ModelConfig, Transformer
@@ -29,7 +31,9 @@ def _model(config: ModelConfig, layout: object, rank: int) -> Transformer:
     return whole if tp == 1 else shard_transformer(whole, layout.tp_rank(rank), tp)  # type: ignore[attr-defined]
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: actor_mib; per training layout (`pp2_T1`, ...) and generation tp (`g1`, ...): max_mib_per_rank,
+    full_gather_mib, ratio, inter_node_mib."""
     layers = 8 if quick else 30
     config = ModelConfig(
         vocab_size=49152, hidden_size=512, intermediate_size=1536, num_layers=layers, num_heads=8,
@@ -38,6 +42,7 @@ def run(quick: bool = False) -> None:
     with torch.device("meta"):
         whole_bytes = sum(t.numel() * 2 for t in Transformer(config, head="lm").state_dict().values())
     print(f"Actor {whole_bytes / 2**20:.1f} MiB (bf16, {layers} layers); {WORLD} ranks, nodes of {PER_NODE}")
+    figures: dict[str, Any] = {"actor_mib": whole_bytes / 2**20}
     print(
         f"{'training':>12} {'g':>3} {'max MiB/rank':>13} {'full gather':>12} {'ratio':>6} {'inter-node MiB':>15}"
     )
@@ -65,6 +70,13 @@ def run(quick: bool = False) -> None:
                 f"{f'pp={pp} T={tp}':>12} {g:>3} {most / 2**20:>13.2f} {gather / 2**20:>12.2f} "
                 f"{most / gather:>6.2f} {inter / 2**20:>15.2f}"
             )
+            figures.setdefault(f"pp{pp}_T{tp}", {})[f"g{g}"] = {
+                "max_mib_per_rank": most / 2**20,
+                "full_gather_mib": gather / 2**20,
+                "ratio": most / gather,
+                "inter_node_mib": inter / 2**20,
+            }
+    return figures
 
 
 def _stage(name: str, layers: int, pp: int) -> int:

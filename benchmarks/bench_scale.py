@@ -55,7 +55,10 @@ def _rank_bytes(root: pathlib.Path, pp: int, rank: int) -> tuple[int, int, int, 
     return resident_bytes(*models), resident_bytes(generation), received, received + elsewhere(models[2])
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: one_process_mib; per `pp1`/`pp2`/`pp4` param_mib, param_ratio, models_only_mib / _ratio,
+    sync_mib_per_rank, sync_vs_full_gather; `tp.pp{P}_tp{T}` (mib_per_rank, of_one_process, planner_mib,
+    planner_equal) and `tp.logprob_step`; `runtime_step.{tp2,tp1_pp2,tp1_dp2}` (ms, tp2_over_this)."""
     layers = 4 if quick else 8
     cfg = ModelConfig.tiny(
         vocab_size=512, hidden_size=128 if quick else 512, intermediate_size=256 if quick else 1536,
@@ -74,6 +77,7 @@ def run(quick: bool = False) -> None:
         )
         print(f"{'pp':>3} {'param_bytes':>12} {'ratio':>6} {'models only':>12} {'ratio':>6} {'sync/rank':>10} "
               f"{'vs full gather':>14}")  # fmt: skip
+        figures: dict[str, Any] = {"one_process_mib": (single_models + single_gen) / 2**20}
         for pp in (1, 2, 4):
             per_rank = [_rank_bytes(root, pp, r) for r in range(pp)]
             most = max(m + g for m, g, _, _ in per_rank)
@@ -85,8 +89,14 @@ def run(quick: bool = False) -> None:
                 f"{models_only / 2**20:>10.1f}Mi {models_only / single_models:>6.3f} {sync / 2**20:>8.2f}Mi "
                 f"{sync / former if former else 0.0:>14.3f}"
             )
-        run_tp(root, quick, cfg)
-    run_runtime_step(quick)
+            figures[f"pp{pp}"] = {
+                "param_mib": most / 2**20, "param_ratio": most / (single_models + single_gen),
+                "models_only_mib": models_only / 2**20, "models_only_ratio": models_only / single_models,
+                "sync_mib_per_rank": sync / 2**20, "sync_vs_full_gather": sync / former if former else 0.0,
+            }  # fmt: skip
+        figures["tp"] = run_tp(root, quick, cfg)
+    figures["runtime_step"] = run_runtime_step(quick)
+    return figures
 
 
 def _predicted_bytes(cfg: ModelConfig, pp: int, tp: int) -> float:
@@ -149,11 +159,12 @@ def _tp_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue:
         queue.put({k: statistics.median(v) for k, v in times.items()})
 
 
-def run_tp(root: pathlib.Path, quick: bool, cfg: ModelConfig) -> None:
+def run_tp(root: pathlib.Path, quick: bool, cfg: ModelConfig) -> dict[str, Any]:
     from benchmarks.two_ranks import run_two_ranks
 
     single = _tp_bytes(root, 1, 1)
     print(f"{'pp':>3} {'tp':>3} {'param_bytes/rank':>17} {'vs one process':>15} {'planner predicts':>17}")
+    figures: dict[str, Any] = {}
     for pp in (1, 2):
         for tp in (1, 2):
             most = _tp_bytes(root, pp, tp)
@@ -162,12 +173,22 @@ def run_tp(root: pathlib.Path, quick: bool, cfg: ModelConfig) -> None:
                 f"{pp:>3} {tp:>3} {most / 2**20:>15.1f}Mi {most / single:>15.3f} {predicted / 2**20:>15.1f}Mi"
                 f"{'' if predicted == most else '  (differs)'}"
             )
+            figures[f"pp{pp}_tp{tp}"] = {
+                "mib_per_rank": most / 2**20, "of_one_process": most / single, "planner_mib": predicted / 2**20,
+                "planner_equal": predicted == most,
+            }  # fmt: skip
     shape = "wide256" if quick else "wide512"
     t = run_two_ranks(_tp_worker, shape, 3 if quick else 7)
     print(
         f"forward + backward of a log-prob loss, {shape}, 4 x 128 tokens, vocab 4096, 2 gloo ranks: "
         f"tp=1 {t['tp1'] * 1e3:.0f} ms, tp=2 {t['tp2'] * 1e3:.0f} ms (tp2 / tp1 = {t['tp2'] / t['tp1']:.2f})"
     )
+    figures["logprob_step"] = {
+        "tp1_ms": t["tp1"] * 1e3,
+        "tp2_ms": t["tp2"] * 1e3,
+        "tp2_over_tp1": t["tp2"] / t["tp1"],
+    }
+    return figures
 
 
 RUNTIME_LAYOUTS = {
@@ -220,7 +241,7 @@ def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queu
     dist.destroy_process_group()
 
 
-def run_runtime_step(quick: bool) -> None:
+def run_runtime_step(quick: bool) -> dict[str, dict[str, float]]:
     from benchmarks.two_ranks import run_two_ranks
 
     shape = "wide256" if quick else "wide512"
@@ -230,5 +251,9 @@ def run_runtime_step(quick: bool) -> None:
         f"runtime training step (PipelineStrategy, Actor + Critic, one PPO optimizer step of 16 samples of "
         f"<= 64 tokens, micro-batches of 4), {shape}, vocab 4096, 2 gloo ranks, median wall time:"
     )
+    figures = {}
     for name, seconds in t.items():
         print(f"  {name:<12} {seconds * 1e3:8.0f} ms   tp=2 / this = {tp2 / seconds:.2f}")
+        key = name.split(" (")[0].replace("=", "").replace(" ", "_")  # tp2, tp1_pp2, tp1_dp2
+        figures[key] = {"ms": seconds * 1e3, "tp2_over_this": tp2 / seconds}
+    return figures

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from rlhfuse.pipeline import greedy, make_problem, simulate
 from rlhfuse.pipeline.baselines import serial_peak
 from rlhfuse.pipeline.problem import Problem, scale_check_problem
 from rlhfuse.pipeline.schedule_command import BENCH_ITERATIONS, bench, default_table_path
-from rlhfuse.pipeline.search import SearchConfig, solve
+from rlhfuse.pipeline.search import SearchConfig, Solution, solve
 
 
-def dry_run_64(budget: float) -> None:
+def dry_run_64(budget: float) -> dict[str, Any]:
     """65B/33B-like fused pipelines on 64 ranks: an Actor of 64 stages, two reversed 32-stage Critic replicas."""
     problem = scale_check_problem(64)
     began = time.perf_counter()
@@ -37,6 +38,7 @@ def dry_run_64(budget: float) -> None:
         f"(x{s.memory_ratio:.2f} serial 1F1B), {s.seconds:.1f}s for {s.schedule_size} ops",
         flush=True,
     )
+    return {**_figures(s), "greedy_s": greedy_seconds, "ops": s.schedule_size}
 
 
 def unseen_problems() -> list[Problem]:
@@ -81,8 +83,9 @@ def _specs(p: Problem) -> list[dict]:
     ]  # fmt: skip
 
 
-def unseen(iterations: int | None = BENCH_ITERATIONS) -> None:
+def unseen(iterations: int | None = BENCH_ITERATIONS) -> dict[str, Any]:
     """Acceptance on unseen problems: makespan within 5% of the proven bound, never over the cap."""
+    figures = {}
     for p in unseen_problems():
         s = solve(p, SearchConfig(max_iterations=iterations))
         sim = simulate(p, s.schedule)
@@ -93,9 +96,14 @@ def unseen(iterations: int | None = BENCH_ITERATIONS) -> None:
             f"{' OVER THE CAP' if cap is not None and sim.peak > cap + 1e-9 else ''}, {s.seconds:.1f}s",
             flush=True,
         )
+        figures[p.name] = {**_figures(s), "cap": cap, "simulated_peak": sim.peak}
+    return figures
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    """Figures: `table3.table3-NN` (each setting's row: makespan, lower_bound, gap, peak, peak_bound, speedup,
+    memory_ratio, seconds, pareto, the paper's figures), table3_total_s, table3_over_60s, table3_optimal;
+    `unseen.{name}` (the same row, cap, simulated_peak); `dry_run_64`; `effort`."""
     path = default_table_path()
     if not path.is_file():
         raise FileNotFoundError(
@@ -110,7 +118,29 @@ def run(quick: bool = False) -> None:
         f"problems: {path}; {effort} per setting, {workers} worker process(es), makespan slack {slack:g}",
         flush=True,
     )
-    bench(path, time_budget=budget, workers=workers, max_iterations=iterations, makespan_slack=slack)
+    solutions = bench(
+        path, time_budget=budget, workers=workers, max_iterations=iterations, makespan_slack=slack
+    )
+    table3 = {s.problem.name.split()[0]: _figures(s) for s in solutions}
     print("unseen problems (other shapes, unequal stage times, latency, memory caps):", flush=True)
-    unseen(iterations)
-    dry_run_64(budget)
+    return {
+        "effort": {"iterations": iterations, "budget_s": budget, "workers": workers, "slack": slack},
+        "table3": table3,
+        "table3_total_s": sum(s.seconds for s in solutions),
+        "table3_over_60s": [name for name, f in table3.items() if f["seconds"] > 60],
+        "table3_optimal": sum(f["optimal"] for f in table3.values()),
+        "unseen": unseen(iterations),
+        "dry_run_64": dry_run_64(budget),
+    }
+
+
+def _figures(s: Solution) -> dict[str, Any]:
+    """One solved problem's row of the table, with the paper's figures (`paper_*`) where the problem has them."""
+    ref = s.problem.reference
+    return {
+        "makespan": s.makespan, "lower_bound": s.lower_bound, "gap": s.gap, "optimal": s.optimal,
+        "serial_makespan": s.serial_makespan, "greedy_makespan": s.greedy_makespan, "speedup": s.speedup,
+        "peak": s.peak, "peak_bound": s.peak_bound, "memory_ratio": s.memory_ratio, "seconds": s.seconds,
+        "pareto": s.pareto, "paper_makespan": ref.get("flexfusion_sa_makespan"),
+        "paper_peak": ref.get("flexfusion_sa_peak"), "paper_lower_bound": ref.get("lower_bound"),
+    }  # fmt: skip

@@ -55,7 +55,8 @@ def _time(gen: _ForcedLengths, prompts: PromptBatch) -> float:
     return time.perf_counter() - start
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, dict[str, float]]:
+    """Figures per side (`shipped`, `multinomial`, `no_compaction`): ms (median) and over_shipped (ratio)."""
     torch.manual_seed(0)
     config = ModelConfig.tiny(
         vocab_size=96, hidden_size=64, intermediate_size=192, num_heads=2, num_kv_heads=2, head_dim=32
@@ -91,6 +92,9 @@ def run(quick: bool = False) -> None:
         for name, gen in sides.items():
             times[name].append(_time(gen, prompts))
     base = statistics.median(times["shipped"])
+    figures: dict[str, dict[str, float]] = {}
     for name, values in times.items():
         t = statistics.median(values)
         print(f"{name:>14}: {t * 1e3:8.1f} ms   this / shipped = {t / base:5.2f}x")
+        figures[name.replace(" ", "_")] = {"ms": t * 1e3, "over_shipped": t / base}
+    return figures

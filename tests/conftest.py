@@ -13,3 +13,17 @@ for _key, _value in {
     "RLHFUSE_NCCL_ORDER": "1",
 }.items():
     os.environ.setdefault(_key, _value)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `vllm` skip, saying why, where vLLM is not installed (`make test-vllm` installs it)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vllm is not installed: `make test-vllm` runs these in .venv-vllm")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)

@@ -34,22 +34,32 @@ def test_reversed_blocks():
     assert reversed_blocks(8, 4) == ((3, 2, 1, 0), (7, 6, 5, 4))
 
 
-def test_lower_bound_is_valid_and_near_the_published_bound_on_table3():
-    # the published bound is reached by the authors' annealing, so a valid bound cannot exceed it;
-    # ours omits some per-rank refinements of theirs and is at most 5% lower
+def test_lower_bound_equals_the_published_bound_on_table3():
+    # the published bound (the authors' FlexFusion) is reached by their annealing on all 12 settings but 09
     for p, models in _problems():
-        ours = fused_lower_bound(p["ranks"], models)
         ref = p["reference"]
-        assert ours <= ref["lower_bound"] <= ref["flexfusion_sa_makespan"], p["name"]
-        assert ours >= 0.95 * ref["lower_bound"], p["name"]
+        assert fused_lower_bound(p["ranks"], models) == ref["lower_bound"], p["name"]
+        assert ref["lower_bound"] <= ref["flexfusion_sa_makespan"], p["name"]
 
 
-def test_greedy_is_feasible_bounded_and_close_to_the_authors_greedy():
+# The greedy list schedule's makespan on each Table-3 setting, next to the authors' published greedy. Both take
+# the earliest start, backward first on ties; the other tie-breaks differ, so the two are not expected to be equal:
+# ours is shorter on 8 settings, equal on 06 and longer on 02, 05 and 08 (by 23, 34 and 18 units). Pinned exactly:
+# the list schedule is deterministic, and a change of its rule shows here first.
+GREEDY = {  # setting: (ours, the authors')
+    "table3-00": (720, 741), "table3-01": (402, 425), "table3-02": (262, 239), "table3-03": (742, 755),
+    "table3-04": (385, 419), "table3-05": (259, 225), "table3-06": (632, 632), "table3-07": (336, 366),
+    "table3-08": (232, 214), "table3-09": (640, 651), "table3-10": (352, 363), "table3-11": (204, 219),
+}  # fmt: skip
+
+
+def test_greedy_is_feasible_bounded_and_beats_serial_1f1b():
     for p, models in _problems():
         greedy = greedy_fused_makespan(p["ranks"], models)
-        assert fused_lower_bound(p["ranks"], models) <= greedy
-        # same rule (earliest start, backward first on ties); tie-breaking details differ: within 16%
-        assert greedy == pytest.approx(p["reference"]["flexfusion_greedy_makespan"], rel=0.16), p["name"]
+        ours, theirs = GREEDY[p["name"].split()[0]]
+        assert theirs == p["reference"]["flexfusion_greedy_makespan"], p["name"]
+        assert greedy == ours, p["name"]
+        assert fused_lower_bound(p["ranks"], models) <= greedy < serial_makespan(models), p["name"]
 
 
 def test_opposite_pipelines_fill_each_others_bubbles():
