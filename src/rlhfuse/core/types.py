@@ -261,7 +261,8 @@ class TrainBatch:
 
     def host_lengths(self) -> list[int]:
         """Each row's real tokens, read from the host mask."""
-        return [int(n) for n in self.host_mask().sum(dim=1).tolist()]
+        lengths: list[int] = self.host_mask().sum(dim=1).tolist()
+        return lengths
 
     def host_response_tokens(self) -> int:
         """The response tokens of all rows, read from the host mask (the response is its last R columns)."""

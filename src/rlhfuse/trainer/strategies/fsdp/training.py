@@ -24,7 +24,7 @@ by rank 0, sealed by rank 0's meta.json (kind "fsdp") once every rank's part is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,9 +64,9 @@ class ShardedReduceScatter:
         self.models, self.group = list(models), group
 
     def align(
-        self, micros: list[TrainBatch], weights: list[float], most: int
+        self, micros: list[TrainBatch], weights: list[float], most: Callable[[], int]
     ) -> tuple[list[TrainBatch], list[float]]:
-        extra = most - len(micros)  # `most` is worked out alike on every rank: nothing to exchange
+        extra = most() - len(micros)  # worked out alike on every rank: nothing to exchange
         return micros + [micros[-1]] * extra, weights + [0.0] * extra
 
     def before_backward(self, last: bool) -> None:

@@ -16,7 +16,7 @@ weights identical on every rank: the Actor copy each rank generates with is in s
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -190,7 +190,7 @@ class PlainStrategy:
         micros = micro_batches(own, samples=self.micro_batch_size, tokens=self.micro_batch_tokens)
         weights = microbatch_weights(micros, batch, self.algorithm.loss_reduction)
         if self.sync is not None:
-            micros, weights = self.sync.align(micros, weights, self._most_micro_batches(batch, rows))
+            micros, weights = self.sync.align(micros, weights, lambda: self._most_micro_batches(batch, rows))
         for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
             if self.sync is not None:
                 self.sync.before_backward(last=i == len(micros) - 1)
@@ -319,9 +319,10 @@ class GradientSync(Protocol):
     """How the data-parallel ranks' gradients of one optimizer step are summed over its micro-batches."""
 
     def align(
-        self, micros: list[TrainBatch], weights: list[float], most: int
+        self, micros: list[TrainBatch], weights: list[float], most: Callable[[], int]
     ) -> tuple[list[TrainBatch], list[float]]:
-        """This rank's micro-batches and weights as the passes run them; `most`: the largest count of any rank."""
+        """This rank's micro-batches and weights as the passes run them; `most()`: the largest count of any rank
+        (worked out on the host when called: a sync that does not pad never pays for it)."""
         ...
 
     def before_backward(self, last: bool) -> None:
@@ -345,7 +346,7 @@ class BucketedAllReduce:
         self.reducer = reducer
 
     def align(
-        self, micros: list[TrainBatch], weights: list[float], most: int
+        self, micros: list[TrainBatch], weights: list[float], most: Callable[[], int]
     ) -> tuple[list[TrainBatch], list[float]]:
         return micros, weights
 
