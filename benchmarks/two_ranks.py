@@ -98,5 +98,5 @@ def _joined(procs: Any) -> bool:
         code = procs.processes[raised.error_index].exitcode
         last = [line for line in raised.msg.splitlines() if line.strip()][-1:] or ["?"]
         raise WorkerDied(
-            f"rank {raised.error_index} (pid {raised.error_pid}) died: exit code {code}, {last[0]}{raised.msg}"
+            f"rank {raised.error_index} (pid {raised.error_pid}) died: exit code {code}, {last[0]}\n{raised.msg}"
         ) from raised
