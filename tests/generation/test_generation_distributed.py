@@ -14,6 +14,7 @@ import torch
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.data import assert_same_rollout
 
 EOS, PAD, MAX_NEW = 2, 0, 16
 PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.95, stop_token_ids=(EOS, 6, 14))
@@ -246,11 +247,8 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
         # the ranks decide the same moves; whether any move depends on their speeds (no lockstep)
         assert got["moved"] == torch.load(tmp_path / "generator-rank0.pt", weights_only=False)["moved"]
         assert got["metrics"]["migration/destinations"] <= 1
-        for field in vars(oracle.rollout):
-            assert torch.equal(getattr(got["rollout"], field), getattr(oracle.rollout, field)), field
-            assert torch.equal(getattr(got["experience"].rollout, field), getattr(oracle.rollout, field)), (
-                field
-            )
+        assert_same_rollout(got["rollout"], oracle.rollout)
+        assert_same_rollout(got["experience"].rollout, oracle.rollout)
         for field in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
             torch.testing.assert_close(
                 getattr(got["experience"], field), getattr(oracle, field), atol=1e-5, rtol=1e-5
@@ -290,13 +288,6 @@ def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
         oracle = long_oracle if name == "early" else short_oracle
         for rank in range(2):
             exp = torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=False)["experience"]
-            for field in (
-                "prompt_ids_BP",
-                "prompt_mask_BP",
-                "response_ids_BR",
-                "response_mask_BR",
-                "finished_B",
-            ):
-                assert torch.equal(getattr(exp.rollout, field), getattr(oracle.rollout, field)), (name, field)
+            assert_same_rollout(exp.rollout, oracle.rollout, label=name)
             for field in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B"):
                 torch.testing.assert_close(getattr(exp, field), getattr(oracle, field), atol=1e-5, rtol=1e-5)

@@ -12,6 +12,7 @@ from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for, to_rollout
 from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.data import assert_same_rollout
 
 EOS, PAD = 2, 0
 PROMPTS = {7: [1, 5, 6, 7, 8], 11: [1, 9], 3: [1, 10, 11, 12], 4: [1, 13, 5]}
@@ -156,8 +157,7 @@ def test_engine_equals_sampling_generator_and_reuses_freed_slots():
     engine = GenerationEngine(model, _params(**SAMPLED), num_slots=4, max_len=5 + MAX_NEW)
     _, finished = _run_engine(engine, ids, iteration=2)
     rollout = to_rollout(sorted(finished, key=lambda r: r.row), PAD)
-    for name in vars(expected):
-        assert torch.equal(getattr(rollout, name), getattr(expected, name)), name
+    assert_same_rollout(rollout, expected)
     # 12 samples through 4 slots: the batch never exceeds 4 and is refilled as samples leave
     assert max(engine.stats.batch_sizes) == 4 and len(engine.free_slots) == 4
     assert engine.stats.tokens == int(rollout.response_mask_BR.sum())
@@ -226,7 +226,9 @@ def test_prefill_is_timed_by_device_events_read_after_the_step_reads_its_tokens(
     model.register_forward_hook(lambda module, args, out: log.append(f"forward {args[0].shape[1]}"))
     append = engine._append
     monkeypatch.setattr(
-        engine, "_append", lambda request, token: log.append("read") or append(request, token)
+        engine,
+        "_append",
+        lambda request, token, logprob: log.append("read") or append(request, token, logprob),
     )
     _run_engine(engine, [7, 11, 3, 4])
     prefills = [i for i, entry in enumerate(log) if entry.startswith("forward") and entry != "forward 1"]

@@ -13,6 +13,7 @@ from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.data import assert_same_rollout
 from rlhfuse.testing.standin import standin_device
 
 STANDIN = standin_device()
@@ -136,5 +137,4 @@ def test_in_process_instances_migrate_on_the_standin_with_the_cpu_tokens(mechani
         report = generator.coordinator.report
         assert report.samples_moved > 0 and report.mechanism == mechanism  # the tail did migrate
         rollouts.append(rollout)
-    for name, expected in vars(rollouts[0]).items():
-        assert torch.equal(getattr(rollouts[1], name), expected), name
+    assert_same_rollout(rollouts[1], rollouts[0])

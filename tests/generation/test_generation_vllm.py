@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from rlhfuse.core.inference import response_logprobs
 from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import (
@@ -110,6 +111,16 @@ def _engine_tokens(model, prompts: PromptBatch, samples: int) -> list[list[int]]
     return [r.tokens for r in sorted(done, key=lambda r: r.row)]
 
 
+def _assert_trainer_logprobs(model, rollout, temperature: float = 1.0) -> None:
+    """vLLM's log-probs of its tokens are the trainer's recomputation (to vLLM's CPU kernels' rounding)."""
+    assert rollout.sampler_logprobs_BR is not None
+    with torch.no_grad():
+        trainer_BR = response_logprobs(model, rollout, temperature)
+    mask_BR = rollout.response_mask_BR.bool()
+    torch.testing.assert_close(rollout.sampler_logprobs_BR[mask_BR], trainer_BR[mask_BR], atol=1e-4, rtol=0)
+    assert not rollout.sampler_logprobs_BR[~mask_BR].any()
+
+
 def _rows(rollout) -> list[list[int]]:
     lengths = rollout.response_mask_BR.sum(1).tolist()
     return [row[:n] for row, n in zip(rollout.response_ids_BR.tolist(), lengths, strict=True)]
@@ -132,6 +143,7 @@ def test_greedy_equals_rlhfuse_engine(model, greedy):
     ends = [bool(t) and t[-1] in STOPS for t in expected]
     assert rollout.finished_B.tolist() == ends
     assert rollout.prompt_index_B.tolist() == [p for p in range(100, 106) for _ in range(2)]
+    _assert_trainer_logprobs(model, rollout)
     metrics = greedy.generation_stats().metrics()
     assert metrics["generation/batch_size_p50"] > 0 and metrics["generation/tokens_per_s"] > 0
     # migration=auto's simulator gets decode-step and prefill costs from vLLM's steps too
@@ -276,6 +288,7 @@ def test_sampled_outputs_reproducible_per_seed(model):
     sampler.close()  # engines of this process share vLLM's parallel state: the others must keep working
     assert _rows(first) == _rows(second)
     assert _rows(first) != _rows(other)
+    _assert_trainer_logprobs(model, first)
     # a prompt's samples have their own seeds: they differ from each other
     rows = _rows(first)
     assert any(rows[2 * b] != rows[2 * b + 1] for b in range(4))
@@ -292,6 +305,7 @@ def test_migration_by_resubmission_keeps_greedy_tokens(model, greedy):
     assert report.samples_moved > 0 and report.destinations == 1 and report.mechanism == "reprefill"
     assert _rows(migrated) == _rows(serial)
     assert migrated.finished_B.tolist() == serial.finished_B.tolist()
+    _assert_trainer_logprobs(model, migrated)  # a resubmitted sample keeps its earlier tokens' log-probs
     # sampled: a migration at the same point resumes with the same continuation seeds
     sampled = _generator(model, temperature=1.0, instances=2, policy=FixedThreshold(6), bs_max=16)
     (a,) = sampled.generate(prompts, iteration=1)
@@ -323,6 +337,7 @@ def test_default_job_runs_with_vllm_and_matches_engine_under_greedy(tmp_path):
     for row in rows:
         assert row["migration/threshold"] == 0 and row["generation/batch_size_p50"] > 0
         assert all(v == v for v in row.values() if isinstance(v, float))  # finite, no NaN
+        assert 0 <= row["rollout/logprob_abs_diff"] <= row["rollout/logprob_abs_diff_max"] < 1e-3
     # greedy: vLLM and rlhfuse's engine give the same rollouts, so the same PPO run, weight syncs included
     greedy = (
         "generator.temperature=0",

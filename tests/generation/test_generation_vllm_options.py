@@ -176,3 +176,21 @@ def test_a_memory_fraction_that_training_leaves_no_room_for_is_refused_naming_th
         vllm_engine.check_memory_fraction(0.9, free_bytes=40 * gib, total_bytes=80 * gib)
     message = str(err.value)
     assert "generator.vllm_gpu_memory_utilization=0.9" in message and "<=0.49" in message
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "mode", "records"),
+    [
+        (0.7, 0, 1.0, "processed_logprobs", True),  # after temperature, nothing filtered: the trainer's
+        (0.0, 0, 1.0, "processed_logprobs", True),
+        (1.0, 20, 0.9, "raw_logprobs", True),  # raw = log softmax(logits), the trainer's at temperature 1
+        (0.7, 0, 0.9, "raw_logprobs", False),  # neither mode gives log softmax(logits / 0.7): none recorded
+    ],
+)
+def test_the_engine_asks_vllm_for_the_log_probs_the_trainer_computes(recorded, temperature, top_k, top_p, mode,
+                                                                      records):  # fmt: skip
+    params = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p)
+    instance = vllm_engine.VLLMInstance("unused", ModelConfig.tiny(), params, max_len=16, max_num_seqs=2)
+    (kwargs,) = recorded
+    assert kwargs["logprobs_mode"] == mode
+    assert vllm_engine.records_logprobs(instance.logprobs_mode, params) is records

@@ -9,7 +9,6 @@ from lightning.fabric import Fabric
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.optim import OptimConfig, lr_lambda, micro_batches
-from rlhfuse.core.types import Rollout
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
@@ -90,7 +89,7 @@ def _strategy(micro, tokens=0):
 def test_gradient_accumulation_equals_one_full_mini_batch():
     inf, *_ = _inferencer()
     rollout = _rollout()
-    doubled = Rollout(**{k: torch.cat([v, v.flip(0)]) for k, v in vars(rollout).items()})
+    doubled = rollout.select(torch.cat([torch.arange(len(rollout)), torch.arange(len(rollout)).flip(0)]))
     batch, _ = compute_train_batch(inf.infer(doubled), AlgorithmConfig())
     full, accumulated, packed = _strategy(4), _strategy(1), _strategy(0, tokens=9)
     # lengths 4, 6, 6, 4 under a budget of 9: the fewest micro-batches that fit are 6 | 6 | 4+4

@@ -7,10 +7,13 @@ Every stats type is a NamedTuple of floats (or of nested stats tuples, or None w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from rlhfuse.core.types import Experience
 
 S = TypeVar("S", bound=tuple[Any, ...])
 
@@ -241,3 +244,24 @@ class RolloutStats(NamedTuple):
         if self.sampling is not None:
             out.update(self.sampling.metrics())
         return out
+
+
+def sampler_mismatch(experience: Experience) -> dict[str, float]:
+    """How far the trainer's log-probs of the rollout's tokens (`experience.logprobs_BR`, the Actor's
+    recomputation) are from the sampler's (`rollout.sampler_logprobs_BR`), over every response token:
+    `rollout/logprob_abs_diff` (mean) and `rollout/logprob_abs_diff_max` of |sampler - trainer|, and
+    `rollout/mismatch_kl`, the k3 estimate of KL(sampler || trainer) from the sampled tokens, mean of
+    exp(-d) - 1 + d with d = sampler - trainer (>= 0; 0 when they agree bit for bit). Empty when the generator
+    recorded no log-probs. One host read."""
+    sampled_BR = experience.rollout.sampler_logprobs_BR
+    if sampled_BR is None:
+        return {}
+    device = experience.logprobs_BR.device
+    d_BR = sampled_BR.to(device) - experience.logprobs_BR
+    d_N = d_BR[experience.rollout.response_mask_BR.to(device).bool()].double()
+    if d_N.numel() == 0:
+        return {}
+    mean, most, kl = torch.stack(
+        (d_N.abs().mean(), d_N.abs().max(), (torch.expm1(-d_N) + d_N).mean())
+    ).tolist()
+    return {"rollout/logprob_abs_diff": mean, "rollout/logprob_abs_diff_max": most, "rollout/mismatch_kl": kl}

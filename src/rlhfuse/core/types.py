@@ -108,7 +108,10 @@ class Rollout:
     prompt_ids_BP / prompt_mask_BP: long [B, P], left-padded prompts;
     response_ids_BR / response_mask_BR: long [B, R], right-padded responses (mask 1 on generated tokens, EOS
     included); prompt_index_B: long [B], the dataset id of the row's prompt; sample_index_B: long [B], which of
-    the prompt's samples this is; finished_B: bool [B], True if the response ended with an EOS/stop token.
+    the prompt's samples this is; finished_B: bool [B], True if the response ended with an EOS/stop token;
+    sampler_logprobs_BR: float32 [B, R], the log-prob the sampler gave each response token, log softmax(logits /
+    temperature) over the whole vocabulary (temperature 1 for greedy), 0 on padding — what the trainer's
+    recomputation is compared with (`rollout/logprob_abs_diff`); None from a generator that records none.
     """
 
     prompt_ids_BP: Tensor
@@ -118,6 +121,7 @@ class Rollout:
     prompt_index_B: Tensor
     sample_index_B: Tensor
     finished_B: Tensor
+    sampler_logprobs_BR: Tensor | None = None
 
     def to(self, device: torch.device | str) -> Rollout:
         """This Rollout with every tensor on `device`."""
@@ -140,7 +144,24 @@ class Rollout:
 
     def select(self, index_B: Tensor) -> Rollout:
         """The rows `index_B` (bool mask or indices), in that order (widths unchanged)."""
-        return Rollout(**{f.name: _rows(getattr(self, f.name), index_B) for f in dataclasses.fields(self)})
+        return Rollout(
+            **{
+                f.name: None if (value := getattr(self, f.name)) is None else _rows(value, index_B)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+    def responses_cut(self, width: int) -> Rollout:
+        """This rollout with its response columns cut to the first `width` (the trailing padding dropped)."""
+        if width == self.response_ids_BR.shape[1]:
+            return self
+        logprobs_BR = self.sampler_logprobs_BR
+        return dataclasses.replace(
+            self,
+            response_ids_BR=self.response_ids_BR[:, :width],
+            response_mask_BR=self.response_mask_BR[:, :width],
+            sampler_logprobs_BR=None if logprobs_BR is None else logprobs_BR[:, :width],
+        )
 
     @staticmethod
     def cat(rollouts: list[Rollout], pad_id: int) -> Rollout:
@@ -155,6 +176,11 @@ class Rollout:
             prompt_index_B=torch.cat([r.prompt_index_B for r in rollouts]),
             sample_index_B=torch.cat([r.sample_index_B for r in rollouts]),
             finished_B=torch.cat([r.finished_B for r in rollouts]),
+            sampler_logprobs_BR=(
+                None
+                if any(r.sampler_logprobs_BR is None for r in rollouts)
+                else _cat_right_padded([r.sampler_logprobs_BR for r in rollouts], 0)  # type: ignore[misc]
+            ),
         )
 
 

@@ -209,4 +209,4 @@ class InstanceGenerator(ActorCopy):
                 else:
                     got = distributed.broadcast_dataclass(own, Rollout, instance * self.tp, wire)
                 assert got is not None
-                yield Rollout(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in vars(got).items()})
+                yield got.to("cpu")

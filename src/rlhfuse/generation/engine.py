@@ -22,11 +22,12 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from rlhfuse.algorithms.logits import logprobs_from_logits
 from rlhfuse.core.sampling import (
     Sampling,
     SamplingConfig,
@@ -91,6 +92,11 @@ class TokenChoice(Protocol):
         (float64 [N] on the logits' device; the choice may compute in less, `sampling_dtype`)."""
         ...
 
+    def logprobs(self, logits_NV: Tensor, tokens_N: Tensor, temperature: float) -> Tensor:
+        """The chosen tokens' log-probs, log softmax(logits / temperature)[token] over the whole vocabulary in
+        float32 (float32 [N]): what the trainer recomputes for them (`rollout/logprob_abs_diff`)."""
+        ...
+
 
 class WholeVocabulary:
     """`TokenChoice` over whole logits in one process (`filter_logits` + `sample_from`), filtering and sampling
@@ -111,6 +117,22 @@ class WholeVocabulary:
         )  # fmt: skip
         return sample_from(probs_NV, uniforms_N)
 
+    def logprobs(self, logits_NV: Tensor, tokens_N: Tensor, temperature: float) -> Tensor:
+        return logprobs_from_logits(logits_NV.float(), tokens_N, temperature=temperature)
+
+
+def logprob_temperature(params: SamplingParams) -> float:
+    """The temperature the sampler's log-probs are taken at: the sampling one, 1 for greedy (as the trainer's)."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+def read_choices(tokens: Tensor, logprobs: Tensor) -> tuple[list[Any], list[Any]]:
+    """A step's chosen tokens and their log-probs in one device read (host lists, same nesting as the
+    tensors; a token id is exact in float64)."""
+    both = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).tolist()
+    ints = [[int(t) for t in row] for row in both[0]] if tokens.dim() == 2 else [int(t) for t in both[0]]
+    return ints, both[1]
+
 
 @dataclass
 class SampleRequest:
@@ -118,7 +140,8 @@ class SampleRequest:
 
     row: the sample's row in the iteration's rollout; prompt_index / sample_index: its RNG key (dataset prompt
     id, which of the prompt's samples); group: samples with the same group share their prompt's prefill;
-    prompt_P: long [P], the unpadded prompt; seed: the sample's stream seed; tokens: generated so far.
+    prompt_P: long [P], the unpadded prompt; seed: the sample's stream seed; tokens: generated so far;
+    logprobs: the sampler's log-prob of each of them (`TokenChoice.logprobs`), kept beside them.
     """
 
     row: int
@@ -129,6 +152,7 @@ class SampleRequest:
     seed: int
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False
+    logprobs: list[float] = field(default_factory=list)
     _uniforms: list[float] | None = field(default=None, repr=False)
     prompt_len: int = field(init=False, repr=False)
     """len(prompt_P), kept as a host int (a tensor's len() is a Python call the decode loop would pay per row)."""
@@ -224,6 +248,11 @@ def to_rollout(requests: Sequence[SampleRequest], pad_token_id: int) -> Rollout:
     width_r = max(max((len(r.tokens) for r in requests), default=1), 1)
     responses = [r.tokens + [pad_token_id] * (width_r - len(r.tokens)) for r in requests]
     lengths = torch.tensor([len(r.tokens) for r in requests])
+    logprobs_BR = None
+    if all(len(r.logprobs) == len(r.tokens) for r in requests):
+        logprobs_BR = torch.tensor(
+            [r.logprobs + [0.0] * (width_r - len(r.logprobs)) for r in requests], dtype=torch.float32
+        )
     return Rollout(
         prompt_ids_BP=prompt_BP,
         prompt_mask_BP=(torch.arange(width_p) >= width_p - prompt_lengths[:, None]).long(),
@@ -232,6 +261,7 @@ def to_rollout(requests: Sequence[SampleRequest], pad_token_id: int) -> Rollout:
         prompt_index_B=torch.tensor([r.prompt_index for r in requests], dtype=torch.long),
         sample_index_B=torch.tensor([r.sample_index for r in requests], dtype=torch.long),
         finished_B=torch.tensor([r.stopped for r in requests], dtype=torch.bool),
+        sampler_logprobs_BR=logprobs_BR,
     )
 
 
@@ -357,12 +387,12 @@ class GenerationEngine:
             self.cache.copy_slot(slots[members[0]], [slots[k] for k in members[1:]])
             for k in members:
                 logits_rows[k] = g
-        first_B = self._sample(logits_GV[upload(logits_rows, self.device)], take)
+        first, logprobs = read_choices(*self._sample(logits_GV[upload(logits_rows, self.device)], take))
         done = []
-        for request, slot, token in zip(take, slots, first_B.tolist(), strict=True):  # the one read
+        for request, slot, token, logprob in zip(take, slots, first, logprobs, strict=True):  # the one read
             self.running[slot] = request
             self._track(request)
-            if self._append(request, token):
+            if self._append(request, token, logprob):
                 done.append(slot)
         return self._release(done)
 
@@ -406,14 +436,12 @@ class GenerationEngine:
             cache=self.cache,
             cache_slots_B=slots,
         )[:, -1]
-        tokens_B = self._sample(logits_BV, requests)
+        tokens, logprobs = read_choices(*self._sample(logits_BV, requests))  # the one read
         finished = self._release(
             [
                 slot
-                for slot, request, token in zip(
-                    slots, requests, tokens_B.tolist(), strict=True
-                )  # the one read
-                if self._append(request, token)
+                for slot, request, token, logprob in zip(slots, requests, tokens, logprobs, strict=True)
+                if self._append(request, token, logprob)
             ]
         )
         seconds = self._record_step(start, len(slots), 1, len(slots))
@@ -467,14 +495,15 @@ class GenerationEngine:
             cache=self.cache,
             cache_slots_B=list(slots),
         )
-        tokens_BT = self._sample_positions(logits_BTV, requests, width).tolist()  # the step's one read
+        # the step's one read
+        tokens_BT, logprobs_BT = read_choices(*self._sample_positions(logits_BTV, requests, width))
         kept_B = [0] * len(slots)
         done: list[int] = []
         for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             self.stats.spec_proposed += len(draft)
             for j, token in enumerate(tokens_BT[b][: 1 + len(draft)]):
                 kept_B[b] += 1
-                if self._append(request, token):
+                if self._append(request, token, logprobs_BT[b][j]):
                     done.append(b)
                     break
                 if j == len(draft) or token != draft[j]:
@@ -489,21 +518,33 @@ class GenerationEngine:
             self.costs.observe_verify(len(slots), width, seconds, tokens)
         return finished
 
-    def _sample(self, logits_BV: Tensor, requests: Sequence[SampleRequest]) -> Tensor:
+    def _sample(self, logits_BV: Tensor, requests: Sequence[SampleRequest]) -> tuple[Tensor, Tensor]:
+        """Each row's token and its log-prob (long [B], float32 [B])."""
         p = self.params
         if p.temperature == 0:
-            return self.choice.greedy(logits_BV)
-        n = p.max_new_tokens
-        uniforms_B = torch.tensor([r.uniforms(n)[len(r.tokens)] for r in requests], dtype=torch.float64)
-        return self.choice.sample(logits_BV, upload(uniforms_B, logits_BV.device), p)
+            tokens_B = self.choice.greedy(logits_BV)
+        else:
+            n = p.max_new_tokens
+            uniforms_B = torch.tensor([r.uniforms(n)[len(r.tokens)] for r in requests], dtype=torch.float64)
+            tokens_B = self.choice.sample(logits_BV, upload(uniforms_B, logits_BV.device), p)
+        return tokens_B, self.choice.logprobs(logits_BV, tokens_B, logprob_temperature(p))
 
-    def _sample_positions(self, logits_BTV: Tensor, requests: Sequence[SampleRequest], width: int) -> Tensor:
+    def _sample_positions(
+        self, logits_BTV: Tensor, requests: Sequence[SampleRequest], width: int
+    ) -> tuple[Tensor, Tensor]:
         """Token t + j of each row sampled from position j's distribution with uniform u(s, t + j): what plain
-        decoding samples for that position when the row's earlier tokens are the drafts (long [B, width])."""
+        decoding samples for that position when the row's earlier tokens are the drafts (long [B, width]), and
+        their log-probs (float32 [B, width])."""
         p = self.params
         logits_NV = logits_BTV.flatten(0, 1)
+        tokens_N = self._choose_positions(logits_NV, requests, width)
+        logprobs_N = self.choice.logprobs(logits_NV, tokens_N, logprob_temperature(p))
+        return tokens_N.view(len(requests), width), logprobs_N.view(len(requests), width)
+
+    def _choose_positions(self, logits_NV: Tensor, requests: Sequence[SampleRequest], width: int) -> Tensor:
+        p = self.params
         if p.temperature == 0:
-            return self.choice.greedy(logits_NV).view(len(requests), width)
+            return self.choice.greedy(logits_NV)
         n = p.max_new_tokens
         # positions past max_new_tokens are never kept: any uniform will do for them
         uniforms_N = torch.tensor(
@@ -514,16 +555,16 @@ class GenerationEngine:
             ],
             dtype=torch.float64,
         )
-        tokens_N = self.choice.sample(logits_NV, upload(uniforms_N, logits_NV.device), p)
-        return tokens_N.view(len(requests), width)
+        return self.choice.sample(logits_NV, upload(uniforms_N, logits_NV.device), p)
 
     def _track(self, request: SampleRequest) -> None:
         if self.speculative != "off":
             self.drafter.track(request.row, request.group, request.prompt_P.tolist(), request.tokens)
 
-    def _append(self, request: SampleRequest, token: int) -> bool:
-        """Record a sampled token; True when the sample is done."""
+    def _append(self, request: SampleRequest, token: int, logprob: float) -> bool:
+        """Record a sampled token and its log-prob; True when the sample is done."""
         request.tokens.append(token)
+        request.logprobs.append(logprob)
         if self.speculative != "off":
             self.drafter.append(request.row, (token,))
         self.stats.tokens += 1

@@ -8,8 +8,9 @@ tensor codec of `rlhfuse.core.wire` (no pickling, no `all_gather_object`):
   instead of positional rows), all-gathered so every rank assembles the same `Experience`.
 
 Per sample the header carries its `SampleRequest` integers (row, prompt_index, sample_index, group, seed,
-prompt length, token count, stopped, KV length or -1); the payload the prompt + token ids of every sample
-(int64, concatenated), then per message type its tensors.
+prompt length, token count, stopped, KV length or -1, sampler log-prob count); the payload the prompt + token
+ids of every sample (int64, concatenated), their sampler log-probs (float64, concatenated), then per message
+type its tensors.
 """
 
 from __future__ import annotations
@@ -24,40 +25,46 @@ from rlhfuse.core.wire import Packed, pack_tensors, unpack_tensors
 from rlhfuse.generation.engine import MigratingSample, SampleRequest
 from rlhfuse.models import SlotState
 
-_INTS = 9  # per sample: row, prompt_index, sample_index, group, seed, prompt len, tokens, stopped, kv length
+# per sample: row, prompt_index, sample_index, group, seed, prompt len, tokens, stopped, kv length, log-probs
+_INTS = 10
 
 
 def _request_ints(r: SampleRequest, kv: SlotState | None = None) -> list[int]:
     kv_len = kv.length if kv is not None else -1
     return [r.row, r.prompt_index, r.sample_index, r.group, r.seed, r.prompt_len, len(r.tokens), int(r.stopped),
-            kv_len]  # fmt: skip
+            kv_len, len(r.logprobs)]  # fmt: skip
 
 
-def _ids(requests: Sequence[SampleRequest]) -> Tensor:
-    """Prompt + tokens of every request, concatenated (int64, on the CPU where requests keep them)."""
+def _ids(requests: Sequence[SampleRequest]) -> list[Tensor]:
+    """Prompt + tokens of every request, concatenated (int64, on the CPU where requests keep them), and their
+    sampler log-probs (float64: a host float exactly)."""
     parts = [t for r in requests for t in (r.prompt_P.cpu(), torch.tensor(r.tokens, dtype=torch.int64))]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    ids = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return [ids, torch.tensor([x for r in requests for x in r.logprobs], dtype=torch.float64)]
 
 
-def _requests(ints: Sequence[int], ids: Tensor) -> tuple[list[SampleRequest], list[int]]:
+def _requests(ints: Sequence[int], ids: Tensor, logprobs: Tensor) -> tuple[list[SampleRequest], list[int]]:
     """The requests of a message (prompts on the CPU) and each one's KV length (-1 = no KV)."""
     count = ints[0]
-    ids = ids.cpu()
-    out, kv_lengths, offset = [], [], 0
+    ids, logprobs_host = ids.cpu(), logprobs.tolist()
+    out, kv_lengths, offset, at = [], [], 0, 0
     for k in range(count):
-        row, prompt_index, sample_index, group, seed, p, n, stopped, kv_len = ints[
+        row, prompt_index, sample_index, group, seed, p, n, stopped, kv_len, m = ints[
             1 + _INTS * k : 1 + _INTS * (k + 1)
         ]
         out.append(SampleRequest(row, prompt_index, sample_index, group, ids[offset : offset + p].clone(), seed,
-                                 ids[offset + p : offset + p + n].tolist(), bool(stopped)))  # fmt: skip
+                                 ids[offset + p : offset + p + n].tolist(), bool(stopped),
+                                 logprobs_host[at : at + m]))  # fmt: skip
         kv_lengths.append(kv_len)
         offset += p + n
+        at += m
     return out, kv_lengths
 
 
 @dataclass
 class SampleBatch:
-    """Samples moving between instances. Payload: ids, then k_LHTD, v_LHTD, valid_T of each sample with KV."""
+    """Samples moving between instances. Payload: ids, log-probs, then k_LHTD, v_LHTD, valid_T of each sample
+    with KV."""
 
     samples: list[MigratingSample]
 
@@ -68,12 +75,12 @@ class SampleBatch:
             ints += _request_ints(s.request, s.kv)
             if s.kv is not None:
                 kv += [s.kv.k_LHTD, s.kv.v_LHTD, s.kv.valid_T]
-        return pack_tensors(ints, [_ids([s.request for s in self.samples]), *kv], device=device)
+        return pack_tensors(ints, [*_ids([s.request for s in self.samples]), *kv], device=device)
 
     @staticmethod
     def unpack(packed: Packed) -> SampleBatch:
-        ints, (ids, *kv) = unpack_tensors(packed)
-        requests, kv_lengths = _requests(ints, ids)
+        ints, (ids, logprobs, *kv) = unpack_tensors(packed)
+        requests, kv_lengths = _requests(ints, ids, logprobs)
         samples, k = [], 0
         for request, kv_len in zip(requests, kv_lengths, strict=True):
             state = None
@@ -109,8 +116,9 @@ class InferredSample:
 
 @dataclass
 class InferredBatch:
-    """Inference results of several samples. Payload: ids, then the log-probs, Ref log-probs and values of
-    every sample (each concatenated), then the scores (float64 [B]) and the rule scores (float64 [B, K])."""
+    """Inference results of several samples. Payload: ids and sampler log-probs, then the log-probs, Ref
+    log-probs and values of every sample (each concatenated), then the scores (float64 [B]) and the rule scores
+    (float64 [B, K])."""
 
     rows: list[InferredSample]
 
@@ -129,7 +137,7 @@ class InferredBatch:
             len(self.rows), width
         )
         tensors = [
-            _ids([r.request for r in self.rows]),
+            *_ids([r.request for r in self.rows]),
             cat("logprobs_N"),
             cat("ref_logprobs_N"),
             cat("values_N"),
@@ -138,8 +146,8 @@ class InferredBatch:
 
     @staticmethod
     def unpack(packed: Packed) -> InferredBatch:
-        ints, (ids, logprobs, ref_logprobs, values, scores, rules) = unpack_tensors(packed)
-        requests, _ = _requests(ints, ids)
+        ints, (ids, sampled, logprobs, ref_logprobs, values, scores, rules) = unpack_tensors(packed)
+        requests, _ = _requests(ints, ids, sampled)
         sizes = [len(r.tokens) for r in requests]
         return InferredBatch(
             [

@@ -125,6 +125,19 @@ def continuation_seed(seed: int, generated: int) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+def vllm_logprobs_mode(params: SamplingParams) -> str:
+    """vLLM's `logprobs_mode` whose log-probs are the trainer's, log softmax(logits / temperature) over the whole
+    vocabulary: "processed_logprobs" (after temperature; vLLM's greedy path returns them at temperature 1) when
+    nothing filters the vocabulary, else "raw_logprobs" (before temperature and top-k / top-p)."""
+    return "processed_logprobs" if params.top_k <= 0 and params.top_p >= 1.0 else "raw_logprobs"
+
+
+def records_logprobs(mode: str, params: SamplingParams) -> bool:
+    """Whether an engine in logprobs `mode` reports the trainer's log-probs for `params`: always in processed
+    mode; in raw mode (top-k / top-p on) only at temperature 1 or greedy, where raw = log softmax(logits)."""
+    return mode == "processed_logprobs" or params.temperature in (0.0, 1.0)
+
+
 def import_vllm() -> Any:
     """`vllm`, with its engine core in this process (weight reload and migration need direct access)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -238,6 +251,7 @@ class VLLMInstance:
         self.params = params
         self.device = torch.device(device)
         self.external_launcher = external_launcher
+        self.logprobs_mode = vllm_logprobs_mode(params)
         kwargs: dict[str, Any] = {}
         if tensor_parallel > 1 and not external_launcher:
             raise ValueError(
@@ -283,6 +297,7 @@ class VLLMInstance:
                 max_model_len=max_len,
                 max_num_seqs=max_num_seqs,
                 enable_prefix_caching=prefix_caching,
+                logprobs_mode=self.logprobs_mode,
                 disable_log_stats=True,
                 **kwargs,
             )
@@ -325,6 +340,8 @@ class VLLMInstance:
             stop_token_ids=list(p.stop_token_ids),
             ignore_eos=True,  # no HF tokenizer: EOS is one of stop_token_ids
             seed=request.seed if done == 0 else continuation_seed(request.seed, done),
+            # the sampled token's log-prob (0 alternatives), where this engine's mode gives the trainer's
+            logprobs=0 if records_logprobs(self.logprobs_mode, p) else None,
             detokenize=False,
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
         )
@@ -361,6 +378,11 @@ class VLLMInstance:
                 continue
             completion = out.outputs[0]
             request.tokens.extend(completion.token_ids)
+            if completion.logprobs:  # one {token: Logprob} per new token, the sampled one among them
+                request.logprobs.extend(
+                    chosen[token].logprob
+                    for chosen, token in zip(completion.logprobs, completion.token_ids, strict=True)
+                )
             decoded += len(completion.token_ids)
             if out.finished:
                 request.stopped = bool(request.tokens) and request.tokens[-1] in self.params.stop_token_ids

@@ -31,7 +31,12 @@ from rlhfuse import distributed
 from rlhfuse.core.sampling import sampling_dtype
 from rlhfuse.generation.engine import SamplingParams
 from rlhfuse.models import Transformer
-from rlhfuse.runtime.tensor_parallel import VocabShard, mask_padded_vocab, vocab_parallel_argmax
+from rlhfuse.runtime.tensor_parallel import (
+    VocabShard,
+    mask_padded_vocab,
+    vocab_parallel_argmax,
+    vocab_parallel_logprobs,
+)
 
 SPLITS = 16
 CANDIDATES = 64
@@ -183,7 +188,8 @@ def vocab_parallel_filtered_sample(
 class VocabularyShards:
     """`TokenChoice` (`rlhfuse.generation.engine`) of a tensor-parallel instance: each rank holds a
     `shard_transformer` shard of the Actor whose logits are its vocabulary slice; greedy tokens by
-    `vocab_parallel_argmax`, sampled ones by `vocab_parallel_filtered_sample`, the same on every rank of `group`
+    `vocab_parallel_argmax`, sampled ones by `vocab_parallel_filtered_sample`, their log-probs by
+    `vocab_parallel_logprobs`, the same on every rank of `group`
     (so the instance's ranks step in lockstep). Sampling computes in `dtype`; None: `sampling_dtype` of the
     logits' device at each call (the shard may move after the choice is made), as the whole-vocabulary engine."""
 
@@ -203,3 +209,6 @@ class VocabularyShards:
             logits_NV, uniforms_N, self.vocab, self.group, vocab_size=self.vocab_size,
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, dtype=self.dtype,
         )  # fmt: skip
+
+    def logprobs(self, logits_NV: Tensor, tokens_N: Tensor, temperature: float) -> Tensor:
+        return vocab_parallel_logprobs(logits_NV.float(), tokens_N, self.vocab, self.group, temperature)

@@ -6,6 +6,8 @@ Legend: B batch rows, P prompt tokens, R response tokens, T = P + R.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlhfuse.core.types import Rollout, TrainBatch
@@ -67,3 +69,19 @@ def two_row_rollout(pad: int = 0) -> Rollout:
         sample_index_B=torch.tensor([0, 0]),
         finished_B=torch.tensor([True, False]),
     )
+
+
+def assert_same_rollout(
+    got: Rollout, want: Rollout, *, logprob_atol: float = 1e-5, label: object = ""
+) -> None:
+    """`got` holds `want`'s samples: every token, mask and index field equal, the sampler's log-probs within
+    `logprob_atol` (their last bits depend on the batch a sample was decoded in; 0 = bit for bit) or both
+    absent."""
+    a, b = got.sampler_logprobs_BR, want.sampler_logprobs_BR
+    assert (a is None) == (b is None), (label, "sampler_logprobs_BR", a, b)
+    if a is not None and b is not None:
+        torch.testing.assert_close(a, b, atol=logprob_atol, rtol=0, msg=f"{label} sampler_logprobs_BR")
+    rest = [dataclasses.replace(r, sampler_logprobs_BR=None) for r in (got, want)]
+    for f in dataclasses.fields(Rollout):
+        x, y = (getattr(r, f.name) for r in rest)
+        assert (x is None and y is None) or torch.equal(x, y), (label, f.name)

@@ -36,7 +36,7 @@ from rlhfuse.core.checkpoint import (
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, RolloutStage, Strategy
 from rlhfuse.core.rewards import NonFiniteRewardError
-from rlhfuse.core.stats import TrainStats, mean_stats
+from rlhfuse.core.stats import TrainStats, mean_stats, sampler_mismatch
 from rlhfuse.core.types import Experience, TrainBatch
 from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.data_config import DataConfig
@@ -447,6 +447,7 @@ class RLHFTrainer:
             "response_length/p99": float(torch.quantile(lengths_B, 0.99)),
             "response_length/max": float(lengths_B.max()),
             "response_length/clipped_fraction": float((~rollout.finished_B).float().mean()),
+            **sampler_mismatch(experience),
             **timings,
             "throughput/samples_per_s": len(rollout) / seconds,
             "throughput/tokens_per_s": tokens / seconds,

@@ -18,7 +18,6 @@ Legend: B batch rows, P prompt tokens, R response tokens, T = P + R, V vocabular
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -228,14 +227,7 @@ def trim_responses(rollout: Rollout) -> Rollout:
     """The rollout without its trailing all-padding response columns (responses are right-padded; earlier
     positions do not attend to later ones, so every kept output is unchanged)."""
     used = rollout.response_mask_BR.any(dim=0).nonzero()
-    keep = int(used.max()) + 1 if len(used) else 1
-    if keep == rollout.response_ids_BR.shape[1]:
-        return rollout
-    return dataclasses.replace(
-        rollout,
-        response_ids_BR=rollout.response_ids_BR[:, :keep],
-        response_mask_BR=rollout.response_mask_BR[:, :keep],
-    )
+    return rollout.responses_cut(int(used.max()) + 1 if len(used) else 1)
 
 
 class PipelineInferencer:
@@ -355,13 +347,7 @@ class PipelineInferencer:
         m = self.microbatches(n)
         problem, program = self.program(m)
         rows = assign_rows(local.response_lengths_B, dp, m, self.layout.replicas(self.layout.smaller))
-        micro = [
-            [
-                trim_responses(Rollout(**{k: v[idx.to(device)] for k, v in vars(local).items()}))
-                for idx, _ in group
-            ]
-            for group in rows
-        ]
+        micro = [[trim_responses(local.select(idx.to(device))) for idx, _ in group] for group in rows]
         modules = {m_: self.models[m_] for m_ in self.names}
         training = {k: mod.training for k, mod in modules.items()}
         for mod in modules.values():

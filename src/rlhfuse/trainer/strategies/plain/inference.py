@@ -116,7 +116,7 @@ class ModelInferencer:
     def infer_rows(self, rollout: Rollout, index_G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """One forward pass of each model over the rows `index_G` of `rollout` (on the models' device): their
         Actor and Ref log-probs, values, scores and rule scores."""
-        return self._infer(Rollout(**{k: v[index_G] for k, v in vars(rollout).items()}))
+        return self._infer(rollout.select(index_G))
 
     def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         live = [self.actor] if self.critic is None else [self.actor, self.critic]
