@@ -1,62 +1,54 @@
-"""Generation in the trainer: what batch-independent sampling costs, and what decoding only active rows saves.
+"""Generation in the trainer: what batch-independent sampling costs in the engine's decode loop.
 
 Legend: B samples, N max new tokens.
 
-Side by side in one process, on a tiny random LLaMA (hidden 64, 2 layers) whose responses are forced to the
-embedded task's long-tailed length law (log-normal, median 6 tokens, cut at N): the shipped `SamplingGenerator`
-(per-sample random streams + inverse-CDF sampling, decoding only the still-active rows) against
-(a) the same loop drawing with one batched `torch.multinomial` (no per-sample streams, so a sample's tokens then
-depend on its batch), and (b) every row decoding until the longest response ends, as a generator without row
-compaction does (the long tail keeps the whole batch busy). Runs are interleaved; each time is a median.
+Side by side in one process, on a tiny random LLaMA (hidden 64, 2 layers) with several stop tokens (responses
+end at spread lengths, a long tail up to N): rlhfuse's `GenerationEngine` choosing tokens the shipped way
+(`WholeVocabulary`: each sample's own stream of uniforms and inverse-CDF sampling, so a sample's tokens do not
+depend on its batch, its slot or a migration; its log-prob recorded for `rollout/logprob_abs_diff`) against the
+same engine drawing with one batched `torch.multinomial` (no per-sample streams: a sample's tokens then depend on
+its batch). Both decode only the still-running rows (continuous batching). Runs are interleaved; each time is a
+median. The multinomial side's samples end at other lengths than the shipped side's, so its time is also given
+per generated token.
 """
 
 from __future__ import annotations
 
-import math
-import random
 import statistics
 import time
 
 import torch
 from torch import Tensor
 
-from rlhfuse.core.sampling import SamplingConfig, filter_logits
+from rlhfuse.core.sampling import filter_logits
 from rlhfuse.core.types import PromptBatch
-from rlhfuse.generation.batched import SamplingGenerator
+from rlhfuse.generation.engine import GenerationEngine, SamplingParams, WholeVocabulary, requests_for
 from rlhfuse.models import ModelConfig, Transformer
 
 EOS = 2
+STOPS = (EOS, 7, 11, 13)
 
 
-class _ForcedLengths(SamplingGenerator):
-    """Emits EOS as row b's token number lengths_B[b] (the sampled tokens are kept otherwise)."""
+class _Multinomial(WholeVocabulary):
+    """One batched `torch.multinomial` draw per step from the filtered probabilities (the uniforms unused)."""
 
-    def __init__(self, *args: object, lengths_B: Tensor, multinomial: bool, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.lengths_B, self.multinomial, self.step = lengths_B, multinomial, 0
-        self.shipped_pick, self.pick = self.pick, self._forced_pick
-
-    def _forced_pick(self, logits_BV: Tensor, uniforms_B: Tensor, rows_B: Tensor) -> Tensor:
-        if self.multinomial:
-            probs_BV = filter_logits(logits_BV.float(), temperature=1.0, top_k=0, top_p=1.0)
-            tokens_B = torch.multinomial(probs_BV.float(), 1).squeeze(1)
-        else:
-            tokens_B = self.shipped_pick(logits_BV, uniforms_B, rows_B)
-        done_B = self.lengths_B[rows_B] <= self.step + 1
-        self.step += 1
-        return torch.where(done_B, torch.full_like(tokens_B, EOS), tokens_B.clamp(min=EOS + 1))
+    def sample(self, logits_NV: Tensor, uniforms_N: Tensor, params: SamplingParams) -> Tensor:
+        probs_NV = filter_logits(
+            logits_NV.float(), temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            dtype=self.dtype,
+        )  # fmt: skip
+        return torch.multinomial(probs_NV, 1).squeeze(1)
 
 
-def _time(gen: _ForcedLengths, prompts: PromptBatch) -> float:
-    gen.step = 0
+def _time(engine: GenerationEngine, prompts: PromptBatch) -> tuple[float, int]:
+    requests = requests_for(prompts, samples_per_prompt=1, seed=0, iteration=0)
     start = time.perf_counter()
-    for _ in gen.generate(prompts, iteration=0):
-        pass
-    return time.perf_counter() - start
+    engine.run(requests)
+    return time.perf_counter() - start, sum(len(r.tokens) for r in requests)
 
 
 def run(quick: bool = False) -> dict[str, dict[str, float]]:
-    """Figures per side (`shipped`, `multinomial`, `no_compaction`): ms (median) and over_shipped (ratio)."""
+    """Figures per side (`shipped`, `multinomial`): ms (median), us_per_token, and over_shipped (ratio of ms)."""
     torch.manual_seed(0)
     config = ModelConfig.tiny(
         vocab_size=96, hidden_size=64, intermediate_size=192, num_heads=2, num_kv_heads=2, head_dim=32
@@ -64,37 +56,28 @@ def run(quick: bool = False) -> dict[str, dict[str, float]]:
     model = Transformer(config).eval()
     batch, max_new = (64, 32) if quick else (128, 48)
     repeats = 3 if quick else 7
-    rng = random.Random(0)
-    lengths = [max(1, min(max_new, round(math.exp(rng.gauss(math.log(6), 0.8))))) for _ in range(batch)]
-    lengths[0] = max_new  # at least one sample in the tail
     prompts = PromptBatch(
         torch.randint(3, 96, (batch, 6)), torch.ones(batch, 6, dtype=torch.long), torch.arange(batch)
     )
-
-    def make(lengths_B: Tensor, multinomial: bool) -> _ForcedLengths:
-        return _ForcedLengths(
-            model, SamplingConfig(max_new_tokens=max_new), eos_token_id=EOS, pad_token_id=0,
-            samples_per_prompt=1, seed=0, lengths_B=lengths_B, multinomial=multinomial,
-        )  # fmt: skip
-
-    long_tail = torch.tensor(lengths)
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=STOPS)
     sides = {
-        "shipped": make(long_tail, multinomial=False),
-        "multinomial": make(long_tail, multinomial=True),
-        "no compaction": make(torch.full_like(long_tail, max(lengths)), multinomial=False),
+        name: GenerationEngine(model, params, num_slots=batch, max_len=6 + max_new, choice=choice)
+        for name, choice in (("shipped", None), ("multinomial", _Multinomial()))
     }
     print(
-        f"threads={torch.get_num_threads()}  B={batch}  N={max_new}  response lengths p50="
-        f"{statistics.median(lengths)} max={max(lengths)}  median of {repeats}"
+        f"threads={torch.get_num_threads()}  B={batch}  N={max_new}  stop tokens {STOPS}  median of {repeats}"
     )
     times: dict[str, list[float]] = {name: [] for name in sides}
+    tokens: dict[str, int] = {}
     for _ in range(repeats):
-        for name, gen in sides.items():
-            times[name].append(_time(gen, prompts))
+        for name, engine in sides.items():
+            seconds, tokens[name] = _time(engine, prompts)
+            times[name].append(seconds)
     base = statistics.median(times["shipped"])
     figures: dict[str, dict[str, float]] = {}
     for name, values in times.items():
         t = statistics.median(values)
-        print(f"{name:>14}: {t * 1e3:8.1f} ms   this / shipped = {t / base:5.2f}x")
-        figures[name.replace(" ", "_")] = {"ms": t * 1e3, "over_shipped": t / base}
+        per_token = t / max(tokens[name], 1) * 1e6
+        print(f"{name:>12}: {t * 1e3:8.1f} ms  {per_token:6.1f} us/token  this / shipped = {t / base:5.2f}x")
+        figures[name] = {"ms": t * 1e3, "us_per_token": per_token, "over_shipped": t / base}
     return figures
