@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -144,12 +144,11 @@ class Rollout:
 
     def select(self, index_B: Tensor) -> Rollout:
         """The rows `index_B` (bool mask or indices), in that order (widths unchanged)."""
-        return Rollout(
-            **{
-                f.name: None if (value := getattr(self, f.name)) is None else _rows(value, index_B)
-                for f in dataclasses.fields(self)
-            }
-        )
+        rows: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            rows[f.name] = None if value is None else _rows(value, index_B)
+        return Rollout(**rows)
 
     def responses_cut(self, width: int) -> Rollout:
         """This rollout with its response columns cut to the first `width` (the trailing padding dropped)."""

@@ -549,10 +549,14 @@ class VLLMPool:
         seed: int,
         device: torch.device | str = "cpu",
         frozen: Mapping[str, Tensor] | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         import_vllm()  # fail now, before any model is written, if vLLM is missing
         check_vllm_supported(actor.config, device)
         self.config = config
+        self.batch_invariant = batch_invariant
+        """exact=true: the engines run in vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, read by vLLM's GPU
+        worker when an engine is built; its CUDA kernels only)."""
         self.actor_config = actor.config
         self.seed = seed
         self._device = torch.device(device)
@@ -589,6 +593,8 @@ class VLLMPool:
         slots = self.config.engine.num_slots or batch
         external = distributed.is_initialized() and distributed.world_size() > 1
         options = self.config.vllm
+        if self.batch_invariant:
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"
         while len(self.built) < count:
             self.built.append(
                 VLLMInstance(

@@ -17,6 +17,10 @@ Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, 
 `PACKED_ATTENTION_BACKENDS[config.attention_backend]`: q_NHE, k_NKE, v_NKE (K kv heads, E head channels) and the
 `PackedSequences`, causal inside each sequence, nothing across sequences.
 
+exact (`rlhfuse.models.exact.exact_attention`) gives each query the same bits whatever the call's batch, padding
+or cache layout: it sums over the query's allowed keys alone, in position order, in fixed-size blocks (a CPU
+reference, with the model's linears made batch-invariant too: `ModelConfig.batch_invariant`).
+
 Which torch SDPA kernel each call reaches is decided by `sdpa_call` (a pure function of the call's shape, dtype
 and device; docs/models.md, "Precision and attention kernels", has the table). The point is that no call of the
 model reaches SDPA's math kernel in bf16 / fp16 / fp32, which materialises the [B, H, T, S] scores (and, for
@@ -38,6 +42,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from rlhfuse._optional import require
+from rlhfuse.models.exact import exact_attention
 from rlhfuse.models.model_config import AttentionBackend as AttentionBackend  # importable from here too
 
 if TYPE_CHECKING:
@@ -304,13 +309,14 @@ ATTENTION_BACKENDS: dict[str, LayerAttentionFn] = {
     "sdpa": sdpa_attention,
     "flash": flash_attention,
     "te": te_attention,
+    "exact": exact_attention,
 }
 
 
 # Backends whose calls with a KV cache take several new positions per row under an arbitrary [T, S] mask (what a
-# speculative verify step of k+1 positions needs): flash and te hand masked calls to sdpa. A backend added to
-# ATTENTION_BACKENDS that handles one cached position per row only must stay out of this set.
-MULTI_POSITION_BACKENDS: frozenset[str] = frozenset({"sdpa", "flash", "te"})
+# speculative verify step of k+1 positions needs): flash and te hand masked calls to sdpa; exact takes any mask.
+# A backend added to ATTENTION_BACKENDS that handles one cached position per row only must stay out of this set.
+MULTI_POSITION_BACKENDS: frozenset[str] = frozenset({"sdpa", "flash", "te", "exact"})
 
 
 PackedAttentionFn = Callable[[Tensor, Tensor, Tensor, "PackedSequences"], Tensor]
@@ -324,20 +330,40 @@ class LayerPackedAttentionFn(Protocol):
     ) -> Tensor: ...
 
 
-def sdpa_packed_attention(
-    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, spec: AttentionSpec = PLAIN
+def per_sequence_attention(
+    attend: LayerAttentionFn,
+    q_NHE: Tensor,
+    k_NKE: Tensor,
+    v_NKE: Tensor,
+    packed: PackedSequences,
+    spec: AttentionSpec = PLAIN,
 ) -> Tensor:
-    """Packed attention as one batched per-sequence call: each sequence moved to its own row of a right-padded
-    [B, L] layout, where plain causal SDPA is exact (a real query never reaches the pad keys after it), and so
-    is a sliding window (row positions are each sequence's own)."""
+    """Packed attention as one batched per-sequence call of `attend`: each sequence moved to its own row of a
+    right-padded [B, L] layout, where plain causal attention is exact (a real query never reaches the pad keys
+    after it), and so is a sliding window (row positions are each sequence's own)."""
     batch, longest = packed.batch, packed.max_seqlen
 
     def dense_BHLE(x_NHE: Tensor) -> Tensor:
         flat = x_NHE.new_zeros(batch * longest, *x_NHE.shape[1:]).index_copy(0, packed.dense_N, x_NHE)
         return flat.view(batch, longest, *x_NHE.shape[1:]).transpose(1, 2)
 
-    out_BHLE = sdpa_attention(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None, spec)
+    out_BHLE = attend(dense_BHLE(q_NHE), dense_BHLE(k_NKE), dense_BHLE(v_NKE), None, spec=spec)
     return out_BHLE.transpose(1, 2).reshape(batch * longest, *q_NHE.shape[1:])[packed.dense_N]
+
+
+def sdpa_packed_attention(
+    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, spec: AttentionSpec = PLAIN
+) -> Tensor:
+    """Packed attention through SDPA, per sequence (`per_sequence_attention`)."""
+    return per_sequence_attention(sdpa_attention, q_NHE, k_NKE, v_NKE, packed, spec)
+
+
+def exact_packed_attention(
+    q_NHE: Tensor, k_NKE: Tensor, v_NKE: Tensor, packed: PackedSequences, spec: AttentionSpec = PLAIN
+) -> Tensor:
+    """Packed attention through `exact_attention`, per sequence: a sequence's keys are the same list as in its
+    padded row or its KV cache, so a packed forward gives the padded one's bits."""
+    return per_sequence_attention(exact_attention, q_NHE, k_NKE, v_NKE, packed, spec)
 
 
 def flash_packed_attention(
@@ -364,6 +390,7 @@ def flash_packed_attention(
 PACKED_ATTENTION_BACKENDS: dict[str, LayerPackedAttentionFn] = {
     "sdpa": sdpa_packed_attention,
     "flash": flash_packed_attention,
+    "exact": exact_packed_attention,
 }
 
 

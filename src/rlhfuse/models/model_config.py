@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-AttentionBackend = Literal["sdpa", "flash", "te"]
+AttentionBackend = Literal["sdpa", "flash", "te", "exact"]
 """sdpa = torch's scaled_dot_product_attention (any device; its kernel per call: `attention.sdpa_call`); flash =
 flash-attn (CUDA, fp16/bf16); te = Transformer Engine (CUDA). flash and te run unpadded causal calls themselves and
-hand masked ones (padding, KV cache) to sdpa (`rlhfuse.models.attention`)."""
+hand masked ones (padding, KV cache) to sdpa (`rlhfuse.models.attention`). exact = the whole forward batch-invariant
+(`rlhfuse.models.exact`: attention, linear layers and gate activations; a CPU reference, slower)."""
 ArchitectureName = Literal[
     "llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral"
 ]
@@ -196,8 +197,9 @@ class ModelConfig:
     """Per layer, "full_attention" or "sliding_attention" (HF's layer_types); None = every layer the same:
     sliding when sliding_window is set, full otherwise."""
     attention_backend: AttentionBackend = "sdpa"
-    """Attention kernel: "sdpa" (torch, any device), "flash" (flash-attn), "te" (Transformer Engine); not read
-    from or written to config.json (the trainer's model.attention_backend sets it when loading)."""
+    """Attention kernel: "sdpa" (torch, any device), "flash" (flash-attn), "te" (Transformer Engine), "exact"
+    (batch-invariant, with the linears and activations: `batch_invariant`); not read from or written to
+    config.json (the trainer's model.attention_backend sets it when loading)."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialisation of fresh weights."""
     pad_token_id: int | None = None
@@ -217,6 +219,12 @@ class ModelConfig:
     @property
     def family(self) -> Architecture:
         return ARCHITECTURES[self.architecture]
+
+    @property
+    def batch_invariant(self) -> bool:
+        """attention_backend="exact": every op of the forward gives a row the same bits whatever else is in the
+        call (`rlhfuse.models.exact`), the linear layers and gate activations included."""
+        return self.attention_backend == "exact"
 
     @property
     def qkv_bias(self) -> bool:

@@ -4,7 +4,9 @@ ARCHITECTURES`), with an LM head or a scalar value head.
 Legend: B batch rows, T new tokens per row, S key positions attended over, D model width (hidden_size),
 H query heads, K kv heads, E head channels (head_dim), V vocabulary, F MLP width (intermediate_size).
 
-Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpoint keys map one to one.
+Module names match Hugging Face's (`layers.3.self_attn.q_proj`, ...), so checkpoint keys map one to one. Under
+attention_backend="exact" (`ModelConfig.batch_invariant`) the linear layers are `InvariantLinear`s and the gate
+activations the batch-invariant ones (`rlhfuse.models.exact`): the same parameters, computed row by row alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from torch import Tensor, nn
 
 from rlhfuse.models.attention import AttentionSpec, get_attention, get_packed_attention
 from rlhfuse.models.cache import CacheCall, KVCache
+from rlhfuse.models.exact import GATE_ACTIVATIONS as INVARIANT_GATE_ACTIVATIONS
+from rlhfuse.models.exact import InvariantLinear
 from rlhfuse.models.masks import Padding, padding_of
 from rlhfuse.models.model_config import SUPPORTED_HEADS, ModelConfig
 from rlhfuse.models.packing import PackedSequences
@@ -351,6 +355,11 @@ def _rope_tables(config: ModelConfig, position_ids_BT: Tensor, dtype: torch.dtyp
     return cos_BTe.to(table_dtype), sin_BTe.to(table_dtype)
 
 
+def linear_type(config: ModelConfig) -> type[nn.Linear]:
+    """The class of the model's linear layers: `InvariantLinear` for a batch-invariant model, else nn.Linear."""
+    return InvariantLinear if config.batch_invariant else nn.Linear
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -359,11 +368,12 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.resolved_head_dim
         d, e, bias = config.hidden_size, self.head_dim, config.qkv_bias
-        self.q_proj = nn.Linear(d, self.num_heads * e, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * e, bias=bias)
+        linear = linear_type(config)
+        self.q_proj = linear(d, self.num_heads * e, bias=bias)
+        self.k_proj = linear(d, self.num_kv_heads * e, bias=bias)
+        self.v_proj = linear(d, self.num_kv_heads * e, bias=bias)
         # LLaMA's and Qwen3's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only
-        self.o_proj = nn.Linear(self.num_heads * e, d, bias=config.o_bias)
+        self.o_proj = linear(self.num_heads * e, d, bias=config.o_bias)
         if config.qk_norm:
             # Qwen3, Gemma 3: each head's q and k RMS-normalised over its E channels (one weight for the heads)
             self.q_norm = make_norm(config, e)
@@ -433,10 +443,12 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, width: int | None = None) -> None:
         super().__init__()
         d, f = config.hidden_size, width or config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-        self.act = GATE_ACTIVATIONS[config.hidden_act]
+        linear = linear_type(config)
+        self.gate_proj = linear(d, f, bias=False)
+        self.up_proj = linear(d, f, bias=False)
+        self.down_proj = linear(f, d, bias=False)
+        activations = INVARIANT_GATE_ACTIVATIONS if config.batch_invariant else GATE_ACTIVATIONS
+        self.act = activations[config.hidden_act]
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
@@ -455,7 +467,7 @@ class MoEBlock(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = linear_type(config)(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
             GatedMLP(config, config.expert_intermediate_size) for _ in range(config.num_experts)
         )
@@ -603,10 +615,11 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
+        linear = linear_type(config)
         if head == "lm":
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = linear(config.hidden_size, config.vocab_size, bias=False)
         else:
-            self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
+            self.value_head = linear(config.hidden_size, 1, bias=False)
         self.activation_checkpointing: bool | CheckpointingMode = "none"
         """What training keeps for backward: "none" | "full" (recompute each layer, memory ~1/L) | "selective"
         (recompute attention kernels and MLPs); True means "full" (`CheckpointingMode`)."""

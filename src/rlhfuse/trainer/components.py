@@ -104,6 +104,7 @@ def vllm_generator(ctx: BuildContext) -> EngineGenerator:
         max_prompt_len=ctx.config.data.max_prompt_length,
         seed=ctx.config.seed,
         device=next(actor.parameters()).device,
+        batch_invariant=ctx.config.exact,
         # a LoRA Actor's syncs send its merged projections only: the pool keeps the frozen rest to complete them
         frozen={k: v for k, v in actor.state_dict().items() if not lora.merges(k)} if lora.enabled else None,
     )

@@ -72,6 +72,11 @@ def vllm_problems(cfg: RLHFConfig, layout: Topology, model: ModelConfig | None) 
             f"generator.speculative={speculative} with generator=vllm: only ngram is passed through to vLLM's own "
             "speculation (auto needs rlhfuse's engine): set generator.speculative=ngram or off"
         )
+    if cfg.exact and not uses_cuda(cfg):
+        problems.append(
+            "exact=true with generator=vllm uses vLLM's batch-invariant mode, which covers its CUDA kernels only, "
+            "and this run's device is the CPU: use generator=engine (exact on the CPU), or exact=false"
+        )
     if cfg.migration.mechanism == "kv":
         problems.append(
             "migration.mechanism=kv: vLLM engines cannot export a sample's KV cache; with generator=vllm set "

@@ -78,6 +78,11 @@ class RLHFConfig:
     iterations: int = 60
     # Seeds model init, the prompt order, per-sample sampling streams and mini-batch shuffles.
     seed: int = 0
+    # Exact rollouts (docs/models.md, "Exact (batch-invariant) forward"): every model's forward gives each row
+    # the same bits whatever else is in its batch (model.attention_backend=exact), so the sampler's log-probs
+    # equal the trainer's bit for bit, through batching, chunked prefill and migration; with generator=vllm,
+    # vLLM's batch-invariant mode (CUDA).
+    exact: bool = False
     # auto (cuda if available, else cpu) | cpu | cuda | cuda:N.
     device: str = "auto"
     # Output folder (metrics.jsonl, checkpoints, exported actor). null = Hydra's run directory.
@@ -182,6 +187,7 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     """The component choices a layout implies, applied before validation and printed with their rule (never a
     silent swap); every other choice is taken as given and validated.
 
+    - exact=true with model.attention_backend=sdpa -> exact;
     - a generator without instances (generator=sampling) with generator.instances > 1 -> generator=engine;
     - the training strategy's own rules (`StrategyPart.resolve`; under the pipelines: inferencer=models ->
       pipeline, the same forward passes over the training layout, unless each rank is one generation instance
@@ -191,6 +197,12 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     """
     from rlhfuse.trainer.topology import generator_entry, topology
 
+    if cfg.exact and cfg.model.attention_backend == "sdpa":
+        log(
+            "rlhfuse: model.attention_backend=sdpa -> exact (rule: exact=true computes every model's forward "
+            "batch-invariantly)"
+        )
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_backend="exact"))
     g = cfg.generator
     if g.instances > 1 and not generator_entry(g.name).instances:
         log(

@@ -132,6 +132,7 @@ class RLHFTrainer:
         evaluation: EvalConfig | None = None,
         logging: LoggerConfig | None = None,
         seed: int | None = None,
+        exact: bool | None = None,
         device: str | None = None,
         resume: str | None = None,
         run_dir: str | Path | None = None,
@@ -150,6 +151,7 @@ class RLHFTrainer:
             eval=evaluation,
             logger=logging,
             seed=seed,
+            exact=exact,
             device=device,
             resume=resume,
         )

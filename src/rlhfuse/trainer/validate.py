@@ -121,6 +121,8 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
         )
     problems += generation_tp_problems(cfg, layout)
     problems += attention_problems(cfg)
+    if cfg.exact:
+        problems += exact_problems(cfg)
     problems += lora_problems(cfg, model, where)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
@@ -203,6 +205,33 @@ def attention_problems(cfg: RLHFConfig) -> list[str]:
         )
     if cfg.data.packing and (packed := packing_problem(backend)) is not None:
         problems.append(f"model.{packed}")
+    return problems
+
+
+def exact_problems(cfg: RLHFConfig) -> list[str]:
+    """exact=true: every model batch-invariant (model.attention_backend=exact), whole models (tensor-parallel
+    shards compute their own linears), and no LoRA (the trainer's W x + B A x is not the generator's merged W')."""
+    problems = []
+    if cfg.model.attention_backend != "exact":
+        problems.append(
+            f"exact=true computes attention with model.attention_backend=exact, but model.attention_backend="
+            f"{cfg.model.attention_backend}: drop model.attention_backend (or set it to exact), or set exact=false"
+        )
+    for key, tp in (
+        ("pipeline.actor_tp", cfg.pipeline.actor_tp),
+        ("pipeline.critic_tp", cfg.pipeline.critic_tp),
+        ("generator.tp", cfg.generator.tp),
+    ):
+        if tp > 1:
+            problems.append(
+                f"exact=true with {key}={tp}: tensor-parallel shards compute their own linears, which are not "
+                f"batch-invariant: set {key}=1, or exact=false"
+            )
+    if cfg.model.lora.enabled:
+        problems.append(
+            "exact=true with model.lora: the trainer computes W x + B A x while the generator runs the merged "
+            "weights, which round differently: train without LoRA, or set exact=false"
+        )
     return problems
 
 

@@ -1,0 +1,351 @@
+"""attention_backend="exact": a row's outputs are the same bits whatever else is in the call, so the sampler's
+per-token log-probs equal the trainer's bit for bit (rlhfuse.models.exact).
+
+Every test runs twice: with "exact" the values are equal (torch.equal), and its negative twin, the same check with
+the default backend "sdpa", must find them different: the check can fail, and the mode is what makes it pass.
+Single-threaded, as the suite runs (OMP_NUM_THREADS=1): the measured facts are single-threaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhfuse.algorithms import logprobs_from_logits, ppo_policy_loss
+from rlhfuse.core.inference import response_logprobs
+from rlhfuse.core.step_losses import model_response_outputs
+from rlhfuse.core.types import PromptBatch, TrainBatch
+from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for, to_rollout
+from rlhfuse.models import (
+    ATTENTION_BACKENDS,
+    MULTI_POSITION_BACKENDS,
+    KVCache,
+    ModelConfig,
+    Transformer,
+)
+from rlhfuse.models.attention import PACKED_ATTENTION_BACKENDS, packing_problem
+from rlhfuse.models.exact import TILE_ROWS, InvariantLinear, gelu_tanh, invariant_linear, silu
+
+PAD, SEED, VOCAB = 0, 11, 128
+BACKENDS = pytest.mark.parametrize("backend,same", [("exact", True), ("sdpa", False)])
+"""The mode under test and whether it must give equal bits (exact) or differing ones (the negative twin)."""
+
+
+def _model(backend: str, head: str = "lm", seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig.tiny(attention_backend=backend, **overrides), head=head).eval()
+
+
+def _random_prompts(count: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
+    rng = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (count,), generator=rng).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=rng).tolist() for n in lengths]
+
+
+def _prompt_batch(prompts: list[list[int]], ids: list[int]) -> PromptBatch:
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), PAD)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
+        mask[b, width - len(prompt) :] = 1
+    return PromptBatch(input_ids, mask, torch.tensor(ids))
+
+
+# ------------------------------------------------------------------ the ops
+
+
+@pytest.mark.parametrize("features,out_features", [(64, 128), (576, 1536), (128, 1)])
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_row_of_a_linear_does_not_depend_on_the_other_rows(features, out_features, exact):
+    """The measured fact the linears rest on: a row alone (M = 1), among 1, 16, 299 other rows at any place (a
+    later tile included), gives the same bits through whole TILE_ROWS-row tiles in bmm, one output feature (the
+    value head) included. The twin, F.linear, changes with M (MKL's matrix-vector path at M = 1, other blockings
+    above)."""
+    linear = invariant_linear if exact else F.linear
+    rng = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, features, generator=rng)
+    bias = torch.randn(out_features, generator=rng)
+    row = torch.randn(1, features, generator=rng)
+    alone = linear(row, weight, bias)[0]
+    results = []
+    for rows, place in ((2, 1), (17, 16), (300, 137), (TILE_ROWS, 5)):
+        x = torch.randn(rows, features, generator=rng)
+        x[place] = row[0]
+        results.append(torch.equal(linear(x, weight, bias)[place], alone))
+    assert all(results) if exact else not all(results)
+
+
+def test_the_invariant_linear_is_nn_linear_with_its_parameters():
+    layer = InvariantLinear(64, 32, bias=True)
+    assert isinstance(layer, torch.nn.Linear) and set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+    assert layer(x[:, :0]).shape == (3, 0, 32)
+    grad_y = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, layer.weight, layer.bias), grad_y)
+    expected = torch.autograd.grad(
+        F.linear(x, layer.weight, layer.bias), (x, layer.weight, layer.bias), grad_y
+    )
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_gate_activations_give_an_element_the_same_bits_wherever_it_sits(exact):
+    """F.silu and tanh-gelu round a tail shorter than a vector differently (a scalar path); the exact ones are
+    written from exp / tanh, which do not."""
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(0)) * 3
+    torch.testing.assert_close(silu(x), F.silu(x))
+    torch.testing.assert_close(gelu_tanh(x), F.gelu(x, approximate="tanh"))
+    activations = (silu, gelu_tanh) if exact else (F.silu, lambda x: F.gelu(x, approximate="tanh"))
+    same = []
+    for act in activations:
+        whole = act(x)
+        same += [
+            torch.equal(act(x[i : i + n].clone()), whole[i : i + n])
+            for i in range(0, 70, 7)
+            for n in (1, 5, 17)
+        ]
+    assert all(same) if exact else not all(same)
+
+
+@BACKENDS
+def test_a_query_attends_alike_alone_left_padded_and_from_a_padded_cache(backend, same):
+    """One row's causal attention over 100 keys (two blocks of 64) computed alone; in a batch with left padding
+    (random pad keys, an inner mask); and query by query against a cache layout whose padding slots sit between
+    its keys (a left-padded prefill followed by decode steps)."""
+    attend = ATTENTION_BACKENDS[backend]
+    rng = torch.Generator().manual_seed(0)
+    heads, kv_heads, t, e, pad = 4, 2, 100, 16, 7
+    q, k, v = (torch.randn(1, n, t, e, generator=rng) for n in (heads, kv_heads, kv_heads))
+    alone_HTE = attend(q, k, v, None)[0]
+    results = []
+
+    def padded(x):
+        return torch.cat([torch.randn(1, x.shape[1], pad, e, generator=rng), x], 2)
+
+    valid_S = torch.arange(t + pad) >= pad
+    causal_TS = torch.ones(t + pad, t + pad, dtype=torch.bool).tril()
+    allowed_TS = (causal_TS & valid_S) | torch.eye(t + pad, dtype=torch.bool)
+    out_HTE = attend(padded(q), padded(k), padded(v), allowed_TS[None, None])[0, :, pad:]
+    results.append(torch.equal(out_HTE, alone_HTE))
+    # the cache: pad slots, then keys 0..n, then stale slots past them (masked); query n decodes alone
+    k_cache, v_cache = padded(k), padded(v)
+    for n in (0, 40, 63, 64, 99):
+        allowed_S = valid_S & (torch.arange(t + pad) <= pad + n)
+        out_HE = attend(q[:, :, n : n + 1], k_cache, v_cache, allowed_S[None, None, None])[0, :, 0]
+        results.append(torch.equal(out_HE, alone_HTE[:, n]))
+    torch.testing.assert_close(alone_HTE, ATTENTION_BACKENDS["sdpa"](q, k, v, None)[0])
+    assert all(results) if same else not all(results)
+
+
+def test_long_calls_run_in_query_chunks_with_the_same_bits(monkeypatch):
+    """Queries are independent: chunks of 7 give the bits of the whole call (masked, and plain causal)."""
+    rng = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 40, 16, generator=rng) for n in (4, 2, 2))
+    allowed_B1TS = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 1, 40, 40).clone()
+    allowed_B1TS[1, :, :, :9] = False  # left padding on the second row
+    allowed_B1TS[1, :, :9, :9] = torch.eye(9, dtype=torch.bool)
+    attend = ATTENTION_BACKENDS["exact"]
+    whole, causal = attend(q, k, v, allowed_B1TS), attend(q, k, v, None)
+    monkeypatch.setattr("rlhfuse.models.exact.QUERY_CHUNK", 7)
+    assert torch.equal(attend(q, k, v, allowed_B1TS), whole)
+    assert torch.equal(attend(q, k, v, None), causal)
+
+
+def test_exact_runs_packed_sequences_and_speculative_steps():
+    assert "exact" in PACKED_ATTENTION_BACKENDS and packing_problem("exact") is None
+    assert "exact" in MULTI_POSITION_BACKENDS
+
+
+# ------------------------------------------------------------------ the model
+
+# MLP widths that are no multiple of the vector width: a decode step's activations end in a scalar-path tail
+FAMILIES = {
+    "llama": dict(intermediate_size=120),
+    "qwen3_window": dict(
+        architecture="qwen3", sliding_window=5, layer_types=("full_attention", "sliding_attention")
+    ),
+    "gemma2": dict(
+        architecture="gemma2",
+        intermediate_size=100,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=24.0,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        sliding_window=6,
+        layer_types=("sliding_attention", "full_attention"),
+    ),
+    "mixtral": dict(architecture="mixtral", num_experts=4, num_experts_per_tok=2),
+    "llama_value_head": dict(),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@BACKENDS
+def test_a_row_gets_the_same_outputs_alone_in_a_padded_batch_and_through_the_cache(family, same, backend):
+    """Each family's layers (windows, a soft-capped, rescaled Gemma 2 with GeGLU, a mixture of experts, a value
+    head): a row's outputs at every position alone; left-padded in a batch of 7 random rows; and produced through
+    a KV cache as a left-padded prefill of 9 tokens, a chunk of 20, then one token per step."""
+    head = "value" if family.endswith("value_head") else "lm"
+    model = _model(backend, head, **FAMILIES[family])
+    row = torch.tensor(_random_prompts(1, 40, 40, seed=1)[0])
+    others = _random_prompts(7, 12, 45, seed=2)
+    with torch.no_grad():
+        alone = model(row[None])[0]
+        batch = _prompt_batch([*others[:3], row.tolist(), *others[3:]], list(range(8)))
+        batched = model(batch.input_ids_BP, attention_mask_BT=batch.attention_mask_BP)[3, -len(row) :]
+        cache = KVCache.allocate(model.cache_config(), 2, 64)
+        chunk_BT = torch.stack([F.pad(row[:9], (3, 0), value=PAD), torch.tensor(others[0][:12])])
+        mask_BT = torch.ones_like(chunk_BT)
+        mask_BT[0, :3] = 0
+        pieces = [model(chunk_BT, attention_mask_BT=mask_BT, cache=cache, cache_slots_B=[1, 0])[0, 3:]]
+        pieces.append(model(row[None, 9:29], cache=cache, cache_slots_B=[1])[0])
+        pieces += [model(row[None, n : n + 1], cache=cache, cache_slots_B=[1])[0] for n in range(29, 40)]
+        cached = torch.cat(pieces)
+    torch.testing.assert_close(batched, alone)
+    torch.testing.assert_close(cached, alone)
+    assert (torch.equal(batched, alone) and torch.equal(cached, alone)) == same
+
+
+# ------------------------------------------------------------------ the sampler and the trainer
+
+TEMPERATURE = 0.8
+TARGET_PROMPT = _random_prompts(1, 50, 50, seed=5)[0]
+MAX_NEW = 24  # the target's keys reach 74: two blocks of 64
+
+
+def _target_run(model, others: list[list[int]], *, slots: int) -> GenerationEngine:
+    """An engine holding the 50-token target prompt (prompt id 0: its own sampling stream) after `others`."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=TEMPERATURE)
+    engine = GenerationEngine(model, params, num_slots=slots, max_len=50 + MAX_NEW)
+    prompts = _prompt_batch([*others, TARGET_PROMPT], [*range(1, len(others) + 1), 0])
+    engine.add(requests_for(prompts, samples_per_prompt=1, seed=SEED, iteration=0))
+    return engine
+
+
+def _finish(engine: GenerationEngine) -> list:
+    finished = []
+    while engine.has_work():
+        finished += engine.step()
+    return finished
+
+
+@torch.no_grad()
+def _chunked_prefill_logprobs(model, tokens: list[int], split: int) -> list[float]:
+    """The target's per-step log-probs for `tokens` through the model's cache by hand: its prompt prefilled in two
+    chunks (the first left-padded), then one token per step."""
+    prompt = torch.tensor(TARGET_PROMPT)
+    cache = KVCache.allocate(model.cache_config(), 1, 64 + MAX_NEW)
+    first = F.pad(prompt[None, :split], (4, 0), value=PAD)
+    model(first, attention_mask_BT=(first != PAD).long(), cache=cache)  # the prompt holds no PAD token
+    logits_V = model(prompt[None, split:], cache=cache)[0, -1]
+    logprobs = []
+    for n, token in enumerate(tokens):
+        logprob_1 = logprobs_from_logits(logits_V[None], torch.tensor([token]), temperature=TEMPERATURE)
+        logprobs.append(float(logprob_1[0]))
+        if n + 1 < len(tokens):
+            logits_V = model(torch.tensor([[token]]), cache=cache)[0, -1]
+    return logprobs
+
+
+@BACKENDS
+def test_a_prompt_decodes_to_the_same_logprobs_alone_batched_chunked_and_migrated(backend, same):
+    """The target prompt's per-step log-probs (`SampleRequest.logprobs`, sampled at temperature 0.8 from its own
+    stream) decoded alone; among 64 random prompts (prefilled together, left-padded, decoded together); prefilled
+    in two chunks by hand; and migrated mid-way by re-prefill (`evict(with_kv=False)` then `admit`: prompt +
+    tokens[:-1] prefilled on another engine)."""
+    model = _model(backend)
+    (alone,) = _finish(_target_run(model, [], slots=1))
+    assert len(alone.tokens) == MAX_NEW
+    batched = next(
+        r
+        for r in _finish(_target_run(model, _random_prompts(64, 2, 50, seed=6), slots=65))
+        if r.prompt_index == 0
+    )
+    chunked = _chunked_prefill_logprobs(model, alone.tokens, split=21)
+    source = _target_run(model, _random_prompts(5, 2, 50, seed=7), slots=6)
+    for _ in range(9):
+        source.step()
+    (moving,) = source.evict(1, with_kv=False)  # the target holds the highest slot
+    assert moving.request.prompt_index == 0 and moving.kv is None
+    destination = GenerationEngine(model, source.params, num_slots=2, max_len=50 + MAX_NEW)
+    destination.admit([moving])
+    _finish(destination)
+    migrated = moving.request
+    for other in (batched, migrated):
+        assert other.tokens == alone.tokens or not same
+        torch.testing.assert_close(torch.tensor(other.logprobs), torch.tensor(alone.logprobs))
+    runs = [batched.logprobs, chunked, migrated.logprobs]
+    assert all(run == alone.logprobs for run in runs) == same, [run == alone.logprobs for run in runs]
+
+
+@pytest.fixture(scope="module", params=["exact", "sdpa"])
+def sampled(request):
+    """A rollout of 24 prompts of 2 to 60 tokens x 2 samples, stop tokens ending responses at varied lengths,
+    generated by an engine of 16 slots (continuous batching, prefix sharing): (backend, model, rollout)."""
+    model = _model(request.param)
+    params = SamplingParams(max_new_tokens=20, temperature=TEMPERATURE, stop_token_ids=(2, 5, 9, 17))
+    engine = GenerationEngine(model, params, num_slots=16, max_len=80)
+    prompts = _prompt_batch(_random_prompts(24, 2, 60, seed=8), list(range(24)))
+    requests = requests_for(prompts, samples_per_prompt=2, seed=SEED, iteration=0)
+    engine.run(requests)
+    rollout = to_rollout(requests, PAD)
+    assert len(set(rollout.response_lengths_B.tolist())) > 5
+    return request.param, model, rollout
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_trainer_recomputes_the_sampler_logprobs_bit_for_bit(sampled, packing):
+    """`response_logprobs` over the left-padded whole sequences (or packed) equals the engine's per-token
+    log-probs on every response token."""
+    backend, model, rollout = sampled
+    with torch.no_grad():
+        recomputed_BR = response_logprobs(model, rollout, TEMPERATURE, packing=packing)
+    mask_BR = rollout.response_mask_BR.bool()
+    assert rollout.sampler_logprobs_BR is not None
+    sampler_M, recomputed_M = rollout.sampler_logprobs_BR[mask_BR], recomputed_BR[mask_BR]
+    torch.testing.assert_close(recomputed_M, sampler_M)
+    assert torch.equal(recomputed_M, sampler_M) == (backend == "exact")
+
+
+def test_the_first_ppo_step_has_a_ratio_of_exactly_one(sampled):
+    """The training forward (autograd on, shuffled micro-batches of 3 compositions, trailing response columns
+    trimmed by `TrainBatch.select`) against the sampler's log-probs as the old ones: exp(new - old) is 1.0 on
+    every response token, so the clipped objective starts at -A with nothing clipped."""
+    backend, model, rollout = sampled
+    assert rollout.sampler_logprobs_BR is not None
+    rng = torch.Generator().manual_seed(0)
+    mask_BR = rollout.response_mask_BR.float()
+    batch = TrainBatch(
+        input_ids_BT=rollout.input_ids_BT,
+        attention_mask_BT=rollout.attention_mask_BT,
+        response_mask_BR=mask_BR,
+        old_logprobs_BR=rollout.sampler_logprobs_BR,
+        old_values_BR=torch.zeros_like(mask_BR),
+        advantages_BR=torch.randn(mask_BR.shape, generator=rng),
+        returns_BR=torch.zeros_like(mask_BR),
+    )
+    model.train()
+    ratios, clipped = [], []
+    try:
+        for index_B in torch.randperm(len(batch), generator=rng).split((5, 19, 24)):
+            micro = batch.select(index_B)
+            logits_BRV = model_response_outputs(model, micro, packing=False)
+            response_BR = micro.input_ids_BT[:, -micro.response_length :]
+            new_BR = logprobs_from_logits(logits_BRV, response_BR, temperature=TEMPERATURE)
+            loss, stats = ppo_policy_loss(
+                new_BR, micro.old_logprobs_BR, micro.advantages_BR, micro.response_mask_BR
+            )
+            loss.backward()
+            ratios.append(torch.exp(new_BR - micro.old_logprobs_BR).detach()[micro.response_mask_BR.bool()])
+            clipped.append(float(stats.clip_fraction))
+    finally:
+        model.eval()
+        model.zero_grad()
+    ratio_M = torch.cat(ratios)
+    torch.testing.assert_close(ratio_M, torch.ones_like(ratio_M))
+    assert clipped == [0.0, 0.0, 0.0]
+    assert bool((ratio_M == 1.0).all()) == (backend == "exact")
