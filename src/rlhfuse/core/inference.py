@@ -20,7 +20,7 @@ from rlhfuse.core.inference_config import reward_choices as reward_choices
 from rlhfuse.core.rewards import Decoder, RewardSet, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.models import Transformer
-from rlhfuse.models.packing import packed_forward, packed_last_token
+from rlhfuse.models.packing import pack_rows, packed_forward, packed_last_token, scatter_rows
 
 TRUNCATED_RM_SCORE = -5.0
 """The reward-model score a truncated response gets under inferencer.truncated_score=auto."""
@@ -49,12 +49,18 @@ def response_logprobs(
     model: Transformer, rollout: Rollout, temperature: float, *, packing: bool = False
 ) -> Tensor:
     """Log-probs [B, R] of the response tokens under `model` (float32); packing=True runs the model on the
-    packed real tokens (`rlhfuse.models.packing`) and the LM head on the response-predicting ones only."""
+    packed real tokens (`rlhfuse.models.packing`), and the LM head and the log-softmax over the vocabulary on the
+    M real response-predicting ones only (0 at padding), never on all B·R positions."""
     if not packing:
         logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
         return logprobs_from_output(logits_BTV, rollout, temperature)
-    logits_BRV = _response_window(model, rollout).float()
-    return logprobs_from_logits(logits_BRV, rollout.response_ids_BR, temperature=temperature)
+    prompt_len = rollout.prompt_ids_BP.shape[1]
+    packed = pack_rows(rollout.attention_mask_BT)
+    picked_M, dest_M, span = packed.window(prompt_len - 1, prompt_len + rollout.response_ids_BR.shape[1] - 1)
+    logits_MV = model.packed_outputs(packed.pack(rollout.input_ids_BT), packed, picked_M).float()
+    ids_M = rollout.response_ids_BR.reshape(-1)[dest_M]
+    logprobs_M = logprobs_from_logits(logits_MV, ids_M, temperature=temperature)
+    return scatter_rows(logprobs_M, dest_M, len(rollout), span)
 
 
 def response_values(critic: Transformer, rollout: Rollout, *, packing: bool = False) -> Tensor:

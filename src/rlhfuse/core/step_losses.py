@@ -4,7 +4,8 @@ Both take a model's output over the whole sequence (prompt + response) and score
 the logits at position t predict token t+1, so the response's R tokens are predicted by positions
 [T-R-1, T-1). Half-precision outputs are promoted to fp32; float64 stays float64 (exact parity tests).
 
-Legend: B batch rows, T tokens (prompt + response), R response tokens, V vocabulary.
+Legend: B batch rows, T tokens (prompt + response), R response tokens, V vocabulary, M real tokens of a packed
+micro-batch's response window.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rlhfuse.core.stats import LossTensors
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import Transformer
 from rlhfuse.models.masks import MaskLayout
-from rlhfuse.models.packing import packed_forward
+from rlhfuse.models.packing import pack_rows, packed_forward, scatter_rows
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -62,6 +63,18 @@ def model_response_outputs(
         packed=None if layout is None else layout.packed,
     )
     return _at_least_fp32(out)
+
+
+def packed_response_rows(
+    model: Transformer, micro: TrainBatch, layout: MaskLayout | None = None
+) -> tuple[Tensor, Tensor]:
+    """`model_response_outputs(packing=True)` left packed: the outputs (logits_MV or values_M, in ≥ fp32) at the
+    M real tokens of the response-predicting window, and their flat index b·R + r in [B, R] (`dest_M`); nothing
+    of size B·R·V is made. layout: as for `model_response_outputs`."""
+    width = micro.input_ids_BT.shape[1]
+    packed = pack_rows(micro.attention_mask_BT) if layout is None or layout.packed is None else layout.packed
+    picked_M, dest_M, _ = packed.window(width - micro.response_length - 1, width - 1)
+    return _at_least_fp32(model.packed_outputs(packed.pack(micro.input_ids_BT), packed, picked_M)), dest_M
 
 
 LogprobsFn = Callable[[Tensor, Tensor, float], Tensor]  # (logits, ids, temperature) -> log-probs
@@ -99,15 +112,24 @@ def response_actor_loss(
     *,
     logprobs_fn: LogprobsFn | None = None,
     entropy_fn: EntropyFn | None = None,
+    dest_M: Tensor | None = None,
 ) -> tuple[Tensor, LossTensors]:
-    """`actor_loss` from the response-predicting logits [B, R, V] alone (`model_response_outputs`)."""
-    logits_BRV = _at_least_fp32(logits_BRV)
+    """`actor_loss` from the response-predicting logits [B, R, V] alone (`model_response_outputs`), or, with
+    dest_M, from a packed forward's logits [M, V] at the real rows of the response window alone
+    (`packed_response_rows`): the log-probs and entropies are then worked out on those M rows and placed in
+    [B, R] (0 at padding, which every term masks out), never on the padded B·R rows."""
+    logits_BRV = _at_least_fp32(logits_BRV)  # [M, V] with dest_M
     response_ids_BR = micro.input_ids_BT[:, micro.input_ids_BT.shape[1] - micro.response_length :]
     entropy_from = entropy_fn or entropy_from_logits
+
+    def placed(x: Tensor) -> Tensor:
+        return x if dest_M is None else scatter_rows(x, dest_M, *response_ids_BR.shape)
+
+    ids = response_ids_BR if dest_M is None else response_ids_BR.reshape(-1)[dest_M]
     if logprobs_fn is None:
-        logprobs_BR = logprobs_from_logits(logits_BRV, response_ids_BR, temperature=temperature)
+        logprobs_BR = placed(logprobs_from_logits(logits_BRV, ids, temperature=temperature))
     else:
-        logprobs_BR = logprobs_fn(logits_BRV, response_ids_BR, temperature)
+        logprobs_BR = placed(logprobs_fn(logits_BRV, ids, temperature))
     loss, pstats = POLICY_LOSSES[algorithm.policy_loss].loss(
         logprobs_BR, micro.old_logprobs_BR, micro.advantages_BR, micro.response_mask_BR, algorithm
     )
@@ -122,9 +144,11 @@ def response_actor_loss(
         )
         loss = loss + algorithm.kl_loss_coef * kl_term
         kl_loss = {"kl_loss": kl_term}
-    entropy = masked_mean(entropy_from(logits_BRV.detach()), micro.response_mask_BR)
+    # one entropy pass: with the bonus its values are the statistic's too
+    entropy_BR = placed(entropy_from(logits_BRV if algorithm.entropy_coef else logits_BRV.detach()))
+    entropy = masked_mean(entropy_BR.detach(), micro.response_mask_BR)
     if algorithm.entropy_coef:
-        loss = loss - algorithm.entropy_coef * masked_mean(entropy_from(logits_BRV), micro.response_mask_BR)
+        loss = loss - algorithm.entropy_coef * masked_mean(entropy_BR, micro.response_mask_BR)
     # statistics stay on the device (no host sync per micro-batch): the step reads them once
     return loss, LossTensors.of(
         loss,

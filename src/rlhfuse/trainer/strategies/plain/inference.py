@@ -89,6 +89,8 @@ class ModelInferencer:
         device = next(self.actor.parameters()).device
         groups = self.groups(rollout)
         rollout = rollout.to(device)
+        if groups == [list(range(len(rollout)))]:  # one forward of every row in order: nothing to place
+            return Experience(rollout, *self._infer(rollout))
         out: list[Tensor] = []
         for g in groups:
             index_G = torch.tensor(g, device=device)

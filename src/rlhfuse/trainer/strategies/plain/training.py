@@ -251,18 +251,22 @@ class PlainStrategy:
         layout = mask_layout(micro.host_mask(), packed=self.packing).to(device)
         micro = micro.to(device)
         coef = self.config.router_aux_loss_coef
+        dest_M: Tensor | None = None  # the logits: [B, R, V], or packed [M, V] at the window's real rows
         with self.fabric.autocast():
             with record_router_logits(self.actor) if coef > 0 else nullcontext() as router_logits:
-                logits_BRV = losses.model_response_outputs(
-                    self.actor, micro, packing=self.packing, layout=layout
-                )
+                if self.packing:
+                    actor_logits, dest_M = losses.packed_response_rows(self.actor, micro, layout)
+                else:
+                    actor_logits = losses.model_response_outputs(
+                        self.actor, micro, packing=False, layout=layout
+                    )
             values_BR = (
                 None
                 if self.critic is None
                 else losses.model_response_outputs(self.critic, micro, packing=self.packing, layout=layout)
             )
         policy_loss, policy_stats = losses.response_actor_loss(
-            logits_BRV, micro, self.algorithm, self.temperature
+            actor_logits, micro, self.algorithm, self.temperature, dest_M=dest_M
         )
         if router_logits:
             # packed: the router saw the real tokens only; padded: every position, the pads masked out
