@@ -270,3 +270,23 @@ def test_sequence_sum_constant_length_defaults_to_max_new_tokens_and_says_so():
         compose_config(["algorithm=dr_grpo", "algorithm.loss_constant_length=7"]), log=said.append
     )
     assert kept.algorithm.loss_constant_length == 7
+
+
+def test_an_off_policy_correction_trains_and_logs_what_it_corrected(cache_dir, tmp_path):
+    """token_mask with bounds [1, 1] leaves out every token whose sampler log-prob differs from the trainer's in
+    any bit: some do on the CPU (other batches round differently), none with exact=true."""
+    strict = ("algorithm.off_policy_correction=token_mask", "algorithm.is_low=1", "algorithm.is_high=1")
+    for name, exact, check in (
+        ("plain", "exact=false", lambda r: 0 < r["off_policy/corrected_fraction"] < 1),
+        (
+            "exact",
+            "exact=true",
+            lambda r: r["off_policy/corrected_fraction"] == 0 == r["rollout/mismatch_kl"],
+        ),
+    ):
+        history = _smoke(cache_dir, tmp_path / name, *strict, exact, "iterations=2").fit()
+        assert all(check(row) for row in history), [
+            (r["off_policy/corrected_fraction"], r["rollout/logprob_abs_diff"]) for r in history
+        ]
+        assert all(0 < row["off_policy/is_weight_mean"] <= 1 for row in history)
+    assert "off_policy/is_weight_mean" not in _smoke(cache_dir, tmp_path / "off", "iterations=1").fit()[0]

@@ -42,6 +42,7 @@ from rlhfuse.algorithms import (
     whiten,
     zero_std_fraction,
 )
+from rlhfuse.algorithms.off_policy import OFF_POLICY_CORRECTIONS
 from rlhfuse.core.algorithm_config import LOSS_AGGREGATIONS as LOSS_AGGREGATIONS  # importable from here too
 from rlhfuse.core.algorithm_config import RENAMED_KEYS as RENAMED_KEYS
 from rlhfuse.core.algorithm_config import AlgorithmConfig as AlgorithmConfig
@@ -205,6 +206,20 @@ def uses_critic(config: AlgorithmConfig) -> bool:
     return algorithm_of(config).uses_critic
 
 
+def _behaviour_logprobs(experience: Experience, config: AlgorithmConfig) -> Tensor | None:
+    """The sampler's log-probs the loss corrects with (algorithm.off_policy_correction), None when it does not."""
+    if not OFF_POLICY_CORRECTIONS[config.off_policy_correction].corrects:
+        return None
+    sampled_BR = experience.rollout.sampler_logprobs_BR
+    if sampled_BR is None:
+        raise ValueError(
+            f"algorithm.off_policy_correction={config.off_policy_correction} needs the sampler's log-probs, which "
+            "this generator did not record (generator=vllm records none with top-k / top-p at a temperature "
+            "other than 1): set algorithm.off_policy_correction=none, or sample without top-k / top-p"
+        )
+    return sampled_BR.to(experience.logprobs_BR.device)
+
+
 def compute_train_batch(
     experience: Experience, config: AlgorithmConfig, *, max_new_tokens: int | None = None
 ) -> tuple[TrainBatch, dict[str, float]]:
@@ -240,6 +255,7 @@ def compute_train_batch(
         advantages_BR=advantages_BR.detach(),
         returns_BR=returns_BR.detach(),
         ref_logprobs_BR=experience.ref_logprobs_BR if config.kl_loss_coef > 0 else None,
+        behaviour_logprobs_BR=_behaviour_logprobs(experience, config),
     )
     stats = {
         "kl/mean": float(masked_mean(kl_BR, mask_BR)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from rlhfuse.algorithms.choices import RatioLevel
+from rlhfuse.algorithms.choices import OffPolicyCorrection, RatioLevel
 from rlhfuse.core.config_checks import choice_problems, need, non_negative, positive
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -98,6 +98,16 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     # Entropy bonus coefficient (0 = off).
     entropy_coef: float = 0.0
+    # Correction of the gap between the sampler's policy and the trainer's old log-probs (the sampler's
+    # per-token log-probs, `rollout/logprob_abs_diff`; rlhfuse.algorithms.off_policy): none | tis (truncated
+    # importance sampling: each token's loss weighted by min(pi_old / pi_sampler, is_cap)) | token_mask (IcePop:
+    # tokens whose ratio is outside [is_low, is_high] leave the loss, the others weighted by it) | sequence_mask
+    # (responses whose geometric-mean ratio is outside [is_low, is_high] leave the loss). Logged when on:
+    # off_policy/is_weight_mean, off_policy/corrected_fraction.
+    off_policy_correction: OffPolicyCorrection = "none"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
 
     def problems(self) -> list[str]:
         from rlhfuse.core.advantages import ALGORITHMS, POLICY_LOSSES  # registries of torch functions
@@ -132,6 +142,13 @@ class AlgorithmConfig:
             self.dual_clip is None or loss is None or loss.dual_clip,
             f"algorithm.dual_clip={self.dual_clip}: algorithm.policy_loss={self.policy_loss} has no clipped "
             "surrogate to bound (it clips the importance weight): set algorithm.dual_clip=null",
+        )
+        need(problems, self.is_cap >= 1, f"algorithm.is_cap={self.is_cap} must be >= 1 (typically 2)")
+        need(
+            problems,
+            0 <= self.is_low <= 1 <= self.is_high,
+            f"algorithm.is_low={self.is_low} and is_high={self.is_high} must bracket 1 (0 <= is_low <= 1 <= "
+            "is_high; typically 0.5 and 2)",
         )
         non_negative(problems, "algorithm.overlong_buffer", self.overlong_buffer, "0 = no overlong shaping")
         non_negative(

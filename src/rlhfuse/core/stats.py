@@ -66,6 +66,11 @@ class LossStats(NamedTuple):
     clip_fraction_high: float = 0.0
     """`clip_fraction` split by the side of the clip range (`rlhfuse.algorithms.PolicyLossStats`); logged as
     policy/clip_fraction_low and _high when the run sets the high side of the range (algorithm.clip_eps_high)."""
+    is_weight_mean: float = 0.0
+    corrected_fraction: float = 0.0
+    """With an off-policy correction (algorithm.off_policy_correction, `rlhfuse.algorithms.off_policy`): the mean
+    importance weight on the tokens (0 for one left out) and the fraction of tokens it truncated or left out;
+    logged as off_policy/is_weight_mean and off_policy/corrected_fraction."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -90,6 +95,8 @@ class LossTensors(NamedTuple):
     router_aux_loss: Tensor
     clip_fraction_low: Tensor
     clip_fraction_high: Tensor
+    is_weight_mean: Tensor
+    corrected_fraction: Tensor
 
     @classmethod
     def of(cls, like: Tensor, **fields: Tensor) -> LossTensors:

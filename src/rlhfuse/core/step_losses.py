@@ -23,6 +23,7 @@ from rlhfuse.algorithms import (
     reduce_loss,
     value_loss,
 )
+from rlhfuse.algorithms.off_policy import Bounds, correct
 from rlhfuse.core.advantages import POLICY_LOSSES, AlgorithmConfig
 from rlhfuse.core.stats import LossTensors
 from rlhfuse.core.types import TrainBatch
@@ -130,8 +131,16 @@ def response_actor_loss(
         logprobs_BR = placed(logprobs_from_logits(logits_BRV, ids, temperature=temperature))
     else:
         logprobs_BR = placed(logprobs_fn(logits_BRV, ids, temperature))
+    advantages_BR, mask_BR, corrected = micro.advantages_BR, micro.response_mask_BR, {}
+    if micro.behaviour_logprobs_BR is not None:  # the sampler's policy corrected for (off_policy_correction)
+        weight_BR, keep_BR, weight, changed = correct(
+            algorithm.off_policy_correction, micro.old_logprobs_BR, micro.behaviour_logprobs_BR, mask_BR,
+            Bounds(algorithm.is_cap, algorithm.is_low, algorithm.is_high),
+        )  # fmt: skip
+        advantages_BR, mask_BR = advantages_BR * weight_BR, mask_BR * keep_BR
+        corrected = {"is_weight_mean": weight, "corrected_fraction": changed}
     loss, pstats = POLICY_LOSSES[algorithm.policy_loss].loss(
-        logprobs_BR, micro.old_logprobs_BR, micro.advantages_BR, micro.response_mask_BR, algorithm
+        logprobs_BR, micro.old_logprobs_BR, advantages_BR, mask_BR, algorithm
     )
     kl_loss: dict[str, Tensor] = {}
     if algorithm.kl_loss_coef > 0:
@@ -159,6 +168,7 @@ def response_actor_loss(
         approx_kl=pstats.approx_kl,
         entropy=entropy,
         **kl_loss,
+        **corrected,
     )
 
 

@@ -258,6 +258,9 @@ class TrainBatch:
     advantages_BR: Tensor
     returns_BR: Tensor
     ref_logprobs_BR: Tensor | None = None
+    behaviour_logprobs_BR: Tensor | None = None
+    """The sampler's log-probs of the response tokens (`Rollout.sampler_logprobs_BR`), float32 [B, R], present
+    only when the loss corrects for the sampler's policy (algorithm.off_policy_correction), else None."""
     host_mask_BT: Tensor | None = None
     """The attention mask's copy in host memory (bool [B, T]) when the batch carries one (`with_host_mask`):
     splitting, trimming, loss weights and mask layouts then read it, not the device's (no host sync). `to` and
@@ -333,6 +336,9 @@ class TrainBatch:
             advantages_BR=rows.advantages_BR[:, :keep],
             returns_BR=rows.returns_BR[:, :keep],
             ref_logprobs_BR=None if rows.ref_logprobs_BR is None else rows.ref_logprobs_BR[:, :keep],
+            behaviour_logprobs_BR=(
+                None if rows.behaviour_logprobs_BR is None else rows.behaviour_logprobs_BR[:, :keep]
+            ),
             host_mask_BT=None if host_BT is None else host_BT[:, : host_BT.shape[1] - drop],
         )
 

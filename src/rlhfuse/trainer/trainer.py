@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from rlhfuse.algorithms.off_policy import OFF_POLICY_CORRECTIONS
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.checkpoint import (
     CheckpointConfig,
@@ -427,7 +428,8 @@ class RLHFTrainer:
     def _loss_term_metrics(self, stats: TrainStats) -> dict[str, float]:
         """The optional loss terms before their coefficients, when the run has them: loss/kl (the KL as a loss
         term), loss/router_aux (a mixture-of-experts Actor's load-balancing loss); and the clip fraction by side
-        when the clip range has its own high side (algorithm.clip_eps_high)."""
+        when the clip range has its own high side (algorithm.clip_eps_high); the off-policy correction's weight
+        and share of corrected tokens when one is on."""
         terms = {}
         if self.config.algorithm.kl_loss_coef > 0:
             terms["loss/kl"] = stats.loss.kl_loss
@@ -436,6 +438,9 @@ class RLHFTrainer:
             terms["policy/clip_fraction_high"] = stats.loss.clip_fraction_high
         if self.config.pipeline.optim.router_aux_loss_coef > 0:
             terms["loss/router_aux"] = stats.loss.router_aux_loss
+        if OFF_POLICY_CORRECTIONS[self.config.algorithm.off_policy_correction].corrects:
+            terms["off_policy/is_weight_mean"] = stats.loss.is_weight_mean
+            terms["off_policy/corrected_fraction"] = stats.loss.corrected_fraction
         return terms
 
     def _rollout_metrics(self, experience: Experience, timings: dict[str, float]) -> dict[str, float]:
