@@ -26,8 +26,10 @@ from rlhfuse.trainer import build_trainer, compose_config
 DAPO = ["experiment=arithmetic", "algorithm=dapo", "data.oversample=1", "eval.every=10"]
 
 
-def main(overrides: list[str]) -> list[dict[str, float]]:
-    config = compose_config([*DAPO, *overrides])
+def main(overrides: list[str], base: list[str] = DAPO) -> list[dict[str, float]]:
+    """The run of `base` + `overrides` (command-line overrides), with its held-out accuracy and what dynamic
+    sampling dropped printed at the end."""
+    config = compose_config([*base, *overrides])
     config.run_dir = config.run_dir or f"outputs/dapo-{time.strftime('%Y%m%d-%H%M%S')}"
     history = build_trainer(config).fit()
     evaluated = [row for row in history if "eval/accuracy" in row]

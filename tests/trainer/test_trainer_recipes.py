@@ -71,3 +71,19 @@ def test_hf_recipe_trains_from_transformers_checkpoints_and_a_jsonl_file(tmp_pat
     assert len(history) == 2 and all(r["response_length/max"] <= 6 for r in history)
     exported = transformers.AutoModelForCausalLM.from_pretrained(run / "actor_hf")
     assert exported.config.num_hidden_layers == 1
+
+
+def test_the_smollm2_dapo_recipe_is_dapo_on_the_real_model_experiment(monkeypatch):
+    """Composed only (the run itself needs `make real-model` and minutes: the note gives a measured run)."""
+    from rlhfuse.trainer import compose_config
+
+    monkeypatch.syspath_prepend(str(RECIPES))  # the recipe imports its sibling, as `python recipes/...` does
+    recipe = _recipe("dapo_smollm2")
+    config = compose_config(recipe.DAPO_SMOLLM2)
+    # algorithm=dapo is GRPO's group baseline (name grpo) with DAPO's loss keys, dynamic sampling the rollout's
+    assert (config.experiment, config.algorithm.name, config.data.oversample) == ("smollm2_arith", "grpo", 1)
+    assert (config.algorithm.clip_eps_high, config.algorithm.loss_agg) == (0.28, "token-mean")
+    assert config.algorithm.overlong_buffer == 0.2
+    # the experiment's settings for a pretrained policy stay
+    assert (config.algorithm.kl_loss_coef, config.pipeline.optim.actor_lr) == (0.04, 1e-6)
+    assert config.eval.every == 5 and config.eval.split_fraction == 0.1
