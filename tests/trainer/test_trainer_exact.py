@@ -37,6 +37,7 @@ def test_exact_true_computes_with_the_exact_backend_and_says_so():
     [
         (["model.attention_backend=te"], "exact=true computes attention with model.attention_backend=exact"),
         (["model.lora.rank=4"], "exact=true with model.lora"),
+        (["generator=vllm"], "exact=true with generator=vllm uses vLLM's batch-invariant mode"),
         (["pipeline=fused", "distributed.nproc_per_node=2", "pipeline.actor_tp=2"],
          "exact=true with pipeline.actor_tp=2"),
     ],
