@@ -23,8 +23,17 @@ from rlhfuse.models import (
     ModelConfig,
     Transformer,
 )
-from rlhfuse.models.attention import PACKED_ATTENTION_BACKENDS, packing_problem
-from rlhfuse.models.exact import TILE_ROWS, InvariantLinear, gelu_tanh, invariant_linear, silu
+from rlhfuse.models.attention import PACKED_ATTENTION_BACKENDS, AttentionSpec, packing_problem
+from rlhfuse.models.exact import (
+    KEY_BLOCK,
+    SCORE_TILE_ROWS,
+    TILE_ROWS,
+    InvariantLinear,
+    exact_attention,
+    gelu_tanh,
+    invariant_linear,
+    silu,
+)
 
 PAD, SEED, VOCAB = 0, 11, 128
 BACKENDS = pytest.mark.parametrize("backend,same", [("exact", True), ("sdpa", False)])
@@ -153,6 +162,167 @@ def test_long_calls_run_in_query_chunks_with_the_same_bits(monkeypatch):
     monkeypatch.setattr("rlhfuse.models.exact.QUERY_CHUNK", 7)
     assert torch.equal(attend(q, k, v, allowed_B1TS), whole)
     assert torch.equal(attend(q, k, v, None), causal)
+
+
+def _per_query_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec=None):
+    """The first `exact_attention`, kept as the reference its faster form must equal bit for bit: every query's
+    allowed keys sorted to the left on their own (an argsort per query) and its values gathered per query."""
+    b, h, t, e = q_BHTE.shape
+    kv_heads, s = k_BKSE.shape[1], k_BKSE.shape[2]
+    group = h // kv_heads
+    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+    if allowed_B1TS is None:
+        t_T = torch.arange(t)
+        distance_TT = t_T[:, None] - t_T[None, :]
+        allowed_B1TS = ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
+    allowed_BTS = allowed_B1TS[:, 0].expand(b, t, s)
+    blocks = -(-s // KEY_BLOCK)
+    slots = blocks * KEY_BLOCK
+    order_BTS = torch.argsort((~allowed_BTS).to(torch.uint8), dim=-1, stable=True)
+    index_BTL = F.pad(order_BTS, (0, slots - s))
+    kept_BTL = torch.arange(slots) < allowed_BTS.sum(-1, keepdim=True)
+    rows = group * t
+    tiles = -(-rows // SCORE_TILE_ROWS)
+    q_ZME = F.pad(q_BHTE.reshape(b * kv_heads, rows, e), (0, 0, 0, tiles * SCORE_TILE_ROWS - rows))
+    k_BKEL = F.pad(k_BKSE, (0, 0, 0, slots - s)).transpose(-1, -2)
+    k_ZEL = k_BKEL[:, :, None].expand(b, kv_heads, tiles, e, slots).reshape(-1, e, slots)
+    scores_ZML = torch.bmm(q_ZME.reshape(-1, SCORE_TILE_ROWS, e), k_ZEL)
+    scores_BKGTL = scores_ZML.view(b, kv_heads, tiles * SCORE_TILE_ROWS, slots)[:, :, :rows]
+    scores_BKGTL = scores_BKGTL.reshape(b, kv_heads, group, t, slots)
+    scores_BKGTL = scores_BKGTL * (scale if scale is not None else e**-0.5)
+    if softcap is not None:
+        scores_BKGTL = torch.tanh(scores_BKGTL / softcap) * softcap
+    scores_BKGTL = scores_BKGTL.gather(-1, index_BTL[:, None, None].expand(b, kv_heads, group, t, slots))
+    wide = torch.promote_types(q_BHTE.dtype, torch.float32)
+    scores_BKGTL = scores_BKGTL.masked_fill(~kept_BTL[:, None, None], float("-inf")).to(wide)
+    weights_BKGTL = torch.exp(scores_BKGTL - scores_BKGTL.amax(-1, keepdim=True))
+    weights_BKGTXC = weights_BKGTL.view(b, kv_heads, group, t, blocks, KEY_BLOCK)
+    sums_BKGTX = weights_BKGTXC.sum(-1)
+    denominator_BKGT = sums_BKGTX[..., 0]
+    for block in range(1, blocks):
+        denominator_BKGT = denominator_BKGT + sums_BKGTX[..., block]
+    base_BK11 = (torch.arange(b * kv_heads) * s).view(b, kv_heads, 1, 1)
+    rows_N = (base_BK11 + index_BTL[:, None]).flatten()
+    v_BKTLE = v_BKSE.reshape(b * kv_heads * s, e).index_select(0, rows_N).to(wide)
+    w_ZGC = weights_BKGTXC.permute(0, 1, 3, 4, 2, 5).reshape(-1, group, KEY_BLOCK)
+    partial_BKTXGE = torch.bmm(w_ZGC, v_BKTLE.view(-1, KEY_BLOCK, e)).view(b, kv_heads, t, blocks, group, e)
+    numerator_BKTGE = partial_BKTXGE[:, :, :, 0]
+    for block in range(1, blocks):
+        numerator_BKTGE = numerator_BKTGE + partial_BKTXGE[:, :, :, block]
+    out_BKGTE = numerator_BKTGE.transpose(2, 3) / denominator_BKGT[..., None]
+    return out_BKGTE.to(q_BHTE.dtype).reshape(b, h, t, e)
+
+
+def _random_masks(rng: torch.Generator, b: int, t: int, s: int) -> dict[str, torch.Tensor]:
+    """[B, 1, T, S] masks as the transformer builds them: left (and right, inner) padding over T == S keys with
+    the pad queries' diagonal; a cache of S slots holding pad slots before and between a row's keys, the T new
+    queries written at its end; each also narrowed to a sliding window of real tokens."""
+    masks = {}
+    if t == s:
+        valid_BT = torch.ones(b, t, dtype=torch.bool)
+        for row in range(b):
+            start = int(torch.randint(0, t, (1,), generator=rng))
+            end = int(torch.randint(start + 1, t + 1, (1,), generator=rng)) if row % 3 == 1 else t
+            valid_BT[row, :start] = False
+            valid_BT[row, end:] = False
+            if row % 5 == 4 and end - start > 4:  # inner padding
+                valid_BT[row, start + 2] = False
+        causal_TT = torch.ones(t, t, dtype=torch.bool).tril()
+        allowed_BTS = (causal_TT & valid_BT[:, None]) | torch.eye(t, dtype=torch.bool)
+        index_BT = valid_BT.long().cumsum(-1) - 1
+        query_index_BT = key_index_BS = index_BT
+    else:
+        key_valid_BS = torch.rand(b, s, generator=rng) > 0.3
+        for row in range(b):  # mostly left padding, then the row's keys in a run
+            start = int(torch.randint(0, s - t, (1,), generator=rng))
+            if row % 2 == 0:
+                key_valid_BS[row, :start] = False
+                key_valid_BS[row, start:] = True
+        write_pos_BT = torch.arange(s - t, s).expand(b, t)
+        s_S = torch.arange(s)
+        allowed_BTS = (s_S <= write_pos_BT[..., None]) & key_valid_BS[:, None]
+        allowed_BTS |= s_S == write_pos_BT[..., None]
+        key_index_BS = key_valid_BS.long().cumsum(-1) - 1
+        query_index_BT = key_index_BS.gather(1, write_pos_BT)
+    masks["padded" if t == s else "cache"] = allowed_BTS[:, None]
+    window = int(torch.randint(2, 40, (1,), generator=rng))
+    distance_BTS = query_index_BT[:, :, None] - key_index_BS[:, None, :]
+    masks["window"] = (allowed_BTS & (distance_BTS < window))[:, None]
+    return masks
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,e,dtype",
+    [
+        (2, 2, 32, torch.float32),
+        (4, 2, 16, torch.float32),
+        (8, 2, 8, torch.float32),
+        (4, 2, 16, torch.bfloat16),
+    ],
+)
+def test_the_row_compacted_attention_has_the_bits_of_the_per_query_one(heads, kv_heads, e, dtype):
+    """`exact_attention` compacts a row's keys once and takes one key's value as it is; the reference sorts and
+    gathers every query's keys. Equal bits on random masks of every kind the model builds (left, right and inner
+    padding with the pad queries' diagonal; caches with pad slots; sliding windows; no mask), with a scale and a
+    soft-cap, for one query (decode), a few, and up to three blocks of keys; float32 and bfloat16."""
+    rng = torch.Generator().manual_seed(0)
+    specs = [None, AttentionSpec(scale=0.3, softcap=5.0)]
+    checked = 0
+    shapes = (
+        (3, 1, 1),
+        (5, 1, 90),
+        (4, 3, 70),
+        (6, 7, 7),
+        (7, 40, 40),
+        (5, 100, 100),
+        (3, 20, 150),
+        (4, 130, 130),
+    )
+    for b, t, s in shapes:
+        q, k, v = (
+            (torch.randn(b, n, m, e, generator=rng) * 2).to(dtype)
+            for n, m in ((heads, t), (kv_heads, s), (kv_heads, s))
+        )
+        masks = _random_masks(rng, b, t, s) if s > 1 else {}
+        if t == s:
+            masks["causal"] = None
+        for name, allowed_B1TS in masks.items():
+            for spec in specs:
+                got = exact_attention(q, k, v, allowed_B1TS, spec)
+                same = torch.equal(got, _per_query_attention(q, k, v, allowed_B1TS, spec))
+                assert same, (b, t, s, name, spec)
+                checked += 1
+        if t == s:
+            spec = AttentionSpec(window=5)
+            assert torch.equal(
+                exact_attention(q, k, v, None, spec), _per_query_attention(q, k, v, None, spec)
+            )
+    assert checked > 20
+
+
+@pytest.mark.parametrize("spec", [None, AttentionSpec(scale=0.3, softcap=5.0), AttentionSpec(window=4)])
+@pytest.mark.parametrize("mask", ["padded", "causal"])
+def test_the_attention_backward_gives_the_gradients_of_its_sums(spec, mask):
+    """`exact_attention`'s backward is plain attention's (recomputed probabilities): q, k and v get the gradients
+    autograd finds through the per-query sums, with left and right padding (pad queries, trailing pad queries),
+    a scale and a soft-cap, a window, and plain causal calls."""
+    rng = torch.Generator().manual_seed(0)
+    t = 40
+    q, k, v = (
+        torch.randn(3, n, t, 16, generator=rng, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2)
+    )
+    valid_BT = torch.ones(3, t, dtype=torch.bool)
+    valid_BT[1, : t // 3] = False
+    valid_BT[2, -(t // 3) :] = False
+    allowed_BTS = (torch.ones(t, t, dtype=torch.bool).tril() & valid_BT[:, None]) | torch.eye(
+        t, dtype=torch.bool
+    )
+    allowed_B1TS = allowed_BTS[:, None] if mask == "padded" else None
+    grad_out = torch.randn(3, 4, t, 16, generator=rng, dtype=torch.float64)
+    got = torch.autograd.grad(exact_attention(q, k, v, allowed_B1TS, spec), (q, k, v), grad_out)
+    want = torch.autograd.grad(_per_query_attention(q, k, v, allowed_B1TS, spec), (q, k, v), grad_out)
+    for got_x, want_x in zip(got, want, strict=True):
+        torch.testing.assert_close(got_x, want_x)
 
 
 def test_exact_runs_packed_sequences_and_speculative_steps():

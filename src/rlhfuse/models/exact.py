@@ -4,7 +4,7 @@ that the sampler's per-token log-probs equal the trainer's recomputation bit for
 
 Legend: N rows (tokens) of a linear, I input features, O output features, X tiles of M = TILE_ROWS rows, Z the
 batch of one bmm; for attention B batch, H query heads, K kv heads, G = H // K, T query tokens, S key positions, E head
-channels, L compacted key slots (S rounded up to whole blocks), X blocks of C = 64 keys.
+channels, L compacted key slots (S rounded up to whole blocks), X blocks of C = 64 keys, N picked (row, query) pairs.
 
 Where a float result depends on the call and not on the row alone, and what this module does instead (measured
 with torch 2.13, CPU build, MKL, AVX512, one thread):
@@ -36,6 +36,10 @@ with torch 2.13, CPU build, MKL, AVX512, one thread):
   per model: measured invariant to the batch count for G = 1 to 16, E = 8 to 256), run in blocks of C = 64
   compacted keys, folded left to right. The blocks a longer call adds past the query's keys are all zeros, and
   x + 0.0 == x. Queries are independent, so long calls run in chunks of `QUERY_CHUNK` queries.
+  The compaction is done once per row, not per query (`exact_attention`): a query whose keys are the first of
+  its row's list has exactly its own compaction there, so the row's queries share its value blocks, and bmm
+  over a stride-0 batch of one block gives each query the bits of its own copy (measured, and tested against the
+  per-query form on random masks). The backward is plain attention's, as the linears' is plain.
 
 Not covered: CUDA (no kernel here is written for it, and cuBLAS picks its algorithm by shape and batch count,
 so the same ops are not expected to be invariant there); several threads splitting one op (exactness is
@@ -44,15 +48,15 @@ generator runs the merged W + B A: different arithmetic, whatever the kernels); 
 linears (`rlhfuse.runtime.tensor_parallel` swaps in its own).
 
 The cost: every linear computes whole 64-row tiles (a decode step of one row pays for 64); attention computes
-every score of the padded [T, L] square, sorts each query's keys and gathers each query's values ([B, K, T, L, E],
-bounded by chunks of `QUERY_CHUNK` queries), where SDPA's fused kernel reads K and V once per block of queries.
-docs/models.md ("Exact (batch-invariant) forward") has the timings. A reference for exactness on the CPU, not a
-fast path.
+every score of the padded [T, L] square, one bmm per row, kv head and block for p . v (a [G, C] gemm per query),
+a block copy per trailing pad query, and reads where its kinds of queries are on the host once per masked call,
+where SDPA's fused kernel reads K and V once per block of queries. docs/models.md ("Exact (batch-invariant)
+forward") has the timings. A reference for exactness on the CPU, not a fast path.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +72,10 @@ SCORE_TILE_ROWS = 16
 KEY_BLOCK = 64
 """Keys summed in one contiguous reduction before the left fold over blocks."""
 QUERY_CHUNK = 256
-"""Queries per pass of `exact_attention` (its gathered values are [B, K, chunk, L, E])."""
+"""Queries per pass of `exact_attention` (its scores are [B, H, chunk, L])."""
+SHARED_BLOCK_QUERIES = 4
+"""Up to this many queries per row, p . v copies each query its value blocks and runs one bmm; past it, one bmm
+per row, kv head and block whose queries share the block's values (fewer calls against fewer copies)."""
 
 
 def _tiled_rows(x_NI: Tensor, weight_OI: Tensor) -> Tensor:
@@ -143,6 +150,39 @@ def _left_fold(x: Tensor, dim: int) -> Tensor:
     return total
 
 
+def _block_values(w_BKXTGC: Tensor, v_BKXCE: Tensor) -> Tensor:
+    """p . v of every query and block, [B * K * X * T, G, E]: [G, C] weights against the [C, E] values of its
+    row's block, one bmm shape (`exact_attention`)."""
+    b, kv_heads, blocks, t, group, _ = w_BKXTGC.shape
+    e = v_BKXCE.shape[-1]
+    if t <= SHARED_BLOCK_QUERIES:  # a few queries: copy each its blocks, one bmm
+        v_ZCE = v_BKXCE[:, :, :, None].expand(b, kv_heads, blocks, t, KEY_BLOCK, e).reshape(-1, KEY_BLOCK, e)
+        return torch.bmm(w_BKXTGC.reshape(-1, group, KEY_BLOCK), v_ZCE)
+    # one bmm per row, kv head and block, its queries sharing the block's values (stride 0: no copy)
+    return torch.cat(
+        [
+            torch.bmm(w_TGC, v_CE.expand(t, KEY_BLOCK, e))
+            for w_XTGC, v_XCE in zip(w_BKXTGC.flatten(0, 1), v_BKXCE.flatten(0, 1), strict=True)
+            for w_TGC, v_CE in zip(w_XTGC, v_XCE, strict=True)
+        ]
+    )
+
+
+class _Lists(NamedTuple):
+    """Where each query's allowed keys sit in its row's list of keys (`exact_attention`)."""
+
+    row_BS: Tensor
+    """The row's keys (those of its last query); compacted once per row, in position order."""
+    prefix_BT: Tensor
+    """Query t's keys start with the row's first prefix_BT[b, t] keys ..."""
+    extra_BT: Tensor | None = None
+    """... followed by this one key past them, at slot prefix_BT[b, t] (-1: none; None: no query has one)."""
+    extended_N: tuple[Tensor, Tensor] | None = None
+    """(row, query) of the queries with an extra key (read on the host: they get a block of their own)."""
+    single_BT: Tensor | None = None
+    """Queries allowed one key alone (a pad query): they take that key's value."""
+
+
 def exact_attention(
     q_BHTE: Tensor,
     k_BKSE: Tensor,
@@ -153,15 +193,83 @@ def exact_attention(
     """softmax(q k^T * scale) v over each query's allowed keys, computed on those keys alone, in position order
     (module docstring): the same bits for a query whatever the call's padding, batch or cache layout. Takes what
     every backend takes (`rlhfuse.models.attention`): no mask = plain causal over T == S (within `spec.window`
-    when set); a window, a scale and a soft-cap as the layer's spec says (None: plain attention).
+    when set); a window, a scale and a soft-cap as the layer's spec says (None: plain attention). The backward
+    is plain attention's (`_ExactAttention`)."""
+    return _ExactAttention.apply(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
 
-    Every gemm is one fixed shape per model, batched by bmm (only the batch count changes with the call): the
-    scores as 16-row tiles of queries against a kv head's keys, p . v as [G, C] weights against [C, E] values
-    per query and block."""
-    b, h, t, e = q_BHTE.shape
-    kv_heads, s = k_BKSE.shape[1], k_BKSE.shape[2]
-    group = h // kv_heads
-    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+
+class _ExactAttention(torch.autograd.Function):
+    """`_exact_forward`; a plain backward (gradients need no batch invariance, as the linears'): the softmax's
+    probabilities recomputed over the whole [T, S] mask with plain ops, then attention's gradients, instead of
+    the backward of every gather, fill and small bmm of the forward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, allowed_B1TS: Tensor | None, spec: Any
+    ) -> Tensor:
+        ctx.save_for_backward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS)
+        ctx.spec = spec
+        return _exact_forward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad_BHTE: Tensor) -> tuple[Tensor | None, ...]:
+        q_BHTE, k_BKSE, v_BKSE, allowed_B1TS = ctx.saved_tensors
+        spec = ctx.spec
+        b, h, t, e = q_BHTE.shape
+        kv_heads = k_BKSE.shape[1]
+        group = h // kv_heads
+        window, scale, softcap = (
+            (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+        )
+        scale = scale if scale is not None else e**-0.5
+        if allowed_B1TS is None:
+            t_T = torch.arange(t, device=q_BHTE.device)
+            distance_TT = t_T[:, None] - t_T[None, :]
+            allowed_B1TS = ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
+        wide = torch.promote_types(q_BHTE.dtype, torch.float32)
+        q_BKGTE = q_BHTE.to(wide).view(b, kv_heads, group, t, e)
+        k_BK1SE, v_BK1SE = k_BKSE.to(wide)[:, :, None], v_BKSE.to(wide)[:, :, None]
+        grad_BKGTE = grad_BHTE.to(wide).view(b, kv_heads, group, t, e)
+        scores_BKGTS = q_BKGTE @ k_BK1SE.transpose(-1, -2) * scale
+        if softcap is not None:
+            capped_BKGTS = torch.tanh(scores_BKGTS / softcap)
+            scores_BKGTS = capped_BKGTS * softcap
+        scores_BKGTS = scores_BKGTS.masked_fill(~allowed_B1TS[:, :, None], float("-inf"))
+        p_BKGTS = torch.softmax(scores_BKGTS, dim=-1)
+        grad_p_BKGTS = grad_BKGTE @ v_BK1SE.transpose(-1, -2)
+        grad_scores_BKGTS = p_BKGTS * (grad_p_BKGTS - (p_BKGTS * grad_p_BKGTS).sum(-1, keepdim=True))
+        if softcap is not None:
+            grad_scores_BKGTS = grad_scores_BKGTS * (1 - capped_BKGTS * capped_BKGTS)
+        grad_scores_BKGTS = grad_scores_BKGTS * scale
+        grad_q = (grad_scores_BKGTS @ k_BK1SE).reshape(b, h, t, e).to(q_BHTE.dtype)
+        grad_k = (grad_scores_BKGTS.transpose(-1, -2) @ q_BKGTE).sum(2).to(k_BKSE.dtype)
+        grad_v = (p_BKGTS.transpose(-1, -2) @ grad_BKGTE).sum(2).to(v_BKSE.dtype)
+        return grad_q, grad_k, grad_v, None, None
+
+
+def _exact_forward(
+    q_BHTE: Tensor,
+    k_BKSE: Tensor,
+    v_BKSE: Tensor,
+    allowed_B1TS: Tensor | None,
+    spec: AttentionSpec | None,
+) -> Tensor:
+    """`exact_attention`'s forward.
+
+    A row's keys are compacted once per row (its last query's keys), not once per query: a query whose allowed
+    keys are the row's first ones has, on them, exactly its own compaction (causal attention over left padding
+    or over a cache: every prefill and training call). A query with one key past those (a trailing pad query's
+    own key) gets its own copy of the one block holding it; a query allowed one key alone (a pad query) gets
+    that key's value, which is what the sums give it. Any other query (a sliding window past its first keys)
+    is computed again as a row of its own. Telling them apart reads their places on the host, once per masked
+    call of more than one query."""
+    b, t, s = q_BHTE.shape[0], q_BHTE.shape[2], k_BKSE.shape[2]
+    window = None if spec is None else spec.window
+    plain_causal = allowed_B1TS is None and (window or t) >= t
+    if plain_causal and t <= QUERY_CHUNK:  # query t's keys: the row's first t + 1
+        every_BS = torch.ones(b, s, dtype=torch.bool, device=q_BHTE.device)
+        prefix_BT = torch.arange(1, t + 1, device=q_BHTE.device).expand(b, t)
+        return _row_compacted(q_BHTE, k_BKSE, v_BKSE, _Lists(every_BS, prefix_BT), spec)
     if allowed_B1TS is None:
         t_T = torch.arange(t, device=q_BHTE.device)
         distance_TT = t_T[:, None] - t_T[None, :]
@@ -169,7 +277,7 @@ def exact_attention(
     if t > QUERY_CHUNK:  # each query's result is its own: chunks give the same bits in less memory
         return torch.cat(
             [
-                exact_attention(q_BHTE[:, :, i : i + QUERY_CHUNK], k_BKSE, v_BKSE, mask_B1TS, spec)
+                _exact_forward(q_BHTE[:, :, i : i + QUERY_CHUNK], k_BKSE, v_BKSE, mask_B1TS, spec)
                 for i, mask_B1TS in zip(
                     range(0, t, QUERY_CHUNK), allowed_B1TS.split(QUERY_CHUNK, dim=2), strict=True
                 )
@@ -177,12 +285,79 @@ def exact_attention(
             dim=2,
         )
     allowed_BTS = allowed_B1TS[:, 0].expand(b, t, s)
+    if t == 1:  # a lone query's keys are its row's
+        return _row_compacted(q_BHTE, k_BKSE, v_BKSE, _Lists(allowed_BTS[:, 0], allowed_BTS.sum(-1)), spec)
+    lists, other_N = _query_lists(allowed_BTS)
+    out_BHTE = _row_compacted(q_BHTE, k_BKSE, v_BKSE, lists, spec)
+    if len(other_N[0]) == 0:
+        return out_BHTE
+    row_N, query_N = other_N
+    redone_NH1E = _row_compacted(
+        q_BHTE[row_N, :, query_N, None],
+        k_BKSE[row_N],
+        v_BKSE[row_N],
+        _Lists(allowed_BTS[row_N, query_N], allowed_BTS[row_N, query_N].sum(-1, keepdim=True)),
+        spec,
+    )
+    out_BTHE = out_BHTE.transpose(1, 2).index_put((row_N, query_N), redone_NH1E[:, :, 0])
+    return out_BTHE.transpose(1, 2)
+
+
+def _query_lists(allowed_BTS: Tensor) -> tuple[_Lists, tuple[Tensor, Tensor]]:
+    """Each query's keys as the row's first ones, maybe one more past them, or one key alone; and (row, query)
+    of the others, which need a row of their own. One host read: where the extended and the other queries are."""
+    s = allowed_BTS.shape[-1]
+    s_S = torch.arange(s, device=allowed_BTS.device, dtype=torch.int32)
+    row_BS = allowed_BTS[:, -1]
+    rank_BS = row_BS.cumsum(-1) - 1
+    in_row_BTS = allowed_BTS & row_BS[:, None]
+    prefix_BT = in_row_BTS.sum(-1)
+    outside_BT = allowed_BTS.sum(-1) - prefix_BT
+    # the in-row keys are the row's first ones when the last of them has rank prefix - 1
+    last_in_row_BT = torch.where(in_row_BTS, s_S, -1).amax(-1)
+    is_prefix_BT = rank_BS.gather(1, last_in_row_BT.clamp(min=0).long()) == prefix_BT - 1
+    is_prefix_BT |= prefix_BT == 0
+    first_outside_BT = torch.where(allowed_BTS & ~row_BS[:, None], s_S, s).amin(-1)
+    past_row_BT = first_outside_BT > last_in_row_BT
+    first_outside_BT = first_outside_BT.long()
+    single_BT = prefix_BT + outside_BT == 1
+    extended_BT = ~single_BT & is_prefix_BT & (outside_BT == 1) & past_row_BT
+    other_BT = ~single_BT & ~extended_BT & ~(is_prefix_BT & (outside_BT == 0))
+    extra_BT = torch.where(extended_BT | (single_BT & (outside_BT == 1)), first_outside_BT, -1)
+    found_N3 = torch.stack([extended_BT, other_BT]).nonzero().cpu()  # the host read
+    extended_N3, other_N3 = (found_N3[found_N3[:, 0] == kind].to(allowed_BTS.device) for kind in (0, 1))
+    extended_N = (extended_N3[:, 1], extended_N3[:, 2])
+    lists = _Lists(row_BS, prefix_BT, extra_BT, extended_N, single_BT)
+    return lists, (other_N3[:, 1], other_N3[:, 2])
+
+
+def _row_compacted(
+    q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, lists: _Lists, spec: AttentionSpec | None
+) -> Tensor:
+    """Attention of each query over its keys as `lists` places them in its row's list, compacted to the left in
+    position order: the sums of `exact_attention`, the row's keys gathered once per row.
+
+    Every gemm is one fixed shape per model, batched by bmm (only the batch count changes with the call): the
+    scores as 16-row tiles of queries against a kv head's keys, p . v as [G, C] weights against [C, E] values
+    per query and block (the row's queries share a block's values: a stride-0 batch, no copy)."""
+    b, h, t, e = q_BHTE.shape
+    kv_heads, s = k_BKSE.shape[1], k_BKSE.shape[2]
+    group = h // kv_heads
+    scale, softcap = (None, None) if spec is None else (spec.scale, spec.softcap)
     blocks = -(-s // KEY_BLOCK)
     slots = blocks * KEY_BLOCK
-    # each query's allowed keys first, in position order (a stable sort of "not allowed"), then the rest
-    order_BTS = torch.argsort((~allowed_BTS).to(torch.uint8), dim=-1, stable=True)
-    index_BTL = F.pad(order_BTS, (0, slots - s))
-    kept_BTL = torch.arange(slots, device=q_BHTE.device) < allowed_BTS.sum(-1, keepdim=True)
+    # the row's keys first, in position order (a stable sort of "not in the row"), then the rest
+    order_BS = torch.argsort((~lists.row_BS).to(torch.uint8), dim=-1, stable=True)
+    index_BL = F.pad(order_BS, (0, slots - s))
+    slot_L = torch.arange(slots, device=q_BHTE.device)
+    index_BTL = index_BL[:, None].expand(b, t, slots)
+    count_BT = lists.prefix_BT
+    if lists.extra_BT is not None:  # a key past the row's first ones: in the slot after them
+        has_extra_BT = lists.extra_BT >= 0
+        count_BT = count_BT + has_extra_BT
+        is_extra_BTL = (slot_L == lists.prefix_BT[..., None]) & has_extra_BT[..., None]
+        index_BTL = torch.where(is_extra_BTL, lists.extra_BT[..., None], index_BTL)
+    kept_BTL = slot_L < count_BT[..., None]
 
     # scores: the G x T queries of each kv head in 16-row tiles, against its keys (zero keys up to L: N >= 2)
     rows = group * t
@@ -191,25 +366,68 @@ def exact_attention(
     k_BKEL = F.pad(k_BKSE, (0, 0, 0, slots - s)).transpose(-1, -2)
     k_ZEL = k_BKEL[:, :, None].expand(b, kv_heads, tiles, e, slots).reshape(-1, e, slots)
     scores_ZML = torch.bmm(q_ZME.reshape(-1, SCORE_TILE_ROWS, e), k_ZEL)
+    # in place from here on: the forward runs without autograd (`_ExactAttention`)
+    scores_ZML.mul_(scale if scale is not None else e**-0.5)
+    if softcap is not None:
+        scores_ZML.div_(softcap).tanh_().mul_(softcap)
     scores_BKGTL = scores_ZML.view(b, kv_heads, tiles * SCORE_TILE_ROWS, slots)[:, :, :rows]
     scores_BKGTL = scores_BKGTL.reshape(b, kv_heads, group, t, slots)
-    scores_BKGTL = scores_BKGTL * (scale if scale is not None else e**-0.5)
-    if softcap is not None:
-        scores_BKGTL = torch.tanh(scores_BKGTL / softcap) * softcap
-    # ... compacted: slot l of query t holds its l-th allowed key, slots past its last one are empty
-    scores_BKGTL = scores_BKGTL.gather(-1, index_BTL[:, None, None].expand(b, kv_heads, group, t, slots))
+    # ... compacted: slot l of query t holds its l-th key, slots past its last one are empty
+    index_BKGTL = index_BTL[:, None, None].expand(b, kv_heads, group, t, slots)
+    empty_B11TL = ~kept_BTL[:, None, None]
     wide = torch.promote_types(q_BHTE.dtype, torch.float32)
-    scores_BKGTL = scores_BKGTL.masked_fill(~kept_BTL[:, None, None], float("-inf")).to(wide)
-    weights_BKGTL = torch.exp(scores_BKGTL - scores_BKGTL.amax(-1, keepdim=True))
+    scores_BKGTL = scores_BKGTL.gather(-1, index_BKGTL).masked_fill_(empty_B11TL, float("-inf")).to(wide)
+    # exp(-inf) = 0 written as 0: exp takes a slow path on -inf (and the empty slots are most of a short call)
+    scores_BKGTL.sub_(scores_BKGTL.amax(-1, keepdim=True)).masked_fill_(empty_B11TL, 0.0)
+    weights_BKGTL = scores_BKGTL.exp_().masked_fill_(empty_B11TL, 0.0)
 
     # the softmax denominator and p . v in blocks of C keys, the blocks folded left to right
     weights_BKGTXC = weights_BKGTL.view(b, kv_heads, group, t, blocks, KEY_BLOCK)
     denominator_BKGT = _left_fold(weights_BKGTXC.sum(-1), -1)
-    base_BK11 = (torch.arange(b * kv_heads, device=q_BHTE.device) * s).view(b, kv_heads, 1, 1)
-    rows_N = (base_BK11 + index_BTL[:, None]).flatten()
-    v_BKTLE = v_BKSE.reshape(b * kv_heads * s, e).index_select(0, rows_N).to(wide)
-    w_ZGC = weights_BKGTXC.permute(0, 1, 3, 4, 2, 5).reshape(-1, group, KEY_BLOCK)
-    partial_BKTXGE = torch.bmm(w_ZGC, v_BKTLE.view(-1, KEY_BLOCK, e)).view(b, kv_heads, t, blocks, group, e)
-    numerator_BKGTE = _left_fold(partial_BKTXGE, 3).transpose(2, 3)
-    out_BKGTE = numerator_BKGTE / denominator_BKGT[..., None]
-    return out_BKGTE.to(q_BHTE.dtype).reshape(b, h, t, e)
+    first_BK1 = (torch.arange(b * kv_heads, device=q_BHTE.device) * s).view(b, kv_heads, 1)
+    # index_select copies whole rows of E (a gather on E would read an index per element)
+    rows_N = (first_BK1 + index_BL[:, None]).flatten()
+    v_BKLE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).view(b, kv_heads, slots, e)
+    v_BKXCE = v_BKLE.view(b, kv_heads, blocks, KEY_BLOCK, e)
+    w_BKXTGC = weights_BKGTXC.permute(0, 1, 4, 3, 2, 5)  # a view: bmm reads each [G, C] matrix in place
+    partial_ZGE = _block_values(w_BKXTGC, v_BKXCE)
+    partial_BKXTGE = partial_ZGE.view(b, kv_heads, blocks, t, group, e)
+    if lists.extended_N is not None and len(lists.extended_N[0]) > 0:
+        partial_BKXTGE = _extended_blocks(partial_BKXTGE, w_BKXTGC, v_BKLE, v_BKSE, lists)
+    numerator_BKTGE = _left_fold(partial_BKXTGE, 2)
+    out_BKGTE = numerator_BKTGE.transpose(2, 3) / denominator_BKGT[..., None]
+    out_BHTE = out_BKGTE.to(q_BHTE.dtype).reshape(b, h, t, e)
+    if lists.single_BT is not None:
+        # one key alone: weight exp(0) = 1 on it, 0 on every other slot, a denominator of 1: its value, exactly
+        rows_N = (first_BK1 + index_BTL[:, None, :, 0]).flatten()
+        value_BKTE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).to(q_BHTE.dtype)
+        value_BHTE = value_BKTE.view(b, kv_heads, t, e).repeat_interleave(group, dim=1)
+        out_BHTE = torch.where(lists.single_BT[:, None, :, None], value_BHTE, out_BHTE)
+    return out_BHTE
+
+
+def _extended_blocks(
+    partial_BKXTGE: Tensor, w_BKXTGC: Tensor, v_BKLE: Tensor, v_BKSE: Tensor, lists: _Lists
+) -> Tensor:
+    """p . v of the block holding each extended query's extra key, again, with that key's value in its slot
+    (the row's blocks hold the row's next key there): a copy of one block per such query."""
+    assert lists.extra_BT is not None and lists.extended_N is not None
+    kv_heads, slots, e = v_BKLE.shape[1:]
+    row_N, query_N = lists.extended_N
+    n = len(row_N)
+    slot_N = lists.prefix_BT[row_N, query_N]
+    block_N, within_N = slot_N // KEY_BLOCK, slot_N % KEY_BLOCK
+    k_K = torch.arange(kv_heads, device=row_N.device)
+    blocks_NK = (row_N[:, None] * kv_heads + k_K) * (slots // KEY_BLOCK) + block_N[:, None]
+    values_NKCE = v_BKLE.reshape(-1, KEY_BLOCK * e).index_select(0, blocks_NK.flatten())
+    values_NKCE = values_NKCE.view(n, kv_heads, KEY_BLOCK, e)
+    extra_NKE = v_BKSE[row_N, :, lists.extra_BT[row_N, query_N]].to(v_BKLE.dtype)
+    values_NKCE[torch.arange(n, device=row_N.device), :, within_N] = extra_NKE
+    weights_NKGC = w_BKXTGC[row_N, :, block_N, query_N]
+    group = weights_NKGC.shape[2]
+    redone_ZGE = torch.bmm(weights_NKGC.reshape(-1, group, KEY_BLOCK), values_NKCE.view(-1, KEY_BLOCK, e))
+    partial_BXTKGE = partial_BKXTGE.permute(0, 2, 3, 1, 4, 5)
+    partial_BXTKGE = partial_BXTKGE.index_put(
+        (row_N, block_N, query_N), redone_ZGE.view(n, kv_heads, group, e)
+    )
+    return partial_BXTKGE.permute(0, 3, 1, 2, 4, 5)
