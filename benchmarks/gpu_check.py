@@ -1509,26 +1509,6 @@ def real_model_missing() -> str:
     return f"no converted SmolLM2-135M-Instruct at {real_model_dir()}: run `make real-model` (or set RLHFUSE_REAL_MODEL)"
 
 
-class _RecordingGreedy:
-    """A `TokenChoice` (`rlhfuse.generation.engine`) that chooses greedily, as the engine's own does, and keeps
-    each chosen token's log-prob under the logits it chose from: the engine's view of its tokens (the prefill's
-    last position, then KV-cached decode steps). One sample per engine: a step's logits are one row."""
-
-    lockstep = False
-
-    def __init__(self) -> None:
-        self.logprobs: list[torch.Tensor] = []
-
-    def greedy(self, logits_NV: torch.Tensor) -> torch.Tensor:
-        tokens_N = logits_NV.argmax(dim=-1)
-        chosen_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, tokens_N[:, None]).squeeze(-1)
-        self.logprobs.append(chosen_N)
-        return tokens_N
-
-    def sample(self, logits_NV: torch.Tensor, uniforms_N: torch.Tensor, params: Any) -> torch.Tensor:
-        raise AssertionError("the real-checkpoint row decodes greedily")
-
-
 def _engine_vs_trainer(
     engine_model: Any, model: Any, tokenizer: Any, prompts: tuple[str, ...], new_tokens: int, autocast: Any
 ) -> tuple[torch.Tensor, float, int]:
@@ -1544,10 +1524,7 @@ def _engine_vs_trainer(
     diffs, agree = [], 0
     for i, text in enumerate(prompts):
         ids = tokenizer.encode_chat([{"role": "user", "content": text}])
-        choice = _RecordingGreedy()
-        engine = GenerationEngine(
-            engine_model, params, num_slots=1, max_len=len(ids) + new_tokens, choice=choice
-        )
+        engine = GenerationEngine(engine_model, params, num_slots=1, max_len=len(ids) + new_tokens)
         request = SampleRequest(
             row=0, prompt_index=i, sample_index=0, group=0, seed=0, prompt_P=torch.tensor(ids)
         )
@@ -1556,7 +1533,7 @@ def _engine_vs_trainer(
         with torch.no_grad(), autocast:
             logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
         trainer_R = logprobs_from_output(logits_BTV, rollout, temperature=1.0)[0]
-        engine_R = torch.cat(choice.logprobs)
+        engine_R = torch.tensor(done.logprobs, device=device)  # the log-probs the engine recorded
         assert engine_R.shape == trainer_R.shape == (len(done.tokens),), (engine_R.shape, trainer_R.shape)
         diffs.append((engine_R - trainer_R).abs())
         argmax_R = logits_BTV[0, len(ids) - 1 : -1].argmax(dim=-1)
