@@ -519,15 +519,9 @@ class GenerationEngine:
         return finished
 
     def _sample(self, logits_BV: Tensor, requests: Sequence[SampleRequest]) -> tuple[Tensor, Tensor]:
-        """Each row's token and its log-prob (long [B], float32 [B])."""
-        p = self.params
-        if p.temperature == 0:
-            tokens_B = self.choice.greedy(logits_BV)
-        else:
-            n = p.max_new_tokens
-            uniforms_B = torch.tensor([r.uniforms(n)[len(r.tokens)] for r in requests], dtype=torch.float64)
-            tokens_B = self.choice.sample(logits_BV, upload(uniforms_B, logits_BV.device), p)
-        return tokens_B, self.choice.logprobs(logits_BV, tokens_B, logprob_temperature(p))
+        """Each row's next token and its log-prob (long [B], float32 [B]): `_sample_positions` of one position."""
+        tokens_B1, logprobs_B1 = self._sample_positions(logits_BV[:, None], requests, 1)
+        return tokens_B1[:, 0], logprobs_B1[:, 0]
 
     def _sample_positions(
         self, logits_BTV: Tensor, requests: Sequence[SampleRequest], width: int
@@ -537,25 +531,22 @@ class GenerationEngine:
         their log-probs (float32 [B, width])."""
         p = self.params
         logits_NV = logits_BTV.flatten(0, 1)
-        tokens_N = self._choose_positions(logits_NV, requests, width)
+        if p.temperature == 0:
+            tokens_N = self.choice.greedy(logits_NV)
+        else:
+            n = p.max_new_tokens
+            # positions past max_new_tokens are never kept: any uniform will do for them
+            uniforms_N = torch.tensor(
+                [
+                    r.uniforms(n)[min(t, n - 1)]
+                    for r in requests
+                    for t in range(len(r.tokens), len(r.tokens) + width)
+                ],
+                dtype=torch.float64,
+            )
+            tokens_N = self.choice.sample(logits_NV, upload(uniforms_N, logits_NV.device), p)
         logprobs_N = self.choice.logprobs(logits_NV, tokens_N, logprob_temperature(p))
         return tokens_N.view(len(requests), width), logprobs_N.view(len(requests), width)
-
-    def _choose_positions(self, logits_NV: Tensor, requests: Sequence[SampleRequest], width: int) -> Tensor:
-        p = self.params
-        if p.temperature == 0:
-            return self.choice.greedy(logits_NV)
-        n = p.max_new_tokens
-        # positions past max_new_tokens are never kept: any uniform will do for them
-        uniforms_N = torch.tensor(
-            [
-                r.uniforms(n)[min(t, n - 1)]
-                for r in requests
-                for t in range(len(r.tokens), len(r.tokens) + width)
-            ],
-            dtype=torch.float64,
-        )
-        return self.choice.sample(logits_NV, upload(uniforms_N, logits_NV.device), p)
 
     def _track(self, request: SampleRequest) -> None:
         if self.speculative != "off":
