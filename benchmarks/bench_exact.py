@@ -15,14 +15,12 @@ Figures per workload and side (`exact`, `sdpa`): `generation_s`, `inference_s`, 
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from benchmarks.bench_runs import train
 
 PHASES = {"generation": "time/generation", "inference": "time/inference", "training": "time/training",
           "iteration": "time/iteration"}  # fmt: skip
@@ -34,14 +32,7 @@ WORKLOADS: dict[str, tuple[str, ...]] = {
 
 
 def _run(tmp: Path, name: str, overrides: tuple[str, ...]) -> list[dict[str, float]]:
-    run_dir = tmp / name
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1")
-    subprocess.run(
-        [sys.executable, "-m", "rlhfuse.trainer.train_command", *overrides, "logger=quiet",
-         f"model.warmstart.cache_dir={tmp / 'cache'}", f"hydra.run.dir={run_dir}"],
-        check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train(overrides, tmp / name, tmp / "cache")[1]
 
 
 def workload(tmp: Path, name: str, overrides: tuple[str, ...], repeats: int) -> dict[str, Any]:

@@ -18,7 +18,6 @@ removed) in a temporary folder. `make bench BENCH=overhead` (or `python -m bench
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import statistics
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_runs import train
 from benchmarks.bench_startup import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,18 +79,7 @@ def baseline_src() -> Iterator[Path]:
 
 def one_run(src: Path, folder: Path, extra: list[str]) -> dict[str, float]:
     """One training run on the sources under `src`: the median seconds of each phase over its steady iterations."""
-    env = dict(
-        os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1"
-    )
-    command = [sys.executable, "-m", "rlhfuse.trainer.train_command", f"iterations={ITERATIONS}"]
-    subprocess.run(
-        [*command, *extra, f"hydra.run.dir={folder}"],
-        env=env,
-        cwd=folder.parent,
-        check=True,
-        capture_output=True,
-    )
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][STEADY]
+    rows = train([f"iterations={ITERATIONS}", *extra], folder, env={"PYTHONPATH": str(src)})[1][STEADY]
     return {phase: statistics.median(row[f"time/{phase}"] for row in rows) for phase in PHASES}
 
 

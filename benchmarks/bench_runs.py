@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,24 @@ ALGORITHMS = {
 }
 
 
-def _train(overrides: list[str], run_dir: Path, cache: Path) -> tuple[float, list[dict[str, float]]]:
-    """Wall seconds of one `rlhfuse-train` process and its metrics, one row per iteration."""
+def train(
+    overrides: Sequence[str],
+    run_dir: Path,
+    cache: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> tuple[float, list[dict[str, float]]]:
+    """Wall seconds of one `rlhfuse-train` process (one thread) and its metrics, one row per iteration; `cache`:
+    the warm starts' folder (RLHFUSE_CACHE; None: the default); `env`: more of its environment (e.g. PYTHONPATH
+    naming another checkout's src)."""
     cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", *overrides, "logger=quiet",
            f"hydra.run.dir={run_dir}"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHFUSE_CACHE": str(cache)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **({"RLHFUSE_CACHE": str(cache)} if cache else {}),
+        **(env or {}),
+    }
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
@@ -78,7 +92,7 @@ def _iteration(row: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]
 def default_job(tmp: Path) -> dict[str, Any]:
     cache = tmp / "cache-default"
     warm = _warm_start_s([], cache)
-    wall, rows = _train([], tmp / "default", cache)
+    wall, rows = train([], tmp / "default", cache)
     keys = ("reward/mean", "task/score", "response_length/p50", "response_length/p99", "response_length/max")
     first, last = rows[0], rows[-1]
     print(f"default job: warm start {warm:.1f} s (empty cache), then the run {wall:.1f} s ({len(rows)} iterations); "
@@ -104,7 +118,7 @@ def default_job(tmp: Path) -> dict[str, Any]:
 def arithmetic(
     tmp: Path, cache: Path, name: str, overrides: tuple[str, ...], seed: int = 0
 ) -> dict[str, Any]:
-    wall, rows = _train(
+    wall, rows = train(
         ["experiment=arithmetic", "eval.every=5", f"seed={seed}", *overrides], tmp / f"{name}-{seed}", cache
     )
     evaluated = [row["eval/accuracy"] for row in rows if "eval/accuracy" in row]
