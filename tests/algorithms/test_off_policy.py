@@ -37,7 +37,7 @@ def test_each_correction_weights_and_keeps_tokens_by_its_rule():
     weight, keep, mean, changed = _weights("sequence_mask")  # row 1's geometric mean 4 > 2: the whole row
     assert keep == [[True] * 3, [False] * 3] and weight == [1.0] * 3 + [0.0] * 3
     assert changed == pytest.approx(0.5)
-    assert sorted(OFF_POLICY_CORRECTIONS) == ["none", "sequence_mask", "tis", "token_mask"]
+    assert sorted(OFF_POLICY_CORRECTIONS) == ["auto", "none", "sequence_mask", "tis", "token_mask"]
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from rlhfuse.planner.plan_simulator import TrainLayout, TrainResult
 from rlhfuse.planner.specs import gpu_preset
 from rlhfuse.trainer import build_trainer, compose_config, planning, validate
 from rlhfuse.trainer.planning import plan_config
+from rlhfuse.trainer.run_config import resolve_components
 from rlhfuse.trainer.strategies.pipelines.config import validate_runtime
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "smoke_metrics.json"
@@ -39,7 +40,8 @@ def test_plan_manual_is_the_default_and_changes_nothing(monkeypatch, cache_dir, 
     monkeypatch.setattr(planning, "plan_config", boom)
     cfg = compose_config(["experiment=smoke", f"model.warmstart.cache_dir={cache_dir}"])
     trainer = build_trainer(cfg, run_dir=tmp_path, log=lambda _: None)
-    assert trainer.config == cfg
+    # the configuration as given, with only the printed component rules applied (off_policy_correction=auto)
+    assert trainer.config == resolve_components(cfg, log=lambda _: None)
 
 
 def test_unknown_plan_value_names_the_key():

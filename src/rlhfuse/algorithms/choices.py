@@ -6,6 +6,6 @@ from typing import Literal
 RatioLevel = Literal["token", "sequence"]
 """Which importance ratio a policy loss weighs (`rlhfuse.algorithms.losses`, module docstring)."""
 
-OffPolicyCorrection = Literal["none", "tis", "token_mask", "sequence_mask"]
+OffPolicyCorrection = Literal["auto", "none", "tis", "token_mask", "sequence_mask"]
 """How the policy loss corrects for the sampler's policy differing from the one the trainer's old log-probs come
 from (`rlhfuse.algorithms.off_policy`)."""

@@ -10,7 +10,8 @@ token's advantage: every registered policy loss is positively homogeneous in the
 surrogate max(−A r, −A clip(r)) and its dual-clip bound min(·, −c A), CISPO's −sg(clip(r)) A log π), so w·A is
 w times the token's loss, gradient included.
 
-- `none`: w = 1, every token kept;
+- `none`: w = 1, every token kept (`auto`, the default: `tis` when generation runs ahead of training, else
+  `none`);
 - `tis`: truncated importance sampling, w = min(ρ_t, is_cap) (Yao et al. 2025, "Your efficient RL framework
   secretly brings you off-policy RL training"; decoupled PPO's behaviour weight, truncated);
 - `token_mask`: masked importance sampling (IcePop): w = ρ_t where is_low <= ρ_t <= is_high, the token leaves the
@@ -96,6 +97,9 @@ class SequenceMask:
 
 
 OFF_POLICY_CORRECTIONS: dict[str, Correction] = {
+    # the run resolves auto before it trains (`rlhfuse.trainer.run_config.resolve_components`: tis when
+    # generation runs ahead of training, async.max_staleness > 0, else none); read unresolved, it is none
+    "auto": NoCorrection(),
     "none": NoCorrection(),
     "tis": TruncatedIS(),
     "token_mask": TokenMask(),

@@ -99,12 +99,13 @@ class AlgorithmConfig:
     # Entropy bonus coefficient (0 = off).
     entropy_coef: float = 0.0
     # Correction of the gap between the sampler's policy and the trainer's old log-probs (the sampler's
-    # per-token log-probs, `rollout/logprob_abs_diff`; rlhfuse.algorithms.off_policy): none | tis (truncated
+    # per-token log-probs, `rollout/logprob_abs_diff`; rlhfuse.algorithms.off_policy): auto (tis when generation
+    # runs ahead of training, async.max_staleness > 0; none otherwise) | none | tis (truncated
     # importance sampling: each token's loss weighted by min(pi_old / pi_sampler, is_cap)) | token_mask (IcePop:
     # tokens whose ratio is outside [is_low, is_high] leave the loss, the others weighted by it) | sequence_mask
     # (responses whose geometric-mean ratio is outside [is_low, is_high] leave the loss). Logged when on:
     # off_policy/is_weight_mean, off_policy/corrected_fraction.
-    off_policy_correction: OffPolicyCorrection = "none"
+    off_policy_correction: OffPolicyCorrection = "auto"
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0

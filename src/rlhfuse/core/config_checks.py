@@ -28,6 +28,20 @@ def is_flat(f: dataclasses.Field[Any]) -> bool:
     return bool(f.metadata.get(FLAT))
 
 
+KEY = "key"
+
+
+def keyed_field(cls: Callable[[], C], key: str) -> C:
+    """A config section whose key differs from its field's name: a Python keyword (`async`, the field
+    `asynchronous`) is a YAML and command-line key but no dataclass field name."""
+    return dataclasses.field(default_factory=cls, metadata={KEY: key})  # type: ignore[no-any-return]
+
+
+def config_key(f: dataclasses.Field[Any]) -> str:
+    """The field's key in YAML, on the command line and in run.json (its name unless `keyed_field` set one)."""
+    return str(f.metadata.get(KEY, f.name))
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -55,7 +69,7 @@ def choice_problems(section: DataclassInstance, prefix: str) -> list[str]:
         if choices is None:
             continue
         value = getattr(section, f.name)
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{config_key(f)}" if prefix else config_key(f)
         values = value if isinstance(value, list) else [value]
         for v in values:
             if v is not None and v not in choices:

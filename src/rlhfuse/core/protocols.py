@@ -98,8 +98,9 @@ StageHook = Callable[[str], None]
 @runtime_checkable
 class RolloutStage(Protocol):
     """Step 1 of an iteration: generation + inference, from prompts to the Experience that training consumes.
-    Two implementations, chosen once when the trainer is built: `SerialRollout` (generate, then infer each
-    streamed chunk) and `FusedRollout` (generation fused with inference across instances)."""
+    Chosen once when the trainer is built: `SerialRollout` (generate, then infer each streamed chunk),
+    `FusedRollout` (generation fused with inference across instances), `AsyncRollout` (generation ahead of
+    training, `rlhfuse.trainer.asynchronous`)."""
 
     def run(
         self,
@@ -109,6 +110,16 @@ class RolloutStage(Protocol):
         sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]:
         """`sampling`: the generator's settings for this rollout only (held-out evaluation)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint after the trained iteration keeps of the stage: the work it holds beyond that
+        iteration (an asynchronous stage's batches generated ahead); empty for a stage that holds none."""
+        ...
+
+    def restore(self, state: Mapping[str, Any], iteration: int) -> None:
+        """A resume from the checkpoint of iteration `iteration` (after its weight sync): `state_dict()`'s state,
+        empty from a checkpoint written without one."""
         ...
 
 

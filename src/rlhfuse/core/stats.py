@@ -234,16 +234,22 @@ class RolloutStats(NamedTuple):
     """One rollout (generation + inference, `RolloutStage.run`): seconds spent generating and inferring, the
     span from the first decode step to the last inference output (the span inter-stage fusion shortens; None
     for a generator without instances), the generator's own statistics, and dynamic sampling's (None when
-    off, so not logged)."""
+    off, so not logged). Generated ahead (asynchronous RL), `generation_s` is the background generation's
+    seconds, overlapped with training."""
 
     generation_s: float
     inference_s: float
     generation_inference_s: float | None = None
     generation: GenerationStats | None = None
     sampling: DynamicSamplingStats | None = None
+    wait_s: float | None = None
+    """Generated ahead of training (asynchronous RL): the seconds the trainer waited for the batch (None when
+    generation does not run ahead)."""
 
     def metrics(self) -> dict[str, float]:
         out = {"time/generation": self.generation_s, "time/inference": self.inference_s}
+        if self.wait_s is not None:
+            out["async/wait_s"] = self.wait_s
         if self.generation_inference_s is not None:
             out["time/generation_inference"] = self.generation_inference_s
         if self.generation is not None:
@@ -272,3 +278,21 @@ def sampler_mismatch(experience: Experience) -> dict[str, float]:
         (d_N.abs().mean(), d_N.abs().max(), (torch.expm1(-d_N) + d_N).mean())
     ).tolist()
     return {"rollout/logprob_abs_diff": mean, "rollout/logprob_abs_diff_max": most, "rollout/mismatch_kl": kl}
+
+
+def staleness(experience: Experience, trained_version: int, bound: int) -> dict[str, float]:
+    """How many Actor versions behind the trained one (`trained_version`: iterations trained before this one)
+    the rollout's tokens were sampled (`rollout.versions_BR`), over every response token: `async/staleness_mean`,
+    `async/staleness_max`, and `async/staleness_<s>`, the share of tokens `s` versions old, for s = 0..`bound`
+    (the histogram). Empty when the rollout records no versions (a synchronous run). One host read."""
+    versions_BR = experience.rollout.versions_BR
+    if versions_BR is None:
+        return {}
+    mask_BR = experience.rollout.response_mask_BR.to(versions_BR.device).bool()
+    age_N = (trained_version - versions_BR[mask_BR]).double().cpu()
+    if age_N.numel() == 0:
+        return {}
+    out = {"async/staleness_mean": float(age_N.mean()), "async/staleness_max": float(age_N.max())}
+    for s in range(bound + 1):
+        out[f"async/staleness_{s}"] = float((age_N == s).double().mean())
+    return out

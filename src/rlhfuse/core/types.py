@@ -112,6 +112,9 @@ class Rollout:
     sampler_logprobs_BR: float32 [B, R], the log-prob the sampler gave each response token, log softmax(logits /
     temperature) over the whole vocabulary (temperature 1 for greedy), 0 on padding — what the trainer's
     recomputation is compared with (`rollout/logprob_abs_diff`); None from a generator that records none.
+    versions_BR: long [B, R], the Actor version (iterations trained) whose weights sampled each response token, 0
+    on padding; None where generation never runs ahead of training (synchronous: every token from the version
+    before the iteration's training). Set by the asynchronous rollout (`rlhfuse.trainer.asynchronous`).
     """
 
     prompt_ids_BP: Tensor
@@ -122,6 +125,7 @@ class Rollout:
     sample_index_B: Tensor
     finished_B: Tensor
     sampler_logprobs_BR: Tensor | None = None
+    versions_BR: Tensor | None = None
 
     def to(self, device: torch.device | str) -> Rollout:
         """This Rollout with every tensor on `device`."""
@@ -154,12 +158,13 @@ class Rollout:
         """This rollout with its response columns cut to the first `width` (the trailing padding dropped)."""
         if width == self.response_ids_BR.shape[1]:
             return self
-        logprobs_BR = self.sampler_logprobs_BR
+        logprobs_BR, versions_BR = self.sampler_logprobs_BR, self.versions_BR
         return dataclasses.replace(
             self,
             response_ids_BR=self.response_ids_BR[:, :width],
             response_mask_BR=self.response_mask_BR[:, :width],
             sampler_logprobs_BR=None if logprobs_BR is None else logprobs_BR[:, :width],
+            versions_BR=None if versions_BR is None else versions_BR[:, :width],
         )
 
     @staticmethod
@@ -175,12 +180,21 @@ class Rollout:
             prompt_index_B=torch.cat([r.prompt_index_B for r in rollouts]),
             sample_index_B=torch.cat([r.sample_index_B for r in rollouts]),
             finished_B=torch.cat([r.finished_B for r in rollouts]),
-            sampler_logprobs_BR=(
-                None
-                if any(r.sampler_logprobs_BR is None for r in rollouts)
-                else _cat_right_padded([r.sampler_logprobs_BR for r in rollouts], 0)  # type: ignore[misc]
-            ),
+            sampler_logprobs_BR=_cat_optional([r.sampler_logprobs_BR for r in rollouts]),
+            versions_BR=_cat_optional([r.versions_BR for r in rollouts]),
         )
+
+    def with_version(self, version: int) -> Rollout:
+        """This rollout with every response token marked as sampled by Actor version `version`."""
+        mask_BR = self.response_mask_BR.long()
+        return dataclasses.replace(self, versions_BR=mask_BR * version)
+
+
+def _cat_optional(tensors: list[Tensor | None]) -> Tensor | None:
+    """[B, R] tensors of a field some rollouts may lack, right-padded with 0 (None when any lacks it)."""
+    if any(t is None for t in tensors):
+        return None
+    return _cat_right_padded(tensors, 0)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from rlhfuse.data.data_config import DataConfig
     from rlhfuse.generation.batched import SamplingGenerator
     from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig, VLLMOptions
+    from rlhfuse.trainer.async_config import AsyncConfig
+    from rlhfuse.trainer.asynchronous import AsyncRollout
     from rlhfuse.trainer.build import build_trainer
     from rlhfuse.trainer.components import BuildContext
     from rlhfuse.trainer.evaluation_config import EvalConfig
@@ -85,6 +87,8 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     "rlhfuse.data.data_config": ("DataConfig",),
     "rlhfuse.generation.batched": ("SamplingGenerator",),
     "rlhfuse.generation.generation_config": ("EngineOptions", "GenerationConfig", "VLLMOptions"),
+    "rlhfuse.trainer.async_config": ("AsyncConfig",),
+    "rlhfuse.trainer.asynchronous": ("AsyncRollout",),
     "rlhfuse.trainer.build": ("build_trainer",),
     "rlhfuse.trainer.components": ("BuildContext",),
     "rlhfuse.trainer.evaluation_config": ("EvalConfig",),
@@ -141,6 +145,8 @@ __all__ = [
     "DataConfig",
     "BuildContext",
     "EvalConfig",
+    "AsyncConfig",
+    "AsyncRollout",
     "LoggerConfig",
     "ModelsConfig",
     "WarmStartConfig",

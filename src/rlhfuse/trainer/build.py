@@ -26,6 +26,7 @@ from rlhfuse.core.protocols import (
 )
 from rlhfuse.core.rewards import RewardSet
 from rlhfuse.data.arithmetic import ArithmeticTask
+from rlhfuse.data.feed import PromptFeed
 from rlhfuse.data.prompts import (
     Prompt,
     PromptLoader,
@@ -39,6 +40,7 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
+from rlhfuse.trainer.asynchronous import AsyncRollout
 from rlhfuse.trainer.callbacks import (
     MemoryMetrics,
     RewardMetrics,
@@ -65,9 +67,22 @@ if TYPE_CHECKING:
     from lightning.fabric import Fabric
 
 
-def rollout_stage(ctx: BuildContext, generator: Any, inferencer: Any) -> RolloutStage:
-    """Step 1's form, chosen once: fused generation + inference when each rank is one generation instance
-    (`Topology.fused_rollout`), the serial stage otherwise."""
+def rollout_stage(
+    ctx: BuildContext, generator: Any, inferencer: Any, feed: PromptFeed
+) -> SerialRollout | FusedRollout | AsyncRollout:
+    """Step 1's form, chosen once: generation ahead of training within the staleness bound when async is on
+    (`AsyncRollout`, drawing its prompts from `feed`), fused generation + inference when each rank is one
+    generation instance (`Topology.fused_rollout`), the serial stage otherwise."""
+    cfg = ctx.config
+    if cfg.asynchronous.enabled:
+        return AsyncRollout(
+            generator,
+            inferencer,
+            feed,
+            max_staleness=cfg.asynchronous.max_staleness,
+            last_iteration=cfg.iterations,
+            pad_token_id=ctx.models.tokenizer.pad_id,
+        )
     if ctx.topology.fused_rollout:
         assert isinstance(generator, FusingGenerator), type(generator)
         return FusedRollout(generator, inferencer)
@@ -259,7 +274,8 @@ def assemble(
         rows=data.rows,
         rewards=data.rewards,
     )
-    built = build_components(ctx, parts)
+    feed = PromptFeed(data.loader, models.tokenizer.pad_id)
+    built = build_components(ctx, parts, feed)
     rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
     export = None
     if config.checkpoint.export_hf:
@@ -293,6 +309,7 @@ def assemble(
         loggers=run_loggers,
         fabric=fabric,
         record=record,
+        feed=feed,
     )
 
 
@@ -397,15 +414,18 @@ def build_models(
     return models
 
 
-def build_components(ctx: BuildContext, parts: Parts) -> Components:
+def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Components:
     """The strategy first (it may shard or place the models the generator copies and the inferencer runs),
     then the generator, the inferencer (as it runs over the strategy's layout: under pipeline=fsdp each rank
-    infers its share with the sharded models, in lockstep) and the rollout stage that joins them."""
+    infers its share with the sharded models, in lockstep) and the rollout stage that joins them (an
+    asynchronous one hands out its gated generator: `AsyncRollout.generator`)."""
     assert parts.strategy is not None and parts.generator is not None and parts.inferencer is not None, parts
     strategy = ctx.strategy = parts.strategy.build(ctx)
     generator = parts.generator.build(ctx)
     inferencer = parts.strategy.inference(parts.inferencer.build(ctx), strategy)
-    return Components(strategy, generator, inferencer, rollout_stage(ctx, generator, inferencer))
+    stage = rollout_stage(ctx, generator, inferencer, feed)
+    # the generator the stage drives, as the rest of the run holds it (an asynchronous stage's gates its syncs)
+    return Components(strategy, stage.generator, inferencer, stage)
 
 
 def run_callbacks(

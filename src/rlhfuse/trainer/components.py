@@ -153,7 +153,11 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
         "sampling": GeneratorEntry(sampling_generator, instances=False),
         "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems),
         "vllm": GeneratorEntry(
-            vllm_generator, instances=True, problems=vllm_problems, own_tensor_parallel=True
+            vllm_generator,
+            instances=True,
+            problems=vllm_problems,
+            own_tensor_parallel=True,
+            runs_ahead=False,  # its engine is driven from the thread that built it
         ),
     },
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import keyword
 import re
 import types
 import typing
@@ -19,7 +20,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from rlhfuse._resources import conf_dir
 from rlhfuse.core.algorithm_config import RENAMED_KEYS
-from rlhfuse.core.config_checks import is_flat
+from rlhfuse.core.config_checks import config_key, is_flat
 from rlhfuse.trainer.run_config import RLHFConfig
 
 SCHEMA_NAME = "rlhfuse_schema"
@@ -53,10 +54,16 @@ def schema(cls: type) -> type:
     for f, kind in _leaf_fields(cls):
         if f.default_factory is not dataclasses.MISSING:
             make = functools.partial(_to_schema, f.default_factory)
-            fields.append((f.name, kind, dataclasses.field(default_factory=make)))
+            fields.append((config_key(f), kind, dataclasses.field(default_factory=make)))
         else:
-            fields.append((f.name, kind, dataclasses.field(default=f.default)))
-    return dataclasses.make_dataclass(cls.__name__, fields)
+            fields.append((config_key(f), kind, dataclasses.field(default=f.default)))
+    if not any(keyword.iskeyword(name) for name, _, _ in fields):
+        return dataclasses.make_dataclass(cls.__name__, fields)
+    # a key that is a Python keyword (`async`): a class body OmegaConf reads, without the generated methods
+    # whose source would name it
+    namespace: dict[str, Any] = {"__annotations__": {name: kind for name, kind, _ in fields}}
+    namespace.update({name: value for name, _, value in fields})
+    return dataclasses.dataclass(init=False, repr=False, eq=False)(type(cls.__name__, (), namespace))
 
 
 def _leaf_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
@@ -87,7 +94,7 @@ def _flat_values(value: Any) -> dict[str, Any]:
         if is_flat(f):
             out.update(_flat_values(getattr(value, f.name)))
         else:
-            out[f.name] = _as_schema(getattr(value, f.name))
+            out[config_key(f)] = _as_schema(getattr(value, f.name))
     return out
 
 
@@ -99,8 +106,8 @@ def _from_container(cls: type, data: dict[str, Any]) -> Any:
         kind = hints[f.name]
         if is_flat(f):
             kwargs[f.name] = _from_container(kind, data)
-        elif f.name in data:
-            value = data[f.name]
+        elif config_key(f) in data:
+            value = data[config_key(f)]
             kwargs[f.name] = _from_container(kind, value) if dataclasses.is_dataclass(kind) else value  # type: ignore[arg-type]
     return cls(**kwargs)
 
@@ -116,7 +123,7 @@ def schema_keys(cls: type = RLHFConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f, kind in _leaf_fields(cls):
         nested = isinstance(kind, type) and dataclasses.is_dataclass(kind)
-        out[f.name] = schema_keys(kind) if nested else None
+        out[config_key(f)] = schema_keys(kind) if nested else None
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlhfuse.core.checkpoint import RunIdentity, checkpoint_meta, read_runs, resume_path
-from rlhfuse.core.config_checks import is_flat
+from rlhfuse.core.config_checks import config_key, is_flat
 from rlhfuse.core.errors import CheckpointError
 
 # Dotted key prefixes (as on the command line) that may change when a run resumes; a prefix covers the key
@@ -88,7 +88,7 @@ def config_record(config: Any) -> dict[str, Any]:
         if is_flat(f):
             out.update(config_record(value))
         else:
-            out[f.name] = _plain(value)
+            out[config_key(f)] = _plain(value)
     return out
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -32,7 +33,17 @@ def _ignore(stage: str) -> None:
     del stage
 
 
-class SerialRollout:
+class Stateless:
+    """A rollout stage that holds no work beyond the iteration it returns: nothing to checkpoint."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: Mapping[str, Any], iteration: int) -> None:
+        """Nothing to restore."""
+
+
+class SerialRollout(Stateless):
     """Generate, and infer each chunk of finished samples as the generator streams it."""
 
     def __init__(self, generator: Generator, inferencer: Inferencer, *, pad_token_id: int) -> None:
@@ -71,7 +82,7 @@ class SerialRollout:
         return Experience.cat(parts, self.pad_token_id), stats
 
 
-class FusedRollout:
+class FusedRollout(Stateless):
     """Generation fused with inference by the generator itself, one generation instance per rank."""
 
     def __init__(self, generator: FusingGenerator, inferencer: Inferencer) -> None:
@@ -98,7 +109,7 @@ PromptDraw = Callable[[int], PromptBatch]
 """The next `count` prompts of the training data (the loader the iteration's own prompts come from)."""
 
 
-class DynamicSampling:
+class DynamicSampling(Stateless):
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2, eq. 11) over another rollout stage.
 
     `run` returns the Experience of exactly `groups` prompt groups whose rewards are not all equal

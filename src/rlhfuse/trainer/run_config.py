@@ -13,11 +13,12 @@ from typing import Literal, get_args
 
 from rlhfuse.core.algorithm_config import AlgorithmConfig
 from rlhfuse.core.checkpoint_config import CheckpointConfig
-from rlhfuse.core.config_checks import choice_problems, need, positive
+from rlhfuse.core.config_checks import choice_problems, keyed_field, need, positive
 from rlhfuse.core.inference_config import InferencerConfig
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.generation.generation_config import GenerationConfig
 from rlhfuse.planner.specs import DeviceProfile
+from rlhfuse.trainer.async_config import AsyncConfig
 from rlhfuse.trainer.evaluation_config import EvalConfig
 from rlhfuse.trainer.logging import LoggerConfig
 from rlhfuse.trainer.models_config import ModelsConfig
@@ -74,6 +75,9 @@ class RLHFConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Periodic evaluation on held-out prompts (rlhfuse.trainer.evaluation).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Asynchronous RL (key `async`): generation ahead of training within a staleness bound
+    # (rlhfuse.trainer.asynchronous; docs/async.md).
+    asynchronous: AsyncConfig = keyed_field(AsyncConfig, "async")
     # PPO iterations (each: generate, infer, train, sync).
     iterations: int = 60
     # Seeds model init, the prompt order, per-sample sampling streams and mini-batch shuffles.
@@ -115,6 +119,7 @@ class RLHFConfig:
             self.logger,
             self.checkpoint,
             self.eval,
+            self.asynchronous,
         ):
             problems += part.problems()
         problems += choice_problems(self, "")
@@ -193,7 +198,8 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
       pipeline, the same forward passes over the training layout, unless each rank is one generation instance
       inferring its own samples; a critic-free algorithm's Actor-only pipeline printed);
     - algorithm.loss_agg=seq-mean-token-sum-norm with algorithm.loss_constant_length=0 -> the constant length
-      is generator.max_new_tokens (the documented meaning of 0).
+      is generator.max_new_tokens (the documented meaning of 0);
+    - algorithm.off_policy_correction=auto -> tis with async.max_staleness > 0 (printed), none otherwise.
     """
     from rlhfuse.trainer.topology import generator_entry, topology
 
@@ -214,6 +220,15 @@ def resolve_components(cfg: RLHFConfig, *, log: Callable[[str], None] = print) -
     layout = topology(resolved)
     resolved = layout.strategy.resolve(resolved, layout, log)
     a = resolved.algorithm
+    if a.off_policy_correction == "auto":
+        ahead = resolved.asynchronous.max_staleness
+        if ahead > 0:
+            log(
+                "rlhfuse: algorithm.off_policy_correction=auto -> tis (rule: async.max_staleness="
+                f"{ahead} trains samples up to {ahead} version(s) old, weighted by their truncated importance "
+                "ratio; set algorithm.off_policy_correction=none, token_mask or sequence_mask to choose)"
+            )
+        a = dataclasses.replace(a, off_policy_correction="tis" if ahead > 0 else "none")
     if a.loss_reduction == "sequence_sum" and a.constant_length is None:
         length = g.sampling.max_new_tokens
         log(

@@ -39,6 +39,9 @@ class GeneratorEntry:
     """Its instances span generator.tp ranks with the backend's own tensor parallelism (vLLM's), and a weight
     sync hands each rank whole tensors that the backend cuts itself (rlhfuse's tensor-parallel instances take
     their shard, resharded from the training layout)."""
+    runs_ahead: bool = True
+    """It may generate in a background thread beside training (asynchronous RL, async.max_staleness > 0): its
+    generation and weight loads run on any thread, one at a time."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -95,6 +96,29 @@ class RunLogLines(Callback):
             RUN_LOG.info(format_metrics(iteration, self.total, metrics))
 
 
+class InterruptGuard(Callback):
+    """Ctrl-C ends the run, at the latest at its next stage boundary. SIGINT raises KeyboardInterrupt wherever the
+    main thread is, and code that swallows it there (a finalizer, a `__del__`, a library's broad `except`) would
+    leave the run going: the handler also sets a flag that every stage start and iteration end reads."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def on_stage_start(self, trainer: Any, stage: str) -> None:
+        self.check()
+
+    def on_iteration_end(self, trainer: Any, iteration: int, metrics: Mapping[str, float]) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+
 _jobs_started = 0  # the jobs this process ran: a Hydra multirun (-m) runs them one after another
 
 
@@ -116,12 +140,14 @@ def run(cfg: DictConfig) -> None:
 
     trainer = None
     several = False  # a multi-process run
+    guard = InterruptGuard()
+    signal.signal(signal.SIGINT, guard.handler)
     try:
         config = to_config(cfg)
         if config.run_dir is None:
             config.run_dir = HydraConfig.get().runtime.output_dir
         lines = [RunLogLines(config.iterations, config.logger.print_every)] if rank0 else []
-        trainer = build_trainer(config, log=say, callbacks=lines)
+        trainer = build_trainer(config, log=say, callbacks=[guard, *lines])
         history = trainer.fit()
         trainer.generator.close()  # engines with process-wide state (vLLM) shut down before the process group
         several = _shutdown_process_group()

@@ -37,12 +37,13 @@ from rlhfuse.core.checkpoint import (
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, RolloutStage, Strategy
 from rlhfuse.core.rewards import NonFiniteRewardError
-from rlhfuse.core.stats import TrainStats, mean_stats, sampler_mismatch
+from rlhfuse.core.stats import TrainStats, mean_stats, sampler_mismatch, staleness
 from rlhfuse.core.types import Experience, TrainBatch
-from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.data_config import DataConfig
+from rlhfuse.data.feed import PromptFeed
 from rlhfuse.data.prompts import PromptLoader
 from rlhfuse.runtime.launch import launched_rank_zero
+from rlhfuse.trainer.async_config import AsyncConfig
 from rlhfuse.trainer.evaluation import EvalConfig
 from rlhfuse.trainer.logging import JsonlLogger, LoggerConfig, keep_csv_rows
 from rlhfuse.trainer.models import ModelsConfig
@@ -96,6 +97,9 @@ class Assembled:
     loggers: list[Logger] = field(default_factory=list)
     fabric: Fabric | None = None
     record: Mapping[str, Any] | None = None
+    feed: PromptFeed | None = None
+    """Each iteration's prompts from `prompts` (the one the rollout stage reads too when it draws ahead); None: a
+    feed of `prompts` of the trainer's own."""
 
 
 class RLHFTrainer:
@@ -131,6 +135,7 @@ class RLHFTrainer:
         data: DataConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         evaluation: EvalConfig | None = None,
+        asynchronous: AsyncConfig | None = None,
         logging: LoggerConfig | None = None,
         seed: int | None = None,
         exact: bool | None = None,
@@ -150,6 +155,7 @@ class RLHFTrainer:
             data=data,
             checkpoint=checkpoint,
             eval=evaluation,
+            asynchronous=asynchronous,
             logger=logging,
             seed=seed,
             exact=exact,
@@ -251,6 +257,7 @@ class RLHFTrainer:
         self.generator, self.inferencer, self.strategy = built.generator, built.inferencer, built.strategy
         self.rollout_stage = built.rollout
         self.prompts = built.prompts
+        self.feed = built.feed or PromptFeed(built.prompts, built.pad_token_id)
         self.pad_token_id = built.pad_token_id
         self.run_dir = Path(built.run_dir)
         self.callbacks = list(built.callbacks)
@@ -331,7 +338,7 @@ class RLHFTrainer:
     def run_iteration(self) -> dict[str, float]:
         it = self.iteration + 1
         start = time.perf_counter()
-        prompts = collate_prompts(self.prompts.next_batch(), self.pad_token_id)
+        prompts = self.feed.batch(it)
         # 1. rollout: generation + inference (chunks of finished samples are inferred as they arrive)
         try:
             experience, rollout_stats = self.rollout_stage.run(prompts, it, self._on_stage)
@@ -364,6 +371,7 @@ class RLHFTrainer:
             **train_stats.metrics(),
             **self._loss_term_metrics(train_stats),
             **self._rollout_metrics(experience, timings),
+            **staleness(experience, it - 1, self.config.asynchronous.max_staleness),
             # the most bytes any rank received for the sync (0: the copies were already in sync)
             "weight_sync/bytes_per_rank": self.strategy.weight_sync_bytes,
             **metrics,
@@ -374,6 +382,7 @@ class RLHFTrainer:
         self.log_metrics(metrics, step=it)
         if self.checkpoint_due(it):
             self.save_checkpoint()
+        self.feed.release(it)
         self.call("on_iteration_end", it, metrics)
         return metrics
 
@@ -475,7 +484,12 @@ class RLHFTrainer:
         return self.run_dir / self.config.checkpoint.dir
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "loader": self.prompts.state_dict(), "rng": rng_state()}
+        return {
+            "iteration": self.iteration,
+            "loader": self.feed.position(self.iteration),
+            "rng": rng_state(),
+            "rollout": self.rollout_stage.state_dict(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.strategy.state_dict(), "trainer": self.trainer_state()}
@@ -526,6 +540,8 @@ class RLHFTrainer:
             set_rng_state(trainer_state["rng"])
             self.iteration = int(trainer_state["iteration"])
             self.sync_weights()
+            self.rollout_stage.restore(trainer_state.get("rollout", {}), self.iteration)
+        self.feed.start_at(self.iteration)
         if self._rank0:
             digest = config_hash(self.config)
             previous = read_runs(self.run_dir)

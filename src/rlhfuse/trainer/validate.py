@@ -124,6 +124,8 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
     if cfg.exact:
         problems += exact_problems(cfg)
     problems += lora_problems(cfg, model, where)
+    if cfg.asynchronous.enabled:
+        problems += async_problems(cfg, layout)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     over_stages = cfg.inferencer.name in INFERENCERS and inferencer_entry(cfg.inferencer.name).over_stages
@@ -140,6 +142,36 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
         problems += generator_entry(g.name).problems(cfg, layout, model)
     if cfg.pipeline.name in STRATEGIES:
         problems += layout.strategy.problems(cfg, layout, model)
+    return problems
+
+
+def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
+    """async.max_staleness > 0: generation runs ahead in a background thread of one process (colocated), on a
+    generator that may run there, and the iteration's prompts are drawn ahead (no dynamic sampling's extra
+    draws)."""
+    problems: list[str] = []
+    k = cfg.asynchronous.max_staleness
+    need(
+        problems,
+        layout.world == 1,
+        f"async.max_staleness={k} runs generation ahead in a background thread of one process, but this layout has "
+        f"{layout.world} processes: set generator.instances=1 and distributed.nproc_per_node=1, or "
+        "async.max_staleness=0 (asynchronous runs over several processes are not built yet)",
+    )
+    need(
+        problems,
+        cfg.data.oversample == 0,
+        f"async.max_staleness={k} draws each iteration's prompts ahead, and data.oversample={cfg.data.oversample} "
+        "draws extra ones within an iteration: set data.oversample=0 or async.max_staleness=0",
+    )
+    g = cfg.generator
+    if g.name in GENERATORS:
+        need(
+            problems,
+            generator_entry(g.name).runs_ahead,
+            f"async.max_staleness={k} generates in a background thread, which generator={g.name} does not run in: "
+            "set generator=engine or sampling, or async.max_staleness=0",
+        )
     return problems
 
 

@@ -1,0 +1,31 @@
+"""Asynchronous RL's configuration (the root section `async`; `RLHFConfig.asynchronous` in Python, `async` being
+a Python keyword): how far generation may run ahead of training (`rlhfuse.trainer.asynchronous`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhfuse.core.config_checks import need
+
+
+@dataclass
+class AsyncConfig:
+    # The staleness bound, in policy versions (version v = the Actor after v iterations' training). 0 = the
+    # synchronous run: iteration i's samples come from version i-1. k > 0: generation runs ahead of training in
+    # a background thread beside it (colocated), iteration i's samples from version max(0, i-1-k) exactly, so
+    # no trained token is more than k versions old and the run does not depend on timing.
+    max_staleness: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether generation runs ahead of training."""
+        return self.max_staleness > 0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        need(
+            problems,
+            self.max_staleness >= 0,
+            f"async.max_staleness={self.max_staleness} must be >= 0 (0 = synchronous; typically 1 or 2)",
+        )
+        return problems
