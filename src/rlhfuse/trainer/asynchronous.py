@@ -176,7 +176,7 @@ class AsyncRollout:
             self._thread.start()
 
     def _work(self) -> None:
-        while True:
+        while self._next <= self.last_iteration:  # the last batch generated, the thread ends
             with self._cond:
                 while not self._closed and not self._startable():
                     self._cond.wait()
@@ -216,10 +216,13 @@ class AsyncRollout:
         return _Generated(chunks, version, seconds, stats)
 
     def close(self) -> None:
-        """Stop the worker (after the batch it is generating, if any)."""
+        """Stop the worker, after the batch it is generating if any, and wait for its thread to end (a thread
+        still running torch while the interpreter shuts down may abort the process)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
