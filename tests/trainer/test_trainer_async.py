@@ -6,6 +6,8 @@ run, and a failing background generation ends the run in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from rlhfuse.trainer import (
     LoggerConfig,
     ModelsConfig,
     RLHFTrainer,
+    Rollout,
     SamplingConfig,
     SamplingGeneration,
     WarmStartConfig,
@@ -67,11 +70,13 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
-def _trainer(run_dir: Path, *, staleness: int, callbacks: list[Callback] = (), **kwargs: Any) -> RLHFTrainer:
+def _trainer(
+    run_dir: Path, *, staleness: int, callbacks: list[Callback] = (), partial: bool = False, **kwargs: Any
+) -> RLHFTrainer:
     return RLHFTrainer(
         generator=SamplingGeneration(sampling=SamplingConfig(max_new_tokens=12)),
         algorithm=AlgorithmConfig(off_policy_correction="none"),
-        asynchronous=AsyncConfig(max_staleness=staleness),
+        asynchronous=AsyncConfig(max_staleness=staleness, partial_rollout=partial),
         data=DataConfig(num_prompts=16, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
                         micro_batch_size=2),
         logging=LoggerConfig(backends=["jsonl"], progress=False, print_every=0),
@@ -144,6 +149,59 @@ def test_a_resume_with_batches_generated_ahead_equals_the_uninterrupted_run(tmp_
     history = resumed.fit(_model(cache))
     assert [row["iteration"] for row in history] == [3, 4]
     assert _same(_actor(straight), _actor(resumed))
+
+
+def test_a_partial_rollout_continues_its_samples_under_the_next_version(tmp_path: Path) -> None:
+    """A sync while a batch is being generated: its samples go on under the new weights from the next decode step,
+    their KV cache kept, and their later tokens record the new version. The sync happens at the third step (events,
+    not timing); the weights loaded are the same, so the tokens equal an uninterrupted generation's."""
+    trainer = _trainer(tmp_path / "run", staleness=1, partial=True).setup(_model(tmp_path / "cache"))
+    stage = trainer.rollout_stage
+    assert isinstance(stage, AsyncRollout) and stage.partial_rollout
+    prompts = trainer.feed.batch(1)
+    expected = Rollout.cat(list(stage.inner.generate(prompts, iteration=1)), trainer.pad_token_id)
+    mid, go = threading.Event(), threading.Event()
+    steps = 0
+    gate = stage.step
+
+    @contextlib.contextmanager
+    def step() -> Iterator[int]:
+        nonlocal steps
+        steps += 1
+        if steps == 3:  # the worker, between two decode steps of batch 1
+            mid.set()
+            go.wait()
+        with gate() as version:
+            yield version
+
+    stage.step = step  # type: ignore[method-assign]
+
+    def sync() -> None:
+        mid.wait()
+        trainer.sync_weights()  # does not wait for batch 1: loads between its steps
+        go.set()
+
+    syncing = threading.Thread(target=sync)
+    syncing.start()
+    experience, _ = stage.run(prompts, 1)
+    syncing.join()
+    rollout = experience.rollout
+    assert torch.equal(rollout.response_ids_BR, expected.response_ids_BR)
+    assert rollout.versions_BR is not None
+    mask_BR = rollout.response_mask_BR.bool()
+    rows = [set(rollout.versions_BR[b][mask_BR[b]].tolist()) for b in range(len(rollout))]
+    assert any(row == {0, 1} for row in rows)  # continued samples carry two versions
+    assert all(row <= {0, 1} for row in rows)
+    assert torch.all(rollout.versions_BR[:, 1:] >= rollout.versions_BR[:, :-1] * mask_BR[:, 1:])  # in order
+
+
+def test_a_partial_asynchronous_run_trains_no_token_older_than_the_bound(tmp_path: Path) -> None:
+    versions = Versions()
+    history = _trainer(tmp_path / "run", staleness=1, partial=True, callbacks=[versions]).fit(
+        _model(tmp_path / "cache")
+    )
+    assert len(history) == ITERATIONS
+    assert all(0 <= int(versions.ages[i].min()) and int(versions.ages[i].max()) <= 1 for i in versions.ages)
 
 
 class FailingGenerator:

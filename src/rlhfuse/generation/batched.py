@@ -28,6 +28,7 @@ from rlhfuse.generation.engine import (
     GenerationEngine,
     SampleRequest,
     SamplingParams,
+    StepGate,
     TokenChoice,
     call_settings,
     requests_for,
@@ -44,15 +45,17 @@ def plain_chunks(
     *,
     pad_token_id: int,
     choice: TokenChoice | None = None,
+    gate: StepGate | None = None,
 ) -> Iterator[Rollout]:
     """`requests` decoded by one plain engine on `model`, `chunk` at a time (each to its end), as one Rollout
-    per chunk, rows in the given order."""
+    per chunk, rows in the given order; `gate`: each decode step under it (weights that may change between
+    steps, each token's version recorded)."""
     if not requests:
         return
     engine = GenerationEngine(
         model, params, num_slots=min(chunk, len(requests)),
         max_len=max(r.prompt_len for r in requests) + params.max_new_tokens,
-        prefix_sharing=False, choice=choice,
+        prefix_sharing=False, choice=choice, gate=gate,
     )  # fmt: skip
     for start in range(0, len(requests), chunk):
         yield to_rollout(engine.run(requests[start : start + chunk]), pad_token_id)
@@ -108,11 +111,23 @@ class SamplingGenerator(ActorCopy):
     def generate(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
     ) -> Iterator[Rollout]:
+        yield from self._chunks(prompts, iteration, sampling, None)
+
+    @torch.no_grad()
+    def generate_partial(self, prompts: PromptBatch, *, iteration: int, gate: StepGate) -> Iterator[Rollout]:
+        """`generate`, each decode step under `gate`: the weights may be replaced between two steps (a partial
+        rollout continues its samples under the new ones, their KV cache kept), and each token records the
+        version it was sampled with (`Rollout.versions_BR`)."""
+        yield from self._chunks(prompts, iteration, None, gate)
+
+    def _chunks(
+        self, prompts: PromptBatch, iteration: int, sampling: Sampling | None, gate: StepGate | None
+    ) -> Iterator[Rollout]:
         params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         requests = requests_for(prompts, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration)
         yield from plain_chunks(
             self.model, requests, params,
-            self.config.max_batch_size or len(requests), pad_token_id=self.pad_token_id,
+            self.config.max_batch_size or len(requests), pad_token_id=self.pad_token_id, gate=gate,
         )  # fmt: skip
 
 

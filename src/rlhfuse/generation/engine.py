@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,6 +154,8 @@ class SampleRequest:
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The weight version each token was sampled with, recorded by an engine with a `StepGate` (else empty)."""
     _uniforms: list[float] | None = field(default=None, repr=False)
     prompt_len: int = field(init=False, repr=False)
     """len(prompt_P), kept as a host int (a tensor's len() is a Python call the decode loop would pay per row)."""
@@ -253,6 +256,9 @@ def to_rollout(requests: Sequence[SampleRequest], pad_token_id: int) -> Rollout:
         logprobs_BR = torch.tensor(
             [r.logprobs + [0.0] * (width_r - len(r.logprobs)) for r in requests], dtype=torch.float32
         )
+    versions_BR = None
+    if any(r.versions for r in requests) and all(len(r.versions) == len(r.tokens) for r in requests):
+        versions_BR = torch.tensor([r.versions + [0] * (width_r - len(r.versions)) for r in requests])
     return Rollout(
         prompt_ids_BP=prompt_BP,
         prompt_mask_BP=(torch.arange(width_p) >= width_p - prompt_lengths[:, None]).long(),
@@ -262,7 +268,16 @@ def to_rollout(requests: Sequence[SampleRequest], pad_token_id: int) -> Rollout:
         sample_index_B=torch.tensor([r.sample_index for r in requests], dtype=torch.long),
         finished_B=torch.tensor([r.stopped for r in requests], dtype=torch.bool),
         sampler_logprobs_BR=logprobs_BR,
+        versions_BR=versions_BR,
     )
+
+
+class StepGate(Protocol):
+    """What the decode steps of an engine whose weights may change between steps run under (partial rollouts:
+    `rlhfuse.trainer.asynchronous`): `step()` holds the weights for one step and yields their version, which
+    the step's tokens record (`SampleRequest.versions`); a weight load waits for the step to end."""
+
+    def step(self) -> AbstractContextManager[int]: ...
 
 
 class GenerationEngine:
@@ -284,6 +299,7 @@ class GenerationEngine:
         speculative: str = "off",
         speculative_tokens: int = 4,
         choice: TokenChoice | None = None,
+        gate: StepGate | None = None,
     ) -> None:
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} must be >= 1")
@@ -317,6 +333,8 @@ class GenerationEngine:
         self.running: dict[int, SampleRequest] = {}  # slot -> sample
         self.free_slots: list[int] = list(range(num_slots))
         self.stats = EngineStats()
+        self.gate = gate
+        self.version = 0  # the weights' version during the current step (with a gate)
         self.prefill_timer = OpTimer(self.device)
         """Times each prefill on the device (CUDA events: the host only launches it); read at the step's end."""
 
@@ -354,10 +372,18 @@ class GenerationEngine:
         return list(requests)
 
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
     def step(self) -> list[SampleRequest]:
         """Admit waiting samples into free slots (prefill), then one decode step of every running sample.
-        Returns the samples that finished during this step (their slots are already free)."""
+        Returns the samples that finished during this step (their slots are already free). With a gate, under
+        it: the weights hold still for the step, and its tokens record their version."""
+        if self.gate is None:
+            return self._step()
+        with self.gate.step() as version:
+            self.version = version
+            return self._step()
+
+    @torch.no_grad()
+    def _step(self) -> list[SampleRequest]:
         start = time.perf_counter()
         self._admit_arrived()
         finished = self._admit_waiting()
@@ -556,6 +582,8 @@ class GenerationEngine:
         """Record a sampled token and its log-prob; True when the sample is done."""
         request.tokens.append(token)
         request.logprobs.append(logprob)
+        if self.gate is not None:
+            request.versions.append(self.version)
         if self.speculative != "off":
             self.drafter.append(request.row, (token,))
         self.stats.tokens += 1

@@ -15,6 +15,10 @@ class AsyncConfig:
     # a background thread beside it (colocated), iteration i's samples from version max(0, i-1-k) exactly, so
     # no trained token is more than k versions old and the run does not depend on timing.
     max_staleness: int = 0
+    # Partial rollouts: a weight sync does not wait for the batch being generated; its samples continue under the
+    # new weights from the next decode step on (their KV cache kept), so a sample's tokens may come from two or
+    # more versions (each recorded), none older than the bound. Runs then depend on the threads' timing.
+    partial_rollout: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -27,5 +31,11 @@ class AsyncConfig:
             problems,
             self.max_staleness >= 0,
             f"async.max_staleness={self.max_staleness} must be >= 0 (0 = synchronous; typically 1 or 2)",
+        )
+        need(
+            problems,
+            not self.partial_rollout or self.max_staleness > 0,
+            "async.partial_rollout=true continues in-flight samples under the weights of a later sync, which "
+            "only happens with generation ahead of training: set async.max_staleness >= 1",
         )
         return problems

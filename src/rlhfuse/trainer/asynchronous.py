@@ -14,6 +14,11 @@ So no trained token is more than k versions old, and a run's samples and paramet
 was faster (two runs with the same seed are equal bit for bit). With k = 0 the gates make the synchronous run:
 iteration i's batch is generated after the sync of version i-1.
 
+With partial rollouts (`async.partial_rollout`) the second gate is gone: a sync loads the new weights between
+two decode steps of the batch being generated, which continues under them (its KV cache kept), each token
+recording its version; a batch still starts no earlier than version r(i), so no token is older than the bound,
+but which tokens come from which version depends on timing.
+
 The main thread keeps what must see the trained Actor: inference (the old log-probs are the current Actor's: the
 proximal policy of decoupled PPO; the sampler's own log-probs are the behaviour policy the off-policy correction
 weighs by, `algorithm.off_policy_correction`), training, the weight sync and the checkpoints. Each rollout's
@@ -26,12 +31,13 @@ a resumed run trains them as the uninterrupted run would have, and generates the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -42,6 +48,15 @@ from rlhfuse.core.stats import GenerationStats, RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.data.feed import PromptFeed
 from rlhfuse.trainer.rollout import SerialRollout
+
+
+@runtime_checkable
+class PartialGenerator(Generator, Protocol):
+    """A generator whose samples may continue under new weights between two decode steps (partial rollouts):
+    `generate_partial` runs each step under `gate` (`rlhfuse.generation.engine.StepGate`) and records each token's
+    version."""
+
+    def generate_partial(self, prompts: PromptBatch, *, iteration: int, gate: Any) -> Iterator[Rollout]: ...
 
 
 class AsyncGenerationError(RuntimeError):
@@ -75,9 +90,16 @@ class AsyncRollout:
         max_staleness: int,
         last_iteration: int,
         pad_token_id: int,
+        partial_rollout: bool = False,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        if partial_rollout and not isinstance(generator, PartialGenerator):
+            raise TypeError(
+                f"partial_rollout=True needs a generator with generate_partial (generator=sampling), not "
+                f"{type(generator).__name__}"
+            )
+        self.partial_rollout = partial_rollout
         self.inner, self.inferencer, self.feed = generator, inferencer, feed
         self.max_staleness, self.last_iteration = max_staleness, last_iteration
         self.pad_token_id = pad_token_id
@@ -156,18 +178,26 @@ class AsyncRollout:
             ) from err
 
     def load_weights(self, load: Any) -> None:
-        """The sync of the next version: once every submitted batch of the current version is generated, `load()`
-        under the weights lock, then the version moves on and the worker may start the batches that wait for it."""
-        with self._cond:
-            last = self.version + 1 + self.max_staleness  # r(i) = version for every submitted i <= last
-            while any(j <= last for j in self._jobs) or (self._busy and self._next <= last):
-                self._raise_error()
-                self._cond.wait()
-        with self._weights:
+        """The sync of the next version: once every submitted batch of the current version is generated (with
+        partial rollouts: at once, between two decode steps of the batch being generated), `load()` under the
+        weights lock and the version moves on; the worker may then start the batches that wait for it."""
+        if not self.partial_rollout:
+            with self._cond:
+                last = self.version + 1 + self.max_staleness  # r(i) = version for every submitted i <= last
+                while any(j <= last for j in self._jobs) or (self._busy and self._next <= last):
+                    self._raise_error()
+                    self._cond.wait()
+        with self._weights:  # a decode step's tokens record the version its weights are
             load()
-        with self._cond:
-            self.version += 1
-            self._cond.notify_all()
+            with self._cond:
+                self.version += 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        """A partial rollout's decode step (`StepGate`): the weights held still for it, their version yielded."""
+        with self._weights:
+            yield self.version
 
     # ------------------------------------------------------------ the worker
     def _start(self) -> None:
@@ -187,7 +217,8 @@ class AsyncRollout:
                 version = self.version
                 self._busy = True
             try:
-                if version != self.source_version(iteration):
+                expected = self.source_version(iteration)
+                if version < expected or (version != expected and not self.partial_rollout):
                     raise RuntimeError(
                         f"the generator holds version {version}, iteration {iteration} needs "
                         f"{self.source_version(iteration)} (a weight sync bypassed AsyncRollout.load_weights)"
@@ -208,12 +239,14 @@ class AsyncRollout:
 
     @torch.no_grad()
     def _generate(self, prompts: PromptBatch, iteration: int, version: int) -> _Generated:
+        start = time.perf_counter()
+        if self.partial_rollout:  # each decode step under the gate: its tokens record their version
+            assert isinstance(self.inner, PartialGenerator)
+            chunks = list(self.inner.generate_partial(prompts, iteration=iteration, gate=self))
+            return _Generated(chunks, version, time.perf_counter() - start, self.inner.generation_stats())
         with self._weights:
-            start = time.perf_counter()
             chunks = [c.with_version(version) for c in self.inner.generate(prompts, iteration=iteration)]
-            seconds = time.perf_counter() - start
-            stats = self.inner.generation_stats()
-        return _Generated(chunks, version, seconds, stats)
+            return _Generated(chunks, version, time.perf_counter() - start, self.inner.generation_stats())
 
     def close(self) -> None:
         """Stop the worker, after the batch it is generating if any, and wait for its thread to end (a thread

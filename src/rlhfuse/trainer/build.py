@@ -82,6 +82,7 @@ def rollout_stage(
             max_staleness=cfg.asynchronous.max_staleness,
             last_iteration=cfg.iterations,
             pad_token_id=ctx.models.tokenizer.pad_id,
+            partial_rollout=cfg.asynchronous.partial_rollout,
         )
     if ctx.topology.fused_rollout:
         assert isinstance(generator, FusingGenerator), type(generator)

@@ -150,7 +150,7 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
     "generator",
     "generator.name",
     {
-        "sampling": GeneratorEntry(sampling_generator, instances=False),
+        "sampling": GeneratorEntry(sampling_generator, instances=False, partial=True),
         "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems),
         "vllm": GeneratorEntry(
             vllm_generator,

@@ -42,6 +42,9 @@ class GeneratorEntry:
     runs_ahead: bool = True
     """It may generate in a background thread beside training (asynchronous RL, async.max_staleness > 0): its
     generation and weight loads run on any thread, one at a time."""
+    partial: bool = False
+    """Its samples may continue under new weights between two decode steps (`generate_partial`, async
+    partial rollouts)."""
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,12 @@ def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
             f"async.max_staleness={k} generates in a background thread, which generator={g.name} does not run in: "
             "set generator=engine or sampling, or async.max_staleness=0",
         )
+        need(
+            problems,
+            not cfg.asynchronous.partial_rollout or generator_entry(g.name).partial,
+            f"async.partial_rollout=true continues samples under new weights between decode steps, which "
+            f"generator={g.name} does not do: set generator=sampling, or async.partial_rollout=false",
+        )
     return problems
 
 
