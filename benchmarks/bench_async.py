@@ -1,5 +1,6 @@
 """Asynchronous RL's speed and what it trains on (issue 42): `rlhfuse-train` runs at async.max_staleness 0, 1 and
-2 side by side, on one process (colocated: generation in a background thread beside inference and training).
+2, partial rollouts off and on, side by side, on one process (colocated: generation in a background thread beside
+inference and training; the workloads' generator=sampling, the one that continues samples under new weights).
 
 Runs of `rlhfuse-train` (fresh processes, OMP_NUM_THREADS=1, the warm-start cache shared), the settings alternating
 run by run so that load drifting over the benchmark biases none. Each setting runs twice:
@@ -28,7 +29,14 @@ from typing import Any
 
 from benchmarks.bench_runs import train
 
-STALENESS = (0, 1, 2)
+# (max_staleness, partial_rollout) of each setting, by the name its figures are kept under
+SETTINGS: dict[str, tuple[int, bool]] = {
+    "staleness_0": (0, False),
+    "staleness_1": (1, False),
+    "staleness_1_partial": (1, True),
+    "staleness_2": (2, False),
+    "staleness_2_partial": (2, True),
+}
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "longtail": ("experiment=longtail",),
     "longtail_grpo": ("experiment=longtail", "algorithm=grpo"),
@@ -51,39 +59,42 @@ def workload(
     tmp: Path, name: str, overrides: tuple[str, ...], iterations: int, repeats: int
 ) -> dict[str, Any]:
     frozen = ("pipeline.actor_lr=1e-30", "pipeline.critic_lr=1e-30")
-    timed: dict[int, list[list[dict[str, float]]]] = {k: [] for k in STALENESS}
-    learned: dict[int, list[list[dict[str, float]]]] = {k: [] for k in STALENESS}
+    timed: dict[str, list[list[dict[str, float]]]] = {key: [] for key in SETTINGS}
+    learned: dict[str, list[list[dict[str, float]]]] = {key: [] for key in SETTINGS}
     for r in range(repeats):
-        for k in STALENESS:
-            args = (*overrides, f"iterations={iterations}", f"async.max_staleness={k}")
-            timed[k].append(train((*args, *frozen), tmp / f"{name}-{k}-{r}-timed", tmp / "cache")[1])
-            learned[k].append(train(args, tmp / f"{name}-{k}-{r}", tmp / "cache")[1])
+        for key, (k, partial) in SETTINGS.items():
+            args = (*overrides, f"iterations={iterations}", f"async.max_staleness={k}",
+                    f"async.partial_rollout={str(partial).lower()}")  # fmt: skip
+            timed[key].append(train((*args, *frozen), tmp / f"{name}-{key}-{r}-timed", tmp / "cache")[1])
+            learned[key].append(train(args, tmp / f"{name}-{key}-{r}", tmp / "cache")[1])
     figures: dict[str, Any] = {}
-    for k in STALENESS:
-        steady, learning = _steady(timed[k]), _steady(learned[k])
-        figures[f"staleness_{k}"] = {
+    for key in SETTINGS:
+        steady, learning = _steady(timed[key]), _steady(learned[key])
+        figures[key] = {
             "iteration_s": statistics.median(row["time/iteration"] for row in steady),
             "idle_fraction": statistics.median(_idle(row) for row in steady),
             "staleness_mean": statistics.mean(row.get("async/staleness_mean", 0.0) for row in learning),
             "corrected_fraction": statistics.mean(
                 row.get("off_policy/corrected_fraction", 0.0) for row in learning
             ),
-            "reward_last": statistics.mean(run[-1]["reward/mean"] for run in learned[k]),
+            "reward_last": statistics.mean(run[-1]["reward/mean"] for run in learned[key]),
         }
     base = figures["staleness_0"]["iteration_s"]
-    for k in STALENESS:
-        figures[f"staleness_{k}"]["speedup"] = base / figures[f"staleness_{k}"]["iteration_s"]
+    for key in SETTINGS:
+        figures[key]["speedup"] = base / figures[key]["iteration_s"]
     print(
         f"{name} ({' '.join(overrides)}), {iterations} iterations, {repeats} run(s) per setting, one process:"
     )
     print(
-        "  staleness | equal work: s/iteration  speedup  trainer idle | learning: mean age  corrected  reward (last)"
+        "  staleness  partial | equal work: s/iteration  speedup  trainer idle | learning: mean age  corrected  "
+        "reward (last)"
     )
-    for k in STALENESS:
-        f = figures[f"staleness_{k}"]
+    for key, (k, partial) in SETTINGS.items():
+        f = figures[key]
         print(
-            f"  {k:>9} | {f['iteration_s']:23.3f}  {f['speedup']:6.2f}x  {f['idle_fraction']:12.2f} | "
-            f"{f['staleness_mean']:18.2f}  {f['corrected_fraction']:9.4f}  {f['reward_last']:13.3f}"
+            f"  {k:>9}  {'on' if partial else 'off':>7} | {f['iteration_s']:23.3f}  {f['speedup']:6.2f}x  "
+            f"{f['idle_fraction']:12.2f} | {f['staleness_mean']:18.2f}  {f['corrected_fraction']:9.4f}  "
+            f"{f['reward_last']:13.3f}"
         )
     return figures
 
