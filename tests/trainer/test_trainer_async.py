@@ -204,19 +204,43 @@ def test_a_partial_asynchronous_run_trains_no_token_older_than_the_bound(tmp_pat
     assert all(0 <= int(versions.ages[i].min()) and int(versions.ages[i].max()) <= 1 for i in versions.ages)
 
 
-class FailingGenerator:
-    """Generates as the given generator, and raises on iteration `at`."""
+class Wrapped:
+    """A generator over the given one (weights, statistics, copies delegated), generating through `generate`
+    only (no `generate_partial`: the stage sees no decode steps)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def generate(self, prompts: Any, *, iteration: int, sampling: Any = None) -> Iterator[Any]:
+        yield from self.inner.generate(prompts, iteration=iteration, sampling=sampling)
+
+    def load_weights(self, named_tensors: Any) -> None:
+        self.inner.load_weights(named_tensors)
+
+    def load_weight_buckets(self, buckets: Any) -> None:
+        self.inner.load_weight_buckets(buckets)
+
+    def generation_stats(self) -> Any:
+        return self.inner.generation_stats()
+
+    def actor_copies(self) -> Any:
+        return self.inner.actor_copies()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FailingGenerator(Wrapped):
+    """Raises on iteration `at`."""
 
     def __init__(self, inner: Any, at: int) -> None:
-        self.inner, self.at = inner, at
+        super().__init__(inner)
+        self.at = at
 
     def generate(self, prompts: Any, *, iteration: int, sampling: Any = None) -> Iterator[Any]:
         if iteration == self.at:
             raise OSError("device lost")
-        yield from self.inner.generate(prompts, iteration=iteration, sampling=sampling)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        yield from super().generate(prompts, iteration=iteration, sampling=sampling)
 
 
 def test_a_failing_background_generation_ends_the_run_in_one_line(tmp_path: Path) -> None:
@@ -228,6 +252,34 @@ def test_a_failing_background_generation_ends_the_run_in_one_line(tmp_path: Path
                        r"OSError: device lost$"):  # fmt: skip
         trainer.fit()
     assert trainer.iteration in (1, 2)  # the failure surfaces at the sync or the rollout that waits for it
+
+
+class StallingGenerator(Wrapped):
+    """On iteration `at`, waits until `release` is set."""
+
+    def __init__(self, inner: Any, at: int) -> None:
+        super().__init__(inner)
+        self.at, self.release = at, threading.Event()
+
+    def generate(self, prompts: Any, *, iteration: int, sampling: Any = None) -> Iterator[Any]:
+        if iteration == self.at:
+            self.release.wait()
+        yield from super().generate(prompts, iteration=iteration, sampling=sampling)
+
+
+def test_a_stalled_background_generation_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path / "run", staleness=1).setup(_model(tmp_path / "cache"))
+    stage = trainer.rollout_stage
+    assert isinstance(stage, AsyncRollout) and stage.stall_timeout_s == 300  # distributed.timeout_s
+    stalling = StallingGenerator(stage.inner, at=2)
+    stage.inner, stage.stall_timeout_s = stalling, 0.5
+    try:
+        with pytest.raises(AsyncGenerationError, match=r"^asynchronous generation of iteration 2's batch made no "
+                           r"progress for \d+ s \(distributed.timeout_s=0.5\): the generator stalled"):  # fmt: skip
+            trainer.fit()
+    finally:
+        stalling.release.set()
+        stage.close()
 
 
 def test_async_runs_are_checked_before_anything_is_built() -> None:

@@ -91,6 +91,7 @@ class AsyncRollout:
         last_iteration: int,
         pad_token_id: int,
         partial_rollout: bool = False,
+        stall_timeout_s: float | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
@@ -100,6 +101,10 @@ class AsyncRollout:
                 f"{type(generator).__name__}"
             )
         self.partial_rollout = partial_rollout
+        self.stall_timeout_s = stall_timeout_s
+        self._progress_at = (
+            time.monotonic()
+        )  # the worker's last sign of progress: a batch or decode step begun
         self.inner, self.inferencer, self.feed = generator, inferencer, feed
         self.max_staleness, self.last_iteration = max_staleness, last_iteration
         self.pad_token_id = pad_token_id
@@ -166,9 +171,25 @@ class AsyncRollout:
     def _take(self, iteration: int) -> _Generated:
         with self._cond:
             while iteration not in self._ready:
-                self._raise_error()
-                self._cond.wait()
+                self._wait()
             return self._ready.pop(iteration)
+
+    def _wait(self) -> None:
+        """One wait of the main thread for the worker, under the condition: the worker's error raised, or a stall:
+        no batch or decode step begun for `stall_timeout_s` while it generates (a slow batch of a generator whose
+        steps are seen, `PartialGenerator`, is not one)."""
+        self._raise_error()
+        if self.stall_timeout_s is None:
+            self._cond.wait()
+            return
+        self._cond.wait(timeout=self.stall_timeout_s / 4)
+        idle = time.monotonic() - self._progress_at
+        if self._busy and idle > self.stall_timeout_s:
+            raise AsyncGenerationError(
+                f"asynchronous generation of iteration {self._next}'s batch made no progress for {idle:.0f} s "
+                f"(distributed.timeout_s={self.stall_timeout_s:g}): the generator stalled; resume=auto continues "
+                "from the last checkpoint"
+            )
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -185,8 +206,7 @@ class AsyncRollout:
             with self._cond:
                 last = self.version + 1 + self.max_staleness  # r(i) = version for every submitted i <= last
                 while any(j <= last for j in self._jobs) or (self._busy and self._next <= last):
-                    self._raise_error()
-                    self._cond.wait()
+                    self._wait()
         with self._weights:  # a decode step's tokens record the version its weights are
             load()
             with self._cond:
@@ -197,6 +217,7 @@ class AsyncRollout:
     def step(self) -> Iterator[int]:
         """A partial rollout's decode step (`StepGate`): the weights held still for it, their version yielded."""
         with self._weights:
+            self._progress_at = time.monotonic()
             yield self.version
 
     # ------------------------------------------------------------ the worker
@@ -215,7 +236,7 @@ class AsyncRollout:
                 iteration = self._next
                 prompts = self._jobs.pop(iteration)
                 version = self.version
-                self._busy = True
+                self._busy, self._progress_at = True, time.monotonic()
             try:
                 expected = self.source_version(iteration)
                 if version < expected or (version != expected and not self.partial_rollout):
@@ -244,8 +265,13 @@ class AsyncRollout:
             assert isinstance(self.inner, PartialGenerator)
             chunks = list(self.inner.generate_partial(prompts, iteration=iteration, gate=self))
             return _Generated(chunks, version, time.perf_counter() - start, self.inner.generation_stats())
-        with self._weights:
-            chunks = [c.with_version(version) for c in self.inner.generate(prompts, iteration=iteration)]
+        with self._weights:  # held for the whole batch
+            if isinstance(
+                self.inner, PartialGenerator
+            ):  # its decode steps seen: a stall told from a long batch
+                chunks = list(self.inner.generate_partial(prompts, iteration=iteration, gate=_Seen(self)))
+            else:
+                chunks = [c.with_version(version) for c in self.inner.generate(prompts, iteration=iteration)]
             return _Generated(chunks, version, time.perf_counter() - start, self.inner.generation_stats())
 
     def close(self) -> None:
@@ -263,7 +289,7 @@ class AsyncRollout:
         a batch being generated to be done first."""
         with self._cond:
             while self._busy:
-                self._cond.wait()
+                self._wait()
             self._raise_error()
             return {
                 "ready": {
@@ -284,6 +310,18 @@ class AsyncRollout:
                 for i, g in ready.items()
             }
             self._next = max(self._ready, default=iteration) + 1
+
+
+class _Seen:
+    """The `StepGate` of a batch generated with the weights held throughout: each decode step is progress."""
+
+    def __init__(self, stage: AsyncRollout) -> None:
+        self.stage = stage
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        self.stage._progress_at = time.monotonic()
+        yield self.stage.version
 
 
 def _fields(rollout: Rollout) -> dict[str, Tensor | None]:

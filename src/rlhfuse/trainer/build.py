@@ -83,6 +83,7 @@ def rollout_stage(
             last_iteration=cfg.iterations,
             pad_token_id=ctx.models.tokenizer.pad_id,
             partial_rollout=cfg.asynchronous.partial_rollout,
+            stall_timeout_s=cfg.distributed.timeout_s,
         )
     if ctx.topology.fused_rollout:
         assert isinstance(generator, FusingGenerator), type(generator)
