@@ -24,6 +24,7 @@ from rlhfuse.trainer import (
     Callback,
     CheckpointConfig,
     DataConfig,
+    EngineGeneration,
     LoggerConfig,
     ModelsConfig,
     RLHFTrainer,
@@ -70,11 +71,23 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
+GENERATORS = {
+    "sampling": lambda: SamplingGeneration(sampling=SamplingConfig(max_new_tokens=12)),
+    "engine": lambda: EngineGeneration(sampling=SamplingConfig(max_new_tokens=12)),
+}
+
+
 def _trainer(
-    run_dir: Path, *, staleness: int, callbacks: list[Callback] = (), partial: bool = False, **kwargs: Any
+    run_dir: Path,
+    *,
+    staleness: int,
+    callbacks: list[Callback] = (),
+    partial: bool = False,
+    generator: str = "sampling",
+    **kwargs: Any,
 ) -> RLHFTrainer:
     return RLHFTrainer(
-        generator=SamplingGeneration(sampling=SamplingConfig(max_new_tokens=12)),
+        generator=GENERATORS[generator](),
         algorithm=AlgorithmConfig(off_policy_correction="none"),
         asynchronous=AsyncConfig(max_staleness=staleness, partial_rollout=partial),
         data=DataConfig(num_prompts=16, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
@@ -151,11 +164,15 @@ def test_a_resume_with_batches_generated_ahead_equals_the_uninterrupted_run(tmp_
     assert _same(_actor(straight), _actor(resumed))
 
 
-def test_a_partial_rollout_continues_its_samples_under_the_next_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize("generator", list(GENERATORS))
+def test_a_partial_rollout_continues_its_samples_under_the_next_version(
+    tmp_path: Path, generator: str
+) -> None:
     """A sync while a batch is being generated: its samples go on under the new weights from the next decode step,
     their KV cache kept, and their later tokens record the new version. The sync happens at the third step (events,
     not timing); the weights loaded are the same, so the tokens equal an uninterrupted generation's."""
-    trainer = _trainer(tmp_path / "run", staleness=1, partial=True).setup(_model(tmp_path / "cache"))
+    trainer = _trainer(tmp_path / "run", staleness=1, partial=True, generator=generator)
+    trainer.setup(_model(tmp_path / "cache"))
     stage = trainer.rollout_stage
     assert isinstance(stage, AsyncRollout) and stage.partial_rollout
     prompts = trainer.feed.batch(1)
@@ -293,6 +310,11 @@ def test_async_runs_are_checked_before_anything_is_built() -> None:
     assert any(
         "set data.oversample=0 or async.max_staleness=0" in p for p in cross_component_problems(dynamic)
     )
+    assert "set async.max_staleness >= 1" in " ".join(
+        compose_config(["async.partial_rollout=true"]).problems()
+    )
+    engine = compose_config(["async.max_staleness=1", "async.partial_rollout=true", "generator=engine"])
+    assert not cross_component_problems(engine)
 
 
 def test_the_off_policy_correction_is_on_by_default_once_samples_can_be_off_policy() -> None:

@@ -32,6 +32,7 @@ from rlhfuse.generation.engine import (
     GenerationEngine,
     SampleRequest,
     SamplingParams,
+    StepGate,
     call_settings,
     requests_for,
     to_rollout,
@@ -68,9 +69,12 @@ class InstancePool(Protocol):
         """Where this process's instances compute (and so its collectives' tensors live under NCCL)."""
         ...
 
-    def instances(self, count: int, prompt_width: int, batch: int, params: SamplingParams) -> list[Instance]:
+    def instances(
+        self, count: int, prompt_width: int, batch: int, params: SamplingParams, gate: StepGate | None = None
+    ) -> list[Instance]:
         """`count` instances able to run a batch of `batch` samples with prompts up to `prompt_width` tokens,
-        sampling with `params`, their statistics reset (kept instances are reused)."""
+        sampling with `params`, their statistics reset (kept instances are reused); `gate`: each decode step
+        under it (partial rollouts: weights that may change between steps, each token's version recorded)."""
         ...
 
     def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
@@ -122,7 +126,9 @@ class EnginePool:
     def device(self) -> torch.device:
         return next(self.models[0].parameters()).device
 
-    def instances(self, count: int, prompt_width: int, batch: int, params: SamplingParams) -> list[Instance]:
+    def instances(
+        self, count: int, prompt_width: int, batch: int, params: SamplingParams, gate: StepGate | None = None
+    ) -> list[Instance]:
         max_len = prompt_width + params.max_new_tokens
         slots = self.options.num_slots or batch
         while len(self.models) < count:
@@ -148,6 +154,7 @@ class EnginePool:
         for engine in self.engines:
             engine.stats = type(engine.stats)()
             engine.params = params
+            engine.gate = gate
         return list(self.engines)
 
     def load_weight_buckets(self, buckets: Iterable[Mapping[str, Tensor]]) -> None:
@@ -203,6 +210,9 @@ class EngineGenerator:
         self.report = MigrationReport()
         self.engines: list[Instance] = []  # the last batch's instances (their statistics)
         self._predicted: tuple[object, object] | None = None
+        self._gate: StepGate | None = (
+            None  # a partial rollout's (`generate_partial`), for the instances it runs
+        )
         # instances of generator.tp ranks: (this rank's instance control group, the instances' first ranks' group)
         self._lockstep_groups: tuple[Any, Any] | None = None
 
@@ -243,7 +253,7 @@ class EngineGenerator:
     def _engines_for(
         self, prompt_width: int, batch: int, count: int, params: SamplingParams
     ) -> list[Instance]:
-        self.engines = self.pool.instances(count, prompt_width, batch, params)
+        self.engines = self.pool.instances(count, prompt_width, batch, params, self._gate)
         return self.engines
 
     def stream(
@@ -363,6 +373,21 @@ class EngineGenerator:
         lead = role.lead
         yield from self._coordinated(lead, requests, threshold, role.instance, role.leaders, lead.release)
         lead.finish()
+
+    def generate_partial(self, prompts: PromptBatch, *, iteration: int, gate: StepGate) -> Iterator[Rollout]:
+        """`generate`, each decode step of every instance under `gate`: the weights may be replaced between two
+        steps (a partial rollout continues its samples under the new ones, their KV cache kept), and each token
+        records the version it was sampled with (`Rollout.versions_BR`). In-process instances only: the migration
+        wire format carries no versions."""
+        if self.is_distributed():
+            raise ValueError(
+                "generate_partial: instances over processes carry no token versions across migrations"
+            )
+        self._gate = gate
+        try:
+            yield from self.generate(prompts, iteration=iteration)
+        finally:
+            self._gate = None
 
     def generate(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None

@@ -584,7 +584,13 @@ class VLLMPool:
     def device(self) -> torch.device:
         return self._device
 
-    def instances(self, count: int, prompt_width: int, batch: int, params: SamplingParams) -> list[Any]:
+    def instances(
+        self, count: int, prompt_width: int, batch: int, params: SamplingParams, gate: Any = None
+    ) -> list[Any]:
+        if gate is not None:
+            raise ValueError(
+                "vLLM's engines step with no StepGate: partial rollouts are not built on generator=vllm"
+            )
         if prompt_width + params.max_new_tokens > self.max_len:
             raise ValueError(
                 f"prompts of {prompt_width} tokens + max_new_tokens={params.max_new_tokens} exceed the vLLM "

@@ -151,7 +151,7 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
     "generator.name",
     {
         "sampling": GeneratorEntry(sampling_generator, instances=False, partial=True),
-        "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems),
+        "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems, partial=True),
         "vllm": GeneratorEntry(
             vllm_generator,
             instances=True,

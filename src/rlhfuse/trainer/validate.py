@@ -176,7 +176,7 @@ def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
             problems,
             not cfg.asynchronous.partial_rollout or generator_entry(g.name).partial,
             f"async.partial_rollout=true continues samples under new weights between decode steps, which "
-            f"generator={g.name} does not do: set generator=sampling, or async.partial_rollout=false",
+            f"generator={g.name} does not do: set generator=sampling or engine, or async.partial_rollout=false",
         )
     return problems
 
