@@ -25,6 +25,7 @@ from rlhfuse.trainer import (
     CheckpointConfig,
     DataConfig,
     EngineGeneration,
+    FixedMigration,
     LoggerConfig,
     ModelsConfig,
     RLHFTrainer,
@@ -71,9 +72,25 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
+SMALL = DataConfig(
+    num_prompts=16, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4, micro_batch_size=2
+)
+# a batch whose tail migrates: 16 samples, Rt = 12 of them
+WIDE = DataConfig(
+    num_prompts=16, prompts_per_iteration=4, samples_per_prompt=4, mini_batch_size=16, micro_batch_size=4
+)
+
 GENERATORS = {
     "sampling": lambda: SamplingGeneration(sampling=SamplingConfig(max_new_tokens=12)),
     "engine": lambda: EngineGeneration(sampling=SamplingConfig(max_new_tokens=12)),
+    # two instances in this process, the tail migrating between them (a migrated sample keeps its versions)
+    "engine_migrating": lambda: EngineGeneration(
+        # frequent word tokens as stop tokens: long-tailed lengths (the tiny model rarely emits EOS)
+        sampling=SamplingConfig(max_new_tokens=24, stop_token_ids=[10, 20, 30, 40, 50]),
+        instances=2,
+        in_process=True,
+        migration=FixedMigration(threshold=0.75),
+    ),
 }
 
 
@@ -90,8 +107,7 @@ def _trainer(
         generator=GENERATORS[generator](),
         algorithm=AlgorithmConfig(off_policy_correction="none"),
         asynchronous=AsyncConfig(max_staleness=staleness, partial_rollout=partial),
-        data=DataConfig(num_prompts=16, prompts_per_iteration=2, samples_per_prompt=2, mini_batch_size=4,
-                        micro_batch_size=2),
+        data=kwargs.pop("data", SMALL),
         logging=LoggerConfig(backends=["jsonl"], progress=False, print_every=0),
         iterations=ITERATIONS,
         callbacks=list(callbacks),
@@ -171,7 +187,8 @@ def test_a_partial_rollout_continues_its_samples_under_the_next_version(
     """A sync while a batch is being generated: its samples go on under the new weights from the next decode step,
     their KV cache kept, and their later tokens record the new version. The sync happens at the third step (events,
     not timing); the weights loaded are the same, so the tokens equal an uninterrupted generation's."""
-    trainer = _trainer(tmp_path / "run", staleness=1, partial=True, generator=generator)
+    data = WIDE if generator == "engine_migrating" else SMALL
+    trainer = _trainer(tmp_path / "run", staleness=1, partial=True, generator=generator, data=data)
     trainer.setup(_model(tmp_path / "cache"))
     stage = trainer.rollout_stage
     assert isinstance(stage, AsyncRollout) and stage.partial_rollout
@@ -200,8 +217,10 @@ def test_a_partial_rollout_continues_its_samples_under_the_next_version(
 
     syncing = threading.Thread(target=sync)
     syncing.start()
-    experience, _ = stage.run(prompts, 1)
+    experience, stats = stage.run(prompts, 1)
     syncing.join()
+    if generator == "engine_migrating":
+        assert stats.generation is not None and stats.generation.samples_moved > 0
     rollout = experience.rollout
     assert torch.equal(rollout.response_ids_BR, expected.response_ids_BR)
     assert rollout.versions_BR is not None
