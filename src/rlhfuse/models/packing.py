@@ -15,7 +15,7 @@ on real tokens only.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +41,11 @@ class PackedSequences:
     batch: int
     width: int
     max_seqlen: int
+    _windows: dict[tuple[int, int, bool], tuple[Tensor, Tensor, int]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    """`window`'s answers, per (start, stop, inference mode): the Actor's and the Critic's forwards of one
+    micro-batch ask for the same window, which costs a dozen ops and, off the full window, a host sync."""
 
     @property
     def num_tokens(self) -> int:
@@ -51,14 +56,13 @@ class PackedSequences:
         return (self.cu_seqlens_B1[1:] - self.cu_seqlens_B1[:-1]).long()
 
     def to(self, device: torch.device | str) -> PackedSequences:
+        """The packing on `device`; itself (with the windows it has answered) when it is there already."""
+        tensors = (self.cu_seqlens_B1, self.position_ids_N, self.source_N, self.dense_N)
+        cu_seqlens_B1, position_ids_N, source_N, dense_N = moved = [x.to(device) for x in tensors]
+        if all(new is old for new, old in zip(moved, tensors, strict=True)):
+            return self
         return PackedSequences(
-            self.cu_seqlens_B1.to(device),
-            self.position_ids_N.to(device),
-            self.source_N.to(device),
-            self.dense_N.to(device),
-            self.batch,
-            self.width,
-            self.max_seqlen,
+            cu_seqlens_B1, position_ids_N, source_N, dense_N, self.batch, self.width, self.max_seqlen
         )
 
     def pack(self, x_BT_: Tensor) -> Tensor:
@@ -67,7 +71,7 @@ class PackedSequences:
             raise ValueError(
                 f"pack needs a [{self.batch}, {self.width}, ...] tensor (the packed rows), got {tuple(x_BT_.shape)}"
             )
-        return x_BT_.reshape(self.batch * self.width, *x_BT_.shape[2:])[self.source_N]
+        return x_BT_.reshape(self.batch * self.width, *x_BT_.shape[2:]).index_select(0, self.source_N)
 
     def window(self, start: int = 0, stop: int | None = None) -> tuple[Tensor, Tensor, int]:
         """(stream indices of the real tokens in padded columns [start, stop), their flat index b * W + (t -
@@ -75,6 +79,14 @@ class PackedSequences:
         stop = self.width if stop is None else stop
         if not 0 <= start <= stop <= self.width:
             raise ValueError(f"window [{start}, {stop}) must lie within the {self.width} padded columns")
+        # index tensors made under inference mode serve inference mode alone (autograd cannot save them)
+        key = (start, stop, torch.is_inference_mode_enabled())
+        found = self._windows.get(key)
+        if found is None:
+            found = self._windows[key] = self._window(start, stop)
+        return found
+
+    def _window(self, start: int, stop: int) -> tuple[Tensor, Tensor, int]:
         if start == 0 and stop == self.width:  # every real token: no data-dependent selection (no host sync)
             return torch.arange(self.num_tokens, device=self.source_N.device), self.source_N, self.width
         cols_N = self.source_N % self.width
@@ -92,7 +104,8 @@ class PackedSequences:
 
 def scatter_rows(x_M_: Tensor, dest_M: Tensor, batch: int, span: int) -> Tensor:
     """A zero [batch, span, ...] tensor with x_M_[m] at flat position dest_M[m] (differentiable)."""
-    flat = x_M_.new_zeros(batch * span, *x_M_.shape[1:]).index_copy(0, dest_M, x_M_)
+    # in place into the fresh zeros (the out-of-place index_copy would clone them first)
+    flat = x_M_.new_zeros(batch * span, *x_M_.shape[1:]).index_copy_(0, dest_M, x_M_)
     return flat.view(batch, span, *x_M_.shape[1:])
 
 
