@@ -20,7 +20,7 @@ from rlhfuse.core.inference_config import reward_choices as reward_choices
 from rlhfuse.core.rewards import Decoder, RewardSet, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.models import Transformer
-from rlhfuse.models.packing import pack_rows, packed_forward, packed_last_token, scatter_rows
+from rlhfuse.models.packing import PackedSequences, pack_rows, packed_forward, packed_last_token, scatter_rows
 
 TRUNCATED_RM_SCORE = -5.0
 """The reward-model score a truncated response gets under inferencer.truncated_score=auto."""
@@ -46,16 +46,22 @@ def scores_from_output(values_BT: Tensor, rollout: Rollout) -> Tensor:
 
 
 def response_logprobs(
-    model: Transformer, rollout: Rollout, temperature: float, *, packing: bool = False
+    model: Transformer,
+    rollout: Rollout,
+    temperature: float,
+    *,
+    packing: bool = False,
+    packed: PackedSequences | None = None,
 ) -> Tensor:
     """Log-probs [B, R] of the response tokens under `model` (float32); packing=True runs the model on the
     packed real tokens (`rlhfuse.models.packing`), and the LM head and the log-softmax over the vocabulary on the
-    M real response-predicting ones only (0 at padding), never on all B·R positions."""
+    M real response-predicting ones only (0 at padding), never on all B·R positions. `packed`: the rollout's
+    packing (`packing_of`), made once for the models that infer it; None: packed here."""
     if not packing:
         logits_BTV = model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
         return logprobs_from_output(logits_BTV, rollout, temperature)
     prompt_len = rollout.prompt_ids_BP.shape[1]
-    packed = pack_rows(rollout.attention_mask_BT)
+    packed = packing_of(rollout) if packed is None else packed
     picked_M, dest_M, span = packed.window(prompt_len - 1, prompt_len + rollout.response_ids_BR.shape[1] - 1)
     logits_MV = model.packed_outputs(packed.pack(rollout.input_ids_BT), packed, picked_M).float()
     ids_M = rollout.response_ids_BR.reshape(-1)[dest_M]
@@ -63,30 +69,50 @@ def response_logprobs(
     return scatter_rows(logprobs_M, dest_M, len(rollout), span)
 
 
-def response_values(critic: Transformer, rollout: Rollout, *, packing: bool = False) -> Tensor:
-    """Critic values [B, R]: V of the state before each response token (float32)."""
+def response_values(
+    critic: Transformer, rollout: Rollout, *, packing: bool = False, packed: PackedSequences | None = None
+) -> Tensor:
+    """Critic values [B, R]: V of the state before each response token (float32); `packed` as
+    `response_logprobs` takes it."""
     if not packing:
         values_BT = critic(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
         return values_from_output(values_BT, rollout)
-    return _response_window(critic, rollout).float()
+    return _response_window(critic, rollout, packed).float()
 
 
-def sequence_scores(reward_model: Transformer, rollout: Rollout, *, packing: bool = False) -> Tensor:
-    """Reward-model score [B] read at each sample's last valid token."""
+def sequence_scores(
+    reward_model: Transformer,
+    rollout: Rollout,
+    *,
+    packing: bool = False,
+    packed: PackedSequences | None = None,
+) -> Tensor:
+    """Reward-model score [B] read at each sample's last valid token; `packed` as `response_logprobs` takes it."""
     if not packing:
         values_BT = reward_model(rollout.input_ids_BT, attention_mask_BT=rollout.attention_mask_BT)
         return scores_from_output(values_BT, rollout)
-    return packed_last_token(reward_model, rollout.input_ids_BT, rollout.attention_mask_BT).float()
+    return packed_last_token(reward_model, rollout.input_ids_BT, rollout.attention_mask_BT, packed).float()
 
 
-def _response_window(model: Transformer, rollout: Rollout) -> Tensor:
+def packing_of(rollout: Rollout) -> PackedSequences:
+    """The packing of the rollout's real tokens, made once for every model that infers it (its host reads of the
+    mask, once)."""
+    return pack_rows(rollout.attention_mask_BT)
+
+
+def _response_window(model: Transformer, rollout: Rollout, packed: PackedSequences | None) -> Tensor:
     """The model's outputs at positions [P - 1, T - 1), packed: those predicting / valuing the R response tokens."""
     prompt_len, width = (
         rollout.prompt_ids_BP.shape[1],
         rollout.prompt_ids_BP.shape[1] + rollout.response_ids_BR.shape[1],
     )
     return packed_forward(
-        model, rollout.input_ids_BT, rollout.attention_mask_BT, start=prompt_len - 1, stop=width - 1
+        model,
+        rollout.input_ids_BT,
+        rollout.attention_mask_BT,
+        start=prompt_len - 1,
+        stop=width - 1,
+        packed=packed,
     )
 
 

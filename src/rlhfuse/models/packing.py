@@ -149,9 +149,13 @@ def packed_forward(
     return scatter_rows(out_M_, dest_M, packed.batch, span)
 
 
-def packed_last_token(model: Transformer, input_ids_BT: Tensor, attention_mask_BT: Tensor) -> Tensor:
-    """The model's output at each row's last real token ([B] values, or [B, V] logits), packed."""
-    packed = pack_rows(attention_mask_BT.to(input_ids_BT.device))
+def packed_last_token(
+    model: Transformer, input_ids_BT: Tensor, attention_mask_BT: Tensor, packed: PackedSequences | None = None
+) -> Tensor:
+    """The model's output at each row's last real token ([B] values, or [B, V] logits), packed (`packed`: the
+    mask's packing, made once for several models; None: packed here)."""
+    if packed is None:
+        packed = pack_rows(attention_mask_BT.to(input_ids_BT.device))
     last_B = packed.cu_seqlens_B1[1:].long() - 1
     return model.packed_outputs(packed.pack(input_ids_BT), packed, last_B)
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from rlhfuse.core.inference import (
     InferencerConfig,
     final_scores,
+    packing_of,
     response_logprobs,
     response_values,
     sequence_scores,
@@ -131,18 +132,19 @@ class ModelInferencer:
             model.acquire()
         with self.autocast():
             packing = self.packing
-            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature, packing=packing)
+            # the mask packed once for the (up to) four models (pack_rows reads the mask on the host)
+            packed = packing_of(rollout) if packing else None
+            kw: dict[str, Any] = dict(packing=packing, packed=packed)
+            logprobs_BR = response_logprobs(self.actor, rollout, self.temperature, **kw)
             with adapters_disabled(self.ref):  # a LoRA Actor as the Reference: the SFT model's log-probs
-                ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, packing=packing)
+                ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, **kw)
             values_BR = (
                 torch.zeros_like(logprobs_BR)
                 if self.critic is None
-                else response_values(self.critic, rollout, packing=packing)
+                else response_values(self.critic, rollout, **kw)
             )
             rm_scores_B = (
-                None
-                if self.reward_model is None
-                else sequence_scores(self.reward_model, rollout, packing=packing)
+                None if self.reward_model is None else sequence_scores(self.reward_model, rollout, **kw)
             )
         scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
