@@ -97,14 +97,13 @@ class AsyncRollout:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         if partial_rollout and not isinstance(generator, PartialGenerator):
             raise TypeError(
-                f"partial_rollout=True needs a generator with generate_partial (generator=sampling), not "
+                f"partial_rollout=True needs a generator with generate_partial (generator=sampling or engine), not "
                 f"{type(generator).__name__}"
             )
         self.partial_rollout = partial_rollout
         self.stall_timeout_s = stall_timeout_s
-        self._progress_at = (
-            time.monotonic()
-        )  # the worker's last sign of progress: a batch or decode step begun
+        # the worker's last sign of progress: a batch or a decode step begun
+        self._progress_at = time.monotonic()
         self.inner, self.inferencer, self.feed = generator, inferencer, feed
         self.max_staleness, self.last_iteration = max_staleness, last_iteration
         self.pad_token_id = pad_token_id
