@@ -108,6 +108,12 @@ class AsyncRollout:
         self.max_staleness, self.last_iteration = max_staleness, last_iteration
         self.pad_token_id = pad_token_id
         self.generator = AheadGenerator(self)
+        # on a GPU the worker decodes on a stream of its own, so its kernels can overlap training's (on the one
+        # default stream they would queue behind each other); each decode step ends in a host read of its tokens,
+        # so the stream is idle whenever the worker lets go of the weights
+        copies = generator.actor_copies()
+        device = next(copies[0].parameters()).device if copies else torch.device("cpu")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._serial = SerialRollout(generator, inferencer, pad_token_id=pad_token_id)
         self._cond = threading.Condition()
         self._weights = threading.Lock()  # held while the generator's weights are read (decoding) or written
@@ -208,6 +214,8 @@ class AsyncRollout:
                     self._wait()
         with self._weights:  # a decode step's tokens record the version its weights are
             load()
+            if self._stream is not None:  # the copies done before the worker's stream reads the weights
+                torch.cuda.current_stream(self._stream.device).synchronize()
             with self._cond:
                 self.version += 1
                 self._cond.notify_all()
@@ -259,6 +267,12 @@ class AsyncRollout:
 
     @torch.no_grad()
     def _generate(self, prompts: PromptBatch, iteration: int, version: int) -> _Generated:
+        if self._stream is None:
+            return self._decode(prompts, iteration, version)
+        with torch.cuda.stream(self._stream):
+            return self._decode(prompts, iteration, version)
+
+    def _decode(self, prompts: PromptBatch, iteration: int, version: int) -> _Generated:
         start = time.perf_counter()
         if self.partial_rollout:  # each decode step under the gate: its tokens record their version
             assert isinstance(self.inner, PartialGenerator)
