@@ -210,9 +210,8 @@ class EngineGenerator:
         self.report = MigrationReport()
         self.engines: list[Instance] = []  # the last batch's instances (their statistics)
         self._predicted: tuple[object, object] | None = None
-        self._gate: StepGate | None = (
-            None  # a partial rollout's (`generate_partial`), for the instances it runs
-        )
+        # a partial rollout's gate (`generate_partial`), handed to the instances it runs
+        self._gate: StepGate | None = None
         # instances of generator.tp ranks: (this rank's instance control group, the instances' first ranks' group)
         self._lockstep_groups: tuple[Any, Any] | None = None
 

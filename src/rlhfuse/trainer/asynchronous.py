@@ -248,8 +248,8 @@ class AsyncRollout:
                 expected = self.source_version(iteration)
                 if version < expected or (version != expected and not self.partial_rollout):
                     raise RuntimeError(
-                        f"the generator holds version {version}, iteration {iteration} needs "
-                        f"{self.source_version(iteration)} (a weight sync bypassed AsyncRollout.load_weights)"
+                        f"the generator holds version {version}, iteration {iteration} needs {expected} (a "
+                        "weight sync bypassed AsyncRollout.load_weights)"
                     )
                 generated = self._generate(prompts, iteration, version)
             except BaseException as err:  # handed to the main thread, which raises it
@@ -273,17 +273,16 @@ class AsyncRollout:
             return self._decode(prompts, iteration, version)
 
     def _decode(self, prompts: PromptBatch, iteration: int, version: int) -> _Generated:
+        """The batch, each decode step under a gate when the generator takes one: this stage's with partial
+        rollouts (the weights held a step at a time, tokens recording their versions), else a progress-only one
+        inside the weights held for the whole batch (so a stall is told from a long batch)."""
         start = time.perf_counter()
-        if self.partial_rollout:  # each decode step under the gate: its tokens record their version
-            assert isinstance(self.inner, PartialGenerator)
-            chunks = list(self.inner.generate_partial(prompts, iteration=iteration, gate=self))
-            return _Generated(chunks, version, time.perf_counter() - start, self.inner.generation_stats())
-        with self._weights:  # held for the whole batch
-            if isinstance(
-                self.inner, PartialGenerator
-            ):  # its decode steps seen: a stall told from a long batch
-                chunks = list(self.inner.generate_partial(prompts, iteration=iteration, gate=_Seen(self)))
-            else:
+        held = contextlib.nullcontext() if self.partial_rollout else self._weights
+        with held:
+            if isinstance(self.inner, PartialGenerator):
+                gate = self if self.partial_rollout else _Seen(self)
+                chunks = list(self.inner.generate_partial(prompts, iteration=iteration, gate=gate))
+            else:  # partial rollouts refuse such a generator: one version for the whole batch
                 chunks = [c.with_version(version) for c in self.inner.generate(prompts, iteration=iteration)]
             return _Generated(chunks, version, time.perf_counter() - start, self.inner.generation_stats())
 
