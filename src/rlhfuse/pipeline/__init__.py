@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         serial_makespan,
         serial_one_f_one_b,
         serial_peak,
+        split_each_backward,
     )
     from rlhfuse.pipeline.bounds import Bounds, lower_bounds
     from rlhfuse.pipeline.ir import Action, Kind, Placement, Schedule, parse_action, schedule_from_labels
@@ -42,6 +43,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "serial_makespan",
         "serial_one_f_one_b",
         "serial_peak",
+        "split_each_backward",
     ),
     "rlhfuse.pipeline.bounds": ("Bounds", "lower_bounds"),
     "rlhfuse.pipeline.ir": (
@@ -95,4 +97,5 @@ __all__ = [
     "serial_peak",
     "simulate",
     "solve",
+    "split_each_backward",
 ]

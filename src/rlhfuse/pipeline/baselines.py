@@ -165,3 +165,23 @@ def merge_by_time(problem: Problem, schedules: Sequence[Schedule]) -> Schedule:
             for a in rank:
                 keyed[k].append((sim.start[a], 0 if a.kind is Kind.B else 1, j, a))
     return Schedule(tuple(tuple(x[3] for x in sorted(rank, key=lambda x: x[:3])) for rank in keyed))
+
+
+def split_each_backward(schedule: Schedule) -> Schedule:
+    """`schedule` with every B replaced by its I then its W, in place (the same order otherwise): the F/B
+    schedule's split-backward twin, with the same dependencies between ranks and W right after its I."""
+    return Schedule(
+        tuple(
+            tuple(
+                part
+                for a in rank
+                for part in (
+                    (Action(a.model, a.replica, a.stage, Kind.I, a.microbatch),
+                     Action(a.model, a.replica, a.stage, Kind.W, a.microbatch))
+                    if a.kind is Kind.B
+                    else (a,)
+                )
+            )
+            for rank in schedule.ranks
+        )
+    )  # fmt: skip

@@ -277,9 +277,11 @@ def serial_order(c: Compiled) -> np.ndarray:
     return np.array([op for ops in lists for op in ops], dtype=np.int64)
 
 
-def greedy(problem: Problem, durations: DurationFn | None = None) -> Schedule:
-    """The paper's greedy list schedule as a Schedule."""
-    c = compile_problem(problem, durations)
+def greedy(
+    problem: Problem, durations: DurationFn | None = None, *, split_backward: bool = False
+) -> Schedule:
+    """The paper's greedy list schedule as a Schedule (F/I/W with `split_backward`)."""
+    c = compile_problem(problem, durations, split_backward)
     return c.to_schedule(greedy_order(c))
 
 
