@@ -16,8 +16,8 @@ from rlhfuse.pipeline.simulate import all_actions, dependencies
 from rlhfuse.testing.data import random_batch as random_batch  # re-exported: the runtime tests import it here
 
 
-def random_schedule(problem: Problem, seed: int) -> Schedule:
-    """A random valid schedule: a random topological order of all F/B ops, each appended to its rank.
+def random_schedule(problem: Problem, seed: int, *, split_backward: bool = False) -> Schedule:
+    """A random valid schedule: a random topological order of all F/B (or F/I/W) ops, each appended to its rank.
 
     Unlike the search's schedules, micro-batches of one stage may run out of order (stage s+1 may take
     micro-batch 3 before 2), which exercises the lowering's channel ordering.
@@ -29,7 +29,7 @@ def random_schedule(problem: Problem, seed: int) -> Schedule:
         for r, row in enumerate(m.placement)
         for s in range(m.stages)
     }
-    todo = set(all_actions(problem))
+    todo = set(all_actions(problem, split_backward))
     done: set[Action] = set()
     lists: list[list[Action]] = [[] for _ in range(problem.ranks)]
     while todo:

@@ -12,7 +12,7 @@ from runtime_helpers import random_batch, random_schedule, run_distributed
 
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.pipeline import greedy, serial_one_f_one_b
+from rlhfuse.pipeline import Kind, greedy, serial_one_f_one_b, split_each_backward
 from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
@@ -50,12 +50,16 @@ def _check_scenario(
     batch = random_batch(dp * mbs * 2 + 1, seed=7)
     micro, weights, _ = split_minibatch(batch, dp, mbs, balance=kind != "serial")
     problem = layout.problem()
-    if kind == "serial":
+    split = kind.endswith("+split")  # F/I/W: each B split into its input and weight gradients
+    base = kind.removesuffix("+split")
+    if base == "serial":
         schedule = serial_one_f_one_b(problem)
-    elif kind == "greedy":
-        schedule = greedy(problem)
+        schedule = split_each_backward(schedule) if split else schedule
+    elif base == "greedy":
+        schedule = greedy(problem, split_backward=split)
     else:
-        schedule = random_schedule(problem, seed=int(kind.split(":")[1]))
+        schedule = random_schedule(problem, seed=int(base.split(":")[1]), split_backward=split)
+    assert any(a.kind is Kind.W for _, _, a in schedule.actions()) == split, kind
     program = lower_checked(problem, schedule, dp=dp)
     stages = stages_for_rank(layout, rank, models)
     executor = PipelineExecutor(
@@ -107,11 +111,14 @@ def _check_scenario(
 def _two_rank_worker(rank: int, world: int, *then: Callable[[int, int], None]) -> None:
     for kind in ("serial", "greedy", "random:1", "random:2", "random:3"):
         _check_scenario(rank, world, 2, 2, 1, 4, kind)
-    for kind in ("greedy", "random:4"):
+    for kind in ("serial+split", "greedy+split", "random:6+split", "random:7+split"):  # F/I/W
+        _check_scenario(rank, world, 2, 2, 1, 4, kind)
+    for kind in ("greedy", "random:4", "random:8+split"):
         _check_scenario(rank, world, 2, 1, 1, 4, kind)  # two critic replicas, one per rank
         _check_scenario(rank, world, 1, 2, 1, 2, kind)  # the Critic is the larger model
     _check_scenario(rank, world, 1, 1, 2, 2, "greedy")  # data parallelism only
     _check_scenario(rank, world, 1, 1, 2, 2, "greedy", bucket_mb=0.002)  # ... in 2 KiB gradient buckets
+    _check_scenario(rank, world, 2, 2, 1, 4, "greedy+split", bucket_mb=0.002)  # F/I/W, buckets launched in W
     for worker in then:
         worker(rank, world)
 
@@ -121,6 +128,8 @@ def _four_rank_worker(rank: int, world: int) -> None:
         rank, world, 2, 1, 2, 2, "random:5", bucket_mb=0.002
     )  # critic replicas x dp, 2 KiB buckets
     _check_scenario(rank, world, 4, 2, 1, 4, "greedy")  # 4-stage actor, 2 reversed critic replicas
+    _check_scenario(rank, world, 4, 2, 1, 4, "greedy+split")  # ... F/I/W
+    _check_scenario(rank, world, 2, 1, 2, 2, "random:9+split", bucket_mb=0.002)  # F/I/W, replicas x dp
 
 
 @pytest.mark.timeout(300)

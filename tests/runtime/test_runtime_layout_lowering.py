@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 from runtime_helpers import random_schedule
 
-from rlhfuse.pipeline import Action, Kind, Schedule, greedy, load_problems, serial_one_f_one_b
+from rlhfuse.pipeline import (
+    Action,
+    Kind,
+    Schedule,
+    greedy,
+    load_problems,
+    serial_one_f_one_b,
+    split_each_backward,
+)
 from rlhfuse.pipeline.schedule_command import default_table_path
 from rlhfuse.pipeline.simulate import simulate
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
@@ -116,7 +124,7 @@ def test_lowered_stream_shape() -> None:
 def test_many_random_schedules_lower_without_deadlock(actor: int, critic: int, mbs: int) -> None:
     problem = _layout_problem(actor, critic, mbs)
     for seed in range(12):
-        schedule = random_schedule(problem, seed)
+        schedule = random_schedule(problem, seed, split_backward=seed % 2 == 1)  # odd seeds: F/I/W
         simulate(problem, schedule)  # valid for the planner
         for prefetch in (0, 1, 3):
             lower_checked(problem, schedule, dp=2, prefetch=prefetch)
@@ -171,6 +179,41 @@ def test_backward_before_its_forward_is_rejected() -> None:
     s1.insert(0, s1.pop(b))
     with pytest.raises(LoweringError, match="before"):
         check_program(Program((program.streams[0], tuple(s1)), 2, 1))
+
+
+def test_split_backward_lowers_i_like_b_and_w_locally() -> None:
+    """F/I/W: I receives the gradient from the next stage and sends its input gradient upstream as B does; W
+    exchanges nothing; REDUCE_GRAD follows a stage's last W; a W before its I is rejected."""
+    layout = ParallelLayout(
+        ModelParallel(2), ModelParallel(1), 2, 4, 2
+    )  # dp 2: reduced critic and actor stages
+    problem = layout.problem()
+    plain = lower_checked(problem, greedy(problem), dp=2)
+    split = lower_checked(problem, greedy(problem, split_backward=True), dp=2)
+    assert split.counts()["I"] == split.counts()["W"] == plain.counts()["B"]
+    for kind in ("SEND", "RECV", "RECV_POST", "REDUCE_GRAD"):
+        assert split.counts()[kind] == plain.counts()[kind], kind
+    for stream in split.streams:
+        for j, ins in enumerate(stream):
+            if ins.kind is Kind.W:
+                assert ins.needs is None
+            if ins.kind is Kind.REDUCE_GRAD:
+                last = max(
+                    k for k, i in enumerate(stream[:j]) if i.kind is Kind.W and i.action.stage == ins.stage
+                    and i.model == ins.model
+                )  # fmt: skip
+                assert (
+                    not any(
+                        i.kind is Kind.W and i.model == ins.model and i.action.stage == ins.stage
+                        for i in stream[j:]
+                    )
+                    and last < j
+                )
+    s0 = list(split.streams[0])
+    w = next(j for j, i in enumerate(s0) if i.kind is Kind.W)
+    s0.insert(0, s0.pop(w))
+    with pytest.raises(LoweringError, match="before its I"):
+        check_program(Program((tuple(s0), *split.streams[1:]), split.group_size, split.dp))
 
 
 def test_table3_dry_run_64_ranks() -> None:
@@ -230,6 +273,11 @@ def test_every_plan_runs_under_both_nccl_stream_models(program_kind: str, pp: in
         problem = layout.problem()
         schedule = greedy(problem) if program_kind == "fused" else serial_one_f_one_b(problem)
         program = lower(problem, schedule, prefetch=prefetch)
+        if program_kind == "fused":  # and the split-backward (F/I/W) twins of both
+            split = (greedy(problem, split_backward=True), split_each_backward(serial_one_f_one_b(problem)))
+            for twin in split:
+                for model in STREAM_MODELS:
+                    check_program(lower(problem, twin, prefetch=prefetch), streams_per=model)
     for model in STREAM_MODELS:
         check_program(program, streams_per=model)
 

@@ -38,8 +38,9 @@ from rlhfuse.pipeline.colocation import placed_on
 from rlhfuse.pipeline.ir import Action, Kind
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.runtime.layout import ParallelLayout, ProcessGroups, RankGeometry
-from rlhfuse.runtime.lower import Instr, Message, Program, grad_peers
+from rlhfuse.runtime.lower import WEIGHT_GRAD_KINDS, Instr, Message, Program, grad_peers
 from rlhfuse.runtime.plan import StageProfile, StepSchedule
+from rlhfuse.runtime.split_backward import PendingWeights, backward_input, backward_weight
 from rlhfuse.runtime.streams import PipelineError as PipelineError  # re-exported: raised by the executor
 from rlhfuse.runtime.streams import StreamComm, wait_for
 
@@ -240,11 +241,12 @@ class PipelineExecutor:
         ]
 
     def _last_backwards(self) -> dict[int, int]:
-        """Stream index of each reduced stage's last B -> that stage (REDUCE_GRAD follows it)."""
+        """Stream index of each reduced stage's last B or W (the op finishing its weight gradients) -> that stage
+        (REDUCE_GRAD follows it)."""
         last: dict[tuple[str, int], int] = {}
         out: dict[int, int] = {}
         for i, ins in enumerate(self.stream):
-            if ins.kind is Kind.B and ins.action is not None:
+            if ins.kind in WEIGHT_GRAD_KINDS and ins.action is not None:
                 last[(ins.model, ins.action.stage)] = i
             elif ins.kind is Kind.REDUCE_GRAD:
                 out[last[(ins.model, ins.stage)]] = ins.stage
@@ -284,6 +286,7 @@ class PipelineExecutor:
         timer = OpTimer(self.device)
         inputs: dict[tuple[Action, int], Tensor] = {}
         outputs: dict[tuple[Action, int], Tensor] = {}
+        self._pending: dict[tuple[Action, int], PendingWeights] = {}
         reducing: dict[str, list[GradReducer]] = defaultdict(list)
         last_b = self._last_backwards()
         stats_S = torch.zeros(len(LossStats._fields), dtype=torch.float64, device=self.device)
@@ -295,10 +298,13 @@ class PipelineExecutor:
                 comm.run(ins)
             elif ins.kind is Kind.F:
                 stats_S += self._forward(ins, work, comm, inputs, outputs, timer)
-            elif ins.kind is Kind.B:
-                if index in last_b:  # its gradients become final in this backward: buckets launch as they do
+            elif ins.kind in (Kind.B, Kind.I, Kind.W):
+                if index in last_b:  # its gradients become final in this op: buckets launch as they do
                     self._reducer(ins.model, last_b[index]).arm()
-                self._backward(ins, comm, inputs, outputs, timer)
+                if ins.kind is Kind.W:
+                    self._weight_gradients(ins, timer)
+                else:
+                    self._backward(ins, comm, inputs, outputs, timer)
             elif ins.kind is Kind.REDUCE_GRAD:
                 reducing[ins.model].append(self._reducer(ins.model, ins.stage))
                 reducing[ins.model][-1].finish()
@@ -405,6 +411,8 @@ class PipelineExecutor:
         outputs: dict[tuple[Action, int], Tensor],
         timer: OpTimer,
     ) -> None:
+        """Run one B, or the I of a split backward (the input gradient now; the weight gradients kept for its W),
+        and pass the input gradient upstream."""
         a = ins.action
         assert a is not None
         f = (Action(a.model, a.replica, a.stage, Kind.F, a.microbatch), ins.group)
@@ -412,24 +420,42 @@ class PipelineExecutor:
         sub, j, k = geo.sub_stage(a.model, a.stage), geo.position(a.model), geo.merge(a.model)
         produced = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, True)
         out = outputs.pop(f)
+        x = inputs.pop(f) if sub > 0 else None
         grad_out: Tensor | None = None
         if j < k - 1:  # from the next sub-stage of this merged stage (waited for before the clock starts)
             grad_out = comm.receive_sub(produced, j + 1, f"sub-stage gradient of {ins}")
         elif ins.needs is not None:
             grad_out = comm.take(ins.needs)
+        grad: Tensor | None = None
         with timer.measure((a.model, sub, ins.kind.value, a, ins.group)):
-            if grad_out is None:  # last stage: out is the weighted loss
+            if ins.kind is Kind.I:
+                params = [p for p in self.stages[(a.model, a.replica, sub)].parameters() if p.requires_grad]
+                grad, self._pending[f] = backward_input(out, grad_out, x, params)
+            elif grad_out is None:  # last stage: out is the weighted loss
                 out.backward()
             else:
                 torch.autograd.backward(out, grad_out)
-        self._live -= self._bytes.get(f, 0)
-        if sub > 0:
-            x = inputs.pop(f)
-            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        if ins.kind is Kind.B:
+            self._live -= self._bytes.get(f, 0)
+        if x is not None:
+            if grad is None:
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
             if j > 0:  # to the previous sub-stage of this merged stage
                 comm.send_sub(produced, grad, j - 1)
             else:
                 comm.put(produced, grad)
+
+    def _weight_gradients(self, ins: Instr, timer: OpTimer) -> None:
+        """Run one W: the weight gradients its I left, accumulated into `.grad`; the micro-batch's activation is
+        freed at its end (as the simulator counts it)."""
+        a = ins.action
+        assert a is not None
+        f = (Action(a.model, a.replica, a.stage, Kind.F, a.microbatch), ins.group)
+        with timer.measure(
+            (a.model, self.geometry.sub_stage(a.model, a.stage), ins.kind.value, a, ins.group)
+        ):
+            backward_weight(self._pending.pop(f))
+        self._live -= self._bytes.get(f, 0)
 
     @contextlib.contextmanager
     def _saved_tensors(self, action: Action, group: int) -> Any:

@@ -1,8 +1,10 @@
-"""Lowering: a fused schedule (per-rank F/B lists of `rlhfuse.pipeline`) -> per-rank instruction streams.
+"""Lowering: a fused schedule (per-rank F/B or F/I/W lists of `rlhfuse.pipeline`) -> per-rank instruction streams.
 
-A stream holds compute (F, B), point-to-point communication (RECV posted early, waited just before use; SEND
-right after the producing compute), gradient reduction (REDUCE_GRAD, launched asynchronously after a stage's last
-backward) and the optimizer step (OPTIMIZER_STEP, which first waits for every send and reduction of the model).
+A stream holds compute (F, B; or, split backward, I and W: I computes the input gradient and sends it upstream like
+B, W the weight gradients later from what I kept, on its rank only), point-to-point communication (RECV posted
+early, waited just before use; SEND right after the producing compute), gradient reduction (REDUCE_GRAD, launched
+asynchronously after the op that finishes a stage's weight gradients: its last B or W) and the optimizer step
+(OPTIMIZER_STEP, which first waits for every send and reduction of the model).
 
 Deadlock freedom is proven, not hoped for: `check_program` executes the streams under NCCL's point-to-point
 semantics, the strictest we run on: one FIFO stream per (process group, rank pair), both directions sharing it,
@@ -23,7 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlhfuse.pipeline.ir import Action, Kind, Schedule
+from rlhfuse.pipeline.ir import COMPUTE_KINDS, Action, Kind, Schedule
 from rlhfuse.pipeline.problem import Problem
 
 
@@ -52,7 +54,7 @@ class Message:
 class Instr:
     """One instruction of a rank's stream.
 
-    kind: F / B (compute `action`), SEND / RECV (`message` to / from `peer`; RECV with `post=True` posts the
+    kind: F / B / I / W (compute `action`), SEND / RECV (`message` to / from `peer`; RECV with `post=True` posts the
     receive, with `post=False` waits for it), REDUCE_GRAD (launch the sum of (model, stage)'s gradients over
     `peers`, the ranks holding that stage), OPTIMIZER_STEP (wait for this model's sends and reductions, global
     gradient norm, step).
@@ -70,7 +72,7 @@ class Instr:
     needs: Message | None = None  # compute only: the input it consumes (received, or produced on this rank)
 
     def __str__(self) -> str:
-        if self.kind in (Kind.F, Kind.B):
+        if self.kind in COMPUTE_KINDS:
             return f"{self.action}@g{self.group}"
         if self.kind is Kind.SEND:
             return f"SEND {self.message} -> {self.peer}"
@@ -102,13 +104,19 @@ class Program:
         return dict(out)
 
 
+# the ops that compute and send a stage's input gradient (B, or I of a split backward), and those that finish its
+# weight gradients (B, or W)
+INPUT_GRAD_KINDS = (Kind.B, Kind.I)
+WEIGHT_GRAD_KINDS = (Kind.B, Kind.W)
+
+
 def _input_message(problem: Problem, a: Action, group: int) -> tuple[Message, int] | None:
-    """The message `a` consumes and the local rank producing it, or None (stage 0 F, last-stage B)."""
+    """The message `a` consumes and the local rank producing it, or None (stage 0 F, last-stage B or I, W)."""
     spec = problem.model(a.model)
     if a.kind is Kind.F and a.stage > 0:
         src = spec.placement[a.replica][a.stage - 1]
         return Message(a.model, group, a.replica, a.stage - 1, a.microbatch, False), src
-    if a.kind is Kind.B and a.stage < spec.stages - 1:
+    if a.kind in INPUT_GRAD_KINDS and a.stage < spec.stages - 1:
         src = spec.placement[a.replica][a.stage + 1]
         return Message(a.model, group, a.replica, a.stage + 1, a.microbatch, True), src
     return None
@@ -119,7 +127,7 @@ def _output_message(problem: Problem, a: Action, group: int) -> tuple[Message, i
     if a.kind is Kind.F and a.stage < spec.stages - 1:
         dst = spec.placement[a.replica][a.stage + 1]
         return Message(a.model, group, a.replica, a.stage, a.microbatch, False), dst
-    if a.kind is Kind.B and a.stage > 0:
+    if a.kind in INPUT_GRAD_KINDS and a.stage > 0:
         dst = spec.placement[a.replica][a.stage - 1]
         return Message(a.model, group, a.replica, a.stage, a.microbatch, True), dst
     return None
@@ -159,7 +167,7 @@ def lower(
     last_b: dict[tuple[int, str, int], int] = {}
     for k, rank in enumerate(schedule.ranks):
         for i, a in enumerate(rank):
-            if a.kind is Kind.B:
+            if a.kind in WEIGHT_GRAD_KINDS:
                 last_b[(k, a.model, a.stage)] = i
 
     streams: list[tuple[Instr, ...]] = [() for _ in range(n * dp)]
@@ -202,7 +210,7 @@ def lower(
                 res = _output_message(problem, a, g)
                 if res is not None and res[1] != k:
                     stream.append(Instr(Kind.SEND, a.model, g, message=res[0], peer=base + res[1]))
-                if a.kind is Kind.B and last_b[(k, a.model, a.stage)] == i:
+                if a.kind in WEIGHT_GRAD_KINDS and last_b[(k, a.model, a.stage)] == i:
                     peers = grad_peers(problem, dp, a.model, a.stage)
                     if len(peers) > 1:
                         stream.append(Instr(Kind.REDUCE_GRAD, a.model, g, stage=a.stage, peers=peers))
@@ -350,21 +358,23 @@ def check_program(
         elif ins.kind is Kind.RECV:
             assert ins.message is not None
             available[k].add(ins.message)
-        elif ins.kind in (Kind.F, Kind.B):
+        elif ins.kind in COMPUTE_KINDS:
             assert ins.action is not None
             a = ins.action
             if ins.needs is not None and ins.needs not in available[k]:
                 raise LoweringError(
                     f"rank {k}: {ins} runs before its input {ins.needs} arrived or was produced"
                 )
+            before = {Kind.B: Kind.F, Kind.I: Kind.F, Kind.W: Kind.I}.get(a.kind)
             if (
-                a.kind is Kind.B
-                and (Action(a.model, a.replica, a.stage, Kind.F, a.microbatch), ins.group) not in done[k]
+                before is not None
+                and (Action(a.model, a.replica, a.stage, before, a.microbatch), ins.group) not in done[k]
             ):
-                raise LoweringError(f"rank {k}: {ins} runs before its forward")
+                raise LoweringError(f"rank {k}: {ins} runs before its {before.value}")
             done[k].add((a, ins.group))
-            out = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, a.kind is Kind.B)
-            available[k].add(out)  # a local consumer (same rank) may use it
+            if a.kind is not Kind.W:  # W produces no message
+                out = Message(a.model, ins.group, a.replica, a.stage, a.microbatch, a.kind is not Kind.F)
+                available[k].add(out)  # a local consumer (same rank) may use it
         elif ins.kind is Kind.REDUCE_GRAD:
             reduce_key = (ins.model, ins.stage, ins.peers)
             if k not in ins.peers:
