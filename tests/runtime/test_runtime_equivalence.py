@@ -13,6 +13,7 @@ from runtime_helpers import random_batch, random_schedule, run_distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.pipeline import Kind, greedy, serial_one_f_one_b, split_each_backward
+from rlhfuse.pipeline.simulate import is_split
 from rlhfuse.runtime.batch_split import split_minibatch
 from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
@@ -165,12 +166,14 @@ def _strategy_worker(rank: int, world: int) -> None:
     models = _models(2)
     plain_models = copy.deepcopy(models)
     algo = AlgorithmConfig()
-    for schedule in ("fused", "serial_1f1b"):
+    # auto: the profiling step splits odd micro-batches' backwards; true: the planned schedule is F/I/W
+    for schedule, split in (("fused", "auto"), ("serial_1f1b", False), ("fused", True)):
         cfg = PipelineConfig(
             name=schedule,
             optim=OptimConfig(warmup_steps=1, grad_clip=0.5),
             microbatches=2,
             search_budget_s=0.0,
+            split_backward=split,  # type: ignore[arg-type]
         )
         fused = PipelineStrategy(
             models["actor"],
@@ -200,6 +203,8 @@ def _strategy_worker(rank: int, world: int) -> None:
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (schedule, step, key)
             assert got["train/measured_makespan_s"] > 0 and 0 <= got["train/bubble_ratio"] < 1
             assert math.isfinite(got["train/predicted_makespan_s"])
+            if split != "auto":  # (auto: whichever the measured times predict shorter)
+                assert is_split(fused.plan.schedule) == split, (schedule, split, step)
             fused.actor_weights()  # gathers both models on every rank
             for name in ("actor", "critic"):
                 for (n, p), q in zip(

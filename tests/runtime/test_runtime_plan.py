@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from rlhfuse.pipeline import serial_one_f_one_b
-from rlhfuse.pipeline.ir import Schedule
-from rlhfuse.pipeline.simulate import simulate
+from rlhfuse.pipeline import serial_one_f_one_b, split_each_backward
+from rlhfuse.pipeline.ir import Action, Kind, Schedule
+from rlhfuse.pipeline.simulate import is_split, simulate
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
 from rlhfuse.runtime.plan import (
     PLANNERS,
@@ -77,3 +77,58 @@ def test_plans_are_frozen_lowered_and_predicted_from_the_profile() -> None:
     assert fused.predicted_s == simulate(fused.profiled, fused.schedule).makespan
     assert fused.predicted_serial_s == simulate(fused.profiled, serial_one_f_one_b(fused.profiled)).makespan
     assert "(4 micro-batches)" in fused.note and "vs serial 1F1B" in fused.note
+
+
+# both models with 2 stages: the paper's greedy leaves bubbles a split backward fills
+PP2 = ParallelLayout(ModelParallel(2), ModelParallel(2), dp=1, world_size=2, microbatches=4)
+
+
+def _split_means(input_share: float, overhead: float) -> dict[tuple[str, int, str], float]:
+    """F 10 ms and B 20 ms on every stage of PP2, with I and W measured: I takes `input_share` of B and I + W is
+    B times `overhead`."""
+    means = {}
+    for m in ("actor", "critic"):
+        for s in (0, 1):
+            means.update({(m, s, "F"): 0.010, (m, s, "B"): 0.020})
+            means.update({(m, s, "I"): 0.020 * input_share * overhead})
+            means.update({(m, s, "W"): 0.020 * (1 - input_share) * overhead})
+    return means
+
+
+def test_split_backward_is_planned_from_measured_i_and_w_and_auto_keeps_the_shorter() -> None:
+    cheap = StageProfile.from_means(PP2, 4, _split_means(0.3, 1.0))  # W is most of B, free to move
+    assert cheap.backward_input["actor"] == pytest.approx((0.006, 0.006))
+    assert StageProfile.from_json(cheap.to_json()) == cheap
+    # measured shares, scaled like F and B: twice the micro-batches, half the time
+    durations = cheap.durations(PP2, 8)
+    assert durations(Action("actor", 0, 1, Kind.W, 0)) == pytest.approx(0.020 * 0.7 / 2)
+    # a profile without I / W falls back to the fixed share of B
+    plain = StageProfile.from_means(LAYOUT, 4, MEANS)
+    assert plain.durations(LAYOUT, 4)(Action("actor", 0, 0, Kind.I, 0)) == pytest.approx(0.020 * 0.5)
+
+    def plan(profile: StageProfile, split: object, planner=plan_fused):
+        return planner(PP2, profile, 4, PlanOptions(prefetch=1, split_backward=split))  # type: ignore[arg-type]
+
+    auto = plan(cheap, "auto")
+    assert is_split(auto.schedule) and "F/I/W (split backward), the F/B one predicted" in auto.note
+    forced_fb = plan(cheap, False)
+    assert not is_split(forced_fb.schedule) and auto.predicted_s < forced_fb.predicted_s
+    assert auto.predicted_s == simulate(auto.profiled, auto.schedule, cheap.durations(PP2, 4)).makespan
+    assert auto.program.counts()["W"] == auto.program.counts()["I"] > 0
+    # splitting costs twice B here: auto keeps F/B, true still plans F/I/W
+    costly = StageProfile.from_means(PP2, 4, _split_means(0.5, 2.0))
+    assert not is_split(plan(costly, "auto").schedule)
+    assert is_split(plan(costly, True).schedule)
+    # serial 1F1B: its F/I/W twin (each B split in place) where shorter
+    serial = plan(cheap, "auto", plan_serial_1f1b)
+    assert serial.schedule == split_each_backward(serial_one_f_one_b(serial.problem))
+    assert serial.predicted_s < serial.predicted_serial_s and serial.note.startswith("serial 1F1B F/I/W")
+
+
+def test_the_profiling_step_splits_odd_microbatches_to_measure_i_and_w() -> None:
+    split = unprofiled_plan(LAYOUT, 4, prefetch=1, split_backward="auto")
+    kinds = {(a.kind, a.microbatch % 2) for _, _, a in split.schedule.actions() if a.kind is not Kind.F}
+    assert kinds == {(Kind.B, 0), (Kind.I, 1), (Kind.W, 1)}
+    assert unprofiled_plan(LAYOUT, 4, prefetch=1, split_backward=False).schedule == serial_one_f_one_b(
+        split.problem
+    )

@@ -153,7 +153,7 @@ def check_executor_against_oracle(
     rank: int, layout: ParallelLayout, cfg: ModelConfig, kind: str, label: str
 ) -> None:
     """The executor over this rank's stages (tp shards, merged or not; `kind`: greedy = the fused schedule, or
-    serial 1F1B) against the float64 single-process oracle: every shard's gradient, the gradient norms, the loss
+    serial 1F1B; greedy+split = the fused F/I/W schedule) against the float64 single-process oracle: every shard's gradient, the gradient norms, the loss
     statistics (also `test_runtime_tp_pipeline`'s equal-tp check)."""
     from rlhfuse.core.step_losses import actor_loss
     from rlhfuse.runtime.batch_split import split_minibatch
@@ -186,7 +186,8 @@ def check_executor_against_oracle(
     batch = random_batch(5, seed=7)
     micro, weights, _ = split_minibatch(batch, 1, 2, balance=True)
     problem = layout.problem()
-    schedule = serial_one_f_one_b(problem) if kind == "serial" else greedy(problem)
+    split = kind.endswith("+split")  # F/I/W: the split-backward twin (sub-stages pass gradients in I)
+    schedule = serial_one_f_one_b(problem) if kind == "serial" else greedy(problem, split_backward=split)
     program = lower_checked(problem, schedule, dp=1)
     stages = stages_for_rank(layout, rank, shards)
     result = PipelineExecutor(
@@ -355,6 +356,7 @@ def _worker(rank: int, world: int, folder: str) -> None:
         _check_executor(rank, case, "greedy")
         _check_executor(rank, case, "serial")
         _check_inference(rank, case)
+    _check_executor(rank, CASES[0], "greedy+split")  # merged stages, F/I/W
     for case in CASES:
         for schedule in ("fused", "serial_1f1b"):
             _check_strategy(rank, world, pathlib.Path(folder), case, schedule)

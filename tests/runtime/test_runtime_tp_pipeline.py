@@ -172,6 +172,7 @@ def _check_generation(rank: int, world: int, fused: Any, trained: Transformer) -
 def _worker(rank: int, world: int, folder: str) -> None:
     _check_executor(rank, "greedy", kv_heads=2)  # the fused (greedy) schedule, kv heads split
     _check_executor(rank, "serial", kv_heads=1)  # serial 1F1B, the one kv head replicated over the tp group
+    _check_executor(rank, "greedy+split", kv_heads=1)  # the fused F/I/W schedule, kv head replicated
     for schedule in ("fused", "serial_1f1b"):
         _check_strategy(rank, world, pathlib.Path(folder), schedule)
 

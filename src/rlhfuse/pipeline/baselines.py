@@ -6,7 +6,7 @@ per-rank lists of several models (running them one after the other on every rank
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import ModelSpec, Problem
@@ -167,9 +167,10 @@ def merge_by_time(problem: Problem, schedules: Sequence[Schedule]) -> Schedule:
     return Schedule(tuple(tuple(x[3] for x in sorted(rank, key=lambda x: x[:3])) for rank in keyed))
 
 
-def split_each_backward(schedule: Schedule) -> Schedule:
-    """`schedule` with every B replaced by its I then its W, in place (the same order otherwise): the F/B
-    schedule's split-backward twin, with the same dependencies between ranks and W right after its I."""
+def split_each_backward(schedule: Schedule, which: Callable[[Action], bool] = lambda a: True) -> Schedule:
+    """`schedule` with every B (every B `which` accepts) replaced by its I then its W, in place (the same order
+    otherwise): the F/B schedule's split-backward twin, with the same dependencies between ranks and W right after
+    its I."""
     return Schedule(
         tuple(
             tuple(
@@ -178,7 +179,7 @@ def split_each_backward(schedule: Schedule) -> Schedule:
                 for part in (
                     (Action(a.model, a.replica, a.stage, Kind.I, a.microbatch),
                      Action(a.model, a.replica, a.stage, Kind.W, a.microbatch))
-                    if a.kind is Kind.B
+                    if a.kind is Kind.B and which(a)
                     else (a,)
                 )
             )

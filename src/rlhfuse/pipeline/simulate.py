@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from rlhfuse.pipeline.ir import Action, Kind, Placement, Schedule
 from rlhfuse.pipeline.problem import Problem
@@ -27,6 +28,10 @@ from rlhfuse.pipeline.problem import Problem
 DurationFn = Callable[[Action], float]
 
 SPLIT_INPUT_SHARE = 0.5  # share of a stage's backward time taken by I (input gradient); W takes the rest
+
+SplitBackward = Literal["auto", True, False]
+"""Which backward form a planner plans (pipeline.split_backward): F/I/W (True), F/B (False), or both, keeping the
+shorter predicted makespan ("auto")."""
 
 
 class ScheduleError(ValueError):

@@ -585,8 +585,11 @@ class PlanExecutor:
         return StepMeasurement(result, measured, bubble)
 
     def profile(self, result: StepResult, layout: ParallelLayout, microbatches: int) -> StageProfile:
-        """Collective: each stage's mean forward / backward seconds over every rank's ops of `result`."""
-        keys = [(m, s, k) for m in layout.trained for s in range(layout.stages(m)) for k in ("F", "B")]
+        """Collective: each stage's mean F, B, I and W seconds over every rank's ops of `result` (the kinds the
+        step ran)."""
+        keys = [
+            (m, s, k) for m in layout.trained for s in range(layout.stages(m)) for k in ("F", "B", "I", "W")
+        ]
         device = self.device
         sums = torch.tensor(
             [sum(result.op_seconds.get(key, [])) for key in keys], dtype=torch.float64, device=device
@@ -596,7 +599,8 @@ class PlanExecutor:
         )
         distributed.all_reduce(sums)
         distributed.all_reduce(counts)
-        mean = {key: float(sums[i] / counts[i].clamp(min=1)) for i, key in enumerate(keys)}
+        values = torch.cat([sums, counts]).tolist()  # one read
+        mean = {key: values[i] / values[len(keys) + i] for i, key in enumerate(keys) if values[len(keys) + i]}
         return StageProfile.from_means(layout, microbatches, mean)
 
     def action_seconds(self, result: StepResult) -> dict[Action, float]:

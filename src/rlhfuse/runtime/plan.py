@@ -8,6 +8,12 @@ Two planning functions, chosen once from the `pipeline` config name through `PLA
 An Actor-only layout (a critic-free algorithm: `ParallelLayout.trained == ("actor",)`) plans one model: both
 run the Actor's 1F1B (nothing to fuse it with).
 Before the profiling step there are no stage times: `unprofiled_plan` is serial 1F1B on unit durations.
+
+Split backward (`pipeline.split_backward`, `PlanOptions.split_backward`): each planner plans F/B, F/I/W (B split
+into I, the input gradient, and W, the weight gradient: the zero-bubble split), or with "auto" both, and keeps
+the one with the shorter predicted makespan (F/B on a tie). F/I/W is predicted from measured I and W times: the
+profiling step then runs its odd micro-batches' backwards split (`profiling_schedule`), so one step measures F,
+B, I and W of every stage.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve
-from rlhfuse.pipeline.ir import Action, Schedule
+from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve, split_each_backward
+from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import Problem
+from rlhfuse.pipeline.simulate import SPLIT_INPUT_SHARE, DurationFn, SplitBackward, is_split
 from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Program, lower_checked
 
@@ -41,59 +48,88 @@ def here(search: Callable[[], Schedule]) -> Schedule:
 class StageProfile:
     """Per-micro-batch seconds of every stage, measured on the profiling step (which ran `microbatches`
     micro-batches per group): `forward[model][stage]`, `backward[model][stage]` (stage: 0 .. pp - 1, the modules;
-    merged stages sum theirs in `problem`)."""
+    merged stages sum theirs in `problem`), and, where the profiling step split backwards, `backward_input` and
+    `backward_weight` (I and W; empty: not measured, each taken as its share `SPLIT_INPUT_SHARE` of B)."""
 
     microbatches: int
     forward: Mapping[str, tuple[float, ...]]
     backward: Mapping[str, tuple[float, ...]]
+    backward_input: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    backward_weight: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     @staticmethod
     def from_means(
         layout: ParallelLayout, microbatches: int, mean: Mapping[tuple[str, int, str], float]
     ) -> StageProfile:
-        """From the mean seconds per (model, stage, "F" | "B") over every rank."""
+        """From the mean seconds per (model, stage, "F" | "B" | "I" | "W") over every rank (I and W: a model's
+        where every stage has them)."""
 
         def times(kind: str) -> dict[str, tuple[float, ...]]:
             return {
                 m: tuple(max(mean[(m, s, kind)], MIN_STAGE_SECONDS) for s in range(layout.stages(m)))
                 for m in layout.trained
+                if all((m, s, kind) in mean for s in range(layout.stages(m)))
             }
 
-        return StageProfile(microbatches, times("F"), times("B"))
+        return StageProfile(microbatches, times("F"), times("B"), times("I"), times("W"))
+
+    def durations(self, layout: ParallelLayout, microbatches: int) -> DurationFn:
+        """Each op's predicted seconds on `problem(layout, microbatches)`'s merged stages: F and B as there, I and
+        W measured (scaled and merged alike), or B's `SPLIT_INPUT_SHARE` and the rest where not measured."""
+        profiled = self.problem(layout, microbatches)
+        split = {
+            (m, kind): self._merged(layout, microbatches, m, times[m])
+            for kind, times in ((Kind.I, self.backward_input), (Kind.W, self.backward_weight))
+            for m in times
+        }
+
+        def duration(a: Action) -> float:
+            spec = profiled.model(a.model)
+            if a.kind is Kind.F:
+                return spec.forward[a.stage]
+            if (a.model, a.kind) in split:
+                return split[(a.model, a.kind)][a.stage]
+            share = {Kind.I: SPLIT_INPUT_SHARE, Kind.W: 1.0 - SPLIT_INPUT_SHARE}.get(a.kind, 1.0)
+            return spec.backward[a.stage] * share
+
+        return duration
+
+    def _merged(
+        self, layout: ParallelLayout, microbatches: int, model: str, times: tuple[float, ...]
+    ) -> list[float]:
+        """Per merged stage: the sum of its sub-stages' times, scaled to `microbatches` micro-batches of the same
+        mini-batch (a micro-batch's time taken as proportional to its share)."""
+        scale = self.microbatches / microbatches
+        out = [sum(times[s] for s in layout.sub_stages(model, i)) for i in range(layout.merged_stages(model))]
+        return [t * scale if scale != 1 else t for t in out]
 
     def problem(self, layout: ParallelLayout, microbatches: int) -> Problem:
         """The layout's problem with these stage times, scaled to `microbatches` micro-batches of the same
         mini-batch (a micro-batch's time taken as proportional to its share); a merged stage's time is the sum
         of its sub-stages' (`ParallelLayout.merge`)."""
-        scale = self.microbatches / microbatches
-
-        def merged(times: tuple[float, ...], model: str) -> list[float]:
-            # a merged stage runs its sub-stages one after the other: its time is their sum
-            out = [
-                sum(times[s] for s in layout.sub_stages(model, i)) for i in range(layout.merged_stages(model))
-            ]
-            return [t * scale if scale != 1 else t for t in out]
-
+        # a merged stage runs its sub-stages one after the other: its time is their sum
         forward, backward = (
-            {m: merged(times[m], m) for m in layout.trained} for times in (self.forward, self.backward)
+            {m: self._merged(layout, microbatches, m, times[m]) for m in layout.trained}
+            for times in (self.forward, self.backward)
         )
         layout = dataclasses.replace(layout, microbatches=microbatches)
         return layout.problem(forward=forward, backward=backward, name="profiled")
 
     def to_json(self) -> str:
+        kinds = ("forward", "backward", "backward_input", "backward_weight")
         return json.dumps(
-            {
-                "microbatches": self.microbatches,
-                "forward": {m: list(t) for m, t in self.forward.items()},
-                "backward": {m: list(t) for m, t in self.backward.items()},
-            }
+            {"microbatches": self.microbatches}
+            | {kind: {m: list(t) for m, t in getattr(self, kind).items()} for kind in kinds}
         )
 
     @staticmethod
     def from_json(text: str) -> StageProfile:
         raw = json.loads(text)
-        forward, backward = ({m: tuple(t) for m, t in raw[kind].items()} for kind in ("forward", "backward"))
-        return StageProfile(int(raw["microbatches"]), forward, backward)
+        forward, backward, backward_input, backward_weight = (
+            {m: tuple(t) for m, t in raw.get(kind, {}).items()}
+            for kind in ("forward", "backward", "backward_input", "backward_weight")
+        )
+        return StageProfile(int(raw["microbatches"]), forward, backward, backward_input, backward_weight)
 
 
 @dataclass(frozen=True)
@@ -139,22 +175,58 @@ def lowered_plan(
     )
 
 
-def unprofiled_plan(layout: ParallelLayout, microbatches: int, *, prefetch: int) -> StepSchedule:
-    """Serial 1F1B on unit durations: the plan of the profiling step (no stage times yet)."""
-    return lowered_plan(layout, microbatches, prefetch=prefetch)
+def profiling_schedule(problem: Problem, split_backward: SplitBackward = False) -> Schedule:
+    """Serial 1F1B; unless `split_backward` is False, with the backward of every odd micro-batch split into its I
+    then its W in place, so that the one profiling step measures F, B, I and W of every stage (a model with one
+    micro-batch per replica runs plain B: its I and W are then taken as shares of B)."""
+    schedule = serial_one_f_one_b(problem)
+    if split_backward is False:
+        return schedule
+    return split_each_backward(schedule, lambda a: a.microbatch % 2 == 1)
 
 
-def _serial_makespan(profiled: Problem) -> float:
-    return simulate(profiled, serial_one_f_one_b(profiled)).makespan
+def unprofiled_plan(
+    layout: ParallelLayout, microbatches: int, *, prefetch: int, split_backward: SplitBackward = False
+) -> StepSchedule:
+    """The plan of the profiling step (no stage times yet): `profiling_schedule` on unit durations."""
+    problem = dataclasses.replace(layout, microbatches=microbatches).problem()
+    return lowered_plan(layout, microbatches, profiling_schedule(problem, split_backward), prefetch=prefetch)
+
+
+def _serial_makespan(profiled: Problem, durations: DurationFn) -> float:
+    return simulate(profiled, serial_one_f_one_b(profiled), durations).makespan
 
 
 @dataclass(frozen=True)
 class PlanOptions:
     """prefetch: receives are posted this many compute ops before their consumer; search_budget_s: seconds of
-    annealing for the fused schedule (0 = the paper's greedy)."""
+    annealing for the fused schedule (0 = the paper's greedy; shared between F/B and F/I/W under "auto");
+    split_backward: plan F/B (False), F/I/W (True) or both, keeping the shorter prediction ("auto")."""
 
     prefetch: int = 1
     search_budget_s: float = 0.0
+    split_backward: SplitBackward = False
+
+    def split_choices(self) -> tuple[bool, ...]:
+        """The backward forms to plan, F/B first (it wins a tie)."""
+        if self.split_backward == "auto":
+            return (False, True)
+        return (bool(self.split_backward),)
+
+
+def _shortest(
+    profiled: Problem, durations: DurationFn, candidates: list[Schedule]
+) -> tuple[Schedule, float, str]:
+    """The candidate with the shortest predicted makespan (the first on a tie), its makespan, and a note comparing
+    F/B and F/I/W when both were planned."""
+    spans = [simulate(profiled, c, durations).makespan for c in candidates]
+    forms = ["F/I/W (split backward)" if is_split(c) else "F/B" for c in candidates]
+    best = min(range(len(candidates)), key=lambda i: spans[i])
+    if len(candidates) == 1:
+        return candidates[best], spans[best], forms[best]
+    other = 1 - best
+    note = f"{forms[best]}, the {forms[other]} one predicted {spans[other] * 1e3:.1f} ms"
+    return candidates[best], spans[best], note
 
 
 class Planner(Protocol):
@@ -187,15 +259,24 @@ def plan_serial_1f1b(
     options: PlanOptions,
     agree: Agree = here,
 ) -> StepSchedule:
-    """The baseline: serial 1F1B, with its makespan predicted from the profiled stage times (no search)."""
-    serial = _serial_makespan(profile.problem(layout, microbatches))
+    """The baseline: serial 1F1B (or its F/I/W twin, each B split into I then W in place, per
+    `options.split_backward`), with its makespan predicted from the profiled stage times (no search)."""
+    profiled = profile.problem(layout, microbatches)
+    durations = profile.durations(layout, microbatches)
+    serial = serial_one_f_one_b(profiled)
+    candidates = [split_each_backward(serial) if split else serial for split in options.split_choices()]
+    schedule, predicted, form = _shortest(profiled, durations, candidates)
+    serial_s = _serial_makespan(profiled, durations)
+    note = f"serial 1F1B {form}" if options.split_backward is not False else ""
     return lowered_plan(
         layout,
         microbatches,
+        schedule,
         prefetch=options.prefetch,
         profile=profile,
-        predicted_s=serial,
-        predicted_serial_s=serial,
+        predicted_s=predicted,
+        predicted_serial_s=serial_s,
+        note=note,
     )
 
 
@@ -207,24 +288,37 @@ def plan_fused(
     agree: Agree = here,
 ) -> StepSchedule:
     """The fused schedule searched on the profiled stage times (`options.search_budget_s` seconds of annealing,
-    0 = the paper's greedy); `agree` makes every rank use the same one. An Actor-only layout (a critic-free
-    algorithm) has no second model to fill the bubbles with: it runs the Actor's 1F1B (`plan_serial_1f1b`)."""
+    0 = the paper's greedy), F/B, F/I/W or the shorter of both (`options.split_backward`); `agree` makes every
+    rank use the same one. An Actor-only layout (a critic-free algorithm) has no second model to fill the bubbles
+    with: it runs the Actor's 1F1B (`plan_serial_1f1b`)."""
     if len(layout.trained) == 1:
-        return dataclasses.replace(
-            plan_serial_1f1b(layout, profile, microbatches, options, agree), note=ACTOR_ONLY_NOTE
-        )
+        plan = plan_serial_1f1b(layout, profile, microbatches, options, agree)
+        return dataclasses.replace(plan, note=f"{ACTOR_ONLY_NOTE}{'; ' + plan.note if plan.note else ''}")
     profiled = profile.problem(layout, microbatches)
-    serial = _serial_makespan(profiled)
+    durations = profile.durations(layout, microbatches)
+    serial = _serial_makespan(profiled, durations)
+    choices = options.split_choices()
+    budget = options.search_budget_s / len(choices)
+
+    compared: list[str] = []  # where the search ran: the F/B vs F/I/W comparison under "auto"
 
     def search() -> Schedule:
-        if options.search_budget_s > 0:
-            return solve(profiled, SearchConfig(time_budget=options.search_budget_s)).schedule
-        return greedy(profiled)
+        candidates = []
+        for split in choices:
+            if budget > 0:
+                config = SearchConfig(time_budget=budget, split_backward=split)
+                candidates.append(solve(profiled, config, durations).schedule)
+            else:
+                candidates.append(greedy(profiled, durations, split_backward=split))
+        best, _, form = _shortest(profiled, durations, candidates)
+        compared.append(form)
+        return best
 
     schedule = agree(search)
-    predicted = simulate(profiled, schedule).makespan
+    predicted = simulate(profiled, schedule, durations).makespan
+    form = compared[0] if compared else "F/I/W (split backward)" if is_split(schedule) else "F/B"
     note = (
-        f"fused schedule from measured stage times ({microbatches} micro-batches): predicted "
+        f"fused schedule from measured stage times ({microbatches} micro-batches), {form}: predicted "
         f"{predicted * 1e3:.1f} ms vs serial 1F1B {serial * 1e3:.1f} ms per mini-batch ({serial / predicted:.2f}x)"
     )
     return lowered_plan(

@@ -32,8 +32,8 @@ def _schema_type(annotation: Any) -> Any:
     hold (of several types besides None: a name or a list of them, a number or `auto`) becomes Any, its values
     checked by the config's `problems()` instead."""
     origin = get_origin(annotation)
-    if origin is Literal:
-        return str
+    if origin is Literal:  # a closed choice of names, or of names and booleans (auto | true | false)
+        return str if all(isinstance(a, str) for a in get_args(annotation)) else Any
     if origin in (Union, types.UnionType):
         members = [_schema_type(a) for a in get_args(annotation)]
         if len([m for m in members if m is not type(None)]) > 1:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from rlhfuse.core.config_checks import choice_problems, flat_field, need, positive
 from rlhfuse.core.optim_config import OptimConfig
+from rlhfuse.pipeline.simulate import SplitBackward
 
 if TYPE_CHECKING:
     from rlhfuse.runtime.layout import ParallelLayout
@@ -49,6 +50,10 @@ class PipelineConfig:
     balance: bool = True
     # Receives are posted this many compute ops before their consumer.
     prefetch: int = 1
+    # Split backward (zero-bubble): each backward as I (input gradient, sent upstream at once) and W (weight
+    # gradients, run later in a bubble). true plans F/I/W schedules, false F/B, auto both, keeping the shorter
+    # predicted makespan from the profiling step's measured F, B, I and W times (docs/runtime.md).
+    split_backward: SplitBackward = "auto"
     # pipeline=fsdp: the weight shards, and with them the gradients and optimizer states, in host memory (each
     # layer's gather copies its shard to the device; the optimizer steps on the host).
     cpu_offload: bool = False
@@ -57,7 +62,14 @@ class PipelineConfig:
     reshard_after_forward: bool = True
 
     def problems(self) -> list[str]:
-        return self.optim.problems()
+        problems = self.optim.problems()
+        need(
+            problems,
+            self.split_backward in ("auto", True, False),
+            f"pipeline.split_backward={self.split_backward!r} is not one of auto, true, false: set "
+            "pipeline.split_backward=auto",
+        )
+        return problems
 
 
 @dataclass

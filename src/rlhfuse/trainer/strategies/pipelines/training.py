@@ -186,9 +186,9 @@ class PipelineStrategy:
         # the stage times measured on the profiling step (None until it ran), the plans made from them per
         # micro-batch count, and the plan the next step runs
         self.profile: StageProfile | None = None
-        self.plan_options = PlanOptions(config.prefetch, config.search_budget_s)
+        self.plan_options = PlanOptions(config.prefetch, config.search_budget_s, config.split_backward)
         self.plans: dict[int, StepSchedule] = {}
-        self.plan = unprofiled_plan(self.layout, micro, prefetch=config.prefetch)
+        self.plan = self._unprofiled(micro)
         self.steps = 0
         self.weight_sync_bytes = 0.0
         self.weight_sync_extra_bytes = 0.0
@@ -355,8 +355,18 @@ class PipelineStrategy:
         if microbatches in self.plans:
             return self.plans[microbatches]
         if self.profile is None:  # not profiled yet: this step runs serial 1F1B and profiles
-            return unprofiled_plan(self.layout, microbatches, prefetch=self.config.prefetch)
+            return self._unprofiled(microbatches)
         return self._planned(microbatches)
+
+    def _unprofiled(self, microbatches: int) -> StepSchedule:
+        """The profiling step's plan: serial 1F1B, with split backwards where F/I/W may be planned (it then
+        measures I and W too)."""
+        return unprofiled_plan(
+            self.layout,
+            microbatches,
+            prefetch=self.config.prefetch,
+            split_backward=self.config.split_backward,
+        )
 
     def _planned(self, microbatches: int) -> StepSchedule:
         """Collective: a new plan from the profile, cached."""
@@ -402,7 +412,7 @@ class PipelineStrategy:
         self.steps, micro = int(record["steps"]), int(record["microbatches"])
         self.plans, self.profile = {}, None
         if "base" not in record:  # saved before the profiling step ended
-            self.plan = unprofiled_plan(self.layout, micro, prefetch=self.config.prefetch)
+            self.plan = self._unprofiled(micro)
         else:
             self.profile = StageProfile.from_json(record["base"])
             self.plan = lowered_plan(
