@@ -12,6 +12,11 @@ each in alternation, so machine noise hits both alike. Printed side by side:
   not explained by compute;
 - bubble ratio measured on the ranks.
 
+Then the split backward (zero-bubble F/I/W, `pipeline.split_backward`): a third strategy, the fused schedule
+planned with F/I/W (`split_backward=true`, its profiling step measuring I and W), stepped in the same rotation:
+F/B vs F/I/W makespans predicted and measured side by side, measured / predicted for F/I/W, and which one
+`split_backward=auto` would keep (the shorter prediction).
+
 Then the data-parallel gradient reduction (dp = 2, the Actor of each shape, 2 micro-batches per step), measured
 side by side in alternation: `whole` (the reduction before buckets: after the last backward, every gradient
 concatenated into one transient buffer, one all-reduce, copied back) vs `bucketed`
@@ -69,11 +74,14 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     init_worker(rank, world, init)
     cfg = ModelConfig.tiny(vocab_size=91, **SHAPES[shape])
     strategies = {}
-    for name in ("serial_1f1b", "fused"):
+    for key, name, split in (("serial_1f1b", "serial_1f1b", False), ("fused", "fused", False),
+                             ("fused_fiw", "fused", True)):  # fmt: skip
         torch.manual_seed(0)
         actor, critic = Transformer(cfg, head="lm"), Transformer(cfg, head="value")
-        pcfg = PipelineConfig(name=name, actor_pp=2, critic_pp=2, microbatches=4, search_budget_s=3.0)
-        strategies[name] = PipelineStrategy(
+        pcfg = PipelineConfig(
+            name=name, actor_pp=2, critic_pp=2, microbatches=4, search_budget_s=3.0, split_backward=split
+        )
+        strategies[key] = PipelineStrategy(
             actor,
             critic,
             pcfg,
@@ -88,19 +96,20 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
     rows: dict[str, list[dict[str, float]]] = {n: [] for n in strategies}
     for step in range(rounds + 1):
         batch = _batch(64, step, cfg.vocab_size)
-        order = list(strategies) if step % 2 == 0 else list(reversed(strategies))
+        order = list(strategies)[step % 3 :] + list(strategies)[: step % 3]  # each goes first in turn
         for name in order:
             stats = strategies[name].train_step(batch).metrics()
             if step > 0:  # step 0 is each strategy's profiling step (serial 1F1B)
                 stats["replay_s"] = strategies[name].replay_makespan()
                 rows[name].append(stats)
     if rank == 0:
-        fused = strategies["fused"]
+        fused, fiw = strategies["fused"], strategies["fused_fiw"]
         queue.put(
             {
                 "rows": rows,
                 "predicted_fused": fused.plan.predicted_s,
                 "predicted_serial": fused.plan.predicted_serial_s,
+                "predicted_fiw": fiw.plan.predicted_s,
                 "schedule": str(fused.schedule),
             }
         )
@@ -176,7 +185,10 @@ def measure(shape: str, rounds: int) -> dict[str, float]:
     rows = result["rows"]
     serial = [r["train/measured_makespan_s"] for r in rows["serial_1f1b"]]
     fused = [r["train/measured_makespan_s"] for r in rows["fused"]]
+    fiw = [r["train/measured_makespan_s"] for r in rows["fused_fiw"]]
     ratios = [s / f for s, f in zip(serial, fused, strict=True)]
+    fiw_ratio = statistics.median(f / w for f, w in zip(fused, fiw, strict=True))
+    fiw_pred_ratio = result["predicted_fused"] / result["predicted_fiw"]
     pred_ratio = result["predicted_serial"] / result["predicted_fused"]
     meas_ratio = statistics.median(ratios)
     replay = {n: [r["replay_s"] for r in rows[n]] for n in rows}
@@ -201,6 +213,17 @@ def measure(shape: str, rounds: int) -> dict[str, float]:
         "overhead_fused": statistics.median(fused) / result["predicted_fused"] - 1,
         "bubble_serial": statistics.median(r["train/bubble_ratio"] for r in rows["serial_1f1b"]),
         "bubble_fused": statistics.median(r["train/bubble_ratio"] for r in rows["fused"]),
+        # split backward: F/B over F/I/W (> 1: F/I/W faster)
+        "predicted_fiw_ms": result["predicted_fiw"] * 1e3,
+        "measured_fiw_ms": statistics.median(fiw) * 1e3,
+        "fiw_predicted_ratio": fiw_pred_ratio,
+        "fiw_measured_ratio": fiw_ratio,
+        "fiw_measured_over_predicted": fiw_ratio / fiw_pred_ratio,
+        "fiw_replay_ratio": statistics.median(
+            f / w for f, w in zip(replay["fused"], replay["fused_fiw"], strict=True)
+        ),
+        "bubble_fiw": statistics.median(r["train/bubble_ratio"] for r in rows["fused_fiw"]),
+        "auto_picks_fiw": float(result["predicted_fiw"] < result["predicted_fused"]),
     }
 
 
@@ -222,6 +245,19 @@ def run(quick: bool = False, shapes: list[str] | None = None) -> dict[str, dict[
             f"{r['measured_ratio']:>7.2f} {r['measured_over_predicted']:>9.2f} "
             f"{r['replay_ratio']:>8.2f} {r['comm_overhead_serial']:>+6.0%}/{r['comm_overhead_fused']:<+6.0%} "
             f"{r['bubble_serial']:>5.2f}/{r['bubble_fused']:<5.2f}",
+            flush=True,
+        )
+    print(
+        f"\n{'shape':<9} {'pred F/B | F/I/W ms':>21} {'meas F/B | F/I/W ms':>21} {'pred x':>7} {'meas x':>7} "
+        f"{'meas/pred':>9} {'replay x':>8} {'bubble F/I/W':>12} {'auto keeps':>10}"
+    )
+    for shape in shapes:
+        r = out[shape]
+        print(
+            f"{shape:<9} {r['predicted_fused_ms']:>9.1f} | {r['predicted_fiw_ms']:<9.1f} "
+            f"{r['measured_fused_ms']:>9.1f} | {r['measured_fiw_ms']:<9.1f} {r['fiw_predicted_ratio']:>7.2f} "
+            f"{r['fiw_measured_ratio']:>7.2f} {r['fiw_measured_over_predicted']:>9.2f} {r['fiw_replay_ratio']:>8.2f} "
+            f"{r['bubble_fiw']:>12.2f} {'F/I/W' if r['auto_picks_fiw'] else 'F/B':>10}",
             flush=True,
         )
     print(

@@ -299,7 +299,8 @@ def _failing_rank_worker(rank: int, world: int) -> None:
 
 def _memory_worker(rank: int, world: int) -> None:
     """Peak activation bytes measured with saved-tensor hooks equal the simulator's peak for the same schedule,
-    with each stage's activation set to the bytes one micro-batch saves there (equal-shape micro-batches)."""
+    with each stage's activation set to the bytes one micro-batch saves there (equal-shape micro-batches); F/I/W
+    schedules hold a micro-batch's activation until its W, as the simulator counts it."""
     from rlhfuse.pipeline import simulate
 
     layout = ParallelLayout(ModelParallel(2), ModelParallel(2), 1, world, 4)
@@ -312,7 +313,8 @@ def _memory_worker(rank: int, world: int) -> None:
     problem = layout.problem()
     stages = stages_for_rank(layout, rank, models)
     peaks = []
-    for schedule in (serial_one_f_one_b(problem), greedy(problem), random_schedule(problem, 9)):
+    split = (greedy(problem, split_backward=True), random_schedule(problem, 10, split_backward=True))  # F/I/W
+    for schedule in (serial_one_f_one_b(problem), greedy(problem), random_schedule(problem, 9), *split):
         executor = PipelineExecutor(
             rank,
             lower_checked(problem, schedule),
