@@ -29,6 +29,7 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
         "pipeline=fused",
         "pipeline.microbatches=2",
         "pipeline.search_budget_s=0.5",
+        "pipeline.split_backward=true",  # the zero-bubble F/I/W schedule, executed
         "distributed.nproc_per_node=2",
         "distributed.timeout_s=60",
         "checkpoint.export_hf=true",  # the sharded Actor is exported from the generation copy
@@ -43,6 +44,7 @@ def test_fused_pipeline_trains_with_two_processes(tmp_path: Path) -> None:
     assert "actor: 1 x pp=2 on [[0, 1]]; critic: 1 x pp=2 on [[1, 0]]" in out
     # inference runs over the same layout (Ref placed like the Actor, Reward like the Critic)
     assert "inference over the pipeline layout: actor on [[0, 1]]; ref on [[0, 1]]; critic on [[1, 0]]" in out
+    assert "fused schedule from measured stage times (2 micro-batches), F/I/W (split backward)" in out
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # rank 0 alone writes the metrics
     for r in rows:
@@ -136,6 +138,10 @@ def test_pipeline_config_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match=r"pipeline.actor_pp=4 exceeds model.num_layers=2"):
         validate(cfg)
     validate(compose_config(["pipeline=fused", "distributed.nproc_per_node=2"]))
+    cfg = compose_config(["pipeline=fused", "distributed.nproc_per_node=2", "pipeline.split_backward=maybe"])
+    with pytest.raises(ValueError, match=r"pipeline.split_backward='maybe' is not one of auto, true, false"):
+        validate(cfg)
+    assert compose_config(["pipeline=fused", "pipeline.split_backward=false"]).pipeline.split_backward is False
 
 
 def test_tensor_parallel_config_errors_list_every_problem() -> None:
