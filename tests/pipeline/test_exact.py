@@ -267,7 +267,7 @@ def test_cli_solve_reports_gap_and_split_backward_next_to_the_plain_result(tmp_p
     got = json.loads(out.read_text())
     assert got["lower_bound"] <= got["makespan"] and got["gap"] == 0 and got["optimal"]
     split = got["split_backward"]
-    assert split["makespan"] <= got["makespan"] and "runtime executes plain F/B" in split["note"]
+    assert split["makespan"] <= got["makespan"] and "executes F/I/W schedules too" in split["note"]
     assert {label.split(":")[1][0] for rank in split["ranks"] for label in rank} == {"F", "I", "W"}
     assert {label.split(":")[1][0] for rank in got["ranks"] for label in rank} == {"F", "B"}
 

@@ -31,6 +31,16 @@ if TYPE_CHECKING:
     )
     from rlhfuse.pipeline.search import SearchConfig, Solution, greedy, solve
     from rlhfuse.pipeline.simulate import ScheduleError, SimResult, profile_durations, simulate
+    from rlhfuse.pipeline.zero_bubble import (
+        BackToBack,
+        ZeroBubbleBaseline,
+        back_to_back,
+        dualpipe_v,
+        per_model_bound,
+        v_shape,
+        zb_h1,
+        zb_v,
+    )
 
 # The public names are imported from their modules on first use (rlhfuse._lazy): importing one module of
 # the package does not load the others (numba, the compiled schedule simulator, loads with `pipeline.compiled`).
@@ -64,11 +74,22 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
     ),
     "rlhfuse.pipeline.search": ("SearchConfig", "Solution", "greedy", "solve"),
     "rlhfuse.pipeline.simulate": ("ScheduleError", "SimResult", "profile_durations", "simulate"),
+    "rlhfuse.pipeline.zero_bubble": (
+        "BackToBack",
+        "ZeroBubbleBaseline",
+        "back_to_back",
+        "dualpipe_v",
+        "per_model_bound",
+        "v_shape",
+        "zb_h1",
+        "zb_v",
+    ),
 }
 lazy_package(__name__, _PUBLIC)
 
 __all__ = [
     "Action",
+    "BackToBack",
     "Bounds",
     "Kind",
     "ModelSpec",
@@ -79,7 +100,10 @@ __all__ = [
     "SearchConfig",
     "SimResult",
     "Solution",
+    "ZeroBubbleBaseline",
+    "back_to_back",
     "chimera",
+    "dualpipe_v",
     "gpipe",
     "greedy",
     "interleaved_one_f_one_b",
@@ -89,6 +113,7 @@ __all__ = [
     "make_problem",
     "one_f_one_b",
     "parse_action",
+    "per_model_bound",
     "problem_from_dict",
     "profile_durations",
     "schedule_from_labels",
@@ -98,4 +123,7 @@ __all__ = [
     "simulate",
     "solve",
     "split_each_backward",
+    "v_shape",
+    "zb_h1",
+    "zb_v",
 ]

@@ -112,7 +112,9 @@ def serial_makespan(problem: Problem) -> float:
 
     Equal to docs/schedule-format.md's sum over models of (microbatches + stages - 1) * (forward + backward) for uniform stages.
     """
-    return sum(simulate(_alone(problem, m), one_f_one_b(_alone(problem, m))).makespan for m in problem.models)
+    return sum(
+        simulate(alone(problem, m.name), one_f_one_b(alone(problem, m.name))).makespan for m in problem.models
+    )
 
 
 def serial_peak(problem: Problem) -> float:
@@ -120,8 +122,11 @@ def serial_peak(problem: Problem) -> float:
     return simulate(problem, serial_one_f_one_b(problem)).peak
 
 
-def _alone(problem: Problem, m: ModelSpec) -> Problem:
-    return Problem(f"{problem.name}/{m.name}", problem.ranks, (m,), None, problem.comm_latency)
+def alone(problem: Problem, model: str) -> Problem:
+    """`model` alone on the problem's ranks and placement (no memory cap)."""
+    return Problem(
+        f"{problem.name}/{model}", problem.ranks, (problem.model(model),), None, problem.comm_latency
+    )
 
 
 def chimera(problem: Problem) -> Schedule:
@@ -160,7 +165,7 @@ def merge_by_time(problem: Problem, schedules: Sequence[Schedule]) -> Schedule:
     keyed: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(problem.ranks)]
     for j, sched in enumerate(schedules):
         model = sched.ranks[next(k for k, r in enumerate(sched.ranks) if r)][0].model
-        sim = simulate(_alone(problem, problem.model(model)), sched)
+        sim = simulate(alone(problem, model), sched)
         for k, rank in enumerate(sched.ranks):
             for a in rank:
                 keyed[k].append((sim.start[a], 0 if a.kind is Kind.B else 1, j, a))

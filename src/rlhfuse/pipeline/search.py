@@ -92,7 +92,7 @@ class SearchConfig:
         exact_memory_ops: the memory decisions (`exact_memory_ladder`, `exact_memory`) run on problems of at
             most this many ops (the 64-rank dry run, 12 288 ops, would spend its budget building models).
         split_backward: search split-backward schedules (F, I, W per stage; `rlhfuse.pipeline.simulate`)
-            instead of F/B ones. Beyond the paper; the runtime lowers and executes plain F/B schedules only.
+            instead of F/B ones. Beyond the paper; the runtime executes both (`pipeline.split_backward`).
         memory_lns: after the memory annealing (worker 0, at most `exact_memory_ops` ops), large-neighbourhood
             search for memory at the best makespan (`exact.memory_lns`: CP-SAT re-optimises the peak on a time
             window of a band of ranks around the peak, the rest of the schedule kept), `lns_effort` units of
