@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
-from rlhfuse.pipeline import serial_one_f_one_b, split_each_backward
+from rlhfuse.pipeline import serial_one_f_one_b, zb_h1
+from rlhfuse.pipeline.baselines import combine
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.simulate import is_split, simulate
-from rlhfuse.runtime.layout import ModelParallel, ParallelLayout
+from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, actor_only_layout
 from rlhfuse.runtime.plan import (
     PLANNERS,
     PlanOptions,
@@ -119,10 +120,19 @@ def test_split_backward_is_planned_from_measured_i_and_w_and_auto_keeps_the_shor
     costly = StageProfile.from_means(PP2, 4, _split_means(0.5, 2.0))
     assert not is_split(plan(costly, "auto").schedule)
     assert is_split(plan(costly, True).schedule)
-    # serial 1F1B: its F/I/W twin (each B split in place) where shorter
+    # serial 1F1B: each model's ZB-H1, one after the other, where shorter
     serial = plan(cheap, "auto", plan_serial_1f1b)
-    assert serial.schedule == split_each_backward(serial_one_f_one_b(serial.problem))
+    assert serial.schedule == combine([zb_h1(serial.problem, m) for m in ("actor", "critic")])
     assert serial.predicted_s < serial.predicted_serial_s and serial.note.startswith("serial 1F1B F/I/W")
+    assert (
+        simulate(serial.problem, serial.schedule).peak
+        == simulate(serial.problem, serial_one_f_one_b(serial.problem)).peak
+    )  # at 1F1B's peak memory
+    # an Actor alone (a critic-free algorithm): ZB-H1 in place of 1F1B where shorter
+    alone = actor_only_layout(ModelParallel(2), 1, 2, 4)
+    means = {k: v for k, v in _split_means(0.3, 1.0).items() if k[0] == "actor"}
+    actor = plan_fused(alone, StageProfile.from_means(alone, 4, means), 4, PlanOptions(split_backward="auto"))
+    assert actor.schedule == zb_h1(actor.problem, "actor") and actor.predicted_s < actor.predicted_serial_s
 
 
 def test_the_profiling_step_splits_odd_microbatches_to_measure_i_and_w() -> None:

@@ -6,12 +6,13 @@ Two planning functions, chosen once from the `pipeline` config name through `PLA
     plan_fused        the fused Actor+Critic schedule (the paper's greedy, or annealing within a time budget)
     plan_serial_1f1b  the baseline: both models with 1F1B one after the other on the same ranks
 An Actor-only layout (a critic-free algorithm: `ParallelLayout.trained == ("actor",)`) plans one model: both
-run the Actor's 1F1B (nothing to fuse it with).
+run the Actor's 1F1B, or ZB-H1 with split backward (nothing to fuse it with).
 Before the profiling step there are no stage times: `unprofiled_plan` is serial 1F1B on unit durations.
 
 Split backward (`pipeline.split_backward`, `PlanOptions.split_backward`): each planner plans F/B, F/I/W (B split
 into I, the input gradient, and W, the weight gradient: the zero-bubble split), or with "auto" both, and keeps
-the one with the shorter predicted makespan (F/B on a tie). F/I/W is predicted from measured I and W times: the
+the one with the shorter predicted makespan (F/B on a tie): the fused search's F/I/W schedule, or for serial 1F1B
+(and an Actor alone) each model's ZB-H1 (`serial_schedule`). F/I/W is predicted from measured I and W times: the
 profiling step then runs its odd micro-batches' backwards split (`profiling_schedule`), so one step measures F,
 B, I and W of every stage.
 """
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlhfuse.pipeline import SearchConfig, greedy, serial_one_f_one_b, simulate, solve, split_each_backward
+from rlhfuse.pipeline.baselines import combine
 from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import Problem
 from rlhfuse.pipeline.simulate import SPLIT_INPUT_SHARE, DurationFn, SplitBackward, is_split
+from rlhfuse.pipeline.zero_bubble import zb_h1
 from rlhfuse.runtime.layout import ParallelLayout
 from rlhfuse.runtime.lower import Program, lower_checked
 
@@ -193,6 +196,14 @@ def unprofiled_plan(
     return lowered_plan(layout, microbatches, profiling_schedule(problem, split_backward), prefetch=prefetch)
 
 
+def serial_schedule(problem: Problem, split_backward: bool) -> Schedule:
+    """Each model alone, one after the other on the same ranks: with 1F1B, or with split backward ZB-H1 (Qi et
+    al., ICLR'24: 1F1B whose W's are deferred into the cool-down bubbles, at 1F1B's peak memory)."""
+    if not split_backward:
+        return serial_one_f_one_b(problem)
+    return combine([zb_h1(problem, m.name) for m in problem.models])
+
+
 def _serial_makespan(profiled: Problem, durations: DurationFn) -> float:
     return simulate(profiled, serial_one_f_one_b(profiled), durations).makespan
 
@@ -244,7 +255,8 @@ class Planner(Protocol):
 
 # what pipeline=fused runs with one trained model (logged by the strategy, also the validation's auto-resolution)
 ACTOR_ONLY_RUN = (
-    "the pipeline runs the Actor alone with 1F1B; inter-stage fusion (migration, early Ref/reward inference) is "
+    "the pipeline runs the Actor alone with 1F1B (or ZB-H1, split backward); inter-stage fusion (migration, early "
+    "Ref/reward inference) is "
     "unchanged"
 )
 ACTOR_ONLY_NOTE = (
@@ -259,12 +271,12 @@ def plan_serial_1f1b(
     options: PlanOptions,
     agree: Agree = here,
 ) -> StepSchedule:
-    """The baseline: serial 1F1B (or its F/I/W twin, each B split into I then W in place, per
-    `options.split_backward`), with its makespan predicted from the profiled stage times (no search)."""
+    """The baseline: serial 1F1B, or with split backward per-model ZB-H1 one model after the other
+    (`serial_schedule`, per `options.split_backward`), with its makespan predicted from the profiled stage times
+    (no search)."""
     profiled = profile.problem(layout, microbatches)
     durations = profile.durations(layout, microbatches)
-    serial = serial_one_f_one_b(profiled)
-    candidates = [split_each_backward(serial) if split else serial for split in options.split_choices()]
+    candidates = [serial_schedule(profiled, split) for split in options.split_choices()]
     schedule, predicted, form = _shortest(profiled, durations, candidates)
     serial_s = _serial_makespan(profiled, durations)
     note = f"serial 1F1B {form}" if options.split_backward is not False else ""
