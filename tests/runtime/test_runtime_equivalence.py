@@ -19,6 +19,7 @@ from rlhfuse.runtime.executor import PipelineExecutor, StepWork, ppo_losses
 from rlhfuse.runtime.layout import ModelParallel, ParallelLayout, build_process_groups
 from rlhfuse.runtime.lower import lower_checked
 from rlhfuse.runtime.partition import stages_for_rank
+from rlhfuse.runtime.plan import serial_schedule
 
 pytestmark = pytest.mark.distributed
 
@@ -56,6 +57,8 @@ def _check_scenario(
     if base == "serial":
         schedule = serial_one_f_one_b(problem)
         schedule = split_each_backward(schedule) if split else schedule
+    elif base == "zb_h1":  # each model's ZB-H1, one after the other (serial 1F1B's split form)
+        schedule = serial_schedule(problem, split_backward=True)
     elif base == "greedy":
         schedule = greedy(problem, split_backward=split)
     else:
@@ -112,7 +115,7 @@ def _check_scenario(
 def _two_rank_worker(rank: int, world: int, *then: Callable[[int, int], None]) -> None:
     for kind in ("serial", "greedy", "random:1", "random:2", "random:3"):
         _check_scenario(rank, world, 2, 2, 1, 4, kind)
-    for kind in ("serial+split", "greedy+split", "random:6+split", "random:7+split"):  # F/I/W
+    for kind in ("serial+split", "zb_h1+split", "greedy+split", "random:6+split", "random:7+split"):  # F/I/W
         _check_scenario(rank, world, 2, 2, 1, 4, kind)
     for kind in ("greedy", "random:4", "random:8+split"):
         _check_scenario(rank, world, 2, 1, 1, 4, kind)  # two critic replicas, one per rank
@@ -167,7 +170,12 @@ def _strategy_worker(rank: int, world: int) -> None:
     plain_models = copy.deepcopy(models)
     algo = AlgorithmConfig()
     # auto: the profiling step splits odd micro-batches' backwards; true: the planned schedule is F/I/W
-    for schedule, split in (("fused", "auto"), ("serial_1f1b", False), ("fused", True)):
+    for schedule, split in (
+        ("fused", "auto"),
+        ("serial_1f1b", False),
+        ("fused", True),
+        ("serial_1f1b", True),
+    ):
         cfg = PipelineConfig(
             name=schedule,
             optim=OptimConfig(warmup_steps=1, grad_clip=0.5),
