@@ -122,9 +122,17 @@ class Tokenizer:
                 ) from None
         return self._compiled
 
-    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The chat template applied to `messages` (each {"role", "content"}), ending with the assistant's
-        generation prompt; ChatTemplateError names the template's file when it fails."""
+        generation prompt; `tools`: JSON schemas offered to the model (the template's `tools` variable, as
+        transformers' `apply_chat_template(tools=...)` passes them; None: no tools). ChatTemplateError names the
+        template's file when it fails."""
         if self.chat_template is None:
             raise ChatTemplateError("this tokenizer has no chat template")
         template = self._template()
@@ -133,6 +141,7 @@ class Tokenizer:
                 template.render(
                     messages=[dict(m) for m in messages],
                     add_generation_prompt=add_generation_prompt,
+                    tools=[dict(t) for t in tools] if tools else None,
                     bos_token=self.id_to_token(self.bos_id) or "",
                     eos_token=self.id_to_token(self.eos_id) or "",
                     pad_token=self.id_to_token(self.pad_id) or "",
@@ -144,10 +153,17 @@ class Tokenizer:
                 "the template or the messages, or set data.chat_template=none to feed prompts as plain text"
             ) from None
 
-    def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat, without an added BOS (the template writes it if the model wants one)."""
         return self.encode(
-            self.render_chat(messages, add_generation_prompt=add_generation_prompt), add_bos=False
+            self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools),
+            add_bos=False,
         )
 
     # ------------------------------------------------------------------------------------------ files

@@ -1,0 +1,47 @@
+"""`agent.*`: multi-turn episodes (`rlhfuse.agents`): the environment, the turn limit and the tools' time limit.
+No torch, so that the command line composes the configuration without it. Not yet a section of the root config
+(docs/agents.md, "Not wired into the trainer yet")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rlhfuse.agents.environment import ENVIRONMENTS
+from rlhfuse.core.config_checks import need
+
+
+@dataclass
+class AgentConfig:
+    # The environment class: 'module:Class' (./module.py first, then PYTHONPATH; e.g. my_env:Env) or a registered
+    # name; in the Python API the class itself. One object per episode, made with no arguments. null = single-turn
+    # (no agent loop).
+    env: str | None = None
+    # Assistant turns per episode, tool turns included; the episode ends earlier when the environment says done.
+    max_turns: int = 4
+    # Seconds each message's tool calls may run (they run concurrently); a call still running then is answered
+    # with an error and its thread abandoned (Python cannot stop a thread: rlhfuse.agents.tools).
+    tool_timeout_s: float = 10.0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        need(
+            problems,
+            self.env is None
+            or isinstance(self.env, type)
+            or (isinstance(self.env, str) and self.env in ENVIRONMENTS),
+            f"agent.env={self.env!r} is not 'module:Class' nor a registered environment {ENVIRONMENTS.names()}: "
+            "set agent.env=my_env:Env for class Env in ./my_env.py",
+        )
+        need(
+            problems,
+            isinstance(self.max_turns, int) and self.max_turns >= 1,
+            f"agent.max_turns={self.max_turns} must be an integer >= 1 (assistant turns per episode, tool turns "
+            "included)",
+        )
+        need(
+            problems,
+            self.tool_timeout_s > 0 and math.isfinite(self.tool_timeout_s),
+            f"agent.tool_timeout_s={self.tool_timeout_s} must be a finite number of seconds > 0",
+        )
+        return problems
