@@ -134,7 +134,8 @@ def final_scores(
     rows: Sequence[Mapping[str, Any]] = (),
 ) -> Scores:
     """The sequence score: reward-model score (if any) + the weighted rule rewards (if any), with
-    `config.truncated_score` for responses cut without EOS (auto: in place of the reward-model score only)."""
+    `config.truncated_score` for responses cut without EOS (auto: in place of the reward-model score only), + the
+    environment's episode reward (`Rollout.env_reward_B`, if any)."""
     device = rollout.finished_B.device
     finished_B = rollout.finished_B
     scores_B = torch.zeros(len(rollout), device=device)
@@ -149,4 +150,6 @@ def final_scores(
         scores_B = scores_B + rewards.combine(rules_BK)
     if isinstance(config.truncated_score, int | float):
         scores_B = torch.where(finished_B, scores_B, torch.full_like(scores_B, float(config.truncated_score)))
+    if rollout.env_reward_B is not None:  # a multi-turn episode's environment rewards, added (rlhfuse.agents)
+        scores_B = scores_B + rollout.env_reward_B.to(device).float()
     return Scores(scores_B, rules_BK)

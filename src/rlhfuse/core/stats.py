@@ -271,7 +271,7 @@ def sampler_mismatch(experience: Experience) -> dict[str, float]:
         return {}
     device = experience.logprobs_BR.device
     d_BR = sampled_BR.to(device) - experience.logprobs_BR
-    d_N = d_BR[experience.rollout.response_mask_BR.to(device).bool()].double()
+    d_N = d_BR[experience.rollout.loss_mask_BR.to(device).bool()].double()
     if d_N.numel() == 0:
         return {}
     mean, most, kl = torch.stack(
@@ -288,7 +288,7 @@ def staleness(experience: Experience, trained_version: int, bound: int) -> dict[
     versions_BR = experience.rollout.versions_BR
     if versions_BR is None:
         return {}
-    mask_BR = experience.rollout.response_mask_BR.to(versions_BR.device).bool()
+    mask_BR = experience.rollout.loss_mask_BR.to(versions_BR.device).bool()
     age_N = (trained_version - versions_BR[mask_BR]).double().cpu()
     if age_N.numel() == 0:
         return {}

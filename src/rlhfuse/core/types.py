@@ -115,6 +115,12 @@ class Rollout:
     versions_BR: long [B, R], the Actor version (iterations trained) whose weights sampled each response token, 0
     on padding; None where generation never runs ahead of training (synchronous: every token from the version
     before the iteration's training). Set by the asynchronous rollout (`rlhfuse.trainer.asynchronous`).
+    trainable_mask_BR: long [B, R], 1 on the response tokens the model generated, 0 on tokens inside the response
+    that it did not (a multi-turn episode's environment and tool messages, `rlhfuse.agents`): those stay in the
+    context (`response_mask_BR`, the attention) but carry no loss, no KL and no advantage (`loss_mask_BR`); None:
+    every response token is the model's.
+    env_reward_B: float [B], the reward an environment gave each sample's episode (the sum of its turns'), added
+    to what the inferencer scores; None: no environment.
     """
 
     prompt_ids_BP: Tensor
@@ -126,6 +132,14 @@ class Rollout:
     finished_B: Tensor
     sampler_logprobs_BR: Tensor | None = None
     versions_BR: Tensor | None = None
+    trainable_mask_BR: Tensor | None = None
+    env_reward_B: Tensor | None = None
+
+    @property
+    def loss_mask_BR(self) -> Tensor:
+        """The response tokens the loss, the KL and the advantages count: the model's own (`trainable_mask_BR`),
+        or every response token."""
+        return self.response_mask_BR if self.trainable_mask_BR is None else self.trainable_mask_BR
 
     def to(self, device: torch.device | str) -> Rollout:
         """This Rollout with every tensor on `device`."""
@@ -158,13 +172,18 @@ class Rollout:
         """This rollout with its response columns cut to the first `width` (the trailing padding dropped)."""
         if width == self.response_ids_BR.shape[1]:
             return self
-        logprobs_BR, versions_BR = self.sampler_logprobs_BR, self.versions_BR
+        logprobs_BR, versions_BR, trainable_BR = (
+            self.sampler_logprobs_BR,
+            self.versions_BR,
+            self.trainable_mask_BR,
+        )
         return dataclasses.replace(
             self,
             response_ids_BR=self.response_ids_BR[:, :width],
             response_mask_BR=self.response_mask_BR[:, :width],
             sampler_logprobs_BR=None if logprobs_BR is None else logprobs_BR[:, :width],
             versions_BR=None if versions_BR is None else versions_BR[:, :width],
+            trainable_mask_BR=None if trainable_BR is None else trainable_BR[:, :width],
         )
 
     @staticmethod
@@ -182,11 +201,15 @@ class Rollout:
             finished_B=torch.cat([r.finished_B for r in rollouts]),
             sampler_logprobs_BR=_cat_optional([r.sampler_logprobs_BR for r in rollouts]),
             versions_BR=_cat_optional([r.versions_BR for r in rollouts]),
+            trainable_mask_BR=_cat_optional([r.trainable_mask_BR for r in rollouts]),
+            env_reward_B=None
+            if any(r.env_reward_B is None for r in rollouts)
+            else torch.cat([r.env_reward_B for r in rollouts]),  # type: ignore[misc]
         )
 
     def with_version(self, version: int) -> Rollout:
         """This rollout with every response token marked as sampled by Actor version `version`."""
-        mask_BR = self.response_mask_BR.long()
+        mask_BR = self.loss_mask_BR.long()
         return dataclasses.replace(self, versions_BR=mask_BR * version)
 
 
