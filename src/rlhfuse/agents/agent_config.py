@@ -1,6 +1,6 @@
 """`agent.*`: multi-turn episodes (`rlhfuse.agents`): the environment, the turn limit and the tools' time limit.
-No torch, so that the command line composes the configuration without it. Not yet a section of the root config
-(docs/agents.md, "Not wired into the trainer yet")."""
+No torch, so that the command line composes the configuration without it. The root config's `agent` section
+(`RLHFConfig.agent`; docs/agents.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class AgentConfig:
     # The environment class: 'module:Class' (./module.py first, then PYTHONPATH; e.g. my_env:Env) or a registered
     # name; in the Python API the class itself. One object per episode, made with no arguments. null = single-turn
     # (no agent loop).
-    env: str | None = None
+    env: str | type | None = None
     # Assistant turns per episode, tool turns included; the episode ends earlier when the environment says done.
     max_turns: int = 4
     # Seconds each message's tool calls may run (they run concurrently); a call still running then is answered

@@ -22,7 +22,8 @@ from rlhfuse.agents.tools import Message, ToolRunner, parse_tool_calls
 Respond = Callable[[list[Message]], str]
 """The model: the conversation so far -> the assistant's next message text."""
 
-EndReason = Literal["done", "max_turns"]
+EndReason = Literal["done", "max_turns", "length"]
+"""Why an episode ended: the environment said done, the turn limit, or a message cut at the token limit."""
 OpeningRole = Literal["system", "user", "tool"]
 """Who may speak in the messages `env.reset` opens an episode with."""
 ReplyRole = Literal["user", "tool"]
@@ -38,7 +39,7 @@ class Episode:
     only: prompt, environment and tool messages carry no loss and no KL); rewards[t]: assistant turn t's reward
     (the environment's for an answered turn, 0.0 for a tool turn), so len(rewards) == turns; tool_calls /
     tool_errors: `<tool_call>` blocks answered, and those answered with an error; ended: "done" (the
-    environment said so) or "max_turns".
+    environment said so), "max_turns", or "length" (the last message cut at the generator's token limit).
     """
 
     messages: list[Message]
@@ -55,6 +56,87 @@ class Episode:
         return math.fsum(self.rewards)
 
 
+class EpisodeRun:
+    """One episode played turn by turn, for a caller that generates the model's turns itself (a batch of episodes
+    at once: `rlhfuse.agents.generator.AgentGenerator`): made with the environment's opening (`env.reset(row)`,
+    in `messages`), then `answer(text)` per assistant turn returns the messages that answer it, or None once the
+    episode has ended; `episode()` the result. `run_episode` is this loop with a `respond` function."""
+
+    def __init__(
+        self,
+        env: Environment,
+        row: Mapping[str, Any],
+        prompt_messages: Sequence[Mapping[str, Any]],
+        *,
+        max_turns: int,
+        tools_runner: ToolRunner | None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"agent.max_turns={max_turns} must be >= 1")
+        self.env, self.max_turns, self.tools_runner = env, max_turns, tools_runner
+        self.where = f"{ENV_KEY} ({type(env).__qualname__})"
+        self.messages: list[Message] = [dict(m) for m in prompt_messages]
+        try:
+            opening = env.reset(dict(row))
+        except Exception as err:
+            raise AgentEnvError(f"{self.where}: reset(row) raised {type(err).__name__}: {err}") from err
+        self.messages += _env_messages(opening, get_args(OpeningRole), f"{self.where}: reset(row)")
+        self.trainable = [False] * len(self.messages)
+        self.rewards: list[float] = []
+        self.tool_calls = self.tool_errors = 0
+        self.ended: EndReason | None = None
+
+    def answer(self, text: str) -> list[Message] | None:
+        """Take the model's next message `text`; return the messages answering it (the tools', or the
+        environment's reply), or None when the episode ends with it (the environment said done, or the turn
+        limit: a tool call in the last allowed turn is not run, no turn being left to read its answer)."""
+        if self.ended is not None:
+            raise ValueError(f"{self.where}: the episode already ended ({self.ended})")
+        if not isinstance(text, str):
+            raise TypeError(f"the model's message is a {type(text).__name__}: it must be the text")
+        message: Message = {"role": "assistant", "content": text}
+        self.messages.append(message)
+        self.trainable.append(True)
+        last = len(self.rewards) == self.max_turns - 1
+        if self.tools_runner is not None and _has_tool_call(text):
+            self.rewards.append(0.0)
+            if last:
+                self.ended = "max_turns"
+                return None
+            turn = self.tools_runner.run_turn(message)
+            self.tool_calls += turn.calls
+            self.tool_errors += turn.errors
+            return self._add(turn.messages)
+        reply, reward, done = _step(self.env, message, self.where)
+        self.rewards.append(reward)
+        if done or last:
+            self.messages += reply
+            self.trainable += [False] * len(reply)
+            self.ended = "done" if done else "max_turns"
+            return None
+        return self._add(reply)
+
+    def cut(self, text: str) -> None:
+        """End the episode at a message `text` the model did not finish (cut at the generator's token limit): it
+        is kept as the model wrote it, with no reward and no answer."""
+        self.messages.append({"role": "assistant", "content": text})
+        self.trainable.append(True)
+        self.rewards.append(0.0)
+        self.ended = "length"
+
+    def _add(self, reply: list[Message]) -> list[Message]:
+        self.messages += reply
+        self.trainable += [False] * len(reply)
+        return reply
+
+    def episode(self) -> Episode:
+        assert self.ended is not None, "the episode has not ended"
+        return Episode(
+            self.messages, self.trainable, self.rewards, len(self.rewards), self.tool_calls, self.tool_errors,
+            self.ended,
+        )  # fmt: skip
+
+
 def run_episode(
     env: Environment,
     row: Mapping[str, Any],
@@ -64,49 +146,17 @@ def run_episode(
     max_turns: int,
     tools_runner: ToolRunner | None,
 ) -> Episode:
-    """Play one episode of `env` on a dataset `row` whose prompt is `prompt_messages`, the model being `respond`.
+    """Play one episode of `env` on a dataset `row` whose prompt is `prompt_messages`, the model being `respond`
+    (`EpisodeRun`'s loop).
 
     With `tools_runner` None, no text is read as a tool call. A tool call in the last allowed turn is not run
     (no turn is left to read its answer): the episode ends there, with reason "max_turns". A misbehaving
     environment (raising, or returning something else than the Protocol says) raises AgentEnvError; a tool never
     raises (ToolRunner answers every failure with an error message)."""
-    if max_turns < 1:
-        raise ValueError(f"agent.max_turns={max_turns} must be >= 1")
-    where = f"{ENV_KEY} ({type(env).__qualname__})"
-    messages: list[Message] = [dict(m) for m in prompt_messages]
-    try:
-        opening = env.reset(dict(row))
-    except Exception as err:
-        raise AgentEnvError(f"{where}: reset(row) raised {type(err).__name__}: {err}") from err
-    messages += _env_messages(opening, get_args(OpeningRole), f"{where}: reset(row)")
-    trainable = [False] * len(messages)
-    rewards: list[float] = []
-    tool_calls = tool_errors = 0
-    for turn in range(max_turns):
-        text = respond(list(messages))
-        if not isinstance(text, str):
-            raise TypeError(f"respond(messages) returned a {type(text).__name__}: it must return the text")
-        message: Message = {"role": "assistant", "content": text}
-        messages.append(message)
-        trainable.append(True)
-        if tools_runner is not None and _has_tool_call(text):
-            if turn == max_turns - 1:
-                rewards.append(0.0)
-                break
-            answer = tools_runner.run_turn(message)
-            messages += answer.messages
-            trainable += [False] * len(answer.messages)
-            tool_calls += answer.calls
-            tool_errors += answer.errors
-            rewards.append(0.0)
-            continue
-        reply, reward, done = _step(env, message, where)
-        messages += reply
-        trainable += [False] * len(reply)
-        rewards.append(reward)
-        if done:
-            return Episode(messages, trainable, rewards, turn + 1, tool_calls, tool_errors, "done")
-    return Episode(messages, trainable, rewards, len(rewards), tool_calls, tool_errors, "max_turns")
+    run = EpisodeRun(env, row, prompt_messages, max_turns=max_turns, tools_runner=tools_runner)
+    while run.answer(respond(list(run.messages))) is not None:
+        pass
+    return run.episode()
 
 
 def _has_tool_call(text: str) -> bool:

@@ -43,11 +43,6 @@ class InferencerConfig:
     def problems(self) -> list[str]:
         problems: list[str] = []
         non_negative(problems, "inferencer.micro_batch_size", self.micro_batch_size, "0 = all")
-        need(
-            problems,
-            self.use_reward_model or self.reward_fn is not None,
-            "no reward: inferencer.use_reward_model=false and no inferencer.reward_fn; enable one of them",
-        )
         choices = reward_choices(self.reward_fn)
         for choice in choices:
             need(

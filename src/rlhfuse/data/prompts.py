@@ -43,13 +43,15 @@ class DatasetError(ValueError):
 @dataclass(frozen=True)
 class Prompt:
     """One prompt: its position in the dataset (`id`), text (as rendered by the chat template, when one is used),
-    token ids (BOS first when the tokenizer has one and no template is used) and the dataset row's other fields
-    (what a reward function may read, e.g. `answer`)."""
+    token ids (BOS first when the tokenizer has one and no template is used), the dataset row's other fields
+    (what a reward function may read, e.g. `answer`) and, rendered by a chat template, the chat messages it was
+    rendered from (what a multi-turn episode continues: `rlhfuse.agents`; empty without a template)."""
 
     id: int
     text: str
     token_ids: tuple[int, ...]
     fields: Mapping[str, Any] = field(default_factory=dict)
+    messages: tuple[Mapping[str, Any], ...] = ()
 
 
 def read_prompt_file(path: str | Path, prompt_key: str = "prompt") -> list[PromptInput]:
@@ -278,6 +280,7 @@ def tokenize_prompts(
     error unless truncate is left|right; a template that fails names its file and the prompt."""
     prompts, too_long = [], []
     for i, text in enumerate(texts):
+        messages: list[dict[str, Any]] = []
         if chat:
             messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
             try:
@@ -300,7 +303,11 @@ def tokenize_prompts(
                 ids = ids[:max_length]
             else:
                 too_long.append((i, len(ids)))
-        prompts.append(Prompt(id=i, text=str(text), token_ids=tuple(ids), fields=rows[i] if rows else {}))
+        prompts.append(
+            Prompt(
+                id=i, text=str(text), token_ids=tuple(ids), fields=rows[i] if rows else {}, messages=tuple(messages)
+            )
+        )
     if too_long:
         shown = ", ".join(f"prompt {i} has {n} tokens" for i, n in too_long[:5])
         more = f" (and {len(too_long) - 5} more)" if len(too_long) > 5 else ""

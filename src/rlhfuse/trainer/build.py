@@ -275,6 +275,7 @@ def assemble(
         spec.counts.total_optimizer_steps,
         rows=data.rows,
         rewards=data.rewards,
+        prompts={p.id: p for p in (*data.loader.prompts, *data.held_out)},
     )
     feed = PromptFeed(data.loader, models.tokenizer.pad_id)
     built = build_components(ctx, parts, feed)
@@ -416,6 +417,26 @@ def build_models(
     return models
 
 
+def agent_episodes(ctx: BuildContext, generator: Generator) -> Generator:
+    """With agent.env, the generator whose samples are multi-turn episodes of that environment, each turn decoded
+    by `generator` (`AgentGenerator`); `generator` itself otherwise."""
+    agent = ctx.config.agent
+    if agent.env is None:
+        return generator
+    from rlhfuse.agents.generator import AgentGenerator
+
+    return AgentGenerator(
+        generator,
+        agent.env,
+        ctx.models.tokenizer,
+        ctx.prompts,
+        sampling=ctx.config.generator.sampling,
+        samples_per_prompt=ctx.config.data.samples_per_prompt,
+        max_turns=agent.max_turns,
+        tool_timeout_s=agent.tool_timeout_s,
+    )
+
+
 def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Components:
     """The strategy first (it may shard or place the models the generator copies and the inferencer runs),
     then the generator, the inferencer (as it runs over the strategy's layout: under pipeline=fsdp each rank
@@ -423,7 +444,7 @@ def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Compo
     asynchronous one hands out its gated generator: `AsyncRollout.generator`)."""
     assert parts.strategy is not None and parts.generator is not None and parts.inferencer is not None, parts
     strategy = ctx.strategy = parts.strategy.build(ctx)
-    generator = parts.generator.build(ctx)
+    generator = agent_episodes(ctx, parts.generator.build(ctx))
     inferencer = parts.strategy.inference(parts.inferencer.build(ctx), strategy)
     stage = rollout_stage(ctx, generator, inferencer, feed)
     # the generator the stage drives, as the rest of the run holds it (an asynchronous stage's gates its syncs)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.rewards import RewardSet
+from rlhfuse.data.prompts import Prompt
 from rlhfuse.generation.batched import InstanceGenerator, SamplingGenerator
 from rlhfuse.generation.generator import EngineGenerator, EnginePool, InstanceSetup
 from rlhfuse.generation.migration import FixedThreshold, NoMigration
@@ -48,6 +49,8 @@ class BuildContext:
     rows: Sequence[Mapping[str, Any]] = field(default_factory=list)
     # the rule-based rewards (inferencer.reward_fn / reward_weights), built once; None without any
     rewards: RewardSet | None = None
+    # every prompt by id, training and held-out (what a multi-turn episode continues: agent.env)
+    prompts: Mapping[int, Prompt] = field(default_factory=dict)
 
 
 def sampling_generator(ctx: BuildContext) -> SamplingGenerator | InstanceGenerator:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from rlhfuse.agents.agent_config import AgentConfig
 from rlhfuse.core.algorithm_config import AlgorithmConfig
 from rlhfuse.core.checkpoint_config import CheckpointConfig
 from rlhfuse.core.config_checks import choice_problems, keyed_field, need, positive
@@ -78,6 +79,9 @@ class RLHFConfig:
     # Asynchronous RL (key `async`): generation ahead of training within a staleness bound
     # (rlhfuse.trainer.asynchronous; docs/async.md).
     asynchronous: AsyncConfig = keyed_field(AsyncConfig, "async")
+    # Multi-turn episodes (rlhfuse.agents; docs/agents.md): agent.env names the environment class; null = one
+    # response per sample.
+    agent: AgentConfig = field(default_factory=AgentConfig)
     # PPO iterations (each: generate, infer, train, sync).
     iterations: int = 60
     # Seeds model init, the prompt order, per-sample sampling streams and mini-batch shuffles.
@@ -120,6 +124,7 @@ class RLHFConfig:
             self.checkpoint,
             self.eval,
             self.asynchronous,
+            self.agent,
         ):
             problems += part.problems()
         problems += choice_problems(self, "")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from rlhfuse.agents.agent_config import AgentConfig
 from rlhfuse.algorithms.off_policy import OFF_POLICY_CORRECTIONS
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.checkpoint import (
@@ -136,6 +137,7 @@ class RLHFTrainer:
         checkpoint: CheckpointConfig | None = None,
         evaluation: EvalConfig | None = None,
         asynchronous: AsyncConfig | None = None,
+        agent: AgentConfig | None = None,
         logging: LoggerConfig | None = None,
         seed: int | None = None,
         exact: bool | None = None,
@@ -156,6 +158,7 @@ class RLHFTrainer:
             checkpoint=checkpoint,
             eval=evaluation,
             asynchronous=asynchronous,
+            agent=agent,
             logger=logging,
             seed=seed,
             exact=exact,

@@ -55,6 +55,12 @@ def raise_problems(problems: list[str]) -> None:
 def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) -> list[str]:
     problems: list[str] = []
     d, g, m, i = cfg.data, cfg.generator, cfg.model, cfg.inferencer
+    need(
+        problems,
+        i.use_reward_model or i.reward_fn is not None or cfg.agent.env is not None,
+        "no reward: inferencer.use_reward_model=false and no inferencer.reward_fn; enable one of them (or an "
+        "environment's rewards: agent.env)",
+    )
     longest = d.max_prompt_length + g.sampling.max_new_tokens
     need(
         problems,
@@ -126,6 +132,8 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
     problems += lora_problems(cfg, model, where)
     if cfg.asynchronous.enabled:
         problems += async_problems(cfg, layout)
+    if cfg.agent.env is not None:
+        problems += agent_problems(cfg, layout)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     over_stages = cfg.inferencer.name in INFERENCERS and inferencer_entry(cfg.inferencer.name).over_stages
@@ -178,6 +186,32 @@ def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
             f"async.partial_rollout=true continues samples under new weights between decode steps, which "
             f"generator={g.name} does not do: set generator=sampling or engine, or async.partial_rollout=false",
         )
+    return problems
+
+
+def agent_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
+    """agent.env: the environment class loads (one line naming agent.env otherwise), and the episodes run where
+    the agent loop is built: one process, synchronous."""
+    from rlhfuse.agents.environment import AgentEnvError, load_environment
+
+    problems: list[str] = []
+    try:
+        load_environment(cfg.agent.env)  # type: ignore[arg-type]
+    except (AgentEnvError, KeyError) as err:
+        problems.append(str(err).strip("'\""))
+    need(
+        problems,
+        layout.world == 1,
+        f"agent.env={cfg.agent.env!r} runs its episodes in one process, but this layout has {layout.world}: set "
+        "generator.instances=1 and distributed.nproc_per_node=1 (multi-turn episodes over several processes are "
+        "not built yet)",
+    )
+    need(
+        problems,
+        not cfg.asynchronous.enabled,
+        f"agent.env with async.max_staleness={cfg.asynchronous.max_staleness}: multi-turn episodes run "
+        "synchronously for now; set async.max_staleness=0",
+    )
     return problems
 
 

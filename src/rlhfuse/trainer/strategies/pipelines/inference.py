@@ -256,8 +256,6 @@ class PipelineInferencer:
         rows: Sequence[Mapping[str, Any]] = (),
         groups: distributed.WorldGroups | None = None,
     ) -> None:
-        if ModelRole.REWARD not in models and rewards is None:
-            raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         if not distributed.is_initialized():
             raise ValueError(
                 "PipelineInferencer needs torch.distributed: launch with distributed.nproc_per_node=N and "

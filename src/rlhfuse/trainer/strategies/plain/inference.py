@@ -52,8 +52,6 @@ class ModelInferencer:
         packing: bool = False,
         micro_batch_tokens: int = 0,
     ) -> None:
-        if reward_model is None and rewards is None:
-            raise ValueError("no reward: set inferencer.use_reward_model=true or inferencer.reward_fn=<name>")
         self.config = config
         self.actor, self.ref, self.critic, self.reward_model = actor, ref, critic, reward_model
         self.rewards = rewards
