@@ -13,10 +13,10 @@ assistant message's sampled tokens followed by the tokens of the messages answer
 the sampler's on those tokens, 0 elsewhere; `env_reward_B` is the episode's reward (the sum of its turns'),
 added to the inferencer's score; `finished_B` says the last message ended with a stop token.
 
-An answer's tokens are what the chat template writes for those messages after the assistant's message: the
-conversation rendered with them (and the next generation prompt) minus the conversation rendered up to the
-assistant message's end token; a template for which the second is not a prefix of the first is refused
-(`ChatTemplateError`), as `episode_tokens` does.
+An answer's tokens are what the chat template writes for those messages after the assistant's message
+(`tokens.answer_tokens`: the conversation rendered with them and the next generation prompt, minus the
+conversation rendered up to the assistant message's end token); a template for which the second is not a prefix
+of the first is refused (`ChatTemplateError`), as `episode_tokens` does.
 
 Weaker than a generator-level loop (docs/agents.md): each turn re-prefills the whole conversation (no KV cache
 kept between turns), and the turns of a batch are synchronised (a sample waiting on a slow tool holds up the next
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from rlhfuse.agents.environment import ENV_KEY, environment_tools, load_environment
 from rlhfuse.agents.episode import EpisodeRun
+from rlhfuse.agents.tokens import answer_tokens, chat_encoder
 from rlhfuse.agents.tools import Message, ToolRunner, tool_schemas
 from rlhfuse.core.protocols import Generator
 from rlhfuse.core.sampling import Sampling
@@ -81,7 +82,7 @@ class AgentGenerator:
                 f"{ENV_KEY}: prompts {missing} were not rendered by a chat template: a multi-turn episode continues "
                 "a chat; use a tokenizer with a chat template and data.chat_template=auto"
             )
-        self.stop_ids = frozenset(tokenizer.stop_ids)
+        self.chat = chat_encoder(tokenizer)
 
     # --- the Generator protocol: weights and the rest are the wrapped generator's ------------------------------
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
@@ -147,7 +148,7 @@ class AgentGenerator:
                 answer = answers[i]
                 if answer is None:
                     continue
-                tokens = self._answer_tokens(runs[i].messages, len(answer), schemas[i])
+                tokens = answer_tokens(self.chat, runs[i].messages, len(answer), schemas[i] or [])
                 response[i] += tokens
                 trainable[i] += [0] * len(tokens)
                 logprobs[i] += [0.0] * len(tokens)
@@ -195,23 +196,7 @@ class AgentGenerator:
     def _encode(
         self, messages: Sequence[Message], schemas: list[dict[str, Any]] | None, *, prompt: bool
     ) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=prompt, tools=schemas)
-
-    def _answer_tokens(
-        self, messages: Sequence[Message], answered: int, schemas: list[dict[str, Any]] | None
-    ) -> list[int]:
-        """The tokens of the last `answered` messages and the next generation prompt, as the chat template writes
-        them after the assistant message before them (its end token included in the sampled ids)."""
-        before = self._encode(messages[:-answered], schemas, prompt=False)
-        cut = max((k + 1 for k, t in enumerate(before) if t in self.stop_ids), default=len(before))
-        before = before[:cut]  # what follows the assistant's end token (a newline) is the template's framing
-        after = self._encode(messages, schemas, prompt=True)
-        if after[:cut] != before:
-            raise ChatTemplateError(
-                f"{ENV_KEY}: the chat template renders the conversation before an answer differently once the answer "
-                "is added (it rewrites earlier turns): a multi-turn episode needs a template that only appends"
-            )
-        return after[cut:]
+        return self.chat.encode(messages, tools=schemas or [], add_generation_prompt=prompt)
 
     def _rollout(
         self,

@@ -114,6 +114,20 @@ def episode_tokens(
     return ids, mask
 
 
+def answer_tokens(
+    chat: ChatEncoder, messages: Sequence[Mapping[str, Any]], answered: int, schemas: list[dict[str, Any]]
+) -> list[int]:
+    """The tokens the chat template writes for the last `answered` messages and the next generation prompt, after
+    the model's message before them: the conversation rendered with them minus the conversation rendered up to
+    that message's last stop token (its end, which the model generated; what the template writes after it, a
+    newline, is part of the answer). What a multi-turn generator appends to a context after each turn."""
+    before = chat.encode(messages[:-answered], tools=schemas, add_generation_prompt=False)
+    end = max((k + 1 for k, t in enumerate(before) if t in chat.stop_ids), default=len(before))
+    after = chat.encode(messages, tools=schemas, add_generation_prompt=True)
+    _check_prefix(before[:end], after, f"the conversation before its last {answered} message(s)")
+    return after[end:]
+
+
 def _check_prefix(prefix: list[int], ids: list[int], what: str) -> None:
     if ids[: len(prefix)] == prefix:
         return
