@@ -141,7 +141,9 @@ def test_pipeline_config_errors_name_the_fix() -> None:
     cfg = compose_config(["pipeline=fused", "distributed.nproc_per_node=2", "pipeline.split_backward=maybe"])
     with pytest.raises(ValueError, match=r"pipeline.split_backward='maybe' is not one of auto, true, false"):
         validate(cfg)
-    assert compose_config(["pipeline=fused", "pipeline.split_backward=false"]).pipeline.split_backward is False
+    assert (
+        compose_config(["pipeline=fused", "pipeline.split_backward=false"]).pipeline.split_backward is False
+    )
 
 
 def test_tensor_parallel_config_errors_list_every_problem() -> None:

@@ -305,7 +305,11 @@ def tokenize_prompts(
                 too_long.append((i, len(ids)))
         prompts.append(
             Prompt(
-                id=i, text=str(text), token_ids=tuple(ids), fields=rows[i] if rows else {}, messages=tuple(messages)
+                id=i,
+                text=str(text),
+                token_ids=tuple(ids),
+                fields=rows[i] if rows else {},
+                messages=tuple(messages),
             )
         )
     if too_long:
