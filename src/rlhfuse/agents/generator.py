@@ -43,6 +43,7 @@ from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.sampling_config import SamplingConfig
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.data.collate import left_padded
 from rlhfuse.data.prompts import Prompt
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
@@ -134,9 +135,8 @@ class AgentGenerator:
             )
             texts = {i: self.tokenizer.decode(sampled[i][0]) for i in active}
             jobs = [(runs[i], texts[i], sampled[i][2]) for i in active]
-            with concurrent.futures.ThreadPoolExecutor(
-                max_workers=len(active)
-            ) as pool:  # tools run concurrently
+            # the episodes answer at once: their tools run concurrently
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(active)) as pool:
                 answers = dict(zip(active, pool.map(lambda job: self._answer(*job), jobs), strict=True))
             still = []
             for i in active:
@@ -175,7 +175,7 @@ class AgentGenerator:
         token)."""
         ids = [(keys[i][0] * _SAMPLES + keys[i][1]) * _TURNS + turn for i in active]
         of = dict(zip(ids, active, strict=True))
-        batch = _left_padded(contexts, ids, self.tokenizer.pad_id)
+        batch = left_padded(contexts, ids, self.tokenizer.pad_id)
         out: dict[int, tuple[list[int], list[float], bool]] = {}
         for chunk in self.inner.generate(batch, iteration=iteration, sampling=one):
             lengths = chunk.response_mask_BR.sum(dim=1).tolist()
@@ -209,37 +209,24 @@ class AgentGenerator:
         finished: list[bool],
     ) -> Rollout:
         pad = self.tokenizer.pad_id
-        width_p, width_r = max(map(len, opened)), max(max(map(len, response)), 1)
-        b = len(runs)
-        prompt_ids, prompt_mask = torch.full((b, width_p), pad), torch.zeros(b, width_p, dtype=torch.long)
+        prompt = left_padded(opened, [k[0] for k in keys], pad)
+        b, width_r = len(runs), max(max(map(len, response)), 1)
         ids, mask = torch.full((b, width_r), pad), torch.zeros(b, width_r, dtype=torch.long)
         train, lps = torch.zeros(b, width_r, dtype=torch.long), torch.zeros(b, width_r)
         for i in range(b):
-            p, r = len(opened[i]), len(response[i])
-            prompt_ids[i, width_p - p :] = torch.tensor(opened[i])
-            prompt_mask[i, width_p - p :] = 1
+            r = len(response[i])
             if r:
                 ids[i, :r], mask[i, :r] = torch.tensor(response[i]), 1
                 train[i, :r], lps[i, :r] = torch.tensor(trainable[i]), torch.tensor(logprobs[i])
         return Rollout(
-            prompt_ids_BP=prompt_ids,
-            prompt_mask_BP=prompt_mask,
+            prompt_ids_BP=prompt.input_ids_BP,
+            prompt_mask_BP=prompt.attention_mask_BP,
             response_ids_BR=ids,
             response_mask_BR=mask,
-            prompt_index_B=torch.tensor([k[0] for k in keys]),
+            prompt_index_B=prompt.prompt_ids_B,
             sample_index_B=torch.tensor([k[1] for k in keys]),
             finished_B=torch.tensor(finished),
             sampler_logprobs_BR=lps,
             trainable_mask_BR=train,
             env_reward_B=torch.tensor([run.episode().total_reward for run in runs], dtype=torch.float32),
         )
-
-
-def _left_padded(contexts: list[list[int]], ids: list[int], pad: int) -> PromptBatch:
-    width = max(map(len, contexts))
-    tokens = torch.full((len(contexts), width), pad)
-    mask = torch.zeros(len(contexts), width, dtype=torch.long)
-    for i, context in enumerate(contexts):
-        tokens[i, width - len(context) :] = torch.tensor(context)
-        mask[i, width - len(context) :] = 1
-    return PromptBatch(tokens, mask, torch.tensor(ids))

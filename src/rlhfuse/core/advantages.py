@@ -228,9 +228,8 @@ def compute_train_batch(
     with overlong shaping, which needs the response length limit `max_new_tokens`)."""
     algorithm = algorithm_of(config)
     rollout = experience.rollout
-    mask_BR = (
-        rollout.loss_mask_BR.float()
-    )  # the model's own tokens (not a multi-turn episode's environment's)
+    # the model's own tokens (not a multi-turn episode's environment's)
+    mask_BR = rollout.loss_mask_BR.float()
     kl_BR = (
         kl_estimate(experience.logprobs_BR, experience.ref_logprobs_BR, kind=config.kl_estimator) * mask_BR
     )

@@ -12,14 +12,25 @@ from rlhfuse.pipeline.ir import Action, Kind, Schedule
 from rlhfuse.pipeline.problem import ModelSpec, Problem
 from rlhfuse.pipeline.simulate import simulate
 
+StageOrder = list[tuple[int, Kind, int]]
+"""One pipeline position's (stage or chunk, kind, micro-batch) list within one replica."""
+
+
+def place_orders(m: ModelSpec, ranks: int, orders: dict[int, StageOrder]) -> Schedule:
+    """Put `orders[position]` (one replica's list for pipeline position k, naming the stage or chunk of each op)
+    on the rank of that position in every replica's placement."""
+    lists: list[list[Action]] = [[] for _ in range(ranks)]
+    for r, row in enumerate(m.placement):
+        for position, order in orders.items():
+            lists[row[position]].extend(Action(m.name, r, c, kind, i) for c, kind, i in order)
+    return Schedule.from_lists(lists)
+
 
 def _stage_lists(problem: Problem, m: ModelSpec, per_stage: dict[int, list[tuple[Kind, int]]]) -> Schedule:
     """Place each replica's per-stage (kind, micro-batch) list on the ranks of its placement."""
-    lists: list[list[Action]] = [[] for _ in range(problem.ranks)]
-    for r, row in enumerate(m.placement):
-        for s, rank in enumerate(row):
-            lists[rank].extend(Action(m.name, r, s, kind, i) for kind, i in per_stage[s])
-    return Schedule.from_lists(lists)
+    return place_orders(
+        m, problem.ranks, {s: [(s, k, i) for k, i in order] for s, order in per_stage.items()}
+    )
 
 
 def _one_model(problem: Problem, model: str | None) -> ModelSpec:

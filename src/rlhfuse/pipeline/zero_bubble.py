@@ -37,16 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rlhfuse.pipeline.baselines import alone, combine
+from rlhfuse.pipeline.baselines import StageOrder, alone, combine, place_orders
 from rlhfuse.pipeline.bounds import lower_bounds
 from rlhfuse.pipeline.compiled import compile_problem
-from rlhfuse.pipeline.ir import Action, Kind, Schedule
+from rlhfuse.pipeline.ir import Kind, Schedule
 from rlhfuse.pipeline.problem import ModelSpec, Problem
 from rlhfuse.pipeline.simulate import SPLIT_INPUT_SHARE, simulate
-
-StageOrder = list[tuple[int, Kind, int]]
-"""One rank's (stage or chunk, kind, micro-batch) list within one replica."""
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Per-model problems
@@ -82,15 +78,6 @@ def _v_stage(chunk: int, stages: int) -> int:
     return min(chunk, 2 * stages - 1 - chunk)
 
 
-def _place(m: ModelSpec, ranks: int, orders: dict[int, StageOrder]) -> Schedule:
-    """Put `orders[position]` (one replica's list for pipeline position k) on every replica's block."""
-    lists: list[list[Action]] = [[] for _ in range(ranks)]
-    for r, row in enumerate(m.placement):
-        for position, order in orders.items():
-            lists[row[position]].extend(Action(m.name, r, c, kind, i) for c, kind, i in order)
-    return Schedule.from_lists(lists)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # ZB-H1
 # ----------------------------------------------------------------------------------------------------------
@@ -117,7 +104,7 @@ def zb_h1(problem: Problem, model: str) -> Schedule:
     """ZB-H1 of `model` on its own placement (`alone(problem, model)`'s ops only)."""
     m = problem.model(model)
     orders = {s: zb_h1_order(m.stages, m.microbatches, s) for s in range(m.stages)}
-    return _place(m, problem.ranks, orders)
+    return place_orders(m, problem.ranks, orders)
 
 
 def zb_h1_closed_form(m: ModelSpec) -> float | None:
@@ -182,7 +169,7 @@ def zb_v(problem: Problem, model: str) -> Schedule:
     """ZB-V of `model`: a schedule of `v_shape(problem, model)`."""
     m = v_shape(problem, model).models[0]
     ranks = m.stages // 2
-    return _place(m, problem.ranks, {k: zb_v_order(ranks, m.microbatches, k) for k in range(ranks)})
+    return place_orders(m, problem.ranks, {k: zb_v_order(ranks, m.microbatches, k) for k in range(ranks)})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -257,7 +244,9 @@ def dualpipe_v(problem: Problem, model: str) -> Schedule:
     """DualPipeV of `model`: a schedule of `v_shape(problem, model)` (ValueError below 2S micro-batches)."""
     m = v_shape(problem, model).models[0]
     ranks = m.stages // 2
-    return _place(m, problem.ranks, {k: dualpipe_v_order(ranks, m.microbatches, k) for k in range(ranks)})
+    return place_orders(
+        m, problem.ranks, {k: dualpipe_v_order(ranks, m.microbatches, k) for k in range(ranks)}
+    )
 
 
 def dualpipe_v_unsupported(m: ModelSpec) -> str | None:

@@ -225,13 +225,18 @@ class PlanOptions:
         return (bool(self.split_backward),)
 
 
+def _form(schedule: Schedule) -> str:
+    """How a plan's note names the schedule's backward form."""
+    return "F/I/W (split backward)" if is_split(schedule) else "F/B"
+
+
 def _shortest(
     profiled: Problem, durations: DurationFn, candidates: list[Schedule]
 ) -> tuple[Schedule, float, str]:
     """The candidate with the shortest predicted makespan (the first on a tie), its makespan, and a note comparing
     F/B and F/I/W when both were planned."""
     spans = [simulate(profiled, c, durations).makespan for c in candidates]
-    forms = ["F/I/W (split backward)" if is_split(c) else "F/B" for c in candidates]
+    forms = [_form(c) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: spans[i])
     if len(candidates) == 1:
         return candidates[best], spans[best], forms[best]
@@ -256,8 +261,7 @@ class Planner(Protocol):
 # what pipeline=fused runs with one trained model (logged by the strategy, also the validation's auto-resolution)
 ACTOR_ONLY_RUN = (
     "the pipeline runs the Actor alone with 1F1B (or ZB-H1, split backward); inter-stage fusion (migration, early "
-    "Ref/reward inference) is "
-    "unchanged"
+    "Ref/reward inference) is unchanged"
 )
 ACTOR_ONLY_NOTE = (
     f"intra-stage fusion needs two models (Actor and Critic); with a critic-free algorithm {ACTOR_ONLY_RUN}"
@@ -328,7 +332,7 @@ def plan_fused(
 
     schedule = agree(search)
     predicted = simulate(profiled, schedule, durations).makespan
-    form = compared[0] if compared else "F/I/W (split backward)" if is_split(schedule) else "F/B"
+    form = compared[0] if compared else _form(schedule)
     note = (
         f"fused schedule from measured stage times ({microbatches} micro-batches), {form}: predicted "
         f"{predicted * 1e3:.1f} ms vs serial 1F1B {serial * 1e3:.1f} ms per mini-batch ({serial / predicted:.2f}x)"
