@@ -11,7 +11,7 @@ _EXTRAS: dict[str, tuple[str, str]] = {
     "flash_attn": ("gpu", "flash-attention kernels (model.attention_backend=flash)"),
     "transformer_engine": ("gpu", "Transformer Engine layers (model.attention_backend=te)"),
     "peft": ("lora", "LoRA adapters (model.lora.rank > 0)"),
-    "transformers": ("dev", "Hugging Face parity tests and interop utilities"),
+    "transformers": ("dev", "Hugging Face parity tests, interop utilities and agent tool schemas"),
 }
 
 

@@ -31,6 +31,8 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
+from rlhfuse._optional import require
+
 Message = dict[str, Any]
 Tool = Callable[..., Any]
 
@@ -96,14 +98,7 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
 def tool_schema(tool: Tool) -> dict[str, Any]:
     """The tool's JSON schema, as chat templates take it (`apply_chat_template(tools=[...])`), made by
     `transformers.utils.get_json_schema` from the function's type hints and Google-style docstring."""
-    try:
-        from transformers.utils import get_json_schema
-    except ImportError as err:
-        raise ImportError(
-            "the JSON schemas of agent tools are made by transformers.utils.get_json_schema, and transformers "
-            "is not installed: pip install transformers (or rlhfuse[dev])"
-        ) from err
-    return dict(get_json_schema(tool))
+    return dict(require("transformers.utils").get_json_schema(tool))
 
 
 def tool_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
