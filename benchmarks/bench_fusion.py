@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rlhfuse.generation.engine import EngineStats
+from rlhfuse.testing.processes import leave_after_success
 
 
 def _worker(
@@ -122,7 +123,7 @@ def _worker(
     )
     if backend == "vllm":
         pool.close()
-    dist.destroy_process_group()
+    leave_after_success()
 
 
 def _measured(

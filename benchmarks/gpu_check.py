@@ -473,9 +473,9 @@ def _report(out_dir: str, rank: int, run: Callable[[], Outcome]) -> None:
     except BaseException as err:  # reported to the parent, which decides the row
         result = {"error": describe(err), "trace": traceback.format_exc()[-3000:]}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from rlhfuse import distributed
+
+    distributed.exit_finished()
 
 
 RANK_PRELOAD = [

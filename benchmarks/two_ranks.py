@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhfuse.testing.processes import leave_after_success
+
 SHAPES = {
     "default": dict(
         hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32
@@ -41,6 +43,13 @@ def init_worker(rank: int, world: int, init: str) -> None:
     )
 
 
+def _ending(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    """`worker(rank, *args)`, then out past interpreter finalisation (`rlhfuse.testing.processes`): its race
+    with gloo's worker threads has aborted finished ranks on a loaded machine."""
+    worker(rank, *args)
+    leave_after_success()
+
+
 class WorkerDied(RuntimeError):
     """A worker of `run_two_ranks` exited with an error or a signal (the other was stopped)."""
 
@@ -55,8 +64,8 @@ def run_two_ranks(worker: Callable[..., None], shape: str, rounds: int, timeout_
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = mp.start_processes(
-            worker,
-            args=(2, os.path.join(tmp, "init"), shape, rounds, results),
+            _ending,
+            args=(worker, 2, os.path.join(tmp, "init"), shape, rounds, results),
             nprocs=2,
             join=False,
             start_method="spawn",

@@ -49,7 +49,9 @@ def _requests():
 def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
     import torch.distributed as dist
 
+    from rlhfuse.distributed import exit_finished
     from rlhfuse.generation.distributed import DistributedCoordinator, InstanceFailure, gather_finished
+    from rlhfuse.testing.processes import leave_after_success
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -86,9 +88,8 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
     except InstanceFailure as err:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(str(err))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        exit_finished()  # its peer died: no barrier to agree at
+    leave_after_success()
 
 
 def _launch(tmp_path, mechanisms, threshold, die_rank=-1, timeout=90):
@@ -173,6 +174,7 @@ def _fusion_worker(rank, port, out_dir):
 
     from rlhfuse.generation import CostProfile
     from rlhfuse.generation.fusion import fused_generate_infer
+    from rlhfuse.testing.processes import leave_after_success
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -210,9 +212,7 @@ def _fusion_worker(rank, port, out_dir):
     torch.save({"rollout": rollout, "moved": moved, "metrics": gen.generation_stats().metrics(),
                 "experience": experience, "timings": timings.metrics()},
                os.path.join(out_dir, f"generator-rank{rank}.pt"))  # fmt: skip
-    # every check passed: leave without gloo's teardown, which has aborted a finished rank on a loaded machine
-    dist.barrier()
-    os._exit(0)
+    leave_after_success()
 
 
 @pytest.mark.timeout(180)

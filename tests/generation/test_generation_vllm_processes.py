@@ -113,6 +113,8 @@ def _sync_and_finish(generator, actor, prompts, out: dict, out_dir: str) -> None
     import torch.distributed as dist
     from test_generation_vllm import _rows
 
+    from rlhfuse.testing.processes import leave_after_success
+
     torch.manual_seed(11)
     trained = copy.deepcopy(actor)
     with torch.no_grad():
@@ -123,8 +125,7 @@ def _sync_and_finish(generator, actor, prompts, out: dict, out_dir: str) -> None
     out["after"], out["trained"] = _rows(after), trained.state_dict()
     generator.close()
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    os._exit(0)  # past gloo's teardown, which has aborted a finished rank on a loaded machine
+    leave_after_success()
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:

@@ -49,6 +49,7 @@ from rlhfuse.planner.specs import ModelSpec
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
+from rlhfuse.testing.processes import finishing_rank
 from rlhfuse.trainer.build import cast_models, prepare_generation_copy
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.models import Models, ModelsConfig
@@ -400,11 +401,9 @@ def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
-    try:
+    with finishing_rank():
         built = [_fsdp_rank(default_config(**o), p, r) for o, p, r in FSDP_CASES]
         torch.save(built, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _after_inference(spec: ModelSpec, world: int, precision: str, reshard_after_forward: bool) -> float:

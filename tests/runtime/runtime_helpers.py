@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from rlhfuse.pipeline import Action, Problem, Schedule
 from rlhfuse.pipeline.simulate import all_actions, dependencies
 from rlhfuse.testing.data import random_batch as random_batch  # re-exported: the runtime tests import it here
+from rlhfuse.testing.processes import finishing_rank
 
 
 def random_schedule(problem: Problem, seed: int, *, split_backward: bool = False) -> Schedule:
@@ -54,26 +55,8 @@ def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: 
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
-    try:
+    with finishing_rank():
         fn(rank, world, *args)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_after_success()
-
-
-def leave_after_success() -> None:
-    """End a worker whose checks all passed: agree that every rank is done, then exit without running gloo's
-    destructors. On a loaded machine gloo's teardown at interpreter exit has now and then aborted a rank that had
-    passed everything ('terminate called without an active exception', SIGABRT), failing the test for nothing."""
-    import sys
-
-    import torch.distributed as dist
-
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> None:

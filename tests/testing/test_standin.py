@@ -141,12 +141,11 @@ def test_recording_counts_host_reads_and_record_stream() -> None:
 
 def _collectives_on_gloo(rank: int, init_file: str) -> None:
     import datetime
-    import os
-    import sys
 
     import torch.distributed as dist
 
     from rlhfuse import distributed
+    from rlhfuse.testing.processes import leave_after_success
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -171,11 +170,7 @@ def _collectives_on_gloo(rank: int, init_file: str) -> None:
         [1.0] * 2,
     ]
     assert received_B.tolist() == ([0.0, 0.0, 0.0] if rank == 0 else [0.0, 1.0, 2.0])
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(
-        0
-    )  # past the checks: no gloo teardown at exit (it has aborted passing ranks on a loaded machine)
+    leave_after_success()
 
 
 @pytest.mark.distributed

@@ -16,6 +16,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.processes import finishing_rank
 from rlhfuse.trainer import compose_config, validate
 
 # the reductions as algorithm.loss_agg names them
@@ -86,7 +87,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
     )
-    try:
+    with finishing_rank():
         result: dict[str, object] = {}
         for reduction in ("token", "sequence"):
             result[reduction] = _train(reduction, dist.group.WORLD)
@@ -104,8 +105,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             unchanged = all(torch.equal(p, q) for p, q in zip(actor.parameters(), before, strict=True))
             result["nonfinite"] = (str(err), unchanged)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed

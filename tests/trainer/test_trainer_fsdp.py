@@ -23,6 +23,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes
+from rlhfuse.testing.processes import finishing_rank
 from rlhfuse.trainer import compose_config, validate
 
 # the reductions as algorithm.loss_agg names them
@@ -160,7 +161,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
-    try:
+    with finishing_rank():
         result: dict[str, object] = {}
         for reduction in ("token", "sequence"):
             strategy, weights, stats, memory = _fsdp(reduction)
@@ -180,8 +181,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result["inference"] = _inference(sharded=True)
         result["buckets"] = _streamed_sync(strategy)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed

@@ -35,6 +35,7 @@ from rlhfuse.distributed.collectives import (
 )
 from rlhfuse.distributed.device import (
     backend,
+    exit_finished,
     global_rank,
     group_device,
     is_initialized,
@@ -69,6 +70,7 @@ __all__ = [
     "check_device",
     "copy_to_group",
     "cpu_group",
+    "exit_finished",
     "global_rank",
     "group_device",
     "irecv",

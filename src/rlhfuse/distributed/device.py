@@ -8,7 +8,7 @@ existing group's collectives need (gloo: CPU; NCCL: this rank's current CUDA dev
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -94,3 +94,21 @@ def shutdown(device: torch.device | None = None) -> None:
 
     barrier(device if device is not None else group_device())
     dist.destroy_process_group()
+
+
+def exit_finished() -> NoReturn:
+    """End a finished rank with status 0: the Python-level exit work (the `atexit` handlers: W&B finishing its
+    run, logging's flush) and the output flushed, then out without interpreter finalisation. What finalisation
+    has left once a rank's work is done is destroying c10d's worker threads, and that races it: a gloo worker
+    thread releasing a just-finished collective's tensors needs the GIL, finds the interpreter finalising, and
+    the unwinding thread aborts the process ('terminate called without an active exception', SIGABRT; seen in
+    two-process generation and vLLM runs on a loaded machine; pytorch/pytorch#179291)."""
+    import atexit
+    import logging
+    import sys
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -18,7 +18,6 @@ and only rank 0 keeps a log file.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
@@ -28,7 +27,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -196,7 +195,9 @@ def run(cfg: DictConfig) -> None:
             f"{config.run_dir}/metrics.jsonl"
         )
     if several:
-        _exit_finished()
+        from rlhfuse import distributed
+
+        distributed.exit_finished()
 
 
 # What Hydra writes into a run folder before the job starts; a folder holding nothing else was never used.
@@ -257,21 +258,6 @@ def _shutdown_process_group() -> bool:
     _disarm()  # peers now exit on their own; the barrier below is bounded by distributed.timeout_s
     distributed.shutdown()
     return True
-
-
-def _exit_finished() -> NoReturn:
-    """A finished multi-process rank exits with status 0 once the Python-level exit work is done (the `atexit`
-    handlers: W&B finishing its run, logging's flush) and its output is flushed, skipping interpreter
-    finalisation. The run's files are written (metrics, checkpoints, export, loggers finalised in `fit`) and the
-    process group is torn down, so what finalisation has left is destroying the C++ worker threads of gloo and
-    vLLM, which can abort a finished process ('terminate called without an active exception', seen about once in
-    15 two-process vLLM runs: the teardown race of c10d's threads with interpreter finalisation,
-    pytorch/pytorch#179291)."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _disarm() -> None:
