@@ -113,8 +113,6 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
                 "schedule": str(fused.schedule),
             }
         )
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _reduce_worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: Any) -> None:
@@ -165,8 +163,6 @@ def _reduce_worker(rank: int, world: int, init: str, shape: str, rounds: int, qu
         largest = max(b.numel for b in reducer.buckets) * params[0].element_size()
         queue.put({"times": times, "grad_bytes": grad_bytes, "largest_bucket": largest,
                    "buckets": len(reducer.buckets)})  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def measure_reduction(shape: str, rounds: int) -> dict[str, float]:

@@ -104,8 +104,6 @@ def _worker(rank: int, world: int, init: str, shape: str, rounds: int, queue: An
             times[kind].append(timed(kind))
     if rank == 0:
         queue.put({k: statistics.median(v) for k, v in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def measure(shape: str, rounds: int) -> dict[str, float]:

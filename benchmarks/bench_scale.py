@@ -237,8 +237,6 @@ def _step_worker(rank: int, world: int, init: str, shape: str, rounds: int, queu
                 times[name].append(time.perf_counter() - start)
     if rank == 0:
         queue.put({n: statistics.median(v) for n, v in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_runtime_step(quick: bool) -> dict[str, dict[str, float]]:

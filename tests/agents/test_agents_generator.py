@@ -18,6 +18,7 @@ from test_agents_tokens import TEMPLATE, byte_tokenizer
 from rlhfuse.agents.generator import AgentGenerator
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.sampling_config import SamplingConfig
+from rlhfuse.core.stats import episode_metrics
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.data.prompts import Prompt
 
@@ -146,6 +147,17 @@ def test_tools_and_their_failures_are_observations_and_only_the_models_tokens_ar
     assert (
         model.seen[3].input_ids_BP[0][model.seen[3].attention_mask_BP[0].bool()].tolist()
         == whole[: len(whole) - len(runs[-1])]
+    )
+    # what each episode did: 4 turns, 4 tool calls of which 3 errors, at least the stuck tool's timeout waited
+    turns, calls, errors, seconds = rollout.episodes_BE.T
+    assert turns.tolist() == [4, 4] and calls.tolist() == [4, 4] and errors.tolist() == [3, 3]
+    assert (seconds >= 0.5).all()
+    metrics = episode_metrics(rollout)
+    model_tokens = rollout.trainable_mask_BR.sum(dim=1).float().mean()
+    assert metrics["agent/turns_mean"] == 4 and metrics["agent/tool_errors"] == 3
+    assert metrics["agent/model_tokens"] == float(model_tokens)
+    assert metrics["agent/env_tokens"] == float(
+        rollout.response_mask_BR.sum(dim=1).float().mean() - model_tokens
     )
 
 

@@ -127,5 +127,23 @@ def test_the_same_environment_passed_from_python_and_bad_input_in_one_line(
                 compose_config(_overrides(env_dir, chat_checkpoint.path, hf_local_grpo, f"agent.env={env}"))
             )
         assert "agent.env" in str(err.value)
-    with pytest.raises(ValueError, match=r"agent.env.*one process"):
-        validate(compose_config(["agent.env=my_env:Env", "generator.instances=2", "generator=engine"]))
+    with pytest.raises(ValueError, match=r"agent.env with async.max_staleness=1"):
+        validate(compose_config(["agent.env=my_env:Env", "async.max_staleness=1"]))
+
+
+def test_episodes_over_two_processes_from_the_command_line(
+    env_dir, chat_checkpoint_of, hf_local_grpo, train_cli
+) -> None:
+    # one generation instance per process: rank 0 runs the environments and shares each turn's answers
+    torch.manual_seed(0)
+    chat_checkpoint = chat_checkpoint_of("llama")
+    overrides = _overrides(
+        env_dir, chat_checkpoint.path, hf_local_grpo, "agent.env=my_env:Env", "distributed.nproc_per_node=2",
+        "generator=engine", "generator.instances=2",
+    )  # fmt: skip
+    rows = train_cli(env_dir / "two", *overrides, timeout=300)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    for row in rows:
+        assert torch.isfinite(torch.tensor(row["loss/policy"]))
+        assert 1 <= row["agent/turns_mean"] <= row["agent/turns_p99"] <= 3
+        assert row["agent/model_tokens"] > 0 and row["agent/env_tokens"] >= 0 and row["agent/tool_calls"] == 0

@@ -1,7 +1,7 @@
 """Multi-turn agent episodes, the bottom layer (docs/agents.md): an `Environment` (reset / step in chat
 messages), tools as plain functions run by a `ToolRunner`, `run_episode` (a pure loop around a `respond`
 function) and `episode_tokens` (the conversation's ids with the mask of the tokens the model wrote). Imports only
-`rlhfuse.core` and `rlhfuse.data`; not wired into the generators and the trainer yet.
+`rlhfuse.core`, `rlhfuse.data` and `rlhfuse.distributed`; `agent.env` wires it into a run (docs/agents.md).
 """
 
 from typing import TYPE_CHECKING
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         load_environment,
     )
     from rlhfuse.agents.episode import Episode, run_episode
+    from rlhfuse.agents.games import GuessingGame
     from rlhfuse.agents.tokens import episode_tokens
     from rlhfuse.agents.tools import (
         ToolCall,
@@ -41,6 +42,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "load_environment",
     ),
     "rlhfuse.agents.episode": ("Episode", "run_episode"),
+    "rlhfuse.agents.games": ("GuessingGame",),
     "rlhfuse.agents.tokens": ("episode_tokens",),
     "rlhfuse.agents.tools": (
         "ToolCall",
@@ -61,6 +63,7 @@ __all__ = [
     "AgentEnvError",
     "Environment",
     "Episode",
+    "GuessingGame",
     "ToolCall",
     "ToolCallError",
     "ToolRunner",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Protocol
 
+from rlhfuse.agents.games import GuessingGame
 from rlhfuse.agents.tools import Tool, schema_problems, tool_problems
 from rlhfuse.core.registry import Registry
 
@@ -37,8 +38,8 @@ class AgentEnvError(ValueError):
     episode; the message names `agent.env` and the fix."""
 
 
-# Named environments (none ship yet); `agent.env` also takes 'package.module:Class'.
-ENVIRONMENTS: Registry[type] = Registry("environment", ENV_KEY)
+# Named environments (`rlhfuse.agents.games`); `agent.env` also takes 'package.module:Class'.
+ENVIRONMENTS: Registry[type] = Registry("environment", ENV_KEY, {"guess": GuessingGame})
 
 
 def describe(choice: str | type) -> str:

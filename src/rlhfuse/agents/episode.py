@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from rlhfuse.agents.environment import ENV_KEY, AgentEnvError, Environment
@@ -49,6 +50,8 @@ class Episode:
     tool_calls: int
     tool_errors: int
     ended: EndReason
+    tool_seconds: float = field(default=0.0, compare=False)
+    """Seconds its tool calls ran (each assistant message's calls run together: the time until all answered)."""
 
     @property
     def total_reward(self) -> float:
@@ -84,6 +87,7 @@ class EpisodeRun:
         self.trainable = [False] * len(self.messages)
         self.rewards: list[float] = []
         self.tool_calls = self.tool_errors = 0
+        self.tool_seconds = 0.0
         self.ended: EndReason | None = None
 
     def answer(self, text: str) -> list[Message] | None:
@@ -103,7 +107,9 @@ class EpisodeRun:
             if last:
                 self.ended = "max_turns"
                 return None
+            start = time.perf_counter()
             turn = self.tools_runner.run_turn(message)
+            self.tool_seconds += time.perf_counter() - start
             self.tool_calls += turn.calls
             self.tool_errors += turn.errors
             return self._add(turn.messages)
@@ -133,7 +139,7 @@ class EpisodeRun:
         assert self.ended is not None, "the episode has not ended"
         return Episode(
             self.messages, self.trainable, self.rewards, len(self.rewards), self.tool_calls, self.tool_errors,
-            self.ended,
+            self.ended, self.tool_seconds,
         )  # fmt: skip
 
 

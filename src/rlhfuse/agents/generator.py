@@ -28,21 +28,22 @@ Legend: B episodes (prompts x samples per prompt), P prompt tokens, R response t
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlhfuse.agents.environment import ENV_KEY, environment_tools, load_environment
+from rlhfuse import distributed
+from rlhfuse.agents.environment import ENV_KEY, AgentEnvError, environment_tools, load_environment
 from rlhfuse.agents.episode import EpisodeRun
 from rlhfuse.agents.tokens import answer_tokens, chat_encoder
-from rlhfuse.agents.tools import Message, ToolRunner, tool_schemas
+from rlhfuse.agents.tools import ToolRunner, tool_schemas
 from rlhfuse.core.protocols import Generator
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.sampling_config import SamplingConfig
 from rlhfuse.core.stats import GenerationStats
-from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.core.types import EPISODE_COLUMNS, PromptBatch, Rollout
 from rlhfuse.data.collate import left_padded
 from rlhfuse.data.prompts import Prompt
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
@@ -106,61 +107,65 @@ class AgentGenerator:
     def generate(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
     ) -> Iterator[Rollout]:
-        """One episode per prompt and sample, played to its end; yields them as one Rollout."""
+        """One episode per prompt and sample, played to its end; yields them as one Rollout (the same on every
+        rank: the episodes run on rank 0, which shares each turn's answers)."""
         config = self.sampling if sampling is None else sampling.config
         per_prompt = self.samples_per_prompt if sampling is None else sampling.samples_per_prompt
         one = Sampling(config, 1)  # each episode's turn is its own prompt
         keys = [(int(p), k) for p in prompts.prompt_ids_B.tolist() for k in range(per_prompt)]
-        runs, schemas = [], []
-        for prompt_id, _ in keys:
-            env = self.environment()
-            tools = environment_tools(env)
-            runner = ToolRunner(tools, timeout_s=self.tool_timeout_s) if tools else None
-            prompt = self.prompts[prompt_id]
-            runs.append(
-                EpisodeRun(env, prompt.fields, prompt.messages, max_turns=self.max_turns, tools_runner=runner)
-            )
-            schemas.append(tool_schemas(tools) if tools else None)
-        opened = [self._encode(run.messages, schemas[i], prompt=True) for i, run in enumerate(runs)]
-        response: list[list[int]] = [[] for _ in runs]
-        trainable: list[list[int]] = [[] for _ in runs]
-        logprobs: list[list[float]] = [[] for _ in runs]
-        finished = [False] * len(runs)
-        active = list(range(len(runs)))
+        episodes = _Episodes(self, keys) if distributed.rank() == 0 else None
+        opened: list[list[int]] = self._shared(lambda: episodes.opened())  # type: ignore[union-attr]
+        response: list[list[int]] = [[] for _ in keys]
+        trainable: list[list[int]] = [[] for _ in keys]
+        logprobs: list[list[float]] = [[] for _ in keys]
+        finished = [False] * len(keys)
+        active = list(range(len(keys)))
         for turn in range(self.max_turns):
             if not active:
                 break
             sampled = self._turn(
                 active, keys, [opened[i] + response[i] for i in active], turn, iteration, one
             )
-            texts = {i: self.tokenizer.decode(sampled[i][0]) for i in active}
-            jobs = [(runs[i], texts[i], sampled[i][2]) for i in active]
-            # the episodes answer at once: their tools run concurrently
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(active)) as pool:
-                answers = dict(zip(active, pool.map(lambda job: self._answer(*job), jobs), strict=True))
+            answers: list[list[int] | None] = self._shared(
+                lambda: episodes.answer(active, sampled)  # type: ignore[union-attr]  # noqa: B023
+            )
             still = []
-            for i in active:
+            for i, answer in zip(active, answers, strict=True):
                 ids, lps, done_turn = sampled[i]
                 response[i] += ids
                 trainable[i] += [1] * len(ids)
                 logprobs[i] += lps
                 finished[i] = done_turn
-                answer = answers[i]
                 if answer is None:
                     continue
-                tokens = answer_tokens(self.chat, runs[i].messages, len(answer), schemas[i] or [])
-                response[i] += tokens
-                trainable[i] += [0] * len(tokens)
-                logprobs[i] += [0.0] * len(tokens)
+                response[i] += answer
+                trainable[i] += [0] * len(answer)
+                logprobs[i] += [0.0] * len(answer)
                 still.append(i)
             active = still
-        yield self._rollout(keys, runs, opened, response, trainable, logprobs, finished)
+        summary: dict[str, list[Any]] = self._shared(lambda: episodes.summary())  # type: ignore[union-attr]
+        yield self._rollout(keys, summary, opened, response, trainable, logprobs, finished)
 
-    def _answer(self, run: EpisodeRun, text: str, finished: bool) -> list[Message] | None:
-        if not finished:
-            run.cut(text)
-            return None
-        return run.answer(text)
+    @staticmethod
+    def _shared(compute: Callable[[], Any]) -> Any:
+        """`compute()` on rank 0, its JSON value on every rank: the environments and the tools run once, where the
+        episodes live, and every rank continues the same conversations (each turn's generate call is collective).
+        An environment's error on rank 0 is raised on every rank."""
+        if distributed.world_size() == 1:
+            return compute()
+        value: dict[str, Any] | None = None
+        failure: AgentEnvError | None = None
+        if distributed.rank() == 0:
+            try:
+                value = {"value": compute()}
+            except AgentEnvError as err:
+                failure, value = err, {"error": str(err)}
+        shared = distributed.broadcast_json(value, 0, torch.device("cpu"), group=distributed.cpu_group())
+        if failure is not None:
+            raise failure
+        if "error" in shared:
+            raise AgentEnvError(f"on rank 0: {shared['error']}")
+        return shared["value"]
 
     def _turn(
         self,
@@ -193,15 +198,10 @@ class AgentGenerator:
                 )
         return out
 
-    def _encode(
-        self, messages: Sequence[Message], schemas: list[dict[str, Any]] | None, *, prompt: bool
-    ) -> list[int]:
-        return self.chat.encode(messages, tools=schemas or [], add_generation_prompt=prompt)
-
     def _rollout(
         self,
         keys: list[tuple[int, int]],
-        runs: list[EpisodeRun],
+        summary: dict[str, list[Any]],
         opened: list[list[int]],
         response: list[list[int]],
         trainable: list[list[int]],
@@ -210,7 +210,7 @@ class AgentGenerator:
     ) -> Rollout:
         pad = self.tokenizer.pad_id
         prompt = left_padded(opened, [k[0] for k in keys], pad)
-        b, width_r = len(runs), max(max(map(len, response)), 1)
+        b, width_r = len(keys), max(max(map(len, response)), 1)
         ids, mask = torch.full((b, width_r), pad), torch.zeros(b, width_r, dtype=torch.long)
         train, lps = torch.zeros(b, width_r, dtype=torch.long), torch.zeros(b, width_r)
         for i in range(b):
@@ -228,5 +228,65 @@ class AgentGenerator:
             finished_B=torch.tensor(finished),
             sampler_logprobs_BR=lps,
             trainable_mask_BR=train,
-            env_reward_B=torch.tensor([run.episode().total_reward for run in runs], dtype=torch.float32),
+            env_reward_B=torch.tensor(summary["rewards"], dtype=torch.float32),
+            episodes_BE=torch.tensor(summary["columns"], dtype=torch.float32).reshape(
+                b, len(EPISODE_COLUMNS)
+            ),
         )
+
+
+class _Episodes:
+    """The episodes of one `generate` call, on the rank they run on: their environments, tools and conversations.
+    Each method returns JSON values (what `AgentGenerator._shared` sends the other ranks)."""
+
+    def __init__(self, agent: AgentGenerator, keys: list[tuple[int, int]]) -> None:
+        self.agent = agent
+        self.runs: list[EpisodeRun] = []
+        self.schemas: list[list[dict[str, Any]]] = []
+        for prompt_id, _ in keys:
+            env = agent.environment()
+            tools = environment_tools(env)
+            runner = ToolRunner(tools, timeout_s=agent.tool_timeout_s) if tools else None
+            prompt = agent.prompts[prompt_id]
+            self.runs.append(
+                EpisodeRun(
+                    env, prompt.fields, prompt.messages, max_turns=agent.max_turns, tools_runner=runner
+                )
+            )
+            self.schemas.append(tool_schemas(tools) if tools else [])
+
+    def opened(self) -> list[list[int]]:
+        """Each episode's prompt: the conversation so far with the generation prompt, the tools' schemas given."""
+        return [
+            self.agent.chat.encode(run.messages, tools=schemas, add_generation_prompt=True)
+            for run, schemas in zip(self.runs, self.schemas, strict=True)
+        ]
+
+    def answer(
+        self, active: list[int], sampled: Mapping[int, tuple[list[int], list[float], bool]]
+    ) -> list[list[int] | None]:
+        """Each active episode's answer to its new message (`sampled[i]`: its ids, log-probs, whether it ended with
+        its end token), in `active`'s order: the answer's tokens, or None when the episode ended. The episodes
+        answer at once (their tools run concurrently)."""
+
+        def one(i: int) -> list[int] | None:
+            ids, _, ended_with_stop = sampled[i]
+            run, text = self.runs[i], self.agent.tokenizer.decode(ids)
+            if not ended_with_stop:
+                run.cut(text)
+                return None
+            answer = run.answer(text)
+            if answer is None:
+                return None
+            return answer_tokens(self.agent.chat, run.messages, len(answer), self.schemas[i])
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(active)) as pool:
+            return list(pool.map(one, active))
+
+    def summary(self) -> dict[str, list[Any]]:
+        """Each episode's reward (the sum of its turns') and its `EPISODE_COLUMNS`."""
+        done = [run.episode() for run in self.runs]
+        return {
+            "rewards": [e.total_reward for e in done],
+            "columns": [[e.turns, e.tool_calls, e.tool_errors, e.tool_seconds] for e in done],
+        }

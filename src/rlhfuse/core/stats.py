@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
+from rlhfuse.core.types import EPISODE_COLUMNS
+
 if TYPE_CHECKING:
-    from rlhfuse.core.types import Experience
+    from rlhfuse.core.types import Experience, Rollout
 
 S = TypeVar("S", bound=tuple[Any, ...])
 
@@ -278,6 +280,29 @@ def sampler_mismatch(experience: Experience) -> dict[str, float]:
         (d_N.abs().mean(), d_N.abs().max(), (torch.expm1(-d_N) + d_N).mean())
     ).tolist()
     return {"rollout/logprob_abs_diff": mean, "rollout/logprob_abs_diff_max": most, "rollout/mismatch_kl": kl}
+
+
+def episode_metrics(rollout: Rollout) -> dict[str, float]:
+    """What a rollout's multi-turn episodes did (`Rollout.episodes_BE`, `rlhfuse.agents`), per episode:
+    `agent/turns_mean` and `agent/turns_p99` (assistant turns), `agent/tool_calls` and `agent/tool_errors` (tool
+    calls answered, and those answered with an error; mean), `agent/tool_seconds` (seconds its tool calls ran,
+    mean), `agent/model_tokens` and `agent/env_tokens` (the trajectory's response tokens the model sampled, and
+    those the environment and its tools wrote; mean). Empty without episodes. One host read."""
+    if rollout.episodes_BE is None:
+        return {}
+    model_B = rollout.loss_mask_BR.sum(dim=1)
+    env_B = rollout.response_mask_BR.sum(dim=1) - model_B
+    table_BE = torch.cat(
+        (rollout.episodes_BE.double().cpu(), torch.stack((model_B, env_B), dim=1).double().cpu()), dim=1
+    )
+    column = dict(zip((*EPISODE_COLUMNS, "model_tokens", "env_tokens"), table_BE.unbind(dim=1), strict=True))
+    means = {f"agent/{name}": float(values.mean()) for name, values in column.items() if name != "turns"}
+    turns_B = column["turns"]
+    return {
+        "agent/turns_mean": float(turns_B.mean()),
+        "agent/turns_p99": float(torch.quantile(turns_B, 0.99)),
+        **means,
+    }
 
 
 def staleness(experience: Experience, trained_version: int, bound: int) -> dict[str, float]:

@@ -101,6 +101,10 @@ class PromptBatch:
         )
 
 
+EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "tool_seconds")
+"""The columns of `Rollout.episodes_BE`, in order."""
+
+
 @dataclass
 class Rollout:
     """Generated samples (each row one response to one prompt).
@@ -121,6 +125,8 @@ class Rollout:
     every response token is the model's.
     env_reward_B: float [B], the reward an environment gave each sample's episode (the sum of its turns'), added
     to what the inferencer scores; None: no environment.
+    episodes_BE: float32 [B, E], what each sample's episode did, one column per name of `EPISODE_COLUMNS` (assistant
+    turns, tool calls, tool calls answered with an error, seconds its tool calls ran); None: no environment.
     """
 
     prompt_ids_BP: Tensor
@@ -134,6 +140,7 @@ class Rollout:
     versions_BR: Tensor | None = None
     trainable_mask_BR: Tensor | None = None
     env_reward_B: Tensor | None = None
+    episodes_BE: Tensor | None = None
 
     @property
     def loss_mask_BR(self) -> Tensor:
@@ -202,15 +209,21 @@ class Rollout:
             sampler_logprobs_BR=_cat_optional([r.sampler_logprobs_BR for r in rollouts]),
             versions_BR=_cat_optional([r.versions_BR for r in rollouts]),
             trainable_mask_BR=_cat_optional([r.trainable_mask_BR for r in rollouts]),
-            env_reward_B=None
-            if any(r.env_reward_B is None for r in rollouts)
-            else torch.cat([r.env_reward_B for r in rollouts]),  # type: ignore[misc]
+            env_reward_B=_cat_rows([r.env_reward_B for r in rollouts]),
+            episodes_BE=_cat_rows([r.episodes_BE for r in rollouts]),
         )
 
     def with_version(self, version: int) -> Rollout:
         """This rollout with every response token marked as sampled by Actor version `version`."""
         mask_BR = self.loss_mask_BR.long()
         return dataclasses.replace(self, versions_BR=mask_BR * version)
+
+
+def _cat_rows(tensors: list[Tensor | None]) -> Tensor | None:
+    """Per-row tensors ([B] or [B, E]) of a field some rollouts may lack, stacked (None when any lacks it)."""
+    if any(t is None for t in tensors):
+        return None
+    return torch.cat(tensors)  # type: ignore[arg-type]
 
 
 def _cat_optional(tensors: list[Tensor | None]) -> Tensor | None:

@@ -38,7 +38,7 @@ from rlhfuse.core.checkpoint import (
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, RolloutStage, Strategy
 from rlhfuse.core.rewards import NonFiniteRewardError
-from rlhfuse.core.stats import TrainStats, mean_stats, sampler_mismatch, staleness
+from rlhfuse.core.stats import TrainStats, episode_metrics, mean_stats, sampler_mismatch, staleness
 from rlhfuse.core.types import Experience, TrainBatch
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.feed import PromptFeed
@@ -467,6 +467,7 @@ class RLHFTrainer:
             "response_length/max": float(lengths_B.max()),
             "response_length/clipped_fraction": float((~rollout.finished_B).float().mean()),
             **sampler_mismatch(experience),
+            **episode_metrics(rollout),
             **timings,
             "throughput/samples_per_s": len(rollout) / seconds,
             "throughput/tokens_per_s": tokens / seconds,

@@ -133,7 +133,7 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
     if cfg.asynchronous.enabled:
         problems += async_problems(cfg, layout)
     if cfg.agent.env is not None:
-        problems += agent_problems(cfg, layout)
+        problems += agent_problems(cfg)
     # resolved configs only (`resolve_components`: inferencer=models stays under a pipeline strategy only when each
     # rank is one generation instance inferring its own samples)
     over_stages = cfg.inferencer.name in INFERENCERS and inferencer_entry(cfg.inferencer.name).over_stages
@@ -189,9 +189,9 @@ def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
     return problems
 
 
-def agent_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
+def agent_problems(cfg: RLHFConfig) -> list[str]:
     """agent.env: the environment class loads (one line naming agent.env otherwise), and the episodes run where
-    the agent loop is built: one process, synchronous."""
+    the agent loop is built: synchronously (any number of processes: rank 0 runs the environments)."""
     from rlhfuse.agents.environment import AgentEnvError, load_environment
 
     problems: list[str] = []
@@ -199,13 +199,6 @@ def agent_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
         load_environment(cfg.agent.env)  # type: ignore[arg-type]
     except (AgentEnvError, KeyError) as err:
         problems.append(str(err).strip("'\""))
-    need(
-        problems,
-        layout.world == 1,
-        f"agent.env={cfg.agent.env!r} runs its episodes in one process, but this layout has {layout.world}: set "
-        "generator.instances=1 and distributed.nproc_per_node=1 (multi-turn episodes over several processes are "
-        "not built yet)",
-    )
     need(
         problems,
         not cfg.asynchronous.enabled,
