@@ -149,9 +149,9 @@ def test_tools_and_their_failures_are_observations_and_only_the_models_tokens_ar
         == whole[: len(whole) - len(runs[-1])]
     )
     # what each episode did: 4 turns, 4 tool calls of which 3 errors, at least the stuck tool's timeout waited
-    turns, calls, errors, seconds = rollout.episodes_BE.T
+    turns, calls, errors, seconds, truncated = rollout.episodes_BE.T
     assert turns.tolist() == [4, 4] and calls.tolist() == [4, 4] and errors.tolist() == [3, 3]
-    assert (seconds >= 0.5).all()
+    assert (seconds >= 0.5).all() and not truncated.any()
     metrics = episode_metrics(rollout)
     model_tokens = rollout.trainable_mask_BR.sum(dim=1).float().mean()
     assert metrics["agent/turns_mean"] == 4 and metrics["agent/tool_errors"] == 3
@@ -180,3 +180,35 @@ def test_a_held_out_call_samples_its_own_count_and_a_cut_message_ends_the_episod
     (rollout,) = list(agent.generate(batch, iteration=1, sampling=Sampling(SamplingConfig(), 3)))
     assert len(rollout) == 3 and model.turn == 1  # cut at the token limit: no answer, no second turn
     assert not rollout.finished_B.any() and rollout.env_reward_B.tolist() == [0.0] * 3
+
+
+def test_an_episode_whose_next_turn_could_pass_the_token_bound_ends_truncated() -> None:
+    tok = byte_tokenizer(TEMPLATE)
+    prompt = [{"role": "user", "content": "What is 7 + 5?"}]
+    text = tok.render_chat(prompt)
+    prompts = {0: Prompt(0, text, tuple(tok.encode(text, add_bos=False)), {"answer": "12"}, tuple(prompt))}
+    batch = PromptBatch(
+        torch.tensor([prompts[0].token_ids]), torch.ones(1, len(text), dtype=torch.long), torch.tensor([0])
+    )
+    sampling = SamplingConfig(max_new_tokens=8)
+
+    def played(bound: int) -> Rollout:
+        agent = AgentGenerator(
+            Scripted(tok, ["11", "10", "12"]), Calculator, tok, prompts, sampling=sampling, samples_per_prompt=1,
+            max_response_tokens=bound,
+        )  # fmt: skip
+        (rollout,) = agent.generate(batch, iteration=1)
+        return rollout
+
+    whole = played(0)
+    assert whole.episodes_BE[0, 0] == 3 and whole.env_reward_B.tolist() == [1.0]
+    row = whole.trainable_mask_BR[0][whole.response_mask_BR[0].bool()].tolist()
+    first_turn, first_answer = row.index(0), row.index(1, row.index(0)) - row.index(0)
+    # room for the first turn, its answer and a whole next turn, less one token: it ends after the first turn
+    cut = played(first_turn + first_answer + sampling.max_new_tokens - 1)
+    assert cut.episodes_BE[0].tolist()[0] == 1 and cut.episodes_BE[0, -1] == 1.0
+    assert int(cut.response_mask_BR.sum()) == first_turn and episode_metrics(cut)["agent/truncated"] == 1.0
+    assert cut.finished_B.tolist() == [True] and cut.env_reward_B.tolist() == [0.0]
+    exact = played(first_turn + first_answer + sampling.max_new_tokens)
+    assert exact.episodes_BE[0, 0] == 2 and exact.episodes_BE[0, -1] == 1.0  # room for one more turn only
+    assert int(exact.response_mask_BR.sum()) <= first_turn + first_answer + sampling.max_new_tokens

@@ -1,4 +1,5 @@
-"""`agent.*`: multi-turn episodes (`rlhfuse.agents`): the environment, the turn limit and the tools' time limit.
+"""`agent.*`: multi-turn episodes (`rlhfuse.agents`): the environment, the turn limit, the tools' time limit and the
+bound on a trajectory's tokens.
 No torch, so that the command line composes the configuration without it. The root config's `agent` section
 (`RLHFConfig.agent`; docs/agents.md)."""
 
@@ -22,6 +23,10 @@ class AgentConfig:
     # Seconds each message's tool calls may run (they run concurrently); a call still running then is answered
     # with an error and its thread abandoned (Python cannot stop a thread: rlhfuse.agents.tools).
     tool_timeout_s: float = 10.0
+    # The most tokens a trajectory's response may hold (every turn's sampled tokens and the messages answering
+    # them): an episode whose next turn could pass it ends before that turn ("context"; agent/truncated). 0 = no
+    # bound but the turns'.
+    max_response_tokens: int = 0
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -43,5 +48,10 @@ class AgentConfig:
             problems,
             self.tool_timeout_s > 0 and math.isfinite(self.tool_timeout_s),
             f"agent.tool_timeout_s={self.tool_timeout_s} must be a finite number of seconds > 0",
+        )
+        need(
+            problems,
+            isinstance(self.max_response_tokens, int) and self.max_response_tokens >= 0,
+            f"agent.max_response_tokens={self.max_response_tokens} must be an integer >= 0 (0 = no bound)",
         )
         return problems

@@ -23,7 +23,7 @@ from rlhfuse.agents.tools import Message, ToolRunner, parse_tool_calls
 Respond = Callable[[list[Message]], str]
 """The model: the conversation so far -> the assistant's next message text."""
 
-EndReason = Literal["done", "max_turns", "length"]
+EndReason = Literal["done", "max_turns", "length", "context"]
 """Why an episode ended: the environment said done, the turn limit, or a message cut at the token limit."""
 OpeningRole = Literal["system", "user", "tool"]
 """Who may speak in the messages `env.reset` opens an episode with."""
@@ -40,7 +40,8 @@ class Episode:
     only: prompt, environment and tool messages carry no loss and no KL); rewards[t]: assistant turn t's reward
     (the environment's for an answered turn, 0.0 for a tool turn), so len(rewards) == turns; tool_calls /
     tool_errors: `<tool_call>` blocks answered, and those answered with an error; ended: "done" (the
-    environment said so), "max_turns", or "length" (the last message cut at the generator's token limit).
+    environment said so), "max_turns", "length" (the last message cut at the generator's token limit) or
+    "context" (the next turn could have passed the trajectory's token bound, `EpisodeRun.truncate`).
     """
 
     messages: list[Message]
@@ -129,6 +130,12 @@ class EpisodeRun:
         self.trainable.append(True)
         self.rewards.append(0.0)
         self.ended = "length"
+
+    def truncate(self) -> None:
+        """End the episode before its next turn: the conversation would pass the trajectory's token bound
+        (`agent.max_response_tokens`). The last answer is kept in `messages` (the environment gave it) but the
+        model never reads it."""
+        self.ended = "context"
 
     def _add(self, reply: list[Message]) -> list[Message]:
         self.messages += reply

@@ -73,11 +73,13 @@ class AgentGenerator:
         samples_per_prompt: int,
         max_turns: int = 4,
         tool_timeout_s: float = 10.0,
+        max_response_tokens: int = 0,
     ) -> None:
         self.inner, self.tokenizer, self.prompts = inner, tokenizer, prompts
         self.environment = load_environment(environment)
         self.sampling, self.samples_per_prompt = sampling, samples_per_prompt
         self.max_turns, self.tool_timeout_s = max_turns, tool_timeout_s
+        self.max_response_tokens = max_response_tokens
         missing = [p.id for p in prompts.values() if not p.messages][:3]
         if missing:
             raise ChatTemplateError(
@@ -126,8 +128,9 @@ class AgentGenerator:
             sampled = self._turn(
                 active, keys, [opened[i] + response[i] for i in active], turn, iteration, one
             )
+            room = [self._room(len(response[i]) + len(sampled[i][0]), config.max_new_tokens) for i in active]
             answers: list[list[int] | None] = self._shared(
-                lambda: episodes.answer(active, sampled)  # type: ignore[union-attr]  # noqa: B023
+                lambda: episodes.answer(active, sampled, room)  # type: ignore[union-attr]  # noqa: B023
             )
             still = []
             for i, answer in zip(active, answers, strict=True):
@@ -145,6 +148,13 @@ class AgentGenerator:
             active = still
         summary: dict[str, list[Any]] = self._shared(lambda: episodes.summary())  # type: ignore[union-attr]
         yield self._rollout(keys, summary, opened, response, trainable, logprobs, finished)
+
+    def _room(self, length: int, max_new_tokens: int) -> int | None:
+        """How many answer tokens a trajectory whose response holds `length` tokens may take and still have room for
+        a whole next turn under `max_response_tokens` (None: no bound)."""
+        if not self.max_response_tokens:
+            return None
+        return self.max_response_tokens - length - max_new_tokens
 
     @staticmethod
     def _shared(compute: Callable[[], Any]) -> Any:
@@ -263,11 +273,16 @@ class _Episodes:
         ]
 
     def answer(
-        self, active: list[int], sampled: Mapping[int, tuple[list[int], list[float], bool]]
+        self,
+        active: list[int],
+        sampled: Mapping[int, tuple[list[int], list[float], bool]],
+        room: list[int | None],
     ) -> list[list[int] | None]:
         """Each active episode's answer to its new message (`sampled[i]`: its ids, log-probs, whether it ended with
-        its end token), in `active`'s order: the answer's tokens, or None when the episode ended. The episodes
-        answer at once (their tools run concurrently)."""
+        its end token), in `active`'s order: the answer's tokens, or None when the episode ended (an answer longer
+        than its `room` ends it, truncated: `AgentGenerator._room`). The episodes answer at once (their tools run
+        concurrently)."""
+        rooms = dict(zip(active, room, strict=True))
 
         def one(i: int) -> list[int] | None:
             ids, _, ended_with_stop = sampled[i]
@@ -278,7 +293,12 @@ class _Episodes:
             answer = run.answer(text)
             if answer is None:
                 return None
-            return answer_tokens(self.agent.chat, run.messages, len(answer), self.schemas[i])
+            tokens = answer_tokens(self.agent.chat, run.messages, len(answer), self.schemas[i])
+            limit = rooms[i]
+            if limit is not None and len(tokens) > limit:
+                run.truncate()
+                return None
+            return tokens
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(active)) as pool:
             return list(pool.map(one, active))
@@ -288,5 +308,8 @@ class _Episodes:
         done = [run.episode() for run in self.runs]
         return {
             "rewards": [e.total_reward for e in done],
-            "columns": [[e.turns, e.tool_calls, e.tool_errors, e.tool_seconds] for e in done],
+            "columns": [
+                [e.turns, e.tool_calls, e.tool_errors, e.tool_seconds, float(e.ended == "context")]
+                for e in done
+            ],
         }

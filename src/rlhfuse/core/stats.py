@@ -286,8 +286,9 @@ def episode_metrics(rollout: Rollout) -> dict[str, float]:
     """What a rollout's multi-turn episodes did (`Rollout.episodes_BE`, `rlhfuse.agents`), per episode:
     `agent/turns_mean` and `agent/turns_p99` (assistant turns), `agent/tool_calls` and `agent/tool_errors` (tool
     calls answered, and those answered with an error; mean), `agent/tool_seconds` (seconds its tool calls ran,
-    mean), `agent/model_tokens` and `agent/env_tokens` (the trajectory's response tokens the model sampled, and
-    those the environment and its tools wrote; mean). Empty without episodes. One host read."""
+    mean), `agent/truncated` (the share ended at the trajectory's token bound), `agent/model_tokens` and
+    `agent/env_tokens` (the trajectory's response tokens the model sampled, and those the environment and its
+    tools wrote; mean). Empty without episodes. One host read."""
     if rollout.episodes_BE is None:
         return {}
     model_B = rollout.loss_mask_BR.sum(dim=1)

@@ -101,7 +101,7 @@ class PromptBatch:
         )
 
 
-EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "tool_seconds")
+EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "tool_seconds", "truncated")
 """The columns of `Rollout.episodes_BE`, in order."""
 
 
@@ -126,7 +126,8 @@ class Rollout:
     env_reward_B: float [B], the reward an environment gave each sample's episode (the sum of its turns'), added
     to what the inferencer scores; None: no environment.
     episodes_BE: float32 [B, E], what each sample's episode did, one column per name of `EPISODE_COLUMNS` (assistant
-    turns, tool calls, tool calls answered with an error, seconds its tool calls ran); None: no environment.
+    turns, tool calls, tool calls answered with an error, seconds its tool calls ran, 1.0 where it ended at the
+    trajectory's token bound); None: no environment.
     """
 
     prompt_ids_BP: Tensor

@@ -434,6 +434,7 @@ def agent_episodes(ctx: BuildContext, generator: Generator) -> Generator:
         samples_per_prompt=ctx.config.data.samples_per_prompt,
         max_turns=agent.max_turns,
         tool_timeout_s=agent.tool_timeout_s,
+        max_response_tokens=agent.max_response_tokens,
     )
 
 
