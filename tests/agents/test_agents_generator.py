@@ -13,14 +13,15 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
-from test_agents_tokens import TEMPLATE, byte_tokenizer
 
 from rlhfuse.agents.generator import AgentGenerator
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.sampling_config import SamplingConfig
 from rlhfuse.core.stats import episode_metrics
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.data.collate import left_padded
 from rlhfuse.data.prompts import Prompt
+from rlhfuse.testing.chat import TEMPLATE, byte_tokenizer
 
 RELEASE = threading.Event()  # never set: the stuck tool waits past its timeout
 
@@ -212,3 +213,46 @@ def test_an_episode_whose_next_turn_could_pass_the_token_bound_ends_truncated() 
     exact = played(first_turn + first_answer + sampling.max_new_tokens)
     assert exact.episodes_BE[0, 0] == 2 and exact.episodes_BE[0, -1] == 1.0  # room for one more turn only
     assert int(exact.response_mask_BR.sum()) <= first_turn + first_answer + sampling.max_new_tokens
+
+
+def test_episodes_are_yielded_as_they_end_while_the_environments_answer_the_next_turn() -> None:
+    tok = byte_tokenizer(TEMPLATE)
+    consumed = threading.Event()
+    waited: list[bool] = []
+
+    class Waits:
+        """Done on the row's answer; a second wrong answer waits for the consumer to have taken a chunk."""
+
+        def reset(self, row):
+            self.answer, self.turn = row["answer"], 0
+            return []
+
+        def step(self, message):
+            self.turn += 1
+            if self.turn == 2:
+                waited.append(consumed.wait(10))
+            done = message["content"] == self.answer or self.turn == 2
+            return ([] if done else [{"role": "user", "content": "Try again."}]), float(done), done
+
+    prompts = {}
+    for i, answer in enumerate(("1", "2")):
+        prompt = [{"role": "user", "content": f"Say {answer}."}]
+        text = tok.render_chat(prompt)
+        prompts[i] = Prompt(
+            i, text, tuple(tok.encode(text, add_bos=False)), {"answer": answer}, tuple(prompt)
+        )
+    agent = AgentGenerator(
+        Scripted(tok, ["1", "2"]), Waits, tok, prompts, sampling=SamplingConfig(), samples_per_prompt=1
+    )
+    batch = left_padded([list(p.token_ids) for p in prompts.values()], [0, 1], tok.pad_id)
+    chunks = []
+    for chunk in agent.generate(batch, iteration=1):
+        chunks.append(chunk)
+        consumed.set()  # the consumer (inference) has the first chunk while the second turn is being answered
+    assert waited == [True]
+    assert [c.prompt_index_B.tolist() for c in chunks] == [
+        [0],
+        [1],
+    ]  # prompt 0 ended in turn 1, prompt 1 in 2
+    assert [c.episodes_BE[:, 0].tolist() for c in chunks] == [[1.0], [2.0]]
+    assert [c.env_reward_B.tolist() for c in chunks] == [[1.0], [1.0]]

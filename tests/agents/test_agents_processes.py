@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from test_agents_tokens import byte_tokenizer
 
 from rlhfuse.agents import GuessingGame
 from rlhfuse.agents.generator import AgentGenerator
@@ -27,6 +26,7 @@ from rlhfuse.data.prompts import Prompt
 from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig, InstanceSetup, NoMigration
 from rlhfuse.generation.generator import EnginePool
 from rlhfuse.models import ModelConfig, Transformer
+from rlhfuse.testing.chat import byte_tokenizer
 
 PER_PROMPT, PROMPTS, MAX_TURNS = 3, 8, 4
 RT = 20  # of the 24 samples: each turn migrates as soon as a few have finished
@@ -86,7 +86,7 @@ def _episodes(temperature: float, policy: Any, instances: int) -> tuple[Rollout,
         Recording(), CountedGame, tok, prompts, sampling=sampling, samples_per_prompt=PER_PROMPT,
         max_turns=MAX_TURNS,
     )  # fmt: skip
-    (rollout,) = agent.generate(batch, iteration=1)
+    rollout = Rollout.cat(list(agent.generate(batch, iteration=1)), tok.pad_id)
     return rollout, moved
 
 

@@ -5,27 +5,10 @@ transformers tokenizer loaded from the folder it saves; templates that re-render
 import json
 
 import pytest
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers
 
 from rlhfuse.agents import ToolRunner, episode_tokens, run_episode
-from rlhfuse.data import Tokenizer
 from rlhfuse.data.tokenizer import ChatTemplateError
-
-# Qwen2.5's layout in brief: tool schemas in a system turn, consecutive tool answers in one user turn.
-TEMPLATE = r"""
-{%- if tools %}{{- '<|im_start|>system\nTools:\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\n' }}
-{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- for m in messages %}
-{%- if m.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
+from rlhfuse.testing.chat import TEMPLATE, byte_tokenizer
 
 
 def add(a: int, b: int) -> int:
@@ -36,19 +19,6 @@ def add(a: int, b: int) -> int:
         b: the second
     """
     return a + b
-
-
-def byte_tokenizer(template=TEMPLATE):
-    """A byte-level tokenizer (every text round-trips) with Qwen's special tokens and `template`."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Backend(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    ids = {t: backend.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    return Tokenizer(
-        backend, pad_id=ids["<|endoftext|>"], bos_id=None, eos_id=ids["<|im_end|>"], chat_template=template
-    )
 
 
 class Quiz:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlhfuse.agents import AgentConfig
+from rlhfuse.core.types import Rollout
 from rlhfuse.trainer import build_trainer, compose_config, validate
 
 ENV_FILE = '''
@@ -83,8 +84,9 @@ def test_an_environment_from_the_users_file_trains_and_its_tokens_carry_no_loss(
     assert [r["iteration"] for r in rows] == [1, 2] and all(
         torch.isfinite(torch.tensor(r["loss/policy"])) for r in rows
     )
-    rollout = seen[0]
-    assert rollout.trainable_mask_BR is not None and rollout.env_reward_B is not None
+    # both iterations' episodes, from the chunks they were yielded in as they ended
+    rollout = Rollout.cat(seen, chat_checkpoint.tokenizer.pad_id)
+    assert len(rollout) == 8 and rollout.trainable_mask_BR is not None and rollout.env_reward_B is not None
     tok = chat_checkpoint.tokenizer
     for b in range(len(rollout)):
         mask, train = rollout.response_mask_BR[b].bool(), rollout.trainable_mask_BR[b].bool()

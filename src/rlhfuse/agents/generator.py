@@ -87,6 +87,8 @@ class AgentGenerator:
                 "a chat; use a tokenizer with a chat template and data.chat_template=auto"
             )
         self.chat = chat_encoder(tokenizer)
+        # the environments' answers run here, beside the consumer of the episodes already ended (`generate`)
+        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlhfuse-episodes")
 
     # --- the Generator protocol: weights and the rest are the wrapped generator's ------------------------------
     def load_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
@@ -103,51 +105,50 @@ class AgentGenerator:
         return self.inner.actor_copies()
 
     def close(self) -> None:
+        self._background.shutdown()
         self.inner.close()
 
     # --- episodes ----------------------------------------------------------------------------------------------
     def generate(
         self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
     ) -> Iterator[Rollout]:
-        """One episode per prompt and sample, played to its end; yields them as one Rollout (the same on every
-        rank: the episodes run on rank 0, which shares each turn's answers)."""
+        """One episode per prompt and sample, played to its end, yielded in chunks as the episodes end: those that
+        ended in a turn's answers are yielded while the environments answer the next turn (a consumer inferring
+        each chunk as it comes, as the serial rollout stage does, infers them during the environments' latency),
+        the last ones after the last turn. The same chunks on every rank: the episodes run on rank 0, which shares
+        each turn's answers."""
         config = self.sampling if sampling is None else sampling.config
         per_prompt = self.samples_per_prompt if sampling is None else sampling.samples_per_prompt
         one = Sampling(config, 1)  # each episode's turn is its own prompt
         keys = [(int(p), k) for p in prompts.prompt_ids_B.tolist() for k in range(per_prompt)]
         episodes = _Episodes(self, keys) if distributed.rank() == 0 else None
         opened: list[list[int]] = self._shared(lambda: episodes.opened())  # type: ignore[union-attr]
-        response: list[list[int]] = [[] for _ in keys]
-        trainable: list[list[int]] = [[] for _ in keys]
-        logprobs: list[list[float]] = [[] for _ in keys]
-        finished = [False] * len(keys)
+        paths = _Trajectories(opened)
+        ended: dict[int, list[float]] = {}  # episode -> its summary (`_Episodes.summary`), not yet yielded
         active = list(range(len(keys)))
         for turn in range(self.max_turns):
             if not active:
                 break
-            sampled = self._turn(
-                active, keys, [opened[i] + response[i] for i in active], turn, iteration, one
-            )
-            room = [self._room(len(response[i]) + len(sampled[i][0]), config.max_new_tokens) for i in active]
-            answers: list[list[int] | None] = self._shared(
+            sampled = self._turn(active, keys, [paths.context(i) for i in active], turn, iteration, one)
+            for i in active:
+                paths.sampled(i, *sampled[i])
+            room = [self._room(len(paths.response[i]), config.max_new_tokens) for i in active]
+            answering = self._share(
                 lambda: episodes.answer(active, sampled, room)  # type: ignore[union-attr]  # noqa: B023
             )
+            if ended:  # inferred by the consumer while the environments answer
+                yield paths.rollout(keys, ended, self.tokenizer.pad_id)
+                ended = {}
             still = []
-            for i, answer in zip(active, answers, strict=True):
-                ids, lps, done_turn = sampled[i]
-                response[i] += ids
-                trainable[i] += [1] * len(ids)
-                logprobs[i] += lps
-                finished[i] = done_turn
-                if answer is None:
-                    continue
-                response[i] += answer
-                trainable[i] += [0] * len(answer)
-                logprobs[i] += [0.0] * len(answer)
-                still.append(i)
+            for i, answer in zip(active, answering(), strict=True):
+                if "summary" in answer:
+                    ended[i] = answer["summary"]
+                else:
+                    paths.answered(i, answer["tokens"])
+                    still.append(i)
             active = still
-        summary: dict[str, list[Any]] = self._shared(lambda: episodes.summary())  # type: ignore[union-attr]
-        yield self._rollout(keys, summary, opened, response, trainable, logprobs, finished)
+        if ended:
+            yield paths.rollout(keys, ended, self.tokenizer.pad_id)
 
     def _room(self, length: int, max_new_tokens: int) -> int | None:
         """How many answer tokens a trajectory whose response holds `length` tokens may take and still have room for
@@ -156,26 +157,37 @@ class AgentGenerator:
             return None
         return self.max_response_tokens - length - max_new_tokens
 
-    @staticmethod
-    def _shared(compute: Callable[[], Any]) -> Any:
-        """`compute()` on rank 0, its JSON value on every rank: the environments and the tools run once, where the
-        episodes live, and every rank continues the same conversations (each turn's generate call is collective).
-        An environment's error on rank 0 is raised on every rank."""
-        if distributed.world_size() == 1:
-            return compute()
-        value: dict[str, Any] | None = None
-        failure: AgentEnvError | None = None
-        if distributed.rank() == 0:
-            try:
-                value = {"value": compute()}
-            except AgentEnvError as err:
-                failure, value = err, {"error": str(err)}
-        shared = distributed.broadcast_json(value, 0, torch.device("cpu"), group=distributed.cpu_group())
-        if failure is not None:
-            raise failure
-        if "error" in shared:
-            raise AgentEnvError(f"on rank 0: {shared['error']}")
-        return shared["value"]
+    def _share(self, compute: Callable[[], Any]) -> Callable[[], Any]:
+        """Start `compute()` on rank 0, in the background; the function returned waits for it and gives its JSON
+        value on every rank: the environments and the tools run once, where the episodes live, and every rank
+        continues the same conversations (each turn's generate call is collective). An environment's error on
+        rank 0 is raised on every rank."""
+        future = self._background.submit(compute) if distributed.rank() == 0 else None
+
+        def join() -> Any:
+            value: dict[str, Any] | None = None
+            failure: AgentEnvError | None = None
+            if future is not None:
+                try:
+                    value = {"value": future.result()}
+                except AgentEnvError as err:
+                    failure, value = err, {"error": str(err)}
+            if distributed.world_size() > 1:
+                value = distributed.broadcast_json(
+                    value, 0, torch.device("cpu"), group=distributed.cpu_group()
+                )
+            if failure is not None:
+                raise failure
+            assert value is not None
+            if "error" in value:
+                raise AgentEnvError(f"on rank 0: {value['error']}")
+            return value["value"]
+
+        return join
+
+    def _shared(self, compute: Callable[[], Any]) -> Any:
+        """`_share(compute)`, waited for."""
+        return self._share(compute)()
 
     def _turn(
         self,
@@ -207,42 +219,6 @@ class AgentGenerator:
                     bool(chunk.finished_B[row]),
                 )
         return out
-
-    def _rollout(
-        self,
-        keys: list[tuple[int, int]],
-        summary: dict[str, list[Any]],
-        opened: list[list[int]],
-        response: list[list[int]],
-        trainable: list[list[int]],
-        logprobs: list[list[float]],
-        finished: list[bool],
-    ) -> Rollout:
-        pad = self.tokenizer.pad_id
-        prompt = left_padded(opened, [k[0] for k in keys], pad)
-        b, width_r = len(keys), max(max(map(len, response)), 1)
-        ids, mask = torch.full((b, width_r), pad), torch.zeros(b, width_r, dtype=torch.long)
-        train, lps = torch.zeros(b, width_r, dtype=torch.long), torch.zeros(b, width_r)
-        for i in range(b):
-            r = len(response[i])
-            if r:
-                ids[i, :r], mask[i, :r] = torch.tensor(response[i]), 1
-                train[i, :r], lps[i, :r] = torch.tensor(trainable[i]), torch.tensor(logprobs[i])
-        return Rollout(
-            prompt_ids_BP=prompt.input_ids_BP,
-            prompt_mask_BP=prompt.attention_mask_BP,
-            response_ids_BR=ids,
-            response_mask_BR=mask,
-            prompt_index_B=prompt.prompt_ids_B,
-            sample_index_B=torch.tensor([k[1] for k in keys]),
-            finished_B=torch.tensor(finished),
-            sampler_logprobs_BR=lps,
-            trainable_mask_BR=train,
-            env_reward_B=torch.tensor(summary["rewards"], dtype=torch.float32),
-            episodes_BE=torch.tensor(summary["columns"], dtype=torch.float32).reshape(
-                b, len(EPISODE_COLUMNS)
-            ),
-        )
 
 
 class _Episodes:
@@ -277,39 +253,95 @@ class _Episodes:
         active: list[int],
         sampled: Mapping[int, tuple[list[int], list[float], bool]],
         room: list[int | None],
-    ) -> list[list[int] | None]:
+    ) -> list[dict[str, list[Any]]]:
         """Each active episode's answer to its new message (`sampled[i]`: its ids, log-probs, whether it ended with
-        its end token), in `active`'s order: the answer's tokens, or None when the episode ended (an answer longer
-        than its `room` ends it, truncated: `AgentGenerator._room`). The episodes answer at once (their tools run
-        concurrently)."""
+        its end token), in `active`'s order: `{"tokens": the answer's tokens}`, or `{"summary": `summary(i)`}` when
+        the episode ended (an answer longer than its `room` ends it, truncated: `AgentGenerator._room`). The
+        episodes answer at once (their tools run concurrently)."""
         rooms = dict(zip(active, room, strict=True))
 
-        def one(i: int) -> list[int] | None:
+        def one(i: int) -> dict[str, list[Any]]:
             ids, _, ended_with_stop = sampled[i]
             run, text = self.runs[i], self.agent.tokenizer.decode(ids)
             if not ended_with_stop:
                 run.cut(text)
-                return None
+                return {"summary": self.summary(i)}
             answer = run.answer(text)
             if answer is None:
-                return None
+                return {"summary": self.summary(i)}
             tokens = answer_tokens(self.agent.chat, run.messages, len(answer), self.schemas[i])
             limit = rooms[i]
             if limit is not None and len(tokens) > limit:
                 run.truncate()
-                return None
-            return tokens
+                return {"summary": self.summary(i)}
+            return {"tokens": tokens}
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(active)) as pool:
             return list(pool.map(one, active))
 
-    def summary(self) -> dict[str, list[Any]]:
-        """Each episode's reward (the sum of its turns') and its `EPISODE_COLUMNS`."""
-        done = [run.episode() for run in self.runs]
-        return {
-            "rewards": [e.total_reward for e in done],
-            "columns": [
-                [e.turns, e.tool_calls, e.tool_errors, e.tool_seconds, float(e.ended == "context")]
-                for e in done
-            ],
-        }
+    def summary(self, i: int) -> list[float]:
+        """Ended episode `i`'s reward (the sum of its turns'), then its `EPISODE_COLUMNS`."""
+        e = self.runs[i].episode()
+        return [
+            e.total_reward,
+            e.turns,
+            e.tool_calls,
+            e.tool_errors,
+            e.tool_seconds,
+            float(e.ended == "context"),
+        ]
+
+
+class _Trajectories:
+    """Every episode's response so far, token by token: the sampled tokens (trainable, with their sampler
+    log-probs) and the answers' (not trainable, log-prob 0), after its opened prompt."""
+
+    def __init__(self, opened: list[list[int]]) -> None:
+        self.opened = opened
+        self.response: list[list[int]] = [[] for _ in opened]
+        self.trainable: list[list[int]] = [[] for _ in opened]
+        self.logprobs: list[list[float]] = [[] for _ in opened]
+        self.finished = [False] * len(opened)
+
+    def context(self, i: int) -> list[int]:
+        return self.opened[i] + self.response[i]
+
+    def sampled(self, i: int, ids: list[int], logprobs: list[float], ended_with_stop: bool) -> None:
+        self.response[i] += ids
+        self.trainable[i] += [1] * len(ids)
+        self.logprobs[i] += logprobs
+        self.finished[i] = ended_with_stop
+
+    def answered(self, i: int, tokens: list[int]) -> None:
+        self.response[i] += tokens
+        self.trainable[i] += [0] * len(tokens)
+        self.logprobs[i] += [0.0] * len(tokens)
+
+    def rollout(self, keys: list[tuple[int, int]], ended: Mapping[int, list[float]], pad: int) -> Rollout:
+        """The ended episodes' Rollout (`ended`: episode -> `_Episodes.summary`), in episode order."""
+        rows = sorted(ended)
+        prompt = left_padded([self.opened[i] for i in rows], [keys[i][0] for i in rows], pad)
+        b, width_r = len(rows), max(max(len(self.response[i]) for i in rows), 1)
+        ids, mask = torch.full((b, width_r), pad), torch.zeros(b, width_r, dtype=torch.long)
+        train, lps = torch.zeros(b, width_r, dtype=torch.long), torch.zeros(b, width_r)
+        for row, i in enumerate(rows):
+            r = len(self.response[i])
+            if r:
+                ids[row, :r], mask[row, :r] = torch.tensor(self.response[i]), 1
+                train[row, :r], lps[row, :r] = torch.tensor(self.trainable[i]), torch.tensor(self.logprobs[i])
+        summaries = torch.tensor([ended[i] for i in rows], dtype=torch.float32).reshape(
+            b, 1 + len(EPISODE_COLUMNS)
+        )
+        return Rollout(
+            prompt_ids_BP=prompt.input_ids_BP,
+            prompt_mask_BP=prompt.attention_mask_BP,
+            response_ids_BR=ids,
+            response_mask_BR=mask,
+            prompt_index_B=prompt.prompt_ids_B,
+            sample_index_B=torch.tensor([keys[i][1] for i in rows]),
+            finished_B=torch.tensor([self.finished[i] for i in rows]),
+            sampler_logprobs_BR=lps,
+            trainable_mask_BR=train,
+            env_reward_B=summaries[:, 0].contiguous(),
+            episodes_BE=summaries[:, 1:].contiguous(),
+        )
