@@ -350,3 +350,60 @@ def test_default_job_runs_with_vllm_and_matches_engine_under_greedy(tmp_path):
     for mine, other in zip(ours, theirs, strict=True):
         for key in ("reward/mean", "response_length/mean"):
             assert other[key] == pytest.approx(mine[key], rel=1e-4, abs=1e-5), key
+
+
+def test_multi_turn_episodes_on_vllm_equal_the_engines():
+    """`AgentGenerator` over vLLM: greedy episodes of the guessing game, turn by turn, the same as over rlhfuse's
+    engine (the same conversations, masks and rewards)."""
+    from rlhfuse.agents.generator import AgentGenerator
+    from rlhfuse.core.types import Rollout
+    from rlhfuse.data.collate import left_padded
+    from rlhfuse.data.prompts import Prompt
+    from rlhfuse.generation.generator import EnginePool
+    from rlhfuse.testing.chat import byte_tokenizer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=32, max_position_embeddings=512, eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+    ).validate()  # fmt: skip
+    actor = Transformer(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        actor.lm_head.weight.mul_(6.0)  # peaked logits: greedy ties are impossible in practice
+    prompts = {}
+    for i in range(4):
+        messages = ({"role": "user", "content": "Guess my number" + "!" * i + "."},)
+        text = tok.render_chat(list(messages))
+        prompts[i] = Prompt(i, text, tuple(tok.encode(text, add_bos=False)), {"secret": 10 * i + 7}, messages)
+    # a token this random model's greedy messages reach after a while ends them: episodes of 1 to 3 turns
+    sampling = SamplingConfig(max_new_tokens=16, temperature=0.0, stop_token_ids=[tok.eos_id, 210])
+    batch = left_padded([list(p.token_ids) for p in prompts.values()], list(prompts), tok.pad_id)
+
+    def episodes(name: str) -> Rollout:
+        gen_config = GenerationConfig(name=name, sampling=sampling, vllm=VLLMOptions(vllm_kv_cache_gb=0.25))
+        setup = InstanceSetup(tok.eos_id, tok.pad_id, samples_per_prompt=2, seed=0)
+        pool = (
+            VLLMPool(actor, gen_config, max_prompt_len=256, seed=0)
+            if name == "vllm"
+            else EnginePool(actor, gen_config.engine)
+        )
+        inner = EngineGenerator(pool, gen_config, setup, mechanism="reprefill")
+        agent = AgentGenerator(
+            inner, "guess", tok, prompts, sampling=sampling, samples_per_prompt=2, max_turns=3
+        )
+        try:
+            return Rollout.cat(list(agent.generate(batch, iteration=0)), tok.pad_id)
+        finally:
+            agent.close()
+
+    ours, theirs = episodes("engine"), episodes("vllm")
+    assert ours.episodes_BE[:, 0].min() == 1 and ours.episodes_BE[:, 0].max() == 3
+    for field in ("prompt_ids_BP", "response_ids_BR", "response_mask_BR", "trainable_mask_BR", "env_reward_B",
+                  "prompt_index_B", "sample_index_B", "finished_B"):  # fmt: skip
+        assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+    mask_BR = theirs.trainable_mask_BR.bool()
+    torch.testing.assert_close(
+        theirs.sampler_logprobs_BR[mask_BR], ours.sampler_logprobs_BR[mask_BR], atol=1e-4, rtol=0
+    )
