@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -44,7 +42,7 @@ from typing import Any
 import torch
 
 from rlhfuse.agents import GuessingGame
-from rlhfuse.testing.processes import leave_after_success
+from rlhfuse.testing.processes import leave_after_success, spawn_ranks
 
 MEDIAN_S, SIGMA, CAP_S = 0.02, 1.0, 0.5
 MAX_TURNS, PER_PROMPT, RT_FRACTION = 4, 4, 0.25
@@ -176,19 +174,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     of serial / the setting's gen_inf_s), `identical` (every round's samples the same in all) and the workload."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rounds, prompts_count = (3, 8) if quick else (7, 16)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "agents")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, port, out, rounds, prompts_count)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(1200)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
+        codes = spawn_ranks(_worker, out, rounds, prompts_count, timeout_s=1200)
+        if codes != [0, 0]:
+            raise RuntimeError(f"a worker failed: exit codes {codes}")
         result = torch.load(f"{out}.0", weights_only=False)
     rows = result["rows"]
     figures: dict[str, Any] = {

@@ -8,9 +8,7 @@ few frequent bytes (stop tokens) so that the episodes last several turns of diff
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -27,6 +25,7 @@ from rlhfuse.generation import EngineGenerator, FixedThreshold, GenerationConfig
 from rlhfuse.generation.generator import EnginePool
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.chat import byte_tokenizer
+from rlhfuse.testing.processes import spawn_ranks
 
 PER_PROMPT, PROMPTS, MAX_TURNS = 3, 8, 4
 RT = 20  # of the 24 samples: each turn migrates as soon as a few have finished
@@ -119,19 +118,7 @@ def _same(a: Rollout, b: Rollout) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_episodes_migrate_each_turn_and_keep_their_trajectories(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(200)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert spawn_ranks(_worker, str(tmp_path), timeout_s=200) == [0, 0]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     # the environments ran on rank 0 only: one per episode and call
     assert ranks[0]["made"] == 4 * PROMPTS * PER_PROMPT and ranks[1]["made"] == 0

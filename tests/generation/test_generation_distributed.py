@@ -3,9 +3,8 @@ instance without migration (KV transfer and re-prefill in one run each, and KV t
 decoding); a dying instance gives its peer a
 clear InstanceFailure within the group's timeout, never a hang."""
 
-import multiprocessing as mp
 import os
-import socket
+import signal
 from datetime import timedelta
 
 import pytest
@@ -15,6 +14,7 @@ from rlhfuse.core.types import PromptBatch
 from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import assert_same_rollout
+from rlhfuse.testing.processes import spawn_ranks
 
 EOS, PAD, MAX_NEW = 2, 0, 16
 PARAMS = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.95, stop_token_ids=(EOS, 6, 14))
@@ -93,23 +93,10 @@ def _worker(rank, port, out_dir, mechanisms, threshold, die_rank):
 
 
 def _launch(tmp_path, mechanisms, threshold, die_rank=-1, timeout=90):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, str(tmp_path), mechanisms, threshold, die_rank))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, "a generation process hung"
-    return procs
+    """The two ranks' exit codes."""
+    codes = spawn_ranks(_worker, str(tmp_path), mechanisms, threshold, die_rank, timeout_s=timeout)
+    assert -signal.SIGKILL not in codes, "a generation process hung"
+    return codes
 
 
 def _serial_tokens():
@@ -125,8 +112,7 @@ def _serial_tokens():
 def test_two_processes_migrate_and_keep_every_token(tmp_path):
     # Rt = the batch (BSmax 24: one destination): the migration starts as soon as rank 0 has heard from its peer
     # (the ranks do not step in lockstep), long before the samples (EOS only, up to 40 tokens) are done
-    procs = _launch(tmp_path, ("kv", "reprefill", "kv+ngram"), threshold=24)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert _launch(tmp_path, ("kv", "reprefill", "kv+ngram"), threshold=24) == [0, 0]
     expected = _serial_tokens()
     for run in ("kv", "reprefill", "kv+ngram"):
         mechanism = run.partition("+")[0]
@@ -140,8 +126,7 @@ def test_two_processes_migrate_and_keep_every_token(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_dying_instance_gives_a_clear_error_not_a_hang(tmp_path):
-    procs = _launch(tmp_path, ("kv",), threshold=6, die_rank=1, timeout=60)
-    assert procs[1].exitcode == 3
+    assert _launch(tmp_path, ("kv",), threshold=6, die_rank=1, timeout=60)[1] == 3
     message = (tmp_path / "rank0.err").read_text()
     assert "generation instance 0 of 2" in message and "another generation process probably died" in message
 
@@ -218,19 +203,7 @@ def _fusion_worker(rank, port, out_dir):
 @pytest.mark.timeout(180)
 def test_freed_instance_infers_streamed_samples_with_serial_results(tmp_path):
     """Also: EngineGenerator on a 2-rank world generates one instance per rank, equal to the oracle."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_fusion_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive and [p.exitcode for p in procs] == [0, 0]
+    assert spawn_ranks(_fusion_worker, str(tmp_path), timeout_s=120) == [0, 0]
     # the single-process oracle: generate everything, then one inference pass over the whole rollout
     from rlhfuse.generation import to_rollout
 

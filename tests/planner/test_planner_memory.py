@@ -18,10 +18,8 @@ step, and measure what `MemoryMetrics` measures, on each rank.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pathlib
-import socket
 from datetime import timedelta
 
 import pytest
@@ -49,7 +47,7 @@ from rlhfuse.planner.specs import ModelSpec
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
-from rlhfuse.testing.processes import finishing_rank
+from rlhfuse.testing.processes import finishing_rank, spawn_ranks
 from rlhfuse.trainer.build import cast_models, prepare_generation_copy
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.models import Models, ModelsConfig
@@ -421,19 +419,7 @@ def _after_inference(spec: ModelSpec, world: int, precision: str, reshard_after_
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_fsdp_predicted_bytes_per_rank_equal_what_two_gloo_ranks_build(tmp_path: pathlib.Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(200)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert spawn_ranks(_fsdp_worker, str(tmp_path), timeout_s=200) == [0, 0]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     keys = ("param_bytes", "optimizer_bytes", "gradients", "master_weights")
     for i, (overrides, precision, reshard) in enumerate(FSDP_CASES):

@@ -4,9 +4,7 @@ one rank stops both; the launch arithmetic of pipeline=plain is validated with t
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -16,7 +14,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.testing.processes import finishing_rank
+from rlhfuse.testing.processes import finishing_rank, spawn_ranks
 from rlhfuse.trainer import compose_config, validate
 
 # the reductions as algorithm.loss_agg names them
@@ -110,19 +108,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_two_rank_plain_strategy_equals_one_process(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert spawn_ranks(_worker, str(tmp_path), timeout_s=150) == [0, 0]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for reduction in ("token", "sequence"):
         want_weights, want_stats = _train(reduction)

@@ -1,10 +1,10 @@
-"""Ending a spawned test rank: a rank whose checks all passed leaves through `rlhfuse.distributed.exit_finished`
+"""Spawning test ranks (`spawn_ranks`) and ending them: a rank whose checks all passed leaves through `rlhfuse.distributed.exit_finished`
 (past interpreter finalisation, whose race with gloo's worker threads has aborted passing ranks on a loaded
 machine); a failing one tears its process group down and raises."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
@@ -30,3 +30,27 @@ def leave_after_success() -> NoReturn:
     """End a spawned rank whose checks all passed: every rank done (a barrier), then exit with status 0."""
     distributed.barrier(distributed.group_device())
     distributed.exit_finished()
+
+
+def spawn_ranks(
+    target: Callable[..., object], *args: object, world: int = 2, timeout_s: float
+) -> list[int | None]:
+    """`target(rank, port, *args)` in `world` spawned processes (`port`: a free loopback TCP port for their
+    rendezvous); each joined for up to `timeout_s` seconds, then killed if still running. Their exit codes."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(rank, port, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
