@@ -4,7 +4,6 @@ result through a queue (a worker that dies ends the launch at once, naming its r
 
 from __future__ import annotations
 
-import datetime
 import os
 import queue
 import tempfile
@@ -12,11 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhfuse.testing.processes import leave_after_success
+from rlhfuse.testing.processes import init_gloo, leave_after_success
 
 SHAPES = {
     "default": dict(
@@ -33,14 +30,7 @@ SHAPES = {
 
 def init_worker(rank: int, world: int, init: str) -> None:
     """One thread per process, and the gloo group of the run (file rendezvous)."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_gloo(rank, f"file://{init}", world=world, timeout_s=120)
 
 
 def _ending(rank: int, worker: Callable[..., None], *args: Any) -> None:

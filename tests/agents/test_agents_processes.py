@@ -9,7 +9,6 @@ few frequent bytes (stop tokens) so that the episodes last several turns of diff
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any, ClassVar
 
 import pytest
@@ -90,15 +89,10 @@ def _episodes(temperature: float, policy: Any, instances: int) -> tuple[Rollout,
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
 
-    from rlhfuse.testing.processes import finishing_rank
+    from rlhfuse.testing.processes import gloo_rank
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    with finishing_rank():
+    with gloo_rank(rank, port, timeout_s=60):
         out = {}
         for temperature in (0.0, 1.0):
             for name, policy in (("off", NoMigration()), ("on", FixedThreshold(RT))):

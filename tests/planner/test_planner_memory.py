@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-from datetime import timedelta
 
 import pytest
 import torch
@@ -47,7 +46,7 @@ from rlhfuse.planner.specs import ModelSpec
 from rlhfuse.runtime.partition import RankStages
 from rlhfuse.runtime.stage_optimizers import StageOptimizers
 from rlhfuse.runtime.tensor_parallel import shard_transformer
-from rlhfuse.testing.processes import finishing_rank, spawn_ranks
+from rlhfuse.testing.processes import gloo_rank, spawn_ranks
 from rlhfuse.trainer.build import cast_models, prepare_generation_copy
 from rlhfuse.trainer.callbacks import MemoryMetrics
 from rlhfuse.trainer.models import Models, ModelsConfig
@@ -393,13 +392,8 @@ def _fsdp_rank(cfg: ModelConfig, precision: str, reshard_after_forward: bool) ->
 
 
 def _fsdp_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    with finishing_rank():
+    with gloo_rank(rank, port, timeout_s=60):
         built = [_fsdp_rank(default_config(**o), p, r) for o, p, r in FSDP_CASES]
         torch.save(built, os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -8,13 +8,12 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.multiprocessing as mp
 
 from rlhfuse.pipeline import Action, Problem, Schedule
 from rlhfuse.pipeline.simulate import all_actions, dependencies
 from rlhfuse.testing.data import random_batch as random_batch  # re-exported: the runtime tests import it here
-from rlhfuse.testing.processes import finishing_rank
+from rlhfuse.testing.processes import gloo_rank
 
 
 def random_schedule(problem: Problem, seed: int, *, split_backward: bool = False) -> Schedule:
@@ -43,19 +42,7 @@ def random_schedule(problem: Problem, seed: int, *, split_backward: bool = False
 
 
 def _entry(rank: int, world: int, init_file: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    with finishing_rank():
+    with gloo_rank(rank, f"file://{init_file}", world=world, timeout_s=60):
         fn(rank, world, *args)
 
 

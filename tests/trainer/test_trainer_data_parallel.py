@@ -5,7 +5,6 @@ one rank stops both; the launch arithmetic of pipeline=plain is validated with t
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer
-from rlhfuse.testing.processes import finishing_rank, spawn_ranks
+from rlhfuse.testing.processes import gloo_rank, spawn_ranks
 from rlhfuse.trainer import compose_config, validate
 
 # the reductions as algorithm.loss_agg names them
@@ -81,11 +80,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from rlhfuse.core.errors import NonFiniteError
     from rlhfuse.runtime.batch_split import karmarkar_karp, sample_costs
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
-    )
-    with finishing_rank():
+    with gloo_rank(rank, port, timeout_s=30):
         result: dict[str, object] = {}
         for reduction in ("token", "sequence"):
             result[reduction] = _train(reduction, dist.group.WORLD)

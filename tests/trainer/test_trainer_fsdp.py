@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.optim import OptimConfig
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.models import ModelConfig, Transformer, resident_bytes
-from rlhfuse.testing.processes import finishing_rank, spawn_ranks
+from rlhfuse.testing.processes import gloo_rank, spawn_ranks
 from rlhfuse.trainer import compose_config, validate
 
 # the reductions as algorithm.loss_agg names them
@@ -150,16 +149,11 @@ def _streamed_sync(strategy):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
 
     from rlhfuse.core.errors import NonFiniteError
     from rlhfuse.runtime.batch_split import karmarkar_karp, sample_costs
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    with finishing_rank():
+    with gloo_rank(rank, port, timeout_s=60):
         result: dict[str, object] = {}
         for reduction in ("token", "sequence"):
             strategy, weights, stats, memory = _fsdp(reduction)

@@ -54,3 +54,28 @@ def spawn_ranks(
             p.kill()
             p.join()
     return [p.exitcode for p in procs]
+
+
+def init_gloo(rank: int, init: int | str, *, world: int = 2, timeout_s: float = 60.0) -> None:
+    """One thread, and rank `rank` of a gloo group of `world` ranks; `init`: a loopback TCP port, or an init_method
+    URL (`file://...`)."""
+    import datetime
+
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{init}" if isinstance(init, int) else init,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+@contextmanager
+def gloo_rank(rank: int, init: int | str, *, world: int = 2, timeout_s: float = 60.0) -> Iterator[None]:
+    """A spawned rank's body (`spawn_ranks` passes the port): `init_gloo`, then `finishing_rank`."""
+    init_gloo(rank, init, world=world, timeout_s=timeout_s)
+    with finishing_rank():
+        yield
