@@ -256,3 +256,27 @@ def test_episodes_are_yielded_as_they_end_while_the_environments_answer_the_next
     ]  # prompt 0 ended in turn 1, prompt 1 in 2
     assert [c.episodes_BE[:, 0].tolist() for c in chunks] == [[1.0], [2.0]]
     assert [c.env_reward_B.tolist() for c in chunks] == [[1.0], [1.0]]
+
+
+def test_a_rows_tools_column_is_offered_beside_the_environments_tools() -> None:
+    tok = byte_tokenizer(TEMPLATE)
+    prompt = [{"role": "user", "content": "What is 7 + 5?"}]
+    text = tok.render_chat(prompt)
+    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    prompts = {0: Prompt(0, text, tuple(tok.encode(text, add_bos=False)), {"answer": "12", "tools": [lookup]},
+                         tuple(prompt))}  # fmt: skip
+    agent = AgentGenerator(
+        Scripted(tok, ["12"]), Calculator, tok, prompts, sampling=SamplingConfig(), samples_per_prompt=1
+    )
+    batch = PromptBatch(
+        torch.tensor([prompts[0].token_ids]), torch.ones(1, len(text), dtype=torch.long), torch.tensor([0])
+    )
+    (rollout,) = agent.generate(batch, iteration=1)
+    opened = tok.decode(
+        rollout.prompt_ids_BP[0][rollout.prompt_mask_BP[0].bool()].tolist(), skip_special=False
+    )
+    system = opened.split("<|im_end|>")[0]
+    assert (
+        '"name": "lookup"' in system and '"name": "add"' in system
+    )  # the row's schema, then the environment's
+    assert system.index('"lookup"') < system.index('"add"')

@@ -45,7 +45,7 @@ from rlhfuse.core.sampling_config import SamplingConfig
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import EPISODE_COLUMNS, PromptBatch, Rollout
 from rlhfuse.data.collate import left_padded
-from rlhfuse.data.prompts import Prompt
+from rlhfuse.data.prompts import TOOLS_KEY, Prompt
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
 # An episode's id in a turn's prompt batch (what the wrapped generator seeds its sample from): unique per prompt,
@@ -239,7 +239,10 @@ class _Episodes:
                     env, prompt.fields, prompt.messages, max_turns=agent.max_turns, tools_runner=runner
                 )
             )
-            self.schemas.append(tool_schemas(tools) if tools else [])
+            # the row's own schemas (a `tools` column, rendered into its prompt too), then the environment's
+            self.schemas.append(
+                [*(prompt.fields.get(TOOLS_KEY) or []), *(tool_schemas(tools) if tools else [])]
+            )
 
     def opened(self) -> list[list[int]]:
         """Each episode's prompt: the conversation so far with the generation prompt, the tools' schemas given."""

@@ -29,6 +29,7 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
 MESSAGES_KEY = "messages"
+TOOLS_KEY = "tools"
 COMPLETION_KEY = "completion"
 # a prompt: its text, or chat messages ({"role", "content"} each)
 PromptInput = str | list[dict[str, Any]]
@@ -98,7 +99,8 @@ def read_prompt_rows(source: str | Path | Any, prompt_key: str = "prompt") -> li
                 raise DatasetError(
                     f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno})"
                 ) from None
-            texts.append((_prompt_of(row, prompt_key, f"{path}:{lineno}"), _fields_of(row, prompt_key)))
+            where = f"{path}:{lineno}"
+            texts.append((_prompt_of(row, prompt_key, where), _fields_of(row, prompt_key, where)))
     if not texts:
         raise DatasetError(f"{path}: no prompts found (empty file)")
     return texts
@@ -162,12 +164,12 @@ def _rows_of(rows: list[dict[str, Any]], prompt_key: str, where: str) -> list[Pr
     if not rows:
         raise DatasetError(f"{where}: no prompts found (no rows)")
     return [
-        (_prompt_of(row, prompt_key, f"{where}: row {i}"), _fields_of(row, prompt_key))
+        (_prompt_of(row, prompt_key, f"{where}: row {i}"), _fields_of(row, prompt_key, f"{where}: row {i}"))
         for i, row in enumerate(rows)
     ]
 
 
-def _fields_of(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+def _fields_of(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
     key = _format_key(row, prompt_key)
     # the other format's column is None in a table mixing both (Arrow fills absent columns): not a field
     fields = {
@@ -175,7 +177,26 @@ def _fields_of(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
     }
     if key == MESSAGES_KEY and _ends_with_answer(row[MESSAGES_KEY]):
         fields[COMPLETION_KEY] = row[MESSAGES_KEY][-1]["content"]  # the SFT answer, for the reward
+    if fields.get(TOOLS_KEY) is not None:
+        fields[TOOLS_KEY] = _tools_of(fields[TOOLS_KEY], where)
     return fields
+
+
+def _tools_of(value: object, where: str) -> list[dict[str, Any]]:
+    """A row's `tools` column: the JSON schemas of the functions offered to the model (OpenAI's
+    {"type": "function", "function": {...}} or the function's schema alone), as a list or its JSON text (how
+    Parquet files often hold it); rendered into the prompt through the chat template's `tools`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{where}: {TOOLS_KEY!r} is a string but not JSON ({err.msg})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DatasetError(
+            f'{where}: {TOOLS_KEY!r} must be a list of JSON schemas ({{"type": "function", "function": '
+            f'{{"name": ..., "parameters": ...}}}} each), got {value!r}'[:400]
+        )
+    return [dict(t) for t in value]
 
 
 def _format_key(row: dict[str, Any], prompt_key: str) -> str:
@@ -221,17 +242,26 @@ def _prompt_of(row: object, prompt_key: str, where: str) -> PromptInput:
 
 
 def _messages_of(value: object, where: str, key: str) -> list[dict[str, Any]]:
+    """Chat messages, checked: {"role", "content"} with string values; OpenAI's tool calls kept for the template
+    (an assistant message's `tool_calls` list, whose content may then be null, read as ""; a "tool" message's
+    `name` or `tool_call_id`)."""
     fix = f'{key!r} must be a non-empty list of {{"role": ..., "content": ...}} objects with string values'
     if not isinstance(value, list) or not value:
         raise DatasetError(f"{where}: {fix}, got {value!r}"[:400])
+    out = []
     for k, message in enumerate(value):
+        calls = isinstance(message, dict) and isinstance(message.get("tool_calls"), list)
         if not (
             isinstance(message, dict)
             and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
+            and (isinstance(message.get("content"), str) or (calls and message.get("content") is None))
         ):
-            raise DatasetError(f"{where}: message {k}: {fix}, got {message!r}"[:400])
-    return [dict(m) for m in value]
+            raise DatasetError(
+                f'{where}: message {k}: {fix} (an assistant message with "tool_calls" may have a null '
+                f"content), got {message!r}"[:400]
+            )
+        out.append({**message, "content": message.get("content") or ""})
+    return out
 
 
 def apply_prompt_template(
@@ -284,7 +314,7 @@ def tokenize_prompts(
         if chat:
             messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
             try:
-                text = tokenizer.render_chat(messages)
+                text = tokenizer.render_chat(messages, tools=rows[i].get(TOOLS_KEY) if rows else None)
             except ChatTemplateError as err:
                 raise ChatTemplateError(f"{err} (prompt {i} of {source}: {messages!r:.200})") from None
             ids = tokenizer.encode(text, add_bos=False)  # the template writes any BOS: none is duplicated
