@@ -12,13 +12,16 @@ then the whole-model inference of the rollout (Actor, Ref, Critic and Reward: co
 Settings, their order rotating round by round: `serial` (every episode played, then the whole rollout inferred),
 `streamed` (each chunk of episodes inferred as `AgentGenerator` yields it: the episodes that ended in a turn come
 out while the environments answer the next turn, so their inference runs during that latency; what the serial
-rollout stage of a run does) and `streamed+migrating` (the same, each turn's call also moving its tail to one
-instance once `RT_FRACTION` of its samples are left). Same samples in every setting (checked per round). Per
-setting, the median over rounds of rank 0's `gen_inf_s` (the episodes and their inference), `decode_share` (the
-turn calls' decoding over it: the rest is the environments' answers, inference not overlapped with them, and the
-host work between turns) and `slot_utilisation` (the decode slots busy over the rollout: sum over decode steps of
-running samples x step seconds / (slots x `gen_inf_s`), slots = this rank's share of the episodes);
-`speedup.<setting>` = serial gen_inf_s / the setting's (paired per round).
+rollout stage of a run does), `streamed+migrating` (the same, each turn's call also moving its tail to one
+instance once `RT_FRACTION` of its samples are left) and `streamed+kept_kv` (streamed, each turn prefilling only
+its new tokens after the KV its episode's previous turn left: `generator.prefix_cache`). Same samples in every
+setting (checked per round). Per setting, the median over rounds of rank 0's `gen_inf_s` (the episodes and their
+inference), `decode_share` (the turn calls' decoding over it: the rest is the environments' answers, inference
+not overlapped with them, and the host work between turns), `slot_utilisation` (the decode slots busy over the
+rollout: sum over decode steps of running samples x step seconds / (slots x `gen_inf_s`), slots = this rank's
+share of the episodes) and `prefill_tokens` (the positions rank 0's engine prefilled: every turn's whole
+conversation, or with kept KV only its new tokens); `speedup.<setting>` = serial gen_inf_s / the setting's
+(paired per round).
 
 What it shows about the agent loop (docs/agents.md): turns are synchronised across a batch's episodes, so every
 turn waits for the slowest answer, and slots idle while the environment answers.
@@ -46,8 +49,14 @@ from rlhfuse.testing.processes import leave_after_success, spawn_ranks
 
 MEDIAN_S, SIGMA, CAP_S = 0.02, 1.0, 0.5
 MAX_TURNS, PER_PROMPT, RT_FRACTION = 4, 4, 0.25
-SETTINGS = {"serial": (False, False), "streamed": (False, True), "streamed+migrating": (True, True)}
-"""Name -> (long-tail migration in each turn's call, each chunk of ended episodes inferred as it comes)."""
+SETTINGS = {
+    "serial": (False, False, False),
+    "streamed": (False, True, False),
+    "streamed+migrating": (True, True, False),
+    "streamed+kept_kv": (False, True, True),
+}
+"""Name -> (long-tail migration in each turn's call, each chunk of ended episodes inferred as it comes, each
+turn prefilling only its new tokens after the kept KV of the previous: generator.prefix_cache)."""
 
 
 class SlowGame(GuessingGame):
@@ -63,25 +72,22 @@ class SlowGame(GuessingGame):
 
 
 class _Timed:
-    """The inner generator, adding up its calls' seconds and its engine's decode slot-seconds."""
+    """The inner generator, adding up its calls' seconds, its engine's decode slot-seconds and prefilled tokens."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.decode_s, self.slot_s = inner, 0.0, 0.0
+        self.inner, self.decode_s, self.slot_s, self.prefill_tokens = inner, 0.0, 0.0, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        engines = getattr(self.inner, "engines", [])
-        before = {id(e): len(e.stats.batch_sizes) for e in engines}
         start = time.perf_counter()
         chunks = list(self.inner.generate(*args, **kwargs))
         self.decode_s += time.perf_counter() - start
-        for engine in self.inner.engines:
-            stats, first = engine.stats, before.get(id(engine), 0)
-            self.slot_s += sum(
-                b * s for b, s in zip(stats.batch_sizes[first:], stats.step_seconds[first:], strict=True)
-            )
+        for engine in self.inner.engines:  # each call's own statistics (the pool starts them afresh)
+            stats = engine.stats
+            self.prefill_tokens += stats.prefill_tokens
+            self.slot_s += sum(b * s for b, s in zip(stats.batch_sizes, stats.step_seconds, strict=True))
         return iter(chunks)
 
 
@@ -134,9 +140,10 @@ def _worker(rank: int, port: int, out: str, rounds: int, prompts_count: int) -> 
         names = list(SETTINGS)[r % len(SETTINGS) :] + list(SETTINGS)[: r % len(SETTINGS)]
         ids = []
         for name in names:
-            migrating, streamed = SETTINGS[name]
+            migrating, streamed, kept_kv = SETTINGS[name]
             policy = FixedThreshold(round(RT_FRACTION * episodes)) if migrating else NoMigration()
             gen_config = GenerationConfig(name="engine", sampling=sampling, instances=2)
+            gen_config.engine.prefix_cache = episodes if kept_kv else 0
             setup = InstanceSetup(tok.eos_id, tok.pad_id, samples_per_prompt=PER_PROMPT, seed=r, policy=policy,
                                   bs_max=episodes)  # fmt: skip
             inner = _Timed(
@@ -162,6 +169,7 @@ def _worker(rank: int, port: int, out: str, rounds: int, prompts_count: int) -> 
                     "decode_share": inner.decode_s / gen_inf_s,
                     "slot_utilisation": inner.slot_s / (episodes / 2 * gen_inf_s),
                     "turns_mean": float(rollout.episodes_BE[:, 0].mean()),
+                    "prefill_tokens": float(inner.prefill_tokens),
                     "tokens": float(rollout.response_mask_BR.sum()),
                 })  # fmt: skip
         identical.append(all(torch.equal(ids[0], other) for other in ids[1:]))
@@ -198,11 +206,11 @@ def run(quick: bool = False) -> dict[str, Any]:
           f"{MAX_TURNS} turns, environment answers log-normal (median {MEDIAN_S * 1000:.0f} ms, sigma {SIGMA}), "
           f"median of {rounds} rounds")  # fmt: skip
     print(f"  {'setting':<20} {'gen+inf s':>10} {'vs serial':>10} {'decode share':>13} {'slot util':>10} "
-          f"{'turns':>6}")  # fmt: skip
+          f"{'turns':>6} {'prefilled':>10}")  # fmt: skip
     for name in SETTINGS:
         f, ratio = figures[name], figures["speedup"].get(name, 1.0)
         print(f"  {name:<20} {f['gen_inf_s']:>10.2f} {ratio:>9.2f}x {f['decode_share']:>13.2f} "
-              f"{f['slot_utilisation']:>10.2f} {f['turns_mean']:>6.2f}")  # fmt: skip
+              f"{f['slot_utilisation']:>10.2f} {f['turns_mean']:>6.2f} {f['prefill_tokens']:>10.0f}")  # fmt: skip
     print(f"  samples identical in every setting: {figures['identical']}; 1-minute load average: "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     return figures

@@ -129,3 +129,30 @@ def test_episodes_migrate_each_turn_and_keep_their_trajectories(tmp_path):
         # samples moved in the later turns' calls (rank 0's report: what it decided)
         moved = ranks[0][(temperature, "on")][1]
         assert len(moved) == MAX_TURNS and sum(moved[1:]) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kept_kv_between_turns_prefills_only_the_new_tokens_and_keeps_the_trajectories(temperature):
+    """generator.prefix_cache: each turn's prompt continues the previous turn's sample, whose KV the engine kept."""
+    runs = {}
+    for keep in (0, 64):
+        tok, prompts, sampling, batch = _setup(temperature)
+        config = GenerationConfig(name="engine", sampling=sampling)
+        config.engine.prefix_cache = keep
+        setup = InstanceSetup(tok.eos_id, tok.pad_id, samples_per_prompt=PER_PROMPT, seed=3, bs_max=16)
+        pool = EnginePool(_model(tok.vocab_size), config.engine)
+        inner = EngineGenerator(pool, config, setup, mechanism="kv")
+        agent = AgentGenerator(
+            inner,
+            CountedGame,
+            tok,
+            prompts,
+            sampling=sampling,
+            samples_per_prompt=PER_PROMPT,
+            max_turns=MAX_TURNS,
+        )
+        rollout = Rollout.cat(list(agent.generate(batch, iteration=1)), tok.pad_id)
+        runs[keep] = (rollout, pool.prefixes)
+    (whole, _), (kept, store) = runs[0], runs[64]
+    _same(kept, whole)
+    assert store.hits >= PROMPTS and store.reused_tokens > 0  # later turns continued the kept samples

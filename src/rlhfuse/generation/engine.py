@@ -39,6 +39,7 @@ from rlhfuse.core.sampling import (
 )
 from rlhfuse.core.timing import OpTimer
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.generation.prefix_store import PrefixStore
 from rlhfuse.generation.speculative import Drafter, SpeculationCosts, speculation_problems
 from rlhfuse.models import KVCache, SlotState, Transformer, load_weights, upload
 
@@ -300,6 +301,7 @@ class GenerationEngine:
         speculative_tokens: int = 4,
         choice: TokenChoice | None = None,
         gate: StepGate | None = None,
+        prefixes: PrefixStore | None = None,
     ) -> None:
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} must be >= 1")
@@ -318,6 +320,8 @@ class GenerationEngine:
         self.model = model
         self.params = params
         self.prefix_sharing = prefix_sharing
+        self.prefixes = prefixes
+        """Finished samples' KV kept for a prompt that continues one (`rlhfuse.generation.prefix_store`)."""
         self.speculative = speculative
         self.speculative_tokens = speculative_tokens
         self.drafter = Drafter()
@@ -401,19 +405,29 @@ class GenerationEngine:
         if not take:
             return []
         slots = [self.free_slots.pop(0) for _ in take]
-        # prefix sharing: one prefill per group among the admitted samples, copied to the others' slots
+        # a prompt continuing a kept sample's KV (a multi-turn episode's next turn) prefills only its new tokens
+        kept = self._continued(take, slots)
+        # prefix sharing: one prefill per group among the other admitted samples, copied to the others' slots
         groups: dict[int, list[int]] = {}
         for k, request in enumerate(take):
-            key = request.group if self.prefix_sharing else -1 - k
-            groups.setdefault(key, []).append(k)
+            if k not in kept:
+                key = request.group if self.prefix_sharing else -1 - k
+                groups.setdefault(key, []).append(k)
         leaders = [members[0] for members in groups.values()]
-        logits_GV = self._prefill([take[k].prompt_P for k in leaders], [slots[k] for k in leaders])
+        parts = []
         logits_rows = [0] * len(take)
+        if leaders:
+            parts.append(self._prefill([take[k].prompt_P for k in leaders], [slots[k] for k in leaders]))
         for g, members in enumerate(groups.values()):
             self.cache.copy_slot(slots[members[0]], [slots[k] for k in members[1:]])
             for k in members:
                 logits_rows[k] = g
-        first, logprobs = read_choices(*self._sample(logits_GV[upload(logits_rows, self.device)], take))
+        if kept:
+            parts.append(self._extend([take[k] for k in kept], [slots[k] for k in kept], list(kept.values())))
+            for j, k in enumerate(kept):
+                logits_rows[k] = len(leaders) + j
+        logits_XV = torch.cat(parts) if len(parts) > 1 else parts[0]
+        first, logprobs = read_choices(*self._sample(logits_XV[upload(logits_rows, self.device)], take))
         done = []
         for request, slot, token, logprob in zip(take, slots, first, logprobs, strict=True):  # the one read
             self.running[slot] = request
@@ -421,6 +435,49 @@ class GenerationEngine:
             if self._append(request, token, logprob):
                 done.append(slot)
         return self._release(done)
+
+    def _continued(self, take: Sequence[SampleRequest], slots: Sequence[int]) -> dict[int, int]:
+        """The admitted requests (index in `take`) whose prompt continues a kept state, each imported into its
+        slot: index -> the positions imported."""
+        if self.prefixes is None or not self.prefixes.entries:
+            return {}
+        kept: dict[int, int] = {}
+        for k, request in enumerate(take):
+            found = self.prefixes.take(request.prompt_P.tolist())
+            if found is not None:
+                length, state = found
+                self.cache.import_slot(slots[k], state)
+                kept[k] = length
+        return kept
+
+    def _extend(self, requests: Sequence[SampleRequest], slots: Sequence[int], kept: Sequence[int]) -> Tensor:
+        """The prompts' positions after the `kept` ones already in their slots, appended (right-padded, the
+        padding's positions cut off after); each row's last-position logits [B, V]. One forward pass, or one per
+        row where the padding would pass a slot's `max_len`."""
+        rest = [request.prompt_P[n:] for request, n in zip(requests, kept, strict=True)]
+        width = max(len(r) for r in rest)
+        if max(n for n in kept) + width <= self.cache.max_len:
+            return self._extend_rows(rest, slots)
+        return torch.cat([self._extend_rows([r], [slot]) for r, slot in zip(rest, slots, strict=True)])
+
+    def _extend_rows(self, rest: Sequence[Tensor], slots: Sequence[int]) -> Tensor:
+        width = max(len(r) for r in rest)
+        ids_BT = torch.zeros((len(rest), width), dtype=torch.long)
+        mask_BT = torch.zeros((len(rest), width), dtype=torch.long)
+        for b, r in enumerate(rest):
+            ids_BT[b, : len(r)], mask_BT[b, : len(r)] = r, 1
+        lengths = [self.cache.lengths[s] for s in slots]
+        with self.prefill_timer.measure("prefill"):
+            logits_BTV = self.model(
+                upload(ids_BT, self.device),
+                attention_mask_BT=upload(mask_BT, self.device),
+                cache=self.cache,
+                cache_slots_B=list(slots),
+            )
+        self.cache.truncate(slots, [n + len(r) for n, r in zip(lengths, rest, strict=True)])
+        self.stats.prefill_tokens += sum(len(r) for r in rest)
+        last_B = upload([len(r) - 1 for r in rest], self.device)
+        return logits_BTV[torch.arange(len(rest), device=self.device), last_B]
 
     def _prefill(self, sequences: Sequence[Tensor], slots: Sequence[int]) -> Tensor:
         """Left-padded prefill of `sequences` into `slots` (emptied first); last-position logits [G, V]."""
@@ -595,6 +652,11 @@ class GenerationEngine:
         if not slots:
             return []
         requests = [self.running.pop(slot) for slot in slots]
+        if self.prefixes is not None:  # a finished sample's KV, for a prompt that continues it
+            for slot, request in zip(slots, requests, strict=True):
+                if request.stopped or len(request.tokens) >= self.params.max_new_tokens:
+                    ids = [*request.prompt_P.tolist(), *request.tokens[:-1]]
+                    self.prefixes.put(ids, self.cache.export_slot(slot))
         self.cache.reset(list(slots))
         self.free_slots.extend(slots)
         self.free_slots.sort()

@@ -31,10 +31,15 @@ class EngineOptions:
     # k: draft tokens verified per step (>= 1, < generator.max_new_tokens); each verify step computes k+1
     # positions per running sample.
     speculative_tokens: int = 4
+    # Finished samples' KV caches kept for a later prompt that continues one (rlhfuse.generation.prefix_store):
+    # a multi-turn episode's next turn (agent.env) prefills only its new tokens. At most this many kept (the
+    # oldest dropped); 0 = off (every prompt prefilled whole).
+    prefix_cache: int = 0
 
     def problems(self) -> list[str]:
         problems: list[str] = []
         non_negative(problems, "generator.num_slots", self.num_slots, "0 = room for every sample")
+        non_negative(problems, "generator.prefix_cache", self.prefix_cache, "0 = off")
         return problems
 
 

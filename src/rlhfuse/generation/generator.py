@@ -41,6 +41,7 @@ from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
 from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig
 from rlhfuse.generation.lockstep import LockstepLeader, follow, shared_result
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
+from rlhfuse.generation.prefix_store import PrefixStore
 from rlhfuse.generation.transport import PointToPoint, collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
 from rlhfuse.models import Transformer, load_weights
@@ -121,6 +122,8 @@ class EnginePool:
         self.options = options
         self.models = [copy.deepcopy(actor).eval().requires_grad_(False)]
         self.engines: list[GenerationEngine] = []
+        # one store for every engine of the pool, kept when an engine is rebuilt for longer prompts
+        self.prefixes = PrefixStore(options.prefix_cache) if options.prefix_cache else None
 
     @property
     def device(self) -> torch.device:
@@ -146,6 +149,7 @@ class EnginePool:
                     num_slots=slots,
                     max_len=max_len,
                     prefix_sharing=self.options.prefix_sharing,
+                    prefixes=self.prefixes,
                     speculative=self.options.speculative,
                     speculative_tokens=self.options.speculative_tokens,
                 )
@@ -161,6 +165,8 @@ class EnginePool:
         for bucket in buckets:  # copied into every instance's copy, then freed
             for model in self.models:
                 load_weights(model, bucket)
+        if self.prefixes is not None:  # the kept KV was computed with the weights now replaced
+            self.prefixes.clear()
 
     def actor_copies(self) -> list[torch.nn.Module]:
         return list(self.models)
