@@ -39,11 +39,12 @@ from rlhfuse.agents.environment import ENV_KEY, AgentEnvError, environment_tools
 from rlhfuse.agents.episode import EpisodeRun
 from rlhfuse.agents.tokens import answer_tokens, chat_encoder
 from rlhfuse.agents.tools import ToolRunner, tool_schemas
-from rlhfuse.core.protocols import Generator
+from rlhfuse.core.protocols import Generator, Inferencer
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.sampling_config import SamplingConfig
-from rlhfuse.core.stats import GenerationStats
-from rlhfuse.core.types import EPISODE_COLUMNS, PromptBatch, Rollout
+from rlhfuse.core.stats import GenerationStats, RolloutStats
+from rlhfuse.core.streamed_rollout import streamed_rollout
+from rlhfuse.core.types import EPISODE_COLUMNS, Experience, PromptBatch, Rollout
 from rlhfuse.data.collate import left_padded
 from rlhfuse.data.prompts import TOOLS_KEY, Prompt
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
@@ -107,6 +108,27 @@ class AgentGenerator:
     def close(self) -> None:
         self._background.shutdown()
         self.inner.close()
+
+    def fused_rollout(
+        self,
+        prompts: PromptBatch,
+        *,
+        iteration: int,
+        inferencer: Inferencer,
+        sampling: Sampling | None = None,
+    ) -> tuple[Experience, RolloutStats]:
+        """The episodes with their inference fused in (`FusingGenerator`, asked for where each rank is a generation
+        instance): each chunk of ended episodes inferred as `generate` yields it, while the environments answer the
+        next turn, as the serial rollout stage does (each turn's call migrates its own tail; freed instances do not
+        infer other ranks' episodes)."""
+        return streamed_rollout(
+            self,
+            inferencer,
+            prompts,
+            iteration=iteration,
+            pad_token_id=self.tokenizer.pad_id,
+            sampling=sampling,
+        )
 
     # --- episodes ----------------------------------------------------------------------------------------------
     def generate(

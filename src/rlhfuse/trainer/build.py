@@ -72,8 +72,7 @@ def rollout_stage(
 ) -> SerialRollout | FusedRollout | AsyncRollout:
     """Step 1's form, chosen once: generation ahead of training within the staleness bound when async is on
     (`AsyncRollout`, drawing its prompts from `feed`), fused generation + inference when each rank is one
-    generation instance (`Topology.fused_rollout`) of a generator that fuses (`FusingGenerator`: not a multi-turn
-    `AgentGenerator`, whose turns each migrate their own tail), the serial stage otherwise."""
+    generation instance (`Topology.fused_rollout`), the serial stage otherwise."""
     cfg = ctx.config
     if cfg.asynchronous.enabled:
         return AsyncRollout(
@@ -86,7 +85,8 @@ def rollout_stage(
             partial_rollout=cfg.asynchronous.partial_rollout,
             stall_timeout_s=cfg.distributed.timeout_s,
         )
-    if ctx.topology.fused_rollout and isinstance(generator, FusingGenerator):
+    if ctx.topology.fused_rollout:
+        assert isinstance(generator, FusingGenerator), type(generator)
         return FusedRollout(generator, inferencer)
     return SerialRollout(generator, inferencer, pad_token_id=ctx.models.tokenizer.pad_id)
 

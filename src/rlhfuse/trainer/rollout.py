@@ -13,7 +13,6 @@ rewards differ (`training_rollout`; held-out evaluation uses the stage itself).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,14 +22,11 @@ from rlhfuse.algorithms import varied_groups
 from rlhfuse.core.protocols import FusingGenerator, Generator, Inferencer, RolloutStage, StageHook
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import DynamicSamplingStats, RolloutStats
+from rlhfuse.core.streamed_rollout import no_stage_hook, streamed_rollout
 from rlhfuse.core.types import Experience, PromptBatch
 from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import PromptLoader
-
-
-def _ignore(stage: str) -> None:
-    del stage
 
 
 class Stateless:
@@ -57,29 +53,10 @@ class SerialRollout(Stateless):
         on_stage: StageHook | None = None,
         sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]:
-        on_stage = on_stage or _ignore
-        on_stage("generation")
-        gen_time = inf_time = 0.0
-        parts: list[Experience] = []
-        t0 = start = time.perf_counter()
-        for chunk in self.generator.generate(prompts, iteration=iteration, sampling=sampling):
-            gen_time += time.perf_counter() - t0
-            on_stage("inference")
-            t1 = time.perf_counter()
-            parts.append(self.inferencer.infer(chunk))
-            inf_time += time.perf_counter() - t1
-            t0 = time.perf_counter()
-        gen_time += time.perf_counter() - t0
-        span = time.perf_counter() - start  # first decode step to the last inference output
-        generation = self.generator.generation_stats()
-        stats = RolloutStats(
-            generation_s=gen_time,
-            inference_s=inf_time,
-            # reported for generators with instances (the serial baseline of inter-stage fusion)
-            generation_inference_s=span if generation is not None else None,
-            generation=generation,
-        )
-        return Experience.cat(parts, self.pad_token_id), stats
+        return streamed_rollout(
+            self.generator, self.inferencer, prompts, iteration=iteration, pad_token_id=self.pad_token_id,
+            on_stage=on_stage, sampling=sampling,
+        )  # fmt: skip
 
 
 class FusedRollout(Stateless):
@@ -95,7 +72,7 @@ class FusedRollout(Stateless):
         on_stage: StageHook | None = None,
         sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]:
-        (on_stage or _ignore)("generation")
+        (on_stage or no_stage_hook)("generation")
         return self.generator.fused_rollout(
             prompts, iteration=iteration, inferencer=self.inferencer, sampling=sampling
         )
