@@ -461,23 +461,29 @@ class GenerationEngine:
         return torch.cat([self._extend_rows([r], [slot]) for r, slot in zip(rest, slots, strict=True)])
 
     def _extend_rows(self, rest: Sequence[Tensor], slots: Sequence[int]) -> Tensor:
-        width = max(len(r) for r in rest)
-        ids_BT = torch.zeros((len(rest), width), dtype=torch.long)
-        mask_BT = torch.zeros((len(rest), width), dtype=torch.long)
-        for b, r in enumerate(rest):
-            ids_BT[b, : len(r)], mask_BT[b, : len(r)] = r, 1
         lengths = [self.cache.lengths[s] for s in slots]
         with self.prefill_timer.measure("prefill"):
-            logits_BTV = self.model(
-                upload(ids_BT, self.device),
-                attention_mask_BT=upload(mask_BT, self.device),
-                cache=self.cache,
-                cache_slots_B=list(slots),
-            )
+            logits_BTV = self._forward_rows(rest, slots)
         self.cache.truncate(slots, [n + len(r) for n, r in zip(lengths, rest, strict=True)])
         self.stats.prefill_tokens += sum(len(r) for r in rest)
         last_B = upload([len(r) - 1 for r in rest], self.device)
         return logits_BTV[torch.arange(len(rest), device=self.device), last_B]
+
+    def _forward_rows(self, rows: Sequence[Tensor | Sequence[int]], slots: Sequence[int]) -> Tensor:
+        """Token ids appended to their slots' caches in one forward pass, right-padded to the longest row (the
+        padding masked; the caller cuts its positions off): logits [B, T, V]."""
+        width = max(len(r) for r in rows)
+        ids_BT = torch.zeros((len(rows), width), dtype=torch.long)
+        mask_BT = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BT[b, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            mask_BT[b, : len(row)] = 1
+        return self.model(
+            upload(ids_BT, self.device),
+            attention_mask_BT=upload(mask_BT, self.device),
+            cache=self.cache,
+            cache_slots_B=list(slots),
+        )
 
     def _prefill(self, sequences: Sequence[Tensor], slots: Sequence[int]) -> Tensor:
         """Left-padded prefill of `sequences` into `slots` (emptied first); last-position logits [G, V]."""
@@ -566,17 +572,9 @@ class GenerationEngine:
         """One forward pass of [last token, draft...] per running sample; accept drafts while the token sampled
         with the sample's own uniform equals the draft, keep the first mismatch, trim the rejected positions."""
         width = 1 + max(len(d) for d in drafts)
-        ids_BT = torch.zeros((len(slots), width), dtype=torch.long)
-        mask_BT = torch.zeros((len(slots), width), dtype=torch.long)
-        for b, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
-            ids_BT[b, : 1 + len(draft)] = torch.tensor([request.tokens[-1], *draft], dtype=torch.long)
-            mask_BT[b, : 1 + len(draft)] = 1
         lengths = [self.cache.lengths[s] for s in slots]
-        logits_BTV = self.model(
-            upload(ids_BT, self.device),
-            attention_mask_BT=upload(mask_BT, self.device),
-            cache=self.cache,
-            cache_slots_B=list(slots),
+        logits_BTV = self._forward_rows(
+            [[request.tokens[-1], *draft] for request, draft in zip(requests, drafts, strict=True)], slots
         )
         # the step's one read
         tokens_BT, logprobs_BT = read_choices(*self._sample_positions(logits_BTV, requests, width))

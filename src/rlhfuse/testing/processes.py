@@ -1,6 +1,6 @@
-"""Spawning test ranks (`spawn_ranks`) and ending them: a rank whose checks all passed leaves through `rlhfuse.distributed.exit_finished`
-(past interpreter finalisation, whose race with gloo's worker threads has aborted passing ranks on a loaded
-machine); a failing one tears its process group down and raises."""
+"""Spawning test ranks (`spawn_ranks`, `gloo_rank`) and ending them: a rank whose checks all passed leaves
+through `rlhfuse.distributed.exit_finished` (past interpreter finalisation, whose race with gloo's worker threads
+has aborted passing ranks on a loaded machine); a failing one tears its process group down and raises."""
 
 from __future__ import annotations
 
