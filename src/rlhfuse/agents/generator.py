@@ -18,9 +18,13 @@ An answer's tokens are what the chat template writes for those messages after th
 conversation rendered up to the assistant message's end token); a template for which the second is not a prefix
 of the first is refused (`ChatTemplateError`), as `episode_tokens` does.
 
-Weaker than a generator-level loop (docs/agents.md): each turn re-prefills the whole conversation (no KV cache
-kept between turns), and the turns of a batch are synchronised (a sample waiting on a slow tool holds up the next
-turn of all; decode slots are not released while tools run).
+Episodes are yielded in chunks as they end, while the environments answer the next turn; `fused_rollout` infers
+each chunk as it comes (`core.streamed_rollout`). Over several processes the environments run on rank 0, which
+shares each turn's answers. Each turn's prompt is the whole conversation: rlhfuse's engine with
+`generator.prefix_cache` prefills only its new tokens (vLLM's prefix caching likewise).
+
+Weaker than a generator-level loop (docs/agents.md): the turns of a batch are synchronised (a sample waiting on a
+slow tool holds up the next turn of all; decode slots are not released while tools run).
 
 Legend: B episodes (prompts x samples per prompt), P prompt tokens, R response tokens.
 """
