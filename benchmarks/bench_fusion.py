@@ -45,6 +45,7 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
 
+    from rlhfuse.data.collate import collate_prompts
     from rlhfuse.data.prompts import PromptLoader, load_prompts
     from rlhfuse.data.synthetic import SyntheticTask
     from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
@@ -52,7 +53,6 @@ def _worker(
     from rlhfuse.trainer import compose_config
     from rlhfuse.trainer.models import load_models
     from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
-    from rlhfuse.trainer.trainer import collate_prompts
     from rlhfuse.trainer.warmstart import warm_start
 
     torch.set_num_threads(1)
@@ -279,13 +279,13 @@ def _speculative(quick: bool) -> dict[str, Any]:
     """Speculation on the tail of experiment=longtail, one instance: the warm-started Actor decodes the first
     batch with generator.speculative=off, auto (and ngram), rounds alternating; the tail = steps with at most 20%
     of the batch running."""
+    from rlhfuse.data.collate import collate_prompts
     from rlhfuse.data.prompts import PromptLoader, load_prompts
     from rlhfuse.data.synthetic import SyntheticTask
     from rlhfuse.data.tokenizer import Tokenizer
     from rlhfuse.generation import GenerationEngine, SamplingParams, requests_for
     from rlhfuse.models import from_pretrained
     from rlhfuse.trainer import compose_config
-    from rlhfuse.trainer.trainer import collate_prompts
     from rlhfuse.trainer.warmstart import warm_start
 
     torch.set_num_threads(1)

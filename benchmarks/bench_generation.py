@@ -208,8 +208,8 @@ def _mib(nbytes: float) -> str:
 
 def kv_memory(experiment: str) -> dict[str, Any]:
     """Peak KV bytes of one iteration's generation of `experiment` (its warm-started Actor and prompts)."""
+    from rlhfuse.data.collate import collate_prompts
     from rlhfuse.trainer import build_trainer, compose_config
-    from rlhfuse.trainer.trainer import collate_prompts
 
     config = compose_config([f"experiment={experiment}"])
     with tempfile.TemporaryDirectory() as run_dir:

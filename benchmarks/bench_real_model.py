@@ -32,13 +32,13 @@ import torch
 from rlhfuse.core.rewards import exact_match, numeric_match
 from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.data.arithmetic import ArithmeticTask
+from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.prompts import apply_prompt_template, tokenize_prompts, uses_chat_template
 from rlhfuse.generation.batched import SamplingGenerator
 from rlhfuse.models import from_pretrained
 from rlhfuse.models.convert import is_converted, real_model_dir
 from rlhfuse.trainer import build_trainer, compose_config
 from rlhfuse.trainer.models import load_tokenizer
-from rlhfuse.trainer.trainer import collate_prompts
 
 ITERATIONS_ENV = "REAL_MODEL_ITERATIONS"
 HELD_OUT = 64
