@@ -193,3 +193,22 @@ def _four_rank_inference_worker(rank: int, world: int) -> None:
 def test_pipeline_inference_four_ranks_replicas_and_data_parallel() -> None:
     """Critic/Reward replicas x data parallelism, a 4-stage Actor with two reversed 2-stage Critic replicas."""
     run_distributed(_four_rank_inference_worker, 4, timeout=220)
+
+
+def test_the_reward_stage_alone_scores_as_the_whole_inference() -> None:
+    """`ModelInferencer.score` (what dynamic sampling decides on) equals `infer`'s scores: the reward model's, the
+    truncated ones replaced; the Actor, Ref and Critic do not run."""
+    models = _models()
+    calls: list[str] = []
+    for name in ("actor", "ref", "critic"):
+        models[name].register_forward_pre_hook(lambda *_, name=name: calls.append(name))
+    inferencer = ModelInferencer(
+        InferencerConfig(truncated_score=-5.0), actor=models["actor"], ref=models["ref"],
+        critic=models["critic"], reward_model=models["reward"], rewards=None, tokenizer=build_tokenizer(),
+        temperature=0.7,
+    )  # fmt: skip
+    rollout = _rollout(6, seed=4)
+    scores_B = inferencer.score(rollout)
+    assert calls == []
+    assert torch.equal(scores_B, inferencer.infer(rollout).scores_B) and calls
+    assert bool((scores_B == -5.0).any()) == bool((~rollout.finished_B).any())

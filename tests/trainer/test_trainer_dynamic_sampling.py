@@ -1,6 +1,7 @@
-"""Dynamic sampling (`data.oversample`, `rlhfuse.trainer.rollout.DynamicSampling`): rounds over a scripted stage
-(which groups are kept, what each round generates, the extra tokens, a prompt a candidate once, running out of
-prompts), and end to end on `experiment=arithmetic` with 2 generation instances and migration (in one process and
+"""Dynamic sampling (`data.oversample`): `DynamicSampling`'s rounds over a scripted stage (which groups are kept, what
+each round generates, the extra tokens, a prompt a candidate once, running out of prompts), `StreamedDynamicSampling`
+inside an open rollout on a scripted clock (a dropped group replaced at once, what still decodes dropped once the
+batch is full), and end to end on `experiment=arithmetic` with 2 generation instances and migration (in one process and
 over 2): every trained batch holds exactly data.prompts_per_iteration groups whose rewards differ, read back from
 the samples table; the DAPO recipe; a bit-identical resume."""
 
@@ -17,7 +18,7 @@ import torch
 from rlhfuse.core.stats import RolloutStats
 from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.trainer import build_trainer, compose_config, validate
-from rlhfuse.trainer.rollout import DynamicSampling, DynamicSamplingError
+from rlhfuse.trainer.rollout import DynamicSampling, DynamicSamplingError, StreamedDynamicSampling
 
 N = 3  # samples per prompt
 
@@ -137,6 +138,137 @@ def test_evaluation_passes_through():
     held_out = object()  # an evaluation's own sampling: all its prompts, no filter, no statistics
     experience, stats = _sampling(stage, loader, groups=1).run(_prompts([4, 5]), 1, None, held_out)
     assert stage.calls == [[4, 5]] and len(experience) == 2 * N and stats.sampling is None
+
+
+class ScriptedOpenBatch:
+    """An open rollout on a scripted clock: prompt p's N samples take `1 + p % 5` steps from when it is added, and
+    sample i has p + i tokens once finished (a dropped-while-decoding group has had its steps' worth)."""
+
+    def __init__(self) -> None:
+        self.clock = 0
+        self.added: list[tuple[int, int]] = []  # (prompt id, step it was added at)
+        self.open: dict[int, tuple[int, int]] = {}  # group number -> (prompt id, step it finishes at)
+
+    @property
+    def groups_open(self) -> int:
+        return len(self.open)
+
+    def add(self, prompts: PromptBatch) -> None:
+        for p in prompts.prompt_ids_B.tolist():
+            self.open[len(self.added)] = (p, self.clock + 1 + p % 5)
+            self.added.append((p, self.clock))
+
+    def finished(self):
+        if not self.open:
+            return None
+        self.clock = min(end for _, end in self.open.values())
+        groups = sorted(g for g, (_, end) in self.open.items() if end == self.clock)
+        ids = [self.open.pop(g)[0] for g in groups]
+        experience, _ = ScriptedStage(varied=set()).run(_prompts(ids), 0)
+        return groups, experience.rollout
+
+    def close(self) -> int:
+        dropped = sum(self.clock - self.added[g][1] for g in self.open) * N
+        self.open.clear()
+        return dropped
+
+
+class ScriptedOpening:
+    """An `OpeningGenerator` over `ScriptedOpenBatch`es (the last one kept to read its clock)."""
+
+    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> ScriptedOpenBatch:
+        self.batch, self.capacity = ScriptedOpenBatch(), capacity
+        return self.batch
+
+    def generation_stats(self) -> None:
+        return None
+
+
+class InferOnly:
+    """The scripted stage's scores as an inferencer of rollouts (`varied` prompt ids score 0, 1, 0, ...), with no
+    reward stage of its own (as a user's wrapper): asked `infer` for the scores. Records the prompt ids of each
+    call."""
+
+    def __init__(self, varied: set[int]) -> None:
+        self.varied, self.inferred, self.scored = varied, [], []
+
+    def _scores(self, rollout: Rollout) -> torch.Tensor:
+        rows = zip(rollout.prompt_index_B.tolist(), rollout.sample_index_B.tolist(), strict=True)
+        return torch.tensor([float(i % 2) if p in self.varied else 1.0 for p, i in rows])
+
+    def infer(self, rollout: Rollout) -> Experience:
+        self.inferred.append(rollout.prompt_index_B.tolist()[::N])
+        zeros = torch.zeros(rollout.response_ids_BR.shape)
+        return Experience(rollout, zeros, zeros, zeros, self._scores(rollout))
+
+
+class ScoresFirst(InferOnly):
+    """The same with a reward stage of its own (`Scorer`): groups are scored alone, and only kept ones inferred."""
+
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        self.scored.append(rollout.prompt_index_B.tolist()[::N])
+        return self._scores(rollout)
+
+
+def _streamed(varied, loader, groups, oversample=1.0, limit=100, inferencer=ScoresFirst):
+    generator = ScriptedOpening()
+    sampling = StreamedDynamicSampling(
+        ScriptedStage(varied), generator, inferencer(varied), groups, samples_per_prompt=N,
+        oversample=oversample, draw=loader, limit=limit, prompt_width=3, pad_token_id=0,
+    )  # fmt: skip
+    return sampling, generator
+
+
+def test_streamed_a_dropped_group_is_replaced_at_once_and_the_batch_keeps_candidate_order():
+    # 2 groups asked for. Prompt 10 (1 step) scores alike: dropped at step 1, where 11 (2 steps) joins at once;
+    # 11 varies and finishes at step 3, before 14 (5 steps), so the batch is 14 then 11, in candidate order, at
+    # step 5. Rounds would wait for 14 before starting 11: step 5 + 2.
+    loader = Loader([11, 12, 13])
+    sampling, generator = _streamed({11, 14}, loader, groups=2)
+    experience, stats = sampling.run(_prompts([10, 14]), iteration=1)
+    assert generator.batch.added == [(10, 0), (14, 0), (11, 1)] and loader.drawn == [[11]]
+    assert generator.batch.clock == 5 and generator.capacity == 2 * N
+    assert experience.rollout.prompt_index_B.tolist() == [p for p in (14, 11) for _ in range(N)]
+    assert experience.rollout.sample_index_B.tolist() == list(range(N)) * 2
+    assert stats.sampling is not None
+    assert stats.sampling.metrics() == {
+        "rollout/groups_sampled": 3.0,
+        "rollout/groups_dropped": 1.0,
+        "rollout/extra_tokens": float(3 * 10 + 3),
+        "rollout/sampling_rounds": 1.0,
+    }
+    # each group scored as it finished; one inference, of the kept groups only
+    assert sampling.inferencer.scored == [[10], [11], [14]] and sampling.inferencer.inferred == [[14, 11]]
+
+
+def test_streamed_asks_an_inferencer_without_a_reward_stage_for_the_scores():
+    sampling, _ = _streamed({11, 14}, Loader([11, 12, 13]), groups=2, inferencer=InferOnly)
+    experience, _ = sampling.run(_prompts([10, 14]), iteration=1)
+    assert experience.rollout.prompt_index_B.tolist() == [p for p in (14, 11) for _ in range(N)]
+    assert sampling.inferencer.inferred == [[10], [11], [14], [14, 11]]
+
+
+def test_streamed_drops_what_still_decodes_once_the_batch_is_full():
+    # factor 2: 2 x 1 groups decode; 5 (1 step) varies and fills the batch at step 1, while 4 (5 steps) has run
+    # 1 of them: its N samples' 1 step each are extra, and it counts as sampled, not dropped
+    sampling, generator = _streamed({4, 5}, Loader([5, 6]), groups=1, oversample=2.0)
+    experience, stats = sampling.run(_prompts([4]), iteration=1)
+    assert experience.rollout.prompt_index_B.tolist() == [5] * N and generator.batch.clock == 1
+    assert stats.sampling is not None
+    assert (stats.sampling.groups_sampled, stats.sampling.groups_dropped) == (2.0, 0.0)
+    assert stats.sampling.extra_tokens == 1 * N
+
+
+def test_streamed_runs_out_of_prompts_with_the_same_error_as_the_rounds():
+    sampling, _ = _streamed({2}, Loader([3, 1, 4, 5, 6]), groups=2, limit=5)
+    with pytest.raises(DynamicSamplingError, match=r"tried 5 of the dataset's 5 prompts and found 1 of"):
+        sampling.run(_prompts([1, 2]), iteration=5)
+
+
+def test_streamed_evaluation_runs_the_serial_stage():
+    sampling, generator = _streamed(set(), Loader([]), groups=1)
+    experience, stats = sampling.run(_prompts([4, 5]), 1, None, object())
+    assert len(experience) == 2 * N and stats.sampling is None and not hasattr(generator, "batch")
 
 
 def test_oversample_configuration():

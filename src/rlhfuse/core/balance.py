@@ -65,10 +65,11 @@ def karmarkar_karp(costs: Sequence[float], parts: int) -> list[list[int]]:
     return result
 
 
-def least_loaded(costs: Sequence[float], parts: int) -> list[list[int]]:
-    """Indices of `costs`, in order, each to the part with the least cost so far (ties: lower part index)."""
+def least_loaded(costs: Sequence[float], parts: int, loads: Sequence[float] | None = None) -> list[list[int]]:
+    """Indices of `costs`, in order, each to the part with the least cost so far (ties: lower part index);
+    `loads`: what each part holds already (default nothing)."""
     shares: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0.0] * parts
+    loads = [0.0] * parts if loads is None else [float(x) for x in loads]
     for i, c in enumerate(costs):
         target = min(range(parts), key=lambda p: (loads[p], p))
         shares[target].append(i)

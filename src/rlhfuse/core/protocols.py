@@ -75,6 +75,39 @@ class FusingGenerator(Generator, Protocol):
     ) -> tuple[Experience, RolloutStats]: ...
 
 
+class OpenBatch(Protocol):
+    """One rollout whose batch stays open (`OpeningGenerator.open_rollout`): prompts join while it decodes, and
+    each prompt group leaves as soon as its last sample has finished."""
+
+    @property
+    def groups_open(self) -> int:
+        """Prompt groups added whose samples have not all finished."""
+        ...
+
+    def add(self, prompts: PromptBatch) -> None:
+        """Start decoding `prompts`' samples beside those already decoding (groups numbered on, in order)."""
+        ...
+
+    def finished(self) -> tuple[list[int], Rollout] | None:
+        """Decode until at least one prompt group is complete: (their numbers, their samples, a group's rows
+        together); None when nothing is decoding."""
+        ...
+
+    def close(self) -> int:
+        """Drop whatever still decodes: the tokens it had generated."""
+        ...
+
+
+@runtime_checkable
+class OpeningGenerator(Generator, Protocol):
+    """A generator whose rollout can stay open while it decodes (dynamic sampling inside the rollout:
+    `rlhfuse.trainer.rollout.StreamedDynamicSampling`)."""
+
+    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> OpenBatch:
+        """An empty open rollout sized for `capacity` samples at once, prompts up to `prompt_width` tokens."""
+        ...
+
+
 @runtime_checkable
 class Inferencer(Protocol):
     """Inference stage: Actor/Ref log-probs, reward scores and Critic values for generated samples."""
@@ -93,6 +126,17 @@ class Inferencer(Protocol):
 
 StageHook = Callable[[str], None]
 """Told the name of each sub-stage as it starts ("generation", "inference"), e.g. to show progress."""
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """An inferencer that can run its reward stage alone (`rlhfuse.trainer.strategies.plain.ModelInferencer`):
+    dynamic sampling inside the rollout decides on each prompt group from its scores and infers (Actor, Ref,
+    Critic) only the groups it keeps. An inferencer without it is asked `infer` for the scores."""
+
+    def score(self, rollout: Rollout) -> Tensor:
+        """float32 [B]: each sample's sequence score, as `infer` gives it (`Experience.scores_B`)."""
+        ...
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ from torch import Tensor
 from rlhfuse import distributed
 from rlhfuse.core.sampling import Sampling, SamplingConfig
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.generation.coordinator import Coordinator
 from rlhfuse.generation.engine import (
     GenerationEngine,
     SampleRequest,
@@ -34,6 +35,7 @@ from rlhfuse.generation.engine import (
     requests_for,
     to_rollout,
 )
+from rlhfuse.generation.open_rollout import OpenRollout
 from rlhfuse.models import Transformer, load_weights
 
 
@@ -119,6 +121,19 @@ class SamplingGenerator(ActorCopy):
         rollout continues its samples under the new ones, their KV cache kept), and each token records the
         version it was sampled with (`Rollout.versions_BR`)."""
         yield from self._chunks(prompts, iteration, None, gate)
+
+    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> OpenRollout:
+        """A rollout whose prompts join while the engine decodes (`OpenRollout`): one plain engine of
+        min(`generator.max_batch_size`, `capacity`) slots, prompts up to `prompt_width` tokens."""
+        slots = min(self.config.max_batch_size or capacity, capacity)
+        engine = GenerationEngine(
+            self.model, self.params, num_slots=slots, max_len=prompt_width + self.params.max_new_tokens,
+            prefix_sharing=False,
+        )  # fmt: skip
+        return OpenRollout(
+            Coordinator([engine], bs_max=slots), samples_per_prompt=self.samples_per_prompt, seed=self.seed,
+            iteration=iteration, pad_token_id=self.pad_token_id,
+        )  # fmt: skip
 
     def _chunks(
         self, prompts: PromptBatch, iteration: int, sampling: Sampling | None, gate: StepGate | None

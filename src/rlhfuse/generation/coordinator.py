@@ -38,15 +38,18 @@ class MigrationReport:
     freed: tuple[int, ...] = ()
 
 
-def balance(requests: Sequence[SampleRequest], instances: int) -> list[list[SampleRequest]]:
+def balance(
+    requests: Sequence[SampleRequest], instances: int, loads: Sequence[int] | None = None
+) -> list[list[SampleRequest]]:
     """Split samples over instances by whole prompt groups, each group to the least-loaded instance (ties:
-    lower index), in order."""
+    lower index), in order; `loads`: the unfinished samples each instance holds already (default none)."""
     groups: dict[int, list[SampleRequest]] = {}
     for request in requests:
         groups.setdefault(request.group, []).append(request)
     members = list(groups.values())
     return [
-        [r for g in share for r in members[g]] for share in least_loaded([len(m) for m in members], instances)
+        [r for g in share for r in members[g]]
+        for share in least_loaded([len(m) for m in members], instances, loads)
     ]
 
 
@@ -112,17 +115,50 @@ class Coordinator:
         self, requests: Sequence[SampleRequest], *, threshold: int
     ) -> Iterator[tuple[int, SampleRequest]]:
         """Yield (instance, sample) for each sample as it finishes."""
+        self.start(threshold)
+        self.add(requests)
+        while self.has_work():
+            yield from self.step()
+
+    def start(self, threshold: int) -> None:
+        """A new batch, with Rt = `threshold` (its samples come by `add`)."""
         self.report = MigrationReport(threshold=threshold)
-        for engine, share in zip(self.engines, balance(requests, len(self.engines)), strict=True):
-            engine.add(share)
-        while any(e.has_work() for e in self.engines):
-            for index, engine in enumerate(self.engines):
-                if engine.has_work():
-                    for sample in engine.step():
-                        yield index, sample
-            unfinished = sum(e.num_unfinished for e in self.engines)
-            if not self.report.at and threshold and should_migrate(unfinished, threshold):
-                self.migrate()
+
+    def add(self, requests: Sequence[SampleRequest]) -> None:
+        """Spread samples over the instances (`balance`, counting what each holds unfinished already); once a
+        migration has freed instances, over its destinations only (an open batch's later prompts:
+        `rlhfuse.generation.open_rollout`)."""
+        active = [i for i in range(len(self.engines)) if i not in self.report.freed]
+        loads = [self.engines[i].num_unfinished for i in active]
+        for i, share in zip(active, balance(requests, len(active), loads), strict=True):
+            if share:
+                self.engines[i].add(share)
+
+    def has_work(self) -> bool:
+        return any(e.has_work() for e in self.engines)
+
+    def step(self) -> list[tuple[int, SampleRequest]]:
+        """One step of every instance with work, then the migration check: (instance, sample) for each sample
+        that finished."""
+        done = [
+            (index, sample)
+            for index, engine in enumerate(self.engines)
+            if engine.has_work()
+            for sample in engine.step()
+        ]
+        unfinished = sum(e.num_unfinished for e in self.engines)
+        if not self.report.at and self.report.threshold and should_migrate(unfinished, self.report.threshold):
+            self.migrate()
+        return done
+
+    def abandon(self) -> list[SampleRequest]:
+        """Every unfinished sample out of the instances, their slots freed (an open batch that has what it
+        needs): the samples, with the tokens they had."""
+        return [
+            moved.request
+            for engine in self.engines
+            for moved in engine.evict(engine.num_unfinished, with_kv=False)
+        ]
 
     def migrate(self) -> MigrationReport:
         """Move the tail per `decide_migration` (called once per batch, when Rt samples remain)."""

@@ -41,6 +41,7 @@ from rlhfuse.generation.fusion import FusedResult, fused_generate_infer
 from rlhfuse.generation.generation_config import EngineOptions, GenerationConfig
 from rlhfuse.generation.lockstep import LockstepLeader, follow, shared_result
 from rlhfuse.generation.migration import BatchObservation, MigrationPolicy, NoMigration
+from rlhfuse.generation.open_rollout import OpenRollout
 from rlhfuse.generation.prefix_store import PrefixStore
 from rlhfuse.generation.transport import PointToPoint, collective_device
 from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult
@@ -378,6 +379,31 @@ class EngineGenerator:
         lead = role.lead
         yield from self._coordinated(lead, requests, threshold, role.instance, role.leaders, lead.release)
         lead.finish()
+
+    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> OpenRollout:
+        """A rollout whose prompts join while the instances decode (`OpenRollout`): the instances of this process
+        (in-process only: instances over processes decide together what each decodes), sized for `capacity`
+        samples at once with prompts up to `prompt_width` tokens, migration at the policy's Rt for that batch."""
+        if self.is_distributed():
+            raise RuntimeError(
+                "open_rollout: instances over the processes run fixed batches (dynamic sampling runs in rounds "
+                "there: rlhfuse.trainer.rollout.DynamicSampling)"
+            )
+        self._predicted = predictions(self.policy)
+        self.coordinator.engines = self._engines_for(
+            prompt_width, capacity, self.config.instances, self.params
+        )
+
+        def freed(indices: tuple[int, ...]) -> None:
+            for index in indices:
+                self.pool.release(index)
+
+        open_ = OpenRollout(
+            self.coordinator, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration,
+            pad_token_id=self.pad_token_id, threshold=self.policy.threshold(capacity), on_migrated=freed,
+        )  # fmt: skip
+        self.report = self.coordinator.report  # the batch's, filled in place by its migration
+        return open_
 
     def generate_partial(self, prompts: PromptBatch, *, iteration: int, gate: StepGate) -> Iterator[Rollout]:
         """`generate`, each decode step of every instance under `gate`: the weights may be replaced between two

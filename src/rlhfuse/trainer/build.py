@@ -21,6 +21,7 @@ from rlhfuse.core.protocols import (
     Generator,
     Inferencer,
     Logger,
+    OpeningGenerator,
     RolloutStage,
     Strategy,
 )
@@ -304,7 +305,13 @@ def assemble(
         generator=built.generator,
         inferencer=built.inferencer,
         strategy=built.strategy,
-        rollout=training_rollout(built.rollout, config.data, data.loader, models.tokenizer.pad_id),
+        rollout=training_rollout(
+            built.rollout,
+            config.data,
+            data.loader,
+            models.tokenizer.pad_id,
+            opening=opening_of(built, layout),
+        ),
         prompts=data.loader,
         pad_token_id=models.tokenizer.pad_id,
         run_dir=run_dir,
@@ -314,6 +321,15 @@ def assemble(
         record=record,
         feed=feed,
     )
+
+
+def opening_of(built: Any, layout: Topology) -> tuple[OpeningGenerator, Inferencer] | None:
+    """The generator whose rollout stays open, and the inferencer, where dynamic sampling runs inside the rollout
+    (`Topology.open_rollout`); None: it runs in rounds."""
+    if not layout.open_rollout:
+        return None
+    assert isinstance(built.generator, OpeningGenerator), type(built.generator)
+    return built.generator, built.inferencer
 
 
 def run_loggers_for(config: RLHFConfig, run_dir: Path, given: list[Logger] | None) -> list[Logger]:

@@ -153,8 +153,10 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
     "generator",
     "generator.name",
     {
-        "sampling": GeneratorEntry(sampling_generator, instances=False, partial=True),
-        "engine": GeneratorEntry(engine_generator, instances=True, problems=no_problems, partial=True),
+        "sampling": GeneratorEntry(sampling_generator, instances=False, partial=True, opens=True),
+        "engine": GeneratorEntry(
+            engine_generator, instances=True, problems=no_problems, partial=True, opens=True
+        ),
         "vllm": GeneratorEntry(
             vllm_generator,
             instances=True,

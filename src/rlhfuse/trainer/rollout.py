@@ -13,17 +13,27 @@ rewards differ (`training_rollout`; held-out evaluation uses the stage itself).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from rlhfuse.algorithms import varied_groups
-from rlhfuse.core.protocols import FusingGenerator, Generator, Inferencer, RolloutStage, StageHook
+from rlhfuse.core.protocols import (
+    FusingGenerator,
+    Generator,
+    Inferencer,
+    OpeningGenerator,
+    RolloutStage,
+    Scorer,
+    StageHook,
+)
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import DynamicSamplingStats, RolloutStats
 from rlhfuse.core.streamed_rollout import no_stage_hook, streamed_rollout
-from rlhfuse.core.types import Experience, PromptBatch
+from rlhfuse.core.types import Experience, PromptBatch, Rollout
 from rlhfuse.data.collate import collate_prompts
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.prompts import PromptLoader
@@ -86,18 +96,93 @@ PromptDraw = Callable[[int], PromptBatch]
 """The next `count` prompts of the training data (the loader the iteration's own prompts come from)."""
 
 
+class Candidates:
+    """The prompts one iteration's dynamic sampling may generate: the iteration's own, then the next ones `draw`
+    gives, each at most once per iteration (a prompt drawn again, past an epoch's end, is skipped: its samples
+    would repeat); the draws stop once every one of the dataset's `limit` prompts has been a candidate, or at 3 x
+    the dataset, which a loader's epochs cover."""
+
+    def __init__(self, prompts: PromptBatch, draw: PromptDraw, limit: int, pad_token_id: int) -> None:
+        self.pending = prompts  # candidates not generated yet
+        self.seen = set(prompts.prompt_ids_B.tolist())
+        self.draw, self.limit, self.pad_token_id = draw, limit, pad_token_id
+        self._drawn = len(prompts)  # prompts drawn in this iteration, its own included (repeats too)
+
+    def take(self, count: int) -> PromptBatch:
+        """The next `count` candidates (fewer, or none, once the dataset is exhausted)."""
+        batches = [self.pending] if len(self.pending) else []
+        short = count - len(self.pending)
+        while short > 0 and len(self.seen) < self.limit and self._drawn < 3 * self.limit:
+            drawn = self.draw(min(short, self.limit - len(self.seen)))
+            self._drawn += len(drawn)
+            ids = drawn.prompt_ids_B.tolist()
+            fresh = [b for b, p in enumerate(ids) if p not in self.seen]
+            self.seen.update(ids)
+            if fresh:
+                batches.append(drawn.select(torch.tensor(fresh)))
+                short -= len(fresh)
+        pending = PromptBatch.cat(batches, self.pad_token_id) if batches else self.pending
+        take = min(count, len(pending))
+        self.pending = pending.select(torch.arange(take, len(pending)))
+        return pending.select(torch.arange(take))
+
+    def exhausted(self, iteration: int, found: int, groups: int) -> DynamicSamplingError:
+        return DynamicSamplingError(
+            f"iteration {iteration}: dynamic sampling tried {len(self.seen)} of the dataset's {self.limit} "
+            f"prompts and found {found} of data.prompts_per_iteration={groups} groups whose rewards "
+            "differ: the policy scores nearly every prompt's samples alike; lower "
+            "data.prompts_per_iteration, or set data.oversample=0 to train on every group"
+        )
+
+
+class GroupTally:
+    """What one iteration's dynamic sampling keeps of complete prompt groups: the first groups whose scores differ
+    (`rlhfuse.algorithms.varied_groups`), up to the batch's `groups`; the rest is counted (dropped groups, and the
+    tokens of every group generated but not kept)."""
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+        self.found = self.sampled = self.dropped = self.extra_tokens = 0
+
+    @property
+    def missing(self) -> int:
+        return self.groups - self.found
+
+    def take(self, rollout: Rollout, scores_B: Tensor, groups: int) -> Tensor:
+        """The rows of `rollout` (`groups` complete prompt groups, in candidate order) to keep, bool [B] on the
+        host, decided from their `scores_B`."""
+        group_B = rollout.prompt_index_B.cpu()
+        varied_B = varied_groups(scores_B.cpu(), group_B)
+        chosen = list(dict.fromkeys(group_B[varied_B].tolist()))[: self.missing]  # in candidate order
+        chosen_B = varied_B & torch.isin(group_B, torch.tensor(chosen, dtype=group_B.dtype))
+        self.sampled += groups
+        self.dropped += groups - len(set(group_B[varied_B].tolist()))
+        self.found += len(chosen)
+        self.extra_tokens += int(rollout.response_lengths_B.cpu()[~chosen_B].sum())
+        return chosen_B
+
+    def stats(self, rounds: int) -> DynamicSamplingStats:
+        return DynamicSamplingStats(
+            groups_sampled=float(self.sampled),
+            groups_dropped=float(self.dropped),
+            extra_tokens=float(self.extra_tokens),
+            rounds=float(rounds),
+        )
+
+
 class DynamicSampling(Stateless):
-    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2, eq. 11) over another rollout stage.
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2, eq. 11) in rounds of another rollout stage
+    (a stage whose generator cannot take prompts while it decodes: instances over processes, fused inference).
 
     `run` returns the Experience of exactly `groups` prompt groups whose rewards are not all equal
-    (`rlhfuse.algorithms.varied_groups`): it runs the stage on ceil(`oversample` x `groups`) candidate prompts (the
+    (`GroupTally`): it runs the stage on ceil(`oversample` x `groups`) candidate prompts (`Candidates`: the
     iteration's own, then prompts from `draw`), drops every group whose samples all scored alike, keeps the first
     varied groups in candidate order, and runs the stage again on ceil(`oversample` x missing) further candidates,
     round after round, until no group is missing. Each round is a whole rollout of the inner stage (its migration
     and fused inference as configured); every rank draws and decides alike, from the same Experience. What a
-    dropped group, or a varied group beyond the batch, generated is `rollout/extra_tokens`. A prompt is a candidate
-    once per iteration; when all `limit` prompts of the dataset have been, `DynamicSamplingError`. A rollout with its
-    own `sampling` (held-out evaluation) runs the inner stage as it is.
+    dropped group, or a varied group beyond the batch, generated is `rollout/extra_tokens`. When all `limit`
+    prompts of the dataset have been candidates, `DynamicSamplingError`. A rollout with its own `sampling`
+    (held-out evaluation) runs the inner stage as it is. `StreamedDynamicSampling` runs inside the rollout.
     """
 
     def __init__(
@@ -114,7 +199,6 @@ class DynamicSampling(Stateless):
             raise ValueError(f"oversample={oversample}: dynamic sampling needs a factor >= 1")
         self.stage, self.groups, self.oversample = stage, groups, oversample
         self.draw, self.limit, self.pad_token_id = draw, limit, pad_token_id
-        self._drawn = 0  # prompts drawn in the current iteration, its own included (repeats too)
 
     def run(
         self,
@@ -125,40 +209,19 @@ class DynamicSampling(Stateless):
     ) -> tuple[Experience, RolloutStats]:
         if sampling is not None:
             return self.stage.run(prompts, iteration, on_stage, sampling)
-        seen = set(prompts.prompt_ids_B.tolist())
-        self._drawn = len(prompts)
-        pending = prompts  # candidates not generated yet
-        kept: list[Experience] = []
+        candidates = Candidates(prompts, self.draw, self.limit, self.pad_token_id)
+        tally = GroupTally(self.groups)
         rounds: list[RolloutStats] = []
-        found = sampled = dropped = extra_tokens = 0
-        while (missing := self.groups - found) > 0:
-            want = math.ceil(self.oversample * missing)
-            if len(pending) < want:
-                pending = self._more(pending, want - len(pending), seen)
-            if len(pending) == 0:
-                raise DynamicSamplingError(
-                    f"iteration {iteration}: dynamic sampling tried {len(seen)} of the dataset's {self.limit} "
-                    f"prompts and found {found} of data.prompts_per_iteration={self.groups} groups whose rewards "
-                    "differ: the policy scores nearly every prompt's samples alike; lower "
-                    "data.prompts_per_iteration, or set data.oversample=0 to train on every group"
-                )
-            take = min(want, len(pending))
-            experience, stats = self.stage.run(pending.select(torch.arange(take)), iteration, on_stage)
-            pending = pending.select(torch.arange(take, len(pending)))
+        kept: list[Experience] = []
+        while tally.missing > 0:
+            batch = candidates.take(math.ceil(self.oversample * tally.missing))
+            if len(batch) == 0:
+                raise candidates.exhausted(iteration, tally.found, self.groups)
+            experience, stats = self.stage.run(batch, iteration, on_stage)
             rounds.append(stats)
-            varied_B = _varied(experience)
-            group_B = experience.rollout.prompt_index_B.to(varied_B.device)
-            chosen = list(dict.fromkeys(group_B[varied_B].tolist()))[:missing]  # in candidate order
-            chosen_B = varied_B & torch.isin(
-                group_B, torch.tensor(chosen, dtype=group_B.dtype, device=group_B.device)
-            )
-            sampled += take
-            dropped += take - len(set(group_B[varied_B].tolist()))
-            found += len(chosen)
-            lengths_B = experience.rollout.response_lengths_B
-            extra_tokens += int(lengths_B[~chosen_B.to(lengths_B.device)].sum())
-            if chosen:
-                kept.append(experience.select(chosen_B))
+            chosen_B = tally.take(experience.rollout, experience.scores_B, len(batch))
+            if chosen_B.any():
+                kept.append(experience.select(chosen_B.to(experience.scores_B.device)))
         first = rounds[0]
         return Experience.cat(kept, self.pad_token_id), RolloutStats(
             generation_s=sum(r.generation_s for r in rounds),
@@ -169,49 +232,141 @@ class DynamicSampling(Stateless):
                 else sum(r.generation_inference_s or 0.0 for r in rounds)
             ),
             generation=first.generation,  # the first round's: the full batch the migration policy is tuned on
-            sampling=DynamicSamplingStats(
-                groups_sampled=float(sampled),
-                groups_dropped=float(dropped),
-                extra_tokens=float(extra_tokens),
-                rounds=float(len(rounds)),
-            ),
+            sampling=tally.stats(len(rounds)),
         )
 
-    def _more(self, pending: PromptBatch, count: int, seen: set[int]) -> PromptBatch:
-        """`pending` and up to `count` prompts not yet candidates in this iteration, drawn while some prompt of the
-        dataset has not been one (a prompt drawn again, past an epoch's end, is skipped: its samples would repeat;
-        the draws stop at 3 x the dataset, which a loader's epochs cover)."""
-        batches = [pending] if len(pending) else []
-        while count > 0 and len(seen) < self.limit and self._drawn < 3 * self.limit:
-            drawn = self.draw(min(count, self.limit - len(seen)))
-            self._drawn += len(drawn)
-            ids = drawn.prompt_ids_B.tolist()
-            fresh = [b for b, p in enumerate(ids) if p not in seen]
-            seen.update(ids)
-            if fresh:
-                batches.append(drawn.select(torch.tensor(fresh)))
-                count -= len(fresh)
-        return PromptBatch.cat(batches, self.pad_token_id) if batches else pending
+
+class StreamedDynamicSampling(Stateless):
+    """DAPO's dynamic sampling (arXiv 2503.14476, §3.2, eq. 11) inside one rollout, on a generator whose batch
+    stays open (`OpeningGenerator`: the engine's instances of this process, migration included, or the sampling
+    generator's engine).
+
+    `run` starts ceil(`oversample` x `groups`) candidate prompts (`Candidates`: the iteration's own, then prompts
+    from `draw`); each prompt group is scored as soon as its last sample has finished (`scorer`: the reward stage
+    alone), kept if its scores differ (`GroupTally`), dropped otherwise, and whenever fewer than
+    ceil(`oversample` x missing) groups are decoding further candidates start beside them at once. Once `groups`
+    varied groups are complete, whatever still decodes is dropped, and the kept groups, in candidate order, are
+    inferred in one `inferencer.infer` call. A dropped group costs its own tokens and its scoring and nothing else:
+    no round waits for the batch's tail, and no Actor, Ref or Critic forward runs for it. Every step is
+    deterministic (the instances are stepped in turn in this process), so a repeat keeps the same groups.
+    `rollout/sampling_rounds` is 1; a rollout with its own `sampling` (held-out evaluation) runs `stage`, the
+    configured serial stage, as it is.
+    """
+
+    def __init__(
+        self,
+        stage: RolloutStage,
+        generator: OpeningGenerator,
+        inferencer: Inferencer,
+        groups: int,
+        *,
+        samples_per_prompt: int,
+        oversample: float,
+        draw: PromptDraw,
+        limit: int,
+        prompt_width: int,
+        pad_token_id: int,
+        scorer: Callable[[Rollout], Tensor] | None = None,
+    ) -> None:
+        if oversample < 1:
+            raise ValueError(f"oversample={oversample}: dynamic sampling needs a factor >= 1")
+        self.stage, self.generator, self.inferencer = stage, generator, inferencer
+        self.scorer = scorer if scorer is not None else scores_of(inferencer)
+        self.groups, self.samples_per_prompt, self.oversample = groups, samples_per_prompt, oversample
+        self.draw, self.limit, self.prompt_width, self.pad_token_id = draw, limit, prompt_width, pad_token_id
+
+    def run(
+        self,
+        prompts: PromptBatch,
+        iteration: int,
+        on_stage: StageHook | None = None,
+        sampling: Sampling | None = None,
+    ) -> tuple[Experience, RolloutStats]:
+        if sampling is not None:
+            return self.stage.run(prompts, iteration, on_stage, sampling)
+        on_stage = on_stage or no_stage_hook
+        candidates = Candidates(prompts, self.draw, self.limit, self.pad_token_id)
+        tally = GroupTally(self.groups)
+        width = max(self.prompt_width, prompts.input_ids_BP.shape[1])
+        capacity = math.ceil(self.oversample * self.groups) * self.samples_per_prompt
+        batch = self.generator.open_rollout(iteration=iteration, capacity=capacity, prompt_width=width)
+        kept: list[Rollout] = []
+        order: list[Tensor] = []  # per kept part, each row's group number (candidate order)
+        gen_s = inf_s = 0.0
+        on_stage("generation")
+        start = t0 = time.perf_counter()
+        try:
+            while tally.missing > 0:
+                short = math.ceil(self.oversample * tally.missing) - batch.groups_open
+                if short > 0:
+                    batch.add(candidates.take(short))
+                done = batch.finished()
+                if done is None:
+                    raise candidates.exhausted(iteration, tally.found, self.groups)
+                groups, rollout = done
+                t1 = time.perf_counter()
+                gen_s += t1 - t0
+                chosen_B = tally.take(rollout, self.scorer(rollout), len(groups))
+                inf_s += time.perf_counter() - t1
+                if chosen_B.any():
+                    kept.append(rollout.select(chosen_B))
+                    order.append(torch.tensor(groups).repeat_interleave(self.samples_per_prompt)[chosen_B])
+                t0 = time.perf_counter()
+        finally:  # the groups still decoding: started, never trained
+            tally.sampled += batch.groups_open
+            tally.extra_tokens += batch.close()
+        gen_s += time.perf_counter() - t0
+        on_stage("inference")
+        t1 = time.perf_counter()
+        trained = Rollout.cat(kept, self.pad_token_id).select(torch.argsort(torch.cat(order), stable=True))
+        experience = self.inferencer.infer(trained)
+        inf_s += time.perf_counter() - t1
+        generation = self.generator.generation_stats()
+        return experience, RolloutStats(
+            generation_s=gen_s,
+            inference_s=inf_s,
+            generation_inference_s=time.perf_counter() - start if generation is not None else None,
+            generation=generation,
+            sampling=tally.stats(1),
+        )
 
 
-def _varied(experience: Experience) -> torch.Tensor:
-    return varied_groups(
-        experience.scores_B, experience.rollout.prompt_index_B.to(experience.scores_B.device)
-    )
+def scores_of(inferencer: Inferencer) -> Callable[[Rollout], Tensor]:
+    """What dynamic sampling decides on: the inferencer's reward stage alone where it has one (`Scorer`), else
+    the scores of its whole inference (a user's inferencer that changes the scores, e.g. a wrapper)."""
+    if isinstance(inferencer, Scorer):
+        return inferencer.score
+    return lambda rollout: inferencer.infer(rollout).scores_B
 
 
 def training_rollout(
-    stage: RolloutStage, data: DataConfig, prompts: PromptLoader, pad_token_id: int
+    stage: RolloutStage,
+    data: DataConfig,
+    prompts: PromptLoader,
+    pad_token_id: int,
+    *,
+    opening: tuple[OpeningGenerator, Inferencer] | None = None,
 ) -> RolloutStage:
-    """The training iterations' rollout: `stage`, in `DynamicSampling`'s rounds when data.oversample is on (its
-    extra candidates drawn from `prompts`, the loader of the iteration's own)."""
+    """The training iterations' rollout: `stage`, or with data.oversample on dynamic sampling over it (its extra
+    candidates drawn from `prompts`, the loader of the iteration's own): inside one open rollout of `opening`'s
+    generator and inferencer (`StreamedDynamicSampling`) where the build gives them, else in `DynamicSampling`'s
+    rounds of `stage`."""
     if data.oversample == 0:
         return stage
+    draw: PromptDraw = lambda count: collate_prompts(prompts.take(count), pad_token_id)  # noqa: E731
+    limit = len(prompts.prompts)
+    if opening is not None:
+        generator, inferencer = opening
+        return StreamedDynamicSampling(
+            stage, generator, inferencer, data.prompts_per_iteration,
+            samples_per_prompt=data.samples_per_prompt, oversample=data.oversample, draw=draw, limit=limit,
+            prompt_width=max((len(p.token_ids) for p in prompts.prompts), default=1), pad_token_id=pad_token_id,
+        )  # fmt: skip
     return DynamicSampling(
         stage,
         data.prompts_per_iteration,
         oversample=data.oversample,
-        draw=lambda count: collate_prompts(prompts.take(count), pad_token_id),
-        limit=len(prompts.prompts),
+        draw=draw,
+        limit=limit,
         pad_token_id=pad_token_id,
     )

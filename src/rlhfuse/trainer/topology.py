@@ -45,6 +45,9 @@ class GeneratorEntry:
     partial: bool = False
     """Its samples may continue under new weights between two decode steps (`generate_partial`, async
     partial rollouts)."""
+    opens: bool = False
+    """Its rollout can stay open while it decodes, prompts joining (`open_rollout`): dynamic sampling runs inside
+    the rollout when its instances are all in one process."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,10 @@ class Topology:
 
     pipeline_run: PipelineRun | None = field(default=None, compare=False)
     """What the pipeline runtime reads of the configuration (the pipeline strategies; None otherwise)."""
+    open_rollout: bool = False
+    """The generator's rollout can stay open while it decodes (its instances all in this one process): dynamic
+    sampling (`data.oversample`) runs inside the rollout (`rlhfuse.trainer.rollout.StreamedDynamicSampling`),
+    else in rounds of it."""
 
     @functools.cached_property
     def stages(self) -> ParallelLayout:
@@ -160,4 +167,6 @@ def topology(cfg: RLHFConfig) -> Topology:
     ranks = g.instances * (max(g.tp, 1) if own_tp else 1)
     fused = with_instances and g.instances > 1 and ranks == world and strategy.whole_models
     weight_shards = 1 if own_tp else max(g.tp, 1)
-    return Topology(strategy, world, instances, fused, weight_shards, strategy.pipeline_run(cfg))
+    # a multi-turn agent's episodes (agent.env) run turn by turn over the generator: their rollout stays closed
+    opens = entry is not None and entry.opens and world == 1 and cfg.agent.env is None
+    return Topology(strategy, world, instances, fused, weight_shards, strategy.pipeline_run(cfg), opens)

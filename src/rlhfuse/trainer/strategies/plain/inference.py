@@ -100,6 +100,26 @@ class ModelInferencer:
                 whole[index_G] = piece
         return Experience(rollout, *out)
 
+    @torch.no_grad()
+    def score(self, rollout: Rollout) -> Tensor:
+        """The reward stage alone (`rlhfuse.core.protocols.Scorer`): each sample's sequence score as `infer`
+        gives it, on the models' device; the Actor, Ref and Critic do not run."""
+        device = next(self.actor.parameters()).device
+        rollout = rollout.to(device)
+        rm_scores_B = None
+        if self.reward_model is not None:
+            for model in self.offloaded:
+                model.acquire()
+            with self.autocast():
+                packed = packing_of(rollout) if self.packing else None
+                rm_scores_B = self._model_scores(rollout, dict(packing=self.packing, packed=packed))
+        scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
+        return scores.total_B.to(device)
+
+    def _model_scores(self, rollout: Rollout, kw: dict[str, Any]) -> Tensor | None:
+        """The reward model's sequence scores (None without one)."""
+        return None if self.reward_model is None else sequence_scores(self.reward_model, rollout, **kw)
+
     def groups(self, rollout: Rollout, rows: Sequence[int] | None = None) -> list[list[int]]:
         """The rows of `rollout` (or its `rows`) each forward pass takes: groups of at most `micro_batch_tokens`
         real tokens (`token_groups`) unless inferencer.micro_batch_size is set, else consecutive runs of
@@ -141,9 +161,7 @@ class ModelInferencer:
                 if self.critic is None
                 else response_values(self.critic, rollout, **kw)
             )
-            rm_scores_B = (
-                None if self.reward_model is None else sequence_scores(self.reward_model, rollout, **kw)
-            )
+            rm_scores_B = self._model_scores(rollout, kw)
         scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)
