@@ -85,8 +85,8 @@ def workload(name: str, extra: list[str], rounds: int, tmp: Path) -> dict[str, A
     for r in range(rounds):
         start = r * data.prompts_per_iteration * 3
         for setting in settings[r % 2 :] + settings[: r % 2]:
-            draw = Draws(prompts, pad, start + data.prompts_per_iteration)
-            first = collate_prompts(prompts[start : start + data.prompts_per_iteration], pad)
+            draw = Draws(prompts, pad, start)
+            first = draw(data.prompts_per_iteration)
             forwards[0] = 0
             t0 = time.perf_counter()
             experience, stats = stage(setting, draw).run(first, iteration=r + 1)
