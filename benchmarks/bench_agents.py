@@ -91,30 +91,16 @@ class _Timed:
         return iter(chunks)
 
 
-def _worker(rank: int, port: int, out: str, rounds: int, prompts_count: int) -> None:
-    import torch.distributed as dist
-
-    from rlhfuse.agents.generator import AgentGenerator
+def _workload(prompts_count: int) -> tuple[Any, Any, Any, dict[int, Any], Any, Any]:
+    """(tokenizer, model, inferencer, prompts, sampling config, prompt batch) of the benchmark's episodes."""
     from rlhfuse.core.inference import InferencerConfig
     from rlhfuse.core.sampling_config import SamplingConfig
-    from rlhfuse.core.types import Experience, Rollout
     from rlhfuse.data.collate import left_padded
     from rlhfuse.data.prompts import Prompt
-    from rlhfuse.generation import (
-        EngineGenerator,
-        FixedThreshold,
-        GenerationConfig,
-        InstanceSetup,
-        NoMigration,
-    )
-    from rlhfuse.generation.generator import EnginePool
     from rlhfuse.models import ModelConfig, Transformer
     from rlhfuse.testing.chat import byte_tokenizer
     from rlhfuse.trainer.strategies.plain.inference import ModelInferencer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=300))  # fmt: skip
     tok = byte_tokenizer()
     torch.manual_seed(0)
     config = ModelConfig.tiny(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_heads=4,
@@ -133,6 +119,27 @@ def _worker(rank: int, port: int, out: str, rounds: int, prompts_count: int) -> 
     stops = [tok.eos_id, *(tok.encode(c, add_bos=False)[0] for c in "e .0123456789")]
     sampling = SamplingConfig(max_new_tokens=32, temperature=1.0, stop_token_ids=stops)
     batch = left_padded([list(p.token_ids) for p in prompts.values()], list(prompts), tok.pad_id)
+    return tok, model, inferencer, prompts, sampling, batch
+
+
+def _worker(rank: int, port: int, out: str, rounds: int, prompts_count: int) -> None:
+    import torch.distributed as dist
+
+    from rlhfuse.agents.generator import AgentGenerator
+    from rlhfuse.core.types import Experience, Rollout
+    from rlhfuse.generation import (
+        EngineGenerator,
+        FixedThreshold,
+        GenerationConfig,
+        InstanceSetup,
+        NoMigration,
+    )
+    from rlhfuse.generation.generator import EnginePool
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))  # fmt: skip
+    tok, model, inferencer, prompts, sampling, batch = _workload(prompts_count)
     episodes = prompts_count * PER_PROMPT
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
     identical: list[bool] = []
@@ -177,6 +184,53 @@ def _worker(rank: int, port: int, out: str, rounds: int, prompts_count: int) -> 
     leave_after_success()
 
 
+def _one_process(rounds: int, prompts_count: int) -> dict[str, Any]:
+    """In this process, one engine instance with kept KV: the episodes turn by turn, all at once (`AgentGenerator`)
+    against each at its own pace over one open rollout (`OpenAgentGenerator`), each chunk of ended episodes
+    inferred as it comes; the median over rounds of `gen_inf_s`, `speedup` (paired), `identical` samples."""
+    from rlhfuse.agents.generator import AgentGenerator, OpenAgentGenerator
+    from rlhfuse.core.types import Experience
+    from rlhfuse.generation import EngineGenerator, GenerationConfig, InstanceSetup
+    from rlhfuse.generation.generator import EnginePool
+
+    torch.set_num_threads(1)
+    tok, model, inferencer, prompts, sampling, batch = _workload(prompts_count)
+    episodes = prompts_count * PER_PROMPT
+    kinds = {"turn_by_turn": AgentGenerator, "own_pace": OpenAgentGenerator}
+    seconds: dict[str, list[float]] = {name: [] for name in kinds}
+    identical = []
+    for r in range(rounds + 1):  # round 0 warms up
+        ids = []
+        for name in list(kinds)[r % 2 :] + list(kinds)[: r % 2]:
+            gen_config = GenerationConfig(name="engine", sampling=sampling)
+            gen_config.engine.prefix_cache = episodes
+            setup = InstanceSetup(
+                tok.eos_id, tok.pad_id, samples_per_prompt=PER_PROMPT, seed=r, bs_max=episodes
+            )
+            inner = EngineGenerator(EnginePool(model, gen_config.engine), gen_config, setup, mechanism="kv")
+            agent = kinds[name](inner, SlowGame, tok, prompts, sampling=sampling, samples_per_prompt=PER_PROMPT,
+                                max_turns=MAX_TURNS, max_response_tokens=4 * MAX_TURNS * 32)  # fmt: skip
+            start = time.perf_counter()
+            parts = [inferencer.infer(chunk) for chunk in agent.generate(batch, iteration=r)]
+            elapsed = time.perf_counter() - start
+            agent.close()
+            rollout = Experience.cat(parts, tok.pad_id).rollout
+            order = torch.argsort(rollout.prompt_index_B * PER_PROMPT + rollout.sample_index_B)
+            ids.append(rollout.select(order).response_ids_BR)
+            if r > 0:
+                seconds[name].append(elapsed)
+        identical.append(torch.equal(ids[0], ids[1]))
+    figures: dict[str, Any] = {name: {"gen_inf_s": statistics.median(seconds[name])} for name in kinds}
+    figures["speedup"] = statistics.median(
+        a / b for a, b in zip(seconds["turn_by_turn"], seconds["own_pace"], strict=True)
+    )
+    figures["identical"] = all(identical)
+    print(f"  one process, one instance with kept KV: turn by turn {figures['turn_by_turn']['gen_inf_s']:.2f} s, "
+          f"each episode at its own pace {figures['own_pace']['gen_inf_s']:.2f} s "
+          f"({figures['speedup']:.2f}x); samples identical: {figures['identical']}")  # fmt: skip
+    return figures
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Figures: per setting (`SETTINGS`) the medians of `_worker`'s row keys; `speedup.<setting>` (paired median
     of serial / the setting's gen_inf_s), `identical` (every round's samples the same in all) and the workload."""
@@ -213,6 +267,7 @@ def run(quick: bool = False) -> dict[str, Any]:
               f"{f['slot_utilisation']:>10.2f} {f['turns_mean']:>6.2f} {f['prefill_tokens']:>10.0f}")  # fmt: skip
     print(f"  samples identical in every setting: {figures['identical']}; 1-minute load average: "
           f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+    figures["one_process"] = _one_process(rounds, prompts_count)
     return figures
 
 

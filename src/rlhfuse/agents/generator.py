@@ -23,8 +23,9 @@ each chunk as it comes (`core.streamed_rollout`). Over several processes the env
 shares each turn's answers. Each turn's prompt is the whole conversation: rlhfuse's engine with
 `generator.prefix_cache` prefills only its new tokens (vLLM's prefix caching likewise).
 
-Weaker than a generator-level loop (docs/agents.md): the turns of a batch are synchronised (a sample waiting on a
-slow tool holds up the next turn of all; decode slots are not released while tools run).
+The turns of a batch are synchronised here (a sample waiting on a slow tool holds up the next turn of all).
+`OpenAgentGenerator`, what a run in one process builds, is the generator-level loop: each episode at its own
+pace over one open rollout of the wrapped generator, holding no decode slot while it waits for its answer.
 
 Legend: B episodes (prompts x samples per prompt), P prompt tokens, R response tokens.
 """
@@ -43,7 +44,7 @@ from rlhfuse.agents.environment import ENV_KEY, AgentEnvError, environment_tools
 from rlhfuse.agents.episode import EpisodeRun
 from rlhfuse.agents.tokens import answer_tokens, chat_encoder
 from rlhfuse.agents.tools import ToolRunner, tool_schemas
-from rlhfuse.core.protocols import Generator, Inferencer
+from rlhfuse.core.protocols import Generator, Inferencer, OpeningGenerator
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.sampling_config import SamplingConfig
 from rlhfuse.core.stats import GenerationStats, RolloutStats
@@ -53,9 +54,7 @@ from rlhfuse.data.collate import left_padded
 from rlhfuse.data.prompts import TOOLS_KEY, Prompt
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
-# An episode's id in a turn's prompt batch (what the wrapped generator seeds its sample from): unique per prompt,
-# sample and turn.
-_SAMPLES, _TURNS = 1 << 12, 1 << 6
+_SAMPLES, _TURNS = 1 << 12, 1 << 6  # an episode's turn id: `_turn_id`
 
 
 class AgentGenerator:
@@ -176,12 +175,13 @@ class AgentGenerator:
         if ended:
             yield paths.rollout(keys, ended, self.tokenizer.pad_id)
 
-    def _room(self, length: int, max_new_tokens: int) -> int | None:
+    def _room(self, length: int, max_new_tokens: int, bound: int = 0) -> int | None:
         """How many answer tokens a trajectory whose response holds `length` tokens may take and still have room for
-        a whole next turn under `max_response_tokens` (None: no bound)."""
-        if not self.max_response_tokens:
+        a whole next turn under `bound`, else `max_response_tokens` (None: neither bounds it)."""
+        bound = bound or self.max_response_tokens
+        if not bound:
             return None
-        return self.max_response_tokens - length - max_new_tokens
+        return bound - length - max_new_tokens
 
     def _share(self, compute: Callable[[], Any]) -> Callable[[], Any]:
         """Start `compute()` on rank 0, in the background; the function returned waits for it and gives its JSON
@@ -226,25 +226,113 @@ class AgentGenerator:
     ) -> dict[int, tuple[list[int], list[float], bool]]:
         """Each active episode's next assistant message: (its sampled ids, their log-probs, ended with a stop
         token)."""
-        ids = [(keys[i][0] * _SAMPLES + keys[i][1]) * _TURNS + turn for i in active]
+        ids = [_turn_id(keys[i], turn) for i in active]
         of = dict(zip(ids, active, strict=True))
         batch = left_padded(contexts, ids, self.tokenizer.pad_id)
         out: dict[int, tuple[list[int], list[float], bool]] = {}
         for chunk in self.inner.generate(batch, iteration=iteration, sampling=one):
-            lengths = chunk.response_mask_BR.sum(dim=1).tolist()
-            for row, episode_id in enumerate(chunk.prompt_index_B.tolist()):
-                n = int(lengths[row])
-                lps = (
-                    [0.0] * n
-                    if chunk.sampler_logprobs_BR is None
-                    else chunk.sampler_logprobs_BR[row, :n].float().tolist()
-                )
-                out[of[int(episode_id)]] = (
-                    chunk.response_ids_BR[row, :n].tolist(),
-                    lps,
-                    bool(chunk.finished_B[row]),
-                )
+            for turn_id, message in _messages(chunk):
+                out[of[turn_id]] = message
         return out
+
+
+def _turn_id(key: tuple[int, int], turn: int) -> int:
+    """Episode `key` (prompt id, sample index)'s id in turn `turn`'s prompt batch (what the wrapped generator seeds
+    its sample from): unique per prompt, sample and turn."""
+    return (key[0] * _SAMPLES + key[1]) * _TURNS + turn
+
+
+def _messages(chunk: Rollout) -> Iterator[tuple[int, tuple[list[int], list[float], bool]]]:
+    """Each row of a turn's decoded chunk: (its turn id, (the sampled ids, their log-probs, ended with a stop
+    token))."""
+    lengths = chunk.response_mask_BR.sum(dim=1).tolist()
+    for row, turn_id in enumerate(chunk.prompt_index_B.tolist()):
+        n = int(lengths[row])
+        lps = (
+            [0.0] * n
+            if chunk.sampler_logprobs_BR is None
+            else chunk.sampler_logprobs_BR[row, :n].float().tolist()
+        )
+        yield int(turn_id), (chunk.response_ids_BR[row, :n].tolist(), lps, bool(chunk.finished_B[row]))
+
+
+class OpenAgentGenerator(AgentGenerator):
+    """`AgentGenerator` whose episodes run at their own pace, over one open rollout of `inner` (an
+    `OpeningGenerator` whose instances are all in this process: `rlhfuse.generation.open_rollout`).
+
+    An episode's next turn starts decoding as soon as its answer is ready, beside the other episodes' turns, and
+    while its environment or tools answer it holds no decode slot: a slow tool delays its own episode only. The
+    samples are the ones `AgentGenerator` plays (each turn's tokens from its own stream, keyed by prompt, sample
+    and turn). The KV cache is sized for the longest opened prompt plus the trajectory bound: agent.
+    max_response_tokens, or 2 x max_turns x max_new_tokens when that is 0; a trajectory whose next turn could
+    pass it ends there, truncated (`Episode.ended` "context"). Ended episodes are yielded (and so inferred by the
+    consumer, while the environments go on answering) once an eighth of the batch has ended, whenever no episode is
+    decoding, and at the end.
+    """
+
+    inner: OpeningGenerator
+
+    def generate(
+        self, prompts: PromptBatch, *, iteration: int, sampling: Sampling | None = None
+    ) -> Iterator[Rollout]:
+        config = self.sampling if sampling is None else sampling.config
+        per_prompt = self.samples_per_prompt if sampling is None else sampling.samples_per_prompt
+        keys = [(int(p), k) for p in prompts.prompt_ids_B.tolist() for k in range(per_prompt)]
+        if not keys:
+            return
+        episodes = _Episodes(self, keys)
+        paths = _Trajectories(episodes.opened())
+        bound = self.max_response_tokens or 2 * self.max_turns * config.max_new_tokens
+        batch = self.inner.open_rollout(
+            iteration=iteration,
+            capacity=len(keys),
+            prompt_width=max(map(len, paths.opened)) + bound,
+            sampling=Sampling(config, 1),  # each episode's turn is its own prompt
+        )
+        turns = [0] * len(keys)
+        decoding: dict[int, int] = {}  # turn id -> episode
+        answering: dict[concurrent.futures.Future[dict[str, list[Any]]], int] = {}
+        ended: dict[int, list[float]] = {}  # episode -> its summary (`_Episodes.summary`), not yet yielded
+        pool = concurrent.futures.ThreadPoolExecutor(len(keys), thread_name_prefix="rlhfuse-answers")
+        chunk = max(1, len(keys) // 8)  # ended episodes yielded together (fewer, larger inference calls)
+
+        def start(started: list[int]) -> None:
+            ids = [_turn_id(keys[i], turns[i]) for i in started]
+            decoding.update(zip(ids, started, strict=True))
+            batch.add(left_padded([paths.context(i) for i in started], ids, self.tokenizer.pad_id))
+
+        try:
+            start(list(range(len(keys))))
+            while decoding or answering:
+                if len(ended) >= chunk or (ended and not decoding):
+                    yield paths.rollout(keys, ended, self.tokenizer.pad_id)
+                    ended = {}
+                if decoding:
+                    done = batch.step()
+                    for turn_id, message in _messages(done[1]) if done is not None else ():
+                        i = decoding.pop(turn_id)
+                        paths.sampled(i, *message)
+                        turns[i] += 1
+                        room = self._room(len(paths.response[i]), config.max_new_tokens, bound)
+                        answering[pool.submit(episodes.answer_one, i, message, room)] = i
+                else:  # every episode waits on its environment
+                    concurrent.futures.wait(answering, return_when=concurrent.futures.FIRST_COMPLETED)
+                again = []
+                for future in [f for f in answering if f.done()]:
+                    i = answering.pop(future)
+                    answer = future.result()  # an environment's error ends the rollout here
+                    if "summary" in answer:
+                        ended[i] = answer["summary"]
+                    else:
+                        paths.answered(i, answer["tokens"])
+                        again.append(i)
+                if again:
+                    start(sorted(again))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            batch.close()  # nothing left on success; after an error, the instances freed for the next batch
+        if ended:
+            yield paths.rollout(keys, ended, self.tokenizer.pad_id)
 
 
 class _Episodes:
@@ -283,30 +371,30 @@ class _Episodes:
         sampled: Mapping[int, tuple[list[int], list[float], bool]],
         room: list[int | None],
     ) -> list[dict[str, list[Any]]]:
-        """Each active episode's answer to its new message (`sampled[i]`: its ids, log-probs, whether it ended with
-        its end token), in `active`'s order: `{"tokens": the answer's tokens}`, or `{"summary": `summary(i)`}` when
-        the episode ended (an answer longer than its `room` ends it, truncated: `AgentGenerator._room`). The
-        episodes answer at once (their tools run concurrently)."""
-        rooms = dict(zip(active, room, strict=True))
-
-        def one(i: int) -> dict[str, list[Any]]:
-            ids, _, ended_with_stop = sampled[i]
-            run, text = self.runs[i], self.agent.tokenizer.decode(ids)
-            if not ended_with_stop:
-                run.cut(text)
-                return {"summary": self.summary(i)}
-            answer = run.answer(text)
-            if answer is None:
-                return {"summary": self.summary(i)}
-            tokens = answer_tokens(self.agent.chat, run.messages, len(answer), self.schemas[i])
-            limit = rooms[i]
-            if limit is not None and len(tokens) > limit:
-                run.truncate()
-                return {"summary": self.summary(i)}
-            return {"tokens": tokens}
-
+        """Each active episode's answer to its new message (`answer_one`), in `active`'s order. The episodes answer
+        at once (their tools run concurrently)."""
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(active)) as pool:
-            return list(pool.map(one, active))
+            return list(pool.map(self.answer_one, active, [sampled[i] for i in active], room))
+
+    def answer_one(
+        self, i: int, sampled: tuple[list[int], list[float], bool], room: int | None
+    ) -> dict[str, list[Any]]:
+        """Episode `i`'s answer to its new message (`sampled`: its ids, log-probs, whether it ended with its end
+        token): `{"tokens": the answer's tokens}`, or `{"summary": `summary(i)`}` when the episode ended (an
+        answer longer than its `room` ends it, truncated: `AgentGenerator._room`)."""
+        ids, _, ended_with_stop = sampled
+        run, text = self.runs[i], self.agent.tokenizer.decode(ids)
+        if not ended_with_stop:
+            run.cut(text)
+            return {"summary": self.summary(i)}
+        answer = run.answer(text)
+        if answer is None:
+            return {"summary": self.summary(i)}
+        tokens = answer_tokens(self.agent.chat, run.messages, len(answer), self.schemas[i])
+        if room is not None and len(tokens) > room:
+            run.truncate()
+            return {"summary": self.summary(i)}
+        return {"tokens": tokens}
 
     def summary(self, i: int) -> list[float]:
         """Ended episode `i`'s reward (the sum of its turns'), then its `EPISODE_COLUMNS`."""

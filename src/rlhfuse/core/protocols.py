@@ -93,6 +93,10 @@ class OpenBatch(Protocol):
         together); None when nothing is decoding."""
         ...
 
+    def step(self) -> tuple[list[int], Rollout] | None:
+        """One decode step: the prompt groups it completed, as `finished` gives them (None: none)."""
+        ...
+
     def close(self) -> int:
         """Drop whatever still decodes: the tokens it had generated."""
         ...
@@ -103,8 +107,11 @@ class OpeningGenerator(Generator, Protocol):
     """A generator whose rollout can stay open while it decodes (dynamic sampling inside the rollout:
     `rlhfuse.trainer.rollout.StreamedDynamicSampling`)."""
 
-    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> OpenBatch:
-        """An empty open rollout sized for `capacity` samples at once, prompts up to `prompt_width` tokens."""
+    def open_rollout(
+        self, *, iteration: int, capacity: int, prompt_width: int, sampling: Sampling | None = None
+    ) -> OpenBatch:
+        """An empty open rollout sized for `capacity` samples at once, prompts up to `prompt_width` tokens;
+        `sampling`: the call's own (as `generate` takes it), else the run's."""
         ...
 
 

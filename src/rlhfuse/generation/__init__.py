@@ -1,7 +1,8 @@
 """Every generator and what they decode with: the generation engine and inter-stage fusion (docs/paper.md §2):
 continuous batching over engine-owned KV-cache slots with prefix sharing and per-sample RNG streams, several
 instances with long-tail migration (KV transfer or re-prefill) decided by `rlhfuse.planner`'s pure functions
-(`generator`, `engine`, `coordinator`, `distributed`, `fusion`, `vllm_engine`); batched sampling in one process
+(`generator`, `engine`, `coordinator`, `distributed`, `fusion`, `vllm_engine`); a rollout whose batch stays open
+while it decodes (`open_rollout`); batched sampling in one process
 or over tensor-parallel instances (`batched`, sampling vocabulary-parallel with `vocab_parallel`).
 """
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         pick_mechanism,
         resolve_threshold,
     )
+    from rlhfuse.generation.open_rollout import OpenRollout
     from rlhfuse.generation.transport import InProcess, PointToPoint, Transport
     from rlhfuse.generation.tuning import AutoThreshold, CostProfile, SimResult, rt_sweep, simulate
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 _PUBLIC: dict[str, tuple[str, ...]] = {
     "rlhfuse.generation.coordinator": ("Coordinator", "MigrationReport", "balance", "migrate"),
     "rlhfuse.generation.distributed": ("DistributedCoordinator", "InstanceFailure", "gather_finished"),
+    "rlhfuse.generation.open_rollout": ("OpenRollout",),
     "rlhfuse.generation.engine": (
         "EngineStats",
         "GenerationEngine",
@@ -83,6 +86,7 @@ __all__ = [
     "simulate",
     "MECHANISMS",
     "Coordinator",
+    "OpenRollout",
     "EngineGenerator",
     "InstanceSetup",
     "EngineStats",

@@ -122,16 +122,20 @@ class SamplingGenerator(ActorCopy):
         version it was sampled with (`Rollout.versions_BR`)."""
         yield from self._chunks(prompts, iteration, None, gate)
 
-    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> OpenRollout:
+    def open_rollout(
+        self, *, iteration: int, capacity: int, prompt_width: int, sampling: Sampling | None = None
+    ) -> OpenRollout:
         """A rollout whose prompts join while the engine decodes (`OpenRollout`): one plain engine of
-        min(`generator.max_batch_size`, `capacity`) slots, prompts up to `prompt_width` tokens."""
+        min(`generator.max_batch_size`, `capacity`) slots, prompts up to `prompt_width` tokens; `sampling`: the
+        call's own, else the run's."""
+        params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         slots = min(self.config.max_batch_size or capacity, capacity)
         engine = GenerationEngine(
-            self.model, self.params, num_slots=slots, max_len=prompt_width + self.params.max_new_tokens,
+            self.model, params, num_slots=slots, max_len=prompt_width + params.max_new_tokens,
             prefix_sharing=False,
         )  # fmt: skip
         return OpenRollout(
-            Coordinator([engine], bs_max=slots), samples_per_prompt=self.samples_per_prompt, seed=self.seed,
+            Coordinator([engine], bs_max=slots), samples_per_prompt=per_prompt, seed=self.seed,
             iteration=iteration, pad_token_id=self.pad_token_id,
         )  # fmt: skip
 

@@ -380,26 +380,28 @@ class EngineGenerator:
         yield from self._coordinated(lead, requests, threshold, role.instance, role.leaders, lead.release)
         lead.finish()
 
-    def open_rollout(self, *, iteration: int, capacity: int, prompt_width: int) -> OpenRollout:
+    def open_rollout(
+        self, *, iteration: int, capacity: int, prompt_width: int, sampling: Sampling | None = None
+    ) -> OpenRollout:
         """A rollout whose prompts join while the instances decode (`OpenRollout`): the instances of this process
         (in-process only: instances over processes decide together what each decodes), sized for `capacity`
-        samples at once with prompts up to `prompt_width` tokens, migration at the policy's Rt for that batch."""
+        samples at once with prompts up to `prompt_width` tokens, migration at the policy's Rt for that batch;
+        `sampling`: the call's own, else the run's."""
         if self.is_distributed():
             raise RuntimeError(
                 "open_rollout: instances over the processes run fixed batches (dynamic sampling runs in rounds "
                 "there: rlhfuse.trainer.rollout.DynamicSampling)"
             )
+        params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         self._predicted = predictions(self.policy)
-        self.coordinator.engines = self._engines_for(
-            prompt_width, capacity, self.config.instances, self.params
-        )
+        self.coordinator.engines = self._engines_for(prompt_width, capacity, self.config.instances, params)
 
         def freed(indices: tuple[int, ...]) -> None:
             for index in indices:
                 self.pool.release(index)
 
         open_ = OpenRollout(
-            self.coordinator, samples_per_prompt=self.samples_per_prompt, seed=self.seed, iteration=iteration,
+            self.coordinator, samples_per_prompt=per_prompt, seed=self.seed, iteration=iteration,
             pad_token_id=self.pad_token_id, threshold=self.policy.threshold(capacity), on_migrated=freed,
         )  # fmt: skip
         self.report = self.coordinator.report  # the batch's, filled in place by its migration

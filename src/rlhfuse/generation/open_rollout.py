@@ -70,20 +70,28 @@ class OpenRollout:
         """Step the instances until at least one prompt group has all of its samples: (the groups' numbers in
         the order they were added, their samples as one Rollout, each group's rows together in sample order).
         None when nothing is decoding."""
+        while self.coordinator.has_work():
+            done = self.step()
+            if done is not None:
+                return done
+        return None
+
+    def step(self) -> tuple[list[int], Rollout] | None:
+        """One step of every instance with work: the prompt groups it completed, as `finished` gives them (None:
+        none completed)."""
         complete: list[int] = []
-        while not complete:
-            if not self.coordinator.has_work():
-                return None
-            for _, sample in self.coordinator.step():
-                members = self._partial.setdefault(sample.group, [])
-                members.append(sample)
-                if len(members) == self.samples_per_prompt:
-                    complete.append(sample.group)
-            report = self.coordinator.report
-            if report.at and not self._released:
-                self._released = True
-                if self.on_migrated is not None:
-                    self.on_migrated(report.freed)
+        for _, sample in self.coordinator.step():
+            members = self._partial.setdefault(sample.group, [])
+            members.append(sample)
+            if len(members) == self.samples_per_prompt:
+                complete.append(sample.group)
+        report = self.coordinator.report
+        if report.at and not self._released:
+            self._released = True
+            if self.on_migrated is not None:
+                self.on_migrated(report.freed)
+        if not complete:
+            return None
         complete.sort()
         self._groups_done += len(complete)
         done = [r for g in complete for r in sorted(self._partial.pop(g), key=lambda r: r.sample_index)]

@@ -310,7 +310,7 @@ def assemble(
             config.data,
             data.loader,
             models.tokenizer.pad_id,
-            opening=opening_of(built, layout),
+            opening=opening_of(built, layout, config),
         ),
         prompts=data.loader,
         pad_token_id=models.tokenizer.pad_id,
@@ -323,10 +323,13 @@ def assemble(
     )
 
 
-def opening_of(built: Any, layout: Topology) -> tuple[OpeningGenerator, Inferencer] | None:
+def opening_of(
+    built: Any, layout: Topology, config: RLHFConfig
+) -> tuple[OpeningGenerator, Inferencer] | None:
     """The generator whose rollout stays open, and the inferencer, where dynamic sampling runs inside the rollout
-    (`Topology.open_rollout`); None: it runs in rounds."""
-    if not layout.open_rollout:
+    (`Topology.open_rollout`); None: it runs in rounds (also with agent.env: the episodes run over the open
+    rollout themselves)."""
+    if not layout.open_rollout or config.agent.env is not None:
         return None
     assert isinstance(built.generator, OpeningGenerator), type(built.generator)
     return built.generator, built.inferencer
@@ -435,13 +438,19 @@ def build_models(
 
 def agent_episodes(ctx: BuildContext, generator: Generator) -> Generator:
     """With agent.env, the generator whose samples are multi-turn episodes of that environment, each turn decoded
-    by `generator` (`AgentGenerator`); `generator` itself otherwise."""
+    by `generator`: at their own pace over one open rollout where its instances are all in this process
+    (`OpenAgentGenerator`, `Topology.open_rollout`), else turn by turn, all at once (`AgentGenerator`);
+    `generator` itself otherwise."""
     agent = ctx.config.agent
     if agent.env is None:
         return generator
-    from rlhfuse.agents.generator import AgentGenerator
+    from rlhfuse.agents.generator import AgentGenerator, OpenAgentGenerator
 
-    return AgentGenerator(
+    kind = AgentGenerator
+    if ctx.topology.open_rollout:
+        assert isinstance(generator, OpeningGenerator), type(generator)
+        kind = OpenAgentGenerator
+    return kind(
         generator,
         agent.env,
         ctx.models.tokenizer,

@@ -120,7 +120,8 @@ class Topology:
     open_rollout: bool = False
     """The generator's rollout can stay open while it decodes (its instances all in this one process): dynamic
     sampling (`data.oversample`) runs inside the rollout (`rlhfuse.trainer.rollout.StreamedDynamicSampling`),
-    else in rounds of it."""
+    else in rounds of it, and a multi-turn agent's episodes run at their own pace
+    (`rlhfuse.agents.generator.OpenAgentGenerator`), else turn by turn, all at once."""
 
     @functools.cached_property
     def stages(self) -> ParallelLayout:
@@ -167,6 +168,5 @@ def topology(cfg: RLHFConfig) -> Topology:
     ranks = g.instances * (max(g.tp, 1) if own_tp else 1)
     fused = with_instances and g.instances > 1 and ranks == world and strategy.whole_models
     weight_shards = 1 if own_tp else max(g.tp, 1)
-    # a multi-turn agent's episodes (agent.env) run turn by turn over the generator: their rollout stays closed
-    opens = entry is not None and entry.opens and world == 1 and cfg.agent.env is None
+    opens = entry is not None and entry.opens and world == 1
     return Topology(strategy, world, instances, fused, weight_shards, strategy.pipeline_run(cfg), opens)
