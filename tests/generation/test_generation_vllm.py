@@ -352,10 +352,40 @@ def test_default_job_runs_with_vllm_and_matches_engine_under_greedy(tmp_path):
             assert other[key] == pytest.approx(mine[key], rel=1e-4, abs=1e-5), key
 
 
-def test_multi_turn_episodes_on_vllm_equal_the_engines():
-    """`AgentGenerator` over vLLM: greedy episodes of the guessing game, turn by turn, the same as over rlhfuse's
-    engine (the same conversations, masks and rewards)."""
-    from rlhfuse.agents.generator import AgentGenerator
+def test_an_open_rollout_on_vllm_keeps_greedy_tokens_with_prompts_joining_and_migration(model):
+    """`OpenRollout` over 2 vLLM instances: prompts added while the first ones decode, the tail migrated by
+    resubmission, later prompts to the migration's destinations; every group whole and its greedy tokens
+    rlhfuse's engine's."""
+    prompts = _prompts(8, seed=6)
+    expected = _engine_tokens(model, prompts, 2)
+    generator = _generator(model, instances=2, policy=FixedThreshold(6), bs_max=16)
+    try:
+        batch = generator.open_rollout(iteration=0, capacity=16, prompt_width=16)
+        batch.add(prompts.select(torch.arange(4)))
+        got: dict[int, list[int]] = {}
+        first = batch.finished()
+        assert first is not None
+        batch.add(prompts.select(torch.arange(4, 8)))
+        done = first
+        while done is not None:
+            groups, rollout = done
+            assert len(rollout) == 2 * len(groups)
+            for k, row in enumerate(_rows(rollout)):
+                got[groups[k // 2] * 2 + int(rollout.sample_index_B[k])] = row
+            done = batch.finished()
+        assert batch.close() == 0
+        assert generator.migration.samples_moved > 0
+    finally:
+        generator.close()
+    assert [got[r] for r in range(16)] == expected
+
+
+@pytest.mark.parametrize("own_pace", [False, True], ids=["turn-by-turn", "own-pace"])
+def test_multi_turn_episodes_on_vllm_equal_the_engines(own_pace):
+    """Multi-turn episodes over vLLM, turn by turn (`AgentGenerator`) and each at its own pace over one open
+    rollout (`OpenAgentGenerator`): greedy episodes of the guessing game the same as over rlhfuse's engine turn by
+    turn (the same conversations, masks and rewards)."""
+    from rlhfuse.agents.generator import AgentGenerator, OpenAgentGenerator
     from rlhfuse.core.types import Rollout
     from rlhfuse.data.collate import left_padded
     from rlhfuse.data.prompts import Prompt
@@ -381,7 +411,7 @@ def test_multi_turn_episodes_on_vllm_equal_the_engines():
     sampling = SamplingConfig(max_new_tokens=16, temperature=0.0, stop_token_ids=[tok.eos_id, 210])
     batch = left_padded([list(p.token_ids) for p in prompts.values()], list(prompts), tok.pad_id)
 
-    def episodes(name: str) -> Rollout:
+    def episodes(name: str, kind: type = AgentGenerator) -> Rollout:
         gen_config = GenerationConfig(name=name, sampling=sampling, vllm=VLLMOptions(vllm_kv_cache_gb=0.25))
         setup = InstanceSetup(tok.eos_id, tok.pad_id, samples_per_prompt=2, seed=0)
         pool = (
@@ -390,15 +420,15 @@ def test_multi_turn_episodes_on_vllm_equal_the_engines():
             else EnginePool(actor, gen_config.engine)
         )
         inner = EngineGenerator(pool, gen_config, setup, mechanism="reprefill")
-        agent = AgentGenerator(
-            inner, "guess", tok, prompts, sampling=sampling, samples_per_prompt=2, max_turns=3
-        )
+        agent = kind(inner, "guess", tok, prompts, sampling=sampling, samples_per_prompt=2, max_turns=3)
         try:
-            return Rollout.cat(list(agent.generate(batch, iteration=0)), tok.pad_id)
+            rollout = Rollout.cat(list(agent.generate(batch, iteration=0)), tok.pad_id)
         finally:
             agent.close()
+        return rollout.select(torch.argsort(rollout.prompt_index_B * 2 + rollout.sample_index_B))
 
-    ours, theirs = episodes("engine"), episodes("vllm")
+    ours = episodes("engine")
+    theirs = episodes("vllm", OpenAgentGenerator if own_pace else AgentGenerator)
     assert ours.episodes_BE[:, 0].min() == 1 and ours.episodes_BE[:, 0].max() == 3
     for field in ("prompt_ids_BP", "response_ids_BR", "response_mask_BR", "trainable_mask_BR", "env_reward_B",
                   "prompt_index_B", "sample_index_B", "finished_B"):  # fmt: skip

@@ -6,7 +6,7 @@ destinations."""
 
 import torch
 
-from rlhfuse.core.types import PromptBatch
+from rlhfuse.data.collate import left_padded
 from rlhfuse.generation import Coordinator, GenerationEngine, SamplingParams, requests_for
 from rlhfuse.generation.open_rollout import OpenRollout
 from rlhfuse.models import ModelConfig, Transformer
@@ -28,13 +28,7 @@ def _prompts(ids):
     for p in ids:
         g = torch.Generator().manual_seed(p)
         rows.append([1, *torch.randint(3, 24, (1 + p % 5,), generator=g).tolist()])
-    width = max(map(len, rows))
-    input_ids = torch.full((len(ids), width), PAD)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for b, row in enumerate(rows):
-        input_ids[b, width - len(row) :] = torch.tensor(row)
-        mask[b, width - len(row) :] = 1
-    return PromptBatch(input_ids, mask, torch.tensor(ids))
+    return left_padded(rows, ids, PAD)
 
 
 def _closed(ids):

@@ -163,6 +163,7 @@ GENERATORS: Registry[GeneratorEntry] = Registry(
             problems=vllm_problems,
             own_tensor_parallel=True,
             runs_ahead=False,  # its engine is driven from the thread that built it
+            opens=True,
         ),
     },
 )

@@ -92,6 +92,9 @@ class DynamicSamplingError(RuntimeError):
     """Every prompt of the dataset was tried in one iteration and too few of their groups had differing rewards."""
 
 
+Filled = tuple[Experience, RolloutStats]
+"""A dynamic-sampling rollout's batch of groups whose rewards differ, and its statistics."""
+
 PromptDraw = Callable[[int], PromptBatch]
 """The next `count` prompts of the training data (the loader the iteration's own prompts come from)."""
 
@@ -170,20 +173,9 @@ class GroupTally:
         )
 
 
-class DynamicSampling(Stateless):
-    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2, eq. 11) in rounds of another rollout stage
-    (a stage whose generator cannot take prompts while it decodes: instances over processes, fused inference).
-
-    `run` returns the Experience of exactly `groups` prompt groups whose rewards are not all equal
-    (`GroupTally`): it runs the stage on ceil(`oversample` x `groups`) candidate prompts (`Candidates`: the
-    iteration's own, then prompts from `draw`), drops every group whose samples all scored alike, keeps the first
-    varied groups in candidate order, and runs the stage again on ceil(`oversample` x missing) further candidates,
-    round after round, until no group is missing. Each round is a whole rollout of the inner stage (its migration
-    and fused inference as configured); every rank draws and decides alike, from the same Experience. What a
-    dropped group, or a varied group beyond the batch, generated is `rollout/extra_tokens`. When all `limit`
-    prompts of the dataset have been candidates, `DynamicSamplingError`. A rollout with its own `sampling`
-    (held-out evaluation) runs the inner stage as it is. `StreamedDynamicSampling` runs inside the rollout.
-    """
+class _GroupsFilled(Stateless):
+    """What both forms of dynamic sampling share: the stage evaluation rollouts run through as they are, the
+    batch's `groups`, the factor `oversample`, and the candidates' source (`draw`, over `limit` prompts)."""
 
     def __init__(
         self,
@@ -207,9 +199,33 @@ class DynamicSampling(Stateless):
         on_stage: StageHook | None = None,
         sampling: Sampling | None = None,
     ) -> tuple[Experience, RolloutStats]:
-        if sampling is not None:
+        if sampling is not None:  # held-out evaluation: every prompt, no filter
             return self.stage.run(prompts, iteration, on_stage, sampling)
         candidates = Candidates(prompts, self.draw, self.limit, self.pad_token_id)
+        return self._filled(candidates, iteration, on_stage or no_stage_hook)
+
+    def _filled(self, candidates: Candidates, iteration: int, on_stage: StageHook) -> Filled:
+        """The Experience of `groups` varied groups from `candidates` (the iteration's own prompts first), and the
+        rollout's statistics (each form its own)."""
+        raise NotImplementedError
+
+
+class DynamicSampling(_GroupsFilled):
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2, eq. 11) in rounds of another rollout stage
+    (a stage whose generator cannot take prompts while it decodes: instances over processes, fused inference).
+
+    `run` returns the Experience of exactly `groups` prompt groups whose rewards are not all equal
+    (`GroupTally`): it runs the stage on ceil(`oversample` x `groups`) candidate prompts (`Candidates`: the
+    iteration's own, then prompts from `draw`), drops every group whose samples all scored alike, keeps the first
+    varied groups in candidate order, and runs the stage again on ceil(`oversample` x missing) further candidates,
+    round after round, until no group is missing. Each round is a whole rollout of the inner stage (its migration
+    and fused inference as configured); every rank draws and decides alike, from the same Experience. What a
+    dropped group, or a varied group beyond the batch, generated is `rollout/extra_tokens`. When all `limit`
+    prompts of the dataset have been candidates, `DynamicSamplingError`. A rollout with its own `sampling`
+    (held-out evaluation) runs the inner stage as it is. `StreamedDynamicSampling` runs inside the rollout.
+    """
+
+    def _filled(self, candidates: Candidates, iteration: int, on_stage: StageHook) -> Filled:
         tally = GroupTally(self.groups)
         rounds: list[RolloutStats] = []
         kept: list[Experience] = []
@@ -236,7 +252,7 @@ class DynamicSampling(Stateless):
         )
 
 
-class StreamedDynamicSampling(Stateless):
+class StreamedDynamicSampling(_GroupsFilled):
     """DAPO's dynamic sampling (arXiv 2503.14476, §3.2, eq. 11) inside one rollout, on a generator whose batch
     stays open (`OpeningGenerator`: the engine's instances of this process, migration included, or the sampling
     generator's engine).
@@ -268,26 +284,16 @@ class StreamedDynamicSampling(Stateless):
         pad_token_id: int,
         scorer: Callable[[Rollout], Tensor] | None = None,
     ) -> None:
-        if oversample < 1:
-            raise ValueError(f"oversample={oversample}: dynamic sampling needs a factor >= 1")
-        self.stage, self.generator, self.inferencer = stage, generator, inferencer
+        super().__init__(
+            stage, groups, oversample=oversample, draw=draw, limit=limit, pad_token_id=pad_token_id
+        )
+        self.generator, self.inferencer = generator, inferencer
         self.scorer = scorer if scorer is not None else scores_of(inferencer)
-        self.groups, self.samples_per_prompt, self.oversample = groups, samples_per_prompt, oversample
-        self.draw, self.limit, self.prompt_width, self.pad_token_id = draw, limit, prompt_width, pad_token_id
+        self.samples_per_prompt, self.prompt_width = samples_per_prompt, prompt_width
 
-    def run(
-        self,
-        prompts: PromptBatch,
-        iteration: int,
-        on_stage: StageHook | None = None,
-        sampling: Sampling | None = None,
-    ) -> tuple[Experience, RolloutStats]:
-        if sampling is not None:
-            return self.stage.run(prompts, iteration, on_stage, sampling)
-        on_stage = on_stage or no_stage_hook
-        candidates = Candidates(prompts, self.draw, self.limit, self.pad_token_id)
+    def _filled(self, candidates: Candidates, iteration: int, on_stage: StageHook) -> Filled:
         tally = GroupTally(self.groups)
-        width = max(self.prompt_width, prompts.input_ids_BP.shape[1])
+        width = max(self.prompt_width, candidates.pending.input_ids_BP.shape[1])
         capacity = math.ceil(self.oversample * self.groups) * self.samples_per_prompt
         batch = self.generator.open_rollout(iteration=iteration, capacity=capacity, prompt_width=width)
         kept: list[Rollout] = []
