@@ -55,3 +55,10 @@ class AgentConfig:
             f"agent.max_response_tokens={self.max_response_tokens} must be an integer >= 0 (0 = no bound)",
         )
         return problems
+
+
+def trajectory_tokens(max_response_tokens: int, max_turns: int, max_new_tokens: int) -> int:
+    """The bound on a trajectory's response tokens that a generation instance's KV cache is sized for (beyond
+    the opened prompt): agent.max_response_tokens, or 2 x max_turns x max_new_tokens when that is 0 (each turn's
+    sampled tokens and as many again for the messages answering it)."""
+    return max_response_tokens or 2 * max_turns * max_new_tokens

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
+from rlhfuse.agents.agent_config import trajectory_tokens
 from rlhfuse.agents.environment import ENV_KEY, AgentEnvError, environment_tools, load_environment
 from rlhfuse.agents.episode import EpisodeRun
 from rlhfuse.agents.tokens import answer_tokens, chat_encoder
@@ -282,7 +283,7 @@ class OpenAgentGenerator(AgentGenerator):
             return
         episodes = _Episodes(self, keys)
         paths = _Trajectories(episodes.opened())
-        bound = self.max_response_tokens or 2 * self.max_turns * config.max_new_tokens
+        bound = trajectory_tokens(self.max_response_tokens, self.max_turns, config.max_new_tokens)
         batch = self.inner.open_rollout(
             iteration=iteration,
             capacity=len(keys),

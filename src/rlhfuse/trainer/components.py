@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlhfuse.agents.agent_config import trajectory_tokens
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.rewards import RewardSet
 from rlhfuse.data.prompts import Prompt
@@ -101,10 +102,14 @@ def vllm_generator(ctx: BuildContext) -> EngineGenerator:
 
     actor = ctx.models.for_generation()
     lora = ctx.config.model.lora
+    agent, prompt_len = ctx.config.agent, ctx.config.data.max_prompt_length
+    if agent.env is not None:  # a multi-turn episode's prompt is its whole conversation so far
+        max_new = ctx.config.generator.sampling.max_new_tokens
+        prompt_len += trajectory_tokens(agent.max_response_tokens, agent.max_turns, max_new)
     pool = VLLMPool(
         actor,
         ctx.config.generator,
-        max_prompt_len=ctx.config.data.max_prompt_length,
+        max_prompt_len=prompt_len,
         seed=ctx.config.seed,
         device=next(actor.parameters()).device,
         batch_invariant=ctx.config.exact,
