@@ -262,5 +262,7 @@ def test_agent_config_problems():
     problems = AgentConfig(env="my env", max_turns=0, tool_timeout_s=float("inf")).problems()
     assert len(problems) == 3
     assert problems[0].startswith("agent.env='my env' is not 'module:Class'")
-    assert problems[1].startswith("agent.max_turns=0 must be an integer >= 1")
+    assert problems[1].startswith("agent.max_turns=0 must be an integer from 1 to 64")
+    (too_many,) = AgentConfig(max_turns=65).problems()
+    assert too_many.startswith("agent.max_turns=65 must be an integer from 1 to 64")
     assert problems[2].startswith("agent.tool_timeout_s=inf must be")

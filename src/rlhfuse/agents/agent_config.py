@@ -12,6 +12,11 @@ from rlhfuse.agents.environment import ENVIRONMENTS
 from rlhfuse.core.config_checks import need
 
 
+MAX_TURNS = 64
+"""The most turns an episode may take (`agent.max_turns`): a turn's sample is seeded from its prompt, sample index
+and turn (`rlhfuse.agents.generator`), `MAX_TURNS` turn numbers per sample."""
+
+
 @dataclass
 class AgentConfig:
     # The environment class: 'module:Class' (./module.py first, then PYTHONPATH; e.g. my_env:Env) or a registered
@@ -40,9 +45,9 @@ class AgentConfig:
         )
         need(
             problems,
-            isinstance(self.max_turns, int) and self.max_turns >= 1,
-            f"agent.max_turns={self.max_turns} must be an integer >= 1 (assistant turns per episode, tool turns "
-            "included)",
+            isinstance(self.max_turns, int) and 1 <= self.max_turns <= MAX_TURNS,
+            f"agent.max_turns={self.max_turns} must be an integer from 1 to {MAX_TURNS} (assistant turns per "
+            "episode, tool turns included; each turn's sample is keyed by its prompt, sample and turn)",
         )
         need(
             problems,

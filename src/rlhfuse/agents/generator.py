@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.agents.agent_config import trajectory_tokens
+from rlhfuse.agents.agent_config import MAX_TURNS, trajectory_tokens
 from rlhfuse.agents.environment import ENV_KEY, AgentEnvError, environment_tools, load_environment
 from rlhfuse.agents.episode import EpisodeRun
 from rlhfuse.agents.tokens import answer_tokens, chat_encoder
@@ -55,7 +55,7 @@ from rlhfuse.data.collate import left_padded
 from rlhfuse.data.prompts import TOOLS_KEY, Prompt
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
-_SAMPLES, _TURNS = 1 << 12, 1 << 6  # an episode's turn id: `_turn_id`
+_SAMPLES, _TURNS = 1 << 12, MAX_TURNS  # an episode's turn id: `_turn_id`
 
 
 class AgentGenerator:

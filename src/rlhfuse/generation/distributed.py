@@ -52,17 +52,18 @@ def decode_until_migration(
     watch = CountWatch(control_device, threshold, control, timeout_s=timeout_s)
     steps = 0  # decode steps while watching (idle polls cost nothing the tuner should charge per step)
     while True:
-        if engine.has_work():
+        idle = not engine.has_work()
+        if not idle:
             yield from engine.step()
             steps += 1
-        elif watch.polls:
-            try:
+        try:  # a peer that died shows here: in the idle wait, or as a closed connection when a count is posted
+            if idle and watch.polls:
                 watch.wait_idle()
-            except RuntimeError as err:
-                transport.step = watch.polls
-                raise transport.fail("watching the unfinished count", err) from err
-        if watch.update(engine.num_unfinished):
-            break
+            if watch.update(engine.num_unfinished):
+                break
+        except RuntimeError as err:
+            transport.step = watch.polls
+            raise transport.fail("watching the unfinished count", err) from err
     watch.close()
     if steps:
         engine.stats.lockstep_seconds += watch.poll_seconds

@@ -326,10 +326,10 @@ def assemble(
 def opening_of(
     built: Any, layout: Topology, config: RLHFConfig
 ) -> tuple[OpeningGenerator, Inferencer] | None:
-    """The generator whose rollout stays open, and the inferencer, where dynamic sampling runs inside the rollout
-    (`Topology.open_rollout`); None: it runs in rounds (also with agent.env: the episodes run over the open
-    rollout themselves)."""
-    if not layout.open_rollout or config.agent.env is not None:
+    """The generator whose rollout stays open, and the inferencer, where dynamic sampling (data.oversample) runs
+    inside the rollout (`Topology.open_rollout`); None: it is off, or runs in rounds (also with agent.env: the
+    episodes run over the open rollout themselves)."""
+    if config.data.oversample == 0 or not layout.open_rollout or config.agent.env is not None:
         return None
     assert isinstance(built.generator, OpeningGenerator), type(built.generator)
     return built.generator, built.inferencer
