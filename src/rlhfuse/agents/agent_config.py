@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from rlhfuse.agents.environment import ENVIRONMENTS
 from rlhfuse.core.config_checks import need
 
-
 MAX_TURNS = 64
 """The most turns an episode may take (`agent.max_turns`): a turn's sample is seeded from its prompt, sample index
 and turn (`rlhfuse.agents.generator`), `MAX_TURNS` turn numbers per sample."""
