@@ -39,6 +39,23 @@ from rlhfuse.generation.open_rollout import OpenRollout
 from rlhfuse.models import Transformer, load_weights
 
 
+def plain_engine(
+    model: Transformer,
+    params: SamplingParams,
+    slots: int,
+    prompt_width: int,
+    *,
+    choice: TokenChoice | None = None,
+    gate: StepGate | None = None,
+) -> GenerationEngine:
+    """A plain engine on `model` (no prefix sharing, no speculation) of `slots` slots, for prompts up to
+    `prompt_width` tokens."""
+    return GenerationEngine(
+        model, params, num_slots=slots, max_len=prompt_width + params.max_new_tokens,
+        prefix_sharing=False, choice=choice, gate=gate,
+    )  # fmt: skip
+
+
 def plain_chunks(
     model: Transformer,
     requests: Sequence[SampleRequest],
@@ -54,11 +71,8 @@ def plain_chunks(
     steps, each token's version recorded)."""
     if not requests:
         return
-    engine = GenerationEngine(
-        model, params, num_slots=min(chunk, len(requests)),
-        max_len=max(r.prompt_len for r in requests) + params.max_new_tokens,
-        prefix_sharing=False, choice=choice, gate=gate,
-    )  # fmt: skip
+    width = max(r.prompt_len for r in requests)
+    engine = plain_engine(model, params, min(chunk, len(requests)), width, choice=choice, gate=gate)
     for start in range(0, len(requests), chunk):
         yield to_rollout(engine.run(requests[start : start + chunk]), pad_token_id)
 
@@ -130,12 +144,8 @@ class SamplingGenerator(ActorCopy):
         call's own, else the run's."""
         params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         slots = min(self.config.max_batch_size or capacity, capacity)
-        engine = GenerationEngine(
-            self.model, params, num_slots=slots, max_len=prompt_width + params.max_new_tokens,
-            prefix_sharing=False,
-        )  # fmt: skip
         return OpenRollout(
-            Coordinator([engine], bs_max=slots), samples_per_prompt=per_prompt, seed=self.seed,
+            Coordinator([plain_engine(self.model, params, slots, prompt_width)], bs_max=slots), samples_per_prompt=per_prompt, seed=self.seed,
             iteration=iteration, pad_token_id=self.pad_token_id,
         )  # fmt: skip
 

@@ -46,8 +46,9 @@ class GeneratorEntry:
     """Its samples may continue under new weights between two decode steps (`generate_partial`, async
     partial rollouts)."""
     opens: bool = False
-    """Its rollout can stay open while it decodes, prompts joining (`open_rollout`): dynamic sampling runs inside
-    the rollout when its instances are all in one process."""
+    """Its rollout can stay open while it decodes, prompts joining (`open_rollout`): with its instances all in one
+    process, dynamic sampling runs inside the rollout and a multi-turn agent's episodes at their own pace
+    (`Topology.open_rollout`)."""
 
 
 @dataclass(frozen=True)
