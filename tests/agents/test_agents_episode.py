@@ -240,7 +240,7 @@ def test_load_names_agent_env_and_the_fix(tmp_path, monkeypatch):
             "bad_envs:NoStep": r"agent.env='bad_envs:NoStep' has no step method: add `def step\(self, message",
             "bad_envs:Missing": r"module 'bad_envs' has no attribute 'Missing'",
             "no_such_file:Env": r"cannot import module 'no_such_file'",
-            "just_a_name": r"agent.env='just_a_name' is not a registered environment \['guess'\] nor 'module:Class'",
+            "just_a_name": r"agent.env='just_a_name' is not a registered environment \['calculator', 'guess'\] nor 'module:Class'",
         }
         for choice, match in cases.items():
             with pytest.raises(AgentEnvError, match=match):

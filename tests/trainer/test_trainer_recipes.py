@@ -87,3 +87,48 @@ def test_the_smollm2_dapo_recipe_is_dapo_on_the_real_model_experiment(monkeypatc
     # the experiment's settings for a pretrained policy stay
     assert (config.algorithm.kl_loss_coef, config.pipeline.optim.actor_lr) == (0.04, 1e-6)
     assert config.eval.every == 5 and config.eval.split_fraction == 0.1
+
+
+def test_the_calculator_recipe_trains_tool_calling_episodes_evaluated_before_and_after(tmp_path, capsys):
+    """At smoke size (the 20-iteration run and its accuracy are in docs/agents.md): the held-out evaluation runs
+    before the first iteration too (iteration 0), and the episodes call the embedded task's calculator."""
+    history = _recipe("calculator_arithmetic").main(
+        [
+            "iterations=2",
+            "eval.every=2",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.num_layers=1",
+            "model.warmstart.sft_steps=20",
+            "model.warmstart.rm_steps=2",
+            "model.warmstart.sft_examples=256",
+            "model.warmstart.rm_pairs=32",
+            "data.num_prompts=40",
+            "data.prompts_per_iteration=4",
+            "data.mini_batch_size=8",
+            "data.micro_batch_size=8",
+            f"model.warmstart.cache_dir={tmp_path / 'cache'}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert [row["iteration"] for row in history] == [0, 1, 2]
+    assert (
+        set(history[0]) >= {"eval/reward/mean", "eval/response_length/mean"}
+        and "reward/mean" not in history[0]
+    )
+    assert "eval/reward/mean" in history[2] and "eval/reward/mean" not in history[1]
+    for row in history[1:]:
+        assert 0.0 <= row["agent/tool_calls"] and 1.0 <= row["agent/turns_mean"] <= 2.0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1, 2]
+    assert "held-out accuracy" in capsys.readouterr().out
+
+
+def test_evaluating_before_training_needs_the_periodic_evaluation():
+    from rlhfuse.trainer import compose_config, validate
+
+    with pytest.raises(ValueError, match=r"eval.before_training=true .* eval.every > 0"):
+        validate(compose_config(["experiment=calculator", "eval.before_training=true"]))
+    config = compose_config(["experiment=calculator"])
+    assert (config.data.source, config.agent.env, config.agent.max_turns) == ("calculator", "calculator", 2)
+    assert config.inferencer.reward_fn is None and not config.inferencer.use_reward_model

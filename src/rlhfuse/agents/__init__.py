@@ -18,7 +18,7 @@ if TYPE_CHECKING:
         load_environment,
     )
     from rlhfuse.agents.episode import Episode, run_episode
-    from rlhfuse.agents.games import GuessingGame
+    from rlhfuse.agents.games import Calculator, GuessingGame, calc
     from rlhfuse.agents.tokens import episode_tokens
     from rlhfuse.agents.tools import (
         ToolCall,
@@ -42,7 +42,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "load_environment",
     ),
     "rlhfuse.agents.episode": ("Episode", "run_episode"),
-    "rlhfuse.agents.games": ("GuessingGame",),
+    "rlhfuse.agents.games": ("Calculator", "GuessingGame", "calc"),
     "rlhfuse.agents.tokens": ("episode_tokens",),
     "rlhfuse.agents.tools": (
         "ToolCall",
@@ -61,6 +61,7 @@ __all__ = [
     "ENVIRONMENTS",
     "AgentConfig",
     "AgentEnvError",
+    "Calculator",
     "Environment",
     "Episode",
     "GuessingGame",
@@ -68,6 +69,7 @@ __all__ = [
     "ToolCallError",
     "ToolRunner",
     "ToolTurn",
+    "calc",
     "environment_tools",
     "episode_tokens",
     "load_environment",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Protocol
 
-from rlhfuse.agents.games import GuessingGame
+from rlhfuse.agents.games import Calculator, GuessingGame
 from rlhfuse.agents.tools import Tool, schema_problems, tool_problems
 from rlhfuse.core.registry import Registry
 
@@ -39,7 +39,9 @@ class AgentEnvError(ValueError):
 
 
 # Named environments (`rlhfuse.agents.games`); `agent.env` also takes 'package.module:Class'.
-ENVIRONMENTS: Registry[type] = Registry("environment", ENV_KEY, {"guess": GuessingGame})
+ENVIRONMENTS: Registry[type] = Registry(
+    "environment", ENV_KEY, {"guess": GuessingGame, "calculator": Calculator}
+)
 
 
 def describe(choice: str | type) -> str:

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 from rlhfuse._lazy import lazy_package
 
 if TYPE_CHECKING:
-    from rlhfuse.data.arithmetic import ArithmeticTask
+    from rlhfuse.data.arithmetic import ArithmeticTask, CalculatorTask
     from rlhfuse.data.data_config import DataConfig
     from rlhfuse.data.prompts import (
         DatasetError,
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # The public names are imported from their modules on first use (rlhfuse._lazy): importing one module of
 # the package does not load the others (`rlhfuse-train --help` reads the configs without torch).
 _PUBLIC: dict[str, tuple[str, ...]] = {
-    "rlhfuse.data.arithmetic": ("ArithmeticTask",),
+    "rlhfuse.data.arithmetic": ("ArithmeticTask", "CalculatorTask"),
     "rlhfuse.data.data_config": ("DataConfig",),
     "rlhfuse.data.prompts": (
         "DatasetError",
@@ -40,6 +40,7 @@ lazy_package(__name__, _PUBLIC)
 
 __all__ = [
     "ArithmeticTask",
+    "CalculatorTask",
     "DataConfig",
     "DatasetError",
     "Prompt",

@@ -13,8 +13,9 @@ TruncateMode = Literal["error", "left", "right"]
 @dataclass
 class DataConfig:
     # Prompt source: "synthetic" (the embedded topic task, generated from `seed`), "arithmetic" (the embedded
-    # verifiable task: generated `a + b =` problems whose rows carry the `answer`) or "file" (`path`).
-    source: Literal["synthetic", "arithmetic", "file"] = "synthetic"
+    # verifiable task: generated `a + b =` problems whose rows carry the `answer`), "calculator" (the same
+    # problems, the tiny model warm-started to call a calculator tool: agent.env=calculator) or "file" (`path`).
+    source: Literal["synthetic", "arithmetic", "calculator", "file"] = "synthetic"
     # A local .jsonl (one JSON object per line) or .parquet file of prompts, or a folder saved with datasets'
     # `Dataset.save_to_disk`; used when source=file. (The Python API: build_trainer(train_dataset=...).)
     path: str | None = None
@@ -24,7 +25,7 @@ class DataConfig:
     num_prompts: int = 512
     length_median: float = 6.0
     length_sigma: float = 0.8
-    # Arithmetic task only: operands are drawn from 0..max_operand (answers from -max_operand to 2*max_operand).
+    # Arithmetic and calculator tasks only: operands are drawn from 0..max_operand (answers from -max_operand to 2*max_operand).
     max_operand: int = 9
     # Synthetic task only: 0 = response words drawn one by one; n > 0 = responses are made of n-word phrases
     # from a fixed per-topic phrase book (repetitive text, as reasoning rollouts are: what n-gram drafts of

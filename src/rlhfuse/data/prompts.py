@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlhfuse.data.arithmetic import ArithmeticTask
+from rlhfuse.data.arithmetic import ARITHMETIC_TASKS
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
@@ -359,8 +359,8 @@ def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int, dataset
     texts: list[PromptInput]
     if config.source == "synthetic":
         texts = list(SyntheticTask(seed=seed).prompts(config.num_prompts))
-    elif config.source == "arithmetic":
-        task = ArithmeticTask(seed=seed, max_operand=config.max_operand)
+    elif config.source in ARITHMETIC_TASKS:
+        task = ARITHMETIC_TASKS[config.source](seed=seed, max_operand=config.max_operand)
         texts, rows = list(task.prompts(config.num_prompts)), task.rows(config.num_prompts)
     else:
         assert config.path is not None, "validated: data.source=file needs data.path"

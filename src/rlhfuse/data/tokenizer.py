@@ -213,9 +213,9 @@ class Tokenizer:
         return path
 
     @classmethod
-    def from_words(cls, words: Iterable[str]) -> Tokenizer:
+    def from_words(cls, words: Iterable[str], *, chat_template: str | None = None) -> Tokenizer:
         """A word-level tokenizer over `words` (whitespace-split), special tokens first: pad=0 bos=1 eos=2 unk=3.
-        It has no chat template: the embedded tasks feed their prompts as plain text."""
+        Without `chat_template` (most embedded tasks) prompts are fed as plain text."""
         vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
         for word in words:
             if word in vocab:
@@ -224,7 +224,14 @@ class Tokenizer:
         backend = _HFTokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # type: ignore[assignment]
         backend.add_special_tokens(list(SPECIAL_TOKENS))
-        return cls(backend, pad_id=vocab[PAD], bos_id=vocab[BOS], eos_id=vocab[EOS])
+        return cls(
+            backend,
+            pad_id=vocab[PAD],
+            bos_id=vocab[BOS],
+            eos_id=vocab[EOS],
+            chat_template=chat_template,
+            template_source="the embedded task's tokenizer",
+        )
 
     @classmethod
     def from_dir(cls, directory: str | Path, *, model_dir: str | Path | None = None) -> Tokenizer:

@@ -26,7 +26,7 @@ from rlhfuse.core.protocols import (
     Strategy,
 )
 from rlhfuse.core.rewards import RewardSet
-from rlhfuse.data.arithmetic import ArithmeticTask
+from rlhfuse.data.arithmetic import ARITHMETIC_TASKS
 from rlhfuse.data.feed import PromptFeed
 from rlhfuse.data.prompts import (
     Prompt,
@@ -94,11 +94,12 @@ def rollout_stage(
 
 def embedded_task(config: RLHFConfig) -> WarmStartTask:
     """The embedded task of `data.source` (its tokenizer, and the warm start's data when no model is given):
-    the arithmetic task for data=arithmetic, the synthetic topic task otherwise."""
+    an arithmetic task for data=arithmetic or calculator, the synthetic topic task otherwise."""
     d = config.data
     max_new = config.generator.sampling.max_new_tokens
-    if d.source == "arithmetic":
-        return ArithmeticTask(seed=config.seed, max_operand=d.max_operand, max_new_tokens=max_new)
+    if d.source in ARITHMETIC_TASKS:
+        task = ARITHMETIC_TASKS[d.source]
+        return task(seed=config.seed, max_operand=d.max_operand, max_new_tokens=max_new)
     return SyntheticTask(
         seed=config.seed,
         max_new_tokens=max_new,
@@ -170,7 +171,7 @@ def with_datasets(config: RLHFConfig, train_dataset: Any, eval_dataset: Any) -> 
         dataset_rows(train_dataset)  # not a datasets.Dataset: one line saying what to pass
         need(
             problems,
-            data.path is None and data.source != "arithmetic",
+            data.path is None and data.source not in ARITHMETIC_TASKS,
             f"build_trainer(train_dataset=...) and data.source={data.source}"
             + (f" data.path={data.path}" if data.path else "")
             + " both give the training prompts: leave data.path unset (data.source=file or synthetic)",

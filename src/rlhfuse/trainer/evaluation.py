@@ -102,6 +102,11 @@ class Evaluator(Callback):
     def due(self, iteration: int) -> bool:
         return self.config.every > 0 and iteration % self.config.every == 0
 
+    def on_fit_start(self, trainer: Any) -> None:
+        """eval.before_training: the policy as it starts, evaluated and logged as iteration 0 (a fresh run)."""
+        if self.config.before_training and trainer.iteration == 0:
+            trainer.record_metrics({"iteration": 0, **self.evaluate(0)}, step=0)
+
     def on_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
         iteration = int(metrics["iteration"])
         if self.due(iteration):

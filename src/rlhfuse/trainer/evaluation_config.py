@@ -25,6 +25,9 @@ class EvalConfig:
     temperature: float = 0.0
     # Evaluate on at most this many held-out prompts (0 = all), the same ones every time.
     max_prompts: int = 0
+    # Also evaluate the policy before the first iteration (verl's val_before_train): a row of metrics logged as
+    # iteration 0 (not on a resumed run). Needs eval.every > 0 (the held-out prompts).
+    before_training: bool = False
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -46,6 +49,11 @@ class EvalConfig:
             not (self.path is not None and self.split_fraction > 0),
             f"eval.path={self.path!r} and eval.split_fraction={self.split_fraction} both choose the held-out "
             "prompts: set one of them",
+        )
+        need(
+            problems,
+            not self.before_training or self.every > 0,
+            "eval.before_training=true evaluates with the periodic evaluation's prompts: set eval.every > 0",
         )
         need(
             problems,

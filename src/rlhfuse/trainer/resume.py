@@ -37,6 +37,7 @@ MUTABLE_ON_RESUME: tuple[str, ...] = (
     "eval.samples_per_prompt",
     "eval.temperature",
     "eval.max_prompts",
+    "eval.before_training",  # a resumed run does not evaluate before its first iteration
 )
 
 # What else a pipeline=fsdp run may change on resume: the number of processes and with it the generation instances

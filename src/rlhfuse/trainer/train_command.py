@@ -182,16 +182,20 @@ def run(cfg: DictConfig) -> None:
         )
     # the first job counts the process's start-up (imports, Hydra, building); a later job of a multirun its own
     elapsed = seconds_since_start() if _jobs_started == 1 else time.perf_counter() - job_started
-    if history:
-        first, last = history[0], history[-1]
+    # the iterations' rows (eval.before_training adds one of its own before them)
+    trained = [row for row in history if "reward/mean" in row]
+    if trained:
+        first, last = trained[0], trained[-1]
         task = (
             f", task score {first['task/score']:.3f} -> {last['task/score']:.3f}"
             if "task/score" in last
             else ""
         )
+        evaluated = [row["eval/reward/mean"] for row in history if "eval/reward/mean" in row]
+        held = f", held-out reward {evaluated[0]:+.3f} -> {evaluated[-1]:+.3f}" if len(evaluated) > 1 else ""
         say(
-            f"rlhfuse-train: done in {elapsed:.0f}s, {len(history)} iterations this run; reward "
-            f"{first['reward/mean']:+.3f} -> {last['reward/mean']:+.3f}{task}; metrics in "
+            f"rlhfuse-train: done in {elapsed:.0f}s, {len(trained)} iterations this run; reward "
+            f"{first['reward/mean']:+.3f} -> {last['reward/mean']:+.3f}{task}{held}; metrics in "
             f"{config.run_dir}/metrics.jsonl"
         )
     if several:

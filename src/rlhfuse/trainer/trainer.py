@@ -280,6 +280,11 @@ class RLHFTrainer:
         for logger in self.loggers:
             logger.log_metrics(metrics, step=step)
 
+    def record_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """A row of the run's history, logged (an iteration's, or one a callback adds: eval.before_training)."""
+        self.history.append(metrics)
+        self.log_metrics(metrics, step=step)
+
     def finalize(self, status: str) -> None:
         for logger in self.loggers:
             logger.finalize(status)
@@ -381,8 +386,7 @@ class RLHFTrainer:
         }
         self.call("on_metrics", metrics)  # last additions before logging (every rank calls it)
         self.iteration = it
-        self.history.append(metrics)
-        self.log_metrics(metrics, step=it)
+        self.record_metrics(metrics, step=it)
         if self.checkpoint_due(it):
             self.save_checkpoint()
         self.feed.release(it)
