@@ -26,24 +26,25 @@ CALCULATOR = ["experiment=calculator", "eval.every=5", "eval.before_training=tru
 
 
 def main(overrides: list[str], base: list[str] = CALCULATOR) -> list[dict[str, float]]:
-    """The run of `base` + `overrides` (command-line overrides), with its held-out accuracy before and after and
-    its share of tool calls printed at the end."""
+    """The run of `base` + `overrides` (command-line overrides), with its held-out reward (the share of right
+    answers, or of games won) before and after, and its episodes' turns and tool calls, printed at the end."""
     config = compose_config([*base, *overrides])
-    config.run_dir = config.run_dir or f"outputs/calculator-{time.strftime('%Y%m%d-%H%M%S')}"
+    config.run_dir = config.run_dir or f"outputs/{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}"
     history = build_trainer(config).fit()
-    accuracy = " -> ".join(
+    held_out = " -> ".join(
         f"{row['eval/reward/mean']:.3f} (iteration {row['iteration']:.0f})"
         for row in history
         if "eval/reward/mean" in row
     )
     trained = [row for row in history if "agent/tool_calls" in row]
-    calls = (
-        f"{trained[0]['agent/tool_calls']:.2f} -> {trained[-1]['agent/tool_calls']:.2f}" if trained else "-"
-    )
-    print(
-        f"held-out accuracy {accuracy or 'not evaluated'}; episodes calling the tool {calls}; "
-        f"metrics: {config.run_dir}/metrics.jsonl"
-    )
+    episodes = ""
+    if trained:
+        first, last = trained[0], trained[-1]
+        episodes = (
+            f"; episodes' turns {first['agent/turns_mean']:.2f} -> {last['agent/turns_mean']:.2f}, calling the "
+            f"tool {first['agent/tool_calls']:.2f} -> {last['agent/tool_calls']:.2f}"
+        )
+    print(f"held-out reward {held_out or 'not evaluated'}{episodes}; metrics: {config.run_dir}/metrics.jsonl")
     return history
 
 

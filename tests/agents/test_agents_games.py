@@ -15,7 +15,7 @@ from rlhfuse.agents import (
     load_environment,
     run_episode,
 )
-from rlhfuse.data import CalculatorTask
+from rlhfuse.data import CalculatorTask, GuessingTask
 
 
 def _guesses(*texts: str):
@@ -121,3 +121,16 @@ def test_the_calculator_task_writes_its_tool_calls_in_its_own_words() -> None:
     assert [w for w, m in zip(words, mask) if not m] == [
         "<bos>", *prompt.split(), "<tool_response>", row["answer"], "</tool_response>"
     ]  # fmt: skip
+
+
+def test_the_guessing_task_gives_each_game_its_number() -> None:
+    games = GuessingTask(seed=0)
+    rows = games.rows(200)
+    assert rows == GuessingTask(seed=0).rows(200) and rows != GuessingTask(seed=1).rows(200)
+    assert all(GuessingGame.low <= row["secret"] <= GuessingGame.high for row in rows)
+    assert len({row["secret"] for row in rows}) > 50  # spread over the range, not one number
+    prompt = games.problem(3)[0]
+    assert prompt == games.problem(4)[0] and "between 1 and 100" in prompt
+    game = GuessingGame()
+    game.reset(rows[3])
+    assert game.step({"role": "assistant", "content": str(rows[3]["secret"])}) == ([], 1.0, True)

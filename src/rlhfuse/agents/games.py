@@ -11,21 +11,23 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from rlhfuse.core.rewards import numeric_match
+from rlhfuse.data.guessing import HIGH, LOW
 
 _WHOLE_NUMBER = re.compile(r"-?\d+")
 
 
 class GuessingGame:
-    """`agent.env=guess`: the model guesses a whole number between `low` and `high` (1 and 100); the environment
-    answers each guess with "Higher." or "Lower." until it is found or the turns run out.
+    """`agent.env=guess` (prompts: `data.source=guess`): the model guesses a whole number between `low` and `high`
+    (1 and 100); the environment answers each guess with "Higher." or "Lower." until it is found or the turns run
+    out.
 
     The secret is the row's `secret` field when it has one, otherwise drawn from the row itself (crc32 of its
     JSON: the same for a row on every rank and in every run). A guess is the last whole number in the model's
     message; a message without one is answered with what to do. Reward 1.0 on the turn that finds the number
     (the episode ends), 0.0 for every other turn: the episode's reward says whether it was found."""
 
-    low: ClassVar[int] = 1
-    high: ClassVar[int] = 100
+    low: ClassVar[int] = LOW
+    high: ClassVar[int] = HIGH
 
     def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         secret = row.get("secret")

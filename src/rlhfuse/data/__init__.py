@@ -1,4 +1,5 @@
-"""Prompt data, tokenizers and the embedded tasks (`rlhfuse.data.synthetic`, `rlhfuse.data.arithmetic`)."""
+"""Prompt data, tokenizers and the embedded tasks (`rlhfuse.data.synthetic`, `rlhfuse.data.arithmetic`,
+`rlhfuse.data.guessing`)."""
 
 from typing import TYPE_CHECKING
 
@@ -7,6 +8,7 @@ from rlhfuse._lazy import lazy_package
 if TYPE_CHECKING:
     from rlhfuse.data.arithmetic import ArithmeticTask, CalculatorTask
     from rlhfuse.data.data_config import DataConfig
+    from rlhfuse.data.guessing import GuessingTask
     from rlhfuse.data.prompts import (
         DatasetError,
         Prompt,
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 _PUBLIC: dict[str, tuple[str, ...]] = {
     "rlhfuse.data.arithmetic": ("ArithmeticTask", "CalculatorTask"),
     "rlhfuse.data.data_config": ("DataConfig",),
+    "rlhfuse.data.guessing": ("GuessingTask",),
     "rlhfuse.data.prompts": (
         "DatasetError",
         "Prompt",
@@ -43,6 +46,7 @@ __all__ = [
     "CalculatorTask",
     "DataConfig",
     "DatasetError",
+    "GuessingTask",
     "Prompt",
     "PromptLoader",
     "SyntheticTask",

@@ -14,14 +14,16 @@ TruncateMode = Literal["error", "left", "right"]
 class DataConfig:
     # Prompt source: "synthetic" (the embedded topic task, generated from `seed`), "arithmetic" (the embedded
     # verifiable task: generated `a + b =` problems whose rows carry the `answer`), "calculator" (the same
-    # problems, the tiny model warm-started to call a calculator tool: agent.env=calculator) or "file" (`path`).
-    source: Literal["synthetic", "arithmetic", "calculator", "file"] = "synthetic"
+    # problems, the tiny model warm-started to call a calculator tool: agent.env=calculator), "guess" (games of
+    # guessing a number from 1 to 100, rows carrying the `secret`: agent.env=guess; no warm start, for a chat
+    # model) or "file" (`path`).
+    source: Literal["synthetic", "arithmetic", "calculator", "guess", "file"] = "synthetic"
     # A local .jsonl (one JSON object per line) or .parquet file of prompts, or a folder saved with datasets'
     # `Dataset.save_to_disk`; used when source=file. (The Python API: build_trainer(train_dataset=...).)
     path: str | None = None
     # The field of each row that holds the prompt text (the row's other fields, e.g. `answer`, reach the reward).
     prompt_key: str = "prompt"
-    # Synthetic task only: number of distinct prompts, and the SFT response-length law (log-normal, in words).
+    # Embedded tasks: the number of distinct prompts; synthetic task only: the SFT response-length law (log-normal, in words).
     num_prompts: int = 512
     length_median: float = 6.0
     length_sigma: float = 0.8

@@ -25,6 +25,7 @@ import torch
 
 from rlhfuse.data.arithmetic import ARITHMETIC_TASKS
 from rlhfuse.data.data_config import DataConfig
+from rlhfuse.data.guessing import GuessingTask
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import ChatTemplateError, Tokenizer
 
@@ -362,6 +363,9 @@ def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int, dataset
     elif config.source in ARITHMETIC_TASKS:
         task = ARITHMETIC_TASKS[config.source](seed=seed, max_operand=config.max_operand)
         texts, rows = list(task.prompts(config.num_prompts)), task.rows(config.num_prompts)
+    elif config.source == "guess":
+        games = GuessingTask(seed=seed)
+        texts, rows = list(games.prompts(config.num_prompts)), games.rows(config.num_prompts)
     else:
         assert config.path is not None, "validated: data.source=file needs data.path"
         pairs = read_prompt_rows(config.path if dataset is None else dataset, config.prompt_key)

@@ -171,7 +171,7 @@ def with_datasets(config: RLHFConfig, train_dataset: Any, eval_dataset: Any) -> 
         dataset_rows(train_dataset)  # not a datasets.Dataset: one line saying what to pass
         need(
             problems,
-            data.path is None and data.source not in ARITHMETIC_TASKS,
+            data.path is None and data.source not in (*ARITHMETIC_TASKS, "guess"),
             f"build_trainer(train_dataset=...) and data.source={data.source}"
             + (f" data.path={data.path}" if data.path else "")
             + " both give the training prompts: leave data.path unset (data.source=file or synthetic)",

@@ -71,9 +71,10 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
     if m.sft_path is None and m.reward_path is None:
         need(
             problems,
-            d.source != "file",
+            d.source not in ("file", "guess"),
             "no model.sft_path/model.reward_path: the embedded model is warm-started on an embedded task, which "
-            "needs data.source=synthetic, arithmetic or calculator; give model.sft_path and model.reward_path to train on your "
+            f"needs data.source=synthetic, arithmetic or calculator, not {d.source} (data.source=guess is played by a "
+            "chat model: experiment=guess_smollm2); give model.sft_path and model.reward_path to train on your "
             "own prompts, or start from a run's exported Actor with a reward function: model.name=hf "
             "model.sft_path=<run_dir>/actor_hf algorithm=grpo inferencer.use_reward_model=false "
             "inferencer.reward_fn=<module:function> (docs/configuration.md, 'Your own prompts')",
