@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from rlhfuse.core.rewards import numeric_match
+from rlhfuse.core.answers import numeric_match
 from rlhfuse.data.guessing import HIGH, LOW
 
 _WHOLE_NUMBER = re.compile(r"-?\d+")

@@ -23,11 +23,13 @@ class DataConfig:
     path: str | None = None
     # The field of each row that holds the prompt text (the row's other fields, e.g. `answer`, reach the reward).
     prompt_key: str = "prompt"
-    # Embedded tasks: the number of distinct prompts; synthetic task only: the SFT response-length law (log-normal, in words).
+    # Embedded tasks: the number of distinct prompts; synthetic task only: the SFT response-length law
+    # (log-normal, in words).
     num_prompts: int = 512
     length_median: float = 6.0
     length_sigma: float = 0.8
-    # Arithmetic and calculator tasks only: operands are drawn from 0..max_operand (answers from -max_operand to 2*max_operand).
+    # Arithmetic and calculator tasks only: operands are drawn from 0..max_operand (answers from -max_operand to
+    # 2*max_operand).
     max_operand: int = 9
     # Synthetic task only: 0 = response words drawn one by one; n > 0 = responses are made of n-word phrases
     # from a fixed per-topic phrase book (repetitive text, as reasoning rollouts are: what n-gram drafts of
