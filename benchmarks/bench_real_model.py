@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rlhfuse.core.rewards import exact_match, numeric_match
+from rlhfuse.core.answers import exact_match, numeric_match
 from rlhfuse.core.sampling import SamplingConfig
 from rlhfuse.data.arithmetic import ArithmeticTask
 from rlhfuse.data.collate import collate_prompts

@@ -4,18 +4,10 @@ a reward function named with the function and the sample."""
 import pytest
 import torch
 
+from rlhfuse.core.answers import exact_match, extract_answer, has_answer_format, numeric_match
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.inference import InferencerConfig, final_scores
-from rlhfuse.core.rewards import (
-    RewardError,
-    RewardSample,
-    RuleReward,
-    exact_match,
-    extract_answer,
-    has_answer_format,
-    numeric_match,
-    reward_samples,
-)
+from rlhfuse.core.rewards import RewardError, RewardSample, RuleReward, reward_samples
 from rlhfuse.core.types import Rollout
 from rlhfuse.trainer.reward_functions import reward_set, rule_reward
 

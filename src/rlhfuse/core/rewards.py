@@ -17,23 +17,14 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from rlhfuse.core.answers import (
-    exact_match as exact_match,
-)
-from rlhfuse.core.answers import (
-    extract_answer as extract_answer,
-)
-from rlhfuse.core.answers import (
-    has_answer_format as has_answer_format,
-)
-from rlhfuse.core.answers import (
-    normalize_answer as normalize_answer,
-)
-from rlhfuse.core.answers import (
-    numeric_match as numeric_match,
-)
-from rlhfuse.core.answers import (
-    parse_number as parse_number,
+# the answer checks, also importable from here (as before they moved): reward functions import them from either
+from rlhfuse.core.answers import (  # noqa: F401
+    exact_match,
+    extract_answer,
+    has_answer_format,
+    normalize_answer,
+    numeric_match,
+    parse_number,
 )
 from rlhfuse.core.errors import NonFiniteError
 from rlhfuse.core.types import Rollout

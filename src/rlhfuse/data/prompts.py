@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlhfuse.data.arithmetic import ARITHMETIC_TASKS
+from rlhfuse.data.arithmetic import ARITHMETIC_TASKS, ArithmeticTask
 from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.guessing import GuessingTask
 from rlhfuse.data.synthetic import SyntheticTask
@@ -353,6 +353,17 @@ def tokenize_prompts(
     return prompts
 
 
+ROW_SOURCES = (*ARITHMETIC_TASKS, "guess")
+"""The embedded sources whose prompts come with dataset rows (the answer, the number to guess)."""
+
+
+def _row_task(config: DataConfig, seed: int) -> ArithmeticTask | GuessingTask:
+    """The generated task of a `ROW_SOURCES` source."""
+    if config.source == "guess":
+        return GuessingTask(seed=seed)
+    return ARITHMETIC_TASKS[config.source](seed=seed, max_operand=config.max_operand)
+
+
 def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int, dataset: Any = None) -> list[Prompt]:
     """The prompts of `config`'s source, or of `dataset` (a `datasets.Dataset` the Python API was given; then
     `config.path` is its label, `dataset_label`), tokenised."""
@@ -360,12 +371,9 @@ def load_prompts(config: DataConfig, tokenizer: Tokenizer, *, seed: int, dataset
     texts: list[PromptInput]
     if config.source == "synthetic":
         texts = list(SyntheticTask(seed=seed).prompts(config.num_prompts))
-    elif config.source in ARITHMETIC_TASKS:
-        task = ARITHMETIC_TASKS[config.source](seed=seed, max_operand=config.max_operand)
+    elif config.source in ROW_SOURCES:
+        task = _row_task(config, seed)
         texts, rows = list(task.prompts(config.num_prompts)), task.rows(config.num_prompts)
-    elif config.source == "guess":
-        games = GuessingTask(seed=seed)
-        texts, rows = list(games.prompts(config.num_prompts)), games.rows(config.num_prompts)
     else:
         assert config.path is not None, "validated: data.source=file needs data.path"
         pairs = read_prompt_rows(config.path if dataset is None else dataset, config.prompt_key)

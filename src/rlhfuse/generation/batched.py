@@ -144,8 +144,9 @@ class SamplingGenerator(ActorCopy):
         call's own, else the run's."""
         params, per_prompt = call_settings(sampling, self.params, self.samples_per_prompt, self.eos_token_id)
         slots = min(self.config.max_batch_size or capacity, capacity)
+        engine = plain_engine(self.model, params, slots, prompt_width)
         return OpenRollout(
-            Coordinator([plain_engine(self.model, params, slots, prompt_width)], bs_max=slots), samples_per_prompt=per_prompt, seed=self.seed,
+            Coordinator([engine], bs_max=slots), samples_per_prompt=per_prompt, seed=self.seed,
             iteration=iteration, pad_token_id=self.pad_token_id,
         )  # fmt: skip
 

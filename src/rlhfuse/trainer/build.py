@@ -29,6 +29,7 @@ from rlhfuse.core.rewards import RewardSet
 from rlhfuse.data.arithmetic import ARITHMETIC_TASKS
 from rlhfuse.data.feed import PromptFeed
 from rlhfuse.data.prompts import (
+    ROW_SOURCES,
     Prompt,
     PromptLoader,
     completion_rows,
@@ -171,7 +172,7 @@ def with_datasets(config: RLHFConfig, train_dataset: Any, eval_dataset: Any) -> 
         dataset_rows(train_dataset)  # not a datasets.Dataset: one line saying what to pass
         need(
             problems,
-            data.path is None and data.source not in (*ARITHMETIC_TASKS, "guess"),
+            data.path is None and data.source not in ROW_SOURCES,
             f"build_trainer(train_dataset=...) and data.source={data.source}"
             + (f" data.path={data.path}" if data.path else "")
             + " both give the training prompts: leave data.path unset (data.source=file or synthetic)",

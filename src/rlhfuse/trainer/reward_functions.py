@@ -11,18 +11,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from rlhfuse.core.answers import exact_match, extract_answer, has_answer_format, numeric_match
 from rlhfuse.core.inference import InferencerConfig, RewardChoice, reward_choices
 from rlhfuse.core.registry import Registry
-from rlhfuse.core.rewards import (
-    RewardFn,
-    RewardSample,
-    RewardSet,
-    RuleReward,
-    exact_match,
-    extract_answer,
-    has_answer_format,
-    numeric_match,
-)
+from rlhfuse.core.rewards import RewardFn, RewardSample, RewardSet, RuleReward
 
 ANSWER_FIELD = "answer"
 
