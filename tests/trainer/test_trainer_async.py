@@ -101,12 +101,15 @@ def _trainer(
     callbacks: list[Callback] = (),
     partial: bool = False,
     generator: str = "sampling",
+    generation_ranks: int = 0,
     **kwargs: Any,
 ) -> RLHFTrainer:
     return RLHFTrainer(
         generator=GENERATORS[generator](),
         algorithm=AlgorithmConfig(off_policy_correction="none"),
-        asynchronous=AsyncConfig(max_staleness=staleness, partial_rollout=partial),
+        asynchronous=AsyncConfig(
+            max_staleness=staleness, partial_rollout=partial, generation_ranks=generation_ranks
+        ),
         data=kwargs.pop("data", SMALL),
         logging=LoggerConfig(backends=["jsonl"], progress=False, print_every=0),
         iterations=ITERATIONS,

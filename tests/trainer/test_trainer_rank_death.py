@@ -19,6 +19,9 @@ from rlhfuse.core.checkpoint import read_runs
 from rlhfuse.trainer import build_trainer, compose_config
 
 SMOKE = ["experiment=smoke", "generator.instances=2", "iterations=100000", "distributed.timeout_s=60"]
+# the split placement: rank 0 trains, rank 1 generates (async.generation_ranks)
+SPLIT = ["experiment=smoke", "async.generation_ranks=1", "async.max_staleness=1", "distributed.nproc_per_node=2",
+         "iterations=100000", "distributed.timeout_s=60"]  # fmt: skip
 
 
 def _running(pid: int) -> bool:
@@ -61,7 +64,9 @@ class _Output:
         return "".join(self.lines)
 
 
-def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, _Output]:
+def _launch(
+    tmp_path: Path, marker: str, overrides: list[str] = SMOKE
+) -> tuple[subprocess.Popen[str], int, _Output]:
     """Start a 2-rank smoke job; return (rank 0's process, rank 1's pid, its output) once `marker` shows."""
     cache = tmp_path / "cache"
     build_trainer(  # warm start once in this process: the job itself starts in seconds
@@ -69,7 +74,7 @@ def _launch(tmp_path: Path, marker: str) -> tuple[subprocess.Popen[str], int, _O
         run_dir=tmp_path / "warm",
         log=lambda _: None,
     )
-    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", *SMOKE, f"model.warmstart.cache_dir={cache}",
+    cmd = [sys.executable, "-m", "rlhfuse.trainer.train_command", *overrides, f"model.warmstart.cache_dir={cache}",
            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
@@ -91,8 +96,9 @@ def _check_one_line(out: str, dead: int, survivor: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path) -> None:
-    proc, rank1, output = _launch(tmp_path, "Starting with 2 processes")
+@pytest.mark.parametrize("overrides", [SMOKE, SPLIT], ids=["instances", "split_generation_rank"])
+def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path, overrides: list[str]) -> None:
+    proc, rank1, output = _launch(tmp_path, "Starting with 2 processes", overrides)
     # rank 0 writes iteration 1's metrics row once both ranks finished it: both are in the loop. The kill comes
     # right after an iteration ends, where Fabric's child observer used to SIGKILL rank 0 first (exit -9)
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -19,11 +19,21 @@ class AsyncConfig:
     # new weights from the next decode step on (their KV cache kept), so a sample's tokens may come from two or
     # more versions (each recorded), none older than the bound. Runs then depend on the threads' timing.
     partial_rollout: bool = False
+    # Split placement: the last N ranks of the world generate and the others train; each sync pushes the Actor's
+    # weights to them over a process group (`rlhfuse.trainer.split`). 0 = colocated (generation in a thread of the
+    # training process). With any max_staleness, 0 included (a synchronous run split over processes). For now one
+    # generation rank beside one training rank (pipeline=plain, a world of 2).
+    generation_ranks: int = 0
 
     @property
     def enabled(self) -> bool:
         """Whether generation runs ahead of training."""
         return self.max_staleness > 0
+
+    @property
+    def split(self) -> bool:
+        """Whether generation runs on ranks of its own (the split placement)."""
+        return self.generation_ranks > 0
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -37,5 +47,17 @@ class AsyncConfig:
             not self.partial_rollout or self.max_staleness > 0,
             "async.partial_rollout=true continues in-flight samples under the weights of a later sync, which "
             "only happens with generation ahead of training: set async.max_staleness >= 1",
+        )
+        need(
+            problems,
+            self.generation_ranks in (0, 1),
+            f"async.generation_ranks={self.generation_ranks}: the split placement has one generation rank for "
+            "now: set async.generation_ranks=1 (or 0: generation in a thread of the training process)",
+        )
+        need(
+            problems,
+            not (self.split and self.partial_rollout),
+            "async.partial_rollout=true with async.generation_ranks > 0: the split placement loads new weights "
+            "between batches only; set async.partial_rollout=false or async.generation_ranks=0",
         )
         return problems

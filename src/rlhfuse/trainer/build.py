@@ -40,6 +40,7 @@ from rlhfuse.data.prompts import (
 )
 from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
+from rlhfuse.generation.transport import PointToPoint
 from rlhfuse.models import cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
 from rlhfuse.trainer.asynchronous import AsyncRollout
@@ -60,6 +61,7 @@ from rlhfuse.trainer.reward_functions import reward_set, rule_reward, verifier_i
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout, training_rollout
 from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
+from rlhfuse.trainer.split import GenerationService, SplitRollout
 from rlhfuse.trainer.topology import Topology
 from rlhfuse.trainer.trainer import Assembled, RLHFTrainer
 from rlhfuse.trainer.validate import check_context, raise_problems
@@ -69,13 +71,39 @@ if TYPE_CHECKING:
     from lightning.fabric import Fabric
 
 
+def split_link(ctx: BuildContext, generator: Generator) -> PointToPoint:
+    """The split placement's link (on both of its ranks): a process group of the training rank (0 in it) and the
+    generation rank (1), on the device its collectives run on, bounded by distributed.timeout_s."""
+    from rlhfuse.generation.transport import collective_device
+
+    layout = ctx.topology
+    group = layout.groups.group(
+        ("async", "split"), [0, layout.world - 1], timeout_s=ctx.config.distributed.timeout_s
+    )
+    copies = generator.actor_copies()
+    device = next(copies[0].parameters()).device if copies else None
+    return PointToPoint(collective_device(group, device), group)
+
+
 def rollout_stage(
     ctx: BuildContext, generator: Any, inferencer: Any, feed: PromptFeed
-) -> SerialRollout | FusedRollout | AsyncRollout:
-    """Step 1's form, chosen once: generation ahead of training within the staleness bound when async is on
-    (`AsyncRollout`, drawing its prompts from `feed`), fused generation + inference when each rank is one
-    generation instance (`Topology.fused_rollout`), the serial stage otherwise."""
+) -> SerialRollout | FusedRollout | AsyncRollout | SplitRollout:
+    """Step 1's form, chosen once: generation on a rank of its own with the split placement (`SplitRollout`, the
+    jobs' prompts drawn from `feed`), generation ahead of training in a thread beside it when async is on
+    (`AsyncRollout`, the same), fused generation + inference when each rank is one generation instance
+    (`Topology.fused_rollout`), the serial stage otherwise."""
     cfg = ctx.config
+    if cfg.asynchronous.split:
+        return SplitRollout(
+            generator,
+            inferencer,
+            feed,
+            split_link(ctx, generator),
+            peer=1,
+            max_staleness=cfg.asynchronous.max_staleness,
+            last_iteration=cfg.iterations,
+            pad_token_id=ctx.models.tokenizer.pad_id,
+        )
     if cfg.asynchronous.enabled:
         return AsyncRollout(
             generator,
@@ -213,6 +241,8 @@ class Components:
     generator: Generator
     inferencer: Inferencer
     rollout: RolloutStage
+    serving: GenerationService | None = None
+    """On the split placement's generation rank, what it runs instead of the iterations."""
 
 
 def build_trainer(
@@ -294,7 +324,17 @@ def assemble(
     # the watchdog keeps the last step for its dead-rank message
     extra = [c for c in (export, Watchdog.current if fabric.world_size > 1 else None) if c is not None]
     all_callbacks = [
-        *run_callbacks(config, models, built, data, run_dir, run_loggers, extra, rank0=rank0),
+        *run_callbacks(
+            config,
+            models,
+            built,
+            data,
+            run_dir,
+            run_loggers,
+            extra,
+            rank0=rank0,
+            collective=layout.training_world > 1,
+        ),
         *callbacks,
     ]
     for logger in run_loggers:
@@ -322,6 +362,7 @@ def assemble(
         fabric=fabric,
         record=record,
         feed=feed,
+        serving=built.serving,
     )
 
 
@@ -474,6 +515,14 @@ def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Compo
     strategy = ctx.strategy = parts.strategy.build(ctx)
     generator = agent_episodes(ctx, parts.generator.build(ctx))
     inferencer = parts.strategy.inference(parts.inferencer.build(ctx), strategy)
+    if ctx.topology.generation_rank:  # the split placement's generation rank: it serves the training rank
+        service = GenerationService(
+            generator, split_link(ctx, generator), peer=0, max_staleness=ctx.config.asynchronous.max_staleness
+        )
+        pad = ctx.models.tokenizer.pad_id
+        return Components(
+            strategy, generator, inferencer, SerialRollout(generator, inferencer, pad_token_id=pad), service
+        )
     stage = rollout_stage(ctx, generator, inferencer, feed)
     # the generator the stage drives, as the rest of the run holds it (an asynchronous stage's gates its syncs)
     return Components(strategy, stage.generator, inferencer, stage)
@@ -489,6 +538,7 @@ def run_callbacks(
     extra: list[Callback],
     *,
     rank0: bool,
+    collective: bool,
 ) -> list[Callback]:
     """The run's own callbacks, in the order they are called: progress, reward and task metrics, `extra` (the
     export, the watchdog), the sample table, held-out evaluation, memory metrics last."""
@@ -535,6 +585,7 @@ def run_callbacks(
         MemoryMetrics(
             lambda: [models.actor, models.ref, models.critic, models.reward, *generator.actor_copies()],
             lambda: list(strategy.optimizers_in_use()),
+            collective=collective,
         )
     )
     return out

@@ -140,11 +140,17 @@ class MemoryMetrics(Callback):
     """Adds `memory/param_bytes` (the most parameter + buffer bytes any rank holds: the four models, only their
     materialised stages, and the generation copies), `memory/optimizer_bytes` (the same for optimizer
     states) and `weight_sync/peak_extra_bytes` (the most memory any rank took for the iteration's weight sync
-    beside its resident models: `RLHFTrainer.sync_weights`). Collective under torch.distributed: every rank
-    must have this callback."""
+    beside its resident models: `RLHFTrainer.sync_weights`). `collective` (several training ranks): the figures
+    are the most over the world, so every rank must have this callback."""
 
-    def __init__(self, modules: Callable[[], Sequence[Any]], optimizers: Callable[[], Sequence[Any]]) -> None:
-        self.modules, self.optimizers = modules, optimizers
+    def __init__(
+        self,
+        modules: Callable[[], Sequence[Any]],
+        optimizers: Callable[[], Sequence[Any]],
+        *,
+        collective: bool = True,
+    ) -> None:
+        self.modules, self.optimizers, self.collective = modules, optimizers, collective
 
     def on_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
         from rlhfuse import distributed
@@ -162,7 +168,7 @@ class MemoryMetrics(Callback):
         device = next((p.device for m in mods for p in m.parameters() if not p.is_meta), torch.device("cpu"))
         sync = 0.0 if trainer is None else float(trainer.sync_extra_bytes)  # None: read outside a run
         figures = torch.tensor([float(param), float(optim), sync], dtype=torch.float64, device=device)
-        if distributed.is_initialized():
+        if self.collective and distributed.is_initialized():
             figures = figures.to(distributed.group_device(None, device))
             distributed.all_reduce(figures, op="max")
         param_bytes, optimizer_bytes, sync_bytes = figures.tolist()

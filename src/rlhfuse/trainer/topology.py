@@ -123,6 +123,27 @@ class Topology:
     sampling (`data.oversample`) runs inside the rollout (`rlhfuse.trainer.rollout.StreamedDynamicSampling`),
     else in rounds of it, and a multi-turn agent's episodes run at their own pace
     (`rlhfuse.agents.generator.OpenAgentGenerator`), else turn by turn, all at once."""
+    generation_ranks: int = 0
+    """The split placement's generation ranks (`async.generation_ranks`), the last of the world: they generate for
+    the training ranks and take no part in training (`rlhfuse.trainer.split`)."""
+
+    @property
+    def training_world(self) -> int:
+        """The processes that train (the world less the split placement's generation ranks)."""
+        return self.world - self.generation_ranks
+
+    @property
+    def generation_rank(self) -> bool:
+        """Whether this process is one of the split placement's generation ranks."""
+        from rlhfuse.distributed import rank
+
+        return self.generation_ranks > 0 and rank() >= self.training_world
+
+    @property
+    def training_group(self) -> Any:
+        """The group the training ranks' collectives (gradients, metrics) run over: the world's, None when one
+        process trains (the split placement's generation ranks are in no training collective)."""
+        return self.groups.world if self.training_world > 1 else None
 
     @functools.cached_property
     def stages(self) -> ParallelLayout:
@@ -170,4 +191,14 @@ def topology(cfg: RLHFConfig) -> Topology:
     fused = with_instances and g.instances > 1 and ranks == world and strategy.whole_models
     weight_shards = 1 if own_tp else max(g.tp, 1)
     opens = entry is not None and entry.opens and world == 1
-    return Topology(strategy, world, instances, fused, weight_shards, strategy.pipeline_run(cfg), opens)
+    split = cfg.asynchronous.generation_ranks
+    return Topology(
+        strategy,
+        world,
+        instances,
+        fused,
+        weight_shards,
+        strategy.pipeline_run(cfg),
+        opens,
+        generation_ranks=split,
+    )

@@ -55,6 +55,8 @@ from rlhfuse.trainer.run_config import RLHFConfig
 if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made
     from lightning.fabric import Fabric
 
+    from rlhfuse.trainer.split import GenerationService
+
 log = logging.getLogger(__name__)
 
 
@@ -101,6 +103,9 @@ class Assembled:
     feed: PromptFeed | None = None
     """Each iteration's prompts from `prompts` (the one the rollout stage reads too when it draws ahead); None: a
     feed of `prompts` of the trainer's own."""
+    serving: GenerationService | None = None
+    """On the split placement's generation rank (`async.generation_ranks`): what `fit` runs instead of the
+    iterations, generating what the training rank asks."""
 
 
 class RLHFTrainer:
@@ -181,6 +186,7 @@ class RLHFTrainer:
         self.history: list[dict[str, float]] = []
         self.run: RunIdentity | None = None  # set by resume(); names the run in each checkpoint's meta.json
         self.ready = False
+        self.serving: GenerationService | None = None
 
     @classmethod
     def from_config(
@@ -266,6 +272,7 @@ class RLHFTrainer:
         self.callbacks = list(built.callbacks)
         self.loggers = list(built.loggers)
         self.fabric = built.fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
+        self.serving = built.serving
         self.ready = True
 
     # ---------------------------------------------------------------- hooks: the one dispatch
@@ -306,6 +313,9 @@ class RLHFTrainer:
                 "RLHFTrainer.fit: the trainer is set up already (build_trainer or setup() took the models and "
                 "data); call fit() with no arguments"
             )
+        if self.serving is not None:  # a generation rank of the split placement: no iteration of its own
+            self.serving.serve()
+            return self.history
         self.resume()
         self.call("on_fit_start")
         try:

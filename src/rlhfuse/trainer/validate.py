@@ -131,7 +131,7 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
     if cfg.exact:
         problems += exact_problems(cfg)
     problems += lora_problems(cfg, model, where)
-    if cfg.asynchronous.enabled:
+    if cfg.asynchronous.enabled or cfg.asynchronous.split:
         problems += async_problems(cfg, layout)
     if cfg.agent.env is not None:
         problems += agent_problems(cfg)
@@ -155,35 +155,48 @@ def cross_component_problems(cfg: RLHFConfig, layout: Topology | None = None) ->
 
 
 def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
-    """async.max_staleness > 0: generation runs ahead in a background thread of one process (colocated), on a
-    generator that may run there, and the iteration's prompts are drawn ahead (no dynamic sampling's extra
-    draws)."""
+    """async.max_staleness > 0 or async.generation_ranks > 0: generation runs ahead in a background thread of one
+    process (colocated), or on a rank of its own beside one training rank (split), on a generator that may run
+    there, and the iteration's prompts are drawn ahead (no dynamic sampling's extra draws)."""
     problems: list[str] = []
-    k = cfg.asynchronous.max_staleness
-    need(
-        problems,
-        layout.world == 1,
-        f"async.max_staleness={k} runs generation ahead in a background thread of one process, but this layout has "
-        f"{layout.world} processes: set generator.instances=1 and distributed.nproc_per_node=1, or "
-        "async.max_staleness=0 (asynchronous runs over several processes are not built yet)",
-    )
+    a = cfg.asynchronous
+    k = a.max_staleness
+    if a.split:
+        need(
+            problems,
+            layout.training_world == 1 and layout.strategy.whole_models and layout.pipeline_run is None,
+            f"async.generation_ranks={a.generation_ranks} splits the world into one training rank and "
+            f"{a.generation_ranks} generation rank, but this layout has {layout.world} processes with "
+            f"pipeline={cfg.pipeline.name}: set distributed.nproc_per_node={1 + a.generation_ranks} (or torchrun "
+            "--nproc-per-node to it), generator.instances=1 and pipeline=plain (several training ranks beside "
+            "generation ranks are not built yet)",
+        )
+    else:
+        need(
+            problems,
+            layout.world == 1,
+            f"async.max_staleness={k} runs generation ahead in a background thread of one process, but this "
+            f"layout has {layout.world} processes: set generator.instances=1 and distributed.nproc_per_node=1, or "
+            "async.generation_ranks=1 (a generation rank beside one training rank), or async.max_staleness=0",
+        )
+    where = f"async.generation_ranks={a.generation_ranks}" if a.split else f"async.max_staleness={k}"
     need(
         problems,
         cfg.data.oversample == 0,
-        f"async.max_staleness={k} draws each iteration's prompts ahead, and data.oversample={cfg.data.oversample} "
-        "draws extra ones within an iteration: set data.oversample=0 or async.max_staleness=0",
+        f"{where} draws each iteration's prompts ahead, and data.oversample={cfg.data.oversample} draws extra "
+        "ones within an iteration: set data.oversample=0",
     )
     g = cfg.generator
     if g.name in GENERATORS:
         need(
             problems,
             generator_entry(g.name).runs_ahead,
-            f"async.max_staleness={k} generates in a background thread, which generator={g.name} does not run in: "
-            "set generator=engine or sampling, or async.max_staleness=0",
+            f"{where} generates apart from training (a thread, or a rank whose Actor copy the sync pushes), which "
+            f"generator={g.name} does not: set generator=engine or sampling",
         )
         need(
             problems,
-            not cfg.asynchronous.partial_rollout or generator_entry(g.name).partial,
+            not a.partial_rollout or generator_entry(g.name).partial,
             f"async.partial_rollout=true continues samples under new weights between decode steps, which "
             f"generator={g.name} does not do: set generator=sampling or engine, or async.partial_rollout=false",
         )
@@ -202,9 +215,10 @@ def agent_problems(cfg: RLHFConfig) -> list[str]:
         problems.append(str(err).strip("'\""))
     need(
         problems,
-        not cfg.asynchronous.enabled,
-        f"agent.env with async.max_staleness={cfg.asynchronous.max_staleness}: multi-turn episodes run "
-        "synchronously for now; set async.max_staleness=0",
+        not cfg.asynchronous.enabled and not cfg.asynchronous.split,
+        f"agent.env with async.max_staleness={cfg.asynchronous.max_staleness} and async.generation_ranks="
+        f"{cfg.asynchronous.generation_ranks}: multi-turn episodes run synchronously, in the training process, "
+        "for now; set async.max_staleness=0 and async.generation_ranks=0",
     )
     return problems
 

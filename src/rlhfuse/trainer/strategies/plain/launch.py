@@ -17,21 +17,25 @@ from rlhfuse.distributed import launched_world
 def plain_world_size(cfg: Any) -> int:
     """Processes of a pipeline=plain run: torchrun's WORLD_SIZE when launched by it, else
     distributed.nproc_per_node when set above 1, else generator.instances x generator.tp (one process per rank of
-    each instance; 1 with generator.in_process=true)."""
+    each instance; 1 with generator.in_process=true), plus the split placement's generation ranks
+    (async.generation_ranks)."""
     launched = launched_world()
     if launched is not None:
         return launched
     if cfg.distributed.nproc_per_node > 1 or cfg.generator.in_process:
         return int(cfg.distributed.nproc_per_node)
-    return int(cfg.generator.instances) * max(int(cfg.generator.tp), 1)
+    return int(cfg.generator.instances) * max(int(cfg.generator.tp), 1) + cfg.asynchronous.generation_ranks
 
 
 def validate_plain_launch(cfg: Any) -> list[str]:
     """Problems of distributed.* and generator.instances with pipeline=plain (each naming the fix)."""
     g = cfg.generator
     problems: list[str] = []
-    world = plain_world_size(cfg)
+    split = cfg.asynchronous.generation_ranks
+    world = plain_world_size(cfg) - split  # the training processes
     source = "torchrun's WORLD_SIZE" if launched_world() is not None else "distributed.nproc_per_node"
+    if split:
+        source += f" less async.generation_ranks={split}"
     if g.in_process and world > 1:
         problems.append(
             f"generator.in_process=true steps every instance in this one process, but {source} gives {world} "

@@ -34,7 +34,7 @@ class DataParallelStrategy(StrategyPart):
             micro_batch_size=ctx.config.data.micro_batch_size,
             micro_batch_tokens=ctx.config.data.micro_batch_tokens,
             temperature=ctx.config.generator.sampling.temperature,
-            # data-parallel: one rank per instance
-            group=ctx.topology.groups.world if ctx.fabric.world_size > 1 else None,
+            # data-parallel: one rank per instance (the training ranks: not the split placement's generation rank)
+            group=ctx.topology.training_group,
             packing=ctx.config.data.packing,
         )

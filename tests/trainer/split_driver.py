@@ -1,0 +1,47 @@
+"""One rank of a split-placement run (`async.generation_ranks=1`) under torchrun, through the Python API: the
+trainer of `test_trainer_async._trainer`; rank 0 saves the trained Actor, the history and each iteration's token
+ages under `out`. Used by `test_trainer_split.py`:
+
+    torchrun --nproc-per-node 2 split_driver.py RUN_DIR CACHE OUT STALENESS [--stop-at N] [--resume]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from test_trainer_async import StopAt, Versions, _actor, _model, _trainer
+
+from rlhfuse import distributed
+from rlhfuse.runtime.launch import Watchdog
+from rlhfuse.trainer import CheckpointConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("run_dir", "cache", "out"):
+        parser.add_argument(name, type=Path)
+    parser.add_argument("staleness", type=int)
+    parser.add_argument("--stop-at", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    versions = Versions()
+    callbacks = [versions, *([StopAt(args.stop_at)] if args.stop_at else [])]
+    trainer = _trainer(
+        args.run_dir, staleness=args.staleness, generation_ranks=1, callbacks=callbacks,
+        checkpoint=CheckpointConfig(every=10), resume="auto" if args.resume else "never",
+    )  # fmt: skip
+    history = trainer.fit(_model(args.cache))
+    trainer.generator.close()
+    if trainer.fabric.global_rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"actor": _actor(trainer), "ages": versions.ages}, args.out / "actor.pt")
+        (args.out / "history.json").write_text(json.dumps(history))
+    Watchdog.current.disarm()  # the peer now exits on its own
+    distributed.shutdown()
+    distributed.exit_finished()
+
+
+if __name__ == "__main__":
+    main()
