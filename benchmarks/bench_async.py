@@ -1,6 +1,10 @@
 """Asynchronous RL's speed and what it trains on (issue 42): `rlhfuse-train` runs at async.max_staleness 0, 1 and
-2, partial rollouts off and on, side by side, on one process (colocated: generation in a background thread beside
-inference and training; the workloads' generator=sampling, the one that continues samples under new weights).
+2, side by side:
+- colocated, one process (generation in a background thread beside inference and training), partial rollouts off
+  and on (the workloads' generator=sampling, the one that continues samples under new weights);
+- split, two processes (async.generation_ranks=1: rank 1 generates, rank 0 infers and trains);
+- and the synchronous run on two processes the long-tail experiment names (generator=engine
+  generator.instances=2 migration=auto: inter-stage fusion, data-parallel training).
 
 Runs of `rlhfuse-train` (fresh processes, OMP_NUM_THREADS=1, the warm-start cache shared), the settings alternating
 run by run so that load drifting over the benchmark biases none. Each setting runs twice:
@@ -29,13 +33,18 @@ from typing import Any
 
 from benchmarks.bench_runs import train
 
-# (max_staleness, partial_rollout) of each setting, by the name its figures are kept under
-SETTINGS: dict[str, tuple[int, bool]] = {
-    "staleness_0": (0, False),
-    "staleness_1": (1, False),
-    "staleness_1_partial": (1, True),
-    "staleness_2": (2, False),
-    "staleness_2_partial": (2, True),
+SPLIT = ("async.generation_ranks=1", "distributed.nproc_per_node=2")
+# each setting's overrides, by the name its figures are kept under
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "staleness_0": ("async.max_staleness=0",),
+    "staleness_1": ("async.max_staleness=1",),
+    "staleness_1_partial": ("async.max_staleness=1", "async.partial_rollout=true"),
+    "staleness_2": ("async.max_staleness=2",),
+    "staleness_2_partial": ("async.max_staleness=2", "async.partial_rollout=true"),
+    "split_staleness_0": ("async.max_staleness=0", *SPLIT),
+    "split_staleness_1": ("async.max_staleness=1", *SPLIT),
+    "split_staleness_2": ("async.max_staleness=2", *SPLIT),
+    "instances_2": ("generator=engine", "generator.instances=2", "migration=auto"),
 }
 WORKLOADS: dict[str, tuple[str, ...]] = {
     "longtail": ("experiment=longtail",),
@@ -62,9 +71,8 @@ def workload(
     timed: dict[str, list[list[dict[str, float]]]] = {key: [] for key in SETTINGS}
     learned: dict[str, list[list[dict[str, float]]]] = {key: [] for key in SETTINGS}
     for r in range(repeats):
-        for key, (k, partial) in SETTINGS.items():
-            args = (*overrides, f"iterations={iterations}", f"async.max_staleness={k}",
-                    f"async.partial_rollout={str(partial).lower()}")  # fmt: skip
+        for key, setting in SETTINGS.items():
+            args = (*overrides, f"iterations={iterations}", *setting)
             timed[key].append(train((*args, *frozen), tmp / f"{name}-{key}-{r}-timed", tmp / "cache")[1])
             learned[key].append(train(args, tmp / f"{name}-{key}-{r}", tmp / "cache")[1])
     figures: dict[str, Any] = {}
@@ -82,17 +90,15 @@ def workload(
     base = figures["staleness_0"]["iteration_s"]
     for key in SETTINGS:
         figures[key]["speedup"] = base / figures[key]["iteration_s"]
+    print(f"{name} ({' '.join(overrides)}), {iterations} iterations, {repeats} run(s) per setting:")
     print(
-        f"{name} ({' '.join(overrides)}), {iterations} iterations, {repeats} run(s) per setting, one process:"
-    )
-    print(
-        "  staleness  partial | equal work: s/iteration  speedup  trainer idle | learning: mean age  corrected  "
+        "  setting              | equal work: s/iteration  speedup  trainer idle | learning: mean age  corrected  "
         "reward (last)"
     )
-    for key, (k, partial) in SETTINGS.items():
+    for key in SETTINGS:
         f = figures[key]
         print(
-            f"  {k:>9}  {'on' if partial else 'off':>7} | {f['iteration_s']:23.3f}  {f['speedup']:6.2f}x  "
+            f"  {key:<20} | {f['iteration_s']:23.3f}  {f['speedup']:6.2f}x  "
             f"{f['idle_fraction']:12.2f} | {f['staleness_mean']:18.2f}  {f['corrected_fraction']:9.4f}  "
             f"{f['reward_last']:13.3f}"
         )
@@ -102,7 +108,4 @@ def workload(
 def run(quick: bool = False) -> dict[str, Any]:
     names = ["longtail"] if quick else list(WORKLOADS)
     with tempfile.TemporaryDirectory(prefix="rlhfuse-bench-async-") as folder:
-        return {
-            name: workload(Path(folder), name, WORKLOADS[name], 6 if quick else 10, 1 if quick else 2)
-            for name in names
-        }
+        return {name: workload(Path(folder), name, WORKLOADS[name], 6 if quick else 10, 2) for name in names}

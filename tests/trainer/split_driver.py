@@ -2,7 +2,7 @@
 trainer of `test_trainer_async._trainer`; rank 0 saves the trained Actor, the history and each iteration's token
 ages under `out`. Used by `test_trainer_split.py`:
 
-    torchrun --nproc-per-node 2 split_driver.py RUN_DIR CACHE OUT STALENESS [--stop-at N] [--resume]"""
+    torchrun --nproc-per-node 2 split_driver.py RUN_DIR CACHE OUT STALENESS [--stop-at N] [--resume] [--generator NAME] [--data small|wide]"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from test_trainer_async import StopAt, Versions, _actor, _model, _trainer
+from test_trainer_async import SMALL, WIDE, StopAt, Versions, _actor, _model, _trainer
 
 from rlhfuse import distributed
 from rlhfuse.runtime.launch import Watchdog
@@ -25,11 +25,14 @@ def main() -> None:
     parser.add_argument("staleness", type=int)
     parser.add_argument("--stop-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--generator", default="sampling")
+    parser.add_argument("--data", choices=("small", "wide"), default="small")
     args = parser.parse_args()
     versions = Versions()
     callbacks = [versions, *([StopAt(args.stop_at)] if args.stop_at else [])]
     trainer = _trainer(
-        args.run_dir, staleness=args.staleness, generation_ranks=1, callbacks=callbacks,
+        args.run_dir, staleness=args.staleness, generation_ranks=1, callbacks=callbacks, generator=args.generator,
+        data=WIDE if args.data == "wide" else SMALL,
         checkpoint=CheckpointConfig(every=10), resume="auto" if args.resume else "never",
     )  # fmt: skip
     history = trainer.fit(_model(args.cache))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_async import ITERATIONS, _actor, _model, _same, _trainer
+from test_trainer_async import ITERATIONS, WIDE, _actor, _model, _same, _trainer
 
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import PromptBatch, Rollout
@@ -81,6 +81,13 @@ def test_the_split_placement_trains_the_colocated_runs_parameters_and_resumes_ex
     actor, _, history = _result(tmp_path, "stopped")
     assert [r["iteration"] for r in history] == [3, 4]
     assert _same(actor, _result(tmp_path, "split1")[0])
+    # the generation rank's two in-process instances migrating the tail: still the synchronous run
+    one = _trainer(tmp_path / "one_migrating", staleness=0, generator="engine_migrating", data=WIDE)
+    one.fit(_model(cache))
+    _ok(_split(tmp_path, "migrating", 0, "--generator", "engine_migrating", "--data", "wide"))
+    actor, _, history = _result(tmp_path, "migrating")
+    assert _same(actor, _actor(one))
+    assert sum(r["migration/samples_moved"] for r in history) > 0
 
 
 def _rollout(rows: int, with_versions: bool) -> Rollout:

@@ -247,9 +247,11 @@ class EngineGenerator:
     def is_distributed(self) -> bool:
         """The instances over the processes: a torch.distributed world of exactly `generator.instances` x
         `generator.tp` ranks (more than one), instance i on ranks i * tp .. i * tp + tp - 1 (tp > 1: one engine
-        with the backend's own tensor parallelism, its ranks stepping it in lockstep)."""
+        with the backend's own tensor parallelism, its ranks stepping it in lockstep), unless `generator.in_process`
+        keeps them in this one (the split placement's generation rank, in a world of as many ranks)."""
         ranks = self.config.instances * self.config.tp
-        return ranks > 1 and distributed.is_initialized() and distributed.world_size() == ranks
+        in_world = distributed.is_initialized() and distributed.world_size() == ranks
+        return ranks > 1 and in_world and not self.config.in_process
 
     def _leads(self) -> bool:
         """This rank speaks for its instance (its first rank): what an instance of tp > 1 ranks finished or

@@ -188,10 +188,11 @@ def topology(cfg: RLHFConfig) -> Topology:
     # the instances over the processes (one rank each, or generator.tp each with the backend's own tensor
     # parallelism); sharded models make every forward collective: inference runs in lockstep after generation
     ranks = g.instances * (max(g.tp, 1) if own_tp else 1)
-    fused = with_instances and g.instances > 1 and ranks == world and strategy.whole_models
+    split = cfg.asynchronous.generation_ranks
+    # (the split placement's instances are all on its generation rank: none infers beside the training rank)
+    fused = with_instances and g.instances > 1 and ranks == world and strategy.whole_models and not split
     weight_shards = 1 if own_tp else max(g.tp, 1)
     opens = entry is not None and entry.opens and world == 1
-    split = cfg.asynchronous.generation_ranks
     return Topology(
         strategy,
         world,
