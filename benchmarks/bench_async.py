@@ -2,7 +2,8 @@
 2, side by side:
 - colocated, one process (generation in a background thread beside inference and training), partial rollouts off
   and on (the workloads' generator=sampling, the one that continues samples under new weights);
-- split, two processes (async.generation_ranks=1: rank 1 generates, rank 0 infers and trains);
+- split, two processes (async.generation_ranks=1: rank 1 generates, rank 0 infers and trains), partial rollouts
+  off and on;
 - and the synchronous run on two processes the long-tail experiment names (generator=engine
   generator.instances=2 migration=auto: inter-stage fusion, data-parallel training).
 
@@ -43,7 +44,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "staleness_2_partial": ("async.max_staleness=2", "async.partial_rollout=true"),
     "split_staleness_0": ("async.max_staleness=0", *SPLIT),
     "split_staleness_1": ("async.max_staleness=1", *SPLIT),
+    "split_staleness_1_partial": ("async.max_staleness=1", "async.partial_rollout=true", *SPLIT),
     "split_staleness_2": ("async.max_staleness=2", *SPLIT),
+    "split_staleness_2_partial": ("async.max_staleness=2", "async.partial_rollout=true", *SPLIT),
     "instances_2": ("generator=engine", "generator.instances=2", "migration=auto"),
 }
 WORKLOADS: dict[str, tuple[str, ...]] = {

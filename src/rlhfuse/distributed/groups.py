@@ -78,13 +78,15 @@ class WorldGroups:
         lists, made = self._make(key, rank_lists, timeout_s=timeout_s, backend_name=None)
         return next((g for ranks, g in zip(lists, made, strict=True) if rank() in ranks), None)
 
-    def control(self, key: Hashable, rank_lists: Iterable[Iterable[int]]) -> Any:
+    def control(
+        self, key: Hashable, rank_lists: Iterable[Iterable[int]], timeout_s: float | None = None
+    ) -> Any:
         """Collective over the world: a gloo control group per list of ranks (each made on every rank, as torch
         requires), each its own `cpu`; this rank's (None when it is in none). For control messages among some
         ranks only: `cpu` of a group that some ranks are not in would be made by its members alone."""
         from rlhfuse.distributed import ordering
 
-        lists, made = self._make(("control", key), rank_lists, timeout_s=None, backend_name="gloo")
+        lists, made = self._make(("control", key), rank_lists, timeout_s=timeout_s, backend_name="gloo")
         mine = None
         for ranks, group in zip(lists, made, strict=True):
             if rank() in ranks:

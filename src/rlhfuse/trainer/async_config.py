@@ -17,7 +17,8 @@ class AsyncConfig:
     max_staleness: int = 0
     # Partial rollouts: a weight sync does not wait for the batch being generated; its samples continue under the
     # new weights from the next decode step on (their KV cache kept), so a sample's tokens may come from two or
-    # more versions (each recorded), none older than the bound. Runs then depend on the threads' timing.
+    # more versions (each recorded), none older than the bound. Runs then depend on the timing (of the threads,
+    # or of the split placement's two ranks).
     partial_rollout: bool = False
     # Split placement: the last N ranks of the world generate and the others train; each sync pushes the Actor's
     # weights to them over a process group (`rlhfuse.trainer.split`). 0 = colocated (generation in a thread of the
@@ -53,11 +54,5 @@ class AsyncConfig:
             self.generation_ranks in (0, 1),
             f"async.generation_ranks={self.generation_ranks}: the split placement has one generation rank for "
             "now: set async.generation_ranks=1 (or 0: generation in a thread of the training process)",
-        )
-        need(
-            problems,
-            not (self.split and self.partial_rollout),
-            "async.partial_rollout=true with async.generation_ranks > 0: the split placement loads new weights "
-            "between batches only; set async.partial_rollout=false or async.generation_ranks=0",
         )
         return problems

@@ -61,7 +61,7 @@ from rlhfuse.trainer.reward_functions import reward_set, rule_reward, verifier_i
 from rlhfuse.trainer.rollout import FusedRollout, SerialRollout, training_rollout
 from rlhfuse.trainer.run_config import RLHFConfig
 from rlhfuse.trainer.spec import compile_run, with_stop_tokens
-from rlhfuse.trainer.split import GenerationService, SplitRollout
+from rlhfuse.trainer.split import Control, GenerationService, SplitRollout
 from rlhfuse.trainer.topology import Topology
 from rlhfuse.trainer.trainer import Assembled, RLHFTrainer
 from rlhfuse.trainer.validate import check_context, raise_problems
@@ -71,18 +71,19 @@ if TYPE_CHECKING:
     from lightning.fabric import Fabric
 
 
-def split_link(ctx: BuildContext, generator: Generator) -> PointToPoint:
-    """The split placement's link (on both of its ranks): a process group of the training rank (0 in it) and the
-    generation rank (1), on the device its collectives run on, bounded by distributed.timeout_s."""
+def split_channels(ctx: BuildContext, generator: Generator, peer: int) -> tuple[PointToPoint, Control]:
+    """The split placement's link and control channel (on both of its ranks): groups of the training rank (0 in
+    them) and the generation rank (1), the link on the device its collectives run on, both bounded by
+    distributed.timeout_s; `peer`: the other rank's rank in them."""
     from rlhfuse.generation.transport import collective_device
 
     layout = ctx.topology
-    group = layout.groups.group(
-        ("async", "split"), [0, layout.world - 1], timeout_s=ctx.config.distributed.timeout_s
-    )
+    ranks, timeout_s = [0, layout.world - 1], ctx.config.distributed.timeout_s
+    group = layout.groups.group(("async", "split"), ranks, timeout_s=timeout_s)
+    control = layout.groups.control(("async", "split"), [ranks], timeout_s=timeout_s)
     copies = generator.actor_copies()
     device = next(copies[0].parameters()).device if copies else None
-    return PointToPoint(collective_device(group, device), group)
+    return PointToPoint(collective_device(group, device), group), Control(control, peer)
 
 
 def rollout_stage(
@@ -98,11 +99,12 @@ def rollout_stage(
             generator,
             inferencer,
             feed,
-            split_link(ctx, generator),
+            *split_channels(ctx, generator, peer=1),
             peer=1,
             max_staleness=cfg.asynchronous.max_staleness,
             last_iteration=cfg.iterations,
             pad_token_id=ctx.models.tokenizer.pad_id,
+            partial_rollout=cfg.asynchronous.partial_rollout,
         )
     if cfg.asynchronous.enabled:
         return AsyncRollout(
@@ -516,8 +518,13 @@ def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Compo
     generator = agent_episodes(ctx, parts.generator.build(ctx))
     inferencer = parts.strategy.inference(parts.inferencer.build(ctx), strategy)
     if ctx.topology.generation_rank:  # the split placement's generation rank: it serves the training rank
+        a = ctx.config.asynchronous
         service = GenerationService(
-            generator, split_link(ctx, generator), peer=0, max_staleness=ctx.config.asynchronous.max_staleness
+            generator,
+            *split_channels(ctx, generator, peer=0),
+            peer=0,
+            max_staleness=a.max_staleness,
+            partial_rollout=a.partial_rollout,
         )
         pad = ctx.models.tokenizer.pad_id
         return Components(

@@ -2,49 +2,58 @@
 generates, the others train (for now one training rank: pipeline=plain, a world of 2).
 
 The training rank's rollout stage is `SplitRollout`; the generation rank runs `GenerationService.serve` instead
-of the trainer's iterations. They talk over one point-to-point link (a process group of the two ranks, created by
-`rlhfuse.distributed.WorldGroups`), in messages of the one wire codec (`rlhfuse.core.wire`), in an order both
-sides derive from the same rule, so that NCCL can run it: every message completes before the next, and neither
-side sends while the other sends.
+of the trainer's iterations. They share two channels, both groups of the two ranks made by
+`rlhfuse.distributed.WorldGroups`: the link (`PointToPoint`, on the device: weights, jobs and batches in the one
+wire codec, `rlhfuse.core.wire`) and a control channel (`Control`, gloo on the CPU: one integer each way).
 
-- The training rank sends a SYNC: a version's weights (the local generator's Actor copy after the sync) and the
-  jobs that version generates, each iteration's prompts: iterations up to min(v + 1 + k, last) not sent yet.
-- The generation rank loads the weights and generates every job its version may (r(i) = max(0, i - 1 - k) <= v),
-  in iteration order, sending each batch (its chunks, each token's version, its seconds and statistics) as it is
-  done. Then it waits for the next message.
-- Before its next SYNC (or the STOP that ends the run), the training rank receives every batch the generation
-  rank generates in between: at the weight sync of version v + 1 the batches of every iteration up to
-  min(v + 1 + k, last) (the colocated stage's gate: a sync waits for the batches of the version it replaces).
-  So after a sync the stage holds every batch generated ahead, which is what a checkpoint keeps.
+- A push of version v: the training rank sends a notice of v on the control channel. The generation rank answers
+  with the last iteration whose batch it has sent; the training rank receives those batches, then sends the
+  SYNC on the link: v's weights (its own generator copy's state after the sync) and the jobs v generates, each
+  iteration's prompts up to min(v + 1 + k, last) not sent yet.
+- The generation rank generates every job its version may (r(i) = max(0, i - 1 - k) <= v), in iteration order,
+  sending each batch (its chunks, each token's version, its seconds and statistics) without waiting for it to be
+  received. It answers a notice once idle; with partial rollouts, also between two decode steps of a batch,
+  which continues under the new weights.
+- Without partial rollouts the training rank, at the sync of version v + 1, first receives every batch of
+  version v (the colocated stage's gate), so a checkpoint holds every batch generated ahead. The end of the run
+  is a notice of -1.
 
-The bound is the colocated stage's (`rlhfuse.trainer.asynchronous`) and the samples are the same: each is seeded
-per sample, and the generation rank's Actor copy holds the trained weights bit for bit. At k = 0 the run is the
-synchronous run, split over two processes. The weights go as whole tensors in one message per sync; a version no
-batch needs is not sent (the last k + 1 syncs). The training rank keeps a generator of its own for held-out
-evaluation, and its Actor copy is what the sync pushes.
+On the link each side's order is the other's: the batches sent before an answer, then the SYNC; so NCCL can run
+it (every op completes before the next, per rank pair). The bound is the colocated stage's
+(`rlhfuse.trainer.asynchronous`) and without partial rollouts the samples are the same: each is seeded per
+sample, and the generation rank's Actor copy holds the trained weights bit for bit. At k = 0 the run is the
+synchronous run, split over two processes. A version no batch needs is not pushed (the last k + 1 syncs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rlhfuse import distributed
 from rlhfuse.core.protocols import Generator, Inferencer
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import PromptBatch, Rollout
 from rlhfuse.core.wire import Packed, pack_tensors, unpack_tensors
 from rlhfuse.data.feed import PromptFeed
-from rlhfuse.generation.transport import PointToPoint
-from rlhfuse.trainer.asynchronous import AheadStage, AsyncGenerationError, _Generated, source_version
+from rlhfuse.generation.transport import PointToPoint, Sending
+from rlhfuse.trainer.asynchronous import (
+    AheadStage,
+    AsyncGenerationError,
+    PartialGenerator,
+    _Generated,
+    source_version,
+)
 
-STOP, SYNC = 0, 1
-"""The training rank's message kinds: the run is over; a version's weights and jobs."""
+SYNC = 1
+"""The link's message from the training rank: a version's weights and jobs."""
 
 _ROLLOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Rollout))
 
@@ -62,11 +71,11 @@ def pack_sync(
     return pack_tensors([SYNC, version, len(weights), len(jobs), *jobs], tensors, device=device)
 
 
-def unpack_sync(packed: Packed) -> tuple[int, dict[str, Tensor], dict[int, PromptBatch]] | None:
-    """(version, weights, jobs) of a SYNC; None for STOP."""
+def unpack_sync(packed: Packed) -> tuple[int, dict[str, Tensor], dict[int, PromptBatch]]:
+    """(version, weights, jobs) of a SYNC."""
     ints, tensors = unpack_tensors(packed)
-    if ints[0] == STOP:
-        return None
+    if ints[0] != SYNC:
+        raise ValueError(f"not a SYNC message: kind {ints[0]}")
     version, n_weights, n_jobs = ints[1:4]
     names = bytes(tensors[0].cpu().tolist()).decode().split("\n") if n_weights else []
     weights = dict(zip(names, tensors[1 : 1 + n_weights], strict=True))
@@ -110,11 +119,40 @@ def unpack_batch(packed: Packed) -> tuple[int, _Generated]:
     return iteration, _Generated(chunks, version, float(figures[0]), stats)
 
 
+# ---------------------------------------------------------------- the control channel
+class Control:
+    """The split placement's control channel: a gloo group of the two ranks (`WorldGroups.control`), apart from the
+    link, for the training rank's notices (a version to push, or the end: -1) and the generation rank's answers
+    (the last iteration whose batch it has sent). One int64 each way, on the CPU."""
+
+    def __init__(self, group: Any, peer: int) -> None:
+        self.group, self.peer = group, distributed.global_rank(group, peer)
+
+    def send(self, value: int) -> None:
+        distributed.isend(torch.tensor([value]), self.peer, group=self.group).wait()
+
+    def recv(self) -> int:
+        value = torch.zeros(1, dtype=torch.int64)
+        distributed.recv(value, self.peer, group=self.group)
+        return int(value)
+
+    def listen(self) -> tuple[Tensor, distributed.Work]:
+        """A posted receive of the next notice: (its buffer, its work)."""
+        value = torch.zeros(1, dtype=torch.int64)
+        return value, distributed.irecv(value, self.peer, group=self.group)
+
+
+STOP_NOTICE = -1
+"""The notice that ends the generation rank's `serve`."""
+
+
 # ---------------------------------------------------------------- the training rank
 class SplitRollout(AheadStage):
     """The rollout stage of the split placement, on the training rank (see the module). `generator`: the local
     one (held-out evaluation; its Actor copy is what a sync pushes); `link`: the point-to-point link of the two
-    ranks; `peer`: the generation rank's rank in the link's group."""
+    ranks and `control` their control channel; `peer`: the generation rank's rank in the link's group.
+    `partial_rollout`: a sync does not wait for the batch being generated (the generation rank takes the new
+    weights at its next decode step)."""
 
     def __init__(
         self,
@@ -122,11 +160,13 @@ class SplitRollout(AheadStage):
         inferencer: Inferencer,
         feed: PromptFeed,
         link: PointToPoint,
+        control: Control,
         *,
         peer: int,
         max_staleness: int,
         last_iteration: int,
         pad_token_id: int,
+        partial_rollout: bool = False,
     ) -> None:
         super().__init__(
             generator, inferencer, feed,
@@ -137,7 +177,8 @@ class SplitRollout(AheadStage):
                 f"the split placement pushes the weights of the local generator's Actor copy, and "
                 f"{type(generator).__name__} holds none in this process"
             )
-        self.link, self.peer = link, peer
+        self.link, self.control, self.peer = link, control, peer
+        self.partial_rollout = partial_rollout
         self._sent = 0  # the last iteration whose job was sent
         self._received = 0  # the last iteration whose batch was received
         self._pushed = -1  # the version the generation rank holds (-1: nothing sent yet)
@@ -151,21 +192,25 @@ class SplitRollout(AheadStage):
         return self._ready.pop(iteration)
 
     def load_weights(self, load: Any) -> None:
-        """The sync of the next version: loaded here, then (once the run has started) every batch the generation
-        rank generates with the version it holds is received, and the version is pushed when a batch needs it."""
+        """The sync of the next version: loaded here; then (once the run has started, and without partial
+        rollouts) every batch the generation rank generates with the version it holds is received, and the
+        version is pushed when a batch needs it."""
         with self._weights:
             load()
         self.version += 1
         if self._pushed < 0:  # a resume's sync, before `restore`: the first push carries the weights
             return
-        self._drain()
+        if not self.partial_rollout:
+            self._drain()
         if (
             self.version + 1 + self.max_staleness <= self.last_iteration
         ):  # iteration v + 1 + k needs version v
             self._push({})
 
     def _push(self, given: Mapping[int, PromptBatch]) -> None:
-        """SYNC of the version held here and of its jobs (`given` prompts where the trainer drew them)."""
+        """Notice of the version held here; once the generation rank answers, the batches it sent before it are
+        received and then the SYNC of the version and its jobs (`given` prompts where the trainer drew them)."""
+        self._ask(self.version)
         last = min(self.version + 1 + self.max_staleness, self.last_iteration)
         jobs = {j: given[j] if j in given else self.feed.batch(j) for j in range(self._sent + 1, last + 1)}
         with self._weights:
@@ -174,9 +219,19 @@ class SplitRollout(AheadStage):
         self._send(packed, f"the weights of version {self.version}")
         self._sent, self._pushed = max(self._sent, last), self.version
 
+    def _ask(self, notice: int) -> None:
+        """Send `notice`, and receive every batch the generation rank sent before it answered."""
+        try:
+            self.control.send(notice)
+            sent = self.control.recv()
+        except RuntimeError as err:
+            raise self._failed("the generation rank's answer to a weight sync", err) from err
+        while self._received < sent:
+            self._receive()
+
     def _drain(self) -> None:
-        """Receive every batch the generation rank generates before it takes another message: the jobs sent whose
-        version is at most the one it holds."""
+        """Receive every batch the generation rank generates with the version it holds: the jobs sent whose
+        version is at most that one."""
         while (
             self._received < self._sent
             and source_version(self._received + 1, self.max_staleness) <= self._pushed
@@ -188,11 +243,7 @@ class SplitRollout(AheadStage):
         try:
             _, packed = self.link.recv_packed(self.peer)
         except RuntimeError as err:
-            raise AsyncGenerationError(
-                f"asynchronous generation of iteration {expected}'s batch on the generation rank failed: "
-                f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}; the generation rank died, or "
-                "made no progress within distributed.timeout_s (see its output)"
-            ) from err
+            raise self._failed(f"asynchronous generation of iteration {expected}'s batch", err) from err
         iteration, generated = unpack_batch(packed)
         if iteration != expected:
             raise AsyncGenerationError(
@@ -205,20 +256,25 @@ class SplitRollout(AheadStage):
         try:
             self.link.isend(packed, self.peer).wait()
         except RuntimeError as err:
-            raise AsyncGenerationError(
-                f"sending {what} to the generation rank failed: {type(err).__name__}: "
-                f"{str(err).strip().splitlines()[0][:200]}; the generation rank died (see its output)"
-            ) from err
+            raise self._failed(f"sending {what} to the generation rank", err) from err
+
+    @staticmethod
+    def _failed(what: str, err: RuntimeError) -> AsyncGenerationError:
+        return AsyncGenerationError(
+            f"{what} failed: {type(err).__name__}: {str(err).strip().splitlines()[0][:200]}; the generation rank "
+            "died, or made no progress within distributed.timeout_s (see its output)"
+        )
 
     def close(self) -> None:
-        """The generation rank's batches still due received, then STOP: its `serve` returns."""
+        """The end notice: the generation rank's `serve` returns, its batches sent before it received here."""
         if not self._closed:
-            self._drain()
-            self._send(pack_tensors([STOP], [], device=self.link.device), "the end of the run")
-        self._closed = True
+            self._closed = True
+            self._ask(STOP_NOTICE)
 
     def state_dict(self) -> dict[str, Any]:
-        """The batches received ahead of the trained iteration (after a sync: every batch generated ahead)."""
+        """The batches received ahead of the trained iteration (after a sync without partial rollouts: every batch
+        generated ahead; with them, a batch still being generated is not among them, and a resumed run
+        generates it again from the checkpoint's weights)."""
         return self._ready_state()
 
     def restore(self, state: Mapping[str, Any], iteration: int) -> None:
@@ -229,42 +285,95 @@ class SplitRollout(AheadStage):
 
 
 # ---------------------------------------------------------------- the generation rank
-class GenerationService:
-    """The split placement's generation rank: `serve` generates what the training rank's messages ask, until
-    STOP (see the module). `generator`: this rank's; `peer`: the training rank's rank in the link's group."""
+class _Stopped(Exception):
+    """The end notice came while a batch was being generated (a run stopped early): the batch is dropped."""
 
-    def __init__(self, generator: Generator, link: PointToPoint, *, peer: int, max_staleness: int) -> None:
-        self.generator, self.link, self.peer = generator, link, peer
-        self.max_staleness = max_staleness
+
+class GenerationService:
+    """The split placement's generation rank: `serve` generates what the training rank asks, until its end notice
+    (see the module). `generator`: this rank's; `peer`: the training rank's rank in the link's group;
+    `partial_rollout`: a notice is answered at the next decode step (`generate_partial`), else once every job
+    of the version held is generated."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        link: PointToPoint,
+        control: Control,
+        *,
+        peer: int,
+        max_staleness: int,
+        partial_rollout: bool = False,
+    ) -> None:
+        self.generator, self.link, self.control, self.peer = generator, link, control, peer
+        self.max_staleness, self.partial_rollout = max_staleness, partial_rollout
         self.version = -1
         self._jobs: dict[int, PromptBatch] = {}
+        self._sent = 0  # the last iteration whose batch was sent
+        self._sending: list[Sending] = []
+        self._notice = self.control.listen()
 
     def serve(self) -> None:
-        """Generate until the training rank sends STOP."""
-        while True:
-            _, packed = self.link.recv_packed(self.peer)
-            message = unpack_sync(packed)
-            if message is None:
-                return
-            version, weights, jobs = message
-            if weights:
-                self.generator.load_weights(weights)
-            self.version = version
-            self._jobs.update(jobs)
-            for iteration in sorted(self._jobs):
-                if source_version(iteration, self.max_staleness) > self.version:
-                    break
-                generated = self._generate(iteration, self._jobs.pop(iteration))
-                self.link.isend(pack_batch(iteration, generated, self.link.device), self.peer).wait()
+        """Generate until the end notice."""
+        try:
+            while True:
+                startable = [
+                    j for j in sorted(self._jobs) if source_version(j, self.max_staleness) <= self.version
+                ]
+                if not startable:
+                    self._notice[1].wait()  # idle: the next notice
+                if self._notice[1].is_completed():
+                    self._answer()
+                    continue
+                self._send_batch(startable[0])
+        except _Stopped:
+            for sending in self._sending:
+                sending.wait()
+
+    def _answer(self) -> None:
+        """A notice arrived: answer with the last batch sent; then the SYNC it announces (its weights loaded
+        between two decode steps of a batch being generated), or the end (`_Stopped`)."""
+        notice = int(self._notice[0])
+        self.control.send(self._sent)
+        if notice == STOP_NOTICE:
+            raise _Stopped
+        _, packed = self.link.recv_packed(self.peer)
+        for sending in self._sending:  # received before the SYNC was sent
+            sending.wait()
+        self._sending.clear()
+        version, weights, jobs = unpack_sync(packed)
+        assert version == notice, (notice, version)
+        if weights:
+            self.generator.load_weights(weights)
+        self.version = version
+        self._jobs.update(jobs)
+        self._notice = self.control.listen()
+
+    def _send_batch(self, iteration: int) -> None:
+        generated = self._generate(iteration, self._jobs.pop(iteration))
+        self._sending.append(self.link.isend(pack_batch(iteration, generated, self.link.device), self.peer))
+        self._sent = iteration
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[int]:
+        """A partial rollout's decode step (`StepGate`): a notice that has arrived is answered first, so the
+        step decodes with the version it announced; that version yielded."""
+        if self._notice[1].is_completed():
+            self._answer()
+        yield self.version
 
     @torch.no_grad()
     def _generate(self, iteration: int, prompts: PromptBatch) -> _Generated:
         start = time.perf_counter()
-        chunks: Sequence[Rollout] = [
-            c.with_version(self.version) for c in self.generator.generate(prompts, iteration=iteration)
-        ]
+        if self.partial_rollout:
+            assert isinstance(self.generator, PartialGenerator), type(self.generator)
+            chunks = list(self.generator.generate_partial(prompts, iteration=iteration, gate=self))
+        else:
+            chunks = [
+                c.with_version(self.version) for c in self.generator.generate(prompts, iteration=iteration)
+            ]
         return _Generated(
-            list(chunks), self.version, time.perf_counter() - start, self.generator.generation_stats()
+            chunks, self.version, time.perf_counter() - start, self.generator.generation_stats()
         )
 
     def close(self) -> None:

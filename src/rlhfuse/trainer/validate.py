@@ -179,12 +179,13 @@ def async_problems(cfg: RLHFConfig, layout: Topology) -> list[str]:
             f"layout has {layout.world} processes: set generator.instances=1 and distributed.nproc_per_node=1, or "
             "async.generation_ranks=1 (a generation rank beside one training rank), or async.max_staleness=0",
         )
-    where = f"async.generation_ranks={a.generation_ranks}" if a.split else f"async.max_staleness={k}"
+    key = "async.generation_ranks" if a.split else "async.max_staleness"
+    where = f"{key}={a.generation_ranks if a.split else k}"
     need(
         problems,
         cfg.data.oversample == 0,
         f"{where} draws each iteration's prompts ahead, and data.oversample={cfg.data.oversample} draws extra "
-        "ones within an iteration: set data.oversample=0",
+        f"ones within an iteration: set data.oversample=0 or {key}=0",
     )
     g = cfg.generator
     if g.name in GENERATORS:
