@@ -12,17 +12,18 @@ run by run so that load drifting over the benchmark biases none. Each setting ru
 - at equal work: learning rates of 1e-30, so no weight moves and every setting generates, infers and trains the
   same samples (a training run's response lengths follow its policy, and on the long-tail task they decide the
   iteration's cost: comparing them would compare trajectories, not the overlap). Over the steady iterations (the
-  first is left out: nothing overlaps it): `iteration_s`, the median seconds per iteration (the trainer's, its
-  waits included); `idle_fraction`, the median share of the iteration the trainer waits for generation
-  (synchronous: the generation time; asynchronous: `async/wait_s` plus the weight sync's wait for the batch of
-  the version it replaces); `speedup` = iteration_s at staleness 0 / iteration_s;
-- learning (the configured rates): `staleness_mean` (the trained tokens' mean age in versions),
+  first is left out: nothing overlaps it) of 2 runs: `iteration_s`, the mean seconds per iteration (the
+  trainer's, its waits included: what iterations per second over a run is the inverse of; iterations' costs vary
+  with their lengths, so a median would pick one iteration's); `idle_fraction`, the share of those seconds the
+  trainer waits for generation (synchronous: the generation time; asynchronous: `async/wait_s` plus the weight
+  sync's wait for the batches of the version it replaces); `speedup` = iteration_s at staleness 0 / iteration_s;
+- learning (the configured rates), one run: `staleness_mean` (the trained tokens' mean age in versions),
   `corrected_fraction` (the share of tokens the off-policy correction truncated: tis, the default once samples
   can be off-policy) and `reward_last` (`reward/mean` of the last iteration, the same count for every setting).
 
 Workloads: `experiment=longtail` (PPO, the long-tail topic task) and, without --quick, the same task under
-GRPO (critic-free: generation is a larger share). `make bench BENCH=async` (or `python -m benchmarks.run async
-[--quick]`).
+GRPO (critic-free: generation is a larger share). Both modes run 10 iterations per run. `make bench BENCH=async`
+(or `python -m benchmarks.run async [--quick]`).
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ def workload(
         for key, setting in SETTINGS.items():
             args = (*overrides, f"iterations={iterations}", *setting)
             timed[key].append(train((*args, *frozen), tmp / f"{name}-{key}-{r}-timed", tmp / "cache")[1])
-            learned[key].append(train(args, tmp / f"{name}-{key}-{r}", tmp / "cache")[1])
+            if r == 0:  # one learning run per setting: its figures do not depend on the machine's speed
+                learned[key].append(train(args, tmp / f"{name}-{key}-{r}", tmp / "cache")[1])
     figures: dict[str, Any] = {}
     for key in SETTINGS:
         steady, learning = _steady(timed[key]), _steady(learned[key])
         figures[key] = {
-            "iteration_s": statistics.median(row["time/iteration"] for row in steady),
-            "idle_fraction": statistics.median(_idle(row) for row in steady),
+            "iteration_s": statistics.mean(row["time/iteration"] for row in steady),
+            "idle_fraction": sum(_idle(row) * row["time/iteration"] for row in steady)
+            / sum(row["time/iteration"] for row in steady),
             "staleness_mean": statistics.mean(row.get("async/staleness_mean", 0.0) for row in learning),
             "corrected_fraction": statistics.mean(
                 row.get("off_policy/corrected_fraction", 0.0) for row in learning
@@ -111,4 +114,4 @@ def workload(
 def run(quick: bool = False) -> dict[str, Any]:
     names = ["longtail"] if quick else list(WORKLOADS)
     with tempfile.TemporaryDirectory(prefix="rlhfuse-bench-async-") as folder:
-        return {name: workload(Path(folder), name, WORKLOADS[name], 6 if quick else 10, 2) for name in names}
+        return {name: workload(Path(folder), name, WORKLOADS[name], 10, 2) for name in names}

@@ -7,34 +7,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from rlhfuse.testing.processes import free_port, launch_env
+
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _two_nodes(tmp_path: Path, args: list[str]) -> tuple[list[subprocess.CompletedProcess[str]], list[dict]]:
     torchrun = Path(sys.executable).with_name("torchrun")
     train = Path(sys.executable).with_name("rlhfuse-train")
-    port = _free_port()
+    port = free_port()
     run = tmp_path / "run"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
-    env["OMP_NUM_THREADS"] = "1"
+    env = launch_env()
     cmd = [
         str(torchrun), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=rlhfuse-{port}", str(train),

@@ -8,8 +8,6 @@ rank: `test_trainer_rank_death.py`). The messages round-trip exactly (no process
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ from test_trainer_async import ITERATIONS, WIDE, _actor, _model, _same, _trainer
 
 from rlhfuse.core.stats import GenerationStats
 from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.testing.processes import free_port, launch_env
 from rlhfuse.trainer import compose_config
 from rlhfuse.trainer.asynchronous import _Generated
 from rlhfuse.trainer.split import pack_batch, pack_sync, unpack_batch, unpack_sync
@@ -29,21 +28,13 @@ DRIVER = Path(__file__).with_name("split_driver.py")
 
 
 def _split(tmp: Path, run: str, staleness: int, *flags: str) -> subprocess.CompletedProcess[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
-    env["OMP_NUM_THREADS"] = "1"
     cmd = [
         str(torchrun), "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
         str(DRIVER), str(tmp / run), str(tmp / "cache"), str(tmp / "out" / run), str(staleness), *flags,
     ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env(), cwd=tmp)
 
 
 def _result(tmp: Path, run: str) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor], list[dict]]:

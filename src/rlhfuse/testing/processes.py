@@ -32,17 +32,37 @@ def leave_after_success() -> NoReturn:
     distributed.exit_finished()
 
 
+def free_port() -> int:
+    """A free loopback TCP port (for a rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_env() -> dict[str, str]:
+    """This process's environment for a job a test launches (torchrun, rlhfuse-train): without the rank variables
+    of a launch it may run under, one thread per process."""
+    import os
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def spawn_ranks(
     target: Callable[..., object], *args: object, world: int = 2, timeout_s: float
 ) -> list[int | None]:
     """`target(rank, port, *args)` in `world` spawned processes (`port`: a free loopback TCP port for their
     rendezvous); each joined for up to `timeout_s` seconds, then killed if still running. Their exit codes."""
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=(rank, port, *args)) for rank in range(world)]
     for p in procs:
