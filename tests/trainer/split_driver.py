@@ -46,7 +46,7 @@ def main() -> None:
         def held(self: Any) -> Iterator[int]:
             self.test_steps += 1
             if self.test_batch == 2 and self.test_steps == 3:
-                self._notice[1].wait()  # the training rank's notice of version 1
+                self._notice.wait()  # the training rank's notice of version 1
             with step(self) as version:
                 yield version
 

@@ -127,6 +127,45 @@ def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path, overrid
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
+def test_a_stalled_generation_rank_ends_the_split_run_within_the_timeout_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """Item 7 of issue 42: rank 1 (the split placement's generation rank) stopped (SIGSTOP: alive, silent) right
+    after iteration 1: rank 0's wait for its next batch breaks at distributed.timeout_s, and its line names rank 1
+    as died or stalled and the timeout to raise."""
+    timeout_s = 30
+    overrides = [
+        *[x for x in SPLIT if not x.startswith("distributed.timeout_s")],
+        f"distributed.timeout_s={timeout_s}",
+    ]
+    proc, rank1, output = _launch(tmp_path, "Starting with 2 processes", overrides)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline and proc.poll() is None, output.text()[-3000:]
+        time.sleep(0.02)  # polling for the event
+    os.kill(rank1, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        proc.wait(timeout=timeout_s + 60)
+    finally:
+        proc.kill()
+        if _running(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    elapsed = time.monotonic() - start
+    out = output.text()
+    assert elapsed < timeout_s + 30, out[-3000:]
+    assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+    (line,) = [x for x in out.splitlines() if "rlhfuse-train: error:" in x]
+    assert "this is rank 0" in line or "rank 0 stopped" in line, line
+    assert (
+        f"the generation rank (rank 1) died or stalled, nothing within distributed.timeout_s={timeout_s} s"
+        in line
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
 def test_rank_0_killed_at_start_up_ends_rank_1_with_one_line(tmp_path: Path) -> None:
     proc, rank1, output = _launch(tmp_path, "GLOBAL_RANK: 1")  # rank 1 is joining the process group
     os.kill(proc.pid, signal.SIGKILL)

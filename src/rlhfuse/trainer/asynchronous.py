@@ -64,6 +64,13 @@ def source_version(iteration: int, max_staleness: int) -> int:
     return max(0, iteration - 1 - max_staleness)
 
 
+def generation_device(generator: Generator) -> torch.device | None:
+    """The device `generator` decodes on: its first Actor copy's; None where its weights live outside this
+    process's modules (vLLM's engine)."""
+    copies = generator.actor_copies()
+    return next(copies[0].parameters()).device if copies else None
+
+
 class AsyncGenerationError(RuntimeError):
     """The background generation raised: the run stops with the iteration it was generating and the cause."""
 
@@ -206,9 +213,8 @@ class AsyncRollout(AheadStage):
         # on a GPU the worker decodes on a stream of its own, so its kernels can overlap training's (on the one
         # default stream they would queue behind each other); each decode step ends in a host read of its tokens,
         # so the stream is idle whenever the worker lets go of the weights
-        copies = generator.actor_copies()
-        device = next(copies[0].parameters()).device if copies else torch.device("cpu")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        device = generation_device(generator)
+        self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self._cond = threading.Condition()
         self._jobs: dict[int, PromptBatch] = {}  # submitted, not started
         self._next = 1  # the next iteration the worker generates

@@ -43,7 +43,7 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.generation.transport import PointToPoint
 from rlhfuse.models import cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
-from rlhfuse.trainer.asynchronous import AsyncRollout
+from rlhfuse.trainer.asynchronous import AsyncRollout, generation_device
 from rlhfuse.trainer.callbacks import (
     MemoryMetrics,
     RewardMetrics,
@@ -81,9 +81,9 @@ def split_channels(ctx: BuildContext, generator: Generator, peer: int) -> tuple[
     ranks, timeout_s = [0, layout.world - 1], ctx.config.distributed.timeout_s
     group = layout.groups.group(("async", "split"), ranks, timeout_s=timeout_s)
     control = layout.groups.control(("async", "split"), [ranks], timeout_s=timeout_s)
-    copies = generator.actor_copies()
-    device = next(copies[0].parameters()).device if copies else None
-    return PointToPoint(collective_device(group, device), group), Control(control, peer)
+    return PointToPoint(collective_device(group, generation_device(generator)), group), Control(
+        control, peer, timeout_s=timeout_s
+    )
 
 
 def rollout_stage(

@@ -120,13 +120,46 @@ def unpack_batch(packed: Packed) -> tuple[int, _Generated]:
 
 
 # ---------------------------------------------------------------- the control channel
+@dataclasses.dataclass
+class Notice:
+    """A posted receive of the training rank's next notice (`Control.listen`)."""
+
+    value: Tensor
+    work: distributed.Work
+
+    def arrived(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> int:
+        """The notice, once it has arrived (a gloo receive's `wait` takes the next message, so it is waited for
+        only while not yet arrived)."""
+        if not self.work.is_completed():
+            self.work.wait()
+        return int(self.value)
+
+
 class Control:
     """The split placement's control channel: a gloo group of the two ranks (`WorldGroups.control`), apart from the
     link, for the training rank's notices (a version to push, or the end: -1) and the generation rank's answers
-    (the last iteration whose batch it has sent). One int64 each way, on the CPU."""
+    (the last iteration whose batch it has sent). One int64 each way, on the CPU. `timeout_s`: the groups' bound
+    on every wait (distributed.timeout_s), named when a wait on the peer breaks (`peer_wait`)."""
 
-    def __init__(self, group: Any, peer: int) -> None:
-        self.group, self.peer = group, distributed.global_rank(group, peer)
+    def __init__(self, group: Any, peer: int, *, timeout_s: float) -> None:
+        self.group, self.peer, self.timeout_s = group, distributed.global_rank(group, peer), timeout_s
+
+    @contextlib.contextmanager
+    def peer_wait(self, what: str, peer: str, longer: str) -> Iterator[None]:
+        """Waits on `peer` (the peer's role) for `what`: a broken one (a dead peer's closed connection, or the
+        timeout) is an `AsyncGenerationError` naming the peer, the timeout and, as `longer`, the legitimate wait
+        that could outlast it; the transport's own words last, so that the line's start says what happened."""
+        try:
+            yield
+        except RuntimeError as err:
+            cause = (str(err).strip().splitlines() or [""])[0]
+            raise AsyncGenerationError(
+                f"{what} failed: the {peer} (rank {self.peer}) died or stalled, nothing within "
+                f"distributed.timeout_s={self.timeout_s:g} s (raise it if {longer}); {type(err).__name__}: {cause}"
+            ) from err
 
     def send(self, value: int) -> None:
         distributed.isend(torch.tensor([value]), self.peer, group=self.group).wait()
@@ -136,10 +169,10 @@ class Control:
         distributed.recv(value, self.peer, group=self.group)
         return int(value)
 
-    def listen(self) -> tuple[Tensor, distributed.Work]:
-        """A posted receive of the next notice: (its buffer, its work)."""
+    def listen(self) -> Notice:
+        """A posted receive of the next notice."""
         value = torch.zeros(1, dtype=torch.int64)
-        return value, distributed.irecv(value, self.peer, group=self.group)
+        return Notice(value, distributed.irecv(value, self.peer, group=self.group))
 
 
 STOP_NOTICE = -1
@@ -221,11 +254,9 @@ class SplitRollout(AheadStage):
 
     def _ask(self, notice: int) -> None:
         """Send `notice`, and receive every batch the generation rank sent before it answered."""
-        try:
+        with self._waiting("the generation rank's answer to a weight sync"):
             self.control.send(notice)
             sent = self.control.recv()
-        except RuntimeError as err:
-            raise self._failed("the generation rank's answer to a weight sync", err) from err
         while self._received < sent:
             self._receive()
 
@@ -240,10 +271,8 @@ class SplitRollout(AheadStage):
 
     def _receive(self) -> None:
         expected = self._received + 1
-        try:
+        with self._waiting(f"asynchronous generation of iteration {expected}'s batch"):
             _, packed = self.link.recv_packed(self.peer)
-        except RuntimeError as err:
-            raise self._failed(f"asynchronous generation of iteration {expected}'s batch", err) from err
         iteration, generated = unpack_batch(packed)
         if iteration != expected:
             raise AsyncGenerationError(
@@ -253,17 +282,11 @@ class SplitRollout(AheadStage):
         self._received = iteration
 
     def _send(self, packed: Packed, what: str) -> None:
-        try:
+        with self._waiting(f"sending {what} to the generation rank"):
             self.link.isend(packed, self.peer).wait()
-        except RuntimeError as err:
-            raise self._failed(f"sending {what} to the generation rank", err) from err
 
-    @staticmethod
-    def _failed(what: str, err: RuntimeError) -> AsyncGenerationError:
-        return AsyncGenerationError(
-            f"{what} failed: {type(err).__name__}: {str(err).strip().splitlines()[0][:200]}; the generation rank "
-            "died, or made no progress within distributed.timeout_s (see its output)"
-        )
+    def _waiting(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.control.peer_wait(what, "generation rank", "a batch takes longer to generate")
 
     def close(self) -> None:
         """The end notice: the generation rank's `serve` returns, its batches sent before it received here."""
@@ -320,26 +343,35 @@ class GenerationService:
                 startable = [
                     j for j in sorted(self._jobs) if source_version(j, self.max_staleness) <= self.version
                 ]
-                if not startable:
-                    self._notice[1].wait()  # idle: the next notice
-                if self._notice[1].is_completed():
+                if not startable:  # idle: the next notice, once the training rank has trained what it has
+                    with self._waiting(f"waiting for the notice after batch {self._sent}"):
+                        self._notice.wait()
+                if self._notice.arrived():
                     self._answer()
                     continue
                 self._send_batch(startable[0])
         except _Stopped:
-            for sending in self._sending:
-                sending.wait()
+            with self._waiting("the batches' last sends"):
+                for sending in self._sending:
+                    sending.wait()
+
+    def _waiting(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.control.peer_wait(
+            what, "training rank", "an iteration's inference and training, or the run's start, take longer"
+        )
 
     def _answer(self) -> None:
         """A notice arrived: answer with the last batch sent; then the SYNC it announces (its weights loaded
         between two decode steps of a batch being generated), or the end (`_Stopped`)."""
-        notice = int(self._notice[0])
-        self.control.send(self._sent)
+        notice = self._notice.wait()
+        with self._waiting(f"answering the notice of version {notice}"):
+            self.control.send(self._sent)
         if notice == STOP_NOTICE:
             raise _Stopped
-        _, packed = self.link.recv_packed(self.peer)
-        for sending in self._sending:  # received before the SYNC was sent
-            sending.wait()
+        with self._waiting(f"the weights of version {notice}"):
+            _, packed = self.link.recv_packed(self.peer)
+            for sending in self._sending:  # received before the SYNC was sent
+                sending.wait()
         self._sending.clear()
         version, weights, jobs = unpack_sync(packed)
         assert version == notice, (notice, version)
@@ -358,7 +390,7 @@ class GenerationService:
     def step(self) -> Iterator[int]:
         """A partial rollout's decode step (`StepGate`): a notice that has arrived is answered first, so the
         step decodes with the version it announced; that version yielded."""
-        if self._notice[1].is_completed():
+        if self._notice.arrived():
             self._answer()
         yield self.version
 
