@@ -3,7 +3,8 @@
 - colocated, one process (generation in a background thread beside inference and training), partial rollouts off
   and on (the workloads' generator=sampling, the one that continues samples under new weights);
 - split, two processes (async.generation_ranks=1: rank 1 generates, rank 0 infers and trains), partial rollouts
-  off and on;
+  off and on; and at staleness 1 with partial rollouts, Ref and Reward scoring each batch on rank 1
+  (async.frozen_inference=generation_ranks: rank 0 runs the Actor and the Critic only);
 - and the synchronous run on two processes the long-tail experiment names (generator=engine
   generator.instances=2 migration=auto: inter-stage fusion, data-parallel training).
 
@@ -36,6 +37,7 @@ from typing import Any
 from benchmarks.bench_runs import train
 
 SPLIT = ("async.generation_ranks=1", "distributed.nproc_per_node=2")
+PARTIAL_1 = ("async.max_staleness=1", "async.partial_rollout=true")
 # each setting's overrides, by the name its figures are kept under
 SETTINGS: dict[str, tuple[str, ...]] = {
     "staleness_0": ("async.max_staleness=0",),
@@ -45,9 +47,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "staleness_2_partial": ("async.max_staleness=2", "async.partial_rollout=true"),
     "split_staleness_0": ("async.max_staleness=0", *SPLIT),
     "split_staleness_1": ("async.max_staleness=1", *SPLIT),
-    "split_staleness_1_partial": ("async.max_staleness=1", "async.partial_rollout=true", *SPLIT),
+    "split_staleness_1_partial": (*PARTIAL_1, *SPLIT),
     "split_staleness_2": ("async.max_staleness=2", *SPLIT),
     "split_staleness_2_partial": ("async.max_staleness=2", "async.partial_rollout=true", *SPLIT),
+    "split_staleness_1_partial_frozen": (*PARTIAL_1, "async.frozen_inference=generation_ranks", *SPLIT),
     "instances_2": ("generator=engine", "generator.instances=2", "migration=auto"),
 }
 WORKLOADS: dict[str, tuple[str, ...]] = {
@@ -98,13 +101,13 @@ def workload(
         figures[key]["speedup"] = base / figures[key]["iteration_s"]
     print(f"{name} ({' '.join(overrides)}), {iterations} iterations, {repeats} run(s) per setting:")
     print(
-        "  setting              | equal work: s/iteration  speedup  trainer idle | learning: mean age  corrected  "
+        f"  {'setting':<33} | equal work: s/iteration  speedup  trainer idle | learning: mean age  corrected  "
         "reward (last)"
     )
     for key in SETTINGS:
         f = figures[key]
         print(
-            f"  {key:<20} | {f['iteration_s']:23.3f}  {f['speedup']:6.2f}x  "
+            f"  {key:<33} | {f['iteration_s']:23.3f}  {f['speedup']:6.2f}x  "
             f"{f['idle_fraction']:12.2f} | {f['staleness_mean']:18.2f}  {f['corrected_fraction']:9.4f}  "
             f"{f['reward_last']:13.3f}"
         )

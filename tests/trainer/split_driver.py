@@ -3,7 +3,7 @@ trainer of `test_trainer_async._trainer`; rank 0 saves the trained Actor, the hi
 ages under `out`. Used by `test_trainer_split.py`:
 
     torchrun --nproc-per-node 2 split_driver.py RUN_DIR CACHE OUT STALENESS [--stop-at N] [--resume] [--generator NAME] [--data small|wide]
-    [--partial] [--interrupt]"""
+    [--partial] [--interrupt] [--frozen-on-generation-rank]"""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--data", choices=("small", "wide"), default="small")
     parser.add_argument("--partial", action="store_true")
     parser.add_argument("--interrupt", action="store_true")
+    parser.add_argument("--frozen-on-generation-rank", action="store_true")
     args = parser.parse_args()
     if args.interrupt:  # the sync of version 1 lands at batch 2's third decode step
         generate, step = GenerationService._generate, GenerationService.step
@@ -56,6 +57,7 @@ def main() -> None:
     trainer = _trainer(
         args.run_dir, staleness=args.staleness, generation_ranks=1, callbacks=callbacks, generator=args.generator,
         data=WIDE if args.data == "wide" else SMALL, partial=args.partial,
+        frozen_inference="generation_ranks" if args.frozen_on_generation_rank else "training_ranks",
         checkpoint=CheckpointConfig(every=10), resume="auto" if args.resume else "never",
     )  # fmt: skip
     history = trainer.fit(_model(args.cache))

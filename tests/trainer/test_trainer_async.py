@@ -10,7 +10,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -102,13 +102,15 @@ def _trainer(
     partial: bool = False,
     generator: str = "sampling",
     generation_ranks: int = 0,
+    frozen_inference: Literal["training_ranks", "generation_ranks"] = "training_ranks",
     **kwargs: Any,
 ) -> RLHFTrainer:
     return RLHFTrainer(
         generator=GENERATORS[generator](),
         algorithm=AlgorithmConfig(off_policy_correction="none"),
         asynchronous=AsyncConfig(
-            max_staleness=staleness, partial_rollout=partial, generation_ranks=generation_ranks
+            max_staleness=staleness, partial_rollout=partial, generation_ranks=generation_ranks,
+            frozen_inference=frozen_inference,
         ),
         data=kwargs.pop("data", SMALL),
         logging=LoggerConfig(backends=["jsonl"], progress=False, print_every=0),

@@ -17,7 +17,7 @@ import torch
 from test_trainer_async import ITERATIONS, WIDE, _actor, _model, _same, _trainer
 
 from rlhfuse.core.stats import GenerationStats
-from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.core.types import FrozenInference, PromptBatch, Rollout
 from rlhfuse.testing.processes import free_port, launch_env
 from rlhfuse.trainer import compose_config
 from rlhfuse.trainer.asynchronous import _Generated
@@ -62,6 +62,11 @@ def test_the_split_placement_trains_the_colocated_runs_parameters_and_resumes_ex
             assert [int(ages[i].min()) for i in range(1, ITERATIONS + 1)] == [0, 1, 1, 1]
         else:
             assert all(int(a.abs().max()) == 0 for a in ages.values())
+    # Ref and Reward scoring each batch on the generation rank (async.frozen_inference=generation_ranks): the same
+    _ok(_split(tmp_path, "frozen1", 1, "--frozen-on-generation-rank"))
+    actor, _, history = _result(tmp_path, "frozen1")
+    assert _same(actor, _actor(one))  # `one`: the colocated run at staleness 1
+    assert [r["reward/mean"] for r in history] == [r["reward/mean"] for r in one.history]
     # stopped after iteration 2 with batch 3 generated ahead (by version 1), then resumed
     _ok(_split(tmp_path, "stopped", 1, "--stop-at", "2"))
     state = torch.load(
@@ -119,13 +124,18 @@ def test_the_split_placements_messages_round_trip_exactly() -> None:
     assert list(got_jobs) == [4] and torch.equal(got_jobs[4].input_ids_BP, jobs[4].input_ids_BP)
     assert unpack_sync(pack_sync(0, {}, {}, "cpu")) == (0, {}, {})
     stats = GenerationStats(0.5, 3.0, 1.0, 8.0, 120.0, spec_accept_rate=0.25)
+    frozen = [FrozenInference(-torch.rand(n, 5), torch.randn(n), torch.randn(n, 2)) for n in (2, 3)]
     for generated in (
         _Generated([_rollout(2, True), _rollout(3, False)], 3, 1.5, stats),
         _Generated([_rollout(1, False)], 0, 0.25, None),
+        _Generated([_rollout(2, True), _rollout(3, False)], 1, 0.5, None, frozen),
     ):
         iteration, got = unpack_batch(pack_batch(6, generated, "cpu"))
         assert iteration == 6 and got.version == generated.version and got.seconds == generated.seconds
         assert got.stats == generated.stats
+        assert (got.frozen is None) == (generated.frozen is None)
+        for a, b in zip(got.frozen or [], generated.frozen or [], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values(), strict=True))
         for a, b in zip(got.chunks, generated.chunks, strict=True):
             for name, value in vars(b).items():
                 other = getattr(a, name)
@@ -140,6 +150,10 @@ def test_split_runs_are_checked_before_anything_is_built() -> None:
     assert not problems("async.generation_ranks=1", "async.max_staleness=1")
     assert "set async.generation_ranks=1" in problems("async.generation_ranks=2")
     assert not problems("async.generation_ranks=1", "async.max_staleness=1", "async.partial_rollout=true")
+    assert not problems("async.generation_ranks=1", "async.frozen_inference=generation_ranks")
+    assert "set async.generation_ranks=1 (or async.frozen_inference=training_ranks)" in problems(
+        "async.max_staleness=1", "async.frozen_inference=generation_ranks"
+    )
     assert "set distributed.nproc_per_node=2" in problems(
         "async.generation_ranks=1",
         "distributed.nproc_per_node=3",

@@ -9,6 +9,7 @@ from lightning.fabric import Fabric
 from rlhfuse.core.advantages import AlgorithmConfig, compute_train_batch
 from rlhfuse.core.inference import InferencerConfig
 from rlhfuse.core.optim import OptimConfig, lr_lambda, micro_batches
+from rlhfuse.core.protocols import SplitInferencer
 from rlhfuse.data.synthetic import build_tokenizer
 from rlhfuse.models import ModelConfig, Transformer
 from rlhfuse.testing.data import two_row_rollout
@@ -58,6 +59,22 @@ def test_inference_outputs_match_single_sequence_forward_passes():
         seq1 = torch.tensor([[8, 9, 10, 11, 12, 13]])
         assert float(exp.scores_B[1]) == pytest.approx(float(reward(seq1)[0, -1]), abs=1e-5)
     assert exp.logprobs_BR[0, 2] == 0 and exp.values_BR[0, 2] == 0  # padding zeroed
+
+
+@pytest.mark.parametrize("micro_batch_size", [0, 1])  # one forward of every row; a forward per row
+def test_the_frozen_and_live_parts_make_the_whole_inference_bit_for_bit(micro_batch_size):
+    """`SplitInferencer`: the split placement's generation rank runs `infer_frozen` (Ref, Reward, rules), the
+    training rank `infer_live` (Actor, Critic) with it; together they are `infer`."""
+    inf, *_ = _inferencer()
+    inf.config = InferencerConfig(micro_batch_size=micro_batch_size)
+    rollout = _rollout()
+    whole = inf.infer(rollout)
+    frozen = inf.infer_frozen(rollout)
+    parts = inf.infer_live(rollout, frozen)
+    assert isinstance(inf, SplitInferencer)
+    for name in ("logprobs_BR", "ref_logprobs_BR", "values_BR", "scores_B", "rule_scores_BK"):
+        assert torch.equal(getattr(parts, name), getattr(whole, name)), name
+    assert torch.equal(frozen.ref_logprobs_BR, whole.ref_logprobs_BR)
 
 
 def test_truncated_responses_get_the_fixed_score():

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # annotations only: a `Callback` subclass (the command line's
 
     from rlhfuse.core.sampling import Sampling
     from rlhfuse.core.stats import GenerationStats, RolloutStats, TrainStats
-    from rlhfuse.core.types import Experience, PromptBatch, Rollout, TrainBatch
+    from rlhfuse.core.types import Experience, FrozenInference, PromptBatch, Rollout, TrainBatch
 
 
 @runtime_checkable
@@ -128,6 +128,22 @@ class Inferencer(Protocol):
 
     def release(self) -> None:
         """After the rollout's last inference: frozen models back to host memory (or nothing)."""
+        ...
+
+
+@runtime_checkable
+class SplitInferencer(Inferencer, Protocol):
+    """An inferencer whose frozen models (Ref, Reward) can run apart from its live ones (Actor, Critic): the split
+    placement's generation rank runs `infer_frozen` on each batch it generates (async.frozen_inference=
+    generation_ranks) and the training rank `infer_live` with what it sent. `infer_live(r, infer_frozen(r))` is
+    `infer(r)`, bit for bit."""
+
+    def infer_frozen(self, rollout: Rollout) -> FrozenInference:
+        """The Ref log-probs and the scores of `rollout`; the Actor and the Critic do not run."""
+        ...
+
+    def infer_live(self, rollout: Rollout, frozen: FrozenInference) -> Experience:
+        """`rollout`'s Experience: the Actor's log-probs and the Critic's values computed here, `frozen` the rest."""
         ...
 
 

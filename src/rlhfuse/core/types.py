@@ -235,6 +235,18 @@ def _cat_optional(tensors: list[Tensor | None]) -> Tensor | None:
 
 
 @dataclass
+class FrozenInference:
+    """What the frozen models give a rollout (`SplitInferencer.infer_frozen`): the Ref log-probs (masked to the
+    response) and the sequence scores (reward model and/or rules, `Experience.scores_B`), with each rule's own
+    scores. Computed where the rollout was generated (the split placement's generation rank), the rest of its
+    inference (`SplitInferencer.infer_live`) where it is trained."""
+
+    ref_logprobs_BR: Tensor
+    scores_B: Tensor
+    rule_scores_BK: Tensor
+
+
+@dataclass
 class Experience:
     """A rollout plus what the inference stage computed for it. All [B, R] tensors are float32, aligned with
     `rollout.response_ids_BR` and meaningful where `rollout.response_mask_BR` is 1.

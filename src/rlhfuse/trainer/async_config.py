@@ -4,6 +4,7 @@ a Python keyword): how far generation may run ahead of training (`rlhfuse.traine
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rlhfuse.core.config_checks import need
 
@@ -25,6 +26,12 @@ class AsyncConfig:
     # training process). With any max_staleness, 0 included (a synchronous run split over processes). For now one
     # generation rank beside one training rank (pipeline=plain, a world of 2).
     generation_ranks: int = 0
+    # Where the frozen models (Ref, Reward) and the rule rewards score each batch: on the training ranks, with the
+    # Actor and the Critic (training_ranks), or, with the split placement, on the generation ranks as each batch is
+    # generated (generation_ranks: they send its Ref log-probs and scores with it, and the training ranks run the
+    # Actor and the Critic only). The result is the same, bit for bit; generation_ranks moves work off the
+    # training ranks where they, not generation, bound the iteration.
+    frozen_inference: Literal["training_ranks", "generation_ranks"] = "training_ranks"
 
     @property
     def enabled(self) -> bool:
@@ -54,5 +61,12 @@ class AsyncConfig:
             self.generation_ranks in (0, 1),
             f"async.generation_ranks={self.generation_ranks}: the split placement has one generation rank for "
             "now: set async.generation_ranks=1 (or 0: generation in a thread of the training process)",
+        )
+        need(
+            problems,
+            self.frozen_inference == "training_ranks" or self.split,
+            "async.frozen_inference=generation_ranks scores batches where they are generated, which needs "
+            "generation ranks of their own: set async.generation_ranks=1 (or async.frozen_inference="
+            "training_ranks)",
         )
         return problems

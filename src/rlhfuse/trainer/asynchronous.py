@@ -42,10 +42,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rlhfuse.core.protocols import Generator, Inferencer, StageHook
+from rlhfuse.core.protocols import Generator, Inferencer, SplitInferencer, StageHook
 from rlhfuse.core.sampling import Sampling
 from rlhfuse.core.stats import GenerationStats, RolloutStats
-from rlhfuse.core.types import Experience, PromptBatch, Rollout
+from rlhfuse.core.types import Experience, FrozenInference, PromptBatch, Rollout
 from rlhfuse.data.feed import PromptFeed
 from rlhfuse.trainer.rollout import SerialRollout
 
@@ -78,12 +78,14 @@ class AsyncGenerationError(RuntimeError):
 @dataclass
 class _Generated:
     """One iteration's batch, generated ahead: the generator's chunks, the version that generated them, the seconds
-    it took and the generator's statistics of it."""
+    it took and the generator's statistics of it; `frozen`: each chunk's frozen-model inference where it was
+    computed with the generation (async.frozen_inference=generation_ranks), else None."""
 
     chunks: list[Rollout]
     version: int
     seconds: float
     stats: GenerationStats | None
+    frozen: list[FrozenInference] | None = None
 
 
 class AheadStage:
@@ -140,7 +142,7 @@ class AheadStage:
         wait_s = time.perf_counter() - start
         hook("inference")
         start = time.perf_counter()
-        parts = [self.inferencer.infer(chunk) for chunk in generated.chunks]
+        parts = self._infer(generated)
         inference_s = time.perf_counter() - start
         return Experience.cat(parts, self.pad_token_id), RolloutStats(
             generation_s=generated.seconds,
@@ -148,6 +150,17 @@ class AheadStage:
             generation=generated.stats,
             wait_s=wait_s,
         )
+
+    def _infer(self, generated: _Generated) -> list[Experience]:
+        """A batch's experience, chunk by chunk: the inferencer's whole inference, or its live models' only where
+        the batch came with its frozen models' part."""
+        if generated.frozen is None:
+            return [self.inferencer.infer(chunk) for chunk in generated.chunks]
+        assert isinstance(self.inferencer, SplitInferencer), type(self.inferencer)  # checked at the build
+        return [
+            self.inferencer.infer_live(chunk, frozen)
+            for chunk, frozen in zip(generated.chunks, generated.frozen, strict=True)
+        ]
 
     def _batch(self, iteration: int, prompts: PromptBatch) -> _Generated:
         """Iteration `iteration`'s batch (`prompts`, the trainer's for it), once generated."""

@@ -23,6 +23,7 @@ from rlhfuse.core.protocols import (
     Logger,
     OpeningGenerator,
     RolloutStage,
+    SplitInferencer,
     Strategy,
 )
 from rlhfuse.core.rewards import RewardSet
@@ -43,6 +44,7 @@ from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.generation.transport import PointToPoint
 from rlhfuse.models import cast_copy
 from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
+from rlhfuse.trainer.async_config import AsyncConfig
 from rlhfuse.trainer.asynchronous import AsyncRollout, generation_device
 from rlhfuse.trainer.callbacks import (
     MemoryMetrics,
@@ -84,6 +86,20 @@ def split_channels(ctx: BuildContext, generator: Generator, peer: int) -> tuple[
     return PointToPoint(collective_device(group, generation_device(generator)), group), Control(
         control, peer, timeout_s=timeout_s
     )
+
+
+def frozen_inferencer(config: AsyncConfig, inferencer: Inferencer) -> SplitInferencer | None:
+    """The inferencer whose frozen models score batches on the generation rank (async.frozen_inference=
+    generation_ranks), or None; an inferencer that cannot is refused with the fix."""
+    if config.frozen_inference != "generation_ranks":
+        return None
+    if not isinstance(inferencer, SplitInferencer):
+        raise TypeError(
+            "async.frozen_inference=generation_ranks needs an inferencer with infer_frozen and infer_live "
+            f"(SplitInferencer, as inferencer=models' ModelInferencer), not {type(inferencer).__name__}: set "
+            "async.frozen_inference=training_ranks"
+        )
+    return inferencer
 
 
 def rollout_stage(
@@ -517,6 +533,7 @@ def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Compo
     strategy = ctx.strategy = parts.strategy.build(ctx)
     generator = agent_episodes(ctx, parts.generator.build(ctx))
     inferencer = parts.strategy.inference(parts.inferencer.build(ctx), strategy)
+    frozen = frozen_inferencer(ctx.config.asynchronous, inferencer)  # checked on every rank
     if ctx.topology.generation_rank:  # the split placement's generation rank: it serves the training rank
         a = ctx.config.asynchronous
         service = GenerationService(
@@ -525,6 +542,7 @@ def build_components(ctx: BuildContext, parts: Parts, feed: PromptFeed) -> Compo
             peer=0,
             max_staleness=a.max_staleness,
             partial_rollout=a.partial_rollout,
+            frozen=frozen,
         )
         pad = ctx.models.tokenizer.pad_id
         return Components(

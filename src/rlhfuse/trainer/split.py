@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from rlhfuse import distributed
-from rlhfuse.core.protocols import Generator, Inferencer
+from rlhfuse.core.protocols import Generator, Inferencer, SplitInferencer
 from rlhfuse.core.stats import GenerationStats
-from rlhfuse.core.types import PromptBatch, Rollout
+from rlhfuse.core.types import FrozenInference, PromptBatch, Rollout
 from rlhfuse.core.wire import Packed, pack_tensors, unpack_tensors
 from rlhfuse.data.feed import PromptFeed
 from rlhfuse.generation.transport import PointToPoint, Sending
@@ -56,6 +56,7 @@ SYNC = 1
 """The link's message from the training rank: a version's weights and jobs."""
 
 _ROLLOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Rollout))
+_FROZEN_FIELDS = len(dataclasses.fields(FrozenInference))
 
 
 # ---------------------------------------------------------------- the messages
@@ -88,27 +89,36 @@ def unpack_sync(packed: Packed) -> tuple[int, dict[str, Tensor], dict[int, Promp
 
 
 def pack_batch(iteration: int, generated: _Generated, device: Any) -> Packed:
-    """A generated batch: [iteration, version, n_chunks, has_stats, one presence mask of Rollout's fields per
-    chunk]; its seconds and statistics (float64, NaN for None), then each chunk's present fields."""
-    stats = generated.stats
+    """A generated batch: [iteration, version, n_chunks, has_stats, has_frozen, one presence mask of Rollout's
+    fields per chunk]; its seconds and statistics (float64, NaN for None), then each chunk's present fields and,
+    with has_frozen, its frozen-model inference (`FrozenInference`'s fields)."""
+    stats, frozen = generated.stats, generated.frozen
     figures = [generated.seconds, *(math.nan if v is None else float(v) for v in (stats or ()))]
-    ints = [iteration, generated.version, len(generated.chunks), int(stats is not None)]
+    ints = [
+        iteration,
+        generated.version,
+        len(generated.chunks),
+        int(stats is not None),
+        int(frozen is not None),
+    ]
     tensors: list[Tensor] = [torch.tensor(figures, dtype=torch.float64)]
-    for chunk in generated.chunks:
+    for c, chunk in enumerate(generated.chunks):
         present = [getattr(chunk, name) for name in _ROLLOUT_FIELDS]
         ints.append(sum(1 << n for n, t in enumerate(present) if t is not None))
         tensors += [t for t in present if t is not None]
+        if frozen is not None:
+            tensors += list(dataclasses.astuple(frozen[c]))
     return pack_tensors(ints, tensors, device=device)
 
 
 def unpack_batch(packed: Packed) -> tuple[int, _Generated]:
     ints, tensors = unpack_tensors(packed)
-    iteration, version, n_chunks, has_stats = ints[:4]
+    iteration, version, n_chunks, has_stats, has_frozen = ints[:5]
     figures = tensors[0].tolist()
     values: list[Any] = [None if math.isnan(v) else v for v in figures[1:]]
     stats = GenerationStats(*values) if has_stats else None
-    chunks, pos = [], 1
-    for mask in ints[4 : 4 + n_chunks]:
+    chunks, frozen, pos = [], [], 1
+    for mask in ints[5 : 5 + n_chunks]:
         fields: dict[str, Tensor | None] = {}
         for n, name in enumerate(_ROLLOUT_FIELDS):
             if mask >> n & 1:
@@ -116,7 +126,10 @@ def unpack_batch(packed: Packed) -> tuple[int, _Generated]:
             else:
                 fields[name] = None
         chunks.append(Rollout(**fields))  # type: ignore[arg-type]
-    return iteration, _Generated(chunks, version, float(figures[0]), stats)
+        if has_frozen:
+            frozen.append(FrozenInference(*(t.clone() for t in tensors[pos : pos + _FROZEN_FIELDS])))
+            pos += _FROZEN_FIELDS
+    return iteration, _Generated(chunks, version, float(figures[0]), stats, frozen if has_frozen else None)
 
 
 # ---------------------------------------------------------------- the control channel
@@ -316,7 +329,8 @@ class GenerationService:
     """The split placement's generation rank: `serve` generates what the training rank asks, until its end notice
     (see the module). `generator`: this rank's; `peer`: the training rank's rank in the link's group;
     `partial_rollout`: a notice is answered at the next decode step (`generate_partial`), else once every job
-    of the version held is generated."""
+    of the version held is generated; `frozen`: the inferencer whose frozen models (Ref, Reward) score each batch
+    here, sent with it (async.frozen_inference=generation_ranks), or None."""
 
     def __init__(
         self,
@@ -327,9 +341,10 @@ class GenerationService:
         peer: int,
         max_staleness: int,
         partial_rollout: bool = False,
+        frozen: SplitInferencer | None = None,
     ) -> None:
         self.generator, self.link, self.control, self.peer = generator, link, control, peer
-        self.max_staleness, self.partial_rollout = max_staleness, partial_rollout
+        self.max_staleness, self.partial_rollout, self.frozen = max_staleness, partial_rollout, frozen
         self.version = -1
         self._jobs: dict[int, PromptBatch] = {}
         self._sent = 0  # the last iteration whose batch was sent
@@ -404,9 +419,9 @@ class GenerationService:
             chunks = [
                 c.with_version(self.version) for c in self.generator.generate(prompts, iteration=iteration)
             ]
-        return _Generated(
-            chunks, self.version, time.perf_counter() - start, self.generator.generation_stats()
-        )
+        seconds, stats = time.perf_counter() - start, self.generator.generation_stats()
+        frozen = None if self.frozen is None else [self.frozen.infer_frozen(chunk) for chunk in chunks]
+        return _Generated(chunks, self.version, seconds, stats, frozen)
 
     def close(self) -> None:
         self.generator.close()

@@ -8,6 +8,7 @@ Critic forward, for a critic-free algorithm) and the reward score, read at the l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -25,7 +26,7 @@ from rlhfuse.core.inference import (
 )
 from rlhfuse.core.optim import token_groups
 from rlhfuse.core.rewards import RewardSet
-from rlhfuse.core.types import Experience, Rollout
+from rlhfuse.core.types import Experience, FrozenInference, Rollout
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.models import Transformer
 from rlhfuse.models.lora import adapters_disabled
@@ -85,20 +86,44 @@ class ModelInferencer:
     def infer(self, rollout: Rollout) -> Experience:
         """Every model's forward pass over `rollout`, in groups of rows (`groups`), the results in row order on
         the models' device (rewards, KL and GAE, the Triton kernel on CUDA, run there)."""
+        rollout = rollout.to(next(self.actor.parameters()).device)
+        return Experience(rollout, *self._over_groups(rollout, self._every_model))
+
+    @torch.no_grad()
+    def infer_frozen(self, rollout: Rollout) -> FrozenInference:
+        """The Ref and Reward models' (and the rule rewards') part of `infer` (`SplitInferencer`), in the same
+        groups of rows: the Actor and the Critic do not run."""
+        rollout = rollout.to(next(self.actor.parameters()).device)
+        return FrozenInference(*self._over_groups(rollout, self._frozen))
+
+    @torch.no_grad()
+    def infer_live(self, rollout: Rollout, frozen: FrozenInference) -> Experience:
+        """`infer`, with the frozen models' part given (`infer_frozen`'s, computed elsewhere): the Actor's and the
+        Critic's forward passes only, in the same groups of rows."""
         device = next(self.actor.parameters()).device
-        groups = self.groups(rollout)
         rollout = rollout.to(device)
+        logprobs_BR, values_BR = self._over_groups(rollout, self._live)
+        ref_logprobs_BR, scores_B, rules_BK = (t.to(device) for t in dataclasses.astuple(frozen))
+        return Experience(rollout, logprobs_BR, ref_logprobs_BR, values_BR, scores_B, rules_BK)
+
+    def _over_groups(
+        self, rollout: Rollout, forward: Callable[[Rollout], tuple[Tensor, ...]]
+    ) -> list[Tensor]:
+        """`forward` over each of `groups(rollout)` (rows of `rollout`, on the models' device), its results placed
+        back in row order."""
+        groups = self.groups(rollout)
         if groups == [list(range(len(rollout)))]:  # one forward of every row in order: nothing to place
-            return Experience(rollout, *self._infer(rollout))
+            return list(forward(rollout))
+        device = rollout.response_ids_BR.device
         out: list[Tensor] = []
         for g in groups:
             index_G = torch.tensor(g, device=device)
-            part = self.infer_rows(rollout, index_G)
+            part = forward(rollout.select(index_G))
             if not out:
                 out = [torch.zeros((len(rollout), *p.shape[1:]), dtype=p.dtype, device=device) for p in part]
             for whole, piece in zip(out, part, strict=True):
                 whole[index_G] = piece
-        return Experience(rollout, *out)
+        return out
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> Tensor:
@@ -137,39 +162,51 @@ class ModelInferencer:
     def infer_rows(self, rollout: Rollout, index_G: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """One forward pass of each model over the rows `index_G` of `rollout` (on the models' device): their
         Actor and Ref log-probs, values, scores and rule scores."""
-        return self._infer(rollout.select(index_G))
+        return self._every_model(rollout.select(index_G).to(next(self.actor.parameters()).device))
 
-    def _infer(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _every_model(self, rollout: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        kw = self._forward_kw(rollout)
+        logprobs_BR, values_BR = self._live(rollout, kw)
+        ref_logprobs_BR, scores_B, rules_BK = self._frozen(rollout, kw)
+        return logprobs_BR, ref_logprobs_BR, values_BR, scores_B, rules_BK
+
+    def _forward_kw(self, rollout: Rollout) -> dict[str, Any]:
+        """The forward passes' packing arguments: the mask packed once for the (up to) four models (pack_rows
+        reads the mask on the host)."""
+        return dict(packing=self.packing, packed=packing_of(rollout) if self.packing else None)
+
+    def _live(self, rollout: Rollout, kw: dict[str, Any] | None = None) -> tuple[Tensor, Tensor]:
+        """The Actor's log-probs and the Critic's values (zeros without a Critic) over `rollout`, masked."""
+        kw = self._forward_kw(rollout) if kw is None else kw
         live = [self.actor] if self.critic is None else [self.actor, self.critic]
         training = [model.training for model in live]
         for live_model in live:
             live_model.eval()
-        device = next(self.actor.parameters()).device
-        rollout = rollout.to(device)
-        for model in self.offloaded:
-            model.acquire()
         with self.autocast():
-            packing = self.packing
-            # the mask packed once for the (up to) four models (pack_rows reads the mask on the host)
-            packed = packing_of(rollout) if packing else None
-            kw: dict[str, Any] = dict(packing=packing, packed=packed)
             logprobs_BR = response_logprobs(self.actor, rollout, self.temperature, **kw)
-            with adapters_disabled(self.ref):  # a LoRA Actor as the Reference: the SFT model's log-probs
-                ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, **kw)
             values_BR = (
                 torch.zeros_like(logprobs_BR)
                 if self.critic is None
                 else response_values(self.critic, rollout, **kw)
             )
-            rm_scores_B = self._model_scores(rollout, kw)
-        scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
         for live_model, mode in zip(live, training, strict=True):
             live_model.train(mode)
         mask_BR = rollout.response_mask_BR.float()
+        return logprobs_BR * mask_BR, values_BR * mask_BR
+
+    def _frozen(self, rollout: Rollout, kw: dict[str, Any] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The Ref log-probs (masked), the sequence scores and the rule scores over `rollout`."""
+        kw = self._forward_kw(rollout) if kw is None else kw
+        for model in self.offloaded:
+            model.acquire()
+        with self.autocast():
+            with adapters_disabled(self.ref):  # a LoRA Actor as the Reference: the SFT model's log-probs
+                ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, **kw)
+            rm_scores_B = self._model_scores(rollout, kw)
+        scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
+        device = ref_logprobs_BR.device
         return (
-            logprobs_BR * mask_BR,
-            ref_logprobs_BR * mask_BR,
-            values_BR * mask_BR,
+            ref_logprobs_BR * rollout.response_mask_BR.float(),
             scores.total_B.to(device),
             scores.rules_BK.to(device),
         )
