@@ -94,26 +94,36 @@ def _check_one_line(out: str, dead: int, survivor: int) -> None:
     assert "resume=auto" in line
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("overrides", [SMOKE, SPLIT], ids=["instances", "split_generation_rank"])
-def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path, overrides: list[str]) -> None:
+def _signal_rank_1_after_iteration_1(
+    tmp_path: Path, overrides: list[str], sig: signal.Signals, wait_s: float
+) -> tuple[float, str, subprocess.Popen[str]]:
+    """Launch the job, send rank 1 `sig` once iteration 1 has ended, wait up to `wait_s` for the job to end:
+    (seconds from the signal to the end, the job's output, rank 0's process). Whatever still runs is killed."""
     proc, rank1, output = _launch(tmp_path, "Starting with 2 processes", overrides)
-    # rank 0 writes iteration 1's metrics row once both ranks finished it: both are in the loop. The kill comes
-    # right after an iteration ends, where Fabric's child observer used to SIGKILL rank 0 first (exit -9)
+    # rank 0 writes iteration 1's metrics row once both ranks finished it: both are in the loop
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         assert time.monotonic() < deadline and proc.poll() is None, output.text()[-3000:]
         time.sleep(0.02)  # polling for the event
-    os.kill(rank1, signal.SIGKILL)
+    os.kill(rank1, sig)
     start = time.monotonic()
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=wait_s)
     finally:
         proc.kill()
-    elapsed = time.monotonic() - start
-    out = output.text()
+        if _running(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    return time.monotonic() - start, output.text(), proc
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("overrides", [SMOKE, SPLIT], ids=["instances", "split_generation_rank"])
+def test_rank_1_killed_mid_run_ends_rank_0_with_one_line(tmp_path: Path, overrides: list[str]) -> None:
+    # the kill comes right after an iteration ends, where Fabric's child observer used to SIGKILL rank 0 first
+    # (exit -9)
+    elapsed, out, proc = _signal_rank_1_after_iteration_1(tmp_path, overrides, signal.SIGKILL, 30)
     assert elapsed < 10, out[-3000:]
     assert proc.returncode == 1, out[-3000:]
     _check_one_line(out, dead=1, survivor=0)
@@ -138,22 +148,7 @@ def test_a_stalled_generation_rank_ends_the_split_run_within_the_timeout_with_on
         *[x for x in SPLIT if not x.startswith("distributed.timeout_s")],
         f"distributed.timeout_s={timeout_s}",
     ]
-    proc, rank1, output = _launch(tmp_path, "Starting with 2 processes", overrides)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        assert time.monotonic() < deadline and proc.poll() is None, output.text()[-3000:]
-        time.sleep(0.02)  # polling for the event
-    os.kill(rank1, signal.SIGSTOP)
-    start = time.monotonic()
-    try:
-        proc.wait(timeout=timeout_s + 60)
-    finally:
-        proc.kill()
-        if _running(rank1):
-            os.kill(rank1, signal.SIGKILL)
-    elapsed = time.monotonic() - start
-    out = output.text()
+    elapsed, out, proc = _signal_rank_1_after_iteration_1(tmp_path, overrides, signal.SIGSTOP, timeout_s + 60)
     assert elapsed < timeout_s + 30, out[-3000:]
     assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
     (line,) = [x for x in out.splitlines() if "rlhfuse-train: error:" in x]
