@@ -14,6 +14,9 @@ wire codec, `rlhfuse.core.wire`) and a control channel (`Control`, gloo on the C
   sending each batch (its chunks, each token's version, its seconds and statistics) without waiting for it to be
   received. It answers a notice once idle; with partial rollouts, also between two decode steps of a batch,
   which continues under the new weights.
+- With async.frozen_inference=generation_ranks the generation rank also scores each batch with the frozen models
+  (Ref, Reward: `SplitInferencer.infer_frozen`) before sending it, and the training rank runs only the Actor and
+  the Critic over it (`infer_live`): the same experience, bit for bit.
 - Without partial rollouts the training rank, at the sync of version v + 1, first receives every batch of
   version v (the colocated stage's gate), so a checkpoint holds every batch generated ahead. The end of the run
   is a notice of -1.
