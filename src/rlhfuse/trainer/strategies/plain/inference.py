@@ -18,6 +18,7 @@ from torch import Tensor
 
 from rlhfuse.core.inference import (
     InferencerConfig,
+    Scores,
     final_scores,
     packing_of,
     response_logprobs,
@@ -131,19 +132,20 @@ class ModelInferencer:
         gives it, on the models' device; the Actor, Ref and Critic do not run."""
         device = next(self.actor.parameters()).device
         rollout = rollout.to(device)
-        rm_scores_B = None
+        kw: dict[str, Any] = {}
         if self.reward_model is not None:
             for model in self.offloaded:
                 model.acquire()
-            with self.autocast():
-                packed = packing_of(rollout) if self.packing else None
-                rm_scores_B = self._model_scores(rollout, dict(packing=self.packing, packed=packed))
-        scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
-        return scores.total_B.to(device)
+            kw = self._forward_kw(rollout)
+        return self._scores(rollout, kw).total_B.to(device)
 
-    def _model_scores(self, rollout: Rollout, kw: dict[str, Any]) -> Tensor | None:
-        """The reward model's sequence scores (None without one)."""
-        return None if self.reward_model is None else sequence_scores(self.reward_model, rollout, **kw)
+    def _scores(self, rollout: Rollout, kw: dict[str, Any]) -> Scores:
+        """The sequence scores of `rollout` (`final_scores`: the reward model's, under autocast, and the rules')."""
+        rm_scores_B = None
+        if self.reward_model is not None:
+            with self.autocast():
+                rm_scores_B = sequence_scores(self.reward_model, rollout, **kw)
+        return final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
 
     def groups(self, rollout: Rollout, rows: Sequence[int] | None = None) -> list[list[int]]:
         """The rows of `rollout` (or its `rows`) each forward pass takes: groups of at most `micro_batch_tokens`
@@ -199,11 +201,9 @@ class ModelInferencer:
         kw = self._forward_kw(rollout) if kw is None else kw
         for model in self.offloaded:
             model.acquire()
-        with self.autocast():
-            with adapters_disabled(self.ref):  # a LoRA Actor as the Reference: the SFT model's log-probs
-                ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, **kw)
-            rm_scores_B = self._model_scores(rollout, kw)
-        scores = final_scores(self.config, rollout, rm_scores_B, self.rewards, self.tokenizer, self.rows)
+        with self.autocast(), adapters_disabled(self.ref):  # a LoRA Actor as the Reference: the SFT model's
+            ref_logprobs_BR = response_logprobs(self.ref, rollout, self.temperature, **kw)
+        scores = self._scores(rollout, kw)
         device = ref_logprobs_BR.device
         return (
             ref_logprobs_BR * rollout.response_mask_BR.float(),
