@@ -31,6 +31,16 @@ def test_an_op_mixing_standin_and_cpu_tensors_raises_naming_the_op() -> None:
         torch.zeros(3)[torch.tensor([0, 1])] = x_B[:2]
 
 
+def test_the_standin_is_named_never_detected() -> None:
+    """Registered (DEVICE above), the stand-in is still not an accelerator a library finds on its own: with torch's
+    default hooks `torch.accelerator.is_available()` turned true for the rest of the process, and peft 0.22's
+    `infer_device` loaded adapters onto the stand-in in whichever test of the worker ran next."""
+    assert torch.accelerator.is_available() is False
+    assert torch.ones(1, device=DEVICE).device == DEVICE  # naming it still works
+    peft_other = pytest.importorskip("peft.utils.other")
+    assert peft_other.infer_device() == "cpu"
+
+
 def test_what_cuda_allows_is_allowed() -> None:
     x_B = torch.arange(4.0, device=DEVICE)
     assert torch.equal((x_B * torch.tensor(2.0)).cpu(), torch.arange(4.0) * 2)  # 0-dim CPU operand

@@ -164,7 +164,10 @@ class _StandinModule:
             return None
 
     def is_available(self) -> bool:
-        return True
+        # False: the stand-in is a device a test names, never one a library detects. `torch.accelerator.
+        # is_available()` asks this; were it true, code that picks its device that way (peft's `infer_device`
+        # since 0.22, loading an adapter) would put its tensors on the stand-in in any later test of the process.
+        return False
 
     def is_initialized(self) -> bool:
         return True
