@@ -7,8 +7,9 @@ per iteration, 48 new tokens at temperature 1, 2 PPO epochs over 2 mini-batches 
 OVERHEAD_ARGS replaces it (hydra overrides; `OVERHEAD_ARGS=" "` is the default job). Both trees run
 `python -m rlhfuse.trainer.train_command iterations=6` with it in fresh interpreters alternating A B A B ..., so
 that load drifting over the run biases neither. Each run's figure is the median over its steady iterations
-(2..6) of time/generation, time/inference, time/training and time/iteration; the table gives the median over the
-runs of each tree and the ratio this / baseline. Start-up: `rlhfuse-train --help`, `build_trainer` and `import`
+(2..6) of time/generation, time/inference, time/training and time/iteration, and its whole process's wall seconds
+(`process`) and start-up (`startup`: the process less its iterations); the table gives the median over the runs
+of each tree and the ratio this / baseline. Start-up of commands: `rlhfuse-train --help`, `build_trainer` and `import`
 of each top package's main module (`MODULES`) in fresh interpreters, best of several rounds, both trees
 interleaved (`bench_startup.best_times`), each over `python -c pass` (`import torch` is one of them).
 
@@ -34,6 +35,9 @@ from benchmarks.bench_startup import best_times
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("generation", "inference", "training", "iteration")
+WHOLE = ("process", "startup")
+"""A run's whole process (wall seconds, warm start cached) and its start-up: the process less all its
+iterations (interpreter, imports, building the models and the components, the end)."""
 ITERATIONS = 6
 STEADY = slice(1, None)
 """Iterations 2..6: the first pays for warm-up (allocator, lazy imports, first weight sync)."""
@@ -78,9 +82,12 @@ def baseline_src() -> Iterator[Path]:
 
 
 def one_run(src: Path, folder: Path, extra: list[str]) -> dict[str, float]:
-    """One training run on the sources under `src`: the median seconds of each phase over its steady iterations."""
-    rows = train([f"iterations={ITERATIONS}", *extra], folder, env={"PYTHONPATH": str(src)})[1][STEADY]
-    return {phase: statistics.median(row[f"time/{phase}"] for row in rows) for phase in PHASES}
+    """One training run on the sources under `src`: the median seconds of each phase over its steady iterations,
+    the whole process's seconds and its start-up's (`WHOLE`)."""
+    seconds, rows = train([f"iterations={ITERATIONS}", *extra], folder, env={"PYTHONPATH": str(src)})
+    phases = {phase: statistics.median(row[f"time/{phase}"] for row in rows[STEADY]) for phase in PHASES}
+    startup = seconds - sum(row["time/iteration"] for row in rows)
+    return {**phases, "process": seconds, "startup": startup}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -94,15 +101,17 @@ def run(quick: bool = False) -> dict[str, Any]:
                 runs[name].append(one_run(src, Path(scratch) / f"{name}{r}", extra))
         startup = best_times(STARTUP, 3 if quick else 5, {name: str(src) for name, src in trees.items()})
     medians = {
-        name: {phase: round(statistics.median(run[phase] for run in done), 4) for phase in PHASES}
+        name: {phase: round(statistics.median(run[phase] for run in done), 4) for phase in (*PHASES, *WHOLE)}
         for name, done in runs.items()
     }
-    ratio = {phase: round(medians["this"][phase] / medians["baseline"][phase], 3) for phase in PHASES}
+    ratio = {
+        phase: round(medians["this"][phase] / medians["baseline"][phase], 3) for phase in (*PHASES, *WHOLE)
+    }
     print(
         f"{rounds} runs each, alternating; steady iterations 2..{ITERATIONS}; load {os.getloadavg()[0]:.1f}"
     )
     print(f"  {'phase':14s} {'this s':>8s} {'baseline s':>11s} {'ratio':>7s}")
-    for phase in PHASES:
+    for phase in (*PHASES, *WHOLE):
         this, was = medians["this"][phase], medians["baseline"][phase]
         print(f"  {phase:14s} {this:8.3f} {was:11.3f} {ratio[phase]:7.3f}")
     # each command over a bare interpreter (python -c pass), per tree

@@ -60,9 +60,23 @@ def test_importing_the_trainer_package_loads_no_heavy_dependency():
 
 
 def test_build_trainer_leaves_lightning_until_a_run_is_built():
-    """Lightning (seconds) loads in `make_fabric`; optional extras and the schedule search's numba load where used."""
+    """Lightning (seconds) loads in `make_fabric` where a run launches several processes; optional extras and the schedule search's numba load where used."""
     loaded, _ = loaded_by("from rlhfuse.trainer import build_trainer")
     assert loaded == {"torch"}, loaded
+
+
+def test_a_one_process_run_imports_no_lightning(tmp_path):
+    """One process needs no launcher: its Fabric is `LocalFabric` (Lightning's import costs seconds). The CSV sink
+    is Lightning's, so the run logs to metrics.jsonl only (logger=quiet)."""
+    loaded, _ = loaded_by(
+        f"""
+        from rlhfuse.trainer import build_trainer, compose_config
+        cfg = compose_config(["experiment=smoke", "iterations=1", "logger=quiet",
+                              "model.warmstart.cache_dir={tmp_path / "cache"}"])
+        assert len(build_trainer(cfg, run_dir="{tmp_path / "run"}", log=lambda _: None).fit()) == 1
+        """
+    )
+    assert "torch" in loaded and "lightning" not in loaded, loaded
 
 
 def test_every_public_name_is_importable_and_listed():

@@ -8,6 +8,7 @@ pipeline strategy) implement the same Protocols.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -284,6 +285,34 @@ class Callback:
 
     def on_exception(self, trainer: Any, error: BaseException) -> None:
         """When fit stops with an error (the error is re-raised afterwards)."""
+
+
+class FabricLike(Protocol):
+    """This process's place in the run and its precision, as the trainer and the strategies ask them: Lightning
+    Fabric's shape (`lightning.fabric.Fabric` has it; runs of several processes use one, launched), which
+    `rlhfuse.runtime.local.LocalFabric` also has for a run of one process without importing Lightning."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The forward passes' precision context (autocast under a mixed precision, nothing under 32-true)."""
+        ...
+
+    def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None: ...
+
+    def seed_everything(
+        self, seed: int | None = None, workers: bool = False, verbose: bool = True
+    ) -> int: ...
 
 
 @runtime_checkable

@@ -100,10 +100,6 @@ def distributed_fabric(
     return fabric
 
 
-def is_global_zero(fabric: Any) -> bool:
-    return bool(getattr(fabric, "global_rank", 0) == 0)
-
-
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:

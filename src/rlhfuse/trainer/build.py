@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,6 +17,7 @@ from rlhfuse.core.config_checks import need
 from rlhfuse.core.optim import generation_dtype, resolve_precision
 from rlhfuse.core.protocols import (
     Callback,
+    FabricLike,
     FusingGenerator,
     Generator,
     Inferencer,
@@ -43,7 +44,8 @@ from rlhfuse.data.synthetic import SyntheticTask
 from rlhfuse.data.tokenizer import Tokenizer
 from rlhfuse.generation.transport import PointToPoint
 from rlhfuse.models import cast_copy
-from rlhfuse.runtime.launch import Watchdog, distributed_fabric, is_global_zero
+from rlhfuse.runtime.launch import Watchdog, distributed_fabric
+from rlhfuse.runtime.local import LOCAL_PRECISIONS, LocalFabric
 from rlhfuse.trainer.async_config import AsyncConfig
 from rlhfuse.trainer.asynchronous import AsyncRollout, generation_device
 from rlhfuse.trainer.callbacks import (
@@ -68,9 +70,6 @@ from rlhfuse.trainer.topology import Topology
 from rlhfuse.trainer.trainer import Assembled, RLHFTrainer
 from rlhfuse.trainer.validate import check_context, raise_problems
 from rlhfuse.trainer.warmstart import WarmStartTask, warm_start
-
-if TYPE_CHECKING:
-    from lightning.fabric import Fabric
 
 
 def split_channels(ctx: BuildContext, generator: Generator, peer: int) -> tuple[PointToPoint, Control]:
@@ -156,15 +155,14 @@ def embedded_task(config: RLHFConfig) -> WarmStartTask:
     )
 
 
-def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> Fabric:
-    from lightning.fabric import Fabric  # seconds to import: loaded when a run is built, not with this module
-
+def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> FabricLike:
+    """Lightning Fabric, launched, for a run with a process group; a `LocalFabric` for a run of one process (no
+    launcher, no group: Lightning's import, seconds, would buy it nothing)."""
     precision = resolve_precision(config.pipeline.optim.precision, device.type)
     if precision == "bf16-true":
         # the models themselves hold bf16 weights (`cast_models`) and compute in them: no autocast, and
         # MasterWeightAdamW keeps fp32 masters (Fabric's own bf16-true would keep bf16 optimizer states)
         precision = "32-true"
-    accelerator = "cuda" if device.type == "cuda" else "cpu"
     if layout.process_group:  # several processes, or models sharded over a group (of one rank too)
         return distributed_fabric(
             nproc_per_node=layout.world,
@@ -173,8 +171,8 @@ def make_fabric(config: RLHFConfig, layout: Topology, device: torch.device) -> F
             device_type=device.type,
             precision=precision,
         )
-    devices: Any = [device.index or 0] if device.type == "cuda" else 1
-    return Fabric(accelerator=accelerator, devices=devices, precision=precision)  # type: ignore[arg-type]
+    assert precision in LOCAL_PRECISIONS, precision  # the config's Literal, resolved
+    return LocalFabric(device, precision)  # type: ignore[arg-type]
 
 
 def allow_tf32(device: torch.device) -> None:
@@ -330,7 +328,7 @@ def assemble(
     )
     feed = PromptFeed(data.loader, models.tokenizer.pad_id)
     built = build_components(ctx, parts, feed)
-    rank0 = is_global_zero(fabric)  # only rank 0 logs, shows progress and exports
+    rank0 = fabric.is_global_zero  # only rank 0 logs, shows progress and exports
     export = None
     if config.checkpoint.export_hf:
         target = ExportTarget(

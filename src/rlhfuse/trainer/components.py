@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlhfuse.agents.agent_config import trajectory_tokens
+from rlhfuse.core.protocols import FabricLike
 from rlhfuse.core.registry import Registry
 from rlhfuse.core.rewards import RewardSet
 from rlhfuse.data.prompts import Prompt
@@ -34,16 +35,13 @@ from rlhfuse.trainer.topology import (
     migration_entry,
 )
 
-if TYPE_CHECKING:
-    from lightning.fabric import Fabric
-
 
 @dataclass
 class BuildContext:
     config: RLHFConfig
     topology: Topology
     models: Models
-    fabric: Fabric
+    fabric: FabricLike
     total_steps: int
     strategy: Any = None  # set once built: the pipeline inferencer runs on the strategy's layout
     # the dataset rows' fields by prompt id (what a reward function reads besides the text, e.g. `answer`)

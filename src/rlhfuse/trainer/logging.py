@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
@@ -125,6 +126,18 @@ class JsonlLogger:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text("".join(kept[i] + "\n" for i in sorted(kept)), encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def rewind_loggers(loggers: list[Logger], iteration: int) -> None:
+    """Cut the sinks that keep rows in the run folder back to iterations <= `iteration` as a run (re)starts:
+    metrics.jsonl, and Fabric's CSVLogger (`keep_csv_rows`). A CSVLogger exists only once Lightning's loggers
+    module is imported: a run without one does not import Lightning (seconds) to find none."""
+    fabric_loggers = sys.modules.get("lightning.fabric.loggers")
+    for logger in loggers:
+        if isinstance(logger, JsonlLogger):
+            logger.truncate_after(iteration)
+        elif fabric_loggers is not None and isinstance(logger, fabric_loggers.CSVLogger):
+            keep_csv_rows(logger, iteration)
 
 
 def keep_csv_rows(logger: Any, iteration: int) -> None:

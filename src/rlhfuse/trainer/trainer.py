@@ -36,7 +36,7 @@ from rlhfuse.core.checkpoint import (
     set_rng_state,
 )
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
-from rlhfuse.core.protocols import Callback, Generator, Inferencer, Logger, RolloutStage, Strategy
+from rlhfuse.core.protocols import Callback, FabricLike, Generator, Inferencer, Logger, RolloutStage, Strategy
 from rlhfuse.core.rewards import NonFiniteRewardError
 from rlhfuse.core.stats import TrainStats, episode_metrics, mean_stats, sampler_mismatch, staleness
 from rlhfuse.core.types import Experience, TrainBatch
@@ -44,17 +44,16 @@ from rlhfuse.data.data_config import DataConfig
 from rlhfuse.data.feed import PromptFeed
 from rlhfuse.data.prompts import PromptLoader
 from rlhfuse.runtime.launch import launched_rank_zero
+from rlhfuse.runtime.local import LocalFabric
 from rlhfuse.trainer.async_config import AsyncConfig
 from rlhfuse.trainer.evaluation import EvalConfig
-from rlhfuse.trainer.logging import JsonlLogger, LoggerConfig, keep_csv_rows
+from rlhfuse.trainer.logging import LoggerConfig, rewind_loggers
 from rlhfuse.trainer.models import ModelsConfig
 from rlhfuse.trainer.parts import GeneratorPart, InferencerPart, Parts, StrategyPart
 from rlhfuse.trainer.resume import check_resume_config, config_hash, config_record
 from rlhfuse.trainer.run_config import RLHFConfig
 
-if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made
-    from lightning.fabric import Fabric
-
+if TYPE_CHECKING:
     from rlhfuse.trainer.split import GenerationService
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ class Assembled:
     run_dir: Path
     callbacks: list[Callback] = field(default_factory=list)
     loggers: list[Logger] = field(default_factory=list)
-    fabric: Fabric | None = None
+    fabric: FabricLike | None = None
     record: Mapping[str, Any] | None = None
     feed: PromptFeed | None = None
     """Each iteration's prompts from `prompts` (the one the rollout stage reads too when it draws ahead); None: a
@@ -257,8 +256,6 @@ class RLHFTrainer:
         return self
 
     def attach(self, built: Assembled) -> None:
-        from lightning.fabric import Fabric
-
         self.config = built.config
         # the resolved configuration run.json records and a resume is checked against (as validated, before the
         # tokenizer's stop ids were added)
@@ -271,7 +268,7 @@ class RLHFTrainer:
         self.run_dir = Path(built.run_dir)
         self.callbacks = list(built.callbacks)
         self.loggers = list(built.loggers)
-        self.fabric = built.fabric or Fabric(accelerator="cpu", devices=1, precision="32-true")
+        self.fabric = built.fabric or LocalFabric()
         self.serving = built.serving
         self.ready = True
 
@@ -534,8 +531,6 @@ class RLHFTrainer:
         record the run and this attempt's configuration (rank 0), remove what interrupted saves left, and cut
         metrics.jsonl back to the iteration this attempt starts from. The strategy's `load_state_dict` applies
         the configured learning rates over the checkpoint's."""
-        from lightning.fabric.loggers import CSVLogger
-
         check = check_resume_config(self.config, self.run_dir, self.checkpoint_dir, self.record)
         if self._rank0:
             stale = clean_stale(self.checkpoint_dir)
@@ -576,8 +571,4 @@ class RLHFTrainer:
                         digest,
                         previous[0].config_hash,
                     )
-        for logger in self.loggers:
-            if isinstance(logger, JsonlLogger):
-                logger.truncate_after(self.iteration)
-            elif isinstance(logger, CSVLogger):
-                keep_csv_rows(logger, self.iteration)
+        rewind_loggers(self.loggers, self.iteration)

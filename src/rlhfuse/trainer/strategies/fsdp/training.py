@@ -25,7 +25,7 @@ by rank 0, sealed by rank 0's meta.json (kind "fsdp") once every rank's part is 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ from rlhfuse import distributed
 from rlhfuse.core.advantages import AlgorithmConfig
 from rlhfuse.core.buckets import merged_weight_buckets
 from rlhfuse.core.optim import OptimConfig, cast_to, set_peak_lr
-from rlhfuse.core.protocols import Checkpointer
+from rlhfuse.core.protocols import Checkpointer, FabricLike
 from rlhfuse.core.stats import TrainStats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.fsdp import (
@@ -50,9 +50,6 @@ from rlhfuse.models import Transformer, joined, metered
 from rlhfuse.models.lora import LoraConfig
 from rlhfuse.trainer.strategies.fsdp.checkpoint import FSDPCheckpointer
 from rlhfuse.trainer.strategies.plain.training import PlainStrategy
-
-if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made (rlhfuse.trainer.build)
-    from lightning.fabric import Fabric
 
 
 class ShardedReduceScatter:
@@ -93,7 +90,7 @@ class ShardedStrategy:
         *,
         frozen: Sequence[Transformer | None],
         policy: ShardingPolicy,
-        fabric: Fabric,
+        fabric: FabricLike,
         total_steps: int,
         micro_batch_size: int,
         micro_batch_tokens: int = 0,

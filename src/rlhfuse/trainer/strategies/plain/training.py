@@ -2,8 +2,8 @@
 critic-free algorithm (`critic=None`) trains the Actor alone: no Critic forward, optimizer or checkpoint entry.
 
 One `train_step` is one optimizer step of each model on one mini-batch, accumulated over micro-batches
-(by samples, or packed up to a token budget). Precision and backward go through Lightning Fabric's precision
-plugin (bf16 autocast on GPU, fp32 on CPU).
+(by samples, or packed up to a token budget). Precision and backward go through the run's Fabric
+(`FabricLike`: bf16 autocast on GPU, fp32 on CPU).
 
 Data-parallel over a process group (`generator.instances=N`: one rank per generation instance, each holding a
 full Actor and Critic): every rank receives the same mini-batch, keeps its share (Karmarkar-Karp by sequence
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist  # the ProcessGroup type only: collectives go through rlhfuse.distributed
@@ -32,7 +32,7 @@ from rlhfuse.core.buckets import merged_weight_buckets
 from rlhfuse.core.checkpoint import PlainCheckpointer
 from rlhfuse.core.errors import CheckpointError, NonFiniteError
 from rlhfuse.core.optim import OptimConfig, build_optimizer, micro_batch_count, micro_batches, set_peak_lr
-from rlhfuse.core.protocols import Checkpointer
+from rlhfuse.core.protocols import Checkpointer, FabricLike
 from rlhfuse.core.stats import LossStats, LossTensors, TrainStats, scale_stats, sum_stats
 from rlhfuse.core.types import TrainBatch
 from rlhfuse.distributed.fsdp import whole_tensor
@@ -41,9 +41,6 @@ from rlhfuse.models import Transformer, joined, load_balancing_loss, metered, re
 from rlhfuse.models.lora import adapted_layers, load_trained_state, trainable, trained_state
 from rlhfuse.models.masks import mask_layout
 from rlhfuse.models.packing import check_packing
-
-if TYPE_CHECKING:  # Lightning loads in seconds: imported where a Fabric is made (rlhfuse.trainer.build)
-    from lightning.fabric import Fabric
 
 
 class PlainStrategy:
@@ -54,7 +51,7 @@ class PlainStrategy:
         config: OptimConfig,
         algorithm: AlgorithmConfig,
         *,
-        fabric: Fabric,
+        fabric: FabricLike,
         total_steps: int,
         micro_batch_size: int,
         micro_batch_tokens: int = 0,
