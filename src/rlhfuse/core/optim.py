@@ -108,6 +108,10 @@ def build_optimizer(
     kwargs: dict[str, Any] = dict(
         lr=lr, betas=(config.betas[0], config.betas[1]), weight_decay=config.weight_decay
     )
+    if params and all(p.device.type == "cpu" for p in params):
+        # torch picks the foreach (multi-tensor) step only for CUDA parameters; on the CPU it computes the same
+        # bits as the per-tensor loop (tests/core/test_optim.py) with one op per group of tensors, not per tensor
+        kwargs["foreach"] = True
     if any(p.dtype in LOW_PRECISION for p in params):
         optim: torch.optim.AdamW = MasterWeightAdamW(params, **kwargs)
     else:
