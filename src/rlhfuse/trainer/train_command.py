@@ -32,6 +32,7 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import SearchPathException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
@@ -198,7 +199,9 @@ def run(cfg: DictConfig) -> None:
             f"{first['reward/mean']:+.3f} -> {last['reward/mean']:+.3f}{task}{held}; metrics in "
             f"{config.run_dir}/metrics.jsonl"
         )
-    if several:
+    if several or HydraConfig.get().mode == RunMode.RUN:
+        # the process's work is done: out without interpreter finalisation, which races c10d's threads in a
+        # multi-process run and takes seconds of freeing in any (a multirun's next job needs the process)
         from rlhfuse import distributed
 
         distributed.exit_finished()
