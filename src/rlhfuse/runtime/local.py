@@ -4,10 +4,10 @@ Fabric (`rlhfuse.core.protocols.FabricLike`) for one process on one device.
 Why not Lightning's own `Fabric(devices=1)`: importing `lightning.fabric` takes seconds (it imports `torchmetrics`,
 which imports `transformers`), as long as a small run's first iterations, and one process uses none of what it
 brings — no launcher, no process group, no strategy. (`torch._dynamo`, which Lightning imports too, loads anyway:
-torch's optimizers import it when they are made.) What remains is the
-precision, which is torch's: nothing under 32-true, `torch.autocast` to bf16 under bf16-mixed (what Fabric's
-`MixedPrecision` plugin does for bf16, which needs no gradient scaler). Runs of several processes launch through
-Fabric (`rlhfuse.runtime.launch.distributed_fabric`).
+torch's optimizers import it when they are made.) What remains is the precision, which is torch's: nothing under
+32-true, `torch.autocast` to bf16 under bf16-mixed (what Fabric's `MixedPrecision` plugin does for bf16, which
+needs no gradient scaler). Runs of several processes launch through Fabric
+(`rlhfuse.runtime.launch.distributed_fabric`).
 """
 
 from __future__ import annotations
