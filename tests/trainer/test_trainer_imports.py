@@ -60,7 +60,8 @@ def test_importing_the_trainer_package_loads_no_heavy_dependency():
 
 
 def test_build_trainer_leaves_lightning_until_a_run_is_built():
-    """Lightning (seconds) loads in `make_fabric` where a run launches several processes; optional extras and the schedule search's numba load where used."""
+    """Lightning (seconds) loads in `make_fabric` where a run launches several processes; optional extras and
+    the schedule search's numba load where used."""
     loaded, _ = loaded_by("from rlhfuse.trainer import build_trainer")
     assert loaded == {"torch"}, loaded
 
