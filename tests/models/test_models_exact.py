@@ -25,13 +25,14 @@ from rlhfuse.models import (
 )
 from rlhfuse.models.attention import PACKED_ATTENTION_BACKENDS, AttentionSpec, packing_problem
 from rlhfuse.models.exact import (
-    KEY_BLOCK,
-    SCORE_TILE_ROWS,
     TILE_ROWS,
     InvariantLinear,
+    cpu_exact_attention,
     exact_attention,
     gelu_tanh,
     invariant_linear,
+    ops_exact_attention,
+    probed_least,
     silu,
 )
 
@@ -64,13 +65,22 @@ def _prompt_batch(prompts: list[list[int]], ids: list[int]) -> PromptBatch:
 # ------------------------------------------------------------------ the ops
 
 
+@pytest.fixture(params=["probed", "tiles"])
+def least_rows(request, monkeypatch):
+    """Both forms of the exact gemms: the machine's probed least row count, and fixed tiles (what a machine
+    whose probe finds none runs)."""
+    if request.param == "tiles":
+        monkeypatch.setattr("rlhfuse.models.exact.least_rows", lambda key, probe: None)
+    return request.param
+
+
 @pytest.mark.parametrize("features,out_features", [(64, 128), (576, 1536), (128, 1)])
 @pytest.mark.parametrize("exact", [True, False])
-def test_a_row_of_a_linear_does_not_depend_on_the_other_rows(features, out_features, exact):
-    """The measured fact the linears rest on: a row alone (M = 1), among 1, 16, 299 other rows at any place (a
-    later tile included), gives the same bits through whole TILE_ROWS-row tiles in bmm, one output feature (the
-    value head) included. The twin, F.linear, changes with M (MKL's matrix-vector path at M = 1, other blockings
-    above)."""
+def test_a_row_of_a_linear_does_not_depend_on_the_other_rows(features, out_features, exact, least_rows):
+    """A row alone (M = 1), among 1, 16, 299 other rows at any place (a later tile included), gives the same bits
+    through `invariant_linear`: F.linear over at least the probed least row count, or whole TILE_ROWS-row tiles
+    in bmm; one output feature (the value head) included. The twin, F.linear, changes with M (MKL's
+    matrix-vector path at M = 1, other kernels for a few rows)."""
     linear = invariant_linear if exact else F.linear
     rng = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, features, generator=rng)
@@ -83,6 +93,22 @@ def test_a_row_of_a_linear_does_not_depend_on_the_other_rows(features, out_featu
         x[place] = row[0]
         results.append(torch.equal(linear(x, weight, bias)[place], alone))
     assert all(results) if exact else not all(results)
+
+
+def test_the_probe_finds_the_least_row_count_from_which_a_row_keeps_its_bits():
+    """`probed_least` on calls whose row results are known: one that changes below 5 rows (the least count
+    of LEAST_ROWS from there is 8), one exact from a single row, one that changes with every row count and one
+    whose row depends on its place: none."""
+
+    def below_five(x):
+        return [x * 2.0 if x.shape[0] >= 5 else x * 2.0 + 1e-3]
+
+    assert probed_least(below_five, torch.ones(3), 1) == 8
+    assert probed_least(lambda x: [x * 2.0], torch.ones(3), 1) == 1
+    assert probed_least(lambda x: [x * x.shape[0]], torch.ones(3), 1) is None
+    assert probed_least(lambda x: [x * torch.arange(len(x))[:, None]], torch.ones(3), 1) is None
+    # a shape too large to probe past MIN_PROBED_ROWS calls is not trusted
+    assert probed_least(lambda x: [x * 2.0], torch.ones(3), 1 << 24) is None
 
 
 def test_the_invariant_linear_is_nn_linear_with_its_parameters():
@@ -151,66 +177,33 @@ def test_a_query_attends_alike_alone_left_padded_and_from_a_padded_cache(backend
 
 
 def test_long_calls_run_in_query_chunks_with_the_same_bits(monkeypatch):
-    """Queries are independent: chunks of 7 give the bits of the whole call (masked, and plain causal)."""
+    """The device-generic form: queries are independent, so chunks of 7 give the bits of the whole call (masked,
+    and plain causal)."""
     rng = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, 40, 16, generator=rng) for n in (4, 2, 2))
     allowed_B1TS = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 1, 40, 40).clone()
     allowed_B1TS[1, :, :, :9] = False  # left padding on the second row
     allowed_B1TS[1, :, :9, :9] = torch.eye(9, dtype=torch.bool)
-    attend = ATTENTION_BACKENDS["exact"]
-    whole, causal = attend(q, k, v, allowed_B1TS), attend(q, k, v, None)
+    whole, causal = ops_exact_attention(q, k, v, allowed_B1TS, None), ops_exact_attention(q, k, v, None, None)
     monkeypatch.setattr("rlhfuse.models.exact.QUERY_CHUNK", 7)
-    assert torch.equal(attend(q, k, v, allowed_B1TS), whole)
-    assert torch.equal(attend(q, k, v, None), causal)
+    assert torch.equal(ops_exact_attention(q, k, v, allowed_B1TS, None), whole)
+    assert torch.equal(ops_exact_attention(q, k, v, None, None), causal)
 
 
-def _per_query_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec=None):
-    """The first `exact_attention`, kept as the reference its faster form must equal bit for bit: every query's
-    allowed keys sorted to the left on their own (an argsort per query) and its values gathered per query."""
-    b, h, t, e = q_BHTE.shape
-    kv_heads, s = k_BKSE.shape[1], k_BKSE.shape[2]
-    group = h // kv_heads
+def _reference_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec=None):
+    """Plain masked softmax attention with autograd (the gradients the exact forward's sums have)."""
+    h, t, e = q_BHTE.shape[1:]
+    kv_heads = k_BKSE.shape[1]
     window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
     if allowed_B1TS is None:
-        t_T = torch.arange(t)
-        distance_TT = t_T[:, None] - t_T[None, :]
+        distance_TT = torch.arange(t)[:, None] - torch.arange(t)[None, :]
         allowed_B1TS = ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
-    allowed_BTS = allowed_B1TS[:, 0].expand(b, t, s)
-    blocks = -(-s // KEY_BLOCK)
-    slots = blocks * KEY_BLOCK
-    order_BTS = torch.argsort((~allowed_BTS).to(torch.uint8), dim=-1, stable=True)
-    index_BTL = F.pad(order_BTS, (0, slots - s))
-    kept_BTL = torch.arange(slots) < allowed_BTS.sum(-1, keepdim=True)
-    rows = group * t
-    tiles = -(-rows // SCORE_TILE_ROWS)
-    q_ZME = F.pad(q_BHTE.reshape(b * kv_heads, rows, e), (0, 0, 0, tiles * SCORE_TILE_ROWS - rows))
-    k_BKEL = F.pad(k_BKSE, (0, 0, 0, slots - s)).transpose(-1, -2)
-    k_ZEL = k_BKEL[:, :, None].expand(b, kv_heads, tiles, e, slots).reshape(-1, e, slots)
-    scores_ZML = torch.bmm(q_ZME.reshape(-1, SCORE_TILE_ROWS, e), k_ZEL)
-    scores_BKGTL = scores_ZML.view(b, kv_heads, tiles * SCORE_TILE_ROWS, slots)[:, :, :rows]
-    scores_BKGTL = scores_BKGTL.reshape(b, kv_heads, group, t, slots)
-    scores_BKGTL = scores_BKGTL * (scale if scale is not None else e**-0.5)
+    k_BHSE, v_BHSE = (x.repeat_interleave(h // kv_heads, dim=1) for x in (k_BKSE, v_BKSE))
+    scores_BHTS = q_BHTE @ k_BHSE.transpose(-1, -2) * (scale if scale is not None else e**-0.5)
     if softcap is not None:
-        scores_BKGTL = torch.tanh(scores_BKGTL / softcap) * softcap
-    scores_BKGTL = scores_BKGTL.gather(-1, index_BTL[:, None, None].expand(b, kv_heads, group, t, slots))
-    wide = torch.promote_types(q_BHTE.dtype, torch.float32)
-    scores_BKGTL = scores_BKGTL.masked_fill(~kept_BTL[:, None, None], float("-inf")).to(wide)
-    weights_BKGTL = torch.exp(scores_BKGTL - scores_BKGTL.amax(-1, keepdim=True))
-    weights_BKGTXC = weights_BKGTL.view(b, kv_heads, group, t, blocks, KEY_BLOCK)
-    sums_BKGTX = weights_BKGTXC.sum(-1)
-    denominator_BKGT = sums_BKGTX[..., 0]
-    for block in range(1, blocks):
-        denominator_BKGT = denominator_BKGT + sums_BKGTX[..., block]
-    base_BK11 = (torch.arange(b * kv_heads) * s).view(b, kv_heads, 1, 1)
-    rows_N = (base_BK11 + index_BTL[:, None]).flatten()
-    v_BKTLE = v_BKSE.reshape(b * kv_heads * s, e).index_select(0, rows_N).to(wide)
-    w_ZGC = weights_BKGTXC.permute(0, 1, 3, 4, 2, 5).reshape(-1, group, KEY_BLOCK)
-    partial_BKTXGE = torch.bmm(w_ZGC, v_BKTLE.view(-1, KEY_BLOCK, e)).view(b, kv_heads, t, blocks, group, e)
-    numerator_BKTGE = partial_BKTXGE[:, :, :, 0]
-    for block in range(1, blocks):
-        numerator_BKTGE = numerator_BKTGE + partial_BKTXGE[:, :, :, block]
-    out_BKGTE = numerator_BKTGE.transpose(2, 3) / denominator_BKGT[..., None]
-    return out_BKGTE.to(q_BHTE.dtype).reshape(b, h, t, e)
+        scores_BHTS = torch.tanh(scores_BHTS / softcap) * softcap
+    weights_BHTS = torch.softmax(scores_BHTS.masked_fill(~allowed_B1TS, float("-inf")), dim=-1)
+    return weights_BHTS @ v_BHSE
 
 
 def _random_masks(rng: torch.Generator, b: int, t: int, s: int) -> dict[str, torch.Tensor]:
@@ -251,6 +244,7 @@ def _random_masks(rng: torch.Generator, b: int, t: int, s: int) -> dict[str, tor
     return masks
 
 
+@pytest.mark.parametrize("form", ["cpu", "ops"])
 @pytest.mark.parametrize(
     "heads,kv_heads,e,dtype",
     [
@@ -260,44 +254,64 @@ def _random_masks(rng: torch.Generator, b: int, t: int, s: int) -> dict[str, tor
         (4, 2, 16, torch.bfloat16),
     ],
 )
-def test_the_row_compacted_attention_has_the_bits_of_the_per_query_one(heads, kv_heads, e, dtype):
-    """`exact_attention` compacts a row's keys once and takes one key's value as it is; the reference sorts and
-    gathers every query's keys. Equal bits on random masks of every kind the model builds (left, right and inner
-    padding with the pad queries' diagonal; caches with pad slots; sliding windows; no mask), with a scale and a
-    soft-cap, for one query (decode), a few, and up to three blocks of keys; float32 and bfloat16."""
+def test_a_query_gets_the_bits_of_a_call_holding_its_keys_alone(form, heads, kv_heads, e, dtype, least_rows):
+    """Each form of the exact forward (the CPU kernel; the device-generic one, with the probed least row count
+    and with fixed tiles): a query in a call with random masks of every kind the model builds (left, right and
+    inner padding with the pad queries' diagonal; caches with pad slots; sliding windows; plain causal), with a
+    scale and a soft-cap, one query (decode) to 130, up to three blocks of keys, equals bit for bit the call of
+    that query alone over its allowed keys alone; float32 (close to plain attention) and bfloat16."""
+    attend = cpu_exact_attention if form == "cpu" else ops_exact_attention
     rng = torch.Generator().manual_seed(0)
     specs = [None, AttentionSpec(scale=0.3, softcap=5.0)]
     checked = 0
-    shapes = (
-        (3, 1, 1),
-        (5, 1, 90),
-        (4, 3, 70),
-        (6, 7, 7),
-        (7, 40, 40),
-        (5, 100, 100),
-        (3, 20, 150),
-        (4, 130, 130),
-    )
+    shapes = ((3, 1, 1), (5, 1, 90), (4, 3, 70), (6, 7, 7), (7, 40, 40), (3, 20, 150), (4, 130, 130))
     for b, t, s in shapes:
         q, k, v = (
             (torch.randn(b, n, m, e, generator=rng) * 2).to(dtype)
             for n, m in ((heads, t), (kv_heads, s), (kv_heads, s))
         )
         masks = _random_masks(rng, b, t, s) if s > 1 else {}
+        masks["causal"] = None
+        cases = [(name, mask, spec) for name, mask in masks.items() for spec in specs]
         if t == s:
-            masks["causal"] = None
-        for name, allowed_B1TS in masks.items():
-            for spec in specs:
-                got = exact_attention(q, k, v, allowed_B1TS, spec)
-                same = torch.equal(got, _per_query_attention(q, k, v, allowed_B1TS, spec))
-                assert same, (b, t, s, name, spec)
-                checked += 1
-        if t == s:
-            spec = AttentionSpec(window=5)
-            assert torch.equal(
-                exact_attention(q, k, v, None, spec), _per_query_attention(q, k, v, None, spec)
+            cases.append(("window", None, AttentionSpec(window=5)))
+        for name, allowed_B1TS, spec in cases:
+            if allowed_B1TS is None and t != s:
+                continue
+            got_BHTE = attend(q, k, v, allowed_B1TS, spec)
+            window = None if spec is None else spec.window
+            mask_BTS = (_reference_mask(t, window) if allowed_B1TS is None else allowed_B1TS[:, 0]).expand(
+                b, t, s
             )
-    assert checked > 20
+            for row, query in zip(
+                torch.randint(0, b, (6,), generator=rng), torch.randint(0, t, (6,), generator=rng)
+            ):
+                keys_S = mask_BTS[row, query].nonzero()[:, 0]
+                alone_H1E = attend(
+                    q[row, None, :, query, None],
+                    k[row, None][:, :, keys_S],
+                    v[row, None][:, :, keys_S],
+                    torch.ones(1, 1, 1, len(keys_S), dtype=torch.bool),
+                    spec,
+                )[0]
+                assert torch.equal(got_BHTE[row, :, query, None], alone_H1E), (
+                    b,
+                    t,
+                    s,
+                    name,
+                    spec,
+                    row,
+                    query,
+                )
+                checked += 1
+            if dtype == torch.float32:  # and it is attention
+                torch.testing.assert_close(got_BHTE, _reference_attention(q, k, v, allowed_B1TS, spec))
+    assert checked > 100
+
+
+def _reference_mask(t: int, window: int | None) -> torch.Tensor:
+    distance_TT = torch.arange(t)[:, None] - torch.arange(t)[None, :]
+    return ((distance_TT >= 0) & (distance_TT < (window or t)))[None]
 
 
 @pytest.mark.parametrize("spec", [None, AttentionSpec(scale=0.3, softcap=5.0), AttentionSpec(window=4)])
@@ -320,7 +334,7 @@ def test_the_attention_backward_gives_the_gradients_of_its_sums(spec, mask):
     allowed_B1TS = allowed_BTS[:, None] if mask == "padded" else None
     grad_out = torch.randn(3, 4, t, 16, generator=rng, dtype=torch.float64)
     got = torch.autograd.grad(exact_attention(q, k, v, allowed_B1TS, spec), (q, k, v), grad_out)
-    want = torch.autograd.grad(_per_query_attention(q, k, v, allowed_B1TS, spec), (q, k, v), grad_out)
+    want = torch.autograd.grad(_reference_attention(q, k, v, allowed_B1TS, spec), (q, k, v), grad_out)
     for got_x, want_x in zip(got, want, strict=True):
         torch.testing.assert_close(got_x, want_x)
 

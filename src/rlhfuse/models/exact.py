@@ -3,22 +3,24 @@ in the call (batch size, padding, the rows beside it, a chunked prefill or a dec
 that the sampler's per-token log-probs equal the trainer's recomputation bit for bit.
 
 Legend: N rows (tokens) of a linear, I input features, O output features, X tiles of M = TILE_ROWS rows, Z the
-batch of one bmm; for attention B batch, H query heads, K kv heads, G = H // K, T query tokens, S key positions, E head
-channels, L compacted key slots (S rounded up to whole blocks), X blocks of C = 64 keys, N picked (row, query) pairs.
+batch of one bmm; for attention B batch, H query heads, K kv heads, G = H // K, T query tokens, S key positions,
+E head channels, L compacted key slots (S rounded up to whole blocks), X blocks of C = 64 keys.
 
-Where a float result depends on the call and not on the row alone, and what this module does instead (measured
-with torch 2.13, CPU build, MKL, AVX512, one thread):
+Where a float result depends on the call and not on the row alone, and what this module does instead (torch
+2.13, CPU build, MKL, one thread):
 
-- Linear layers. `F.linear(x[:M], W)[0]` changes in its last bits with M: MKL takes a matrix-vector path for M = 1,
-  and other blockings for M = 2 and M >= 16 (K=576, N=1536 and every tiny shape tried). A gemm of a fixed row-tile
-  shape is invariant to the row's place in the tile and to the other rows' values, and `torch.bmm` over
-  [X, M, I] tiles with the weight expanded along X gives each tile the bits of a lone tile, for any X (measured
-  for M = 16, 32 and 64, I x O from 64 x 128 to 512 x 8192 and 1408 x 512). So `invariant_linear` pads the
-  flattened rows to whole tiles and runs them through bmm. One output feature (the value head, O = 1) is the
-  matrix-vector case again (bmm's result then changes with X): the weight gets a zero second column. Computing
-  the transpose instead (W @ x^T, rows as the gemm's columns) is not invariant: 512 x 1408 changes past 300
-  rows. M = 64: MKL packs the weight once per tile, so fewer, larger tiles cost less wherever a call has many
-  rows (training, prefill, batched decode), and more where it has few (a lone decode step computes 64 rows).
+- Linear layers. `F.linear(x[:M], W)[0]` changes in its last bits with M where the BLAS picks kernels by shape: a
+  matrix-vector path for M = 1, other kernels for a few rows; from some row count on, one kernel gives a row
+  the same bits for any M (measured: from M = 4 on an AMD EPYC with AVX2 for every shape tried, up to 2000 rows;
+  an Intel AVX512 machine differed at M = 2 and M >= 16). That count is probed, not assumed: the first call of
+  each weight shape, dtype, device and autocast state runs `probed_least`, which puts a row at the first, middle
+  and last place of calls of 1 to 4096 rows among random rows and finds the least count of LEAST_ROWS from
+  which every call gives it the bits of the largest. `invariant_linear` then runs F.linear itself, rows padded
+  up to that count (a decode step of one row computes 4 rows here). Where the probe finds none, or cannot reach
+  MIN_PROBED_ROWS rows within PROBE_MACS multiply-adds (a large vocabulary head), the rows run as [TILE_ROWS, I]
+  tiles in one bmm with the weight expanded (a fixed shape: a tile's bits are a lone tile's for any number of
+  tiles). A probe is evidence, not proof: `rollout/logprob_abs_diff` (logged every iteration) is the check that
+  the mode held over a run.
 - Pointwise functions. `torch.exp`, `tanh`, `sin`, `cos`, `log`, `rsqrt` give an element the same bits wherever
   it sits in a tensor; `F.silu`, `torch.sigmoid` and `F.gelu(approximate="tanh")` do not (a tail shorter than a
   vector takes a scalar path with other rounding). `silu` and `gelu_tanh` here are written from exp / tanh and
@@ -28,36 +30,35 @@ with torch 2.13, CPU build, MKL, AVX512, one thread):
   the number of rows: they stay as they are.
 - Attention. The sum over keys is where the call shows: the KV cache holds padding slots and the trainer's batch
   holds left padding, so one query's keys sit at different indices in the two calls, among different numbers of
-  masked keys. `exact_attention` works on each query's allowed keys only, in position order, compacted to the
-  left (the same list in both calls). The scores are 16-row tiles of queries against a kv head's keys in bmm
-  (measured: a score's bits change neither with the number of key columns, 2 to 600, nor with the batch count,
-  E = 16 to 256); the softmax max is exact in any order; the sums over keys, the softmax denominator (a
-  contiguous sum of 64) and p . v (bmm of [G, 64] weights against [64, E] values per query and block, one shape
-  per model: measured invariant to the batch count for G = 1 to 16, E = 8 to 256), run in blocks of C = 64
-  compacted keys, folded left to right. The blocks a longer call adds past the query's keys are all zeros, and
-  x + 0.0 == x. Queries are independent, so long calls run in chunks of `QUERY_CHUNK` queries.
-  The compaction is done once per row, not per query (`exact_attention`): a query whose keys are the first of
-  its row's list has exactly its own compaction there, so the row's queries share its value blocks, and bmm
-  over a stride-0 batch of one block gives each query the bits of its own copy (measured, and tested against the
-  per-query form on random masks). The backward is plain attention's, as the linears' is plain.
+  masked keys. On the CPU, `cpu_exact_attention` runs one compiled pass (numba, `_attend_rows`) that reads each
+  query's allowed keys alone, in position order: dot products in order over E, the exact max, exp per key, the
+  denominator and p . v summed key after key, with plain multiplies and adds (no fused multiply-add, no
+  reassociation). No other key is read, so a query's result is a function of its own keys' values: exact by
+  construction, whatever the BLAS, at SDPA's cost on a decode step (no gemm of one row, no copy of the keys).
+  On another device `ops_exact_attention` computes the same sums from torch ops: each query's keys compacted to
+  the left in position order (once per row: a query whose keys are the row's first ones shares them), scores
+  and p . v as gemms whose rows are queries (`rows_gemm`: the probed least row count of `attention_least_rows`,
+  else fixed FIXED_ROWS-row tiles), p . v in blocks of C keys folded left to right (the zero blocks a longer call
+  adds change nothing, x + 0.0 == x); a pad query allowed one key takes its value, and any query whose keys are
+  not the row's first ones (a sliding window, a trailing pad query's own key) runs again as a row of its own.
+  The two forms round differently; each is invariant (tested on the CPU). The backward is plain attention's.
 
-Not covered: CUDA (no kernel here is written for it, and cuBLAS picks its algorithm by shape and batch count,
-so the same ops are not expected to be invariant there); several threads splitting one op (exactness is
-measured single-threaded, `OMP_NUM_THREADS=1`); LoRA's unmerged adapters (the trainer adds B A x to W x, the
-generator runs the merged W + B A: different arithmetic, whatever the kernels); a tensor-parallel shard's
-linears (`rlhfuse.runtime.tensor_parallel` swaps in its own).
+Not covered: GPU kernels (none is written; cuBLAS picks its algorithm by shape and batch count, so the torch-op
+form is not claimed exact there); several threads splitting one op (exactness is measured single-threaded,
+`OMP_NUM_THREADS=1`); LoRA's unmerged adapters (the trainer adds B A x to W x, the generator runs the merged
+W + B A: different arithmetic, whatever the kernels); a tensor-parallel shard's linears
+(`rlhfuse.runtime.tensor_parallel` swaps in its own).
 
-The cost: every linear computes whole 64-row tiles (a decode step of one row pays for 64); attention computes
-every score of the padded [T, L] square, one bmm per row, kv head and block for p . v (a [G, C] gemm per query),
-a block copy per trailing pad query, and reads where its kinds of queries are on the host once per masked call,
-where SDPA's fused kernel reads K and V once per block of queries. docs/models.md ("Exact (batch-invariant)
-forward") has the timings. A reference for exactness on the CPU, not a fast path.
+The cost: docs/models.md ("Exact (batch-invariant) forward") has the timings.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -66,16 +67,147 @@ if TYPE_CHECKING:  # attention.py registers this module's kernels: no import bac
     from rlhfuse.models.attention import AttentionSpec
 
 TILE_ROWS = 64
-"""Rows of one linear's gemm tile: every linear computes its rows as rows of [TILE_ROWS, I] tiles."""
-SCORE_TILE_ROWS = 16
-"""Rows (queries of one kv head) of one tile of attention scores."""
+"""Rows of one linear's gemm tile where the linear runs in fixed tiles (`invariant_linear`, no least row count)."""
+FIXED_ROWS = 16
+"""Rows (queries of one kv head) of one attention gemm where attention runs in fixed tiles (no least row count)."""
 KEY_BLOCK = 64
 """Keys summed in one contiguous reduction before the left fold over blocks."""
 QUERY_CHUNK = 256
 """Queries per pass of `exact_attention` (its scores are [B, H, chunk, L])."""
-SHARED_BLOCK_QUERIES = 4
-"""Up to this many queries per row, p . v copies each query its value blocks and runs one bmm; past it, one bmm
-per row, kv head and block whose queries share the block's values (fewer calls against fewer copies)."""
+LEAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
+"""The least row counts a probe may find (`least_rows`): a call with fewer rows is padded up to it."""
+PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257,
+              511, 512, 513, 1000, 1024, 2047, 2048, 4096)  # fmt: skip
+"""The row counts a probe tries (those its multiply-add budget allows)."""
+PROBE_MACS = 1 << 30
+"""The most multiply-adds of one probe call: a shape too large to be probed past MIN_PROBED_ROWS runs in tiles."""
+MIN_PROBED_ROWS = 256
+"""A least row count is trusted only when the probe reached calls of at least this many rows."""
+
+_LEAST: dict[tuple[Any, ...], int | None] = {}
+"""Probed least row counts per gemm kind, shape, dtypes, device and autocast state (`least_rows`)."""
+
+
+def least_rows(key: tuple[Any, ...], probe: Callable[[], int | None]) -> int | None:
+    """The least row count from which this machine's gemm gives a row its bits whatever the row count, the row's
+    place and the other rows, for the gemm `key` names: `probe()` the first time, remembered for the process."""
+    device_type = key[-1]
+    full_key = (*key, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    if full_key not in _LEAST:
+        with torch.no_grad():
+            _LEAST[full_key] = probe()
+    return _LEAST[full_key]
+
+
+def probed_least(calls: Callable[[Tensor], list[Tensor]], row: Tensor, macs_per_row: int) -> int | None:
+    """The least of LEAST_ROWS from which every probed row count gives `row` the bits the largest call gives it.
+
+    `calls(x_MF)`: the results of the call variants (other batch entries, other key counts) for the rows x, each
+    [M, ...]. `row` ([F]) sits at the first, middle and last place among random rows. None when no count
+    qualifies, or when the multiply-add budget stops the probe below MIN_PROBED_ROWS rows."""
+    counts = [m for m in PROBE_ROWS if m * macs_per_row <= PROBE_MACS]
+    if not counts or counts[-1] < MIN_PROBED_ROWS:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    results: dict[int, list[list[Tensor]]] = {}  # per row count: per call variant, the row at each place
+    for m in counts:
+        places = sorted({0, m // 2, m - 1})
+        x_MF = torch.randn(m, row.shape[0], generator=generator).to(row)
+        x_MF[places] = row
+        results[m] = [[out[place] for place in places] for out in calls(x_MF)]
+    references = [variant[0] for variant in results[counts[-1]]]
+    least = None
+    for m in reversed(counts):
+        if not all(
+            torch.equal(out, reference)
+            for variant, reference in zip(results[m], references, strict=True)
+            for out in variant
+        ):
+            break
+        least = m
+    return None if least is None else min((c for c in LEAST_ROWS if c >= least), default=None)
+
+
+def _random_like(shape: tuple[int, ...], like: Tensor, seed: int) -> Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(like)
+
+
+def linear_least_rows(x_NI: Tensor, weight_OI: Tensor) -> int | None:
+    """`least_rows` of F.linear(x, weight) for this weight's shape, strides and dtype (None: fixed tiles)."""
+    out_features, features = weight_OI.shape
+    key = (
+        "linear",
+        features,
+        out_features,
+        weight_OI.stride(),
+        x_NI.dtype,
+        weight_OI.dtype,
+        x_NI.device.type,
+    )
+
+    def probe() -> int | None:
+        weight = torch.empty_like(weight_OI).copy_(_random_like(tuple(weight_OI.shape), weight_OI, 1))
+        row = _random_like((features,), x_NI, 2)
+        return probed_least(lambda x: [F.linear(x, weight)], row, features * out_features)
+
+    return least_rows(key, probe)
+
+
+def attention_least_rows(q: Tensor, wide: torch.dtype) -> int | None:
+    """`least_rows` of exact attention's two gemms for head size E: the scores (query rows against a transposed
+    view of the compacted keys, two key counts, one and three batch entries) and p . v (weight rows against
+    KEY_BLOCK values); the larger of the two (None: fixed tiles)."""
+    e = q.shape[-1]
+    key = ("attention", e, q.dtype, wide, q.device.type)
+
+    def probe() -> int | None:
+        keys = [_random_like((z, n * KEY_BLOCK, e), q, 3 + n) for z in (1, 3) for n in (1, 10)]
+
+        def scores(x_ME: Tensor) -> list[Tensor]:
+            outs = []
+            for k_ZLE in keys:
+                z = k_ZLE.shape[0]
+                q_ZME = _random_like((z, *x_ME.shape), q, 5).contiguous()
+                q_ZME[z // 2] = x_ME
+                outs.append(torch.bmm(q_ZME, k_ZLE.transpose(1, 2))[z // 2, :, :KEY_BLOCK])
+            return outs
+
+        values = [_random_like((z, KEY_BLOCK, e), q, 7).to(wide) for z in (1, 3)]
+
+        def sums(x_MC: Tensor) -> list[Tensor]:
+            outs = []
+            for v_ZCE in values:
+                z = v_ZCE.shape[0]
+                w_ZMC = _random_like((z, *x_MC.shape), v_ZCE, 8).abs_()
+                w_ZMC[z // 2] = x_MC
+                outs.append(torch.bmm(w_ZMC, v_ZCE)[z // 2])
+            return outs
+
+        weights = _random_like((KEY_BLOCK,), q, 9).to(wide).abs_()
+        weights[KEY_BLOCK // 3 :] = 0.0  # a query's keys end inside the block: zero weights past them
+        least_scores = probed_least(scores, _random_like((e,), q, 4), 10 * KEY_BLOCK * e * 3)
+        least_sums = probed_least(sums, weights, KEY_BLOCK * e * 3)
+        if least_scores is None or least_sums is None:
+            return None
+        return max(least_scores, least_sums)
+
+    return least_rows(key, probe)
+
+
+def rows_gemm(a_ZMK: Tensor, b_ZKN: Tensor, least: int | None) -> Tensor:
+    """a @ b per batch entry, each row of a computed as the machine computes it in any call: one gemm of at least
+    `least` rows (rows padded up to it), or, with no least row count, [FIXED_ROWS, K] tiles against a contiguous
+    copy of b per tile (one shape, one layout: the bits a lone tile gets)."""
+    z, m, inner = a_ZMK.shape
+    if least is not None:
+        if m >= least:
+            return torch.bmm(a_ZMK, b_ZKN)
+        return torch.bmm(F.pad(a_ZMK, (0, 0, 0, least - m)), b_ZKN)[:, :m].contiguous()
+    tiles = -(-m // FIXED_ROWS)
+    a_YRK = F.pad(a_ZMK, (0, 0, 0, tiles * FIXED_ROWS - m)).reshape(z * tiles, FIXED_ROWS, inner)
+    b_ZKN = b_ZKN.contiguous()
+    b_YKN = b_ZKN[:, None].expand(z, tiles, *b_ZKN.shape[1:]).reshape(z * tiles, *b_ZKN.shape[1:])
+    return torch.bmm(a_YRK, b_YKN).view(z, tiles * FIXED_ROWS, -1)[:, :m].contiguous()
 
 
 def _tiled_rows(x_NI: Tensor, weight_OI: Tensor) -> Tensor:
@@ -110,10 +242,20 @@ class _TiledLinear(torch.autograd.Function):
 
 
 def invariant_linear(x_NI: Tensor, weight_OI: Tensor, bias_O: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias with each row computed as a row of a [TILE_ROWS, I] tile (any leading shape; the last
-    dim is I): a row's result does not depend on the other rows of the call, nor on their number."""
+    """x @ weight.T + bias with a row's result independent of the other rows of the call and of their number
+    (any leading shape; the last dim is I): F.linear over at least the probed least row count
+    (`linear_least_rows`; fewer rows are padded up to it), or [TILE_ROWS, I] tiles in bmm where the probe finds
+    none. The bias is added after the gemm."""
     *lead, features = x_NI.shape
-    y_NO = _TiledLinear.apply(x_NI.reshape(-1, features), weight_OI)
+    x_NI = x_NI.reshape(-1, features)
+    rows = x_NI.shape[0]
+    least = linear_least_rows(x_NI, weight_OI) if rows else 1
+    if least is None:
+        y_NO = _TiledLinear.apply(x_NI, weight_OI)
+    elif rows >= least:
+        y_NO = F.linear(x_NI, weight_OI)
+    else:
+        y_NO = F.linear(F.pad(x_NI, (0, 0, 0, least - rows)), weight_OI)[:rows]
     if bias_O is not None:
         y_NO = y_NO + bias_O
     return y_NO.reshape(*lead, weight_OI.shape[0])
@@ -150,37 +292,17 @@ def _left_fold(x: Tensor, dim: int) -> Tensor:
     return total
 
 
-def _block_values(w_BKXTGC: Tensor, v_BKXCE: Tensor) -> Tensor:
-    """p . v of every query and block, [B * K * X * T, G, E]: [G, C] weights against the [C, E] values of its
-    row's block, one bmm shape (`exact_attention`)."""
-    b, kv_heads, blocks, t, group, _ = w_BKXTGC.shape
-    e = v_BKXCE.shape[-1]
-    if t <= SHARED_BLOCK_QUERIES:  # a few queries: copy each its blocks, one bmm
-        v_ZCE = v_BKXCE[:, :, :, None].expand(b, kv_heads, blocks, t, KEY_BLOCK, e).reshape(-1, KEY_BLOCK, e)
-        return torch.bmm(w_BKXTGC.reshape(-1, group, KEY_BLOCK), v_ZCE)
-    # one bmm per row, kv head and block, its queries sharing the block's values (stride 0: no copy)
-    return torch.cat(
-        [
-            torch.bmm(w_TGC, v_CE.expand(t, KEY_BLOCK, e))
-            for w_XTGC, v_XCE in zip(w_BKXTGC.flatten(0, 1), v_BKXCE.flatten(0, 1), strict=True)
-            for w_TGC, v_CE in zip(w_XTGC, v_XCE, strict=True)
-        ]
-    )
-
-
 class _Lists(NamedTuple):
     """Where each query's allowed keys sit in its row's list of keys (`exact_attention`)."""
 
-    row_BS: Tensor
-    """The row's keys (those of its last query); compacted once per row, in position order."""
-    prefix_BT: Tensor
-    """Query t's keys start with the row's first prefix_BT[b, t] keys ..."""
-    extra_BT: Tensor | None = None
-    """... followed by this one key past them, at slot prefix_BT[b, t] (-1: none; None: no query has one)."""
-    extended_N: tuple[Tensor, Tensor] | None = None
-    """(row, query) of the queries with an extra key (read on the host: they get a block of their own)."""
-    single_BT: Tensor | None = None
-    """Queries allowed one key alone (a pad query): they take that key's value."""
+    row_BS: Tensor | None
+    """The row's keys (those of its last query), compacted once per row in position order; None: every key of
+    the row, already in order (plain causal attention)."""
+    count_BT: Tensor
+    """Query t's keys are the row's first count_BT[b, t] keys."""
+    single_key_BT: Tensor | None = None
+    """Queries allowed one key alone outside the row's list (a pad query): that key (-1: not such a query; None:
+    no query is)."""
 
 
 def exact_attention(
@@ -198,8 +320,129 @@ def exact_attention(
     return _ExactAttention.apply(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
 
 
+def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the compiled version
+    q_BHTE: np.ndarray,
+    k_BKSE: np.ndarray,
+    v_BKSE: np.ndarray,
+    allowed_MTS: np.ndarray,
+    scale: float,
+    softcap: float,
+    out_BHTE: np.ndarray,
+) -> None:
+    """softmax(q k^T * scale) v of every query over its allowed keys, for numba: the keys a query may see are
+    visited in position order and no other key is read, so a query's result depends on its own keys' values
+    alone, never on where they sit or on what else is in the call (allowed_MTS: M = 1 or B rows of masks).
+
+    A score is a dot product in order over E; eight keys' products run side by side (independent chains, one
+    order each); the softmax max is exact; exp(score - max) one key at a time; the denominator and p . v sums
+    in key order. Plain multiplies and adds (numba contracts nothing into fused multiply-adds without fastmath),
+    in the arrays' dtype. softcap <= 0: none."""
+    b_rows, h_heads, t_queries, e_channels = q_BHTE.shape
+    kv_heads, s_keys = k_BKSE.shape[1], k_BKSE.shape[2]
+    group = h_heads // kv_heads
+    zero = q_BHTE.dtype.type(0.0)
+    keys = np.empty(s_keys, dtype=np.int64)
+    scores = np.empty(s_keys, dtype=q_BHTE.dtype)
+    acc = np.empty(e_channels, dtype=q_BHTE.dtype)
+    for b in range(b_rows):
+        mask = allowed_MTS[b if allowed_MTS.shape[0] > 1 else 0]
+        for t in range(t_queries):
+            n = 0
+            for s in range(s_keys):
+                if mask[t, s]:
+                    keys[n] = s
+                    n += 1
+            for h in range(h_heads):
+                kv = h // group
+                j = 0
+                while j + 8 <= n:
+                    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
+                    s0, s1, s2, s3 = keys[j], keys[j + 1], keys[j + 2], keys[j + 3]
+                    s4, s5, s6, s7 = keys[j + 4], keys[j + 5], keys[j + 6], keys[j + 7]
+                    for e in range(e_channels):
+                        x = q_BHTE[b, h, t, e]
+                        a0 += x * k_BKSE[b, kv, s0, e]
+                        a1 += x * k_BKSE[b, kv, s1, e]
+                        a2 += x * k_BKSE[b, kv, s2, e]
+                        a3 += x * k_BKSE[b, kv, s3, e]
+                        a4 += x * k_BKSE[b, kv, s4, e]
+                        a5 += x * k_BKSE[b, kv, s5, e]
+                        a6 += x * k_BKSE[b, kv, s6, e]
+                        a7 += x * k_BKSE[b, kv, s7, e]
+                    scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = a0, a1, a2, a3
+                    scores[j + 4], scores[j + 5], scores[j + 6], scores[j + 7] = a4, a5, a6, a7
+                    j += 8
+                while j < n:
+                    a0 = zero
+                    s0 = keys[j]
+                    for e in range(e_channels):
+                        a0 += q_BHTE[b, h, t, e] * k_BKSE[b, kv, s0, e]
+                    scores[j] = a0
+                    j += 1
+                best = -np.inf
+                for j in range(n):
+                    y = scores[j] * scale
+                    if softcap > 0:
+                        y = np.tanh(y / softcap) * softcap
+                    scores[j] = y
+                    best = max(best, y)
+                for e in range(e_channels):
+                    acc[e] = zero
+                total = zero
+                for j in range(n):
+                    w = np.exp(scores[j] - best)
+                    total += w
+                    s0 = keys[j]
+                    for e in range(e_channels):
+                        acc[e] += w * v_BKSE[b, kv, s0, e]
+                for e in range(e_channels):
+                    out_BHTE[b, h, t, e] = acc[e] / total if n > 0 else zero
+
+
+@functools.cache
+def _compiled_attend_rows() -> Callable[..., None]:
+    """`_attend_rows` compiled by numba (cached on disk; compiled at the first call per dtype)."""
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(_attend_rows)  # type: ignore[no-any-return]
+
+
+def cpu_exact_attention(
+    q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, allowed_B1TS: Tensor | None, spec: AttentionSpec | None
+) -> Tensor:
+    """`exact_attention`'s forward on the CPU: one compiled pass (`_attend_rows`) that reads each query's
+    allowed keys alone, in position order, in fp32 (fp64 for fp64 inputs). No autograd."""
+    b, h, t, e = q_BHTE.shape
+    s = k_BKSE.shape[2]
+    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+    if allowed_B1TS is None:
+        allowed_B1TS = _causal(t, window, q_BHTE.device)
+    wide = torch.promote_types(q_BHTE.dtype, torch.float32)
+    numpy_dtype = np.float64 if wide == torch.float64 else np.float32
+    q, k, v = (x.detach().to(wide).contiguous().numpy() for x in (q_BHTE, k_BKSE, v_BKSE))
+    allowed_MTS = allowed_B1TS[:, 0].expand(allowed_B1TS.shape[0], t, s).contiguous().numpy()
+    out = np.empty((b, h, t, e), dtype=numpy_dtype)
+    _compiled_attend_rows()(
+        q,
+        k,
+        v,
+        allowed_MTS,
+        numpy_dtype(scale if scale is not None else e**-0.5),
+        numpy_dtype(softcap if softcap is not None else 0.0),
+        out,
+    )
+    return torch.from_numpy(out).to(q_BHTE.dtype)
+
+
+def _causal(t: int, window: int | None, device: torch.device) -> Tensor:
+    """[1, 1, T, T]: causal attention over T == S keys, within `window` when set."""
+    t_T = torch.arange(t, device=device)
+    distance_TT = t_T[:, None] - t_T[None, :]
+    return ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
+
+
 class _ExactAttention(torch.autograd.Function):
-    """`_exact_forward`; a plain backward (gradients need no batch invariance, as the linears'): the softmax's
+    """`cpu_exact_attention` on the CPU, `ops_exact_attention` elsewhere; a plain backward (gradients need no batch invariance, as the linears'): the softmax's
     probabilities recomputed over the whole [T, S] mask with plain ops, then attention's gradients, instead of
     the backward of every gather, fill and small bmm of the forward."""
 
@@ -209,7 +452,9 @@ class _ExactAttention(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS)
         ctx.spec = spec
-        return _exact_forward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+        if q_BHTE.device.type == "cpu":
+            return cpu_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+        return ops_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
 
     @staticmethod
     def backward(ctx: Any, grad_BHTE: Tensor) -> tuple[Tensor | None, ...]:
@@ -223,9 +468,7 @@ class _ExactAttention(torch.autograd.Function):
         )
         scale = scale if scale is not None else e**-0.5
         if allowed_B1TS is None:
-            t_T = torch.arange(t, device=q_BHTE.device)
-            distance_TT = t_T[:, None] - t_T[None, :]
-            allowed_B1TS = ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
+            allowed_B1TS = _causal(t, window, q_BHTE.device)
         wide = torch.promote_types(q_BHTE.dtype, torch.float32)
         q_BKGTE = q_BHTE.to(wide).view(b, kv_heads, group, t, e)
         k_BK1SE, v_BK1SE = k_BKSE.to(wide)[:, :, None], v_BKSE.to(wide)[:, :, None]
@@ -247,37 +490,33 @@ class _ExactAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None
 
 
-def _exact_forward(
+def ops_exact_attention(
     q_BHTE: Tensor,
     k_BKSE: Tensor,
     v_BKSE: Tensor,
     allowed_B1TS: Tensor | None,
     spec: AttentionSpec | None,
 ) -> Tensor:
-    """`exact_attention`'s forward.
+    """`exact_attention`'s forward from torch ops (any device; the CPU runs `cpu_exact_attention`). No autograd.
 
     A row's keys are compacted once per row (its last query's keys), not once per query: a query whose allowed
     keys are the row's first ones has, on them, exactly its own compaction (causal attention over left padding
-    or over a cache: every prefill and training call). A query with one key past those (a trailing pad query's
-    own key) gets its own copy of the one block holding it; a query allowed one key alone (a pad query) gets
-    that key's value, which is what the sums give it. Any other query (a sliding window past its first keys)
-    is computed again as a row of its own. Telling them apart reads their places on the host, once per masked
-    call of more than one query."""
+    or over a cache: every prefill and training call). A query allowed one key alone (a pad query) gets that
+    key's value, which is what the sums give it. Any other query (a sliding window past its first keys, a
+    trailing pad query's own key past them) is computed again as a row of its own. Telling them apart reads
+    their places on the host, once per masked call of more than one query."""
     b, t, s = q_BHTE.shape[0], q_BHTE.shape[2], k_BKSE.shape[2]
     window = None if spec is None else spec.window
     plain_causal = allowed_B1TS is None and (window or t) >= t
     if plain_causal and t <= QUERY_CHUNK:  # query t's keys: the row's first t + 1
-        every_BS = torch.ones(b, s, dtype=torch.bool, device=q_BHTE.device)
         prefix_BT = torch.arange(1, t + 1, device=q_BHTE.device).expand(b, t)
-        return _row_compacted(q_BHTE, k_BKSE, v_BKSE, _Lists(every_BS, prefix_BT), spec)
+        return _row_compacted(q_BHTE, k_BKSE, v_BKSE, _Lists(None, prefix_BT), spec)
     if allowed_B1TS is None:
-        t_T = torch.arange(t, device=q_BHTE.device)
-        distance_TT = t_T[:, None] - t_T[None, :]
-        allowed_B1TS = ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
+        allowed_B1TS = _causal(t, window, q_BHTE.device)
     if t > QUERY_CHUNK:  # each query's result is its own: chunks give the same bits in less memory
         return torch.cat(
             [
-                _exact_forward(q_BHTE[:, :, i : i + QUERY_CHUNK], k_BKSE, v_BKSE, mask_B1TS, spec)
+                ops_exact_attention(q_BHTE[:, :, i : i + QUERY_CHUNK], k_BKSE, v_BKSE, mask_B1TS, spec)
                 for i, mask_B1TS in zip(
                     range(0, t, QUERY_CHUNK), allowed_B1TS.split(QUERY_CHUNK, dim=2), strict=True
                 )
@@ -292,11 +531,12 @@ def _exact_forward(
     if len(other_N[0]) == 0:
         return out_BHTE
     row_N, query_N = other_N
+    allowed_NS = allowed_BTS[row_N, query_N]
     redone_NH1E = _row_compacted(
         q_BHTE[row_N, :, query_N, None],
         k_BKSE[row_N],
         v_BKSE[row_N],
-        _Lists(allowed_BTS[row_N, query_N], allowed_BTS[row_N, query_N].sum(-1, keepdim=True)),
+        _Lists(allowed_NS, allowed_NS.sum(-1, keepdim=True)),
         spec,
     )
     out_BTHE = out_BHTE.transpose(1, 2).index_put((row_N, query_N), redone_NH1E[:, :, 0])
@@ -304,79 +544,64 @@ def _exact_forward(
 
 
 def _query_lists(allowed_BTS: Tensor) -> tuple[_Lists, tuple[Tensor, Tensor]]:
-    """Each query's keys as the row's first ones, maybe one more past them, or one key alone; and (row, query)
-    of the others, which need a row of their own. One host read: where the extended and the other queries are."""
+    """Each query's keys as the row's first ones, or one key alone outside them; and (row, query) of the others
+    (a sliding window past the row's first keys, a trailing pad query's own key past them), which are computed
+    again as rows of their own. One host read: where the others are."""
     s = allowed_BTS.shape[-1]
     s_S = torch.arange(s, device=allowed_BTS.device, dtype=torch.int32)
     row_BS = allowed_BTS[:, -1]
     rank_BS = row_BS.cumsum(-1) - 1
     in_row_BTS = allowed_BTS & row_BS[:, None]
-    prefix_BT = in_row_BTS.sum(-1)
-    outside_BT = allowed_BTS.sum(-1) - prefix_BT
-    # the in-row keys are the row's first ones when the last of them has rank prefix - 1
+    count_BT = in_row_BTS.sum(-1)
+    outside_BT = allowed_BTS.sum(-1) - count_BT
+    # the in-row keys are the row's first ones when the last of them has rank count - 1
     last_in_row_BT = torch.where(in_row_BTS, s_S, -1).amax(-1)
-    is_prefix_BT = rank_BS.gather(1, last_in_row_BT.clamp(min=0).long()) == prefix_BT - 1
-    is_prefix_BT |= prefix_BT == 0
-    first_outside_BT = torch.where(allowed_BTS & ~row_BS[:, None], s_S, s).amin(-1)
-    past_row_BT = first_outside_BT > last_in_row_BT
-    first_outside_BT = first_outside_BT.long()
-    single_BT = prefix_BT + outside_BT == 1
-    extended_BT = ~single_BT & is_prefix_BT & (outside_BT == 1) & past_row_BT
-    other_BT = ~single_BT & ~extended_BT & ~(is_prefix_BT & (outside_BT == 0))
-    extra_BT = torch.where(extended_BT | (single_BT & (outside_BT == 1)), first_outside_BT, -1)
-    found_N3 = torch.stack([extended_BT, other_BT]).nonzero().cpu()  # the host read
-    extended_N3, other_N3 = (found_N3[found_N3[:, 0] == kind].to(allowed_BTS.device) for kind in (0, 1))
-    extended_N = (extended_N3[:, 1], extended_N3[:, 2])
-    lists = _Lists(row_BS, prefix_BT, extra_BT, extended_N, single_BT)
-    return lists, (other_N3[:, 1], other_N3[:, 2])
+    is_prefix_BT = rank_BS.gather(1, last_in_row_BT.clamp(min=0).long()) == count_BT - 1
+    is_prefix_BT |= count_BT == 0
+    single_BT = (outside_BT == 1) & (count_BT == 0)
+    other_BT = ~single_BT & ~(is_prefix_BT & (outside_BT == 0))
+    first_outside_BT = torch.where(allowed_BTS & ~row_BS[:, None], s_S, s).amin(-1).long()
+    single_key_BT = torch.where(single_BT, first_outside_BT, -1)
+    other_N2 = other_BT.nonzero().cpu().to(allowed_BTS.device)  # the host read
+    return _Lists(row_BS, count_BT, single_key_BT), (other_N2[:, 0], other_N2[:, 1])
 
 
 def _row_compacted(
     q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, lists: _Lists, spec: AttentionSpec | None
 ) -> Tensor:
-    """Attention of each query over its keys as `lists` places them in its row's list, compacted to the left in
-    position order: the sums of `exact_attention`, the row's keys gathered once per row.
+    """Attention of each query over the first keys of its row's list (`lists`), the row's keys gathered once,
+    compacted to the left in position order: the sums of `exact_attention`.
 
-    Every gemm is one fixed shape per model, batched by bmm (only the batch count changes with the call): the
-    scores as 16-row tiles of queries against a kv head's keys, p . v as [G, C] weights against [C, E] values
-    per query and block (the row's queries share a block's values: a stride-0 batch, no copy)."""
+    Two gemms per kv head of a row, each row of them a query (`rows_gemm`: the machine's least row count, or
+    fixed tiles): the scores, the G x T queries against the compacted keys; p . v per block of KEY_BLOCK keys,
+    the weights against the block's values, blocks folded left to right."""
     b, h, t, e = q_BHTE.shape
     kv_heads, s = k_BKSE.shape[1], k_BKSE.shape[2]
-    group = h // kv_heads
+    group, rows, z = h // kv_heads, h // kv_heads * t, b * kv_heads
     scale, softcap = (None, None) if spec is None else (spec.scale, spec.softcap)
     blocks = -(-s // KEY_BLOCK)
     slots = blocks * KEY_BLOCK
-    # the row's keys first, in position order (a stable sort of "not in the row"), then the rest
-    order_BS = torch.argsort((~lists.row_BS).to(torch.uint8), dim=-1, stable=True)
-    index_BL = F.pad(order_BS, (0, slots - s))
-    slot_L = torch.arange(slots, device=q_BHTE.device)
-    index_BTL = index_BL[:, None].expand(b, t, slots)
-    count_BT = lists.prefix_BT
-    if lists.extra_BT is not None:  # a key past the row's first ones: in the slot after them
-        has_extra_BT = lists.extra_BT >= 0
-        count_BT = count_BT + has_extra_BT
-        is_extra_BTL = (slot_L == lists.prefix_BT[..., None]) & has_extra_BT[..., None]
-        index_BTL = torch.where(is_extra_BTL, lists.extra_BT[..., None], index_BTL)
-    kept_BTL = slot_L < count_BT[..., None]
+    wide = torch.promote_types(q_BHTE.dtype, torch.float32)
+    least = attention_least_rows(q_BHTE, wide)
+    if lists.row_BS is None:  # the keys are the row's list already
+        k_ZLE = F.pad(k_BKSE, (0, 0, 0, slots - s)).view(z, slots, e)
+        v_ZLE = F.pad(v_BKSE.to(wide), (0, 0, 0, slots - s)).view(z, slots, e)
+    else:  # the row's keys first, in position order (a stable sort of "not in the row"), then the rest
+        order_BS = torch.argsort((~lists.row_BS).to(torch.uint8), dim=-1, stable=True)
+        first_BK1 = (torch.arange(z, device=q_BHTE.device) * s).view(b, kv_heads, 1)
+        # index_select copies whole rows of E (a gather on E would read an index per element)
+        rows_N = (first_BK1 + F.pad(order_BS, (0, slots - s))[:, None]).flatten()
+        k_ZLE = k_BKSE.reshape(-1, e).index_select(0, rows_N).view(z, slots, e)
+        v_ZLE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).view(z, slots, e)
 
-    # scores: the G x T queries of each kv head in 16-row tiles, against its keys (zero keys up to L: N >= 2)
-    rows = group * t
-    tiles = -(-rows // SCORE_TILE_ROWS)
-    q_ZME = F.pad(q_BHTE.reshape(b * kv_heads, rows, e), (0, 0, 0, tiles * SCORE_TILE_ROWS - rows))
-    k_BKEL = F.pad(k_BKSE, (0, 0, 0, slots - s)).transpose(-1, -2)
-    k_ZEL = k_BKEL[:, :, None].expand(b, kv_heads, tiles, e, slots).reshape(-1, e, slots)
-    scores_ZML = torch.bmm(q_ZME.reshape(-1, SCORE_TILE_ROWS, e), k_ZEL)
     # in place from here on: the forward runs without autograd (`_ExactAttention`)
+    scores_ZML = rows_gemm(q_BHTE.reshape(z, rows, e).contiguous(), k_ZLE.transpose(1, 2), least)
     scores_ZML.mul_(scale if scale is not None else e**-0.5)
     if softcap is not None:
         scores_ZML.div_(softcap).tanh_().mul_(softcap)
-    scores_BKGTL = scores_ZML.view(b, kv_heads, tiles * SCORE_TILE_ROWS, slots)[:, :, :rows]
-    scores_BKGTL = scores_BKGTL.reshape(b, kv_heads, group, t, slots)
-    # ... compacted: slot l of query t holds its l-th key, slots past its last one are empty
-    index_BKGTL = index_BTL[:, None, None].expand(b, kv_heads, group, t, slots)
-    empty_B11TL = ~kept_BTL[:, None, None]
-    wide = torch.promote_types(q_BHTE.dtype, torch.float32)
-    scores_BKGTL = scores_BKGTL.gather(-1, index_BKGTL).masked_fill_(empty_B11TL, float("-inf")).to(wide)
+    empty_B11TL = (torch.arange(slots, device=q_BHTE.device) >= lists.count_BT[..., None])[:, None, None]
+    scores_BKGTL = scores_ZML.view(b, kv_heads, group, t, slots).masked_fill_(empty_B11TL, float("-inf"))
+    scores_BKGTL = scores_BKGTL.to(wide)
     # exp(-inf) = 0 written as 0: exp takes a slow path on -inf (and the empty slots are most of a short call)
     scores_BKGTL.sub_(scores_BKGTL.amax(-1, keepdim=True)).masked_fill_(empty_B11TL, 0.0)
     weights_BKGTL = scores_BKGTL.exp_().masked_fill_(empty_B11TL, 0.0)
@@ -384,50 +609,18 @@ def _row_compacted(
     # the softmax denominator and p . v in blocks of C keys, the blocks folded left to right
     weights_BKGTXC = weights_BKGTL.view(b, kv_heads, group, t, blocks, KEY_BLOCK)
     denominator_BKGT = _left_fold(weights_BKGTXC.sum(-1), -1)
-    first_BK1 = (torch.arange(b * kv_heads, device=q_BHTE.device) * s).view(b, kv_heads, 1)
-    # index_select copies whole rows of E (a gather on E would read an index per element)
-    rows_N = (first_BK1 + index_BL[:, None]).flatten()
-    v_BKLE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).view(b, kv_heads, slots, e)
-    v_BKXCE = v_BKLE.view(b, kv_heads, blocks, KEY_BLOCK, e)
-    w_BKXTGC = weights_BKGTXC.permute(0, 1, 4, 3, 2, 5)  # a view: bmm reads each [G, C] matrix in place
-    partial_ZGE = _block_values(w_BKXTGC, v_BKXCE)
-    partial_BKXTGE = partial_ZGE.view(b, kv_heads, blocks, t, group, e)
-    if lists.extended_N is not None and len(lists.extended_N[0]) > 0:
-        partial_BKXTGE = _extended_blocks(partial_BKXTGE, w_BKXTGC, v_BKLE, v_BKSE, lists)
-    numerator_BKTGE = _left_fold(partial_BKXTGE, 2)
-    out_BKGTE = numerator_BKTGE.transpose(2, 3) / denominator_BKGT[..., None]
-    out_BHTE = out_BKGTE.to(q_BHTE.dtype).reshape(b, h, t, e)
-    if lists.single_BT is not None:
+    w_YMC = (
+        weights_BKGTL.view(z, rows, blocks, KEY_BLOCK).transpose(1, 2).reshape(z * blocks, rows, KEY_BLOCK)
+    )
+    partial_ZXME = rows_gemm(w_YMC, v_ZLE.view(z * blocks, KEY_BLOCK, e), least).view(z, blocks, rows, e)
+    numerator_BKGTE = _left_fold(partial_ZXME, 1).view(b, kv_heads, group, t, e)
+    out_BHTE = (numerator_BKGTE / denominator_BKGT[..., None]).to(q_BHTE.dtype).view(b, h, t, e)
+    if lists.single_key_BT is not None:
         # one key alone: weight exp(0) = 1 on it, 0 on every other slot, a denominator of 1: its value, exactly
-        rows_N = (first_BK1 + index_BTL[:, None, :, 0]).flatten()
+        key_BT = lists.single_key_BT.clamp(min=0)
+        first_BK1 = (torch.arange(z, device=q_BHTE.device) * s).view(b, kv_heads, 1)
+        rows_N = (first_BK1 + key_BT[:, None]).flatten()
         value_BKTE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).to(q_BHTE.dtype)
         value_BHTE = value_BKTE.view(b, kv_heads, t, e).repeat_interleave(group, dim=1)
-        out_BHTE = torch.where(lists.single_BT[:, None, :, None], value_BHTE, out_BHTE)
+        out_BHTE = torch.where((lists.single_key_BT >= 0)[:, None, :, None], value_BHTE, out_BHTE)
     return out_BHTE
-
-
-def _extended_blocks(
-    partial_BKXTGE: Tensor, w_BKXTGC: Tensor, v_BKLE: Tensor, v_BKSE: Tensor, lists: _Lists
-) -> Tensor:
-    """p . v of the block holding each extended query's extra key, again, with that key's value in its slot
-    (the row's blocks hold the row's next key there): a copy of one block per such query."""
-    assert lists.extra_BT is not None and lists.extended_N is not None
-    kv_heads, slots, e = v_BKLE.shape[1:]
-    row_N, query_N = lists.extended_N
-    n = len(row_N)
-    slot_N = lists.prefix_BT[row_N, query_N]
-    block_N, within_N = slot_N // KEY_BLOCK, slot_N % KEY_BLOCK
-    k_K = torch.arange(kv_heads, device=row_N.device)
-    blocks_NK = (row_N[:, None] * kv_heads + k_K) * (slots // KEY_BLOCK) + block_N[:, None]
-    values_NKCE = v_BKLE.reshape(-1, KEY_BLOCK * e).index_select(0, blocks_NK.flatten())
-    values_NKCE = values_NKCE.view(n, kv_heads, KEY_BLOCK, e)
-    extra_NKE = v_BKSE[row_N, :, lists.extra_BT[row_N, query_N]].to(v_BKLE.dtype)
-    values_NKCE[torch.arange(n, device=row_N.device), :, within_N] = extra_NKE
-    weights_NKGC = w_BKXTGC[row_N, :, block_N, query_N]
-    group = weights_NKGC.shape[2]
-    redone_ZGE = torch.bmm(weights_NKGC.reshape(-1, group, KEY_BLOCK), values_NKCE.view(-1, KEY_BLOCK, e))
-    partial_BXTKGE = partial_BKXTGE.permute(0, 2, 3, 1, 4, 5)
-    partial_BXTKGE = partial_BXTKGE.index_put(
-        (row_N, block_N, query_N), redone_ZGE.view(n, kv_heads, group, e)
-    )
-    return partial_BXTKGE.permute(0, 3, 1, 2, 4, 5)
