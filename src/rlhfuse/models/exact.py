@@ -442,9 +442,9 @@ def _causal(t: int, window: int | None, device: torch.device) -> Tensor:
 
 
 class _ExactAttention(torch.autograd.Function):
-    """`cpu_exact_attention` on the CPU, `ops_exact_attention` elsewhere; a plain backward (gradients need no batch invariance, as the linears'): the softmax's
-    probabilities recomputed over the whole [T, S] mask with plain ops, then attention's gradients, instead of
-    the backward of every gather, fill and small bmm of the forward."""
+    """`cpu_exact_attention` on the CPU, `ops_exact_attention` elsewhere; a plain backward (gradients need no
+    batch invariance, as the linears'): the softmax's probabilities recomputed over the whole [T, S] mask with
+    plain ops, then attention's gradients."""
 
     @staticmethod
     def forward(
