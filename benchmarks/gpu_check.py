@@ -1333,6 +1333,60 @@ def row_gae_kernel(device: torch.device, backend: str) -> Outcome:
     )
 
 
+def row_exact_kernels(device: torch.device, backend: str) -> Outcome:
+    """exact=true's CUDA kernels (kernels/exact.py): a decode step's query and a linear's row give the bits of
+    their call alone inside a batch of random others, close to SDPA / F.linear; their time beside those."""
+    import torch.nn.functional as F
+
+    from rlhfuse._resources import load_kernel_module
+
+    _triton_on(device)
+    kernels = load_kernel_module("exact")
+    b, h, kv, s, e, n, features = (
+        (64, 16, 4, 1024, 128, 4096, 2048) if real(device) else (4, 4, 2, 40, 16, 50, 40)
+    )
+    reps = 10 if real(device) else 1
+    dtype = torch.bfloat16 if real(device) else torch.float32  # the interpreter computes no bf16 dot
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, h, 1, e, generator=g, device=device, dtype=dtype)
+    k, v = (torch.randn(b, kv, s, e, generator=g, device=device, dtype=dtype) for _ in range(2))
+    pads = torch.randint(0, s // 2, (b,), generator=g, device=device)
+    allowed = (torch.arange(s, device=device) >= pads[:, None])[:, None, None]
+    attend = lambda: kernels.exact_attention(q, k, v, allowed, e**-0.5, None, None)  # noqa: E731
+    out = attend()
+    row, pad = b - 1, int(pads[b - 1])
+    every = torch.ones(1, 1, 1, s - pad, dtype=torch.bool, device=device)  # its keys, all of them
+    alone = kernels.exact_attention(q[row:], k[row:, :, pad:], v[row:, :, pad:], every, e**-0.5, None, None)
+    assert torch.equal(out[row:], alone), "a decode query's bits changed with the batch around it"
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)  # noqa: E731
+    attention_err = float((out.float() - sdpa().float()).abs().max())
+    x = torch.randn(n, features, generator=g, device=device, dtype=dtype)
+    weight = torch.randn(features, features, generator=g, device=device, dtype=dtype) / features**0.5
+    y = kernels.invariant_matmul(x, weight)
+    # on a GPU a row inside a tile (the claim); the interpreter's dot is numpy's BLAS, whose bits may change with
+    # a row's place in the tile: there a row at a tile's first place
+    place = n // 2 + 5 if real(device) else kernels.BLOCK_M
+    assert torch.equal(y[place : place + 1], kernels.invariant_matmul(x[place : place + 1], weight)), (
+        "a linear row's bits changed with the rows around it"
+    )
+    linear_err = rel_err(y.float(), F.linear(x, weight).float())
+    assert attention_err < 3e-2 and linear_err < 1e-2, (
+        f"attention error {attention_err:.1e}, linear {linear_err:.1e}"
+    )
+    times = {
+        "attention": time_ms(attend, device, reps),
+        "sdpa": time_ms(sdpa, device, reps),
+        "matmul": time_ms(lambda: kernels.invariant_matmul(x, weight), device, reps),
+        "linear": time_ms(lambda: F.linear(x, weight), device, reps),
+    }
+    return Outcome(
+        f"decode {b}x{h} heads over {s} keys {str(dtype)[6:]}: {times['attention']:.2f} ms vs SDPA {times['sdpa']:.2f}; "
+        f"linear {n}x{features}x{features}: {times['matmul']:.2f} ms vs F.linear {times['linear']:.2f}; "
+        f"a row alone = in its batch (both); errors {attention_err:.1e}, {linear_err:.1e}",
+        {"exact_ms": times},
+    )
+
+
 def _train(overrides: list[str], folder: str | None = None) -> dict[str, float]:
     """The job `overrides` describe, built and fitted in this process (its warm-start cache and run folder in
     `folder`, which the ranks of a multi-rank job share; a temporary one by default); its last metrics."""
@@ -1620,6 +1674,7 @@ CHECKS: dict[str, Check] = {
     "te backend": Check(backend_row("te", "transformer_engine.pytorch"), 60),
     "logprobs kernel": Check(row_logprobs_kernel, 60, "quick"),
     "gae kernel": Check(row_gae_kernel, 45),
+    "exact kernels": Check(row_exact_kernels, 45),
     **{name: Check(trainer_row(setting), 90) for name, setting in TRAINER_SETTINGS.items()},
     "fused job": Check(row_fused_job, 180),
     "real checkpoint": Check(row_real_checkpoint, 90),

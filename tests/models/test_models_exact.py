@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlhfuse._resources import load_kernel_module
 from rlhfuse.algorithms import logprobs_from_logits, ppo_policy_loss
 from rlhfuse.core.inference import response_logprobs
 from rlhfuse.core.step_losses import model_response_outputs
@@ -28,10 +29,10 @@ from rlhfuse.models.exact import (
     TILE_ROWS,
     InvariantLinear,
     cpu_exact_attention,
+    cuda_exact_attention,
     exact_attention,
     gelu_tanh,
     invariant_linear,
-    ops_exact_attention,
     probed_least,
     silu,
 )
@@ -177,17 +178,33 @@ def test_a_query_attends_alike_alone_left_padded_and_from_a_padded_cache(backend
 
 
 def test_long_calls_run_in_query_chunks_with_the_same_bits(monkeypatch):
-    """The device-generic form: queries are independent, so chunks of 7 give the bits of the whole call (masked,
-    and plain causal)."""
+    """The CUDA form (its Triton kernel in the interpreter): queries are independent, so masked calls in chunks
+    of 7 queries give the bits of the whole call."""
     rng = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, n, 40, 16, generator=rng) for n in (4, 2, 2))
-    allowed_B1TS = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 1, 40, 40).clone()
+    q, k, v = (torch.randn(2, n, 20, 16, generator=rng) for n in (4, 2, 2))
+    allowed_B1TS = torch.ones(20, 20, dtype=torch.bool).tril().expand(2, 1, 20, 20).clone()
     allowed_B1TS[1, :, :, :9] = False  # left padding on the second row
     allowed_B1TS[1, :, :9, :9] = torch.eye(9, dtype=torch.bool)
-    whole, causal = ops_exact_attention(q, k, v, allowed_B1TS, None), ops_exact_attention(q, k, v, None, None)
+    whole = cuda_exact_attention(q, k, v, allowed_B1TS, None)
     monkeypatch.setattr("rlhfuse.models.exact.QUERY_CHUNK", 7)
-    assert torch.equal(ops_exact_attention(q, k, v, allowed_B1TS, None), whole)
-    assert torch.equal(ops_exact_attention(q, k, v, None, None), causal)
+    assert torch.equal(cuda_exact_attention(q, k, v, allowed_B1TS, None), whole)
+
+
+def test_the_cuda_linear_kernel_gives_a_row_the_same_bits_in_any_call():
+    """`kernels/exact.py`'s fixed-tile matmul (interpreter): a row alone and at the first place of a later tile
+    among 40 and 99 other rows gives the same bits, close to F.linear. (The interpreter's dot is numpy's BLAS,
+    whose bits may change with a row's place inside a tile; on a GPU the tensor cores' do not, which the gpu-check
+    row `exact kernels` checks.)"""
+    kernels = load_kernel_module("exact")
+    rng = torch.Generator().manual_seed(0)
+    weight = torch.randn(45, 70, generator=rng)
+    row = torch.randn(1, 70, generator=rng)
+    alone = kernels.invariant_matmul(row, weight)
+    torch.testing.assert_close(alone, F.linear(row, weight))
+    for rows, place in ((41, kernels.BLOCK_M), (100, 3 * kernels.BLOCK_M)):
+        x = torch.randn(rows, 70, generator=rng)
+        x[place] = row[0]
+        assert torch.equal(kernels.invariant_matmul(x, weight)[place, None], alone)
 
 
 def _reference_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec=None):
@@ -244,27 +261,29 @@ def _random_masks(rng: torch.Generator, b: int, t: int, s: int) -> dict[str, tor
     return masks
 
 
-@pytest.mark.parametrize("form", ["cpu", "ops"])
 @pytest.mark.parametrize(
-    "heads,kv_heads,e,dtype",
+    "form,heads,kv_heads,e,dtype",
     [
-        (2, 2, 32, torch.float32),
-        (4, 2, 16, torch.float32),
-        (8, 2, 8, torch.float32),
-        (4, 2, 16, torch.bfloat16),
+        ("cpu", 2, 2, 32, torch.float32),
+        ("cpu", 4, 2, 16, torch.float32),
+        ("cpu", 8, 2, 8, torch.float32),
+        ("cpu", 4, 2, 16, torch.bfloat16),
+        ("cuda", 4, 2, 16, torch.float32),
     ],
 )
-def test_a_query_gets_the_bits_of_a_call_holding_its_keys_alone(form, heads, kv_heads, e, dtype, least_rows):
-    """Each form of the exact forward (the CPU kernel; the device-generic one, with the probed least row count
-    and with fixed tiles): a query in a call with random masks of every kind the model builds (left, right and
+def test_a_query_gets_the_bits_of_a_call_holding_its_keys_alone(form, heads, kv_heads, e, dtype):
+    """Each device's exact attention (the CPU's compiled pass; the CUDA Triton kernel, in the interpreter, on
+    the smaller calls): a query in a call with random masks of every kind the model builds (left, right and
     inner padding with the pad queries' diagonal; caches with pad slots; sliding windows; plain causal), with a
-    scale and a soft-cap, one query (decode) to 130, up to three blocks of keys, equals bit for bit the call of
-    that query alone over its allowed keys alone; float32 (close to plain attention) and bfloat16."""
-    attend = cpu_exact_attention if form == "cpu" else ops_exact_attention
+    scale and a soft-cap, one query (decode) to 130, up to 150 keys, equals bit for bit the call of that query
+    alone over its allowed keys alone; float32 (close to plain attention) and bfloat16."""
+    attend = cpu_exact_attention if form == "cpu" else cuda_exact_attention
     rng = torch.Generator().manual_seed(0)
     specs = [None, AttentionSpec(scale=0.3, softcap=5.0)]
     checked = 0
     shapes = ((3, 1, 1), (5, 1, 90), (4, 3, 70), (6, 7, 7), (7, 40, 40), (3, 20, 150), (4, 130, 130))
+    if form == "cuda":  # the interpreter runs a program per query: the smaller calls
+        shapes = ((5, 1, 90), (3, 6, 6), (2, 3, 40))
     for b, t, s in shapes:
         q, k, v = (
             (torch.randn(b, n, m, e, generator=rng) * 2).to(dtype)
@@ -306,7 +325,7 @@ def test_a_query_gets_the_bits_of_a_call_holding_its_keys_alone(form, heads, kv_
                 checked += 1
             if dtype == torch.float32:  # and it is attention
                 torch.testing.assert_close(got_BHTE, _reference_attention(q, k, v, allowed_B1TS, spec))
-    assert checked > 100
+    assert checked > (100 if form == "cpu" else 10)
 
 
 def _reference_mask(t: int, window: int | None) -> torch.Tensor:

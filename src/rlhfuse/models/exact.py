@@ -2,9 +2,8 @@
 in the call (batch size, padding, the rows beside it, a chunked prefill or a decode step over a KV cache), so
 that the sampler's per-token log-probs equal the trainer's recomputation bit for bit.
 
-Legend: N rows (tokens) of a linear, I input features, O output features, X tiles of M = TILE_ROWS rows, Z the
-batch of one bmm; for attention B batch, H query heads, K kv heads, G = H // K, T query tokens, S key positions,
-E head channels, L compacted key slots (S rounded up to whole blocks), X blocks of C = 64 keys.
+Legend: N rows (tokens) of a linear, I input features, O output features, X tiles of M = TILE_ROWS rows; for
+attention B batch, H query heads, K kv heads, T query tokens, S key positions, E head channels.
 
 Where a float result depends on the call and not on the row alone, and what this module does instead (torch
 2.13, CPU build, MKL, one thread):
@@ -35,16 +34,14 @@ Where a float result depends on the call and not on the row alone, and what this
   denominator and p . v summed key after key, with plain multiplies and adds (no fused multiply-add, no
   reassociation). No other key is read, so a query's result is a function of its own keys' values: exact by
   construction, whatever the BLAS, at SDPA's cost on a decode step (no gemm of one row, no copy of the keys).
-  On another device `ops_exact_attention` computes the same sums from torch ops: each query's keys compacted to
-  the left in position order (once per row: a query whose keys are the row's first ones shares them), scores
-  and p . v as gemms whose rows are queries (`rows_gemm`: the probed least row count of `attention_least_rows`,
-  else fixed FIXED_ROWS-row tiles), p . v in blocks of C keys folded left to right (the zero blocks a longer call
-  adds change nothing, x + 0.0 == x); a pad query allowed one key takes its value, and any query whose keys are
-  not the row's first ones (a sliding window, a trailing pad query's own key) runs again as a row of its own.
-  The two forms round differently; each is invariant (tested on the CPU). The backward is plain attention's.
+  On CUDA `cuda_exact_attention` runs the Triton kernel of `kernels/exact.py`: one program per query, its
+  allowed keys compacted in position order and read in fixed blocks (one reduction tree per block, the blocks
+  added first to last), and the linears run that module's fixed-tile matmul (no split over I), so neither
+  depends on cuBLAS's choice of algorithm. Tested under the Triton interpreter; no GPU has run it yet.
+  The two devices round differently; a run computes on one. The backward is plain attention's.
 
-Not covered: GPU kernels (none is written; cuBLAS picks its algorithm by shape and batch count, so the torch-op
-form is not claimed exact there); several threads splitting one op (exactness is measured single-threaded,
+Not covered: a GPU run (the CUDA kernels are tested in the interpreter only); other devices (exact attention
+refuses them); several threads splitting one op (exactness is measured single-threaded,
 `OMP_NUM_THREADS=1`); LoRA's unmerged adapters (the trainer adds B A x to W x, the generator runs the merged
 W + B A: different arithmetic, whatever the kernels); a tensor-parallel shard's linears
 (`rlhfuse.runtime.tensor_parallel` swaps in its own).
@@ -56,24 +53,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlhfuse._resources import load_kernel_module
+
 if TYPE_CHECKING:  # attention.py registers this module's kernels: no import back at run time
     from rlhfuse.models.attention import AttentionSpec
 
 TILE_ROWS = 64
 """Rows of one linear's gemm tile where the linear runs in fixed tiles (`invariant_linear`, no least row count)."""
-FIXED_ROWS = 16
-"""Rows (queries of one kv head) of one attention gemm where attention runs in fixed tiles (no least row count)."""
-KEY_BLOCK = 64
-"""Keys summed in one contiguous reduction before the left fold over blocks."""
 QUERY_CHUNK = 256
-"""Queries per pass of `exact_attention` (its scores are [B, H, chunk, L])."""
+"""Queries per pass of a masked call on CUDA (the kernel's key lists are [B, chunk, S])."""
 LEAST_ROWS = (1, 2, 4, 8, 16, 32, 64)
 """The least row counts a probe may find (`least_rows`): a call with fewer rows is padded up to it."""
 PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257,
@@ -153,63 +148,6 @@ def linear_least_rows(x_NI: Tensor, weight_OI: Tensor) -> int | None:
     return least_rows(key, probe)
 
 
-def attention_least_rows(q: Tensor, wide: torch.dtype) -> int | None:
-    """`least_rows` of exact attention's two gemms for head size E: the scores (query rows against a transposed
-    view of the compacted keys, two key counts, one and three batch entries) and p . v (weight rows against
-    KEY_BLOCK values); the larger of the two (None: fixed tiles)."""
-    e = q.shape[-1]
-    key = ("attention", e, q.dtype, wide, q.device.type)
-
-    def probe() -> int | None:
-        keys = [_random_like((z, n * KEY_BLOCK, e), q, 3 + n) for z in (1, 3) for n in (1, 10)]
-
-        def scores(x_ME: Tensor) -> list[Tensor]:
-            outs = []
-            for k_ZLE in keys:
-                z = k_ZLE.shape[0]
-                q_ZME = _random_like((z, *x_ME.shape), q, 5).contiguous()
-                q_ZME[z // 2] = x_ME
-                outs.append(torch.bmm(q_ZME, k_ZLE.transpose(1, 2))[z // 2, :, :KEY_BLOCK])
-            return outs
-
-        values = [_random_like((z, KEY_BLOCK, e), q, 7).to(wide) for z in (1, 3)]
-
-        def sums(x_MC: Tensor) -> list[Tensor]:
-            outs = []
-            for v_ZCE in values:
-                z = v_ZCE.shape[0]
-                w_ZMC = _random_like((z, *x_MC.shape), v_ZCE, 8).abs_()
-                w_ZMC[z // 2] = x_MC
-                outs.append(torch.bmm(w_ZMC, v_ZCE)[z // 2])
-            return outs
-
-        weights = _random_like((KEY_BLOCK,), q, 9).to(wide).abs_()
-        weights[KEY_BLOCK // 3 :] = 0.0  # a query's keys end inside the block: zero weights past them
-        least_scores = probed_least(scores, _random_like((e,), q, 4), 10 * KEY_BLOCK * e * 3)
-        least_sums = probed_least(sums, weights, KEY_BLOCK * e * 3)
-        if least_scores is None or least_sums is None:
-            return None
-        return max(least_scores, least_sums)
-
-    return least_rows(key, probe)
-
-
-def rows_gemm(a_ZMK: Tensor, b_ZKN: Tensor, least: int | None) -> Tensor:
-    """a @ b per batch entry, each row of a computed as the machine computes it in any call: one gemm of at least
-    `least` rows (rows padded up to it), or, with no least row count, [FIXED_ROWS, K] tiles against a contiguous
-    copy of b per tile (one shape, one layout: the bits a lone tile gets)."""
-    z, m, inner = a_ZMK.shape
-    if least is not None:
-        if m >= least:
-            return torch.bmm(a_ZMK, b_ZKN)
-        return torch.bmm(F.pad(a_ZMK, (0, 0, 0, least - m)), b_ZKN)[:, :m].contiguous()
-    tiles = -(-m // FIXED_ROWS)
-    a_YRK = F.pad(a_ZMK, (0, 0, 0, tiles * FIXED_ROWS - m)).reshape(z * tiles, FIXED_ROWS, inner)
-    b_ZKN = b_ZKN.contiguous()
-    b_YKN = b_ZKN[:, None].expand(z, tiles, *b_ZKN.shape[1:]).reshape(z * tiles, *b_ZKN.shape[1:])
-    return torch.bmm(a_YRK, b_YKN).view(z, tiles * FIXED_ROWS, -1)[:, :m].contiguous()
-
-
 def _tiled_rows(x_NI: Tensor, weight_OI: Tensor) -> Tensor:
     """x @ weight.T, its rows padded to whole tiles and run as [TILE_ROWS, I] gemms by one bmm."""
     rows, features = x_NI.shape
@@ -223,39 +161,47 @@ def _tiled_rows(x_NI: Tensor, weight_OI: Tensor) -> Tensor:
     return y_XMO.reshape(tiles * TILE_ROWS, w_IO.shape[1])[:rows, :out_features]
 
 
-class _TiledLinear(torch.autograd.Function):
-    """`_tiled_rows` forward; a plain backward (gradients need no batch invariance), which also keeps bmm's
-    backward from materialising one weight gradient per tile ([X, I, O]) before summing them."""
+class _InvariantGemm(torch.autograd.Function):
+    """x @ weight.T by `gemm` (fixed tiles: `_tiled_rows`, the CUDA kernel); a plain backward (gradients need no
+    batch invariance), which also keeps bmm's backward from materialising one weight gradient per tile
+    ([X, I, O]) before summing them."""
 
     @staticmethod
-    def forward(ctx: Any, x_NI: Tensor, weight_OI: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, x_NI: Tensor, weight_OI: Tensor, gemm: Callable[[Tensor, Tensor], Tensor]
+    ) -> Tensor:
         ctx.save_for_backward(x_NI, weight_OI)
-        return _tiled_rows(x_NI, weight_OI)
+        return gemm(x_NI, weight_OI)
 
     @staticmethod
-    def backward(ctx: Any, grad_NO: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def backward(ctx: Any, grad_NO: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x_NI, weight_OI = ctx.saved_tensors
         grad_NO = grad_NO.to(weight_OI.dtype)  # under autocast the forward's gemm ran in a lower precision
         grad_x = (grad_NO @ weight_OI).to(x_NI.dtype) if ctx.needs_input_grad[0] else None
         grad_w = grad_NO.t() @ x_NI.to(weight_OI.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
 def invariant_linear(x_NI: Tensor, weight_OI: Tensor, bias_O: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias with a row's result independent of the other rows of the call and of their number
-    (any leading shape; the last dim is I): F.linear over at least the probed least row count
-    (`linear_least_rows`; fewer rows are padded up to it), or [TILE_ROWS, I] tiles in bmm where the probe finds
-    none. The bias is added after the gemm."""
+    (any leading shape; the last dim is I). On CUDA the fixed-tile kernel (`kernels/exact.py`); elsewhere F.linear
+    over at least the probed least row count (`linear_least_rows`; fewer rows are padded up to it), or
+    [TILE_ROWS, I] tiles in bmm where the probe finds none. The bias is added after the gemm."""
     *lead, features = x_NI.shape
     x_NI = x_NI.reshape(-1, features)
     rows = x_NI.shape[0]
-    least = linear_least_rows(x_NI, weight_OI) if rows else 1
-    if least is None:
-        y_NO = _TiledLinear.apply(x_NI, weight_OI)
-    elif rows >= least:
-        y_NO = F.linear(x_NI, weight_OI)
+    if x_NI.device.type == "cuda":
+        if torch.is_autocast_enabled("cuda"):  # what F.linear's autocast would run it in
+            x_NI, weight_OI = (t.to(torch.get_autocast_dtype("cuda")) for t in (x_NI, weight_OI))
+        y_NO = _InvariantGemm.apply(x_NI, weight_OI, load_kernel_module("exact").invariant_matmul)
     else:
-        y_NO = F.linear(F.pad(x_NI, (0, 0, 0, least - rows)), weight_OI)[:rows]
+        least = linear_least_rows(x_NI, weight_OI) if rows else 1
+        if least is None:
+            y_NO = _InvariantGemm.apply(x_NI, weight_OI, _tiled_rows)
+        elif rows >= least:
+            y_NO = F.linear(x_NI, weight_OI)
+        else:
+            y_NO = F.linear(F.pad(x_NI, (0, 0, 0, least - rows)), weight_OI)[:rows]
     if bias_O is not None:
         y_NO = y_NO + bias_O
     return y_NO.reshape(*lead, weight_OI.shape[0])
@@ -282,27 +228,6 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 GATE_ACTIVATIONS = {"silu": silu, "gelu_pytorch_tanh": gelu_tanh}
 """ModelConfig.hidden_act -> the gate's activation, batch-invariant."""
-
-
-def _left_fold(x: Tensor, dim: int) -> Tensor:
-    """x's slices along `dim` added first to last (a fold, not a tree: zero blocks past the end change nothing)."""
-    total = x.select(dim, 0)
-    for block in range(1, x.shape[dim]):
-        total = total + x.select(dim, block)
-    return total
-
-
-class _Lists(NamedTuple):
-    """Where each query's allowed keys sit in its row's list of keys (`exact_attention`)."""
-
-    row_BS: Tensor | None
-    """The row's keys (those of its last query), compacted once per row in position order; None: every key of
-    the row, already in order (plain causal attention)."""
-    count_BT: Tensor
-    """Query t's keys are the row's first count_BT[b, t] keys."""
-    single_key_BT: Tensor | None = None
-    """Queries allowed one key alone outside the row's list (a pad query): that key (-1: not such a query; None:
-    no query is)."""
 
 
 def exact_attention(
@@ -434,6 +359,28 @@ def cpu_exact_attention(
     return torch.from_numpy(out).to(q_BHTE.dtype)
 
 
+def cuda_exact_attention(
+    q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, allowed_B1TS: Tensor | None, spec: AttentionSpec | None
+) -> Tensor:
+    """`exact_attention`'s forward on CUDA: the Triton kernel of `kernels/exact.py` (each query's allowed keys
+    compacted in position order, fixed blocks), masked calls in chunks of QUERY_CHUNK queries. No autograd."""
+    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+    kernel = load_kernel_module("exact").exact_attention
+    scale = scale if scale is not None else q_BHTE.shape[-1] ** -0.5
+    t = q_BHTE.shape[2]
+    if allowed_B1TS is None or t <= QUERY_CHUNK:
+        return kernel(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, scale, softcap, window)  # type: ignore[no-any-return]
+    return torch.cat(
+        [
+            kernel(q_BHTE[:, :, i : i + QUERY_CHUNK], k_BKSE, v_BKSE, mask_B1TS, scale, softcap, window)
+            for i, mask_B1TS in zip(
+                range(0, t, QUERY_CHUNK), allowed_B1TS.split(QUERY_CHUNK, dim=2), strict=True
+            )
+        ],
+        dim=2,
+    )
+
+
 def _causal(t: int, window: int | None, device: torch.device) -> Tensor:
     """[1, 1, T, T]: causal attention over T == S keys, within `window` when set."""
     t_T = torch.arange(t, device=device)
@@ -442,7 +389,7 @@ def _causal(t: int, window: int | None, device: torch.device) -> Tensor:
 
 
 class _ExactAttention(torch.autograd.Function):
-    """`cpu_exact_attention` on the CPU, `ops_exact_attention` elsewhere; a plain backward (gradients need no
+    """`cpu_exact_attention` on the CPU, `cuda_exact_attention` on CUDA; a plain backward (gradients need no
     batch invariance, as the linears'): the softmax's probabilities recomputed over the whole [T, S] mask with
     plain ops, then attention's gradients."""
 
@@ -452,9 +399,14 @@ class _ExactAttention(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS)
         ctx.spec = spec
-        if q_BHTE.device.type == "cpu":
-            return cpu_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
-        return ops_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+        if q_BHTE.device.type == "cuda":
+            return cuda_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+        if q_BHTE.device.type != "cpu":
+            raise ValueError(
+                f"exact attention runs on the CPU and on CUDA, not on {q_BHTE.device.type}: "
+                "run with exact=false there"
+            )
+        return cpu_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
 
     @staticmethod
     def backward(ctx: Any, grad_BHTE: Tensor) -> tuple[Tensor | None, ...]:
@@ -488,139 +440,3 @@ class _ExactAttention(torch.autograd.Function):
         grad_k = (grad_scores_BKGTS.transpose(-1, -2) @ q_BKGTE).sum(2).to(k_BKSE.dtype)
         grad_v = (p_BKGTS.transpose(-1, -2) @ grad_BKGTE).sum(2).to(v_BKSE.dtype)
         return grad_q, grad_k, grad_v, None, None
-
-
-def ops_exact_attention(
-    q_BHTE: Tensor,
-    k_BKSE: Tensor,
-    v_BKSE: Tensor,
-    allowed_B1TS: Tensor | None,
-    spec: AttentionSpec | None,
-) -> Tensor:
-    """`exact_attention`'s forward from torch ops (any device; the CPU runs `cpu_exact_attention`). No autograd.
-
-    A row's keys are compacted once per row (its last query's keys), not once per query: a query whose allowed
-    keys are the row's first ones has, on them, exactly its own compaction (causal attention over left padding
-    or over a cache: every prefill and training call). A query allowed one key alone (a pad query) gets that
-    key's value, which is what the sums give it. Any other query (a sliding window past its first keys, a
-    trailing pad query's own key past them) is computed again as a row of its own. Telling them apart reads
-    their places on the host, once per masked call of more than one query."""
-    b, t, s = q_BHTE.shape[0], q_BHTE.shape[2], k_BKSE.shape[2]
-    window = None if spec is None else spec.window
-    plain_causal = allowed_B1TS is None and (window or t) >= t
-    if plain_causal and t <= QUERY_CHUNK:  # query t's keys: the row's first t + 1
-        prefix_BT = torch.arange(1, t + 1, device=q_BHTE.device).expand(b, t)
-        return _row_compacted(q_BHTE, k_BKSE, v_BKSE, _Lists(None, prefix_BT), spec)
-    if allowed_B1TS is None:
-        allowed_B1TS = _causal(t, window, q_BHTE.device)
-    if t > QUERY_CHUNK:  # each query's result is its own: chunks give the same bits in less memory
-        return torch.cat(
-            [
-                ops_exact_attention(q_BHTE[:, :, i : i + QUERY_CHUNK], k_BKSE, v_BKSE, mask_B1TS, spec)
-                for i, mask_B1TS in zip(
-                    range(0, t, QUERY_CHUNK), allowed_B1TS.split(QUERY_CHUNK, dim=2), strict=True
-                )
-            ],
-            dim=2,
-        )
-    allowed_BTS = allowed_B1TS[:, 0].expand(b, t, s)
-    if t == 1:  # a lone query's keys are its row's
-        return _row_compacted(q_BHTE, k_BKSE, v_BKSE, _Lists(allowed_BTS[:, 0], allowed_BTS.sum(-1)), spec)
-    lists, other_N = _query_lists(allowed_BTS)
-    out_BHTE = _row_compacted(q_BHTE, k_BKSE, v_BKSE, lists, spec)
-    if len(other_N[0]) == 0:
-        return out_BHTE
-    row_N, query_N = other_N
-    allowed_NS = allowed_BTS[row_N, query_N]
-    redone_NH1E = _row_compacted(
-        q_BHTE[row_N, :, query_N, None],
-        k_BKSE[row_N],
-        v_BKSE[row_N],
-        _Lists(allowed_NS, allowed_NS.sum(-1, keepdim=True)),
-        spec,
-    )
-    out_BTHE = out_BHTE.transpose(1, 2).index_put((row_N, query_N), redone_NH1E[:, :, 0])
-    return out_BTHE.transpose(1, 2)
-
-
-def _query_lists(allowed_BTS: Tensor) -> tuple[_Lists, tuple[Tensor, Tensor]]:
-    """Each query's keys as the row's first ones, or one key alone outside them; and (row, query) of the others
-    (a sliding window past the row's first keys, a trailing pad query's own key past them), which are computed
-    again as rows of their own. One host read: where the others are."""
-    s = allowed_BTS.shape[-1]
-    s_S = torch.arange(s, device=allowed_BTS.device, dtype=torch.int32)
-    row_BS = allowed_BTS[:, -1]
-    rank_BS = row_BS.cumsum(-1) - 1
-    in_row_BTS = allowed_BTS & row_BS[:, None]
-    count_BT = in_row_BTS.sum(-1)
-    outside_BT = allowed_BTS.sum(-1) - count_BT
-    # the in-row keys are the row's first ones when the last of them has rank count - 1
-    last_in_row_BT = torch.where(in_row_BTS, s_S, -1).amax(-1)
-    is_prefix_BT = rank_BS.gather(1, last_in_row_BT.clamp(min=0).long()) == count_BT - 1
-    is_prefix_BT |= count_BT == 0
-    single_BT = (outside_BT == 1) & (count_BT == 0)
-    other_BT = ~single_BT & ~(is_prefix_BT & (outside_BT == 0))
-    first_outside_BT = torch.where(allowed_BTS & ~row_BS[:, None], s_S, s).amin(-1).long()
-    single_key_BT = torch.where(single_BT, first_outside_BT, -1)
-    other_N2 = other_BT.nonzero().cpu().to(allowed_BTS.device)  # the host read
-    return _Lists(row_BS, count_BT, single_key_BT), (other_N2[:, 0], other_N2[:, 1])
-
-
-def _row_compacted(
-    q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, lists: _Lists, spec: AttentionSpec | None
-) -> Tensor:
-    """Attention of each query over the first keys of its row's list (`lists`), the row's keys gathered once,
-    compacted to the left in position order: the sums of `exact_attention`.
-
-    Two gemms per kv head of a row, each row of them a query (`rows_gemm`: the machine's least row count, or
-    fixed tiles): the scores, the G x T queries against the compacted keys; p . v per block of KEY_BLOCK keys,
-    the weights against the block's values, blocks folded left to right."""
-    b, h, t, e = q_BHTE.shape
-    kv_heads, s = k_BKSE.shape[1], k_BKSE.shape[2]
-    group, rows, z = h // kv_heads, h // kv_heads * t, b * kv_heads
-    scale, softcap = (None, None) if spec is None else (spec.scale, spec.softcap)
-    blocks = -(-s // KEY_BLOCK)
-    slots = blocks * KEY_BLOCK
-    wide = torch.promote_types(q_BHTE.dtype, torch.float32)
-    least = attention_least_rows(q_BHTE, wide)
-    if lists.row_BS is None:  # the keys are the row's list already
-        k_ZLE = F.pad(k_BKSE, (0, 0, 0, slots - s)).view(z, slots, e)
-        v_ZLE = F.pad(v_BKSE.to(wide), (0, 0, 0, slots - s)).view(z, slots, e)
-    else:  # the row's keys first, in position order (a stable sort of "not in the row"), then the rest
-        order_BS = torch.argsort((~lists.row_BS).to(torch.uint8), dim=-1, stable=True)
-        first_BK1 = (torch.arange(z, device=q_BHTE.device) * s).view(b, kv_heads, 1)
-        # index_select copies whole rows of E (a gather on E would read an index per element)
-        rows_N = (first_BK1 + F.pad(order_BS, (0, slots - s))[:, None]).flatten()
-        k_ZLE = k_BKSE.reshape(-1, e).index_select(0, rows_N).view(z, slots, e)
-        v_ZLE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).view(z, slots, e)
-
-    # in place from here on: the forward runs without autograd (`_ExactAttention`)
-    scores_ZML = rows_gemm(q_BHTE.reshape(z, rows, e).contiguous(), k_ZLE.transpose(1, 2), least)
-    scores_ZML.mul_(scale if scale is not None else e**-0.5)
-    if softcap is not None:
-        scores_ZML.div_(softcap).tanh_().mul_(softcap)
-    empty_B11TL = (torch.arange(slots, device=q_BHTE.device) >= lists.count_BT[..., None])[:, None, None]
-    scores_BKGTL = scores_ZML.view(b, kv_heads, group, t, slots).masked_fill_(empty_B11TL, float("-inf"))
-    scores_BKGTL = scores_BKGTL.to(wide)
-    # exp(-inf) = 0 written as 0: exp takes a slow path on -inf (and the empty slots are most of a short call)
-    scores_BKGTL.sub_(scores_BKGTL.amax(-1, keepdim=True)).masked_fill_(empty_B11TL, 0.0)
-    weights_BKGTL = scores_BKGTL.exp_().masked_fill_(empty_B11TL, 0.0)
-
-    # the softmax denominator and p . v in blocks of C keys, the blocks folded left to right
-    weights_BKGTXC = weights_BKGTL.view(b, kv_heads, group, t, blocks, KEY_BLOCK)
-    denominator_BKGT = _left_fold(weights_BKGTXC.sum(-1), -1)
-    w_YMC = (
-        weights_BKGTL.view(z, rows, blocks, KEY_BLOCK).transpose(1, 2).reshape(z * blocks, rows, KEY_BLOCK)
-    )
-    partial_ZXME = rows_gemm(w_YMC, v_ZLE.view(z * blocks, KEY_BLOCK, e), least).view(z, blocks, rows, e)
-    numerator_BKGTE = _left_fold(partial_ZXME, 1).view(b, kv_heads, group, t, e)
-    out_BHTE = (numerator_BKGTE / denominator_BKGT[..., None]).to(q_BHTE.dtype).view(b, h, t, e)
-    if lists.single_key_BT is not None:
-        # one key alone: weight exp(0) = 1 on it, 0 on every other slot, a denominator of 1: its value, exactly
-        key_BT = lists.single_key_BT.clamp(min=0)
-        first_BK1 = (torch.arange(z, device=q_BHTE.device) * s).view(b, kv_heads, 1)
-        rows_N = (first_BK1 + key_BT[:, None]).flatten()
-        value_BKTE = v_BKSE.reshape(-1, e).index_select(0, rows_N).to(wide).to(q_BHTE.dtype)
-        value_BHTE = value_BKTE.view(b, kv_heads, t, e).repeat_interleave(group, dim=1)
-        out_BHTE = torch.where((lists.single_key_BT >= 0)[:, None, :, None], value_BHTE, out_BHTE)
-    return out_BHTE
