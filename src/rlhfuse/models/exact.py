@@ -31,8 +31,7 @@ Where a float result depends on the call and not on the row alone, and what this
   holds left padding, so one query's keys sit at different indices in the two calls, among different numbers of
   masked keys. On the CPU, `cpu_exact_attention` runs one compiled pass (numba, `_attend_rows`) that reads each
   query's allowed keys alone, in position order: dot products in order over E, the exact max, exp per key, the
-  denominator and p . v summed key after key, with plain multiplies and adds (no fused multiply-add, no
-  reassociation). No other key is read, so a query's result is a function of its own keys' values: exact by
+  denominator and p . v summed key after key, nothing reassociated. No other key is read, so a query's result is a function of its own keys' values: exact by
   construction, whatever the BLAS, at SDPA's cost on a decode step (no gemm of one row, no copy of the keys).
   On CUDA `cuda_exact_attention` runs the Triton kernel of `kernels/exact.py`: one program per query, its
   allowed keys compacted in position order and read in fixed blocks (one reduction tree per block, the blocks
@@ -258,10 +257,11 @@ def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the com
     visited in position order and no other key is read, so a query's result depends on its own keys' values
     alone, never on where they sit or on what else is in the call (allowed_MTS: M = 1 or B rows of masks).
 
-    A score is a dot product in order over E; eight keys' products run side by side (independent chains, one
-    order each); the softmax max is exact; exp(score - max) one key at a time; the denominator and p . v sums
-    in key order. Plain multiplies and adds (numba contracts nothing into fused multiply-adds without fastmath),
-    in the arrays' dtype. softcap <= 0: none."""
+    A score is a dot product in order over E, in the arrays' dtype; the j-th key of a query's list always takes
+    the same path (in a group of eight chains side by side, or in the tail loop after the last whole group), so
+    whatever the compiler makes of each loop, the key's score is computed alike in every call. The max is exact
+    and kept in float64 (numba's unification of -inf with the scores), exp(score - max) in float64 one key at a
+    time, the denominator and p . v summed in key order (p . v into the arrays' dtype). softcap <= 0: none."""
     b_rows, h_heads, t_queries, e_channels = q_BHTE.shape
     kv_heads, s_keys = k_BKSE.shape[1], k_BKSE.shape[2]
     group = h_heads // kv_heads
