@@ -18,8 +18,9 @@ Packed sequences (`rlhfuse.models.packing`, N tokens of B sequences end to end, 
 `PackedSequences`, causal inside each sequence, nothing across sequences.
 
 exact (`rlhfuse.models.exact.exact_attention`) gives each query the same bits whatever the call's batch, padding
-or cache layout: it sums over the query's allowed keys alone, in position order, in fixed-size blocks (a CPU
-reference, with the model's linears made batch-invariant too: `ModelConfig.batch_invariant`).
+or cache layout: it sums over the query's allowed keys alone, in position order (a compiled pass on the CPU, a
+Triton kernel of fixed blocks on CUDA), with the model's linears made batch-invariant too
+(`ModelConfig.batch_invariant`).
 
 Which torch SDPA kernel each call reaches is decided by `sdpa_call` (a pure function of the call's shape, dtype
 and device; docs/models.md, "Precision and attention kernels", has the table). The point is that no call of the
