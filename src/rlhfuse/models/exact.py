@@ -259,9 +259,9 @@ def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the com
 
     A score is a dot product in order over E, in the arrays' dtype; the j-th key of a query's list always takes
     the same path (in a group of eight chains side by side, or in the tail loop after the last whole group), so
-    whatever the compiler makes of each loop, the key's score is computed alike in every call. The max is exact
-    and kept in float64 (numba's unification of -inf with the scores), exp(score - max) in float64 one key at a
-    time, the denominator and p . v summed in key order (p . v into the arrays' dtype). softcap <= 0: none."""
+    whatever the compiler makes of each loop, the key's score is computed alike in every call. The max is exact,
+    exp(score - max) one key at a time, the denominator and p . v summed in key order, all in the arrays' dtype.
+    softcap <= 0: none."""
     b_rows, h_heads, t_queries, e_channels = q_BHTE.shape
     kv_heads, s_keys = k_BKSE.shape[1], k_BKSE.shape[2]
     group = h_heads // kv_heads
@@ -304,7 +304,8 @@ def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the com
                         a0 += q_BHTE[b, h, t, e] * k_BKSE[b, kv, s0, e]
                     scores[j] = a0
                     j += 1
-                best = -np.inf
+                # in the arrays' dtype: a bare -inf would make the max and exp float64
+                best = q_BHTE.dtype.type(-np.inf)
                 for j in range(n):
                     y = scores[j] * scale
                     if softcap > 0:
