@@ -7,8 +7,10 @@ iterations (the first is left out: it builds the engines). On the default job (o
 also on experiment=longtail with 2 generation instances and migration=fixed (two processes; minutes per run).
 
 Figures per workload and side (`exact`, `sdpa`): `generation_s`, `inference_s`, `training_s`, `iteration_s`
-(medians), `logprob_abs_diff` and `logprob_abs_diff_max` (the largest over the runs' iterations); per workload
-`over_sdpa.{generation,inference,training,iteration}` (exact / sdpa).
+(medians), `generation_s_per_token` (the median of generation seconds over the mean response length), `logprob_abs_diff` and `logprob_abs_diff_max` (the largest over the
+runs' iterations); per workload `over_sdpa.{generation,inference,training,iteration}` (exact / sdpa) and
+`over_sdpa.generation_per_token` (generation_s_per_token, exact / sdpa: the two sides sample different tokens,
+so their responses, and the work of a phase, differ).
 
 `make bench BENCH=exact` (or `python -m benchmarks.run exact [--quick]`).
 """
@@ -46,15 +48,25 @@ def workload(tmp: Path, name: str, overrides: tuple[str, ...], repeats: int) -> 
         figures[side] = {
             f"{phase}_s": statistics.median(r[key] for r in steady) for phase, key in PHASES.items()
         }
+        # the two sides sample different tokens (the bits differ), so their responses differ in length: the
+        # generation phase's time per token of the mean response compares like work
+        figures[side]["generation_s_per_token"] = statistics.median(
+            r["time/generation"] / r["response_length/mean"] for r in steady
+        )
         figures[side]["logprob_abs_diff"] = statistics.median(r["rollout/logprob_abs_diff"] for r in steady)
         figures[side]["logprob_abs_diff_max"] = max(
             r["rollout/logprob_abs_diff_max"] for run in runs for r in run
         )
     figures["over_sdpa"] = {p: figures["exact"][f"{p}_s"] / figures["sdpa"][f"{p}_s"] for p in PHASES}
+    figures["over_sdpa"]["generation_per_token"] = (
+        figures["exact"]["generation_s_per_token"] / figures["sdpa"]["generation_s_per_token"]
+    )
     print(f"{name} ({' '.join(overrides)}), {repeats} runs per side, median of the steady iterations:")
     for phase in PHASES:
         e, s = figures["exact"][f"{phase}_s"], figures["sdpa"][f"{phase}_s"]
         print(f"  {phase:>10}: exact {e:7.3f} s  sdpa {s:7.3f} s  exact / sdpa = {e / s:5.2f}x")
+    per_token = figures["over_sdpa"]["generation_per_token"]
+    print(f"  generation per token of the mean response: exact / sdpa = {per_token:5.2f}x")
     for side in rows:
         f = figures[side]
         print(
