@@ -71,7 +71,7 @@ def least_rows(request, monkeypatch):
     """Both forms of the exact gemms: the machine's probed least row count, and fixed tiles (what a machine
     whose probe finds none runs)."""
     if request.param == "tiles":
-        monkeypatch.setattr("rlhfuse.models.exact.least_rows", lambda key, probe: None)
+        monkeypatch.setattr("rlhfuse.models.exact.least_rows", lambda key, device_type, probe: None)
     return request.param
 
 

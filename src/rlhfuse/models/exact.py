@@ -82,11 +82,16 @@ _LEAST: dict[tuple[Any, ...], int | None] = {}
 """Probed least row counts per gemm kind, shape, dtypes, device and autocast state (`least_rows`)."""
 
 
-def least_rows(key: tuple[Any, ...], probe: Callable[[], int | None]) -> int | None:
+def least_rows(key: tuple[Any, ...], device_type: str, probe: Callable[[], int | None]) -> int | None:
     """The least row count from which this machine's gemm gives a row its bits whatever the row count, the row's
-    place and the other rows, for the gemm `key` names: `probe()` the first time, remembered for the process."""
-    device_type = key[-1]
-    full_key = (*key, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    place and the other rows, for the gemm `key` names on `device_type`: `probe()` the first time (per autocast
+    state), remembered for the process."""
+    full_key = (
+        *key,
+        device_type,
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+    )
     if full_key not in _LEAST:
         with torch.no_grad():
             _LEAST[full_key] = probe()
@@ -129,22 +134,14 @@ def _random_like(shape: tuple[int, ...], like: Tensor, seed: int) -> Tensor:
 def linear_least_rows(x_NI: Tensor, weight_OI: Tensor) -> int | None:
     """`least_rows` of F.linear(x, weight) for this weight's shape, strides and dtype (None: fixed tiles)."""
     out_features, features = weight_OI.shape
-    key = (
-        "linear",
-        features,
-        out_features,
-        weight_OI.stride(),
-        x_NI.dtype,
-        weight_OI.dtype,
-        x_NI.device.type,
-    )
+    key = ("linear", features, out_features, weight_OI.stride(), x_NI.dtype, weight_OI.dtype)
 
     def probe() -> int | None:
         weight = torch.empty_like(weight_OI).copy_(_random_like(tuple(weight_OI.shape), weight_OI, 1))
         row = _random_like((features,), x_NI, 2)
         return probed_least(lambda x: [F.linear(x, weight)], row, features * out_features)
 
-    return least_rows(key, probe)
+    return least_rows(key, x_NI.device.type, probe)
 
 
 def _tiled_rows(x_NI: Tensor, weight_OI: Tensor) -> Tensor:
@@ -340,7 +337,7 @@ def cpu_exact_attention(
     allowed keys alone, in position order, in fp32 (fp64 for fp64 inputs). No autograd."""
     b, h, t, e = q_BHTE.shape
     s = k_BKSE.shape[2]
-    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+    window, scale, softcap = _spec_parts(spec, e)
     if allowed_B1TS is None:
         allowed_B1TS = _causal(t, window, q_BHTE.device)
     wide = torch.promote_types(q_BHTE.dtype, torch.float32)
@@ -353,7 +350,7 @@ def cpu_exact_attention(
         k,
         v,
         allowed_MTS,
-        numpy_dtype(scale if scale is not None else e**-0.5),
+        numpy_dtype(scale),
         numpy_dtype(softcap if softcap is not None else 0.0),
         out,
     )
@@ -365,9 +362,8 @@ def cuda_exact_attention(
 ) -> Tensor:
     """`exact_attention`'s forward on CUDA: the Triton kernel of `kernels/exact.py` (each query's allowed keys
     compacted in position order, fixed blocks), masked calls in chunks of QUERY_CHUNK queries. No autograd."""
-    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+    window, scale, softcap = _spec_parts(spec, q_BHTE.shape[-1])
     kernel = load_kernel_module("exact").exact_attention
-    scale = scale if scale is not None else q_BHTE.shape[-1] ** -0.5
     t = q_BHTE.shape[2]
     if allowed_B1TS is None or t <= QUERY_CHUNK:
         return kernel(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, scale, softcap, window)  # type: ignore[no-any-return]
@@ -380,6 +376,14 @@ def cuda_exact_attention(
         ],
         dim=2,
     )
+
+
+def _spec_parts(spec: AttentionSpec | None, head_dim: int) -> tuple[int | None, float, float | None]:
+    """(window, scale, softcap) of a layer's spec (None: plain attention), the scale defaulting to
+    head_dim ** -0.5."""
+    if spec is None:
+        return None, head_dim**-0.5, None
+    return spec.window, spec.scale if spec.scale is not None else head_dim**-0.5, spec.softcap
 
 
 def _causal(t: int, window: int | None, device: torch.device) -> Tensor:
@@ -412,14 +416,10 @@ class _ExactAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_BHTE: Tensor) -> tuple[Tensor | None, ...]:
         q_BHTE, k_BKSE, v_BKSE, allowed_B1TS = ctx.saved_tensors
-        spec = ctx.spec
         b, h, t, e = q_BHTE.shape
         kv_heads = k_BKSE.shape[1]
         group = h // kv_heads
-        window, scale, softcap = (
-            (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
-        )
-        scale = scale if scale is not None else e**-0.5
+        window, scale, softcap = _spec_parts(ctx.spec, e)
         if allowed_B1TS is None:
             allowed_B1TS = _causal(t, window, q_BHTE.device)
         wide = torch.promote_types(q_BHTE.dtype, torch.float32)
