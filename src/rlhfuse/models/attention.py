@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend
 
 from rlhfuse._optional import require
 from rlhfuse.models.exact import exact_attention
+from rlhfuse.models.masks import band_mask
 from rlhfuse.models.model_config import AttentionBackend as AttentionBackend  # importable from here too
 
 if TYPE_CHECKING:
@@ -173,13 +174,6 @@ def sdpa_as_called(
     return F.scaled_dot_product_attention(
         q_BHTD, k_BKSD, v_BKSD, attn_mask=allowed_B1TS, is_causal=causal, enable_gqa=gqa, scale=scale
     )
-
-
-def band_mask(num_tokens: int, window: int, device: torch.device) -> Tensor:
-    """[1, 1, T, T] bool: query t may attend to keys t - window + 1 .. t (a causal sliding window)."""
-    t_T = torch.arange(num_tokens, device=device)
-    distance_TT = t_T[:, None] - t_T[None, :]
-    return ((distance_TT >= 0) & (distance_TT < window))[None, None]
 
 
 def softcapped_attention(

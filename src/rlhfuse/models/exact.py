@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhfuse._resources import load_kernel_module
+from rlhfuse.models.masks import band_mask
 
 if TYPE_CHECKING:  # attention.py registers this module's kernels: no import back at run time
     from rlhfuse.models.attention import AttentionSpec
@@ -339,7 +340,7 @@ def cpu_exact_attention(
     s = k_BKSE.shape[2]
     window, scale, softcap = _spec_parts(spec, e)
     if allowed_B1TS is None:
-        allowed_B1TS = _causal(t, window, q_BHTE.device)
+        allowed_B1TS = band_mask(t, window or t, q_BHTE.device)
     wide = torch.promote_types(q_BHTE.dtype, torch.float32)
     numpy_dtype = np.float64 if wide == torch.float64 else np.float32
     q, k, v = (x.detach().to(wide).contiguous().numpy() for x in (q_BHTE, k_BKSE, v_BKSE))
@@ -386,13 +387,6 @@ def _spec_parts(spec: AttentionSpec | None, head_dim: int) -> tuple[int | None, 
     return spec.window, spec.scale if spec.scale is not None else head_dim**-0.5, spec.softcap
 
 
-def _causal(t: int, window: int | None, device: torch.device) -> Tensor:
-    """[1, 1, T, T]: causal attention over T == S keys, within `window` when set."""
-    t_T = torch.arange(t, device=device)
-    distance_TT = t_T[:, None] - t_T[None, :]
-    return ((distance_TT >= 0) & (distance_TT < (window or t)))[None, None]
-
-
 class _ExactAttention(torch.autograd.Function):
     """`cpu_exact_attention` on the CPU, `cuda_exact_attention` on CUDA; a plain backward (gradients need no
     batch invariance, as the linears'): the softmax's probabilities recomputed over the whole [T, S] mask with
@@ -421,7 +415,7 @@ class _ExactAttention(torch.autograd.Function):
         group = h // kv_heads
         window, scale, softcap = _spec_parts(ctx.spec, e)
         if allowed_B1TS is None:
-            allowed_B1TS = _causal(t, window, q_BHTE.device)
+            allowed_B1TS = band_mask(t, window or t, q_BHTE.device)
         wide = torch.promote_types(q_BHTE.dtype, torch.float32)
         q_BKGTE = q_BHTE.to(wide).view(b, kv_heads, group, t, e)
         k_BK1SE, v_BK1SE = k_BKSE.to(wide)[:, :, None], v_BKSE.to(wide)[:, :, None]

@@ -46,3 +46,10 @@ def mask_layout(attention_mask_BT: Tensor, *, packed: bool) -> MaskLayout:
     """The layout of a host mask (1 = token, 0 = padding); `packed`: also its packing."""
     valid_BT = attention_mask_BT.to(torch.bool)
     return MaskLayout(padding_of(valid_BT), pack_rows(attention_mask_BT) if packed else None)
+
+
+def band_mask(num_tokens: int, window: int, device: torch.device) -> Tensor:
+    """[1, 1, T, T] bool: query t may attend to keys t - window + 1 .. t (a causal sliding window)."""
+    t_T = torch.arange(num_tokens, device=device)
+    distance_TT = t_T[:, None] - t_T[None, :]
+    return ((distance_TT >= 0) & (distance_TT < window))[None, None]
