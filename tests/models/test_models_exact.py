@@ -328,6 +328,42 @@ def test_a_query_gets_the_bits_of_a_call_holding_its_keys_alone(form, heads, kv_
     assert checked > (100 if form == "cpu" else 10)
 
 
+def test_the_cpu_kernel_reads_strided_views_as_their_contiguous_copies():
+    """The CPU pass reads q, k and v where they lie (the cache's keys are a transposed slice of its blocks, the
+    queries a transpose of the projection's output): views of every layout the model hands it, rows sliced out
+    of wider ones (copied first: their strides are not whole rows), expanded heads and empty calls give the bits
+    of their contiguous copies, and the result is [B, H, T, E] over a [B, T, H, E] tensor."""
+    rng = torch.Generator().manual_seed(0)
+    b, h, kv, t, s, e = 3, 4, 2, 5, 9, 16
+    q_BTHE = torch.randn(b, t, h, e, generator=rng)
+    k_BSKE, v_BSKE = (torch.randn(b, s + 4, kv, e, generator=rng)[:, :s] for _ in range(2))
+    wide_BKSF = torch.randn(b, kv, s, e + 3, generator=rng)
+    allowed_B1TS = torch.rand(b, 1, t, s, generator=rng) < 0.7
+    views = {
+        "transposed": (q_BTHE.transpose(1, 2), k_BSKE.transpose(1, 2), v_BSKE.transpose(1, 2)),
+        "sliced rows": (q_BTHE.transpose(1, 2), wide_BKSF[..., :e], wide_BKSF[..., 3:]),
+        "expanded": (
+            q_BTHE.transpose(1, 2),
+            k_BSKE[:, :, :1].transpose(1, 2).expand(b, kv, s, e),
+            v_BSKE.transpose(1, 2),
+        ),
+    }
+    for name, (q, k, v) in views.items():
+        got = cpu_exact_attention(q, k, v, allowed_B1TS, None)
+        assert torch.equal(
+            got, cpu_exact_attention(q.contiguous(), k.contiguous(), v.contiguous(), allowed_B1TS, None)
+        ), name
+        assert got.shape == (b, h, t, e) and got.transpose(1, 2).is_contiguous(), name
+    empty = cpu_exact_attention(
+        q_BTHE[:0].transpose(1, 2),
+        k_BSKE[:0].transpose(1, 2),
+        v_BSKE[:0].transpose(1, 2),
+        allowed_B1TS[:0],
+        None,
+    )
+    assert empty.shape == (0, h, t, e)
+
+
 def _reference_mask(t: int, window: int | None) -> torch.Tensor:
     distance_TT = torch.arange(t)[:, None] - torch.arange(t)[None, :]
     return ((distance_TT >= 0) & (distance_TT < (window or t)))[None]

@@ -32,7 +32,9 @@ Where a float result depends on the call and not on the row alone, and what this
   masked keys. On the CPU, `cpu_exact_attention` runs one compiled pass (numba, `_attend_rows`) that reads each
   query's allowed keys alone, in position order: dot products in order over E, the exact max, exp per key, the
   denominator and p . v summed key after key, nothing reassociated. No other key is read, so a query's result is a function of its own keys' values: exact by
-  construction, whatever the BLAS, at SDPA's cost on a decode step (no gemm of one row, no copy of the keys).
+  construction, whatever the BLAS, at SDPA's cost on a decode step (no gemm of one row, no copy of the keys:
+  the cache's keys and values are read where they lie, and the result is written in the layout the output
+  projection reads).
   On CUDA `cuda_exact_attention` runs the Triton kernel of `kernels/exact.py`: one program per query, its
   allowed keys compacted in position order and read in fixed blocks (one reduction tree per block, the blocks
   added first to last), and the linears run that module's fixed-tile matmul (no split over I), so neither
@@ -81,22 +83,20 @@ MIN_PROBED_ROWS = 256
 
 _LEAST: dict[tuple[Any, ...], int | None] = {}
 """Probed least row counts per gemm kind, shape, dtypes, device and autocast state (`least_rows`)."""
+_UNPROBED = object()
 
 
 def least_rows(key: tuple[Any, ...], device_type: str, probe: Callable[[], int | None]) -> int | None:
     """The least row count from which this machine's gemm gives a row its bits whatever the row count, the row's
     place and the other rows, for the gemm `key` names on `device_type`: `probe()` the first time (per autocast
     state), remembered for the process."""
-    full_key = (
-        *key,
-        device_type,
-        torch.is_autocast_enabled(device_type),
-        torch.get_autocast_dtype(device_type),
-    )
-    if full_key not in _LEAST:
+    autocast = torch.is_autocast_enabled(device_type)  # (its dtype matters only where it is on)
+    full_key = (*key, device_type, autocast and torch.get_autocast_dtype(device_type))
+    least = _LEAST.get(full_key, _UNPROBED)
+    if least is _UNPROBED:
         with torch.no_grad():
-            _LEAST[full_key] = probe()
-    return _LEAST[full_key]
+            least = _LEAST[full_key] = probe()
+    return least  # type: ignore[return-value]
 
 
 def probed_least(calls: Callable[[Tensor], list[Tensor]], row: Tensor, macs_per_row: int) -> int | None:
@@ -184,24 +184,29 @@ def invariant_linear(x_NI: Tensor, weight_OI: Tensor, bias_O: Tensor | None = No
     (any leading shape; the last dim is I). On CUDA the fixed-tile kernel (`kernels/exact.py`); elsewhere F.linear
     over at least the probed least row count (`linear_least_rows`; fewer rows are padded up to it), or
     [TILE_ROWS, I] tiles in bmm where the probe finds none. The bias is added after the gemm."""
-    *lead, features = x_NI.shape
-    x_NI = x_NI.reshape(-1, features)
-    rows = x_NI.shape[0]
     if x_NI.device.type == "cuda":
+        *lead, features = x_NI.shape
+        x_NI = x_NI.reshape(-1, features)
         if torch.is_autocast_enabled("cuda"):  # what F.linear's autocast would run it in
             x_NI, weight_OI = (t.to(torch.get_autocast_dtype("cuda")) for t in (x_NI, weight_OI))
         y_NO = _InvariantGemm.apply(x_NI, weight_OI, load_kernel_module("exact").invariant_matmul)
+        y_NO = y_NO.reshape(*lead, weight_OI.shape[0])
+    elif x_NI.dim() == 1:
+        y_NO = invariant_linear(x_NI[None], weight_OI)[0]
     else:
+        rows = x_NI.shape[:-1].numel()
         least = linear_least_rows(x_NI, weight_OI) if rows else 1
-        if least is None:
-            y_NO = _InvariantGemm.apply(x_NI, weight_OI, _tiled_rows)
-        elif rows >= least:
-            y_NO = F.linear(x_NI, weight_OI)
-        else:
-            y_NO = F.linear(F.pad(x_NI, (0, 0, 0, least - rows)), weight_OI)[:rows]
-    if bias_O is not None:
-        y_NO = y_NO + bias_O
-    return y_NO.reshape(*lead, weight_OI.shape[0])
+        if rows == 0 or (least is not None and rows >= least):
+            y_NO = F.linear(x_NI, weight_OI)  # the hot path: F.linear folds any leading shape into one gemm
+        elif least is None:
+            *lead, features = x_NI.shape
+            y_NO = _InvariantGemm.apply(x_NI.reshape(-1, features), weight_OI, _tiled_rows)
+            y_NO = y_NO.reshape(*lead, weight_OI.shape[0])
+        else:  # too few rows: zero rows appended along the first dim up to at least `least` in all
+            first = x_NI.shape[0]
+            extra = -(-least // (rows // first)) - first
+            y_NO = F.linear(F.pad(x_NI, (0, 0) * (x_NI.dim() - 1) + (0, extra)), weight_OI)[:first]
+    return y_NO if bias_O is None else y_NO + bias_O
 
 
 class InvariantLinear(nn.Linear):
@@ -212,8 +217,11 @@ class InvariantLinear(nn.Linear):
 
 
 def silu(x: Tensor) -> Tensor:
-    """x * sigmoid(x) as x / (1 + exp(-x)): the same bits for an element wherever it sits (`F.silu` is not)."""
-    return x / (1 + torch.exp(-x))
+    """x * sigmoid(x) as x / (1 + exp(-x)): the same bits for an element wherever it sits (`F.silu` is not).
+    Without a graph to record (sampling) the denominator is built in place: the same ops, one buffer."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x / (1 + torch.exp(-x))
+    return x / torch.neg(x).exp_().add_(1)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -239,34 +247,47 @@ def exact_attention(
     every backend takes (`rlhfuse.models.attention`): no mask = plain causal over T == S (within `spec.window`
     when set); a window, a scale and a soft-cap as the layer's spec says (None: plain attention). The backward
     is plain attention's (`_ExactAttention`)."""
-    return _ExactAttention.apply(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+    if torch.is_grad_enabled() and (q_BHTE.requires_grad or k_BKSE.requires_grad or v_BKSE.requires_grad):
+        return _ExactAttention.apply(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+    return _exact_forward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)  # no graph to record (sampling)
 
 
 def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the compiled version
-    q_BHTE: np.ndarray,
-    k_BKSE: np.ndarray,
-    v_BKSE: np.ndarray,
+    q_XE: np.ndarray,
+    q_rows: tuple[int, int, int],
+    k_XE: np.ndarray,
+    k_rows: tuple[int, int, int],
+    v_XE: np.ndarray,
+    v_rows: tuple[int, int, int],
+    group: int,
     allowed_MTS: np.ndarray,
     scale: float,
     softcap: float,
-    out_BHTE: np.ndarray,
+    out_BTHE: np.ndarray,
 ) -> None:
     """softmax(q k^T * scale) v of every query over its allowed keys, for numba: the keys a query may see are
     visited in position order and no other key is read, so a query's result depends on its own keys' values
-    alone, never on where they sit or on what else is in the call (allowed_MTS: M = 1 or B rows of masks).
+    alone, never on where they sit or on what else is in the call (allowed_MTS: M = 1 or B rows of masks;
+    `group` query heads per kv head).
+
+    q, k and v come as the rows of E elements their tensors lie in (`_rows`: a strided view, the KV cache's keys
+    included, is read where it lies) and each one's row strides over its first three dims (q's over B, H, T;
+    k's and v's over B, K, S); the output is [B, T, H, E], the layout the attention's output projection reads.
 
     A score is a dot product in order over E, in the arrays' dtype; the j-th key of a query's list always takes
     the same path (in a group of eight chains side by side, or in the tail loop after the last whole group), so
     whatever the compiler makes of each loop, the key's score is computed alike in every call. The max is exact,
     exp(score - max) one key at a time, the denominator and p . v summed in key order, all in the arrays' dtype.
     softcap <= 0: none."""
-    b_rows, h_heads, t_queries, e_channels = q_BHTE.shape
-    kv_heads, s_keys = k_BKSE.shape[1], k_BKSE.shape[2]
-    group = h_heads // kv_heads
-    zero = q_BHTE.dtype.type(0.0)
+    b_rows, t_queries, h_heads, e_channels = out_BTHE.shape
+    s_keys = allowed_MTS.shape[2]
+    qb, qh, qt = q_rows
+    kb, kh, ks = k_rows
+    vb, vh, vs = v_rows
+    zero = out_BTHE.dtype.type(0.0)
     keys = np.empty(s_keys, dtype=np.int64)
-    scores = np.empty(s_keys, dtype=q_BHTE.dtype)
-    acc = np.empty(e_channels, dtype=q_BHTE.dtype)
+    scores = np.empty(s_keys, dtype=out_BTHE.dtype)
+    acc = np.empty(e_channels, dtype=out_BTHE.dtype)
     for b in range(b_rows):
         mask = allowed_MTS[b if allowed_MTS.shape[0] > 1 else 0]
         for t in range(t_queries):
@@ -276,34 +297,38 @@ def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the com
                     keys[n] = s
                     n += 1
             for h in range(h_heads):
-                kv = h // group
+                q_E = q_XE[b * qb + h * qh + t * qt]
+                k_row = b * kb + (h // group) * kh
+                v_row = b * vb + (h // group) * vh
                 j = 0
                 while j + 8 <= n:
+                    k0_E, k1_E = k_XE[k_row + keys[j] * ks], k_XE[k_row + keys[j + 1] * ks]
+                    k2_E, k3_E = k_XE[k_row + keys[j + 2] * ks], k_XE[k_row + keys[j + 3] * ks]
+                    k4_E, k5_E = k_XE[k_row + keys[j + 4] * ks], k_XE[k_row + keys[j + 5] * ks]
+                    k6_E, k7_E = k_XE[k_row + keys[j + 6] * ks], k_XE[k_row + keys[j + 7] * ks]
                     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
-                    s0, s1, s2, s3 = keys[j], keys[j + 1], keys[j + 2], keys[j + 3]
-                    s4, s5, s6, s7 = keys[j + 4], keys[j + 5], keys[j + 6], keys[j + 7]
                     for e in range(e_channels):
-                        x = q_BHTE[b, h, t, e]
-                        a0 += x * k_BKSE[b, kv, s0, e]
-                        a1 += x * k_BKSE[b, kv, s1, e]
-                        a2 += x * k_BKSE[b, kv, s2, e]
-                        a3 += x * k_BKSE[b, kv, s3, e]
-                        a4 += x * k_BKSE[b, kv, s4, e]
-                        a5 += x * k_BKSE[b, kv, s5, e]
-                        a6 += x * k_BKSE[b, kv, s6, e]
-                        a7 += x * k_BKSE[b, kv, s7, e]
+                        x = q_E[e]
+                        a0 += x * k0_E[e]
+                        a1 += x * k1_E[e]
+                        a2 += x * k2_E[e]
+                        a3 += x * k3_E[e]
+                        a4 += x * k4_E[e]
+                        a5 += x * k5_E[e]
+                        a6 += x * k6_E[e]
+                        a7 += x * k7_E[e]
                     scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = a0, a1, a2, a3
                     scores[j + 4], scores[j + 5], scores[j + 6], scores[j + 7] = a4, a5, a6, a7
                     j += 8
                 while j < n:
+                    k0_E = k_XE[k_row + keys[j] * ks]
                     a0 = zero
-                    s0 = keys[j]
                     for e in range(e_channels):
-                        a0 += q_BHTE[b, h, t, e] * k_BKSE[b, kv, s0, e]
+                        a0 += q_E[e] * k0_E[e]
                     scores[j] = a0
                     j += 1
                 # in the arrays' dtype: a bare -inf would make the max and exp float64
-                best = q_BHTE.dtype.type(-np.inf)
+                best = out_BTHE.dtype.type(-np.inf)
                 for j in range(n):
                     y = scores[j] * scale
                     if softcap > 0:
@@ -316,11 +341,12 @@ def _attend_rows(  # pragma: no cover - compiled by numba; the tests run the com
                 for j in range(n):
                     w = np.exp(scores[j] - best)
                     total += w
-                    s0 = keys[j]
+                    v_E = v_XE[v_row + keys[j] * vs]
                     for e in range(e_channels):
-                        acc[e] += w * v_BKSE[b, kv, s0, e]
+                        acc[e] += w * v_E[e]
+                out_E = out_BTHE[b, t, h]
                 for e in range(e_channels):
-                    out_BHTE[b, h, t, e] = acc[e] / total if n > 0 else zero
+                    out_E[e] = acc[e] / total if n > 0 else zero
 
 
 @functools.cache
@@ -331,11 +357,28 @@ def _compiled_attend_rows() -> Callable[..., None]:
     return numba.njit(cache=True, nogil=True)(_attend_rows)  # type: ignore[no-any-return]
 
 
+def _rows(x_ABCE: Tensor, dtype: torch.dtype) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """x (4 dims) in `dtype` as `_attend_rows` reads it: the rows of E elements its storage holds from its first
+    element ([X, E], a view), and its strides over its first three dims in rows. A view whose last dim is not
+    contiguous, or whose other strides are not whole rows, is copied first."""
+    x_ABCE = x_ABCE.detach().to(dtype)
+    n0, n1, n2, e = x_ABCE.shape
+    if not x_ABCE.numel():
+        return np.empty((0, e), dtype=x_ABCE.numpy().dtype), (0, 0, 0)
+    s0, s1, s2, s3 = x_ABCE.stride()
+    if (s3 != 1 and e > 1) or s0 % e or s1 % e or s2 % e:
+        x_ABCE = x_ABCE.contiguous()
+        s0, s1, s2, _ = x_ABCE.stride()
+    rows = ((n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2) // e + 1
+    return x_ABCE.as_strided((rows, e), (e, 1)).numpy(), (s0 // e, s1 // e, s2 // e)
+
+
 def cpu_exact_attention(
     q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, allowed_B1TS: Tensor | None, spec: AttentionSpec | None
 ) -> Tensor:
     """`exact_attention`'s forward on the CPU: one compiled pass (`_attend_rows`) that reads each query's
-    allowed keys alone, in position order, in fp32 (fp64 for fp64 inputs). No autograd."""
+    allowed keys alone, in position order, in fp32 (fp64 for fp64 inputs). No autograd. The result is a
+    [B, H, T, E] view of a [B, T, H, E] tensor (what the output projection reads, without a copy)."""
     b, h, t, e = q_BHTE.shape
     s = k_BKSE.shape[2]
     window, scale, softcap = _spec_parts(spec, e)
@@ -343,19 +386,19 @@ def cpu_exact_attention(
         allowed_B1TS = band_mask(t, window or t, q_BHTE.device)
     wide = torch.promote_types(q_BHTE.dtype, torch.float32)
     numpy_dtype = np.float64 if wide == torch.float64 else np.float32
-    q, k, v = (x.detach().to(wide).contiguous().numpy() for x in (q_BHTE, k_BKSE, v_BKSE))
     allowed_MTS = allowed_B1TS[:, 0].expand(allowed_B1TS.shape[0], t, s).contiguous().numpy()
-    out = np.empty((b, h, t, e), dtype=numpy_dtype)
+    out = np.empty((b, t, h, e), dtype=numpy_dtype)
     _compiled_attend_rows()(
-        q,
-        k,
-        v,
+        *_rows(q_BHTE, wide),
+        *_rows(k_BKSE, wide),
+        *_rows(v_BKSE, wide),
+        h // k_BKSE.shape[1],
         allowed_MTS,
         numpy_dtype(scale),
         numpy_dtype(softcap if softcap is not None else 0.0),
         out,
     )
-    return torch.from_numpy(out).to(q_BHTE.dtype)
+    return torch.from_numpy(out).to(q_BHTE.dtype).transpose(1, 2)
 
 
 def cuda_exact_attention(
@@ -387,6 +430,19 @@ def _spec_parts(spec: AttentionSpec | None, head_dim: int) -> tuple[int | None, 
     return spec.window, spec.scale if spec.scale is not None else head_dim**-0.5, spec.softcap
 
 
+def _exact_forward(
+    q_BHTE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, allowed_B1TS: Tensor | None, spec: AttentionSpec | None
+) -> Tensor:
+    """`cpu_exact_attention` or `cuda_exact_attention` by the device (other devices refused)."""
+    if q_BHTE.device.type == "cuda":
+        return cuda_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+    if q_BHTE.device.type != "cpu":
+        raise ValueError(
+            f"exact attention runs on the CPU and on CUDA, not on {q_BHTE.device.type}: run with exact=false there"
+        )
+    return cpu_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+
+
 class _ExactAttention(torch.autograd.Function):
     """`cpu_exact_attention` on the CPU, `cuda_exact_attention` on CUDA; a plain backward (gradients need no
     batch invariance, as the linears'): the softmax's probabilities recomputed over the whole [T, S] mask with
@@ -398,14 +454,7 @@ class _ExactAttention(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS)
         ctx.spec = spec
-        if q_BHTE.device.type == "cuda":
-            return cuda_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
-        if q_BHTE.device.type != "cpu":
-            raise ValueError(
-                f"exact attention runs on the CPU and on CUDA, not on {q_BHTE.device.type}: "
-                "run with exact=false there"
-            )
-        return cpu_exact_attention(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
+        return _exact_forward(q_BHTE, k_BKSE, v_BKSE, allowed_B1TS, spec)
 
     @staticmethod
     def backward(ctx: Any, grad_BHTE: Tensor) -> tuple[Tensor | None, ...]:
