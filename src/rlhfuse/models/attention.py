@@ -139,6 +139,10 @@ class AttentionSpec:
     softcap: float | None = None
     """Scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2); None = uncapped."""
 
+    def scale_for(self, head_dim: int) -> float:
+        """The scores' scale for heads of `head_dim` channels (`scale`, else head_dim ** -0.5)."""
+        return self.scale if self.scale is not None else head_dim**-0.5
+
 
 PLAIN = AttentionSpec()
 
@@ -184,8 +188,7 @@ def softcapped_attention(
     assert spec.softcap is not None
     group = q_BHTD.shape[1] // k_BKSD.shape[1]
     k_BHSD, v_BHSD = k_BKSD.repeat_interleave(group, 1), v_BKSD.repeat_interleave(group, 1)
-    scale = spec.scale if spec.scale is not None else q_BHTD.shape[-1] ** -0.5
-    scores_BHTS = torch.matmul(q_BHTD, k_BHSD.transpose(-1, -2)) * scale
+    scores_BHTS = torch.matmul(q_BHTD, k_BHSD.transpose(-1, -2)) * spec.scale_for(q_BHTD.shape[-1])
     scores_BHTS = torch.tanh(scores_BHTS / spec.softcap) * spec.softcap
     if allowed_B1TS is None:  # plain causal over T == S
         allowed_B1TS = band_mask(q_BHTD.shape[2], q_BHTD.shape[2], q_BHTD.device)

@@ -423,11 +423,10 @@ def cuda_exact_attention(
 
 
 def _spec_parts(spec: AttentionSpec | None, head_dim: int) -> tuple[int | None, float, float | None]:
-    """(window, scale, softcap) of a layer's spec (None: plain attention), the scale defaulting to
-    head_dim ** -0.5."""
+    """(window, scale, softcap) of a layer's spec (None: plain attention, the scale head_dim ** -0.5)."""
     if spec is None:
         return None, head_dim**-0.5, None
-    return spec.window, spec.scale if spec.scale is not None else head_dim**-0.5, spec.softcap
+    return spec.window, spec.scale_for(head_dim), spec.softcap
 
 
 def _exact_forward(
@@ -445,8 +444,9 @@ def _exact_forward(
 
 class _ExactAttention(torch.autograd.Function):
     """`cpu_exact_attention` on the CPU, `cuda_exact_attention` on CUDA; a plain backward (gradients need no
-    batch invariance, as the linears'): the softmax's probabilities recomputed over the whole [T, S] mask with
-    plain ops, then attention's gradients."""
+    batch invariance, as the linears'): SDPA's own backward over the same mask (its forward recomputed), or with
+    a soft-cap the softmax's probabilities recomputed over the whole [T, S] mask with plain ops, then attention's
+    gradients."""
 
     @staticmethod
     def forward(
@@ -466,6 +466,22 @@ class _ExactAttention(torch.autograd.Function):
         if allowed_B1TS is None:
             allowed_B1TS = band_mask(t, window or t, q_BHTE.device)
         wide = torch.promote_types(q_BHTE.dtype, torch.float32)
+        if softcap is None:  # SDPA's own backward (no soft-cap there)
+            with torch.enable_grad():
+                q_, k_, v_ = (x.detach().to(wide).requires_grad_() for x in (q_BHTE, k_BKSE, v_BKSE))
+                out_BHTE = F.scaled_dot_product_attention(
+                    q_,
+                    k_.repeat_interleave(group, 1),
+                    v_.repeat_interleave(group, 1),
+                    allowed_B1TS,
+                    scale=scale,
+                )
+                grads = torch.autograd.grad(out_BHTE, (q_, k_, v_), grad_BHTE.to(wide))
+            return (
+                *(g.to(x.dtype) for g, x in zip(grads, (q_BHTE, k_BKSE, v_BKSE), strict=True)),
+                None,
+                None,
+            )
         q_BKGTE = q_BHTE.to(wide).view(b, kv_heads, group, t, e)
         k_BK1SE, v_BK1SE = k_BKSE.to(wide)[:, :, None], v_BKSE.to(wide)[:, :, None]
         grad_BKGTE = grad_BHTE.to(wide).view(b, kv_heads, group, t, e)
