@@ -39,7 +39,7 @@ Where a float result depends on the call and not on the row alone, and what this
   allowed keys compacted in position order and read in fixed blocks (one reduction tree per block, the blocks
   added first to last), and the linears run that module's fixed-tile matmul (no split over I), so neither
   depends on cuBLAS's choice of algorithm. Tested under the Triton interpreter; no GPU has run it yet.
-  The two devices round differently; a run computes on one. The backward is plain attention's.
+  The two devices round differently; a run computes on one. The backward is plain attention's (SDPA's own).
 
 Not covered: a GPU run (the CUDA kernels are tested in the interpreter only); other devices (exact attention
 refuses them); several threads splitting one op (exactness is measured single-threaded,
