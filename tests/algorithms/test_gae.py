@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhfuse.algorithms import compute_gae, compute_gae_loop, compute_gae_matrix
-from rlhfuse.algorithms.gae import compute_gae_numba, compute_gae_scan, numba_available
+from rlhfuse.algorithms.gae import (
+    STEPS_MAX_TOKENS,
+    compute_gae_numba,
+    compute_gae_scan,
+    compute_gae_steps,
+    numba_available,
+)
 
 needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 
@@ -21,6 +27,7 @@ GAE_IMPLEMENTATIONS = [
     pytest.param(compute_gae_scan, id="scan"),
     pytest.param(lambda *a: compute_gae_scan(*a, chunk_size=2), id="scan-chunk2"),
     pytest.param(compute_gae_numba, id="numba", marks=needs_numba),
+    pytest.param(compute_gae_steps, id="steps"),
     pytest.param(compute_gae, id="dispatch"),
 ]
 
@@ -290,18 +297,22 @@ def test_fast_path_handles_non_contiguous_low_precision_and_int_masks(method):
     assert advantages_bf16_BT.dtype == returns_bf16_BT.dtype == torch.bfloat16
 
 
-def test_dispatch_picks_numba_on_cpu_and_the_scan_under_autograd(monkeypatch):
+def test_dispatch_picks_steps_then_numba_on_cpu_and_the_scan_under_autograd(monkeypatch):
     import rlhfuse.algorithms.gae as gae_module
 
     calls = []
-    for name in ("compute_gae_numba", "compute_gae_scan", "compute_gae_matrix"):
+    for name in ("compute_gae_numba", "compute_gae_steps", "compute_gae_scan", "compute_gae_matrix"):
         real = getattr(gae_module, name)
         monkeypatch.setattr(
             gae_module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
         )
-    rewards_BT, values_BT, mask_BT = torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5)
+    long = STEPS_MAX_TOKENS + 1
+    rewards_BT, values_BT, mask_BT = torch.randn(2, long), torch.randn(2, long), torch.ones(2, long)
     compute_gae(rewards_BT, values_BT, mask_BT, 0.9, 0.9)
     assert calls == (["compute_gae_numba"] if numba_available() else ["compute_gae_scan"])
+    calls.clear()
+    compute_gae(rewards_BT[:, :STEPS_MAX_TOKENS], values_BT[:, :STEPS_MAX_TOKENS], mask_BT[:, :-1], 0.9, 0.9)
+    assert calls == ["compute_gae_steps"]
     calls.clear()
     compute_gae(rewards_BT, values_BT.requires_grad_(), mask_BT, 0.9, 0.9)
     assert calls == ["compute_gae_scan"]
@@ -310,6 +321,29 @@ def test_dispatch_picks_numba_on_cpu_and_the_scan_under_autograd(monkeypatch):
     assert calls == ["compute_gae_matrix"]
     with pytest.raises(ValueError, match="method must be one of"):
         compute_gae(rewards_BT, values_BT, mask_BT, 0.9, 0.9, method="fastest")
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_steps_give_the_numba_kernels_bits_without_numba(dtype):
+    """compute_gae_steps is numba's recursion run as batched fp64 steps: the same bits for every mask, γλ and
+    dtype (fp32 rows where numba rounds once from fp64; the twin: the fp32 loop, which accumulates in fp32,
+    does not give them)."""
+    generator = torch.Generator().manual_seed(0)
+    differs = 0
+    for B, T in ((1, 1), (3, 7), (5, 64), (9, 130)):
+        rewards_BT, values_BT = (torch.randn(B, T, generator=generator).to(dtype) * 3 for _ in range(2))
+        mask_BT = torch.rand(B, T, generator=generator) < 0.8
+        rewards_BT, values_BT = _garbage_at_masked(rewards_BT, values_BT, mask_BT)
+        for gamma, lam in ((0.99, 0.95), (1.0, 1.0), (0.9, 0.0), (0.5, 0.5)):
+            expected = compute_gae_numba(rewards_BT, values_BT, mask_BT, gamma, lam)
+            got = compute_gae_steps(rewards_BT, values_BT, mask_BT, gamma, lam)
+            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), (B, T, gamma, lam)
+            assert got[0].dtype == dtype
+            if dtype == torch.float32:
+                loop = compute_gae_loop(rewards_BT, values_BT, mask_BT, gamma, lam)
+                differs += not torch.equal(loop[0], expected[0])
+    assert dtype != torch.float32 or differs > 0
 
 
 def test_scan_chunk_size_must_be_positive():

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         compute_gae_matrix,
         compute_gae_numba,
         compute_gae_scan,
+        compute_gae_steps,
     )
     from rlhfuse.algorithms.kl import kl_estimate, kl_penalty_rewards
     from rlhfuse.algorithms.logits import chosen_logprobs_torch, entropy_from_logits, logprobs_from_logits
@@ -53,6 +54,7 @@ _PUBLIC: dict[str, tuple[str, ...]] = {
         "compute_gae_matrix",
         "compute_gae_numba",
         "compute_gae_scan",
+        "compute_gae_steps",
     ),
     "rlhfuse.algorithms.kl": ("kl_estimate", "kl_penalty_rewards"),
     "rlhfuse.algorithms.logits": ("chosen_logprobs_torch", "entropy_from_logits", "logprobs_from_logits"),
@@ -92,6 +94,7 @@ __all__ = [
     "compute_gae_matrix",
     "compute_gae_numba",
     "compute_gae_scan",
+    "compute_gae_steps",
     "discounted_returns",
     "entropy_from_logits",
     "grpo_advantages",

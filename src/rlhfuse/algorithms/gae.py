@@ -1,5 +1,6 @@
-"""Generalized Advantage Estimation (GAE) with token masks: the reference loop, the same loop compiled by numba,
-a cumulative-sum form (pure PyTorch) and the chunked matrix form; `compute_gae` picks one.
+"""Generalized Advantage Estimation (GAE) with token masks: the reference loop, the same loop compiled by numba
+and run in fp64 step by step (numba's bits without numba), a cumulative-sum form (pure PyTorch) and the chunked
+matrix form; `compute_gae` picks one.
 
 Legend: B batch rows, T time (tokens), N valid tokens of a row after compaction (N ≤ T), C chunk length,
 K chunks, W compacted width (T + 1 or more: a dummy column for masked tokens).
@@ -388,6 +389,27 @@ def _gae_rows(  # pragma: no cover - compiled by numba; the tests run the compil
             returns_BT[row, t] = next_advantage + value if valid else 0.0
 
 
+def compute_gae_steps(
+    rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked GAE as `compute_gae_numba` computes it, bit for bit, without numba: `compute_gae_loop` (one batched
+    step per token, the same operations in the same order) accumulated in fp64 and rounded once to fp32 (fp64
+    for fp64 inputs), then to the inputs' dtype. About 30 us a token on one thread, against numba's import and
+    kernel load of about 0.6 s once per process: `compute_gae`'s choice for short rows. No autograd."""
+    compute_dtype = torch.promote_types(values_BT.dtype, torch.float32)
+    advantages_BT, returns_BT = compute_gae_loop(
+        rewards_BT.detach().to(torch.float64),
+        values_BT.detach().to(torch.float64),
+        mask_BT.detach(),
+        gamma,
+        lam,
+    )
+    return (
+        advantages_BT.to(compute_dtype).to(values_BT.dtype),
+        returns_BT.to(compute_dtype).to(values_BT.dtype),
+    )
+
+
 @functools.cache
 def _compiled_gae_rows() -> Callable[..., None] | None:
     """`_gae_rows` compiled by numba (cached on disk), or None without numba; compiled at the first call."""
@@ -440,7 +462,11 @@ def compute_gae_numba(
     return advantages_BT.to(values_BT.dtype), returns_BT.to(values_BT.dtype)
 
 
-_METHODS = ("auto", "numba", "scan", "matrix")
+_METHODS = ("auto", "numba", "steps", "scan", "matrix")
+STEPS_MAX_TOKENS = 64
+"""Rows of up to this many tokens go to `compute_gae_steps` under method="auto" on the CPU (numba's bits; its
+per-call cost, about 2 ms at 64 tokens here, stays below numba's one-time 0.6 s for any run of a few hundred
+iterations, and a negligible share of an iteration beyond)."""
 
 
 def compute_gae(
@@ -457,9 +483,11 @@ def compute_gae(
     """Masked GAE (eq. 1–3 of this module's docstring); returns (advantages_BT, returns_BT), 0 at masked tokens.
 
     `backend` ("auto", "torch", "triton"; see `rlhfuse.algorithms.ops`) picks the Triton reverse-scan kernel on CUDA. Off
-    that path, `method` picks the implementation: "auto" (default) = `compute_gae_numba` on CPU tensors when numba
-    is installed and no input requires grad, `compute_gae_scan` otherwise; "numba", "scan" or "matrix"
-    (`compute_gae_matrix`, the one-product-per-chunk form, with `chunk_size`) force one.
+    that path, `method` picks the implementation: "auto" (default) = on CPU tensors no input of which requires
+    grad, `compute_gae_steps` for rows of up to STEPS_MAX_TOKENS tokens and `compute_gae_numba` beyond (the same
+    bits; numba is imported only there; the scan without numba), `compute_gae_scan` otherwise; "numba",
+    "steps", "scan" or "matrix" (`compute_gae_matrix`, the one-product-per-chunk form, with `chunk_size`) force
+    one.
     """
     from rlhfuse.algorithms import ops  # deferred: ops imports this module for the reference
 
@@ -472,9 +500,16 @@ def compute_gae(
     if method == "auto":
         on_cpu = all(t.device.type == "cpu" for t in tensors)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        method = "numba" if on_cpu and not needs_grad and numba_available() else "scan"
+        if not on_cpu or needs_grad:
+            method = "scan"
+        elif values_BT.shape[-1] <= STEPS_MAX_TOKENS:
+            method = "steps"
+        else:
+            method = "numba" if numba_available() else "scan"
     if method == "numba":
         return compute_gae_numba(rewards_BT, values_BT, mask_BT, gamma, lam)
+    if method == "steps":
+        return compute_gae_steps(rewards_BT, values_BT, mask_BT, gamma, lam)
     if method == "matrix":
         return compute_gae_matrix(rewards_BT, values_BT, mask_BT, gamma, lam, chunk_size=chunk_size)
     return compute_gae_scan(rewards_BT, values_BT, mask_BT, gamma, lam)
