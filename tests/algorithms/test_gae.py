@@ -151,6 +151,10 @@ def test_masked_positions_may_hold_garbage(gae):
         ({"gamma": 1.5}, "gamma must lie in"),
         ({"lam": -0.1}, "lam must lie in"),
         ({"mask_BT": torch.ones(2, 4)}, "mask_BT shape"),
+        (
+            {"rewards_BT": torch.zeros(()), "values_BT": torch.zeros(()), "mask_BT": torch.ones(())},
+            "must be 2-D",
+        ),
     ],
 )
 def test_invalid_inputs_name_the_problem(kwargs, message):
@@ -161,7 +165,14 @@ def test_invalid_inputs_name_the_problem(kwargs, message):
         "gamma": 0.9,
         "lam": 0.9,
     } | kwargs
-    for gae in (compute_gae_loop, compute_gae_matrix, compute_gae_scan, compute_gae_numba, compute_gae):
+    for gae in (
+        compute_gae_loop,
+        compute_gae_matrix,
+        compute_gae_scan,
+        compute_gae_numba,
+        compute_gae_steps,
+        compute_gae,
+    ):
         with pytest.raises(ValueError, match=message):
             gae(**arguments)
 
@@ -169,7 +180,14 @@ def test_invalid_inputs_name_the_problem(kwargs, message):
 @pytest.mark.parametrize("shape", [(3, 0), (0, 5)])
 def test_empty_batch_or_sequence(shape):
     zeros_BT = torch.zeros(shape)
-    for gae in (compute_gae_loop, compute_gae_matrix, compute_gae_scan, compute_gae_numba, compute_gae):
+    for gae in (
+        compute_gae_loop,
+        compute_gae_matrix,
+        compute_gae_scan,
+        compute_gae_numba,
+        compute_gae_steps,
+        compute_gae,
+    ):
         advantages_BT, returns_BT = gae(zeros_BT, zeros_BT, zeros_BT.bool(), 0.9, 0.9)
         assert advantages_BT.shape == shape and returns_BT.shape == shape
 

@@ -502,7 +502,9 @@ def compute_gae(
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if not on_cpu or needs_grad:
             method = "scan"
-        elif values_BT.shape[-1] <= STEPS_MAX_TOKENS:
+        elif (
+            values_BT.dim() == 2 and values_BT.shape[1] <= STEPS_MAX_TOKENS
+        ):  # other shapes: refused by the one chosen
             method = "steps"
         else:
             method = "numba" if numba_available() else "scan"
