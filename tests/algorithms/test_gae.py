@@ -32,6 +32,17 @@ GAE_IMPLEMENTATIONS = [
 ]
 
 
+EVERY_GAE = (
+    compute_gae_loop,
+    compute_gae_matrix,
+    compute_gae_scan,
+    compute_gae_numba,
+    compute_gae_steps,
+    compute_gae,
+)
+"""Every implementation and the dispatch, each with its defaults: the input checks and empty shapes hold for all."""
+
+
 @pytest.mark.parametrize("gae", GAE_IMPLEMENTATIONS)
 def test_three_token_example_by_hand(gae):
     # γ = 0.9, λ = 0.5, γλ = 0.45; r = [0, 0, 1], V = [0.5, 0.4, 0.3], all valid.
@@ -165,14 +176,7 @@ def test_invalid_inputs_name_the_problem(kwargs, message):
         "gamma": 0.9,
         "lam": 0.9,
     } | kwargs
-    for gae in (
-        compute_gae_loop,
-        compute_gae_matrix,
-        compute_gae_scan,
-        compute_gae_numba,
-        compute_gae_steps,
-        compute_gae,
-    ):
+    for gae in EVERY_GAE:
         with pytest.raises(ValueError, match=message):
             gae(**arguments)
 
@@ -180,14 +184,7 @@ def test_invalid_inputs_name_the_problem(kwargs, message):
 @pytest.mark.parametrize("shape", [(3, 0), (0, 5)])
 def test_empty_batch_or_sequence(shape):
     zeros_BT = torch.zeros(shape)
-    for gae in (
-        compute_gae_loop,
-        compute_gae_matrix,
-        compute_gae_scan,
-        compute_gae_numba,
-        compute_gae_steps,
-        compute_gae,
-    ):
+    for gae in EVERY_GAE:
         advantages_BT, returns_BT = gae(zeros_BT, zeros_BT, zeros_BT.bool(), 0.9, 0.9)
         assert advantages_BT.shape == shape and returns_BT.shape == shape
 
